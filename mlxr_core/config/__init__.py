@@ -1,0 +1,1 @@
+"""Server configuration: schema, strict loading, layering (defaults < file < env < flags)."""

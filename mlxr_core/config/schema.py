@@ -1,0 +1,93 @@
+"""The server config schema (``configs/server.yaml``), as attrs classes with validators.
+
+Strict: the loader (:mod:`mlxr_core.config.loader`) rejects unknown keys, wrong types and bad values,
+naming the key path. Every field has a default except a model's ``path``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+from attrs import validators as v
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _lower(value: str) -> str:
+    return value.lower() if isinstance(value, str) else value
+
+
+@attrs.define
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8000, validator=[v.ge(0), v.le(65535)])
+    log_level: str = attrs.field(default="info", converter=_lower, validator=v.in_(LOG_LEVELS))
+    #: Origins allowed by CORS; empty keeps CORS off.
+    cors_origins: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class ModelConfig:
+    #: A file, a folder, or ``pkg:DISTRIBUTION[/relative/path]``.
+    path: str = attrs.field(validator=v.min_len(1))
+    #: The name clients ask for; defaults to the file's stem.
+    name: str | None = None
+    #: A format plugin's name, or ``auto`` to detect.
+    format: str = "auto"
+    #: An architecture plugin's name, or ``auto`` for the checkpoint's ``model_type``.
+    arch: str = "auto"
+    #: Activation / unquantized-weight dtype; ``auto`` is float32 on CPU, bfloat16 on GPU.
+    dtype: str = attrs.field(default="auto", validator=v.in_(DTYPES))
+    #: Overrides the checkpoint's context length (must be >= 16 when set).
+    context_length: int | None = attrs.field(default=None, validator=v.optional(v.ge(16)))
+    decoder: str = "plain"
+    #: Per-model kernel choices (op -> backend), over the global ``kernels:``.
+    kernels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.define
+class EngineConfig:
+    #: Requests waiting beyond this many are refused with 429.
+    max_queue: int = attrs.field(default=64, validator=v.ge(1))
+    #: Prompt tokens per prefill step; long prompts are prefilled in chunks of this size.
+    prefill_chunk: int = attrs.field(default=512, validator=v.ge(1))
+    max_batch_size: int = attrs.field(default=1, validator=v.ge(1))
+    #: ``max_tokens`` when a request gives none.
+    default_max_tokens: int = attrs.field(default=512, validator=v.ge(1))
+
+
+@attrs.define
+class SamplingConfig:
+    """Defaults for requests that leave a parameter out."""
+
+    temperature: float = attrs.field(default=1.0, validator=[v.ge(0.0), v.le(2.0)])
+    top_p: float = attrs.field(default=1.0, validator=[v.gt(0.0), v.le(1.0)])
+    top_k: int = attrs.field(default=0, validator=v.ge(0))
+    min_p: float = attrs.field(default=0.0, validator=[v.ge(0.0), v.le(1.0)])
+
+
+@attrs.define
+class PluginsConfig:
+    #: Plugin names not to load (essential plugins refuse).
+    disable: list[str] = attrs.field(factory=list)
+    #: Requirement strings that must be installed, e.g. ``"mlxr-foo>=0.3"``.
+    require: list[str] = attrs.field(factory=list)
+    #: Abort when any plugin fails to load (also ``MLXR_STRICT_PLUGINS=1``).
+    strict: bool = False
+    #: ``plugins.config.<plugin name>``: each validated by that plugin's own schema.
+    config: dict[str, dict[str, Any]] = attrs.field(factory=dict)
+
+
+@attrs.define
+class Config:
+    models: list[ModelConfig] = attrs.field(validator=v.min_len(1))
+    server: ServerConfig = attrs.field(factory=ServerConfig)
+    engine: EngineConfig = attrs.field(factory=EngineConfig)
+    sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
+    #: Global kernel choices: op -> backend name or ``auto``.
+    kernels: dict[str, str] = attrs.field(factory=dict)
+    #: API plugins to mount.
+    apis: list[str] = attrs.field(factory=lambda: ["openai"])
+    plugins: PluginsConfig = attrs.field(factory=PluginsConfig)

@@ -1,0 +1,1 @@
+"""The MLX-owning engine: one thread, a request queue, the generation loop."""

@@ -1,0 +1,128 @@
+"""What callers hand the engine and what it streams back."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import attrs
+
+from mlxr_core.errors import MlxrError
+
+
+@attrs.define
+class SamplingParams:
+    """One request's decoding controls. Validated by the API layer; the engine trusts them."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = attrs.field(factory=list)
+    #: Extra parameters owned by sampler plugins (``logit_bias`` ...), by name.
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.define
+class GenerationRequest:
+    """A prompt to continue. ``prompt_ids`` are final: chat templating and tokenization happen
+    in the caller's thread (see :meth:`Engine.encode`) so the engine thread only runs MLX work."""
+
+    model: str
+    prompt_ids: list[int]
+    params: SamplingParams = attrs.field(factory=SamplingParams)
+    #: The decoder to use; None means the model's configured decoder.
+    decoder: str | None = None
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class Delta:
+    """New text (possibly empty while a stop string or a UTF-8 sequence is pending)."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class Finished:
+    """The last event of a successful request. ``reason`` is ``"stop"`` (EOS or stop string),
+    ``"length"`` (``max_tokens``) or ``"cancelled"``."""
+
+    reason: str
+    usage: Usage
+    #: Time to first token and total seconds, for metrics and benchmarks.
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+
+
+@attrs.frozen
+class Failed:
+    """The last event of a failed request."""
+
+    error: MlxrError
+
+
+Event = Delta | Finished | Failed
+
+
+class RequestHandle:
+    """The caller's side of one request: iterate its events (sync or async), or cancel it.
+
+    The engine thread calls :meth:`_emit`; events cross threads through a thread-safe queue and,
+    for async consumers, are handed to the consumer's event loop with ``call_soon_threadsafe``.
+    """
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None):
+        self.request = request
+        self.id = id(self)
+        self._cancelled = threading.Event()
+        self._loop = loop
+        self._async_queue: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
+        self._sync_queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request; it frees the slot and cache within one step."""
+        self._cancelled.set()
+
+    def _emit(self, event: Event) -> None:
+        if self._loop is not None and self._async_queue is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                self._cancelled.set()
+        else:
+            self._sync_queue.put(event)
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self._sync_queue.get()
+            yield event
+            if not isinstance(event, Delta):
+                return
+
+    async def events(self) -> AsyncIterator[Event]:
+        assert self._async_queue is not None, "submit with a loop to consume asynchronously"
+        while True:
+            event = await self._async_queue.get()
+            yield event
+            if not isinstance(event, Delta):
+                return

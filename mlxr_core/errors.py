@@ -1,0 +1,139 @@
+"""The one error tree of mlxr.
+
+Every error a user can cause or meet derives from :class:`MlxrError`. API plugins map them to their
+own wire format through :attr:`MlxrError.status` and :attr:`MlxrError.kind`; the CLI prints them
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class MlxrError(Exception):
+    """Base of every error mlxr raises on purpose."""
+
+    #: HTTP status an API plugin should answer with.
+    status: int = 500
+    #: A short machine-readable kind (OpenAI's ``error.type``).
+    kind: str = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class ConfigError(MlxrError):
+    """A server config (YAML, environment or flag) is invalid; names the key path."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+
+class PluginLoadError(MlxrError):
+    """A plugin could not be imported, registered, or a required plugin is missing."""
+
+
+class RegistryError(MlxrError):
+    """Two plugins claim one name without an explicit override, or a name is unknown."""
+
+
+def close_matches(name: str, available: Iterable[str]) -> str:
+    """Return a "did you mean ...?" suffix, or an empty string."""
+    matches = difflib.get_close_matches(name, list(available), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(matches)}?" if matches else ""
+
+
+class UnknownName(RegistryError):
+    """A name asked of a registry is not registered; lists what is."""
+
+    def __init__(self, what: str, name: str, available: Iterable[str]):
+        available = sorted(available)
+        listing = ", ".join(available) if available else "none"
+        super().__init__(
+            f"unknown {what} {name!r} (available: {listing}){close_matches(name, available)}"
+        )
+        self.name = name
+        self.available = available
+
+
+class UnknownArchitecture(UnknownName):
+    def __init__(self, name: str, available: Iterable[str]):
+        super().__init__("architecture", name, available)
+
+
+class UnsupportedFormat(MlxrError):
+    """No format plugin recognizes a model path."""
+
+
+class MissingDependency(MlxrError):
+    """An optional package is needed; the message names the pip command."""
+
+    def __init__(self, package: str, purpose: str, extra: str | None = None):
+        install = f"pip install 'mlxr[{extra}]'" if extra else f"pip install {package}"
+        super().__init__(f"{purpose} needs the package {package!r}: {install}")
+
+
+class ModelLoadError(MlxrError):
+    """A model file is corrupt or inconsistent; names the file and, where known, the tensor."""
+
+    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
+        where = ""
+        if path:
+            where += f"{path}: "
+        if tensor:
+            where += f"tensor {tensor!r}: "
+        super().__init__(where + message)
+        self.path = path
+        self.tensor = tensor
+
+
+class KernelUnavailable(MlxrError):
+    """An explicitly chosen kernel backend cannot run here; lists the reasons."""
+
+
+class RequestError(MlxrError):
+    """A request is invalid; ``param`` names the offending parameter."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+
+class ModelNotFound(RequestError):
+    status = 404
+    kind = "invalid_request_error"
+
+    def __init__(self, model: str, available: Iterable[str]):
+        available = sorted(available)
+        super().__init__(
+            f"the model {model!r} does not exist (served: {', '.join(available) or 'none'})",
+            param="model",
+            code="model_not_found",
+        )
+
+
+class ContextLengthExceeded(RequestError):
+    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int):
+        super().__init__(
+            f"this model's maximum context length is {context_length} tokens; the prompt has "
+            f"{prompt_tokens} tokens and {max_tokens} more were requested",
+            param="messages",
+            code="context_length_exceeded",
+        )
+
+
+class Overloaded(MlxrError):
+    """The engine's queue is full; retry later."""
+
+    status = 429
+    kind = "rate_limit_error"
+
+
+class EngineStopped(MlxrError):
+    """The engine is shutting down or has stopped."""
+
+    status = 503
+    kind = "server_error"

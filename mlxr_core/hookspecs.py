@@ -1,0 +1,192 @@
+"""Every hook an mlxr plugin can implement.
+
+A plugin is any importable object (usually a module) listed in the ``mlxr`` entry-point group whose
+functions are marked with :data:`mlxr_core.plugins.hookimpl`. Capability hooks receive a
+``register`` callback bound to the calling plugin, so every registered item records which plugin
+provided it. Registration must be cheap: register ``"package.module:attr"`` strings (imported only
+when the item is used) rather than importing MLX, model graphs or kernels at registration time.
+
+Hooks assemble the runtime once. Nothing here is called per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Protocol
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("mlxr")
+
+
+class RegisterName(Protocol):
+    def __call__(self, name: str, target: Any, *, override: bool = False, **meta: Any) -> None: ...
+
+
+class RegisterKernel(Protocol):
+    def __call__(
+        self, op: str, backend: str, target: Any, *, priority: int = 0, override: bool = False
+    ) -> None: ...
+
+
+class RegisterSection(Protocol):
+    def __call__(self, schema: type) -> None: ...
+
+
+@hookspec
+def mlxr_register_formats(register: RegisterName) -> None:
+    """Register checkpoint formats.
+
+    Called once per plugin manager, when the registries are assembled (``mlxr serve``,
+    ``mlxr generate``, ``mlxr plugins`` ...).
+
+    :param register: ``register(name, target, *, override=False)``. ``name`` is the format's
+        name as written in ``models[].format`` (``"gguf"``); ``target`` is a
+        ``"module:attr"`` string or an object implementing
+        :class:`mlxr_core.model.checkpoint.Format` (``detect(path)``, ``load(path, dtype=...)``).
+        A class is instantiated with no arguments on first use. ``override=True`` replaces an
+        item of the same name registered by another plugin; without it a duplicate is an error.
+    :return: nothing; the return value is ignored.
+    """
+
+
+@hookspec
+def mlxr_register_tokenizers(register: RegisterName) -> None:
+    """Register tokenizer backends.
+
+    Called once per plugin manager, when the registries are assembled.
+
+    :param register: ``register(kind, target, *, override=False)``. ``kind`` matches
+        :attr:`mlxr_core.model.checkpoint.TokenizerSpec.kind` as a format plugin writes it
+        (``"gguf"``, ``"hf"`` ...); ``target`` implements
+        :class:`mlxr_core.model.tokenizer.TokenizerBackend`.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_register_archs(register: RegisterName) -> None:
+    """Register model architectures.
+
+    Called once per plugin manager, when the registries are assembled.
+
+    :param register: ``register(model_type, target, *, override=False)``. ``model_type`` is the
+        checkpoint's ``model_type`` (``"llama"``, ``"mistral"``) or the name given in
+        ``models[].arch``; ``target`` implements :class:`mlxr_core.model.arch.Architecture`.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_register_kernels(register: RegisterKernel) -> None:
+    """Register kernel backends for ops (attention, rms_norm, rope, ...).
+
+    Called once per plugin manager, when the registries are assembled.
+
+    :param register: ``register(op, backend, target, *, priority=0, override=False)``. ``op`` is
+        one of :data:`mlxr_core.kernels.OPS`; ``backend`` names this implementation as written in
+        the ``kernels:`` config (``"reference"``, ``"mlx_fast"``); ``target`` implements
+        :class:`mlxr_core.kernels.KernelBackend`. ``auto`` selection tries backends from the highest
+        ``priority`` down and takes the first whose ``supports(ctx)`` returns no reasons.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_register_samplers(register: RegisterName) -> None:
+    """Register logits processors and samplers.
+
+    Called once per plugin manager, when the registries are assembled.
+
+    :param register: ``register(name, target, *, order=0, override=False)``. ``target`` is a
+        factory ``make(params: SamplingParams) -> Callable[[mx.array], mx.array] | None``: given one
+        request's sampling parameters it returns a logits processor (``[V] logits -> [V] logits``)
+        or ``None`` when the request does not use it. Processors run in ascending ``order``; the
+        chain is built once per request, never per token.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_register_decoders(register: RegisterName) -> None:
+    """Register decoding strategies (plain autoregressive, speculative, ...).
+
+    Called once per plugin manager, when the registries are assembled.
+
+    :param register: ``register(name, target, *, override=False)``. ``name`` is what
+        ``models[].decoder`` names; ``target`` implements :class:`mlxr_core.engine.decoding.Decoder`.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_register_apis(register: RegisterName) -> None:
+    """Register HTTP frontends.
+
+    Called once per plugin manager, when the registries are assembled.
+
+    :param register: ``register(name, target, *, override=False)``. ``name`` is what ``apis:``
+        lists (``"openai"``); ``target`` is a factory ``make(ctx: ServerContext) -> litestar.Router``
+        (see :class:`mlxr_core.server.ServerContext`) called once when the server starts.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_register_commands(cli: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add ``mlxr`` subcommands.
+
+    Called once when the ``mlxr`` command line is built, before arguments are parsed.
+
+    :param cli: the argparse sub-parsers of ``mlxr``: ``p = cli.add_parser("name", help=...)``, add
+        arguments, then ``p.set_defaults(handler=fn)`` where ``fn(args) -> int`` is the exit code.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_config_sections(register: RegisterSection) -> None:
+    """Declare the schema of this plugin's own config section, ``plugins.config.<plugin name>``.
+
+    Called once per plugin manager, when the registries are assembled and before the config's
+    plugin sections are validated.
+
+    :param register: ``register(schema)`` where ``schema`` is an attrs class; the section is
+        structured into it strictly (unknown keys, wrong types and bad values name the key path).
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_model_loaded(name: str, model: Any) -> None:
+    """Observe a model that finished loading.
+
+    Called once per served model, on the engine thread, after its weights are loaded.
+
+    :param name: the served model's name.
+    :param model: the :class:`mlxr_core.model.loader.LoadedModel`. Do not run MLX work on it from
+        another thread.
+    :return: nothing. An exception is logged and ignored.
+    """
+
+
+@hookspec
+def mlxr_engine_started(engine: Any) -> None:
+    """Observe the engine start.
+
+    Called once, after the engine thread has loaded every model and accepts requests.
+
+    :param engine: the :class:`mlxr_core.engine.engine.Engine`.
+    :return: nothing. An exception is logged and ignored.
+    """
+
+
+@hookspec
+def mlxr_engine_stopping(engine: Any) -> None:
+    """Observe the engine stop.
+
+    Called once, when shutdown begins and before queued requests are drained or cancelled.
+
+    :param engine: the :class:`mlxr_core.engine.engine.Engine`.
+    :return: nothing. An exception is logged and ignored.
+    """

@@ -1,0 +1,130 @@
+"""Kernel selection: (op, backend) implementations chosen per model, validated with reasons.
+
+A kernel backend is an object with a ``supports(ctx)`` method returning the list of reasons it
+cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's signature:
+
+- ``attention(q, k, v, *, scale, mask)``: q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, mask
+  ``None | "causal" | mx.array`` (additive or boolean, broadcastable to ``[B, Hq, L, S]``); GQA when
+  ``Hq`` is a multiple of ``Hkv``. Returns ``[B, Hq, L, D]``. Same contract as
+  ``mx.fast.scaled_dot_product_attention``.
+- ``rms_norm(x, weight, eps)``: as ``mx.fast.rms_norm``.
+- ``rope(x, dims, *, traditional, base, scale, offset, freqs=None)``: as ``mx.fast.rope``.
+
+Selection happens once per model, never in the token loop: :func:`bind_kernels` resolves every op
+to a plain callable and returns a :class:`KernelSet`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+from mlxr_core.errors import KernelUnavailable, UnknownName
+
+if TYPE_CHECKING:
+    from mlxr_core.registry import Registry
+
+log = logging.getLogger(__name__)
+
+#: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
+OPS = ("attention", "rms_norm", "rope")
+
+
+@attrs.frozen
+class KernelContext:
+    """What a backend needs to know to say whether it can run."""
+
+    op: str
+    device: str  # "cpu" or "gpu"
+    platform: str  # "metal", "cuda" or "cpu"
+    dtype: str  # activation dtype, e.g. "float32"
+    shapes: Mapping[str, Any] = attrs.field(factory=dict)  # head_dim, n_heads, n_kv_heads, ...
+
+
+class KernelBackend(Protocol):
+    op: Callable[..., Any]
+
+    def supports(self, ctx: KernelContext) -> list[str]:
+        """Reasons this backend cannot run in ``ctx``; empty when it can."""
+        ...
+
+
+@attrs.frozen
+class KernelSet:
+    """The resolved kernels of one model: plain callables, looked up once."""
+
+    attention: Callable[..., Any]
+    rms_norm: Callable[..., Any]
+    rope: Callable[..., Any]
+    #: op -> backend name, for logs and ``mlxr info``.
+    chosen: Mapping[str, str] = attrs.field(factory=dict)
+
+
+def current_platform() -> tuple[str, str]:
+    """(device, platform) of MLX's default device: ("gpu", "metal"|"cuda") or ("cpu", "cpu")."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.gpu:
+        if mx.metal.is_available():
+            return "gpu", "metal"
+        return "gpu", "cuda"
+    return "cpu", "cpu"
+
+
+def backends_for(registry: Registry, op: str) -> list[tuple[str, int]]:
+    """(backend, priority) registered for ``op``, highest priority first."""
+    found = []
+    for name in registry.names():
+        entry_op, _, backend = name.partition(":")
+        if entry_op == op:
+            found.append((backend, int(registry.entry(name).meta.get("priority", 0))))
+    return sorted(found, key=lambda item: -item[1])
+
+
+def select_kernel(registry: Registry, ctx: KernelContext, choice: str = "auto") -> tuple[str, Any]:
+    """Pick the backend for ``ctx.op``: the named one (validated) or the first supported by priority."""
+    candidates = backends_for(registry, ctx.op)
+    if choice != "auto":
+        if choice not in {name for name, _ in candidates}:
+            raise UnknownName(f"{ctx.op} kernel backend", choice, [name for name, _ in candidates])
+        backend = registry.get(f"{ctx.op}:{choice}")
+        reasons = backend.supports(ctx)
+        if reasons:
+            raise KernelUnavailable(
+                f"kernels.{ctx.op}: backend {choice!r} cannot run here: " + "; ".join(reasons)
+            )
+        return choice, backend
+    rejected = []
+    for name, _ in candidates:
+        backend = registry.get(f"{ctx.op}:{name}")
+        reasons = backend.supports(ctx)
+        if not reasons:
+            log.debug("kernel %s: auto chose %s", ctx.op, name)
+            return name, backend
+        rejected.append(f"{name}: {'; '.join(reasons)}")
+    raise KernelUnavailable(
+        f"no kernel backend for {ctx.op} can run here ({' | '.join(rejected) or 'none registered'})"
+    )
+
+
+def bind_kernels(
+    registry: Registry,
+    *,
+    dtype: str,
+    shapes: Mapping[str, Any],
+    choices: Mapping[str, str] | None = None,
+) -> KernelSet:
+    """Resolve every op in :data:`OPS` for one model."""
+    device, platform = current_platform()
+    choices = choices or {}
+    chosen: dict[str, str] = {}
+    ops: dict[str, Callable[..., Any]] = {}
+    for op in OPS:
+        ctx = KernelContext(op=op, device=device, platform=platform, dtype=dtype, shapes=shapes)
+        name, backend = select_kernel(registry, ctx, choices.get(op, "auto"))
+        chosen[op] = name
+        ops[op] = backend.op
+    return KernelSet(chosen=chosen, **ops)

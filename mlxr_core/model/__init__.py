@@ -1,0 +1,1 @@
+"""Checkpoints, tokenizers, KV caches and the loading pipeline."""

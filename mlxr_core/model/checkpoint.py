@@ -1,0 +1,70 @@
+"""The neutral hand-off between a format plugin and an architecture plugin.
+
+A format plugin reads files and produces a :class:`Checkpoint`: a tolerant config dict in Hugging Face
+naming (``model_type``, ``hidden_size``, ``num_attention_heads`` ...), weights already named as the
+architecture expects them (Hugging Face / mlx-lm names such as ``model.layers.0.self_attn.q_proj.weight``),
+the quantization of each packed tensor, a tokenizer spec and the chat template. The architecture
+never sees a file format.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+
+@attrs.frozen
+class QuantSpec:
+    """MLX affine quantization of one module: ``w = scales * q + biases`` per group."""
+
+    bits: int
+    group_size: int
+    mode: str = "affine"
+
+
+@attrs.define
+class TokenizerSpec:
+    """What a tokenizer backend needs to build a tokenizer.
+
+    ``kind`` selects the backend in the tokenizer registry (``"gguf"``, ``"hf"`` ...); ``data`` is
+    whatever that backend needs (for GGUF: the ``tokenizer.ggml.*`` metadata; for HF: file paths).
+    """
+
+    kind: str
+    data: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.define
+class Checkpoint:
+    """A loaded checkpoint, ready for an architecture to build a model around it."""
+
+    path: Path
+    format: str
+    config: dict[str, Any]
+    weights: dict[str, mx.array]
+    #: module path (``model.layers.0.mlp.up_proj``) -> how its ``weight``/``scales``/``biases`` are packed.
+    quantization: dict[str, QuantSpec] = attrs.field(factory=dict)
+    tokenizer: TokenizerSpec | None = None
+    chat_template: str | None = None
+    #: Anything else worth reporting (file type, per-type tensor counts, ...).
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+
+
+class Format(Protocol):
+    """A checkpoint format, registered through ``mlxr_register_formats``."""
+
+    #: Registry name, e.g. ``"gguf"``.
+    name: str
+
+    def detect(self, path: Path) -> bool:
+        """Return True if ``path`` (a file or a folder) is in this format. Must be cheap."""
+        ...
+
+    def load(self, path: Path, *, dtype: str = "float32") -> Checkpoint:
+        """Read ``path`` into a :class:`Checkpoint`; raise ModelLoadError naming file and tensor."""
+        ...

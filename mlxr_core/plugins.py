@@ -1,0 +1,265 @@
+"""Plugin discovery and assembly.
+
+:func:`load_plugins` builds a fresh pluggy manager (there is no module-level one), imports each
+entry point of the ``mlxr`` group on its own, then calls every registration hook one plugin at a
+time with a ``register`` callback bound to that plugin. A plugin that fails to import or raises while
+registering is recorded as failed, its partial registrations are rolled back, and every other plugin
+keeps working; with ``strict`` (``MLXR_STRICT_PLUGINS=1``) the first failure raises instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import pluggy
+from importlib_metadata import entry_points
+from packaging.requirements import InvalidRequirement, Requirement
+
+from mlxr_core import hookspecs
+from mlxr_core.errors import PluginLoadError
+from mlxr_core.registry import Registry
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "mlxr"
+hookimpl = pluggy.HookimplMarker("mlxr")
+
+#: Registries filled by the capability hooks, by hook name.
+CAPABILITY_HOOKS = {
+    "mlxr_register_formats": "formats",
+    "mlxr_register_tokenizers": "tokenizers",
+    "mlxr_register_archs": "archs",
+    "mlxr_register_kernels": "kernels",
+    "mlxr_register_samplers": "samplers",
+    "mlxr_register_decoders": "decoders",
+    "mlxr_register_apis": "apis",
+}
+
+
+@attrs.define
+class PluginInfo:
+    """What ``mlxr plugins`` reports about one plugin."""
+
+    name: str
+    distribution: str | None = None
+    version: str | None = None
+    module: str | None = None
+    state: str = "ok"  # ok | failed | disabled
+    essential: bool = False
+    error: str | None = None
+    traceback: str | None = None
+    provides: dict[str, list[str]] = attrs.field(factory=dict)
+
+
+@attrs.define
+class Registries:
+    formats: Registry = attrs.field(factory=lambda: Registry("format"))
+    tokenizers: Registry = attrs.field(factory=lambda: Registry("tokenizer"))
+    archs: Registry = attrs.field(factory=lambda: Registry("architecture"))
+    kernels: Registry = attrs.field(factory=lambda: Registry("kernel"))
+    samplers: Registry = attrs.field(factory=lambda: Registry("sampler"))
+    decoders: Registry = attrs.field(factory=lambda: Registry("decoder"))
+    apis: Registry = attrs.field(factory=lambda: Registry("api"))
+    #: plugin name -> attrs class of its ``plugins.config.<name>`` section.
+    config_sections: dict[str, type] = attrs.field(factory=dict)
+
+    def all(self) -> dict[str, Registry]:
+        return {name: getattr(self, name) for name in CAPABILITY_HOOKS.values()}
+
+
+@attrs.define
+class PluginHost:
+    """A loaded plugin set: the pluggy manager, plugin states and the filled registries."""
+
+    manager: pluggy.PluginManager
+    plugins: dict[str, PluginInfo]
+    registries: Registries
+
+    @property
+    def failed(self) -> list[PluginInfo]:
+        return [info for info in self.plugins.values() if info.state == "failed"]
+
+    def notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call an observe-only lifecycle hook; an implementation that raises is logged and skipped."""
+        hook = getattr(self.manager.hook, hook_name)
+        for impl in hook.get_hookimpls():
+            try:
+                impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
+            except Exception:
+                log.exception("plugin %s raised in %s; ignored", impl.plugin_name, hook_name)
+
+
+def env_list(name: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, "").split(",") if item.strip()]
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def check_requirements(requirements: Iterable[str]) -> None:
+    """Fail fast unless every ``"dist>=x"`` in ``requirements`` is installed at a matching version."""
+    from importlib_metadata import PackageNotFoundError, version
+
+    problems = []
+    for text in requirements:
+        try:
+            req = Requirement(text)
+        except InvalidRequirement as exc:
+            problems.append(f"{text!r} is not a valid requirement ({exc})")
+            continue
+        try:
+            found = version(req.name)
+        except PackageNotFoundError:
+            problems.append(f"{req} is required but {req.name} is not installed")
+            continue
+        if req.specifier and not req.specifier.contains(found, prereleases=True):
+            problems.append(f"{req} is required but {req.name} {found} is installed")
+    if problems:
+        raise PluginLoadError("plugins.require: " + "; ".join(problems))
+
+
+def load_plugins(
+    *,
+    disable: Sequence[str] = (),
+    strict: bool | None = None,
+    require: Sequence[str] = (),
+    extra: Iterable[tuple[str, object]] = (),
+    discover: bool = True,
+) -> PluginHost:
+    """Discover, load and assemble plugins.
+
+    :param disable: plugin names not to load (``MLXR_DISABLE_PLUGINS`` adds to it). An essential
+        plugin (one whose module sets ``MLXR_ESSENTIAL = True``) cannot be disabled.
+    :param strict: raise on the first failed plugin; defaults to ``MLXR_STRICT_PLUGINS``.
+    :param require: requirement strings (``"mlxr-foo>=0.3"``) checked before anything loads.
+    :param extra: ``(name, plugin object)`` pairs registered besides the entry points (tests, embedding).
+    :param discover: read the ``mlxr`` entry-point group (False: only ``extra``).
+    """
+    if strict is None:
+        strict = env_flag("MLXR_STRICT_PLUGINS")
+    check_requirements(require)
+    disabled = set(disable) | set(env_list("MLXR_DISABLE_PLUGINS"))
+
+    manager = pluggy.PluginManager("mlxr")
+    manager.add_hookspecs(hookspecs)
+    plugins: dict[str, PluginInfo] = {}
+
+    def fail(info: PluginInfo, what: str, exc: BaseException) -> None:
+        info.state = "failed"
+        info.error = f"{what}: {type(exc).__name__}: {exc}"
+        info.traceback = "".join(traceback.format_exception(exc))
+        log.warning("plugin %s failed (%s)", info.name, info.error)
+        if strict:
+            raise PluginLoadError(f"plugin {info.name!r} failed: {info.error}") from exc
+
+    candidates: list[tuple[PluginInfo, Callable[[], object]]] = []
+    if discover:
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in plugins:
+                continue  # the same distribution seen twice on sys.path
+            dist = ep.dist
+            info = PluginInfo(
+                name=ep.name,
+                distribution=dist.metadata["Name"] if dist else None,
+                version=dist.version if dist else None,
+                module=ep.value,
+            )
+            plugins[ep.name] = info
+            candidates.append((info, ep.load))
+    for name, obj in extra:
+        info = PluginInfo(name=name, module=getattr(obj, "__name__", repr(obj)))
+        plugins[name] = info
+        candidates.append((info, lambda obj=obj: obj))
+
+    for info, load in candidates:
+        try:
+            obj = load()
+        except Exception as exc:
+            fail(info, "import failed", exc)
+            continue
+        info.essential = bool(getattr(obj, "MLXR_ESSENTIAL", False))
+        if info.name in disabled:
+            if info.essential:
+                log.warning("plugin %s is essential and cannot be disabled", info.name)
+            else:
+                info.state = "disabled"
+                continue
+        try:
+            manager.register(obj, name=info.name)
+        except Exception as exc:
+            fail(info, "registration with pluggy failed", exc)
+
+    registries = Registries()
+    for info in plugins.values():
+        if info.state == "ok":
+            _collect(manager, info, registries, fail)
+
+    unknown = disabled - set(plugins)
+    if unknown:
+        log.warning("cannot disable unknown plugin(s): %s", ", ".join(sorted(unknown)))
+    return PluginHost(manager=manager, plugins=plugins, registries=registries)
+
+
+def _collect(
+    manager: pluggy.PluginManager,
+    info: PluginInfo,
+    registries: Registries,
+    fail: Callable[[PluginInfo, str, BaseException], None],
+) -> None:
+    """Run one plugin's registration hooks; on error roll back what it registered."""
+    plugin = manager.get_plugin(info.name)
+    for hook_name, kind in CAPABILITY_HOOKS.items():
+        registry = getattr(registries, kind)
+        impl = _impl_of(manager, hook_name, plugin)
+        if impl is None:
+            continue
+        if kind == "kernels":
+
+            def register(
+                op: str, backend: str, target: Any, *, priority: int = 0, override: bool = False,
+                _registry: Registry = registry,
+            ) -> None:
+                _registry.add(
+                    f"{op}:{backend}", target, plugin=info.name, override=override, priority=priority
+                )
+        else:
+
+            def register(  # type: ignore[misc]
+                name: str, target: Any, *, override: bool = False, _registry: Registry = registry,
+                **meta: Any,
+            ) -> None:
+                _registry.add(name, target, plugin=info.name, override=override, **meta)
+
+        try:
+            impl(register=register)
+        except Exception as exc:
+            for reg in registries.all().values():
+                reg.remove_plugin(info.name)
+            registries.config_sections.pop(info.name, None)
+            fail(info, f"{hook_name} raised", exc)
+            return
+        provided = registry.by_plugin(info.name)
+        if provided:
+            info.provides[kind] = provided
+
+    impl = _impl_of(manager, "mlxr_config_sections", plugin)
+    if impl is not None:
+        try:
+            impl(register=lambda schema: registries.config_sections.__setitem__(info.name, schema))
+        except Exception as exc:
+            for reg in registries.all().values():
+                reg.remove_plugin(info.name)
+            fail(info, "mlxr_config_sections raised", exc)
+
+
+def _impl_of(manager: pluggy.PluginManager, hook_name: str, plugin: object) -> Callable[..., Any] | None:
+    for impl in getattr(manager.hook, hook_name).get_hookimpls():
+        if impl.plugin is plugin:
+            return impl.function
+    return None
