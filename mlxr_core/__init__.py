@@ -11,4 +11,11 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0.0.0+unknown"
 
+
+# MLX's Linux CPU wheel bundles a reference BLAS; preloading OpenBLAS before anything imports
+# mlx.core makes CPU matmuls ~25x faster. A no-op elsewhere and when MLX is already imported.
+from mlxr_core.blas import ensure_fast_blas  # noqa: E402
+
+ensure_fast_blas()
+
 __all__ = ["__version__"]

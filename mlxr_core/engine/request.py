@@ -17,7 +17,8 @@ from mlxr_core.errors import MlxrError
 class SamplingParams:
     """One request's decoding controls. Validated by the API layer; the engine trusts them."""
 
-    max_tokens: int = 256
+    #: None: up to ``engine.default_max_tokens``, clamped to the context left after the prompt.
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0: off

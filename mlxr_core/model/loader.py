@@ -1,0 +1,158 @@
+"""The loading pipeline: model config -> checkpoint -> architecture -> kernels -> weights.
+
+Runs on the engine thread (it creates MLX arrays). Every step that can fail raises an
+:class:`~mlxr_core.errors.MlxrError` saying which file, tensor, plugin or key was at fault.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlxr_core.errors import ModelLoadError, UnknownArchitecture, UnsupportedFormat
+from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
+from mlxr_core.model.arch import Architecture
+from mlxr_core.model.checkpoint import Checkpoint, Format
+from mlxr_core.model.paths import resolve_model_path
+from mlxr_core.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.plugins import Registries
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+@attrs.define
+class LoadedModel:
+    """A model ready to run: the module, its tokenizer and how to make its caches."""
+
+    name: str
+    model: nn.Module
+    tokenizer: Tokenizer
+    arch: Architecture
+    config: dict[str, Any]
+    context_length: int
+    kernels: KernelSet
+    dtype: str
+    path: Path
+    format: str
+    decoder: str = "plain"
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+    created: int = attrs.field(factory=lambda: int(time.time()))
+
+    def make_cache(self) -> list[Any]:
+        return self.arch.make_cache(self.model)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+def default_dtype() -> str:
+    """float32 on CPU (float16 matmuls are pathologically slow there), bfloat16 on a GPU."""
+    device, _ = current_platform()
+    return "bfloat16" if device == "gpu" else "float32"
+
+
+def pick_format(path: Path, registries: Registries, choice: str = "auto") -> tuple[str, Format]:
+    """The format plugin named by ``choice``, or the first whose ``detect`` accepts ``path``."""
+    if choice != "auto":
+        return choice, registries.formats.get(choice)
+    for name in registries.formats.names():
+        fmt = registries.formats.get(name)
+        if fmt.detect(path):
+            return name, fmt
+    raise UnsupportedFormat(
+        f"{path}: no format plugin recognizes this model "
+        f"(installed formats: {', '.join(registries.formats.names()) or 'none'})"
+    )
+
+
+def pick_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "auto") -> Architecture:
+    name = checkpoint.config.get("model_type") if choice == "auto" else choice
+    if not name:
+        raise ModelLoadError("the checkpoint names no model_type; set models[].arch", path=str(checkpoint.path))
+    if name not in registries.archs:
+        raise UnknownArchitecture(name, registries.archs.names())
+    arch: Architecture = registries.archs.get(name)
+    return arch
+
+
+def load_model(
+    model_config: ModelConfig,
+    registries: Registries,
+    *,
+    kernel_choices: Mapping[str, str] | None = None,
+) -> LoadedModel:
+    """Load one configured model. ``kernel_choices`` are the global ``kernels:``; the model's
+    own ``kernels:`` take precedence."""
+    started = time.perf_counter()
+    path = resolve_model_path(model_config.path)
+    format_name, fmt = pick_format(path, registries, model_config.format)
+    dtype = default_dtype() if model_config.dtype == "auto" else model_config.dtype
+    checkpoint = fmt.load(path, dtype=dtype)
+    arch = pick_arch(checkpoint, registries, model_config.arch)
+    config = checkpoint.config
+
+    if checkpoint.tokenizer is None:
+        raise ModelLoadError("the checkpoint carries no tokenizer", path=str(path))
+    backend = registries.tokenizers.get(checkpoint.tokenizer.kind)
+    tokenizer = backend.build(checkpoint.tokenizer.data, chat_template=checkpoint.chat_template)
+
+    choices = {**(kernel_choices or {}), **model_config.kernels}
+    kernels = bind_kernels(
+        registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices
+    )
+    model = arch.build(config, kernels)
+    weights = arch.sanitize(checkpoint.weights, config)
+    quantization = checkpoint.quantization
+    if quantization:
+
+        def predicate(module_path: str, module: nn.Module) -> bool | dict[str, Any]:
+            spec = quantization.get(module_path)
+            if spec is None or not hasattr(module, "to_quantized"):
+                return False
+            return {"group_size": spec.group_size, "bits": spec.bits, "mode": spec.mode}
+
+        nn.quantize(model, class_predicate=predicate)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ModelLoadError(f"weights do not fit the {config.get('model_type')} graph: {exc}", path=str(path)) from exc
+    mx.eval(model.parameters())
+    model.eval()
+
+    context_length = model_config.context_length or arch.context_length(config)
+    name = model_config.name or path.stem
+    loaded = LoadedModel(
+        name=name,
+        model=model,
+        tokenizer=tokenizer,
+        arch=arch,
+        config=config,
+        context_length=context_length,
+        kernels=kernels,
+        dtype=dtype,
+        path=path,
+        format=format_name,
+        decoder=model_config.decoder,
+        metadata=checkpoint.metadata,
+    )
+    log.info(
+        "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s",
+        name, format_name, config.get("model_type"), dtype, time.perf_counter() - started,
+        loaded.nbytes / 1e6, context_length,
+        ", ".join(f"{op}={backend}" for op, backend in kernels.chosen.items()),
+    )
+    return loaded
