@@ -9,6 +9,7 @@ keeps working; with ``strict`` (``MLXR_STRICT_PLUGINS=1``) the first failure rai
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import traceback
@@ -175,7 +176,7 @@ def load_plugins(
     for name, obj in extra:
         info = PluginInfo(name=name, module=getattr(obj, "__name__", repr(obj)))
         plugins[name] = info
-        candidates.append((info, lambda obj=obj: obj))
+        candidates.append((info, functools.partial(_identity, obj)))
 
     for info, load in candidates:
         try:
@@ -222,7 +223,12 @@ def _collect(
         if kind == "kernels":
 
             def register(
-                op: str, backend: str, target: Any, *, priority: int = 0, override: bool = False,
+                op: str,
+                backend: str,
+                target: Any,
+                *,
+                priority: int = 0,
+                override: bool = False,
                 _registry: Registry = registry,
             ) -> None:
                 _registry.add(
@@ -251,11 +257,19 @@ def _collect(
     impl = _impl_of(manager, "mlxr_config_sections", plugin)
     if impl is not None:
         try:
-            impl(register=lambda schema: registries.config_sections.__setitem__(info.name, schema))
+
+            def register_section(schema: type) -> None:
+                registries.config_sections[info.name] = schema
+
+            impl(register=register_section)
         except Exception as exc:
             for reg in registries.all().values():
                 reg.remove_plugin(info.name)
             fail(info, "mlxr_config_sections raised", exc)
+
+
+def _identity(obj: object) -> object:
+    return obj
 
 
 def _impl_of(manager: pluggy.PluginManager, hook_name: str, plugin: object) -> Callable[..., Any] | None:

@@ -56,7 +56,7 @@ class LoadedModel:
 
     @property
     def nbytes(self) -> int:
-        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+        return sum(array.nbytes for _, array in tree_flatten(self.model.parameters()))  # type: ignore[misc,union-attr,str-unpack]
 
 
 def default_dtype() -> str:

@@ -1,0 +1,1 @@
+"""Test helpers for mlxr and third-party plugins."""

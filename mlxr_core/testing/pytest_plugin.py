@@ -1,0 +1,1 @@
+"""pytest fixtures for mlxr and its plugins."""
