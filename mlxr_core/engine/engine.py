@@ -228,7 +228,8 @@ class Engine:
         sampler = make_sampler(params, registries.samplers)
         detokenizer = StreamingDetokenizer(loaded.tokenizer)
         stops = StopMatcher(params.stop)
-        eos = loaded.tokenizer.eos_token_ids
+        # Benchmarks generate a fixed number of tokens whatever the model says.
+        eos = frozenset() if params.extra.get("ignore_eos") else loaded.tokenizer.eos_token_ids
         cache = loaded.make_cache()
         started = time.perf_counter()
         first_token_at = 0.0

@@ -1,0 +1,1 @@
+"""Format plugins: checkpoint files to a neutral Checkpoint."""
