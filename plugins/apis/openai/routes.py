@@ -1,0 +1,281 @@
+"""The OpenAI-compatible routes: chat completions, completions and models under ``/v1``.
+
+A handler decodes its body strictly (:func:`~mlxr_plugins.apis.openai.errors.decode_body`), turns
+it into :class:`~mlxr_core.engine.request.SamplingParams`, tokenizes in a worker thread (chat
+templates and BPE are pure Python and must not stall the event loop), submits to the engine and
+reads the request's events back, as one JSON body or as server-sent events.
+
+A client that goes away cancels its request: the SSE generator cancels in ``finally`` (litestar#3772:
+Litestar only stops iterating, the producer must stop itself), the response's background task
+cancels again in case the generator was parked at a ``yield``, and a non-streaming handler watches
+the connection while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import msgspec
+from litestar import Request, Response, Router, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.response import Stream
+from mlxr_plugins.apis.openai import schemas as s
+from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS, decode_body, error_body
+
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.request import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestHandle,
+    SamplingParams,
+)
+from mlxr_core.engine.request import Usage as EngineUsage
+from mlxr_core.errors import ContextLengthExceeded, EngineStopped, MlxrError, RequestError
+from mlxr_core.server import ServerContext
+
+#: Stop strings: OpenAI allows 4; more are accepted up to these limits.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+#: Chat roles a template may see; ``developer`` is OpenAI's new name for ``system``.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+#: OpenAI parameters honoured only when a sampler plugin registers a sampler of the same name.
+SAMPLER_OWNED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DONE = b"data: [DONE]\n\n"
+
+
+def make_router(ctx: ServerContext) -> Router:
+    """The OpenAI API as a Litestar router (the ``openai`` entry of ``apis:``)."""
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_chat_completion(ctx, request)
+
+    @post("/completions", status_code=200)
+    async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_completion(ctx, request)
+
+    @get("/models", sync_to_thread=False)
+    def models() -> Response[Any]:
+        engine = ready_engine(ctx)
+        return _json(s.ModelList([_card(info) for _, info in sorted(engine.models.items())]))
+
+    @get("/models/{model_id:path}", sync_to_thread=False)
+    def model(request: Request[Any, Any, Any]) -> Response[Any]:
+        # Model names may contain slashes; a path parameter arrives with a leading one.
+        name = str(request.path_params["model_id"]).lstrip("/")
+        return _json(_card(ready_engine(ctx).model(name)))
+
+    return Router(
+        path="/v1",
+        route_handlers=[chat_completions, completions, models, model],
+        exception_handlers=EXCEPTION_HANDLERS,
+        tags=["openai"],
+    )
+
+
+async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+    """``POST /v1/chat/completions``."""
+    body = decode_body(await request.body(), s.ChatCompletionRequest)
+    _refuse_unsupported_chat(body)
+    messages = chat_messages(body.messages)
+    params = sampling_params(body, ctx, max_tokens=body.max_completion_tokens or body.max_tokens)
+    engine = ready_engine(ctx)
+    engine.model(body.model)  # an unknown model is a 404 before any templating
+    prompt_ids = await anyio.to_thread.run_sync(functools.partial(engine.encode_chat, body.model, messages))
+    handle = engine.submit(
+        GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params),
+        loop=asyncio.get_running_loop(),
+    )
+    meta = _Meta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(handle, _ChatChunks(meta, include_usage))
+    text, finished = await collect(handle, request)
+    choice = s.ChatChoice(0, s.AssistantMessage(content=text), finished.reason)
+    return _json(s.ChatCompletion(meta.id, meta.created, meta.model, [choice], _usage(finished.usage)))
+
+
+async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+    """``POST /v1/completions``."""
+    body = decode_body(await request.body(), s.CompletionRequest)
+    _refuse_unsupported_completion(body)
+    prompt = completion_prompt(body.prompt)
+    params = sampling_params(body, ctx, max_tokens=body.max_tokens)
+    engine = ready_engine(ctx)
+    info = engine.model(body.model)
+    if isinstance(prompt, str):
+        prompt_ids = await anyio.to_thread.run_sync(functools.partial(engine.encode, body.model, prompt))
+    else:
+        vocab = info.tokenizer.vocab_size
+        if any(not 0 <= token < vocab for token in prompt):
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        prompt_ids = prompt
+    try:
+        handle = engine.submit(
+            GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params),
+            loop=asyncio.get_running_loop(),
+        )
+    except ContextLengthExceeded as exc:
+        exc.param = "prompt"
+        raise
+    meta = _Meta(f"cmpl-{uuid.uuid4().hex}", body.model)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(handle, _CompletionChunks(meta, include_usage))
+    text, finished = await collect(handle, request)
+    choice = s.CompletionChoice(0, text, finished.reason)
+    return _json(s.Completion(meta.id, meta.created, meta.model, [choice], usage=_usage(finished.usage)))
+
+
+# -- request -> engine -----------------------------------------------------------------------
+
+
+def ready_engine(ctx: ServerContext) -> Engine:
+    """The engine, or a 503 while it loads, failed or stops."""
+    engine = ctx.engine
+    state = engine.state
+    if state == "ready":
+        return engine
+    if state in ("created", "loading"):
+        raise EngineStopped("the model is still loading; retry shortly")
+    if state == "failed":
+        raise EngineStopped(f"the model failed to load: {engine.error}")
+    raise EngineStopped("the server is shutting down")
+
+
+def chat_messages(messages: list[s.ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages as the plain dicts a chat template renders (text content only)."""
+    if not messages:
+        raise RequestError("messages must hold at least one message", param="messages")
+    rendered = []
+    for i, message in enumerate(messages):
+        role = ROLES.get(message.role)
+        if role is None:
+            raise RequestError(
+                f"unsupported role {message.role!r}; expected one of {', '.join(ROLES)}",
+                param=f"messages[{i}].role",
+            )
+        content = message.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise RequestError(
+                        f"content parts of type {part.type!r} are not supported; send text parts",
+                        param=f"messages[{i}].content[{j}]",
+                    )
+                texts.append(part.text)
+            text = "\n".join(texts)
+        rendered.append({"role": role, "content": text})
+    return rendered
+
+
+def completion_prompt(prompt: str | list[Any]) -> str | list[int]:
+    """The one prompt of a completion request: text, or token ids."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if prompt and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
+        return list(prompt)
+    if len(prompt) > 1 and all(isinstance(item, (str, list)) for item in prompt):
+        raise RequestError("batched prompts are not supported; send one prompt per request", param="prompt")
+    raise RequestError(
+        "prompt must be a string, a list of one string, or a list of token ids", param="prompt"
+    )
+
+
+def sampling_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | None) -> SamplingParams:
+    """Validate what the schema cannot, and fill the request's gaps from ``sampling:``."""
+    if body.n is not None and body.n != 1:
+        raise RequestError(f"only n=1 is supported, got n={body.n}", param="n")
+    defaults = ctx.config.sampling
+    top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if body.temperature is None else body.temperature,
+        top_p=defaults.top_p if body.top_p is None else body.top_p,
+        top_k=top_k,
+        min_p=defaults.min_p if body.min_p is None else body.min_p,
+        # OpenAI seeds are int64; MLX keys are uint64.
+        seed=None if body.seed is None else body.seed % 2**64,
+        stop=stop_strings(body.stop),
+        extra=_extra_params(body, ctx),
+    )
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """``stop`` as a list, refusing empty or oversized strings."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", param="stop")
+    for text in stops:
+        if not text:
+            raise RequestError("stop strings must not be empty", param="stop")
+        if len(text) > MAX_STOP_CHARS:
+            raise RequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
+    return stops
+
+
+def _extra_params(body: s.Request, ctx: ServerContext) -> dict[str, Any]:
+    samplers = ctx.host.registries.samplers
+    extra: dict[str, Any] = {"ignore_eos": True} if body.ignore_eos else {}
+    for name in SAMPLER_OWNED:
+        value = getattr(body, name)
+        if value is None or value == 0 or value == {}:
+            continue
+        if name not in samplers:
+            raise RequestError(f"{name} is not supported by this server (no sampler plugin provides it)", param=name)
+        extra[name] = value
+    return extra
+
+
+def _refuse_unsupported_chat(body: s.ChatCompletionRequest) -> None:
+    if body.logprobs or body.top_logprobs:
+        raise RequestError("logprobs are not supported by this server", param="logprobs")
+    if body.tools:
+        raise RequestError("tools are not supported by this server", param="tools")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise RequestError(
+            f"response_format {body.response_format.type!r} is not supported; only 'text' is",
+            param="response_format",
+        )
+
+
+def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
+    if body.echo:
+        raise RequestError("echo is not supported by this server", param="echo")
+    if body.suffix:
+        raise RequestError("suffix is not supported by this server", param="suffix")
+    if body.best_of is not None and body.best_of != 1:
+        raise RequestError(f"only best_of=1 is supported, got {body.best_of}", param="best_of")
+    if body.logprobs is not None:
+        raise RequestError("logprobs are not supported by this server", param="logprobs")
+
+
+def _json(value: Any) -> Response[bytes]:
+    return Response(s.encoder.encode(value), media_type="application/json")
+
+
+def _usage(usage: EngineUsage) -> s.Usage:
+    return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+
+
+def _card(info: Any) -> s.ModelCard:
+    return s.ModelCard(id=info.name, created=info.created, context_length=info.context_length)
+

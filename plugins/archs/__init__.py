@@ -1,0 +1,27 @@
+"""Built-in model architectures, one module per ``model_type`` family.
+
+Importing this module is cheap: architectures are registered as ``"module:attr"`` strings and
+their MLX graphs are imported only when a model of that type loads.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mlxr_core.plugins import hookimpl
+
+if TYPE_CHECKING:
+    from mlxr_core.hookspecs import RegisterName
+
+#: model_type -> implementation. Mistral (v0.1+ without sliding window) is the Llama graph.
+ARCHITECTURES = {
+    "llama": "mlxr_plugins.archs.llama:LlamaArchitecture",
+    "mistral": "mlxr_plugins.archs.llama:LlamaArchitecture",
+}
+
+
+@hookimpl
+def mlxr_register_archs(register: RegisterName) -> None:
+    """Register the built-in architectures."""
+    for model_type, target in ARCHITECTURES.items():
+        register(model_type, target)

@@ -1,0 +1,269 @@
+"""Llama (and Mistral without a sliding window): pre-norm decoder, GQA, RoPE, SwiGLU.
+
+Weights use the Hugging Face names (``model.layers.N.self_attn.q_proj.weight`` ...) and the Hugging
+Face rotary layout (feature ``i`` pairs with ``i + head_dim / 2``); format plugins hand weights
+over in that layout. Attention, RMS norm and RoPE go through the bound :class:`KernelSet`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.kernels import KernelSet
+from mlxr_core.model.cache import KVCache
+
+
+@dataclasses.dataclass
+class LlamaArgs:
+    """The config keys this graph reads (Hugging Face names); every other key is ignored."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_traditional: bool = False
+    rope_scaling: dict[str, Any] | None = None
+    #: llama.cpp's per-frequency divisors (GGUF ``rope_freqs.weight``), the stored form of llama3 scaling.
+    rope_freq_factors: list[float] | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 2048
+    sliding_window: int | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> LlamaArgs:
+        """Build from a checkpoint config, ignoring keys this graph does not use."""
+        fields = {field.name for field in dataclasses.fields(cls)}
+        known = {key: value for key, value in config.items() if key in fields}
+        missing = [field.name for field in dataclasses.fields(cls)
+                   if field.default is dataclasses.MISSING and field.name not in known]
+        if missing:
+            raise ModelLoadError(f"the llama config lacks {', '.join(missing)}")
+        return cls(**known)
+
+    @property
+    def rope_dims(self) -> int:
+        assert self.head_dim is not None
+        return int(self.head_dim * self.partial_rotary_factor)
+
+
+def llama3_rope_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
+    """Llama 3.1 frequency scaling: long wavelengths stretched by ``factor``, short ones kept,
+    the band between interpolated. Returns ``freqs`` as ``mx.fast.rope`` takes them (periods / 2pi)."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    original = float(scaling.get("original_max_position_embeddings", 8192))
+
+    freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    wavelengths = 2 * math.pi * freqs
+    low_freq_wavelength = original / low_freq_factor
+    high_freq_wavelength = original / high_freq_factor
+    smooth = (original / wavelengths - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    interpolated = freqs / ((1 - smooth) / factor + smooth)
+    freqs = mx.where(wavelengths > low_freq_wavelength, freqs * factor, freqs)
+    in_band = (wavelengths > high_freq_wavelength) & (wavelengths < low_freq_wavelength)
+    return mx.where(in_band, interpolated, freqs)
+
+
+class Rotary:
+    """RoPE settings of one model, applied through the bound rope kernel (holds no weights)."""
+
+    def __init__(self, args: LlamaArgs, kernels: KernelSet):
+        self.rope = kernels.rope
+        self.dims = args.rope_dims
+        self.traditional = args.rope_traditional
+        self.base: float | None = args.rope_theta
+        self.scale = 1.0
+        self.freqs: mx.array | None = None
+        scaling = args.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "linear":
+            self.scale = 1.0 / float(scaling["factor"])
+        elif kind == "llama3":
+            self.freqs = llama3_rope_freqs(self.dims, args.rope_theta, scaling)
+        elif kind not in ("default", None):
+            raise ModelLoadError(
+                f"rope_scaling type {kind!r} is not supported by the llama graph (default, linear, llama3)"
+            )
+        if args.rope_freq_factors is not None:
+            factors = mx.array(args.rope_freq_factors, dtype=mx.float32)
+            own = self.freqs if self.freqs is not None else base_freqs(self.dims, args.rope_theta)
+            self.freqs = own * factors
+        if self.freqs is not None:
+            self.base = None
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        return self.rope(x, self.dims, traditional=self.traditional, base=self.base,
+                         scale=self.scale, offset=offset, freqs=self.freqs)
+
+
+def base_freqs(dims: int, base: float) -> mx.array:
+    """Unscaled RoPE ``freqs``: ``base ** (2i / dims)``."""
+    return base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float, kernels: KernelSet):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+        self._rms_norm = kernels.rms_norm
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary):
+        super().__init__()
+        assert args.head_dim is not None and args.num_key_value_heads is not None
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = args.head_dim**-0.5
+        D, bias = args.head_dim, args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * D, args.hidden_size, bias=bias)
+        self._rotary = rotary
+        self._attention = kernels.attention
+
+    def __call__(self, x: mx.array, mask: None | str | mx.array, cache: KVCache | None) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+
+        offset = cache.offset if cache is not None else 0
+        queries = self._rotary(queries, offset)
+        keys = self._rotary(keys, offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+
+        out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        hidden, inner, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary):
+        super().__init__()
+        self.self_attn = Attention(args, kernels, rotary)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+
+    def __call__(self, x: mx.array, mask: None | str | mx.array, cache: KVCache | None) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs, kernels: KernelSet):
+        super().__init__()
+        rotary = Rotary(args, kernels)
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [TransformerBlock(args, kernels, rotary) for _ in range(args.num_hidden_layers)]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: None | str | mx.array = None
+    ) -> mx.array:
+        h = self.embed_tokens(inputs)
+        if mask is None and h.shape[1] > 1:
+            mask = "causal"
+        layer_caches = cache if cache is not None else [None] * len(self.layers)
+        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
+            h = layer(h, mask, layer_cache)
+        return self.norm(h)
+
+
+class Llama(nn.Module):
+    """The whole model: ``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
+
+    def __init__(self, args: LlamaArgs, kernels: KernelSet):
+        super().__init__()
+        self.args = args
+        self.model = LlamaModel(args, kernels)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: None | str | mx.array = None
+    ) -> mx.array:
+        h = self.model(inputs, cache, mask)
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+
+class LlamaArchitecture:
+    """The :class:`mlxr_core.model.arch.Architecture` of ``llama`` and ``mistral``."""
+
+    def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
+        """Build the graph from a tolerant config dict."""
+        return Llama(LlamaArgs.from_config(config), kernels)
+
+    def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """Drop precomputed rotary tables and, with tied embeddings, a redundant ``lm_head``."""
+        tied = LlamaArgs.from_config(config).tie_word_embeddings
+        return {
+            name: array
+            for name, array in weights.items()
+            if "rotary_emb.inv_freq" not in name and not (tied and name.startswith("lm_head."))
+        }
+
+    def make_cache(self, model: nn.Module) -> list[Any]:
+        """One :class:`KVCache` per layer."""
+        return [KVCache() for _ in model.layers]
+
+    def context_length(self, config: dict[str, Any]) -> int:
+        """``max_position_embeddings``, capped at the sliding window this graph does not model."""
+        args = LlamaArgs.from_config(config)
+        if args.sliding_window:
+            return min(args.max_position_embeddings, args.sliding_window)
+        return args.max_position_embeddings
+
+    def kernel_context(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Shapes kernels check: head dim, head counts, rotary dims and the mask kinds used."""
+        args = LlamaArgs.from_config(config)
+        return {
+            "head_dim": args.head_dim,
+            "n_heads": args.num_attention_heads,
+            "n_kv_heads": args.num_key_value_heads,
+            "rope_dims": args.rope_dims,
+            "rope_traditional": args.rope_traditional,
+            "masks": ("causal",),
+        }

@@ -1,0 +1,394 @@
+"""The tokenizer embedded in a GGUF file (``tokenizer.ggml.*``), built on Hugging Face ``tokenizers``.
+
+Two vocab kinds are supported, and both aim at llama.cpp's own ids byte for byte:
+
+- ``"gpt2"``: byte-level BPE with ranked merges; the word-splitting regexes are chosen by
+  ``tokenizer.ggml.pre`` exactly as llama.cpp chooses them (``llama-vocab.cpp``).
+- ``"llama"``: a SentencePiece vocab with scores (Llama 2, Gemma ...). llama.cpp merges the adjacent
+  pair whose joined text is the best-scored token; that is a BPE whose merge ranks are the scores,
+  so the merges are derived from the vocab once and handed to the same BPE model, with ``<0xNN>``
+  byte fallback and ``▁`` for spaces.
+
+Control, user-defined and unknown tokens are split out of the raw text before the model runs (as
+llama.cpp does with ``parse_special``), so ``<|im_start|>`` encodes to its single id. Decoding goes
+through a per-id table of bytes, the same pieces llama.cpp's ``token_to_piece`` writes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from mlxr_core.errors import ModelLoadError, RequestError
+
+if TYPE_CHECKING:
+    import gguf
+    import tokenizers
+
+log = logging.getLogger(__name__)
+
+PREFIX = "tokenizer.ggml."
+
+
+class TokenType(enum.IntEnum):
+    """``tokenizer.ggml.token_type`` values (SentencePiece's piece types)."""
+
+    NORMAL = 1
+    UNKNOWN = 2
+    CONTROL = 3
+    USER_DEFINED = 4
+    UNUSED = 5
+    BYTE = 6
+
+
+# Word-splitting regexes per ``tokenizer.ggml.pre``, applied in order, each isolating its matches
+# (llama.cpp's ``unicode_regex_split``). These are llama.cpp's spellings: where it rewrote a
+# case-insensitive group as explicit classes, so do we, since Unicode case folding would differ.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+_LLAMA3 = (
+    _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}", 1)
+
+#: name -> (regexes, ignore_merges, add_bos default)
+_PRE_TOKENIZERS: dict[str, tuple[tuple[str, ...], bool, bool]] = {
+    "default": (
+        (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"),
+        False,
+        False,
+    ),
+    "gpt2": ((_GPT2,), False, False),
+    "smollm": ((r"\p{N}", _GPT2), False, False),
+    "llama3": ((_LLAMA3,), True, True),
+    "qwen2": ((_QWEN2,), False, False),
+    "falcon": ((r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"), False, False),
+}
+_PRE_ALIASES = {
+    **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "exaone4"), "gpt2"),
+    **dict.fromkeys(
+        ("starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), "smollm"
+    ),
+    **dict.fromkeys(
+        ("llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), "llama3"
+    ),
+    **dict.fromkeys(("deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"), "qwen2"),
+}
+
+# Texts of the control tokens that end a turn or a document in the chat formats we know
+# (ChatML, Gemma, Llama 3, Phi-3, gpt-oss, DeepSeek ...); a subset of llama.cpp's EOG list.
+_END_OF_TURN_TEXTS = frozenset(
+    {
+        "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>",
+        "<|call|>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<end_of_utterance>",
+        "<｜end▁of▁sentence｜>",
+    }
+)  # fmt: skip
+
+
+def tokenizer_data_from_reader(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """Every ``tokenizer.ggml.*`` metadata field of ``reader`` as plain Python values.
+
+    Strings stay ``str``, arrays become lists (``list[str]``, ``list[float]``, ``list[int]``),
+    scalars become ``int``/``float``/``bool``. ``tokenizer.chat_template`` is not included: the
+    checkpoint carries it separately.
+    """
+    data: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith(PREFIX):
+            data[key] = field.contents()
+    return data
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table used by byte-level BPE vocabs."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _byte_level_piece(text: str) -> bytes:
+    table = _unicode_to_byte()
+    if all(c in table for c in text):
+        return bytes(table[c] for c in text)
+    return text.encode()  # not a byte-level string: llama.cpp has no good answer, keep the text
+
+
+class GGUFTokenizer:
+    """A :class:`~mlxr_core.model.tokenizer.Tokenizer` over a GGUF vocab. Thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        backend: tokenizers.Tokenizer,
+        tokens: list[str],
+        types: list[int],
+        pieces: list[bytes],
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        eos_token_ids: frozenset[int],
+        add_bos: bool,
+        add_eos: bool,
+        strip_leading_space: bool,
+        chat_template: str | None,
+    ):
+        self._backend = backend
+        self._types = types
+        #: Decoded bytes of each id with special tokens skipped; ``_special`` holds their text.
+        self._pieces = pieces
+        self._special = {
+            i: tokens[i].encode()
+            for i, t in enumerate(types)
+            if t in (TokenType.CONTROL, TokenType.UNKNOWN)
+        }
+        self._strip_leading_space = strip_leading_space
+        self.vocab_size = len(tokens)
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.bos_token = tokens[bos_token_id] if bos_token_id is not None else None
+        self.eos_token = tokens[eos_token_id] if eos_token_id is not None else None
+        self.add_bos = add_bos and bos_token_id is not None
+        self._add_eos = add_eos and eos_token_id is not None
+        self._eos_token_id = eos_token_id
+        self.chat_template = chat_template
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; control and user-defined token texts map to their single ids.
+
+        With ``add_special_tokens``, BOS (and EOS) are added where the vocab asks for them.
+        """
+        ids: list[int] = self._backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self.add_bos:
+                ids.insert(0, self.bos_token_id)  # type: ignore[arg-type]
+            if self._add_eos:
+                ids.append(self._eos_token_id)  # type: ignore[arg-type]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens are left out unless ``skip_special_tokens=False``.
+
+        Ids outside the vocab decode to nothing; an incomplete UTF-8 sequence becomes U+FFFD.
+        """
+        pieces, n = self._pieces, len(self._pieces)
+        if skip_special_tokens:
+            parts = [pieces[i] if 0 <= i < n else b"" for i in ids]
+        else:
+            special = self._special
+            parts = [special.get(i, pieces[i]) if 0 <= i < n else b"" for i in ids]
+        if self._strip_leading_space and parts:
+            # SentencePiece vocabs that prefix a space when encoding drop it again when decoding,
+            # but only for the first token (after BOS), so windows of a stream decode consistently.
+            first = 1 if ids[0] == self.bos_token_id and len(parts) > 1 else 0
+            if self._types[ids[first]] == TokenType.NORMAL and parts[first].startswith(b" "):
+                parts[first] = parts[first][1:]
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` with the model's chat template; RequestError if it has none."""
+        from mlxr_core.model.chat_template import render_chat_template
+
+        if self.chat_template is None:
+            raise RequestError(
+                "this model has no chat template; send a raw prompt to a completion endpoint",
+                param="messages",
+            )
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **kwargs,
+        )
+
+
+class GGUFTokenizerBackend:
+    """Builds a :class:`GGUFTokenizer` from ``tokenizer.ggml.*`` metadata (see module docs)."""
+
+    def build(self, data: dict[str, Any], *, chat_template: str | None) -> GGUFTokenizer:
+        """Build the tokenizer; raise ModelLoadError when the metadata is unusable."""
+        try:
+            import tokenizers  # noqa: F401
+        except ImportError:  # pragma: no cover - a core dependency
+            from mlxr_core.errors import MissingDependency
+
+            raise MissingDependency("tokenizers", "the GGUF tokenizer") from None
+
+        kind = data.get(PREFIX + "model")
+        tokens: list[str] = list(data.get(PREFIX + "tokens") or [])
+        if not tokens:
+            raise ModelLoadError("the GGUF file has no tokenizer.ggml.tokens")
+        types = [int(t) for t in data.get(PREFIX + "token_type") or [TokenType.NORMAL] * len(tokens)]
+        if len(types) != len(tokens):
+            raise ModelLoadError(
+                f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
+            )
+
+        def token_id(key: str) -> int | None:
+            value = data.get(PREFIX + key)
+            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+        bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+        if kind == "gpt2":
+            backend, add_bos = _build_gpt2(data, tokens)
+            pieces = [_byte_level_piece(t) for t in tokens]
+            strip = False
+        elif kind == "llama":
+            backend, add_space_prefix = _build_spm(data, tokens, types)
+            add_bos = True
+            pieces = [t.replace("▁", " ").encode() for t in tokens]
+            strip = add_space_prefix
+        else:
+            raise ModelLoadError(
+                f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)"
+            )
+        for i, t in enumerate(types):
+            if t == TokenType.BYTE:
+                pieces[i] = bytes([int(tokens[i][3:-1], 16)])
+            elif t == TokenType.USER_DEFINED:
+                pieces[i] = tokens[i].encode()  # user-defined texts are stored raw
+            elif t != TokenType.NORMAL:
+                pieces[i] = b""
+
+        add_bos = bool(data.get(PREFIX + "add_bos_token", add_bos))
+        add_eos = bool(data.get(PREFIX + "add_eos_token", False))
+        _add_special_tokens(backend, tokens, types)
+        return GGUFTokenizer(
+            backend=backend,
+            tokens=tokens,
+            types=types,
+            pieces=pieces,
+            bos_token_id=bos,
+            eos_token_id=eos,
+            eos_token_ids=end_of_generation_ids(
+                tokens, types, [eos, token_id("eot_token_id"), token_id("eom_token_id")]
+            ),
+            add_bos=add_bos,
+            add_eos=add_eos,
+            strip_leading_space=strip,
+            chat_template=chat_template,
+        )
+
+
+def end_of_generation_ids(
+    tokens: list[str], types: list[int], declared: Sequence[int | None]
+) -> frozenset[int]:
+    """The ids that end generation: the declared eos/eot/eom ids, plus every control token whose
+    text is a known end-of-turn or end-of-text marker (``<|im_end|>``, ``<end_of_turn>`` ...).
+
+    A known text only counts when the vocab marks it control or user-defined (a normal piece
+    spelling ``<|end|>`` is text). gpt-oss ends a message with ``<|end|>`` and then goes on in
+    another channel, so ``<|end|>`` is left out when ``<|return|>`` and ``<|call|>`` exist.
+    """
+    specials = (TokenType.CONTROL, TokenType.USER_DEFINED)
+    found = {t: i for i, t in enumerate(tokens) if t in _END_OF_TURN_TEXTS and types[i] in specials}
+    if "<|return|>" in found and "<|call|>" in found:
+        found.pop("<|end|>", None)
+    return frozenset({i for i in declared if i is not None} | set(found.values()))
+
+
+def _build_gpt2(data: dict[str, Any], tokens: list[str]) -> tuple[tokenizers.Tokenizer, bool]:
+    """A byte-level BPE with llama.cpp's pre-tokenizer; returns it and the default add_bos."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    pre = data.get(PREFIX + "pre") or ""
+    if not pre:
+        log.warning("the GGUF has no tokenizer.ggml.pre; using the 'default' pre-tokenizer")
+        pre = "default"
+    name = _PRE_ALIASES.get(pre, pre)
+    if name not in _PRE_TOKENIZERS:
+        supported = ", ".join(sorted([*_PRE_TOKENIZERS, *_PRE_ALIASES]))
+        raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {supported})")
+    regexes, ignore_merges, add_bos = _PRE_TOKENIZERS[name]
+
+    vocab = {t: i for i, t in enumerate(tokens)}  # a duplicated text keeps its last id, as in llama.cpp
+    merges: list[tuple[str, str]] = []
+    for merge in data.get(PREFIX + "merges") or []:
+        cut = merge.find(" ", 1)
+        left, right = merge[:cut], merge[cut + 1 :]
+        if cut > 0 and left in vocab and right in vocab and left + right in vocab:
+            merges.append((left, right))
+    if not merges:
+        raise ModelLoadError("the GGUF's gpt2 tokenizer has no usable tokenizer.ggml.merges")
+
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    return backend, add_bos
+
+
+def _build_spm(
+    data: dict[str, Any], tokens: list[str], types: list[int]
+) -> tuple[tokenizers.Tokenizer, bool]:
+    """A SentencePiece-style BPE ranked by scores; returns it and whether it prefixes a space."""
+    from tokenizers import Tokenizer, models, normalizers
+
+    scores = data.get(PREFIX + "scores") or [0.0] * len(tokens)
+    if len(scores) != len(tokens):
+        raise ModelLoadError(
+            f"tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens"
+        )
+    vocab = {t: i for i, t in enumerate(tokens)}
+    # llama.cpp may join any two adjacent symbols whose text is a token, best score first (ties:
+    # leftmost); as BPE merges that is every split of every token, ranked by the token's score.
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, i in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[i], i, cut, left, right))
+    ranked.sort()
+
+    unk = data.get(PREFIX + "unknown_token_id")
+    unk_token = tokens[unk] if unk is not None and 0 <= unk < len(tokens) else None
+    model = models.BPE(
+        vocab=vocab,
+        merges=[(left, right) for *_, left, right in ranked],
+        unk_token=unk_token,
+        byte_fallback=TokenType.BYTE in types,
+    )
+    backend = Tokenizer(model)
+    add_space_prefix = bool(data.get(PREFIX + "add_space_prefix", True))
+    steps = [normalizers.Prepend("▁")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    return backend, add_space_prefix
+
+
+def _add_special_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Make control, unknown and user-defined tokens match their raw text before the model runs."""
+    from tokenizers import AddedToken
+
+    def added(i: int, special: bool) -> AddedToken:
+        return AddedToken(tokens[i], special=special, normalized=False, single_word=False)
+
+    specials = (TokenType.CONTROL, TokenType.UNKNOWN)
+    backend.add_special_tokens(
+        [added(i, True) for i, t in enumerate(types) if t in specials and tokens[i]]
+    )
+    backend.add_tokens(
+        [added(i, False) for i, t in enumerate(types) if t == TokenType.USER_DEFINED and tokens[i]]
+    )

@@ -1,0 +1,50 @@
+"""Kernels from ``mx.fast``: fused where MLX has a fused kernel for the device, else MLX's fallback.
+
+``mx.fast`` picks a fused Metal/CUDA kernel when one exists for the shape and falls back to
+composed ops otherwise, so these backends run everywhere MLX runs; ``supports`` only refuses what
+``mx.fast`` itself rejects.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlxr_core.kernels import KernelContext
+from mlxr_plugins.kernels import KernelImpl
+
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _float_dtype(ctx: KernelContext) -> list[str]:
+    if ctx.dtype not in FLOAT_DTYPES:
+        return [f"activation dtype {ctx.dtype} is not one of {', '.join(FLOAT_DTYPES)}"]
+    return []
+
+
+def _attention_support(ctx: KernelContext) -> list[str]:
+    reasons = _float_dtype(ctx)
+    masks = ctx.shapes.get("masks", ())
+    unknown = [kind for kind in masks if kind not in ("causal", "array")]
+    if unknown:
+        reasons.append(f"mask kinds {', '.join(map(str, unknown))} are not supported (causal, array)")
+    return reasons
+
+
+def _rope_support(ctx: KernelContext) -> list[str]:
+    reasons = _float_dtype(ctx)
+    dims = ctx.shapes.get("rope_dims")
+    if dims is not None and int(dims) % 2:
+        reasons.append(f"rotary dims must be even, got {dims}")
+    return reasons
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: None | str | mx.array = None
+) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` (GQA without tiling, bottom-right causal mask)."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+attention_kernel = KernelImpl(attention, _attention_support)
+rms_norm_kernel = KernelImpl(mx.fast.rms_norm, _float_dtype)
+rope_kernel = KernelImpl(mx.fast.rope, _rope_support)

@@ -1,0 +1,118 @@
+"""Reference kernels in plain ``mx`` ops: the definition every faster backend is tested against.
+
+They favour clarity and numerical care over speed: softmax and normalization run in float32 and
+nothing is fused. Signatures follow ``mlxr_core.kernels``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from mlxr_plugins.kernels import KernelImpl
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: None | str | mx.array = None
+) -> mx.array:
+    """``softmax(scale * q @ k.T + mask) @ v`` with grouped-query heads.
+
+    q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``. Query heads ``h * R .. h * R + R - 1`` share key
+    head ``h`` (``R = Hq // Hkv``); they are grouped by a reshape, so keys are never copied. The
+    ``"causal"`` mask is aligned bottom-right: query ``i`` sees keys ``0 .. S - L + i``.
+    """
+    B, Hq, L, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} key/value heads")
+    R = Hq // Hkv
+    queries = (q * scale).reshape(B, Hkv, R, L, D)
+    scores = (queries @ k[:, :, None].swapaxes(-1, -2)).astype(mx.float32)  # [B, Hkv, R, L, S]
+
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown mask kind {mask!r} (expected 'causal' or an array)")
+        visible = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None, :]
+        scores = mx.where(visible, scores, -math.inf)
+    elif mask is not None:
+        grouped = _group_heads(mask, Hkv, R)
+        if grouped.dtype == mx.bool_:
+            scores = mx.where(grouped, scores, -math.inf)
+        else:
+            scores = scores + grouped.astype(mx.float32)
+
+    weights = mx.softmax(scores, axis=-1).astype(v.dtype)
+    out = weights @ v[:, :, None]  # [B, Hkv, R, L, Dv]
+    return out.reshape(B, Hq, L, v.shape[-1])
+
+
+def _group_heads(mask: mx.array, Hkv: int, R: int) -> mx.array:
+    """Reshape a mask broadcastable to ``[B, Hq, L, S]`` to broadcast to ``[B, Hkv, R, L, S]``."""
+    while mask.ndim < 4:
+        mask = mask[None]
+    b, h, l, s = mask.shape
+    if h == 1:
+        return mask.reshape(b, 1, 1, l, s)
+    return mask.reshape(b, Hkv, R, l, s)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis, normalized in float32."""
+    x32 = x.astype(mx.float32)
+    normed = x32 * mx.rsqrt(mx.mean(mx.square(x32), axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def rope(
+    x: mx.array,
+    dims: int,
+    *,
+    traditional: bool,
+    base: float | None,
+    scale: float,
+    offset: int | mx.array,
+    freqs: mx.array | None = None,
+) -> mx.array:
+    """Rotary position embedding of the first ``dims`` features of ``x`` (``[..., L, D]``).
+
+    Position ``p = (offset + t) * scale`` rotates feature pair ``i`` by ``p / freqs[i]``, where
+    ``freqs[i] = base ** (2i / dims)`` unless given. ``traditional`` pairs features ``(2i, 2i+1)``;
+    otherwise ``(i, i + dims/2)`` (the Hugging Face layout).
+    """
+    if (base is None) == (freqs is None):
+        raise ValueError("exactly one of base and freqs must be given")
+    L, half = x.shape[-2], dims // 2
+    if freqs is None:
+        assert base is not None
+        inv_freq = base ** (-mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    else:
+        inv_freq = 1.0 / freqs.astype(mx.float32)
+    steps = mx.arange(L, dtype=mx.float32)
+    if isinstance(offset, mx.array) and offset.ndim == 1:  # one offset per batch row
+        positions = (steps[None, :] + offset.astype(mx.float32)[:, None]) * scale
+        theta = positions[..., None] * inv_freq  # [B, L, dims/2]
+        theta = theta.reshape(theta.shape[0], *([1] * (x.ndim - 3)), L, half)
+    else:
+        start = offset.astype(mx.float32) if isinstance(offset, mx.array) else float(offset)
+        theta = ((steps + start) * scale)[:, None] * inv_freq[None, :]  # [L, dims/2]
+    cos, sin = mx.cos(theta), mx.sin(theta)
+
+    rotated, rest = x[..., :dims].astype(mx.float32), x[..., dims:]
+    if traditional:
+        x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
+    else:
+        x1, x2 = rotated[..., :half], rotated[..., half:]
+    y1 = x1 * cos - x2 * sin
+    y2 = x1 * sin + x2 * cos
+    if traditional:
+        out = mx.stack([y1, y2], axis=-1).reshape(rotated.shape)
+    else:
+        out = mx.concatenate([y1, y2], axis=-1)
+    out = out.astype(x.dtype)
+    return mx.concatenate([out, rest], axis=-1) if dims < x.shape[-1] else out
+
+
+attention_kernel = KernelImpl(attention)
+rms_norm_kernel = KernelImpl(rms_norm)
+rope_kernel = KernelImpl(rope)

@@ -1,0 +1,253 @@
+"""The server app (API mounting, /health, engine lifecycle) and ``mlxr serve``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from litestar import Response, Router, get
+from litestar.testing import TestClient
+
+from mlxr_core.cli import serve
+from mlxr_core.cli.main import main
+from mlxr_core.config.schema import Config, ModelConfig
+from mlxr_core.errors import ConfigError, PluginLoadError, RequestError
+from mlxr_core.plugins import hookimpl, load_plugins
+from mlxr_core.server import ServerContext, build_app
+
+
+class LifecycleEngine:
+    """Just the engine surface the app itself uses: state, models, start, stop."""
+
+    def __init__(self, state: str = "created"):
+        self.state = state
+        self.models: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self.queue_depth = 0
+        self.calls: list[str] = []
+
+    def start(self, *, wait: bool = True) -> None:
+        self.calls.append(f"start(wait={wait})")
+        self.state = "loading"
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+        self.state = "stopped"
+
+
+class ToyApi:
+    """A third-party API plugin with its own error format."""
+
+    @hookimpl
+    def mlxr_register_apis(self, register: Any) -> None:
+        register("toy", make_toy_router)
+        register("broken", lambda ctx: "not a router")
+        register("raises", lambda ctx: 1 / 0)
+
+
+@get("/toy/fail", sync_to_thread=False)
+def toy_fail() -> dict[str, str]:
+    raise RequestError("bad toy", param="x")
+
+
+def make_toy_router(ctx: ServerContext) -> Router:
+    def on_error(request: Any, exc: RequestError) -> Response[dict[str, str]]:
+        return Response({"toy_error": exc.message}, status_code=exc.status)
+
+    return Router(path="/", route_handlers=[toy_fail], exception_handlers={RequestError: on_error})
+
+
+def make_ctx(engine: Any, apis: list[str]) -> ServerContext:
+    config = Config(models=[ModelConfig(path="unused")], apis=apis)
+    return ServerContext(config=config, host=load_plugins(extra=[("toy", ToyApi())]), engine=engine)
+
+
+def test_unknown_api_is_a_config_error_naming_apis() -> None:
+    with pytest.raises(ConfigError, match=r"apis: unknown API 'opneai' .*did you mean openai\?"):
+        build_app(make_ctx(LifecycleEngine(), ["opneai"]))
+    with pytest.raises(ConfigError, match="apis"):
+        build_app(make_ctx(LifecycleEngine(), []))
+    with pytest.raises(ConfigError, match="more than once"):
+        build_app(make_ctx(LifecycleEngine(), ["openai", "openai"]))
+
+
+@pytest.mark.parametrize(("api", "message"), [("broken", "not a litestar.Router"), ("raises", "ZeroDivisionError")])
+def test_a_broken_api_factory_names_its_plugin(api: str, message: str) -> None:
+    with pytest.raises(PluginLoadError, match=f"plugin 'toy'.*{message}"):
+        build_app(make_ctx(LifecycleEngine(), [api]))
+
+
+def test_each_api_keeps_its_own_error_format() -> None:
+    engine = LifecycleEngine("loading")
+    with TestClient(build_app(make_ctx(engine, ["openai", "toy"]))) as client:
+        toy = client.get("/toy/fail")
+        assert toy.status_code == 400 and toy.json() == {"toy_error": "bad toy"}
+        openai = client.get("/v1/models")
+        assert openai.status_code == 503 and openai.json()["error"]["type"] == "server_error"
+
+
+def test_lifespan_starts_the_engine_in_the_background_and_stops_it() -> None:
+    engine = LifecycleEngine()
+    with TestClient(build_app(make_ctx(engine, ["openai"]))) as client:
+        assert engine.calls == ["start(wait=False)"]
+        r = client.get("/health")
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["state"] == "loading" and r.json()["models"] == []
+    assert engine.calls == ["start(wait=False)", "stop"]
+
+
+def test_an_engine_started_by_the_caller_is_left_running() -> None:
+    engine = LifecycleEngine("ready")
+    with TestClient(build_app(make_ctx(engine, ["openai"]))):
+        pass
+    assert engine.calls == []
+
+
+def test_health_reports_models_and_mlx_memory_when_ready() -> None:
+    engine = LifecycleEngine("ready")
+    engine.models = {"b": object(), "a": object()}
+    with TestClient(build_app(make_ctx(engine, ["openai"]))) as client:
+        time.sleep(0.01)
+        body = client.get("/health").json()
+    assert body["status"] == "ok" and body["models"] == ["a", "b"] and body["uptime_s"] > 0
+    assert set(body["memory"]) == {"active_bytes", "peak_bytes", "cache_bytes"}
+    assert all(isinstance(v, int) and v >= 0 for v in body["memory"].values())
+
+
+def test_health_reports_a_failed_load() -> None:
+    engine = LifecycleEngine("failed")
+    engine.error = FileNotFoundError("no such model: /x.gguf")
+    with TestClient(build_app(make_ctx(engine, ["openai"]))) as client:
+        r = client.get("/health")
+    assert r.status_code == 503 and "retry-after" not in r.headers
+    assert r.json()["status"] == "failed" and "/x.gguf" in r.json()["error"]
+
+
+# -- mlxr serve -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def restore_logging() -> Any:
+    """``mlxr serve`` configures mlxr's and uvicorn's loggers; give other tests theirs back."""
+    import logging
+
+    from mlxr_core.cli.logs import LOGGERS
+
+    saved = {name: (lg.level, lg.propagate, list(lg.handlers)) for name in LOGGERS for lg in [logging.getLogger(name)]}
+    yield
+    for name, (level, propagate, handlers) in saved.items():
+        logger = logging.getLogger(name)
+        logger.setLevel(level)
+        logger.propagate = propagate
+        logger.handlers[:] = handlers
+
+
+def parse_serve(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="mlxr")
+    serve.add_parser(parser.add_subparsers())
+    return parser.parse_args(["serve", *argv])
+
+
+def test_log_level_accepts_any_case() -> None:
+    assert parse_serve("--log-level", "DEBUG").log_level == "debug"
+    with pytest.raises(SystemExit):
+        parse_serve("--log-level", "loud")
+
+
+def test_a_bad_config_exits_2_naming_the_key_before_loading_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mlxr_core.plugins.load_plugins", lambda **kw: pytest.fail("plugins loaded"))
+    config = tmp_path / "server.yaml"
+    config.write_text("models:\n  - path: /nowhere.gguf\nengine:\n  max_batch_size: 0\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "engine.max_batch_size" in capsys.readouterr().err
+    assert main(["serve", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+    config.write_text("models:\n  - path: /nowhere.gguf\n")
+    assert main(["serve", "--config", str(config), "--port", "70000"]) == 2
+    assert "server.port" in capsys.readouterr().err
+
+
+def test_an_unknown_api_exits_2_before_loading_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mlxr_core.engine.engine.Engine.start", lambda *a, **kw: pytest.fail("engine started"))
+    config = tmp_path / "server.yaml"
+    config.write_text("models:\n  - path: /nowhere.gguf\napis: [openia]\n")
+    assert main(["serve", "--config", str(config)]) == 2
+    assert "apis: unknown API 'openia'" in capsys.readouterr().err
+
+
+def test_a_model_that_fails_to_load_stops_the_server_with_status_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "server.yaml"
+    config.write_text(f"models:\n  - path: {tmp_path / 'nowhere.gguf'}\n")
+    started = time.monotonic()
+    assert main(["serve", "--config", str(config), "--port", "0", "--log-level", "WARNING"]) == 1
+    assert time.monotonic() - started < 15
+    assert "nowhere.gguf" in capsys.readouterr().err
+
+
+# -- a real server process on the tiny model --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    folder = tmp_path_factory.mktemp("serve")
+    model = write_tiny_llama_gguf(folder / "tiny.gguf")
+    config = folder / "server.yaml"
+    config.write_text(f"models:\n  - path: {model}\n    name: tiny\n    context_length: 128\n")
+    return config
+
+
+def start_server(config: Path) -> tuple[subprocess.Popen[str], str]:
+    """``mlxr serve`` on a free port; returns the process and its URL once it says it is ready."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    deadline = time.monotonic() + 60
+    lines = []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        match = re.search(r"serving .* at (http://\S+)", line)
+        if match:
+            return process, match[1]
+    process.kill()
+    pytest.fail("mlxr serve did not become ready:\n" + "".join(lines))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_serve_answers_then_shuts_down_gracefully_on_a_signal(tiny_config: Path, sig: int) -> None:
+    process, url = start_server(tiny_config)
+    try:
+        assert httpx.get(f"{url}/health").json()["models"] == ["tiny"]
+        reply = httpx.post(
+            f"{url}/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 3, "temperature": 0},
+        )
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
+        process.send_signal(sig)
+        output, _ = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode in (0, 130, -sig), output
+    assert "Traceback" not in output

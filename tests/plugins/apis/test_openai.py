@@ -1,0 +1,542 @@
+"""The OpenAI API: wire shapes, validation and errors over a scripted engine (fast), then the real
+engine on a tiny random GGUF model (generation, stops, seeds, disconnects)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from litestar.testing import TestClient
+
+from mlxr_core.config.schema import Config, ModelConfig, SamplingConfig
+from mlxr_core.engine.engine import ModelInfo
+from mlxr_core.engine.request import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestHandle,
+    Usage,
+)
+from mlxr_core.errors import (
+    ContextLengthExceeded,
+    EngineStopped,
+    MlxrError,
+    ModelNotFound,
+    Overloaded,
+)
+from mlxr_core.plugins import load_plugins
+from mlxr_core.server import ServerContext, build_app
+
+# -- a scripted engine ---------------------------------------------------------------------------
+
+
+class FakeTokenizer:
+    vocab_size = 256
+    eos_token_ids = frozenset({0})
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return ([1] if add_special_tokens else []) + [b for b in text.encode()]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+class FakeEngine:
+    """Satisfies what the routes use of :class:`Engine`; replies ``REPLY`` one character per token."""
+
+    REPLY = "Hello, world! How are you?"
+
+    def __init__(self, context_length: int = 64):
+        self.state = "ready"
+        self.error: BaseException | None = None
+        self.queue_depth = 0
+        self.models = {
+            "fake": ModelInfo(
+                name="fake", context_length=context_length, created=1700000000,
+                tokenizer=FakeTokenizer(), format="fake", model_type="fake",  # type: ignore[arg-type]
+            )
+        }
+        self.requests: list[GenerationRequest] = []
+        self.handles: list[RequestHandle] = []
+        self.raise_on_submit: BaseException | None = None
+        self.fail_after: int | None = None  # emit Failed after this many tokens
+        self.endless = False  # emit tokens until cancelled
+
+    def model(self, name: str) -> ModelInfo:
+        if name not in self.models:
+            raise ModelNotFound(name, self.models)
+        return self.models[name]
+
+    def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.model(model).tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def encode_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
+        tokenizer = self.model(model).tokenizer
+        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+    def submit(self, request: GenerationRequest, *, loop: Any = None) -> RequestHandle:
+        if self.raise_on_submit is not None:
+            raise self.raise_on_submit
+        info = self.model(request.model)
+        room = info.context_length - len(request.prompt_ids)
+        params = request.params
+        if params.max_tokens is None:
+            params.max_tokens = min(16, room)
+        if params.max_tokens > room or room < 1:
+            raise ContextLengthExceeded(len(request.prompt_ids), params.max_tokens, info.context_length)
+        self.requests.append(request)
+        handle = RequestHandle(request, loop=loop)
+        self.handles.append(handle)
+        threading.Thread(target=self._run, args=(handle,), daemon=True).start()
+        return handle
+
+    def _run(self, handle: RequestHandle) -> None:
+        params = handle.request.params
+        assert params.max_tokens is not None
+        text, reason, count = "", "length", 0
+        while self.endless or count < params.max_tokens:
+            if handle.cancelled:
+                reason = "cancelled"
+                break
+            if self.fail_after is not None and count == self.fail_after:
+                handle._emit(Failed(MlxrError("generation failed: boom")))
+                return
+            char = self.REPLY[count % len(self.REPLY)]
+            count += 1
+            text += char
+            hit = next((stop for stop in params.stop if stop in text), None)
+            if hit:
+                reason = "stop"
+                break
+            handle._emit(Delta(char, (ord(char),)))
+            if self.endless:
+                time.sleep(0.005)
+            elif count == len(self.REPLY):
+                reason = "stop"
+                break
+        usage = Usage(prompt_tokens=len(handle.request.prompt_ids), completion_tokens=count)
+        handle._emit(Finished(reason=reason, usage=usage))
+
+
+def make_ctx(engine: Any, **config: Any) -> ServerContext:
+    cfg = Config(models=[ModelConfig(path="unused")], **config)
+    return ServerContext(config=cfg, host=load_plugins(), engine=engine)
+
+
+@pytest.fixture
+def fake() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def client(fake: FakeEngine):
+    with TestClient(build_app(make_ctx(fake))) as test_client:
+        yield test_client
+
+
+def chat(content: str = "hi", **extra: Any) -> dict[str, Any]:
+    return {"model": "fake", "messages": [{"role": "user", "content": content}], **extra}
+
+
+def sse_events(text: str) -> list[Any]:
+    assert text.endswith("\n\n")
+    events = []
+    for block in text.strip().split("\n\n"):
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# -- shapes ----------------------------------------------------------------------------------------
+
+
+def test_chat_completion(client: TestClient, fake: FakeEngine) -> None:
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=5))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["model"] == "fake" and isinstance(body["created"], int)
+    assert body["choices"] == [
+        {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "length", "logprobs": None}
+    ]
+    prompt = len(fake.requests[0].prompt_ids)
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
+    assert fake.requests[0].prompt_ids == FakeTokenizer().encode("<user>hi<assistant>", add_special_tokens=False)
+
+
+def test_chat_stream_with_usage(client: TestClient) -> None:
+    r = client.post("/v1/chat/completions", json=chat(max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-2])
+    assert text == "Hell"
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_chat_stream_without_usage_has_no_usage_field(client: TestClient) -> None:
+    events = sse_events(client.post("/v1/chat/completions", json=chat(max_tokens=2, stream=True)).text)
+    assert events[-1] == "[DONE]" and all("usage" not in e for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_and_its_stream(client: TestClient, fake: FakeEngine) -> None:
+    body = client.post("/v1/completions", json={"model": "fake", "prompt": ["Say"], "max_tokens": 3}).json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["choices"] == [{"index": 0, "text": "Hel", "finish_reason": "length", "logprobs": None}]
+    assert fake.requests[-1].prompt_ids == [1, *b"Say"]
+    r = client.post("/v1/completions", json={"model": "fake", "prompt": [5, 6, 7], "stream": True, "max_tokens": 3})
+    events = sse_events(r.text)
+    assert fake.requests[-1].prompt_ids == [5, 6, 7]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "Hel"
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1] == "[DONE]"
+
+
+def test_stop_strings_and_finish_reason_stop(client: TestClient) -> None:
+    body = client.post("/v1/chat/completions", json=chat(stop=[",", "zz"], max_tokens=20)).json()
+    assert body["choices"][0]["message"]["content"] == "Hello"
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sampling_parameters_reach_the_engine(fake: FakeEngine) -> None:
+    defaults = SamplingConfig(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05)
+    with TestClient(build_app(make_ctx(fake, sampling=defaults))) as client:
+        client.post("/v1/chat/completions", json=chat())
+        client.post("/v1/chat/completions", json=chat(
+            temperature=0, top_p=0.5, top_k=-1, min_p=0.1, seed=-1, stop=["a", "b"], max_completion_tokens=3,
+            max_tokens=9, user="someone", frequency_penalty=0, unknown_field={"x": 1},
+            messages=[{"role": "developer", "content": "be brief"},
+                      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        ))
+    first, second = (r.params for r in fake.requests)
+    assert (first.temperature, first.top_p, first.top_k, first.min_p, first.seed) == (0.7, 0.9, 40, 0.05, None)
+    assert first.max_tokens == 16  # engine's rule when the request sets none
+    assert (second.temperature, second.top_p, second.top_k, second.min_p) == (0.0, 0.5, 0, 0.1)
+    assert second.seed == 2**64 - 1 and second.stop == ["a", "b"] and second.max_tokens == 3 and second.extra == {}
+    assert fake.requests[1].prompt_ids == FakeTokenizer().encode("<system>be brief<user>a\nb<assistant>", add_special_tokens=False)
+
+
+def test_models(client: TestClient) -> None:
+    listing = client.get("/v1/models").json()
+    assert listing == {"object": "list", "data": [
+        {"id": "fake", "created": 1700000000, "owned_by": "mlxr", "object": "model", "context_length": 64}
+    ]}
+    assert client.get("/v1/models/fake").json()["id"] == "fake"
+    r = client.get("/v1/models/org/missing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_official_client_reads_our_responses(client: TestClient) -> None:
+    api = openai.OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client, max_retries=0)  # type: ignore[arg-type]
+    reply = api.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert reply.choices[0].message.content == "Hello" and reply.usage and reply.usage.completion_tokens == 5
+    stream = api.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    assert api.completions.create(model="fake", prompt="x", max_tokens=2).choices[0].text == "He"
+    assert [m.id for m in api.models.list()] == ["fake"]
+    with pytest.raises(openai.NotFoundError):
+        api.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], n=2)
+    assert info.value.param == "n"  # type: ignore[attr-defined]
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+BAD_REQUESTS = [
+    # (path, raw body, status, param or None)
+    (CHAT, b'{"model": "fake", "messages": [', 400, None),
+    (CHAT, b"", 400, None),
+    (CHAT, b"[1, 2]", 400, None),
+    (CHAT, json.dumps(chat(max_tokens="5")).encode(), 400, "max_tokens"),
+    (CHAT, json.dumps(chat(stream="true")).encode(), 400, "stream"),
+    (CHAT, json.dumps({"model": "fake"}).encode(), 400, "messages"),
+    (CHAT, json.dumps({"model": "fake", "messages": [{"content": "x"}]}).encode(), 400, "messages[0].role"),
+    (CHAT, json.dumps(chat(max_tokens=-3)).encode(), 400, "max_tokens"),
+    (CHAT, json.dumps(chat(max_tokens=0)).encode(), 400, "max_tokens"),
+    (CHAT, json.dumps(chat(temperature=2.5)).encode(), 400, "temperature"),
+    (CHAT, json.dumps(chat(top_p=0)).encode(), 400, "top_p"),
+    (CHAT, json.dumps(chat(seed=2**64)).encode(), 400, "seed"),
+    (CHAT, json.dumps(chat(n=2)).encode(), 400, "n"),
+    (CHAT, json.dumps(chat(n=0)).encode(), 400, "n"),
+    (CHAT, json.dumps(chat(model="nope")).encode(), 404, "model"),
+    (CHAT, json.dumps(chat(content="x" * 100)).encode(), 400, "messages"),
+    (CHAT, json.dumps(chat(max_tokens=60)).encode(), 400, "messages"),
+    (CHAT, json.dumps({"model": "fake", "messages": []}).encode(), 400, "messages"),
+    (CHAT, json.dumps({"model": "fake", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "messages[0].role"),
+    (CHAT, json.dumps({"model": "fake", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}).encode(), 400, "messages[0].content[0]"),
+    (CHAT, json.dumps(chat(stop=["a"] * 17)).encode(), 400, "stop"),
+    (CHAT, json.dumps(chat(stop=[""])).encode(), 400, "stop"),
+    (CHAT, json.dumps(chat(stop="x" * 300)).encode(), 400, "stop"),
+    (CHAT, json.dumps(chat(logprobs=True)).encode(), 400, "logprobs"),
+    (CHAT, json.dumps(chat(tools=[{"type": "function", "function": {"name": "f"}}])).encode(), 400, "tools"),
+    (CHAT, json.dumps(chat(response_format={"type": "json_object"})).encode(), 400, "response_format"),
+    (CHAT, json.dumps(chat(presence_penalty=0.5)).encode(), 400, "presence_penalty"),
+    (COMPLETIONS, json.dumps({"model": "fake", "prompt": ["a", "b"]}).encode(), 400, "prompt"),
+    (COMPLETIONS, json.dumps({"model": "fake", "prompt": [{"x": 1}]}).encode(), 400, "prompt"),
+    (COMPLETIONS, json.dumps({"model": "fake", "prompt": [1, 999]}).encode(), 400, "prompt"),
+    (COMPLETIONS, json.dumps({"model": "fake", "prompt": "y" * 100}).encode(), 400, "prompt"),
+    (COMPLETIONS, json.dumps({"model": "fake", "prompt": "y", "echo": True}).encode(), 400, "echo"),
+    (COMPLETIONS, json.dumps({"model": "fake", "prompt": 5}).encode(), 400, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("path", "raw", "status", "param"), BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(
+    client: TestClient, path: str, raw: bytes, status: int, param: str | None
+) -> None:
+    r = client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert "Traceback" not in error["message"]
+    assert client.post(CHAT, json=chat(max_tokens=2)).json()["choices"][0]["message"]["content"] == "He"
+
+
+def test_overloaded_is_429_with_retry_after(client: TestClient, fake: FakeEngine) -> None:
+    fake.raise_on_submit = Overloaded("64 requests are waiting; retry later")
+    r = client.post(CHAT, json=chat())
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize("state", ["loading", "failed", "stopping", "stopped"])
+def test_engine_not_ready_is_503(client: TestClient, fake: FakeEngine, state: str) -> None:
+    fake.state = state
+    fake.error = RuntimeError("bad file") if state == "failed" else None
+    for r in (client.post(CHAT, json=chat()), client.get("/v1/models")):
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["error"]["type"] == "server_error"
+
+
+def test_engine_stopped_on_submit_is_503(client: TestClient, fake: FakeEngine) -> None:
+    fake.raise_on_submit = EngineStopped("the engine is stopping; not accepting requests")
+    assert client.post(COMPLETIONS, json={"model": "fake", "prompt": "x"}).status_code == 503
+
+
+def test_a_bug_is_a_bare_500(client: TestClient, fake: FakeEngine) -> None:
+    fake.raise_on_submit = ZeroDivisionError("secret internals")
+    r = client.post(CHAT, json=chat())
+    assert r.status_code == 500
+    assert r.json() == {"error": {"message": "internal server error", "type": "server_error", "param": None, "code": None}}
+    fake.raise_on_submit = None
+    assert client.post(CHAT, json=chat(max_tokens=1)).status_code == 200
+
+
+def test_generation_failure(client: TestClient, fake: FakeEngine) -> None:
+    fake.fail_after = 2
+    r = client.post(CHAT, json=chat())
+    assert r.status_code == 500 and r.json()["error"]["message"] == "generation failed: boom"
+    events = sse_events(client.post(CHAT, json=chat(stream=True)).text)
+    assert events[-2] == {"error": {"message": "generation failed: boom", "type": "server_error", "param": None, "code": None}}
+    assert events[-1] == "[DONE]"
+
+
+def test_unknown_route_and_method(client: TestClient) -> None:
+    assert client.get("/v1/chat/completions").status_code == 405
+    assert client.post("/v1/nothing", json={}).status_code == 404
+
+
+# -- disconnects, over a real socket ---------------------------------------------------------------
+
+
+class ThreadedServer:
+    """uvicorn serving ``app`` from a thread, on a free loopback port."""
+
+    def __init__(self, app: Any):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def wait_until(condition: Any, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_client_leaving_a_stream_cancels_its_request(fake: FakeEngine) -> None:
+    fake.endless = True
+    with ThreadedServer(build_app(make_ctx(fake))) as url:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=chat(stream=True)) as r:
+            lines = r.iter_lines()
+            received = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in received)
+        assert wait_until(lambda: fake.handles[0].cancelled), "the request kept generating"
+        fake.endless = False
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat(max_tokens=2)).json()["choices"][0]["message"]["content"] == "He"
+
+
+def test_a_client_leaving_a_non_streaming_request_cancels_it(fake: FakeEngine) -> None:
+    fake.endless = True
+    with ThreadedServer(build_app(make_ctx(fake))) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={"model": "fake", "prompt": "x"}, timeout=0.3)
+        assert wait_until(lambda: fake.handles[0].cancelled), "the request kept generating"
+
+
+# -- the real engine on a tiny random model ---------------------------------------------------------
+
+
+def start_tiny_engine(path: Any, context_length: int) -> tuple[Config, Any, Any]:
+    from mlxr_core.engine.engine import Engine
+
+    config = Config(models=[ModelConfig(path=str(path), name="tiny", context_length=context_length)])
+    host = load_plugins()
+    engine = Engine(config, host)
+    engine.start()
+    return config, host, engine
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path: Any):
+    config, host, engine = start_tiny_engine(tiny_path, context_length=128)
+    try:
+        with TestClient(build_app(ServerContext(config=config, host=host, engine=engine))) as test_client:
+            yield test_client
+    finally:
+        engine.stop()
+
+
+def tiny_chat(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "the wine"}], "temperature": 0, **extra}
+
+
+def streamed_text(events: list[Any], key: str) -> str:
+    return "".join(
+        (e["choices"][0]["delta"].get("content", "") if key == "chat" else e["choices"][0]["text"])
+        for e in events[:-1] if e["choices"]
+    )
+
+
+def test_tiny_greedy_chat_streamed_equals_whole(tiny: TestClient) -> None:
+    whole = tiny.post(CHAT, json=tiny_chat(max_tokens=12, ignore_eos=True)).json()
+    text = whole["choices"][0]["message"]["content"]
+    assert whole["choices"][0]["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 12
+    events = sse_events(tiny.post(CHAT, json=tiny_chat(
+        max_tokens=12, ignore_eos=True, stream=True, stream_options={"include_usage": True})).text)
+    assert streamed_text(events, "chat") == text
+    assert events[-2]["usage"] == whole["usage"]
+
+
+def test_tiny_completion(tiny: TestClient) -> None:
+    body = tiny.post(COMPLETIONS, json={"model": "tiny", "prompt": "the", "max_tokens": 8, "temperature": 0,
+                                         "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 8 and body["choices"][0]["finish_reason"] == "length"
+    events = sse_events(tiny.post(COMPLETIONS, json={"model": "tiny", "prompt": "the", "max_tokens": 8,
+                                                     "temperature": 0, "ignore_eos": True, "stream": True}).text)
+    assert streamed_text(events, "completion") == body["choices"][0]["text"]
+
+
+def test_tiny_stop_strings(tiny: TestClient) -> None:
+    text = tiny.post(CHAT, json=tiny_chat(max_tokens=24, ignore_eos=True)).json()["choices"][0]["message"]["content"]
+    assert len(text) > 4, "the tiny model must produce some text for this test"
+    stop = text[2:4]
+    for stream in (False, True):
+        r = tiny.post(CHAT, json=tiny_chat(max_tokens=24, ignore_eos=True, stop=[stop, "\x00never"], stream=stream))
+        if stream:
+            events = sse_events(r.text)
+            stopped, reason = streamed_text(events, "chat"), events[-2]["choices"][0]["finish_reason"]
+        else:
+            stopped, reason = r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+        assert stopped == text[: text.index(stop)] and reason == "stop"
+
+
+def test_tiny_seeded_sampling_is_reproducible(tiny: TestClient) -> None:
+    def sample(seed: int) -> str:
+        body = tiny_chat(temperature=1.0, seed=seed, max_tokens=16, ignore_eos=True)
+        return str(tiny.post(CHAT, json=body).json()["choices"][0]["message"]["content"])
+
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(seed) != first for seed in (8, 9, 10))
+
+
+def test_tiny_bad_requests_then_success(tiny: TestClient) -> None:
+    long_chat = tiny_chat(messages=[{"role": "user", "content": "the wine " * 200}])
+    cases = [
+        (CHAT, long_chat, 400, "messages"),
+        (COMPLETIONS, {"model": "tiny", "prompt": "the wine " * 200}, 400, "prompt"),
+        (CHAT, tiny_chat(max_tokens=127), 400, "messages"),
+        (CHAT, tiny_chat(max_tokens=-1), 400, "max_tokens"),
+        (CHAT, tiny_chat(n=2), 400, "n"),
+        (CHAT, tiny_chat(model="other"), 404, "model"),
+        (CHAT, tiny_chat(temperature="hot"), 400, "temperature"),
+    ]
+    for path, body, status, param in cases:
+        r = tiny.post(path, json=body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+        ok = tiny.post(CHAT, json=tiny_chat(max_tokens=2, ignore_eos=True))
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    r = tiny.post(CHAT, json=long_chat)
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_tiny_disconnect_frees_the_engine(tiny_path: Any) -> None:
+    config, host, engine = start_tiny_engine(tiny_path, context_length=4096)
+    handles: list[RequestHandle] = []
+    submit = engine.submit
+
+    def recording_submit(request: GenerationRequest, *, loop: Any = None) -> RequestHandle:
+        handles.append(submit(request, loop=loop))
+        return handles[-1]
+
+    engine.submit = recording_submit
+    try:
+        with ThreadedServer(build_app(ServerContext(config=config, host=host, engine=engine))) as url:
+            body = tiny_chat(max_tokens=4000, ignore_eos=True, stream=True)
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                lines = r.iter_lines()
+                [next(lines) for _ in range(6)]
+            left = time.monotonic()
+            assert wait_until(lambda: engine.active is None, timeout=5), "the engine kept generating"
+            assert handles[0].cancelled and time.monotonic() - left < 5
+            ok = httpx.post(f"{url}/v1/chat/completions", json=tiny_chat(max_tokens=3, ignore_eos=True), timeout=10)
+            assert ok.json()["usage"]["completion_tokens"] == 3
+    finally:
+        engine.stop()

@@ -1,0 +1,181 @@
+"""The ``mlx_fast`` kernels against the ``reference`` ones, and the reference against the math.
+
+Tolerances (``|fast - reference| <= atol + rtol * |reference|``, inputs ~N(0, 1)):
+- attention: float32 1e-5 + 1e-5; float16 2e-3 + 2^-9; bfloat16 1.6e-2 + 2^-6, i.e. about two
+  roundings in the output dtype (the kernels round the softmax weights and sums at different points);
+- rms_norm: ``rtol = 2 eps``, ``atol = eps`` (float16 eps 2^-10, bfloat16 2^-7, float32 5e-6);
+- rope: ``rtol = 2 eps``, ``atol = 4 eps``: an output ``x1 cos - x2 sin`` that nearly cancels keeps
+  the absolute rounding error of its inputs (here ~2), not one relative to itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxr_core.kernels import KernelContext, bind_kernels
+from mlxr_core.plugins import load_plugins
+from mlxr_plugins.kernels import mlx_fast, reference
+
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+ATTENTION_TOL = {mx.float32: (1e-5, 1e-5), mx.float16: (2e-3, 2.0**-9), mx.bfloat16: (1.6e-2, 2.0**-6)}
+EPS = {mx.float32: 5e-6, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+
+
+def close(actual: mx.array, expected: mx.array, *, atol: float, rtol: float = 0.0) -> None:
+    a = np.array(actual.astype(mx.float32))
+    e = np.array(expected.astype(mx.float32))
+    np.testing.assert_allclose(a, e, atol=atol, rtol=rtol)
+
+
+def make_mask(kind: str, B: int, Hq: int, L: int, S: int, dtype: mx.Dtype, key: mx.array) -> None | str | mx.array:
+    if kind in ("none", "causal"):
+        return None if kind == "none" else "causal"
+    if kind == "additive":
+        return mx.random.normal((B, 1, L, S), key=key).astype(dtype)
+    visible = mx.random.uniform(shape=(1, Hq, L, S), key=key) > 0.4
+    # Every query must see at least one key: a fully masked row is undefined (NaN) in both.
+    return mx.concatenate([mx.ones((1, Hq, L, 1), dtype=mx.bool_), visible[..., 1:]], axis=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("L,S", [(1, 1), (1, 37), (7, 7), (5, 33)])
+@pytest.mark.parametrize("mask_kind", ["none", "causal", "additive", "bool"])
+def test_attention_parity(dtype, heads, D, L, S, mask_kind):
+    Hq, Hkv = heads
+    B = 2
+    keys = mx.random.split(mx.random.key(L * 1000 + S * 10 + D), 4)
+    q = mx.random.normal((B, Hq, L, D), key=keys[0]).astype(dtype)
+    k = mx.random.normal((B, Hkv, S, D), key=keys[1]).astype(dtype)
+    v = mx.random.normal((B, Hkv, S, D), key=keys[2]).astype(dtype)
+    mask = make_mask(mask_kind, B, Hq, L, S, dtype, keys[3])
+    scale = D**-0.5
+    expected = reference.attention(q, k, v, scale=scale, mask=mask)
+    actual = mlx_fast.attention(q, k, v, scale=scale, mask=mask)
+    assert actual.shape == expected.shape == (B, Hq, L, D)
+    assert actual.dtype == expected.dtype == dtype
+    atol, rtol = ATTENTION_TOL[dtype]
+    close(actual, expected, atol=atol, rtol=rtol)
+
+
+def naive_attention(q, k, v, scale, visible):
+    """Head by head, with key head ``h // R`` for query head ``h``; ``visible`` is [L, S] or None."""
+    q, k, v = (np.array(a, dtype=np.float64) for a in (q, k, v))
+    B, Hq, L, _ = q.shape
+    R = Hq // k.shape[1]
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(Hq):
+            scores = scale * q[b, h] @ k[b, h // R].T
+            if visible is not None:
+                scores = np.where(visible, scores, -np.inf)
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, h] = (weights / weights.sum(-1, keepdims=True)) @ v[b, h // R]
+    return out
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
+@pytest.mark.parametrize("L,S", [(1, 9), (4, 4), (3, 11)])
+def test_reference_attention_is_the_math(heads, L, S):
+    Hq, Hkv = heads
+    keys = mx.random.split(mx.random.key(7), 3)
+    q = mx.random.normal((2, Hq, L, 16), key=keys[0])
+    k = mx.random.normal((2, Hkv, S, 16), key=keys[1])
+    v = mx.random.normal((2, Hkv, S, 16), key=keys[2])
+    causal = np.arange(S - L, S)[:, None] >= np.arange(S)[None, :]  # bottom-right aligned
+    np.testing.assert_allclose(
+        np.array(reference.attention(q, k, v, scale=0.25, mask="causal")),
+        naive_attention(q, k, v, 0.25, causal), atol=1e-5,
+    )
+    np.testing.assert_allclose(
+        np.array(reference.attention(q, k, v, scale=0.25)), naive_attention(q, k, v, 0.25, None), atol=1e-5
+    )
+    additive = mx.where(mx.array(causal), 0.0, -math.inf)
+    close(reference.attention(q, k, v, scale=0.25, mask=additive),
+          reference.attention(q, k, v, scale=0.25, mask="causal"), atol=1e-6)
+
+
+def test_reference_attention_rejects_bad_heads_and_masks():
+    q, k = mx.zeros((1, 3, 2, 8)), mx.zeros((1, 2, 2, 8))
+    with pytest.raises(ValueError, match="multiple"):
+        reference.attention(q, k, k, scale=1.0)
+    with pytest.raises(ValueError, match="mask"):
+        reference.attention(q, q, q, scale=1.0, mask="sliding")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dims", [64, 576, 4096])
+def test_rms_norm_parity(dtype, dims):
+    keys = mx.random.split(mx.random.key(dims), 2)
+    x = (3 * mx.random.normal((2, 5, dims), key=keys[0])).astype(dtype)
+    w = mx.random.normal((dims,), key=keys[1]).astype(dtype)
+    expected = reference.rms_norm(x, w, 1e-5)
+    close(mlx_fast.rms_norm_kernel.op(x, w, 1e-5), expected, atol=EPS[dtype], rtol=2 * EPS[dtype])
+    x64 = np.array(x.astype(mx.float32), dtype=np.float64)
+    manual = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * np.array(w.astype(mx.float32))
+    np.testing.assert_allclose(np.array(expected.astype(mx.float32)), manual, atol=4 * EPS[dtype], rtol=4 * EPS[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims", [64, 32])
+@pytest.mark.parametrize("offset", [0, 13, "array"])
+@pytest.mark.parametrize("with_freqs", [False, True])
+def test_rope_parity(dtype, traditional, dims, offset, with_freqs):
+    keys = mx.random.split(mx.random.key(dims + 1), 2)
+    x = (2 * mx.random.normal((2, 3, 7, 64), key=keys[0])).astype(dtype)
+    start = mx.array(21) if offset == "array" else offset
+    freqs = mx.random.uniform(1.0, 5e4, (dims // 2,), key=keys[1]) if with_freqs else None
+    kwargs = dict(traditional=traditional, base=None if with_freqs else 10000.0, scale=0.5,
+                  offset=start, freqs=freqs)
+    expected = reference.rope(x, dims, **kwargs)
+    close(mlx_fast.rope_kernel.op(x, dims, **kwargs), expected, atol=4 * EPS[dtype], rtol=2 * EPS[dtype])
+    if dims < 64:  # features past dims pass through untouched
+        assert mx.array_equal(expected[..., dims:], x[..., dims:])
+
+
+def test_rope_per_batch_offsets():
+    x = mx.random.normal((3, 2, 5, 32), key=mx.random.key(3))
+    offsets = mx.array([0, 4, 100])
+    batched = reference.rope(x, 32, traditional=False, base=1e4, scale=1.0, offset=offsets)
+    for b, start in enumerate([0, 4, 100]):
+        row = reference.rope(x[b : b + 1], 32, traditional=False, base=1e4, scale=1.0, offset=start)
+        close(batched[b : b + 1], row, atol=1e-5)
+    close(mx.fast.rope(x, 32, traditional=False, base=1e4, scale=1.0, offset=offsets), batched, atol=1e-5)
+
+
+def test_reference_rope_rotates_pairs_as_documented():
+    # One feature pair at position 1 with freqs 1 rotates by exactly 1 radian.
+    x = mx.array([[[1.0, 0.0], [1.0, 0.0]]])  # [1, L=2, D=2]
+    out = reference.rope(x, 2, traditional=False, base=None, scale=1.0, offset=0, freqs=mx.array([1.0]))
+    np.testing.assert_allclose(np.array(out[0, 1]), [math.cos(1.0), math.sin(1.0)], atol=1e-6)
+    np.testing.assert_allclose(np.array(out[0, 0]), [1.0, 0.0], atol=1e-7)
+
+
+def ctx(op: str, dtype: str = "float32", **shapes) -> KernelContext:
+    return KernelContext(op=op, device="cpu", platform="cpu", dtype=dtype, shapes=shapes)
+
+
+def test_mlx_fast_says_why_it_cannot_run():
+    assert mlx_fast.attention_kernel.supports(ctx("attention", head_dim=128, masks=("causal",))) == []
+    assert "float64" in " ".join(mlx_fast.attention_kernel.supports(ctx("attention", "float64")))
+    assert "sliding" in " ".join(mlx_fast.attention_kernel.supports(ctx("attention", masks=("sliding",))))
+    assert "even" in " ".join(mlx_fast.rope_kernel.supports(ctx("rope", rope_dims=31)))
+    assert reference.attention_kernel.supports(ctx("attention", "float64")) == []
+
+
+def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
+    registries = load_plugins().registries
+    for op in ("attention", "rms_norm", "rope"):
+        assert f"{op}:reference" in registries.kernels
+        assert f"{op}:mlx_fast" in registries.kernels
+    shapes = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
+    auto = bind_kernels(registries.kernels, dtype="float32", shapes=shapes)
+    assert dict(auto.chosen) == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "rope": "mlx_fast"}
+    chosen = bind_kernels(registries.kernels, dtype="float32", shapes=shapes, choices={"attention": "reference"})
+    assert chosen.chosen["attention"] == "reference" and chosen.attention is reference.attention
