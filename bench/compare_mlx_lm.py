@@ -192,6 +192,8 @@ class Peer(Protocol):
 def run_worker(name: str, spec_path: Path, result_path: Path) -> int:
     """Load one peer once, then warm up and time every case; write the results as JSON."""
     spec = json.loads(spec_path.read_text())
+    # Other work on a shared machine shows up here; kept in the results to judge a round by.
+    load_before = os.getloadavg()[0]
     peer = PEER_CLASSES[name](spec)
     try:
         cases = []
@@ -209,7 +211,8 @@ def run_worker(name: str, spec_path: Path, result_path: Path) -> int:
             })
     finally:
         peer.close()
-    result_path.write_text(json.dumps({"peer": name, **peer.info, "cases": cases}))
+    loadavg = {"before": load_before, "after": os.getloadavg()[0]}
+    result_path.write_text(json.dumps({"peer": name, **peer.info, "loadavg_1min": loadavg, "cases": cases}))
     return 0
 
 
@@ -248,7 +251,9 @@ class MlxrPeer(MlxMemory):
         return measure_stream(self.engine, self.summary.name, prompt_ids, gen_tokens)
 
     def close(self) -> None:
-        self.engine.stop()
+        from mlxr_core.cli.bench import stop_engine
+
+        stop_engine(self.engine)
 
 
 class MlxLmPeer(MlxMemory):
@@ -363,7 +368,8 @@ def build_report(
     """Medians per peer and case, per-round ratios mlxr/peer and their medians, greedy agreement."""
     peers: dict[str, Any] = {}
     for peer, rounds in results.items():
-        info = {key: value for key, value in rounds[0].items() if key != "cases"}
+        info = {key: value for key, value in rounds[0].items() if key not in ("cases", "loadavg_1min")}
+        info["loadavg_1min"] = [r["loadavg_1min"] for r in rounds]
         cases = []
         for index, case in enumerate(rounds[0]["cases"]):
             per_round = [r["cases"][index] for r in rounds]

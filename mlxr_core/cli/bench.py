@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from importlib.metadata import version
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -335,6 +336,24 @@ def start_engine(
     return engine, summary
 
 
+def stop_engine(engine: Engine, timeout: float = 5.0) -> None:
+    """Stop ``engine`` and wait until its OS thread has really exited.
+
+    ``Thread.join`` returns before the thread's C++ thread-local destructors run; MLX's take the
+    GIL, and if the interpreter is finalizing by then the process aborts ("terminate called without
+    an active exception"). Waiting for the kernel task to vanish closes that window (Linux).
+    """
+    threads = [t for t in threading.enumerate() if t.name == "mlxr-engine"]
+    engine.stop()
+    deadline = time.monotonic() + timeout
+    for thread in threads:
+        if thread.is_alive() or thread.native_id is None:
+            continue
+        task = Path(f"/proc/self/task/{thread.native_id}")
+        while task.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
 def bench(
     model: str,
     *,
@@ -389,4 +408,4 @@ def bench(
         report["peak_memory_bytes"] = mx.get_peak_memory()
         return report
     finally:
-        engine.stop()
+        stop_engine(engine)

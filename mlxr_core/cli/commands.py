@@ -55,9 +55,14 @@ def add_plugin_commands(host: PluginHost, subparsers: Subparsers) -> None:
     """
     for impl in host.manager.hook.mlxr_register_commands.get_hookimpls():
         info = host.plugins.get(impl.plugin_name)
-        before = set(subparsers.choices)
+        before = dict(subparsers.choices)
         try:
             impl.function(cli=subparsers)
+            # Python 3.10's argparse silently replaces a command of the same name; 3.11+ raises.
+            taken = sorted(name for name, parser in before.items() if subparsers.choices[name] is not parser)
+            if taken:
+                subparsers.choices.update({name: before[name] for name in taken})
+                raise ValueError(f"command name(s) already taken: {', '.join(taken)}")
         except Exception as exc:
             log.warning("plugin %s failed to add its commands: %s: %s", impl.plugin_name, type(exc).__name__, exc)
             if info is not None:
@@ -67,7 +72,7 @@ def add_plugin_commands(host: PluginHost, subparsers: Subparsers) -> None:
                 info.error = f"mlxr_register_commands raised: {type(exc).__name__}: {exc}"
                 info.traceback = "".join(traceback.format_exception(exc))
             continue
-        added = sorted(set(subparsers.choices) - before)
+        added = sorted(set(subparsers.choices) - set(before))
         if info is not None and added:
             info.provides["commands"] = added
 

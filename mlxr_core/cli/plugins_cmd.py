@@ -12,7 +12,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from mlxr_core.cli.commands import Subparsers, add_plugin_commands
+from mlxr_core.cli.commands import BUILTIN_COMMANDS, Subparsers, add_plugin_commands
 from mlxr_core.plugins import env_flag
 
 if TYPE_CHECKING:
@@ -61,8 +61,12 @@ def run(args: argparse.Namespace) -> int:
         disable, require = config.plugins.disable, config.plugins.require
         strict = strict or config.plugins.strict
     host = load_plugins(disable=disable, require=require, strict=False)
-    # Build the plugins' commands on a scratch parser, to show them and catch the ones that fail.
-    add_plugin_commands(host, argparse.ArgumentParser().add_subparsers())
+    # Build the plugins' commands on a scratch parser, to show them and catch the ones that fail
+    # (taking a built-in command's name included).
+    scratch = argparse.ArgumentParser().add_subparsers()
+    for name in BUILTIN_COMMANDS:
+        scratch.add_parser(name)
+    add_plugin_commands(host, scratch)
     report = plugin_report(host)
     if args.json:
         print(json.dumps(report, indent=2))

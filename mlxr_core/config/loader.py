@@ -312,11 +312,11 @@ def _interpret(text: str, key_path: KeyPath) -> Any:
     target = field_type(Config, key_path)
     if target is str:
         return text
-    if typing.get_origin(target) is list and typing.get_args(target) == (str,):
-        if not text.lstrip().startswith("["):
-            return [item.strip() for item in text.split(",") if item.strip()]
+    is_str_list = typing.get_origin(target) is list and typing.get_args(target) == (str,)
+    if is_str_list and not text.lstrip().startswith("["):
+        return [item.strip() for item in text.split(",") if item.strip()]
     try:
-        return yaml.load(text, Loader=_YamlLoader)  # noqa: S506 - a safe loader subclass
+        return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass
     except yaml.YAMLError:
         return text
 

@@ -124,12 +124,25 @@ def _dict_hook(t: Any, converter: cattrs.Converter) -> Callable[[Any, Any], Any]
 
 
 def _class_hook(cl: type, converter: cattrs.Converter) -> Callable[[Any, Any], Any]:
-    inner = cattrs.gen.make_dict_structure_fn(cl, converter, _cattrs_forbid_extra_keys=True)
+    # Unknown keys are checked here rather than by cattrs, which would then skip the class's
+    # validators: a typo and a bad value in one section are reported together.
+    inner: Callable[[Any, Any], Any] = cattrs.gen.make_dict_structure_fn(
+        cl, converter, _cattrs_forbid_extra_keys=False
+    )
+    known = {a.name for a in attrs.fields(cl)}
 
     def structure(value: Any, _: Any) -> Any:
         if not isinstance(value, Mapping):
             raise TypeMismatch(f"expected a mapping, got {describe(value)}")
-        return inner(value, cl)
+        unknown = {key for key in value if key not in known}
+        if not unknown:
+            return inner(value, cl)
+        extra = ForbiddenExtraKeysError("", cl, unknown)
+        try:
+            inner({k: v for k, v in value.items() if k in known}, cl)
+        except ClassValidationError as exc:
+            raise ClassValidationError(exc.message, [*exc.exceptions, extra], cl) from None
+        raise ClassValidationError(f"While structuring {cl.__name__}", [extra], cl)
 
     return structure
 
@@ -140,19 +153,19 @@ def _class_hook(cl: type, converter: cattrs.Converter) -> Callable[[Any, Any], A
 def problems_of(exc: BaseException, path: KeyPath = ()) -> Iterator[Problem]:
     """Flatten a (detailed) cattrs structuring error into problems with key paths."""
     if isinstance(exc, IterableValidationError):
-        with_notes, without = exc.group_exceptions()
-        for sub, note in with_notes:
-            yield from problems_of(sub, (*path, note.index))
-        for sub in without:
+        items, item_errors = exc.group_exceptions()
+        for sub, item in items:
+            yield from problems_of(sub, (*path, item.index))
+        for sub in item_errors:
             yield from problems_of(sub, path)
     elif isinstance(exc, ClassValidationError):
-        with_notes, without_notes = exc.group_exceptions()
-        for sub, attr_note in with_notes:
+        attributes, class_errors = exc.group_exceptions()
+        for sub, attribute in attributes:
             if isinstance(sub, KeyError):
-                yield Problem((*path, attr_note.name), "required key missing")
+                yield Problem((*path, attribute.name), "required key missing")
             else:
-                yield from problems_of(sub, (*path, attr_note.name))
-        for sub in without_notes:
+                yield from problems_of(sub, (*path, attribute.name))
+        for sub in class_errors:
             if isinstance(sub, ForbiddenExtraKeysError):
                 known = [a.name for a in attrs.fields(sub.cl)]
                 for key in sorted(sub.extra_fields):

@@ -18,8 +18,18 @@ Quant = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0"]
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 #: A few BPE merges over the byte alphabet (``Ġ`` is the GPT-2 symbol for a space).
 MERGES = (
-    ("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"),
-    ("o", "n"), ("r", "e"), ("Ġ", "a"), ("Ġ", "s"), ("l", "l"), ("Ġ", "w"),
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("e", "r"),
+    ("a", "n"),
+    ("o", "n"),
+    ("r", "e"),
+    ("Ġ", "a"),
+    ("Ġ", "s"),
+    ("l", "l"),
+    ("Ġ", "w"),
 )
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -31,7 +41,11 @@ CHATML_TEMPLATE = (
 
 def gpt2_byte_symbols() -> list[str]:
     """The printable stand-in GPT-2 uses for each of the 256 bytes, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     symbols, extra = {}, 0
     for byte in range(256):
         if byte in printable:
@@ -56,7 +70,11 @@ def tiny_gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
 def _permute_for_ggml(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Q/K rows (see ``mlxr_plugins.formats.gguf.quants``)."""
     rows = weight.shape[0]
-    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def write_tiny_llama_gguf(
@@ -84,7 +102,11 @@ def write_tiny_llama_gguf(
     if vocab != "gpt2":
         raise ValueError(f"unknown tiny vocabulary {vocab!r} (only 'gpt2')")
     qtype = gguf.GGMLQuantizationType[quant.upper()]
-    file_type = gguf.LlamaFileType.ALL_F32 if quant == "f32" else gguf.LlamaFileType[f"MOSTLY_{quant.upper()}"]
+    file_type = (
+        gguf.LlamaFileType.ALL_F32
+        if quant == "f32"
+        else gguf.LlamaFileType[f"MOSTLY_{quant.upper()}"]
+    )
     path = Path(path)
     tokens, token_types, merges = tiny_gpt2_vocab()
     n_vocab, head_dim = len(tokens), hidden // heads
@@ -131,7 +153,10 @@ def write_tiny_llama_gguf(
     for i in range(n_layers):
         add(f"blk.{i}.attn_norm.weight", norm())
         add(f"blk.{i}.attn_q.weight", _permute_for_ggml(matrix(heads * head_dim, hidden), heads))
-        add(f"blk.{i}.attn_k.weight", _permute_for_ggml(matrix(kv_heads * head_dim, hidden), kv_heads))
+        add(
+            f"blk.{i}.attn_k.weight",
+            _permute_for_ggml(matrix(kv_heads * head_dim, hidden), kv_heads),
+        )
         add(f"blk.{i}.attn_v.weight", matrix(kv_heads * head_dim, hidden))
         add(f"blk.{i}.attn_output.weight", matrix(hidden, heads * head_dim))
         add(f"blk.{i}.ffn_norm.weight", norm())

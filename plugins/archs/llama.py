@@ -52,8 +52,11 @@ class LlamaArgs:
         """Build from a checkpoint config, ignoring keys this graph does not use."""
         fields = {field.name for field in dataclasses.fields(cls)}
         known = {key: value for key, value in config.items() if key in fields}
-        missing = [field.name for field in dataclasses.fields(cls)
-                   if field.default is dataclasses.MISSING and field.name not in known]
+        missing = [
+            field.name
+            for field in dataclasses.fields(cls)
+            if field.default is dataclasses.MISSING and field.name not in known
+        ]
         if missing:
             raise ModelLoadError(f"the llama config lacks {', '.join(missing)}")
         return cls(**known)
@@ -64,6 +67,11 @@ class LlamaArgs:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
+def base_freqs(dims: int, base: float) -> mx.array:
+    """Unscaled RoPE ``freqs``: ``base ** (2i / dims)``."""
+    return base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+
+
 def llama3_rope_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
     """Llama 3.1 frequency scaling: long wavelengths stretched by ``factor``, short ones kept,
     the band between interpolated. Returns ``freqs`` as ``mx.fast.rope`` takes them (periods / 2pi)."""
@@ -72,7 +80,7 @@ def llama3_rope_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.arr
     high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
     original = float(scaling.get("original_max_position_embeddings", 8192))
 
-    freqs = base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    freqs = base_freqs(dims, base)
     wavelengths = 2 * math.pi * freqs
     low_freq_wavelength = original / low_freq_factor
     high_freq_wavelength = original / high_freq_factor
@@ -110,14 +118,16 @@ class Rotary:
         if self.freqs is not None:
             self.base = None
 
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
-        return self.rope(x, self.dims, traditional=self.traditional, base=self.base,
-                         scale=self.scale, offset=offset, freqs=self.freqs)
-
-
-def base_freqs(dims: int, base: float) -> mx.array:
-    """Unscaled RoPE ``freqs``: ``base ** (2i / dims)``."""
-    return base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+    def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        return self.rope(
+            x,
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=self.scale,
+            offset=offset,
+            freqs=self.freqs,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -145,7 +155,7 @@ class Attention(nn.Module):
         self._rotary = rotary
         self._attention = kernels.attention
 
-    def __call__(self, x: mx.array, mask: None | str | mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
@@ -181,7 +191,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
-    def __call__(self, x: mx.array, mask: None | str | mx.array, cache: KVCache | None) -> mx.array:
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), mask, cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -191,11 +201,13 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = Rotary(args, kernels)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [TransformerBlock(args, kernels, rotary) for _ in range(args.num_hidden_layers)]
+        self.layers = [
+            TransformerBlock(args, kernels, rotary) for _ in range(args.num_hidden_layers)
+        ]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
     def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, mask: None | str | mx.array = None
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
     ) -> mx.array:
         h = self.embed_tokens(inputs)
         if mask is None and h.shape[1] > 1:
@@ -217,7 +229,7 @@ class Llama(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, mask: None | str | mx.array = None
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
     ) -> mx.array:
         h = self.model(inputs, cache, mask)
         if self.args.tie_word_embeddings:

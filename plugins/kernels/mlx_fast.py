@@ -26,7 +26,9 @@ def _attention_support(ctx: KernelContext) -> list[str]:
     masks = ctx.shapes.get("masks", ())
     unknown = [kind for kind in masks if kind not in ("causal", "array")]
     if unknown:
-        reasons.append(f"mask kinds {', '.join(map(str, unknown))} are not supported (causal, array)")
+        reasons.append(
+            f"mask kinds {', '.join(map(str, unknown))} are not supported (causal, array)"
+        )
     return reasons
 
 
@@ -39,7 +41,7 @@ def _rope_support(ctx: KernelContext) -> list[str]:
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: None | str | mx.array = None
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: str | mx.array | None = None
 ) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` (GQA without tiling, bottom-right causal mask)."""
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)

@@ -14,7 +14,7 @@ from mlxr_plugins.kernels import KernelImpl
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: None | str | mx.array = None
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: str | mx.array | None = None
 ) -> mx.array:
     """``softmax(scale * q @ k.T + mask) @ v`` with grouped-query heads.
 
@@ -51,10 +51,10 @@ def _group_heads(mask: mx.array, Hkv: int, R: int) -> mx.array:
     """Reshape a mask broadcastable to ``[B, Hq, L, S]`` to broadcast to ``[B, Hkv, R, L, S]``."""
     while mask.ndim < 4:
         mask = mask[None]
-    b, h, l, s = mask.shape
+    b, h, rows, cols = mask.shape
     if h == 1:
-        return mask.reshape(b, 1, 1, l, s)
-    return mask.reshape(b, Hkv, R, l, s)
+        return mask.reshape(b, 1, 1, rows, cols)
+    return mask.reshape(b, Hkv, R, rows, cols)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:

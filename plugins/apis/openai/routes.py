@@ -3,42 +3,32 @@
 A handler decodes its body strictly (:func:`~mlxr_plugins.apis.openai.errors.decode_body`), turns
 it into :class:`~mlxr_core.engine.request.SamplingParams`, tokenizes in a worker thread (chat
 templates and BPE are pure Python and must not stall the event loop), submits to the engine and
-reads the request's events back, as one JSON body or as server-sent events.
-
-A client that goes away cancels its request: the SSE generator cancels in ``finally`` (litestar#3772:
-Litestar only stops iterating, the producer must stop itself), the response's background task
-cancels again in case the generator was parked at a ``yield``, and a non-streaming handler watches
-the connection while it waits.
+answers from the request's events (:mod:`mlxr_plugins.apis.openai.streaming`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import msgspec
 from litestar import Request, Response, Router, get, post
-from litestar.background_tasks import BackgroundTask
-from litestar.response import Stream
 from mlxr_plugins.apis.openai import schemas as s
-from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS, decode_body, error_body
+from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS, decode_body
+from mlxr_plugins.apis.openai.streaming import (
+    ChatChunks,
+    CompletionChunks,
+    ResponseMeta,
+    collect,
+    sse_response,
+    usage_of,
+)
 
 from mlxr_core.engine.engine import Engine
-from mlxr_core.engine.request import (
-    Delta,
-    Failed,
-    Finished,
-    GenerationRequest,
-    RequestHandle,
-    SamplingParams,
-)
-from mlxr_core.engine.request import Usage as EngineUsage
-from mlxr_core.errors import ContextLengthExceeded, EngineStopped, MlxrError, RequestError
+from mlxr_core.engine.request import GenerationRequest, SamplingParams
+from mlxr_core.errors import ContextLengthExceeded, EngineStopped, RequestError
 from mlxr_core.server import ServerContext
 
 #: Stop strings: OpenAI allows 4; more are accepted up to these limits.
@@ -48,8 +38,6 @@ MAX_STOP_CHARS = 256
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 #: OpenAI parameters honoured only when a sampler plugin registers a sampler of the same name.
 SAMPLER_OWNED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-DONE = b"data: [DONE]\n\n"
 
 
 def make_router(ctx: ServerContext) -> Router:
@@ -95,13 +83,13 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
         GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params),
         loop=asyncio.get_running_loop(),
     )
-    meta = _Meta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
+    meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(handle, _ChatChunks(meta, include_usage))
+        return sse_response(handle, ChatChunks(meta, include_usage))
     text, finished = await collect(handle, request)
     choice = s.ChatChoice(0, s.AssistantMessage(content=text), finished.reason)
-    return _json(s.ChatCompletion(meta.id, meta.created, meta.model, [choice], _usage(finished.usage)))
+    return _json(s.ChatCompletion(meta.id, meta.created, meta.model, [choice], usage_of(finished.usage)))
 
 
 async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -127,13 +115,13 @@ async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any])
     except ContextLengthExceeded as exc:
         exc.param = "prompt"
         raise
-    meta = _Meta(f"cmpl-{uuid.uuid4().hex}", body.model)
+    meta = ResponseMeta(f"cmpl-{uuid.uuid4().hex}", body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(handle, _CompletionChunks(meta, include_usage))
+        return sse_response(handle, CompletionChunks(meta, include_usage))
     text, finished = await collect(handle, request)
     choice = s.CompletionChoice(0, text, finished.reason)
-    return _json(s.Completion(meta.id, meta.created, meta.model, [choice], usage=_usage(finished.usage)))
+    return _json(s.Completion(meta.id, meta.created, meta.model, [choice], usage=usage_of(finished.usage)))
 
 
 # -- request -> engine -----------------------------------------------------------------------
@@ -270,10 +258,6 @@ def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
 
 def _json(value: Any) -> Response[bytes]:
     return Response(s.encoder.encode(value), media_type="application/json")
-
-
-def _usage(usage: EngineUsage) -> s.Usage:
-    return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
 
 
 def _card(info: Any) -> s.ModelCard:

@@ -25,6 +25,8 @@ from mlxr_plugins.formats.gguf.quants import EXACT_BITS, GROUP_SIZE, repack, unp
 log = logging.getLogger(__name__)
 
 MAGIC = b"GGUF"
+#: Stored as plain floats: read as they are, cast to the model dtype.
+FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 #: llama.cpp block tensor names -> Hugging Face module names under ``model.layers.N``.
@@ -96,17 +98,22 @@ class _TensorError(Exception):
 def open_reader(path: Path) -> gguf.GGUFReader:
     """Parse ``path``'s header and tensor index (memory-mapped); raise ModelLoadError if corrupt."""
     if not detect(path):
-        raise ModelLoadError("not a GGUF file (it does not start with the magic bytes 'GGUF')", path=str(path))
+        raise ModelLoadError(
+            "not a GGUF file (it does not start with the magic bytes 'GGUF')", path=str(path)
+        )
     try:
         return _Reader(path)
     except _TensorError as exc:
         raise ModelLoadError(
             f"truncated or corrupt GGUF: the tensor's data does not fit in the file "
             f"({path.stat().st_size} bytes): {exc.cause}",
-            path=str(path), tensor=exc.tensor,
+            path=str(path),
+            tensor=exc.tensor,
         ) from exc.cause
     except Exception as exc:
-        raise ModelLoadError(f"corrupt GGUF header: {type(exc).__name__}: {exc}", path=str(path)) from exc
+        raise ModelLoadError(
+            f"corrupt GGUF header: {type(exc).__name__}: {exc}", path=str(path)
+        ) from exc
 
 
 def detect(path: Path) -> bool:
@@ -186,7 +193,7 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
     return {key: value for key, value in config.items() if value is not None}
 
 
-def to_mx(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+def _to_mx(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return mx.array(array).astype(dtype)
 
 
@@ -214,7 +221,9 @@ class GGUFFormat:
         """Read ``path``: exact MLX quantization for Q4_0/Q4_1/Q8_0, ``dtype`` arrays for the rest."""
         path = Path(path)
         if dtype not in DTYPES:
-            raise ModelLoadError(f"unsupported dtype {dtype!r} (use one of {', '.join(DTYPES)})", path=str(path))
+            raise ModelLoadError(
+                f"unsupported dtype {dtype!r} (use one of {', '.join(DTYPES)})", path=str(path)
+            )
         reader = open_reader(path)
         tensors = {tensor.name: tensor for tensor in reader.tensors}
         try:
@@ -222,9 +231,12 @@ class GGUFFormat:
         except Exception as exc:
             raise ModelLoadError(f"unreadable model metadata: {exc}", path=str(path)) from exc
 
-        permute = {}
+        permute: dict[str, int] = {}
         if config["model_type"] in PERMUTED_ARCHS:
-            permute = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+            permute = {
+                "attn_q": config["num_attention_heads"],
+                "attn_k": config["num_key_value_heads"],
+            }
 
         weights: dict[str, mx.array] = {}
         quantization: dict[str, QuantSpec] = {}
@@ -242,16 +254,20 @@ class GGUFFormat:
                 raise ModelLoadError(
                     f"cannot convert {tensor.tensor_type.name} tensor of shape "
                     f"{list(map(int, tensor.shape))}: {type(exc).__name__}: {exc}",
-                    path=str(path), tensor=name,
+                    path=str(path),
+                    tensor=name,
                 ) from exc
             weights.update(arrays)
-            if tensor.tensor_type not in EXACT_BITS and tensor.tensor_type not in (QType.F32, QType.F16, QType.BF16):
+            if tensor.tensor_type not in EXACT_BITS and tensor.tensor_type not in FLOAT_TYPES:
                 dequantized.add(tensor.tensor_type.name)
 
         for qtype in sorted(dequantized):
             log.warning(
                 "%s: %s tensors have no exact MLX layout; dequantized to %s (%d tensors)",
-                path.name, qtype, dtype, counts[qtype],
+                path.name,
+                qtype,
+                dtype,
+                counts[qtype],
             )
 
         tokenizer = None
@@ -295,12 +311,12 @@ class GGUFFormat:
             quantization[module] = QuantSpec(bits=packed.bits, group_size=GROUP_SIZE)
             return {
                 f"{module}.weight": mx.array(parts["weight"]),
-                f"{module}.scales": to_mx(parts["scales"], dtype),
-                f"{module}.biases": to_mx(parts["biases"], dtype),
+                f"{module}.scales": _to_mx(parts["scales"], dtype),
+                f"{module}.biases": _to_mx(parts["biases"], dtype),
             }
         host = _host_array(tensor)
         if heads:
             host = unpermute_rows(host, heads)
         if qtype == QType.BF16:
             return {target: mx.array(host).view(mx.bfloat16).astype(dtype)}
-        return {target: to_mx(host, dtype)}
+        return {target: _to_mx(host, dtype)}

@@ -61,10 +61,14 @@ def repack(data: np.ndarray, qtype: GGMLQuantizationType) -> Affine:
     raise ValueError(f"{qtype.name} has no exact MLX affine layout")
 
 
-def _split_blocks(data: np.ndarray, block_bytes: int, head_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+def _split_blocks(
+    data: np.ndarray, block_bytes: int, head_bytes: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Split rows of blocks into the per-block header (scales) and the packed quants."""
     if data.dtype != np.uint8 or data.shape[-1] % block_bytes:
-        raise ValueError(f"expected rows of {block_bytes}-byte blocks, got {data.dtype} {data.shape}")
+        raise ValueError(
+            f"expected rows of {block_bytes}-byte blocks, got {data.dtype} {data.shape}"
+        )
     blocks = data.reshape(*data.shape[:-1], data.shape[-1] // block_bytes, block_bytes)
     return blocks[..., :head_bytes], blocks[..., head_bytes:]
 

@@ -73,9 +73,7 @@ _PRE_ALIASES = {
     **dict.fromkeys(
         ("starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), "smollm"
     ),
-    **dict.fromkeys(
-        ("llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), "llama3"
-    ),
+    **dict.fromkeys(("llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), "llama3"),
     **dict.fromkeys(("deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"), "qwen2"),
 }
 
@@ -85,7 +83,7 @@ _END_OF_TURN_TEXTS = frozenset(
     {
         "<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>",
         "<|call|>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "<end_of_utterance>",
-        "<｜end▁of▁sentence｜>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",  # DeepSeek
     }
 )  # fmt: skip
 
@@ -106,15 +104,9 @@ def tokenizer_data_from_reader(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table used by byte-level BPE vocabs."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {b: chr(c) for b, c in zip(printable, chars)}
+    printable = {*range(33, 127), *range(161, 173), *range(174, 256)}
+    shifted = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(shifted)) for b in range(256)}
 
 
 @lru_cache(maxsize=1)
@@ -191,12 +183,14 @@ class GGUFTokenizer:
         else:
             special = self._special
             parts = [special.get(i, pieces[i]) if 0 <= i < n else b"" for i in ids]
-        if self._strip_leading_space and parts:
-            # SentencePiece vocabs that prefix a space when encoding drop it again when decoding,
-            # but only for the first token (after BOS), so windows of a stream decode consistently.
-            first = 1 if ids[0] == self.bos_token_id and len(parts) > 1 else 0
-            if self._types[ids[first]] == TokenType.NORMAL and parts[first].startswith(b" "):
-                parts[first] = parts[first][1:]
+        if self._strip_leading_space:
+            # The space encode prefixed goes again: from the first token that renders anything,
+            # if it is a normal piece (as Hugging Face's Strip decoder does).
+            for i, part in enumerate(parts):
+                if part:
+                    if part.startswith(b" ") and self._types[ids[i]] == TokenType.NORMAL:
+                        parts[i] = part[1:]
+                    break
         return b"".join(parts).decode("utf-8", errors="replace")
 
     def apply_chat_template(
@@ -240,7 +234,9 @@ class GGUFTokenizerBackend:
         tokens: list[str] = list(data.get(PREFIX + "tokens") or [])
         if not tokens:
             raise ModelLoadError("the GGUF file has no tokenizer.ggml.tokens")
-        types = [int(t) for t in data.get(PREFIX + "token_type") or [TokenType.NORMAL] * len(tokens)]
+        types = [
+            int(t) for t in data.get(PREFIX + "token_type") or [TokenType.NORMAL] * len(tokens)
+        ]
         if len(types) != len(tokens):
             raise ModelLoadError(
                 f"tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens"
@@ -323,7 +319,8 @@ def _build_gpt2(data: dict[str, Any], tokens: list[str]) -> tuple[tokenizers.Tok
         raise ModelLoadError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: {supported})")
     regexes, ignore_merges, add_bos = _PRE_TOKENIZERS[name]
 
-    vocab = {t: i for i, t in enumerate(tokens)}  # a duplicated text keeps its last id, as in llama.cpp
+    # A duplicated text keeps its last id, as in llama.cpp.
+    vocab = {t: i for i, t in enumerate(tokens)}
     merges: list[tuple[str, str]] = []
     for merge in data.get(PREFIX + "merges") or []:
         cut = merge.find(" ", 1)

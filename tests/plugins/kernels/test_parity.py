@@ -21,7 +21,11 @@ from mlxr_core.plugins import load_plugins
 from mlxr_plugins.kernels import mlx_fast, reference
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
-ATTENTION_TOL = {mx.float32: (1e-5, 1e-5), mx.float16: (2e-3, 2.0**-9), mx.bfloat16: (1.6e-2, 2.0**-6)}
+ATTENTION_TOL = {
+    mx.float32: (1e-5, 1e-5),
+    mx.float16: (2e-3, 2.0**-9),
+    mx.bfloat16: (1.6e-2, 2.0**-6),
+}
 EPS = {mx.float32: 5e-6, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
 
 
@@ -31,7 +35,9 @@ def close(actual: mx.array, expected: mx.array, *, atol: float, rtol: float = 0.
     np.testing.assert_allclose(a, e, atol=atol, rtol=rtol)
 
 
-def make_mask(kind: str, B: int, Hq: int, L: int, S: int, dtype: mx.Dtype, key: mx.array) -> None | str | mx.array:
+def make_mask(
+    kind: str, B: int, Hq: int, L: int, S: int, dtype: mx.Dtype, key: mx.array
+) -> str | mx.array | None:
     if kind in ("none", "causal"):
         return None if kind == "none" else "causal"
     if kind == "additive":
@@ -66,7 +72,7 @@ def test_attention_parity(dtype, heads, D, L, S, mask_kind):
 def naive_attention(q, k, v, scale, visible):
     """Head by head, with key head ``h // R`` for query head ``h``; ``visible`` is [L, S] or None."""
     q, k, v = (np.array(a, dtype=np.float64) for a in (q, k, v))
-    B, Hq, L, _ = q.shape
+    B, Hq = q.shape[:2]
     R = Hq // k.shape[1]
     out = np.zeros(q.shape)
     for b in range(B):
@@ -90,14 +96,20 @@ def test_reference_attention_is_the_math(heads, L, S):
     causal = np.arange(S - L, S)[:, None] >= np.arange(S)[None, :]  # bottom-right aligned
     np.testing.assert_allclose(
         np.array(reference.attention(q, k, v, scale=0.25, mask="causal")),
-        naive_attention(q, k, v, 0.25, causal), atol=1e-5,
+        naive_attention(q, k, v, 0.25, causal),
+        atol=1e-5,
     )
     np.testing.assert_allclose(
-        np.array(reference.attention(q, k, v, scale=0.25)), naive_attention(q, k, v, 0.25, None), atol=1e-5
+        np.array(reference.attention(q, k, v, scale=0.25)),
+        naive_attention(q, k, v, 0.25, None),
+        atol=1e-5,
     )
     additive = mx.where(mx.array(causal), 0.0, -math.inf)
-    close(reference.attention(q, k, v, scale=0.25, mask=additive),
-          reference.attention(q, k, v, scale=0.25, mask="causal"), atol=1e-6)
+    close(
+        reference.attention(q, k, v, scale=0.25, mask=additive),
+        reference.attention(q, k, v, scale=0.25, mask="causal"),
+        atol=1e-6,
+    )
 
 
 def test_reference_attention_rejects_bad_heads_and_masks():
@@ -118,7 +130,9 @@ def test_rms_norm_parity(dtype, dims):
     close(mlx_fast.rms_norm_kernel.op(x, w, 1e-5), expected, atol=EPS[dtype], rtol=2 * EPS[dtype])
     x64 = np.array(x.astype(mx.float32), dtype=np.float64)
     manual = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * np.array(w.astype(mx.float32))
-    np.testing.assert_allclose(np.array(expected.astype(mx.float32)), manual, atol=4 * EPS[dtype], rtol=4 * EPS[dtype])
+    np.testing.assert_allclose(
+        np.array(expected.astype(mx.float32)), manual, atol=4 * EPS[dtype], rtol=4 * EPS[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -131,10 +145,20 @@ def test_rope_parity(dtype, traditional, dims, offset, with_freqs):
     x = (2 * mx.random.normal((2, 3, 7, 64), key=keys[0])).astype(dtype)
     start = mx.array(21) if offset == "array" else offset
     freqs = mx.random.uniform(1.0, 5e4, (dims // 2,), key=keys[1]) if with_freqs else None
-    kwargs = dict(traditional=traditional, base=None if with_freqs else 10000.0, scale=0.5,
-                  offset=start, freqs=freqs)
+    kwargs = dict(
+        traditional=traditional,
+        base=None if with_freqs else 10000.0,
+        scale=0.5,
+        offset=start,
+        freqs=freqs,
+    )
     expected = reference.rope(x, dims, **kwargs)
-    close(mlx_fast.rope_kernel.op(x, dims, **kwargs), expected, atol=4 * EPS[dtype], rtol=2 * EPS[dtype])
+    close(
+        mlx_fast.rope_kernel.op(x, dims, **kwargs),
+        expected,
+        atol=4 * EPS[dtype],
+        rtol=2 * EPS[dtype],
+    )
     if dims < 64:  # features past dims pass through untouched
         assert mx.array_equal(expected[..., dims:], x[..., dims:])
 
@@ -146,13 +170,19 @@ def test_rope_per_batch_offsets():
     for b, start in enumerate([0, 4, 100]):
         row = reference.rope(x[b : b + 1], 32, traditional=False, base=1e4, scale=1.0, offset=start)
         close(batched[b : b + 1], row, atol=1e-5)
-    close(mx.fast.rope(x, 32, traditional=False, base=1e4, scale=1.0, offset=offsets), batched, atol=1e-5)
+    close(
+        mx.fast.rope(x, 32, traditional=False, base=1e4, scale=1.0, offset=offsets),
+        batched,
+        atol=1e-5,
+    )
 
 
 def test_reference_rope_rotates_pairs_as_documented():
     # One feature pair at position 1 with freqs 1 rotates by exactly 1 radian.
     x = mx.array([[[1.0, 0.0], [1.0, 0.0]]])  # [1, L=2, D=2]
-    out = reference.rope(x, 2, traditional=False, base=None, scale=1.0, offset=0, freqs=mx.array([1.0]))
+    out = reference.rope(
+        x, 2, traditional=False, base=None, scale=1.0, offset=0, freqs=mx.array([1.0])
+    )
     np.testing.assert_allclose(np.array(out[0, 1]), [math.cos(1.0), math.sin(1.0)], atol=1e-6)
     np.testing.assert_allclose(np.array(out[0, 0]), [1.0, 0.0], atol=1e-7)
 
@@ -162,9 +192,13 @@ def ctx(op: str, dtype: str = "float32", **shapes) -> KernelContext:
 
 
 def test_mlx_fast_says_why_it_cannot_run():
-    assert mlx_fast.attention_kernel.supports(ctx("attention", head_dim=128, masks=("causal",))) == []
+    assert (
+        mlx_fast.attention_kernel.supports(ctx("attention", head_dim=128, masks=("causal",))) == []
+    )
     assert "float64" in " ".join(mlx_fast.attention_kernel.supports(ctx("attention", "float64")))
-    assert "sliding" in " ".join(mlx_fast.attention_kernel.supports(ctx("attention", masks=("sliding",))))
+    assert "sliding" in " ".join(
+        mlx_fast.attention_kernel.supports(ctx("attention", masks=("sliding",)))
+    )
     assert "even" in " ".join(mlx_fast.rope_kernel.supports(ctx("rope", rope_dims=31)))
     assert reference.attention_kernel.supports(ctx("attention", "float64")) == []
 
@@ -176,6 +210,12 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
         assert f"{op}:mlx_fast" in registries.kernels
     shapes = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
     auto = bind_kernels(registries.kernels, dtype="float32", shapes=shapes)
-    assert dict(auto.chosen) == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "rope": "mlx_fast"}
-    chosen = bind_kernels(registries.kernels, dtype="float32", shapes=shapes, choices={"attention": "reference"})
+    assert dict(auto.chosen) == {
+        "attention": "mlx_fast",
+        "rms_norm": "mlx_fast",
+        "rope": "mlx_fast",
+    }
+    chosen = bind_kernels(
+        registries.kernels, dtype="float32", shapes=shapes, choices={"attention": "reference"}
+    )
     assert chosen.chosen["attention"] == "reference" and chosen.attention is reference.attention

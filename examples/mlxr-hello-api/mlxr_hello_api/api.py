@@ -1,0 +1,51 @@
+"""The ``hello`` API: ``GET /v1/hello`` and ``POST /v1/tokenize``, as one Litestar router.
+
+Imported only when a server mounts the API (``apis: [..., hello]``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, Router, get, post
+
+from mlxr_core.errors import EngineStopped, MlxrError
+from mlxr_core.server import ServerContext
+from mlxr_hello_api import HelloConfig
+
+
+class TokenizeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    text: str
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(msgspec.Struct):
+    model: str
+    tokens: list[int]
+    count: int
+
+
+def make_router(ctx: ServerContext) -> Router:
+    """Build the router; ``ctx.plugin_config["hello"]`` is this plugin's validated section."""
+    settings: HelloConfig = ctx.plugin_config.get("hello", HelloConfig())
+
+    @get("/hello", sync_to_thread=False)
+    def hello() -> dict[str, Any]:
+        return {"message": f"{settings.greeting}, world", "models": sorted(ctx.engine.models)}
+
+    # Tokenizing is CPU work: run it in a worker thread, not on the event loop.
+    @post("/tokenize", sync_to_thread=True, status_code=200)
+    def tokenize(data: TokenizeRequest) -> TokenizeResponse:
+        if ctx.engine.state != "ready":
+            raise EngineStopped(f"the engine is {ctx.engine.state}; retry shortly")
+        tokens = ctx.engine.encode(data.model, data.text, add_special_tokens=data.add_special_tokens)
+        return TokenizeResponse(model=data.model, tokens=tokens, count=len(tokens))
+
+    def on_error(request: Request[Any, Any, Any], exc: MlxrError) -> Response[dict[str, Any]]:
+        # This API's own wire format; other APIs keep theirs.
+        return Response({"error": exc.message, "param": exc.param}, status_code=exc.status)
+
+    handlers = [hello, tokenize] if settings.tokenize else [hello]
+    return Router(path="/v1", route_handlers=handlers, exception_handlers={MlxrError: on_error})

@@ -1,0 +1,159 @@
+"""Chat templates: Jinja2 rendered the way Hugging Face renders them, in a sandbox.
+
+A chat template comes from a model file, so it is untrusted code: it runs in Jinja2's
+:class:`~jinja2.sandbox.ImmutableSandboxedEnvironment` (no attribute access to Python internals,
+no mutation of the caller's messages), with bounds on string repetition and powers so a template
+cannot exhaust memory. The environment matches ``transformers``' ``apply_chat_template``:
+``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, the ``{% generation %}`` tag, a ``tojson``
+filter that does not escape HTML, and the ``raise_exception`` and ``strftime_now`` globals.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+from mlxr_core.errors import MissingDependency, RequestError
+
+if TYPE_CHECKING:
+    import jinja2
+
+#: The longest string or list a template may build with ``*``; far above any real prompt.
+MAX_REPEAT = 1 << 24
+#: The largest exponent a template may use with ``**``.
+MAX_EXPONENT = 4096
+
+
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    bos_token: str | None = None,
+    eos_token: str | None = None,
+    **kwargs: Any,
+) -> str:
+    """Render ``messages`` with the Jinja2 chat ``template`` and return the prompt text.
+
+    ``kwargs`` reach the template as variables (``tools``, ``documents``, ``enable_thinking`` ...);
+    ``tools`` and ``documents`` default to None as in ``transformers``. A token left as None is
+    not defined at all, so ``{{ bos_token }}`` renders nothing rather than ``"None"``.
+
+    Raises :class:`RequestError` (``param="messages"``) when the template does not compile, calls
+    ``raise_exception``, fails on these messages, or attempts something the sandbox forbids.
+    """
+    compiled = _compile(template)
+    variables: dict[str, Any] = {
+        "messages": messages,
+        "add_generation_prompt": add_generation_prompt,
+        "tools": None,
+        "documents": None,
+    }
+    if bos_token is not None:
+        variables["bos_token"] = bos_token
+    if eos_token is not None:
+        variables["eos_token"] = eos_token
+    variables.update(kwargs)
+
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    try:
+        return compiled.render(variables)
+    except RequestError:
+        raise
+    except SecurityError as exc:
+        raise RequestError(
+            f"the chat template attempted an unsafe operation: {exc}", param="messages"
+        ) from None
+    except TemplateError as exc:
+        raise RequestError(f"the chat template failed: {exc}", param="messages") from None
+    except Exception as exc:  # a template indexing a missing key, adding None to a str ...
+        raise RequestError(
+            f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
+            param="messages",
+        ) from None
+
+
+@lru_cache(maxsize=32)
+def _compile(template: str) -> jinja2.Template:
+    """Compile ``template`` once; the cache is keyed by the template text."""
+    from jinja2.exceptions import TemplateSyntaxError
+
+    try:
+        return _environment().from_string(template)
+    except TemplateSyntaxError as exc:
+        raise RequestError(
+            f"the model's chat template is invalid (line {exc.lineno}): {exc.message}",
+            param="messages",
+        ) from None
+
+
+@lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from packaging.version import Version
+
+    if Version(jinja2.__version__) < Version("3.1.6"):
+        # Earlier releases have known sandbox escapes, and these templates are untrusted.
+        raise MissingDependency("Jinja2>=3.1.6", "rendering a model's chat template safely")
+
+    class GenerationTag(Extension):
+        """``{% generation %}`` marks assistant text for training masks; it renders its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: jinja2.parser.Parser) -> list[nodes.Node]:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            if operator == "*":
+                for sequence, count in ((left, right), (right, left)):
+                    if (
+                        isinstance(sequence, (str, list, tuple))
+                        and isinstance(count, int)
+                        and len(sequence) * count > MAX_REPEAT
+                    ):
+                        raise jinja2.exceptions.SecurityError(
+                            f"a repetition longer than {MAX_REPEAT} items"
+                        )
+            elif isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
+                raise jinja2.exceptions.SecurityError(f"an exponent above {MAX_EXPONENT}")
+            return super().call_binop(context, operator, left, right)
+
+    env = ChatTemplateEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' filter: Jinja's own escapes <, >, & and ' for HTML, which would change prompts.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _raise_exception(message: str) -> None:
+    raise RequestError(str(message), param="messages")
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
