@@ -118,8 +118,12 @@ class Engine:
         """Render ``messages`` with the model's chat template and tokenize the result."""
         tokenizer = self.model(model).tokenizer
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-        # The template already wrote BOS where the model wants it.
-        return tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        # Most templates write BOS themselves; add it for a model that wants one when they don't.
+        bos = tokenizer.bos_token_id
+        if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
 
     def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Validate and queue a request; raises ModelNotFound, ContextLengthExceeded, Overloaded

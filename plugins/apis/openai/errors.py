@@ -15,9 +15,9 @@ import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from litestar.types import ExceptionHandlersMap
-from mlxr_plugins.apis.openai.schemas import ErrorBody, ErrorDetail, encoder
 
 from mlxr_core.errors import EngineStopped, MlxrError, Overloaded, RequestError
+from mlxr_plugins.apis.openai.schemas import ErrorBody, ErrorDetail, encoder
 
 log = logging.getLogger(__name__)
 

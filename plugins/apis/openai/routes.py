@@ -15,6 +15,11 @@ from typing import Any
 
 import anyio
 from litestar import Request, Response, Router, get, post
+
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.request import GenerationRequest, SamplingParams
+from mlxr_core.errors import ContextLengthExceeded, EngineStopped, RequestError
+from mlxr_core.server import ServerContext
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS, decode_body
 from mlxr_plugins.apis.openai.streaming import (
@@ -25,11 +30,6 @@ from mlxr_plugins.apis.openai.streaming import (
     sse_response,
     usage_of,
 )
-
-from mlxr_core.engine.engine import Engine
-from mlxr_core.engine.request import GenerationRequest, SamplingParams
-from mlxr_core.errors import ContextLengthExceeded, EngineStopped, RequestError
-from mlxr_core.server import ServerContext
 
 #: Stop strings: OpenAI allows 4; more are accepted up to these limits.
 MAX_STOP_STRINGS = 16

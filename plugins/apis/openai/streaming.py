@@ -21,12 +21,12 @@ import msgspec
 from litestar import Request
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
-from mlxr_plugins.apis.openai import schemas as s
-from mlxr_plugins.apis.openai.errors import error_body
 
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
 from mlxr_core.engine.request import Usage as EngineUsage
 from mlxr_core.errors import EngineStopped, MlxrError
+from mlxr_plugins.apis.openai import schemas as s
+from mlxr_plugins.apis.openai.errors import error_body
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"

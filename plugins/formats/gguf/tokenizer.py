@@ -223,13 +223,6 @@ class GGUFTokenizerBackend:
 
     def build(self, data: dict[str, Any], *, chat_template: str | None) -> GGUFTokenizer:
         """Build the tokenizer; raise ModelLoadError when the metadata is unusable."""
-        try:
-            import tokenizers  # noqa: F401
-        except ImportError:  # pragma: no cover - a core dependency
-            from mlxr_core.errors import MissingDependency
-
-            raise MissingDependency("tokenizers", "the GGUF tokenizer") from None
-
         kind = data.get(PREFIX + "model")
         tokens: list[str] = list(data.get(PREFIX + "tokens") or [])
         if not tokens:
@@ -262,7 +255,7 @@ class GGUFTokenizerBackend:
             )
         for i, t in enumerate(types):
             if t == TokenType.BYTE:
-                pieces[i] = bytes([int(tokens[i][3:-1], 16)])
+                pieces[i] = _byte_token_value(i, tokens[i])
             elif t == TokenType.USER_DEFINED:
                 pieces[i] = tokens[i].encode()  # user-defined texts are stored raw
             elif t != TokenType.NORMAL:
@@ -286,6 +279,16 @@ class GGUFTokenizerBackend:
             strip_leading_space=strip,
             chat_template=chat_template,
         )
+
+
+def _byte_token_value(token_id: int, text: str) -> bytes:
+    """The byte a ``<0xNN>`` token stands for."""
+    try:
+        if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+            return bytes([int(text[3:5], 16)])
+    except ValueError:
+        pass
+    raise ModelLoadError(f"token {token_id} is typed as a byte but reads {text!r}, not <0xNN>")
 
 
 def end_of_generation_ids(

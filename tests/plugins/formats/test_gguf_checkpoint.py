@@ -286,3 +286,10 @@ def test_file_cut_inside_the_header_names_the_file(tiny_files, tmp_path):
 def test_unknown_dtype_is_refused(tiny_files):
     with pytest.raises(ModelLoadError, match="float64"):
         GGUFFormat().load(tiny_files["f32"], dtype="float64")
+
+
+def test_tiny_writer_is_deterministic(tmp_path):
+    first = write_tiny_llama_gguf(tmp_path / "a.gguf", quant="q4_1", seed=3).read_bytes()
+    again = write_tiny_llama_gguf(tmp_path / "b.gguf", quant="q4_1", seed=3).read_bytes()
+    other = write_tiny_llama_gguf(tmp_path / "c.gguf", quant="q4_1", seed=4).read_bytes()
+    assert first == again and first != other

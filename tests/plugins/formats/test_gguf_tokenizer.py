@@ -271,6 +271,13 @@ def test_unusable_metadata_is_a_model_load_error(overrides: dict[str, Any], mess
         build(tiny_gpt2(**overrides))
 
 
+def test_a_malformed_byte_token_is_a_model_load_error() -> None:
+    data = tiny_spm()
+    data["tokenizer.ggml.tokens"][7] = "<0xZZ>"
+    with pytest.raises(ModelLoadError, match="token 7 is typed as a byte but reads '<0xZZ>'"):
+        build(data)
+
+
 def test_no_chat_template_is_a_request_error() -> None:
     with pytest.raises(RequestError, match="no chat template"):
         build(tiny_gpt2()).apply_chat_template([{"role": "user", "content": "hi"}])
