@@ -14,7 +14,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 # MLX's Linux CPU wheel bundles a reference BLAS; preloading OpenBLAS before anything imports
 # mlx.core makes CPU matmuls ~25x faster. A no-op elsewhere and when MLX is already imported.
-from mlxr_core.blas import ensure_fast_blas  # noqa: E402
+from mlxr_core.blas import ensure_fast_blas
 
 ensure_fast_blas()
 

@@ -114,10 +114,14 @@ class Engine:
     def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.model(model).tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, model: str, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+    def encode_chat(
+        self, model: str, messages: list[dict[str, Any]], **template_kwargs: Any
+    ) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the result."""
         tokenizer = self.model(model).tokenizer
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **template_kwargs
+        )
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         # Most templates write BOS themselves; add it for a model that wants one when they don't.
         bos = tokenizer.bos_token_id
@@ -125,7 +129,9 @@ class Engine:
             ids.insert(0, bos)
         return ids
 
-    def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+    def submit(
+        self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None
+    ) -> RequestHandle:
         """Validate and queue a request; raises ModelNotFound, ContextLengthExceeded, Overloaded
         or EngineStopped before anything is queued."""
         if self.state != "ready":
@@ -165,7 +171,9 @@ class Engine:
             stream = mx.new_stream(mx.default_device())
             with mx.stream(stream):
                 for model_config in self.config.models:
-                    loaded = load_model(model_config, self.host.registries, kernel_choices=self.config.kernels)
+                    loaded = load_model(
+                        model_config, self.host.registries, kernel_choices=self.config.kernels
+                    )
                     if loaded.name in self._loaded:
                         raise MlxrError(f"two models are named {loaded.name!r}; set models[].name")
                     self._loaded[loaded.name] = loaded
@@ -187,6 +195,9 @@ class Engine:
             )
             for name, m in self._loaded.items()
         }
+        if self._stop.is_set():  # stop() was called while the models loaded
+            self._ready.set()
+            return
         self.state = "ready"
         self._ready.set()
         self.host.notify("mlxr_engine_started", engine=self)
@@ -205,7 +216,9 @@ class Engine:
             handle = self._queue.get()
             if handle is None:
                 continue
-            if handle.cancelled:
+            if handle.cancelled:  # cancelled while queued: nothing ran, nothing to free
+                usage = Usage(prompt_tokens=len(handle.request.prompt_ids), completion_tokens=0)
+                handle._emit(Finished(reason="cancelled", usage=usage))
                 continue
             self.active = handle
             try:
@@ -240,7 +253,11 @@ class Engine:
         reason = "length"
         generated = 0
         tokens = decoder.generate(
-            loaded, cache, request.prompt_ids, sampler, prefill_chunk=self.config.engine.prefill_chunk
+            loaded,
+            cache,
+            request.prompt_ids,
+            sampler,
+            prefill_chunk=self.config.engine.prefill_chunk,
         )
         hit = False
         try:

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 from mlxr_core.errors import ModelLoadError, UnknownArchitecture, UnsupportedFormat
 from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
 from mlxr_core.model.arch import Architecture
-from mlxr_core.model.checkpoint import Checkpoint, Format
+from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
 from mlxr_core.model.paths import resolve_model_path
 from mlxr_core.model.tokenizer import Tokenizer
 
@@ -65,6 +65,29 @@ def default_dtype() -> str:
     return "bfloat16" if device == "gpu" else "float32"
 
 
+def _should_dequantize(policy: str) -> bool:
+    if policy == "auto":
+        return current_platform()[0] == "cpu"
+    return policy == "dequantize"
+
+
+def dequantize_weights(
+    weights: dict[str, mx.array], quantization: Mapping[str, QuantSpec], dtype: mx.Dtype
+) -> dict[str, mx.array]:
+    """Unpack every quantized module's ``weight``/``scales``/``biases`` into a dense ``weight``."""
+    dense = dict(weights)
+    for module, spec in quantization.items():
+        packed, scales, biases = (
+            dense.pop(f"{module}.{part}", None) for part in ("weight", "scales", "biases")
+        )
+        if packed is None or scales is None:
+            continue  # the architecture dropped this module (e.g. a tied lm_head)
+        dense[f"{module}.weight"] = mx.dequantize(
+            packed, scales, biases, group_size=spec.group_size, bits=spec.bits, mode=spec.mode
+        ).astype(dtype)
+    return dense
+
+
 def pick_format(path: Path, registries: Registries, choice: str = "auto") -> tuple[str, Format]:
     """The format plugin named by ``choice``, or the first whose ``detect`` accepts ``path``."""
     if choice != "auto":
@@ -82,7 +105,9 @@ def pick_format(path: Path, registries: Registries, choice: str = "auto") -> tup
 def pick_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "auto") -> Architecture:
     name = checkpoint.config.get("model_type") if choice == "auto" else choice
     if not name:
-        raise ModelLoadError("the checkpoint names no model_type; set models[].arch", path=str(checkpoint.path))
+        raise ModelLoadError(
+            "the checkpoint names no model_type; set models[].arch", path=str(checkpoint.path)
+        )
     if name not in registries.archs:
         raise UnknownArchitecture(name, registries.archs.names())
     arch: Architecture = registries.archs.get(name)
@@ -117,6 +142,9 @@ def load_model(
     model = arch.build(config, kernels)
     weights = arch.sanitize(checkpoint.weights, config)
     quantization = checkpoint.quantization
+    if quantization and _should_dequantize(model_config.quantization):
+        weights = dequantize_weights(weights, quantization, DTYPES[dtype])
+        quantization = {}
     if quantization:
 
         def predicate(module_path: str, module: nn.Module) -> bool | dict[str, Any]:
@@ -129,7 +157,9 @@ def load_model(
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise ModelLoadError(f"weights do not fit the {config.get('model_type')} graph: {exc}", path=str(path)) from exc
+        raise ModelLoadError(
+            f"weights do not fit the {config.get('model_type')} graph: {exc}", path=str(path)
+        ) from exc
     mx.eval(model.parameters())
     model.eval()
 
@@ -151,8 +181,13 @@ def load_model(
     )
     log.info(
         "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s",
-        name, format_name, config.get("model_type"), dtype, time.perf_counter() - started,
-        loaded.nbytes / 1e6, context_length,
+        name,
+        format_name,
+        config.get("model_type"),
+        dtype,
+        time.perf_counter() - started,
+        loaded.nbytes / 1e6,
+        context_length,
         ", ".join(f"{op}={backend}" for op, backend in kernels.chosen.items()),
     )
     return loaded

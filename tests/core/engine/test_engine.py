@@ -55,7 +55,7 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
 def test_greedy_generation_is_deterministic_and_honours_max_tokens(engine):
     text_a, done_a, ids_a = collect(engine.submit(request(PROMPT, max_tokens=12, extra={"ignore_eos": True})))
-    text_b, done_b, ids_b = collect(engine.submit(request(PROMPT, max_tokens=12, extra={"ignore_eos": True})))
+    text_b, _, ids_b = collect(engine.submit(request(PROMPT, max_tokens=12, extra={"ignore_eos": True})))
     assert isinstance(done_a, Finished) and done_a.reason == "length"
     assert done_a.usage.prompt_tokens == len(PROMPT) and done_a.usage.completion_tokens == 12
     assert ids_a == ids_b and len(ids_a) == 12

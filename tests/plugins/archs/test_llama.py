@@ -41,9 +41,10 @@ def tiny_paths(tmp_path_factory):
     return {q: write_tiny_llama_gguf(root / f"{q}.gguf", quant=q) for q in ("f32", "q4_0", "q8_0")}
 
 
-def load(path, registries, backend="auto", dtype="float32"):
+def load(path, registries, backend="auto", dtype="float32", quantization="keep"):
     kernels = {} if backend == "auto" else dict.fromkeys(OPS, backend)
-    return load_model(ModelConfig(path=str(path), dtype=dtype, kernels=kernels), registries)
+    config = ModelConfig(path=str(path), dtype=dtype, kernels=kernels, quantization=quantization)
+    return load_model(config, registries)
 
 
 def kernels_for(registries, backend):
@@ -78,8 +79,13 @@ def test_cached_chunks_match_one_full_pass(tiny_paths, registries, backend):
 
 
 def test_quantized_files_become_quantized_modules(tiny_paths, registries):
+    dense = load(tiny_paths["q4_0"], registries, quantization="dequantize").model
+    assert not isinstance(dense.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    ids = mx.array([[3, 4, 5, 6]])
     model = load(tiny_paths["q4_0"], registries).model
     assert isinstance(model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    # Dequantizing is exact in float32: the same logits either way.
+    np.testing.assert_allclose(np.array(dense(ids)), np.array(model(ids)), atol=1e-5)
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
     assert model.model.layers[0].self_attn.q_proj.bits == 4
     assert not isinstance(
