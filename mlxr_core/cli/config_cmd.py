@@ -29,7 +29,11 @@ def add_parser(subparsers: Subparsers) -> None:
     check = actions.add_parser(
         "check",
         help="validate a config, including plugin sections and model paths",
-        description=__doc__.split("\n\n")[1].replace("\n", " ") if __doc__ else None,
+        description=(
+            "Validate a server config as `mlxr serve` would before loading any model: the schema, "
+            "each plugin's section, the plugin names it uses (APIs, formats, architectures, "
+            "decoders, kernels) and the model paths. Prints OK, or every problem and exits 2."
+        ),
     )
     check.add_argument("file", metavar="FILE", help="server config (YAML)")
     check.set_defaults(handler=run_check)

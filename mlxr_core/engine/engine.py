@@ -8,7 +8,9 @@ thread loads every model, then serves requests: prefill, decode, detokenize, sto
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
+import os
 import queue
 import threading
 import time
@@ -76,6 +78,11 @@ class Engine:
 
     def start(self, *, wait: bool = True, timeout: float | None = None) -> None:
         """Start the engine thread; with ``wait``, block until models are loaded (raising their error)."""
+        # MLX registers its exit-time cleanup of compile caches for the thread that first imports
+        # it; import it here so that is the caller's (long-lived) thread, not the engine thread.
+        # Otherwise a caller that later compiles anything (mlx.nn activations) crashes at exit.
+        import mlx.core  # noqa: F401
+
         self.state = "loading"
         self._thread = threading.Thread(target=self._run, name="mlxr-engine", daemon=True)
         self._thread.start()
@@ -101,6 +108,7 @@ class Engine:
             if self._thread.is_alive() and self.active is not None:
                 self.active.cancel()
                 self._thread.join(5.0)
+            _wait_for_os_thread_exit(self._thread)
         self.state = "stopped"
 
     # -- caller side (any thread) ------------------------------------------------------------
@@ -203,6 +211,10 @@ class Engine:
         self.host.notify("mlxr_engine_started", engine=self)
         with mx.stream(stream):
             self._serve()
+        # Free the models here: MLX arrays must not outlive the thread (and stream) that made them.
+        self._loaded.clear()
+        gc.collect()
+        mx.clear_cache()
         while True:  # refuse what is still queued
             try:
                 handle = self._queue.get_nowait()
@@ -295,3 +307,22 @@ class Engine:
                 total_s=now - started,
             )
         )
+
+
+def _wait_for_os_thread_exit(thread: threading.Thread, timeout: float = 5.0) -> None:
+    """Wait until the OS thread behind ``thread`` is gone, not only its Python state.
+
+    ``join()`` returns before the thread runs its C++ thread-local destructors; MLX keeps per-thread
+    state (the default random key) whose destructor needs the interpreter. If the process starts
+    finalizing in that window it aborts ("terminate called without an active exception").
+    """
+    native_id = thread.native_id
+    if native_id is None or thread.is_alive():
+        return
+    task = f"/proc/self/task/{native_id}"
+    if not os.path.exists("/proc/self/task"):
+        time.sleep(0.05)  # no procfs (macOS): a short grace period instead
+        return
+    deadline = time.monotonic() + timeout
+    while os.path.exists(task) and time.monotonic() < deadline:
+        time.sleep(0.005)

@@ -17,7 +17,7 @@ from mlxr_core.model.loader import LoadedModel
 
 def cache_state(cache: list[Any]) -> list[mx.array]:
     """The arrays a prefill chunk wrote, to evaluate without computing the chunk's logits."""
-    arrays = []
+    arrays: list[mx.array] = []
     for layer in cache:
         arrays.extend(a for a in layer.state if a is not None)
     return arrays
@@ -55,5 +55,5 @@ class PlainDecoder:
         while True:
             following = step(token)
             mx.async_eval(following)
-            yield int(token.item())
+            yield int(token.item())  # type: ignore[arg-type]
             token = following

@@ -72,10 +72,13 @@ def test_chunked_prefill_matches_a_single_chunk(tiny_path, engine):
     assert chunked == single
 
 
-def test_greedy_tokens_follow_the_model_argmax(engine):
+def test_greedy_tokens_follow_the_model_argmax(engine, tiny_path):
     import mlx.core as mx
 
-    loaded = engine._loaded["tiny"]
+    from mlxr_core.model.loader import load_model
+
+    # A separate copy on this thread: MLX work never touches the engine thread's arrays.
+    loaded = load_model(ModelConfig(path=str(tiny_path)), load_plugins().registries)
     ids = list(PROMPT)
     for _ in range(6):
         logits = loaded.model(mx.array([ids]), cache=None)
