@@ -53,14 +53,34 @@ class ModelConfig:
 
 
 @attrs.define
+class PrefixCacheConfig:
+    """Reuse of prompt KV state across requests sharing a token prefix."""
+
+    enabled: bool = True
+    #: Bytes of stored KV state, least recently used evicted first.
+    max_bytes: int = attrs.field(default=256 * 2**20, validator=v.ge(0))
+
+
+@attrs.define
 class EngineConfig:
     #: Requests waiting beyond this many are refused with 429.
     max_queue: int = attrs.field(default=64, validator=v.ge(1))
-    #: Prompt tokens per prefill step; long prompts are prefilled in chunks of this size.
+    #: Prompt tokens per prefill step; long prompts are prefilled in chunks of this size,
+    #: interleaved with the decode steps of running requests.
     prefill_chunk: int = attrs.field(default=512, validator=v.ge(1))
-    max_batch_size: int = attrs.field(default=1, validator=v.ge(1))
+    #: Requests decoded together in one forward pass (continuous batching).
+    max_batch_size: int = attrs.field(default=8, validator=v.ge(1))
+    #: Tokens one forward pass may carry (decode rows + a prefill chunk).
+    max_batch_tokens: int = attrs.field(default=2048, validator=v.ge(1))
     #: ``max_tokens`` when a request gives none.
     default_max_tokens: int = attrs.field(default=512, validator=v.ge(1))
+    #: KV-cache bytes all running requests may reserve (prompt + max_tokens each); 0: no limit.
+    max_kv_bytes: int = attrs.field(default=0, validator=v.ge(0))
+    prefix_cache: PrefixCacheConfig = attrs.field(factory=PrefixCacheConfig)
+    #: MLX's buffer cache limit (``mx.set_cache_limit``); None keeps MLX's default.
+    mlx_cache_limit_bytes: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))
+    #: MLX's memory limit (``mx.set_memory_limit``); None keeps MLX's default.
+    mlx_memory_limit_bytes: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))
 
 
 @attrs.define

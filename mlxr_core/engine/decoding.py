@@ -57,4 +57,6 @@ def make_sampler(params: SamplingParams, samplers: Registry) -> Sampler:
         key, draw = mx.random.split(key)
         return mx.random.categorical(logits, key=draw)
 
+    # The batch runner draws all-greedy batches with one argmax instead of per-row samplers.
+    sample.plain_greedy = greedy and not processors  # type: ignore[attr-defined]
     return sample

@@ -19,12 +19,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mlxr_core.engine.request import (
-    Delta,
-    Failed,
-    Finished,
     GenerationRequest,
     RequestHandle,
-    Usage,
 )
 from mlxr_core.errors import (
     ContextLengthExceeded,
@@ -37,6 +33,7 @@ from mlxr_core.errors import (
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
+    from mlxr_core.engine.scheduler import Scheduler
     from mlxr_core.model.loader import LoadedModel
     from mlxr_core.model.tokenizer import Tokenizer
     from mlxr_core.plugins import PluginHost
@@ -68,11 +65,13 @@ class Engine:
         self.models: dict[str, ModelInfo] = {}
         self.started_at = time.time()
         self._loaded: dict[str, LoadedModel] = {}
+        self._kv_bytes_per_token: dict[str, int] = {}
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
         self._ready = threading.Event()
         self._stop = threading.Event()
+        self._abort = threading.Event()
         self._thread: threading.Thread | None = None
-        self.active: RequestHandle | None = None
+        self.scheduler: Scheduler | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -96,7 +95,8 @@ class Engine:
             raise self.error
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new requests, let the running one finish (up to ``timeout``), cancel the queued."""
+        """Refuse new requests and queued ones; let running ones finish for up to ``timeout``
+        seconds, then end them with an :class:`EngineStopped` error."""
         if self.state in ("stopping", "stopped"):
             return
         self.state = "stopping"
@@ -105,8 +105,8 @@ class Engine:
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
-            if self._thread.is_alive() and self.active is not None:
-                self.active.cancel()
+            if self._thread.is_alive():
+                self._abort.set()
                 self._thread.join(5.0)
             _wait_for_os_thread_exit(self._thread)
         self.state = "stopped"
@@ -156,7 +156,16 @@ class Engine:
             params.max_tokens = min(self.config.engine.default_max_tokens, room)
         elif params.max_tokens > room:
             raise ContextLengthExceeded(prompt_tokens, params.max_tokens, info.context_length)
-        if self._queue.qsize() >= self.config.engine.max_queue:
+        budget = self.config.engine.max_kv_bytes
+        needed = (prompt_tokens + params.max_tokens) * self._kv_bytes_per_token.get(request.model, 0)
+        if budget and needed > budget:
+            raise RequestError(
+                f"this request needs {needed} bytes of KV cache (prompt + max_tokens), more than "
+                f"engine.max_kv_bytes ({budget}); shorten the prompt or lower max_tokens",
+                param="max_tokens",
+                code="kv_budget_exceeded",
+            )
+        if self.queue_depth >= self.config.engine.max_queue:
             raise Overloaded(
                 f"{self._queue.qsize()} requests are waiting (engine.max_queue); retry later"
             )
@@ -166,15 +175,44 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        """Requests submitted and not yet running."""
+        waiting = len(self.scheduler.waiting) if self.scheduler is not None else 0
+        return self._queue.qsize() + waiting
+
+    @property
+    def running(self) -> int:
+        """Requests prefilling or decoding now."""
+        return self.scheduler.running if self.scheduler is not None else 0
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for /health and /metrics (read from another thread: approximate)."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return {"running": 0, "queued": self.queue_depth, "kv_bytes": 0, "prefix_cache": {}}
+        return {
+            "running": scheduler.running,
+            "queued": self.queue_depth,
+            "kv_bytes": scheduler.kv_bytes,
+            "kv_bytes_reserved": scheduler.reserved_kv_bytes,
+            "prefix_cache": {
+                name: attrs.asdict(stats) for name, stats in scheduler.prefix_stats().items()
+            },
+        }
 
     # -- engine thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
         import mlx.core as mx
 
+        from mlxr_core.engine.batch import kv_bytes_per_token
+        from mlxr_core.engine.scheduler import Scheduler
         from mlxr_core.model.loader import load_model
 
+        engine_config = self.config.engine
+        if engine_config.mlx_cache_limit_bytes is not None:
+            mx.set_cache_limit(engine_config.mlx_cache_limit_bytes)
+        if engine_config.mlx_memory_limit_bytes is not None:
+            mx.set_memory_limit(engine_config.mlx_memory_limit_bytes)
         try:
             stream = mx.new_stream(mx.default_device())
             with mx.stream(stream):
@@ -203,110 +241,25 @@ class Engine:
             )
             for name, m in self._loaded.items()
         }
-        if self._stop.is_set():  # stop() was called while the models loaded
+        self._kv_bytes_per_token = {name: kv_bytes_per_token(m) for name, m in self._loaded.items()}
+        scheduler = Scheduler(
+            engine_config, self._loaded, self.host.registries, self._queue, self._stop, self._abort
+        )
+        self.scheduler = scheduler
+        if not self._stop.is_set():  # stop() may have been called while the models loaded
+            self.state = "ready"
             self._ready.set()
-            return
-        self.state = "ready"
+            self.host.notify("mlxr_engine_started", engine=self)
+            with mx.stream(stream):
+                scheduler.run()
         self._ready.set()
-        self.host.notify("mlxr_engine_started", engine=self)
-        with mx.stream(stream):
-            self._serve()
+        scheduler.refuse_waiting()
         # Free the models here: MLX arrays must not outlive the thread (and stream) that made them.
+        self.scheduler = None
+        del scheduler
         self._loaded.clear()
         gc.collect()
         mx.clear_cache()
-        while True:  # refuse what is still queued
-            try:
-                handle = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if handle is not None:
-                handle._emit(Failed(EngineStopped("the server is shutting down")))
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            handle = self._queue.get()
-            if handle is None:
-                continue
-            if handle.cancelled:  # cancelled while queued: nothing ran, nothing to free
-                usage = Usage(prompt_tokens=len(handle.request.prompt_ids), completion_tokens=0)
-                handle._emit(Finished(reason="cancelled", usage=usage))
-                continue
-            self.active = handle
-            try:
-                self._generate(handle)
-            except MlxrError as exc:
-                handle._emit(Failed(exc))
-            except Exception as exc:  # a bug or an MLX error: fail this request, keep serving
-                log.exception("request %s failed", handle.id)
-                handle._emit(Failed(MlxrError(f"generation failed: {type(exc).__name__}: {exc}")))
-            finally:
-                self.active = None
-
-    def _generate(self, handle: RequestHandle) -> None:
-        from mlxr_core.engine.decoding import make_sampler
-        from mlxr_core.engine.detokenizer import StreamingDetokenizer
-        from mlxr_core.engine.stops import StopMatcher
-
-        request = handle.request
-        loaded = self._loaded[request.model]
-        params = request.params
-        max_tokens = params.max_tokens or 0
-        registries = self.host.registries
-        decoder = registries.decoders.get(request.decoder or loaded.decoder)
-        sampler = make_sampler(params, registries.samplers)
-        detokenizer = StreamingDetokenizer(loaded.tokenizer)
-        stops = StopMatcher(params.stop)
-        # Benchmarks generate a fixed number of tokens whatever the model says.
-        eos = frozenset() if params.extra.get("ignore_eos") else loaded.tokenizer.eos_token_ids
-        cache = loaded.make_cache()
-        started = time.perf_counter()
-        first_token_at = 0.0
-        reason = "length"
-        generated = 0
-        tokens = decoder.generate(
-            loaded,
-            cache,
-            request.prompt_ids,
-            sampler,
-            prefill_chunk=self.config.engine.prefill_chunk,
-        )
-        hit = False
-        try:
-            while generated < max_tokens:
-                if handle.cancelled:
-                    reason = "cancelled"
-                    break
-                token = next(tokens)
-                generated += 1
-                if not first_token_at:
-                    first_token_at = time.perf_counter()
-                if token in eos:
-                    reason = "stop"
-                    break
-                text, hit = stops.feed(detokenizer.add(token))
-                handle._emit(Delta(text, (token,)))
-                if hit:
-                    reason = "stop"
-                    break
-            if not hit and reason != "cancelled":
-                tail, hit = stops.feed(detokenizer.flush())
-                if not hit:
-                    tail += stops.flush()
-                if tail:
-                    handle._emit(Delta(tail))
-        finally:
-            tokens.close()
-            del cache
-        now = time.perf_counter()
-        handle._emit(
-            Finished(
-                reason=reason,
-                usage=Usage(prompt_tokens=len(request.prompt_ids), completion_tokens=generated),
-                ttft_s=(first_token_at or now) - started,
-                total_s=now - started,
-            )
-        )
 
 
 def _wait_for_os_thread_exit(thread: threading.Thread, timeout: float = 5.0) -> None:

@@ -73,3 +73,129 @@ class KVCache:
 
     def __len__(self) -> int:
         return self.offset
+
+    @classmethod
+    def from_arrays(cls, keys: mx.array, values: mx.array) -> KVCache:
+        """A cache holding ``keys``/``values`` (``[B, H, S, D]``) as its first ``S`` positions."""
+        cache = cls()
+        cache._grow(keys, values, keys.shape[2])
+        assert cache.keys is not None and cache.values is not None
+        cache.offset = keys.shape[2]
+        cache.keys[..., : cache.offset, :] = keys
+        cache.values[..., : cache.offset, :] = values
+        return cache
+
+
+class BatchKVCache:
+    """Keys and values of one layer for a batch of sequences of different lengths.
+
+    Rows are right-aligned: every row ends at position :attr:`length`, and row ``i`` starts after
+    ``left_padding[i]`` unused positions. Each row's rotary position (:attr:`offset`) is its own
+    length, and :meth:`mask` hides the padding from attention. Rows join with :meth:`extend` (the
+    shorter side is padded on the left) and leave with :meth:`filter`.
+    """
+
+    step: int = 256
+
+    def __init__(self, keys: mx.array, values: mx.array, left_padding: list[int], length: int):
+        self.keys = keys  # [B, H, capacity, D]; positions >= length are free
+        self.values = values
+        self.left_padding = left_padding
+        self.length = length
+        self._offset: mx.array | None = None
+
+    @classmethod
+    def from_cache(cls, cache: KVCache) -> BatchKVCache:
+        """A one-row batch from a single-sequence cache (e.g. after its prefill)."""
+        assert cache.keys is not None and cache.values is not None
+        return cls(cache.keys, cache.values, [0] * cache.keys.shape[0], cache.offset)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.left_padding)
+
+    @property
+    def offset(self) -> mx.array:
+        """Each row's number of positions, ``[B]``: where its next token's rotary position is."""
+        if self._offset is None:
+            self._offset = mx.array([self.length - pad for pad in self.left_padding])
+        return self._offset
+
+    def mask(self, extra: int = 1) -> mx.array:
+        """Boolean ``[B, 1, 1, length + extra]`` mask letting each row see only its own positions
+        (for a decode step that adds ``extra`` positions)."""
+        positions = mx.arange(self.length + extra)
+        pads = mx.array(self.left_padding)
+        return (positions[None, :] >= pads[:, None])[:, None, None, :]
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        start, length = self.length, keys.shape[2]
+        if start + length > self.keys.shape[2]:
+            self._reserve(start + length)
+        self.length = start + length
+        self._offset = None
+        self.keys[..., start : self.length, :] = keys
+        self.values[..., start : self.length, :] = values
+        return self.keys[..., : self.length, :], self.values[..., : self.length, :]
+
+    def _reserve(self, needed: int) -> None:
+        capacity = -(-needed // self.step) * self.step
+        grow = capacity - self.keys.shape[2]
+        if grow > 0:
+            self.keys = _pad_positions(self.keys, right=grow)
+            self.values = _pad_positions(self.values, right=grow)
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only the rows in ``keep`` (in that order), dropping padding no row needs."""
+        index = mx.array(keep)
+        self.left_padding = [self.left_padding[i] for i in keep]
+        shift = min(self.left_padding) if self.left_padding else 0
+        self.keys = self.keys[index, :, shift:, :]
+        self.values = self.values[index, :, shift:, :]
+        self.left_padding = [pad - shift for pad in self.left_padding]
+        self.length -= shift
+        self._offset = None
+
+    def extend(self, other: BatchKVCache) -> None:
+        """Append ``other``'s rows, aligning both sides' ends."""
+        length = max(self.length, other.length)
+        capacity = max(self.keys.shape[2] + length - self.length, other.keys.shape[2] + length - other.length)
+        parts = []
+        for cache in (self, other):
+            before = length - cache.length
+            after = capacity - before - cache.keys.shape[2]
+            parts.append(
+                (
+                    _pad_positions(cache.keys, left=before, right=after),
+                    _pad_positions(cache.values, left=before, right=after),
+                    [pad + before for pad in cache.left_padding],
+                )
+            )
+        self.keys = mx.concatenate([parts[0][0], parts[1][0]], axis=0)
+        self.values = mx.concatenate([parts[0][1], parts[1][1]], axis=0)
+        self.left_padding = parts[0][2] + parts[1][2]
+        self.length = length
+        self._offset = None
+
+    def extract(self, row: int) -> KVCache:
+        """Row ``row`` as a single-sequence cache without its padding."""
+        start = self.left_padding[row]
+        return KVCache.from_arrays(
+            self.keys[row : row + 1, :, start : self.length, :],
+            self.values[row : row + 1, :, start : self.length, :],
+        )
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [self.keys, self.values]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+def _pad_positions(array: mx.array, *, left: int = 0, right: int = 0) -> mx.array:
+    """Zero-pad the position axis (2) of a ``[B, H, S, D]`` array."""
+    if left == 0 and right == 0:
+        return array
+    return mx.pad(array, [(0, 0), (0, 0), (left, right), (0, 0)])

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 ARCHITECTURES = {
     "llama": "mlxr_plugins.archs.llama:LlamaArchitecture",
     "mistral": "mlxr_plugins.archs.llama:LlamaArchitecture",
+    "qwen2": "mlxr_plugins.archs.qwen2:Qwen2Architecture",
+    "qwen3": "mlxr_plugins.archs.qwen3:Qwen3Architecture",
 }
 
 

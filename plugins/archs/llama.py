@@ -277,5 +277,5 @@ class LlamaArchitecture:
             "n_kv_heads": args.num_key_value_heads,
             "rope_dims": args.rope_dims,
             "rope_traditional": args.rope_traditional,
-            "masks": ("causal",),
+            "masks": ("causal", "array"),
         }

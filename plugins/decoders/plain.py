@@ -37,6 +37,10 @@ def prefill(model: LoadedModel, cache: list[Any], prompt_ids: list[int], prefill
 class PlainDecoder:
     """One token per step; see :class:`mlxr_core.engine.decoding.Decoder`."""
 
+    #: The engine's batch runner implements this strategy for batched requests;
+    #: :meth:`generate` serves a request alone.
+    batched = True
+
     def generate(
         self,
         model: LoadedModel,

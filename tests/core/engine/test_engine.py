@@ -125,9 +125,9 @@ def test_cancellation_frees_the_engine_within_a_step(engine):
     rest = list(handle)
     assert isinstance(rest[-1], Finished) and rest[-1].reason == "cancelled"
     deadline = time.time() + 5
-    while engine.active is not None and time.time() < deadline:
+    while engine.running and time.time() < deadline:
         time.sleep(0.01)
-    assert engine.active is None
+    assert engine.running == 0
     _, done, _ = collect(engine.submit(request(PROMPT, max_tokens=3)))
     assert isinstance(done, Finished)
 
@@ -160,7 +160,7 @@ def test_a_failing_request_fails_alone(tiny_path):
 
 
 def test_queue_limit_and_shutdown(tiny_path):
-    eng = make_engine(tiny_path, max_queue=1)
+    eng = make_engine(tiny_path, max_queue=1, max_batch_size=1)
     try:
         long = eng.submit(request(PROMPT, max_tokens=100, extra={"ignore_eos": True}))
         next(iter(long))  # the first request is running, the queue is empty

@@ -1,0 +1,261 @@
+"""Continuous batching for one model: requests join at token boundaries, leave when done.
+
+A request is first prefilled on its own, one chunk per engine step so a long prompt never stalls
+the running streams; then its cache joins the batch (:class:`BatchKVCache`, rows right-aligned),
+and every step decodes one token for all rows in one forward pass. The step is double-buffered:
+the graph of step n+1 is queued (``mx.async_eval``) before the tokens of step n are read back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from mlxr_core.engine.decoding import make_sampler
+from mlxr_core.engine.detokenizer import StreamingDetokenizer
+from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle, Usage
+from mlxr_core.engine.stops import StopMatcher
+from mlxr_core.errors import MlxrError
+from mlxr_core.model.cache import BatchKVCache
+
+if TYPE_CHECKING:
+    from mlxr_core.config.schema import EngineConfig
+    from mlxr_core.engine.prefix_cache import PrefixCache
+    from mlxr_core.model.loader import LoadedModel
+    from mlxr_core.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+class Sequence:
+    """One request's decoding state inside a :class:`BatchRunner`."""
+
+    def __init__(self, handle: RequestHandle, model: LoadedModel, samplers: Registry, kv_bytes: int):
+        self.handle = handle
+        params = handle.request.params
+        self.prompt = handle.request.prompt_ids
+        self.max_tokens = params.max_tokens or 0
+        self.sampler = make_sampler(params, samplers)
+        self.detokenizer = StreamingDetokenizer(model.tokenizer)
+        self.stops = StopMatcher(params.stop)
+        # Benchmarks generate a fixed number of tokens whatever the model says.
+        self.eos = frozenset() if params.extra.get("ignore_eos") else model.tokenizer.eos_token_ids
+        self.kv_bytes = kv_bytes  # reserved for prompt + max_tokens
+        self.cache: list[Any] | None = None  # own cache while prefilling
+        self.prefilled = 0
+        self.generated = 0
+        self.started = time.perf_counter()
+        self.first_token_at = 0.0
+
+    @property
+    def pending_prompt(self) -> int:
+        """Prompt tokens still to prefill (the last one is fed by the first decode step)."""
+        return len(self.prompt) - 1 - self.prefilled
+
+    def accept(self, token: int) -> str | None:
+        """Emit ``token``; return the finish reason when the request is done."""
+        self.generated += 1
+        if not self.first_token_at:
+            self.first_token_at = time.perf_counter()
+        if token in self.eos:
+            return "stop"
+        text, hit = self.stops.feed(self.detokenizer.add(token))
+        self.handle._emit(Delta(text, (token,)))
+        if hit:
+            return "stop"
+        if self.generated >= self.max_tokens:
+            return "length"
+        return None
+
+    def finish(self, reason: str) -> None:
+        if reason != "cancelled" and not self.stops.hit:
+            tail, hit = self.stops.feed(self.detokenizer.flush())
+            if not hit:
+                tail += self.stops.flush()
+            if tail:
+                self.handle._emit(Delta(tail))
+        now = time.perf_counter()
+        self.handle._emit(
+            Finished(
+                reason=reason,
+                usage=Usage(prompt_tokens=len(self.prompt), completion_tokens=self.generated),
+                ttft_s=(self.first_token_at or now) - self.started,
+                total_s=now - self.started,
+            )
+        )
+
+
+class BatchRunner:
+    """Schedules one model's requests: chunked prefill, then batched decode."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        config: EngineConfig,
+        samplers: Registry,
+        prefix_cache: PrefixCache | None,
+    ):
+        self.model = model
+        self.config = config
+        self.samplers = samplers
+        self.prefix_cache = prefix_cache
+        self.kv_bytes_per_token = kv_bytes_per_token(model)
+        self.n_layers = len(model.make_cache())
+        self.prefilling: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.caches: list[BatchKVCache] | None = None
+        self.tokens: mx.array | None = None  # [B]: each row's next input (and, unless fresh, output)
+        self.fresh: list[bool] = []  # row's token is its last prompt token, not a generated one
+
+    # -- accounting -------------------------------------------------------------------------
+
+    def reserve_bytes(self, handle: RequestHandle) -> int:
+        params = handle.request.params
+        return (len(handle.request.prompt_ids) + (params.max_tokens or 0)) * self.kv_bytes_per_token
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(seq.kv_bytes for seq in (*self.prefilling, *self.running))
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes the running batch's caches hold now."""
+        held = sum(cache.nbytes for cache in self.caches) if self.caches else 0
+        for seq in self.prefilling:
+            held += sum(cache.nbytes for cache in seq.cache or [])
+        return held
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.prefilling or self.running)
+
+    @property
+    def size(self) -> int:
+        return len(self.prefilling) + len(self.running)
+
+    def add(self, handle: RequestHandle) -> None:
+        self.prefilling.append(Sequence(handle, self.model, self.samplers, self.reserve_bytes(handle)))
+
+    # -- one engine step --------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Advance every request by one unit of work: one prefill chunk and/or one decode token."""
+        self._drop_cancelled_prefills()
+        if self.prefilling:
+            self._prefill_chunk(self.prefilling[0])
+        if self.running or self.tokens is not None:
+            self._decode()
+
+    def fail_all(self, error: MlxrError) -> None:
+        """End every request of this runner with ``error`` and forget the batch."""
+        for seq in (*self.prefilling, *self.running):
+            seq.handle._emit(Failed(error))
+        self.prefilling.clear()
+        self.running, self.fresh = [], []
+        self.caches, self.tokens = None, None
+
+    def _drop_cancelled_prefills(self) -> None:
+        for seq in [s for s in self.prefilling if s.handle.cancelled]:
+            self.prefilling.remove(seq)
+            seq.finish("cancelled")
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        if seq.cache is None:
+            seq.cache = self._start_cache(seq)
+        room = max(1, self.config.max_batch_tokens - len(self.running))
+        chunk = min(self.config.prefill_chunk, room, seq.pending_prompt)
+        if chunk > 0:
+            ids = mx.array(seq.prompt[seq.prefilled : seq.prefilled + chunk], dtype=mx.int32)
+            self.model.model(ids[None], cache=seq.cache)
+            mx.eval([array for cache in seq.cache for array in cache.state])
+            seq.prefilled += chunk
+        if seq.pending_prompt == 0 and len(self.running) < self.config.max_batch_size:
+            self.prefilling.popleft()
+            if self.prefix_cache is not None and seq.prefilled:
+                self.prefix_cache.store(seq.prompt[: seq.prefilled], seq.cache)
+            self._join(seq)
+
+    def _start_cache(self, seq: Sequence) -> list[Any]:
+        if self.prefix_cache is not None:
+            reused, caches = self.prefix_cache.lookup(seq.prompt, limit=len(seq.prompt) - 1)
+            if caches is not None:
+                seq.prefilled = reused
+                return caches
+        return self.model.make_cache()
+
+    def _join(self, seq: Sequence) -> None:
+        last = mx.array([seq.prompt[-1]], dtype=mx.int32)
+        if seq.prefilled == 0:  # a one-token prompt: an empty row
+            rows = [self._empty_row() for _ in range(self.n_layers)]
+        else:
+            rows = [BatchKVCache.from_cache(cache) for cache in seq.cache or []]
+        if self.caches is None or self.tokens is None:
+            self.caches, self.tokens = rows, last
+        else:
+            for batch, row in zip(self.caches, rows, strict=True):
+                batch.extend(row)
+            self.tokens = mx.concatenate([self.tokens, last])
+        seq.cache = None
+        self.running.append(seq)
+        self.fresh.append(True)
+
+    def _empty_row(self) -> BatchKVCache:
+        shapes = self.model.arch.kernel_context(self.model.config)
+        shape = (1, int(shapes["n_kv_heads"]), 0, int(shapes["head_dim"]))
+        dtype = getattr(mx, self.model.dtype)
+        return BatchKVCache(mx.zeros(shape, dtype=dtype), mx.zeros(shape, dtype=dtype), [0], 0)
+
+    def _decode(self) -> None:
+        assert self.caches is not None and self.tokens is not None
+        tokens, caches = self.tokens, self.caches
+        mask = caches[0].mask() if len(self.running) > 1 else None
+        logits = self.model.model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
+        following = self._sample(logits)
+        mx.async_eval(following)
+
+        keep: list[int] = []
+        values: list[int] = tokens.tolist()  # type: ignore[assignment]
+        for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):
+            if seq.handle.cancelled:
+                seq.finish("cancelled")
+                continue
+            if self.fresh[row]:
+                self.fresh[row] = False
+                keep.append(row)
+                continue
+            reason = seq.accept(token)
+            if reason is not None:
+                seq.finish(reason)
+                continue
+            keep.append(row)
+
+        if len(keep) == len(self.running):
+            self.tokens = following
+            return
+        if not keep:
+            self.running, self.fresh, self.caches, self.tokens = [], [], None, None
+            return
+        self.running = [self.running[i] for i in keep]
+        self.fresh = [self.fresh[i] for i in keep]
+        for cache in caches:
+            cache.filter(keep)
+        self.tokens = following[mx.array(keep)]
+
+    def _sample(self, logits: mx.array) -> mx.array:
+        samplers = [seq.sampler for seq in self.running]
+        if all(getattr(sampler, "plain_greedy", False) for sampler in samplers):
+            return mx.argmax(logits, axis=-1).astype(mx.int32)
+        rows = [sampler(logits[i : i + 1]) for i, sampler in enumerate(samplers)]
+        return mx.concatenate(rows).astype(mx.int32)
+
+
+def kv_bytes_per_token(model: LoadedModel) -> int:
+    """Bytes of keys and values one position costs across all layers."""
+    shapes = model.arch.kernel_context(model.config)
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[model.dtype]
+    layers = len(model.make_cache())
+    return 2 * layers * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * itemsize

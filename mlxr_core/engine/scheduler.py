@@ -1,0 +1,184 @@
+"""The engine thread's loop: admit queued requests, step every model's batch, repeat.
+
+Requests whose decoder runs inside continuous batching (``decoder.batched``) join their model's
+:class:`BatchRunner`; any other decoder runs its request alone, pausing the batches while it does
+(logged once per decoder). The KV budget (``engine.max_kv_bytes``) is enforced here: a request whose
+prompt plus ``max_tokens`` cannot fit waits until running requests free enough.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from mlxr_core.engine.batch import BatchRunner, Sequence
+from mlxr_core.engine.prefix_cache import PrefixCache
+from mlxr_core.engine.request import Failed, Finished, RequestHandle, Usage
+from mlxr_core.errors import EngineStopped, MlxrError
+
+if TYPE_CHECKING:
+    from mlxr_core.config.schema import EngineConfig
+    from mlxr_core.model.loader import LoadedModel
+    from mlxr_core.plugins import Registries
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Runs on the engine thread only."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        models: dict[str, LoadedModel],
+        registries: Registries,
+        requests: queue.Queue[RequestHandle | None],
+        stop: threading.Event,
+        abort: threading.Event,
+    ):
+        self.config = config
+        self.models = models
+        self.registries = registries
+        self.requests = requests
+        self.stop = stop
+        self.abort = abort
+        self.waiting: deque[RequestHandle] = deque()
+        budget = config.prefix_cache.max_bytes if config.prefix_cache.enabled else 0
+        self.runners = {
+            name: BatchRunner(
+                model,
+                config,
+                registries.samplers,
+                PrefixCache(budget) if budget > 0 else None,
+            )
+            for name, model in models.items()
+        }
+        self._warned: set[str] = set()
+
+    # -- figures other threads read (plain ints; approximate while the loop runs) ---------------
+
+    @property
+    def running(self) -> int:
+        return sum(runner.size for runner in self.runners.values())
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(runner.kv_bytes for runner in self.runners.values())
+
+    @property
+    def reserved_kv_bytes(self) -> int:
+        return sum(runner.reserved_bytes for runner in self.runners.values())
+
+    def prefix_stats(self) -> dict[str, Any]:
+        return {
+            name: runner.prefix_cache.stats
+            for name, runner in self.runners.items()
+            if runner.prefix_cache is not None
+        }
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> None:
+        while True:
+            busy = any(runner.busy for runner in self.runners.values())
+            if self.abort.is_set():
+                for runner in self.runners.values():
+                    runner.fail_all(EngineStopped("the server shut down before this request finished"))
+                return
+            if self.stop.is_set() and not busy:
+                return
+            if not self.stop.is_set():
+                self._admit(block=not busy)
+            for name, runner in self.runners.items():
+                if runner.busy:
+                    self._step(name, runner)
+
+    def _admit(self, *, block: bool) -> None:
+        """Move queued requests into the waiting line, then as many as fit into their runners."""
+        try:
+            while True:
+                handle = self.requests.get(block=block and not self.waiting, timeout=0.05)
+                block = False
+                if handle is not None:
+                    self.waiting.append(handle)
+        except queue.Empty:
+            pass
+        while self.waiting:
+            handle = self.waiting[0]
+            if handle.cancelled:
+                self.waiting.popleft()
+                usage = Usage(prompt_tokens=len(handle.request.prompt_ids), completion_tokens=0)
+                handle._emit(Finished(reason="cancelled", usage=usage))
+                continue
+            runner = self.runners[handle.request.model]
+            decoder = self.registries.decoders.get(
+                handle.request.decoder or runner.model.decoder
+            )
+            if not getattr(decoder, "batched", False):
+                self.waiting.popleft()
+                self._run_alone(handle, runner.model, decoder)
+                continue
+            if runner.size >= self.config.max_batch_size or not self._fits(runner, handle):
+                return  # first come, first served: later requests wait behind this one
+            self.waiting.popleft()
+            runner.add(handle)
+
+    def _fits(self, runner: BatchRunner, handle: RequestHandle) -> bool:
+        budget = self.config.max_kv_bytes
+        if budget <= 0:
+            return True
+        return self.reserved_kv_bytes + runner.reserve_bytes(handle) <= budget
+
+    def _step(self, name: str, runner: BatchRunner) -> None:
+        try:
+            runner.step()
+        except Exception as exc:  # a bug or an MLX error: fail this batch, keep serving
+            log.exception("model %s: a batch step failed; failing its %d request(s)", name, runner.size)
+            error = exc if isinstance(exc, MlxrError) else MlxrError(
+                f"generation failed: {type(exc).__name__}: {exc}"
+            )
+            runner.fail_all(error)
+
+    def _run_alone(self, handle: RequestHandle, model: LoadedModel, decoder: Any) -> None:
+        """A decoder that cannot batch gets the engine to itself for this request."""
+        name = handle.request.decoder or model.decoder
+        if name not in self._warned:
+            self._warned.add(name)
+            log.info("decoder %s does not run in continuous batching: its requests run alone", name)
+        seq = Sequence(handle, model, self.registries.samplers, 0)
+        cache = model.make_cache()
+        tokens = decoder.generate(
+            model, cache, seq.prompt, seq.sampler, prefill_chunk=self.config.prefill_chunk
+        )
+        try:
+            reason = "length" if seq.max_tokens == 0 else None
+            while reason is None:
+                if handle.cancelled or self.abort.is_set():
+                    reason = "cancelled"
+                    break
+                reason = seq.accept(next(tokens))
+            seq.finish(reason)
+        except MlxrError as exc:
+            handle._emit(Failed(exc))
+        except Exception as exc:
+            log.exception("request %s failed", handle.id)
+            handle._emit(Failed(MlxrError(f"generation failed: {type(exc).__name__}: {exc}")))
+        finally:
+            tokens.close()
+
+    def refuse_waiting(self) -> None:
+        """At shutdown: end every request that never started."""
+        error = EngineStopped("the server is shutting down")
+        while self.waiting:
+            self.waiting.popleft()._emit(Failed(error))
+        while True:
+            try:
+                handle = self.requests.get_nowait()
+            except queue.Empty:
+                return
+            if handle is not None:
+                handle._emit(Failed(error))
+

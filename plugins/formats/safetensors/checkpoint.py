@@ -1,0 +1,282 @@
+"""Read a Hugging Face or mlx-lm folder into a :class:`~mlxr_core.model.checkpoint.Checkpoint`.
+
+A folder holds ``config.json`` (read tolerantly), the weights as ``model.safetensors`` or as shards
+listed in ``model.safetensors.index.json``, optionally ``generation_config.json`` (end-of-sequence
+ids, default sampling) and the tokenizer files. MLX reads the safetensors files itself
+(``mx.load``); tensor names are kept exactly as stored.
+
+mlx-lm's quantized folders store each quantized module as a packed ``weight`` (uint32) with
+``scales`` and ``biases``, and describe the packing in ``config.json``'s ``quantization`` block:
+``group_size``, ``bits`` (and ``mode``) by default, overridden per module path by a dict or by
+``false`` for a module left in float. Each packed module becomes one :class:`QuantSpec`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.model.checkpoint import Checkpoint, QuantSpec
+from mlxr_plugins.formats.safetensors.files import read_json
+from mlxr_plugins.formats.safetensors.tokenizer import read_chat_template, tokenizer_spec
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+#: ``generation_config.json`` keys that are default sampling parameters.
+SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+#: Packings MLX's quantized modules understand.
+QUANT_BITS = (2, 3, 4, 5, 6, 8)
+
+
+def model_folder(path: Path) -> Path | None:
+    """The folder a model path points into: the path itself, or the folder of a weights file."""
+    if path.is_dir():
+        return path
+    if path.is_file() and (path.suffix == ".safetensors" or path.name == INDEX):
+        return path.parent
+    return None
+
+
+def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The config in the keys architectures read.
+
+    transformers 5 writes ``rope_parameters`` (``rope_theta`` and the scaling in one dict) where
+    earlier releases wrote ``rope_theta`` and ``rope_scaling``; both spellings reach the arch as the
+    latter. Per-layer-type ``rope_parameters`` (no ``rope_type`` at the top) are left as they are.
+    """
+    config = dict(config)
+    rope = config.get("rope_parameters")
+    if isinstance(rope, dict) and ("rope_type" in rope or "rope_theta" in rope):
+        if "rope_theta" in rope:
+            config.setdefault("rope_theta", rope["rope_theta"])
+        scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            config.setdefault("rope_scaling", scaling)
+    return config
+
+
+def token_ids(value: Any) -> list[int]:
+    """``eos_token_id`` as configs write it (an int, a list of ints, or null) as a list."""
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [item for item in value if isinstance(item, int) and not isinstance(item, bool)]
+    return []
+
+
+def weight_files(folder: Path, path: Path) -> dict[Path, list[str] | None]:
+    """Safetensors files to read -> the tensors the index places in each (None without an index).
+
+    A sharded folder is read through its index and every shard it names must exist; otherwise
+    ``model.safetensors``, else every ``*.safetensors`` file (Mistral's ``consolidated.*``, a second
+    copy of the same weights under other names, is skipped when other files exist).
+    """
+    index = path if path.name == INDEX else folder / INDEX
+    if path.is_file() and path.suffix == ".safetensors":
+        return {path: None}
+    if index.is_file():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError("the index has no weight_map", path=str(index))
+        shards: dict[Path, list[str] | None] = {}
+        for tensor, shard in weight_map.items():
+            listed = shards.setdefault(folder / str(shard), [])
+            assert listed is not None
+            listed.append(tensor)
+        for shard, tensors in shards.items():
+            if not shard.is_file():
+                raise ModelLoadError(
+                    f"missing shard: {INDEX} places {len(tensors or [])} tensors in it",
+                    path=str(shard),
+                    tensor=(tensors or [None])[0],
+                )
+        return shards
+    if (folder / SINGLE_FILE).is_file():
+        return {folder / SINGLE_FILE: None}
+    found = sorted(folder.glob("*.safetensors"))
+    preferred = [f for f in found if not f.name.startswith("consolidated")]
+    if not found:
+        raise ModelLoadError(f"no {SINGLE_FILE}, {INDEX} or other .safetensors file", path=str(folder))
+    return dict.fromkeys(preferred or found)
+
+
+def read_weights(
+    files: dict[Path, list[str] | None], dtype: mx.Dtype
+) -> tuple[dict[str, mx.array], dict[str, Path], dict[str, str]]:
+    """Every tensor of ``files`` (floats cast to ``dtype``), the file each came from, and the
+    ``__metadata__`` of the first file."""
+    weights: dict[str, mx.array] = {}
+    origin: dict[str, Path] = {}
+    metadata: dict[str, str] = {}
+    for file, expected in files.items():
+        try:
+            arrays, file_metadata = mx.load(str(file), format="safetensors", return_metadata=True)
+        except Exception as exc:
+            # MLX names the tensor whose header entry or data is bad; lift it into the error.
+            named = re.search(r"[Tt]ensor '([^']*)'", str(exc))
+            raise ModelLoadError(
+                f"corrupt or truncated safetensors file: {exc}",
+                path=str(file),
+                tensor=named.group(1) if named else None,
+            ) from exc
+        metadata = metadata or dict(file_metadata)
+        for name in expected or []:
+            if name not in arrays:
+                raise ModelLoadError(
+                    f"{INDEX} places this tensor here but the file lacks it",
+                    path=str(file),
+                    tensor=name,
+                )
+        for name, array in arrays.items():
+            if name in origin:
+                raise ModelLoadError(
+                    f"the tensor is also in {origin[name].name}", path=str(file), tensor=name
+                )
+            origin[name] = file
+            weights[name] = array.astype(dtype) if mx.issubdtype(array.dtype, mx.floating) else array
+    return weights, origin, metadata
+
+
+def quantization_specs(
+    config: dict[str, Any], weights: dict[str, mx.array], origin: dict[str, Path], folder: Path
+) -> dict[str, QuantSpec]:
+    """A :class:`QuantSpec` for every packed module (one with ``scales`` next to its ``weight``),
+    from ``config.json``'s ``quantization`` block; each packing is checked against the shapes."""
+    block = config.get("quantization")
+    hf_block = config.get("quantization_config")
+    if block is None and isinstance(hf_block, dict):
+        method = hf_block.get("quant_method")
+        if method is not None:
+            raise ModelLoadError(
+                f"quantization_config.quant_method {method!r} is not supported (supported: MLX "
+                f"affine quantization as mlx-lm writes it; dequantize the model or convert it)",
+                path=str(folder / CONFIG),
+            )
+        block = hf_block  # some mlx-lm releases wrote only this spelling
+    packed = sorted(name.removesuffix(".scales") for name in weights if name.endswith(".scales"))
+    if not packed:
+        return {}
+    if not isinstance(block, dict):
+        raise ModelLoadError(
+            "the weights are packed (.scales tensors) but config.json has no quantization block",
+            path=str(origin[f"{packed[0]}.scales"]),
+            tensor=f"{packed[0]}.scales",
+        )
+
+    specs: dict[str, QuantSpec] = {}
+    for module in packed:
+        where = {"path": str(origin[f"{module}.scales"]), "tensor": f"{module}.weight"}
+        params = block.get(module, block)
+        if params is False:
+            raise ModelLoadError("config.json marks this module unquantized but it is packed", **where)
+        try:
+            spec = QuantSpec(
+                bits=int(params["bits"]),
+                group_size=int(params["group_size"]),
+                mode=str(params.get("mode", "affine")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"unusable quantization parameters {params!r}", **where) from exc
+        weight = weights.get(f"{module}.weight")
+        scales = weights[f"{module}.scales"]
+        if weight is None or weight.dtype != mx.uint32:
+            raise ModelLoadError("a packed module needs a uint32 weight next to its scales", **where)
+        if spec.mode == "affine" and f"{module}.biases" not in weights:
+            raise ModelLoadError("an affine-quantized module needs biases", **where)
+        columns = scales.shape[-1] * spec.group_size
+        if spec.bits not in QUANT_BITS or weight.shape[-1] * 32 != columns * spec.bits:
+            raise ModelLoadError(
+                f"packed weight of shape {list(weight.shape)} does not fit {spec.bits}-bit groups of "
+                f"{spec.group_size} with scales of shape {list(scales.shape)}",
+                **where,
+            )
+        specs[module] = spec
+    return specs
+
+
+class SafetensorsFormat:
+    """Hugging Face safetensors folders, including mlx-lm's (quantized) ones."""
+
+    name = "safetensors"
+
+    def detect(self, path: Path) -> bool:
+        """True for a folder holding safetensors weights (or such a file, or its index)."""
+        folder = model_folder(Path(path))
+        if folder is None:
+            return False
+        return (folder / INDEX).is_file() or any(folder.glob("*.safetensors"))
+
+    def load(self, path: Path, *, dtype: str = "float32") -> Checkpoint:
+        """Read the folder: config, weights (floats as ``dtype``), quantization, tokenizer spec."""
+        path = Path(path)
+        folder = model_folder(path)
+        if folder is None:
+            raise ModelLoadError("not a folder or .safetensors file", path=str(path))
+        if dtype not in DTYPES:
+            raise ModelLoadError(
+                f"unsupported dtype {dtype!r} (use one of {', '.join(DTYPES)})", path=str(path)
+            )
+        if not (folder / CONFIG).is_file():
+            raise ModelLoadError(
+                f"no {CONFIG}: a safetensors model folder needs the config next to its weights",
+                path=str(folder),
+            )
+        config = normalize_config(read_json(folder / CONFIG))
+        generation = self._generation_config(folder)
+
+        files = weight_files(folder, path)
+        weights, origin, file_metadata = read_weights(files, DTYPES[dtype])
+        quantization = quantization_specs(config, weights, origin, folder)
+
+        eos_ids = sorted(
+            {*token_ids(config.get("eos_token_id")), *token_ids(generation.get("eos_token_id"))}
+        )
+        tokenizer = tokenizer_spec(folder, eos_token_ids=eos_ids, vocab_size=config.get("vocab_size"))
+        tokenizer_config = tokenizer.data.get("tokenizer_config", {}) if tokenizer else {}
+        return Checkpoint(
+            path=folder,
+            format=self.name,
+            config=config,
+            weights=weights,
+            quantization=quantization,
+            tokenizer=tokenizer,
+            chat_template=read_chat_template(folder, tokenizer_config),
+            metadata={
+                "files": [file.name for file in files],
+                "producer": "mlx-lm" if file_metadata.get("format") == "mlx" else None,
+                "stored_dtype": config.get("torch_dtype", config.get("dtype")),
+                "quantization": {
+                    key: config["quantization"][key]
+                    for key in ("bits", "group_size", "mode")
+                    if key in config.get("quantization", {})
+                },
+                "eos_token_ids": eos_ids,
+                "generation_defaults": {k: generation[k] for k in SAMPLING_KEYS if k in generation},
+                "resident_bytes": sum(array.nbytes for array in weights.values()),
+            },
+        )
+
+    @staticmethod
+    def _generation_config(folder: Path) -> dict[str, Any]:
+        """``generation_config.json``, or nothing: it only refines defaults, so a broken one is
+        reported and skipped rather than failing the load."""
+        path = folder / GENERATION_CONFIG
+        if not path.is_file():
+            return {}
+        try:
+            return read_json(path)
+        except ModelLoadError as exc:
+            log.warning("ignoring %s", exc)
+            return {}

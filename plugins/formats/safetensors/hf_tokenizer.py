@@ -1,0 +1,126 @@
+"""The ``hf`` tokenizer backend: ``tokenizer.json`` through Hugging Face ``tokenizers``.
+
+It behaves as ``transformers`` 5 loads the same folder: the special tokens
+``tokenizer_config.json`` names are added when ``tokenizer.json`` lacks them; when the config says
+``add_bos_token``/``add_eos_token`` (or ``tokenizer.json`` has no post-processor) the
+post-processor is rebuilt from those flags, otherwise ``tokenizer.json``'s own post-processor
+decides what ``add_special_tokens`` adds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from mlxr_core.errors import ModelLoadError
+from mlxr_plugins.formats.safetensors.tokenizer import FolderTokenizer, added_tokens, token_text
+
+if TYPE_CHECKING:
+    import tokenizers
+
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def clean_up_tokenization(text: str) -> str:
+    """``transformers``' clean-up of spaces before punctuation (WordPiece-era vocabularies)."""
+    for spaced, joined in (
+        (" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+        (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"),
+    ):  # fmt: skip
+        text = text.replace(spaced, joined)
+    return text
+
+
+class HFTokenizer(FolderTokenizer):
+    """A :class:`~mlxr_core.model.tokenizer.Tokenizer` over a ``tokenizers.Tokenizer``."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        config: dict[str, Any],
+        data: dict[str, Any],
+        chat_template: str | None,
+    ):
+        self._backend = backend
+        specials = {
+            token.content: i
+            for i, token in backend.get_added_tokens_decoder().items()
+            if token.special
+        }
+        self._set_specials(
+            config=config,
+            data=data,
+            token_id=backend.token_to_id,
+            specials=specials,
+            size=backend.get_vocab_size(with_added_tokens=True),
+            chat_template=chat_template,
+        )
+        # What the post-processor prepends is the truth about BOS, whatever the config says.
+        plain = backend.encode("a", add_special_tokens=False).ids
+        full = backend.encode("a", add_special_tokens=True).ids
+        self.add_bos = (
+            self.bos_token_id is not None and len(full) > len(plain) and full[0] == self.bos_token_id
+        )
+        # transformers 5 skips the clean-up for BPE models: it would eat real spaces.
+        self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and (
+            type(backend.model).__name__ != "BPE"
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token texts map to their ids."""
+        ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; an incomplete UTF-8 sequence decodes to U+FFFD."""
+        text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return clean_up_tokenization(text) if self._clean_up else text
+
+
+class HFTokenizerBackend:
+    """Builds an :class:`HFTokenizer` from a folder's ``tokenizer.json`` and its config."""
+
+    def build(self, data: dict[str, Any], *, chat_template: str | None) -> HFTokenizer:
+        """Build the tokenizer; ModelLoadError naming the file when it cannot be read."""
+        from tokenizers import AddedToken, Tokenizer
+
+        path = str(data["file"])
+        try:
+            backend = Tokenizer.from_file(path)
+        except Exception as exc:
+            raise ModelLoadError(f"unreadable tokenizer.json: {exc}", path=path) from exc
+        config: dict[str, Any] = data.get("tokenizer_config") or {}
+
+        missing = [
+            AddedToken(text, special=special, normalized=False)
+            for text, special in [
+                *((token_text(config.get(key)), True) for key in SPECIAL_KEYS),
+                *added_tokens(config).values(),
+            ]
+            if text and backend.token_to_id(text) is None
+        ]
+        backend.add_special_tokens([token for token in missing if token.special])
+        backend.add_tokens([token for token in missing if not token.special])
+
+        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
+            backend.post_processor = _template_processor(backend, config)
+        if config.get("split_special_tokens"):
+            backend.encode_special_tokens = True
+        return HFTokenizer(backend, config=config, data=data, chat_template=chat_template)
+
+
+def _template_processor(backend: tokenizers.Tokenizer, config: dict[str, Any]) -> Any:
+    """The post-processor ``transformers`` builds from ``add_bos_token``/``add_eos_token``."""
+    from tokenizers import processors
+
+    def flagged(flag: str, key: str) -> str | None:
+        text = token_text(config.get(key))
+        known = text is not None and backend.token_to_id(text) is not None
+        return text if config.get(flag) and known else None
+
+    bos, eos = flagged("add_bos_token", "bos_token"), flagged("add_eos_token", "eos_token")
+    single = " ".join(filter(None, [bos and f"{bos}:0", "$A:0", eos and f"{eos}:0"]))
+    pair = " ".join(filter(None, [single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1"]))
+    special_tokens = [(text, backend.token_to_id(text)) for text in {bos, eos} if text]
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special_tokens)

@@ -1,0 +1,174 @@
+"""Continuous batching, chunked prefill, the prefix cache and the KV budget on a tiny model."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+from mlxr_core.errors import RequestError
+from mlxr_core.plugins import load_plugins
+
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11],
+    [40, 41, 42],
+    [100, 17, 23, 99, 3, 8, 61, 62, 63, 64, 65, 66, 70],
+    [7],
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+def start(tiny_path, **engine):
+    config = Config(
+        models=[ModelConfig(path=str(tiny_path), name="tiny", context_length=256)],
+        engine=EngineConfig(**engine),
+    )
+    eng = Engine(config, load_plugins())
+    eng.start()
+    return eng
+
+
+def request(prompt, **params):
+    params.setdefault("temperature", 0.0)
+    params.setdefault("extra", {"ignore_eos": True})
+    return GenerationRequest(model="tiny", prompt_ids=list(prompt), params=SamplingParams(**params))
+
+
+def tokens_of(handle):
+    events = list(handle)
+    assert isinstance(events[-1], Finished), events[-1]
+    return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+
+
+@pytest.fixture(scope="module")
+def solo(tiny_path):
+    """Each prompt's greedy continuation with no batching and no prefix cache."""
+    eng = start(tiny_path, max_batch_size=1, prefix_cache=PrefixCacheConfig(enabled=False))
+    try:
+        return [tokens_of(eng.submit(request(p, max_tokens=10))) for p in PROMPTS]
+    finally:
+        eng.stop()
+
+
+def test_concurrent_requests_decode_together_and_match_solo_runs(tiny_path, solo):
+    eng = start(tiny_path, max_batch_size=4, prefill_chunk=4)
+    try:
+        handles = [eng.submit(request(p, max_tokens=10)) for p in PROMPTS]
+        assert [tokens_of(h) for h in handles] == solo
+    finally:
+        eng.stop()
+
+
+def test_requests_join_and_leave_a_running_batch(tiny_path, solo):
+    eng = start(tiny_path, max_batch_size=4, prefill_chunk=4)
+    try:
+        long = eng.submit(request(PROMPTS[0], max_tokens=40))
+        stream = iter(long)
+        for _ in range(5):
+            assert isinstance(next(stream), Delta)
+        # Joins mid-stream with a different length; a short one leaves early.
+        joined = [eng.submit(request(p, max_tokens=10)) for p in PROMPTS[1:]]
+        assert [tokens_of(h) for h in joined] == solo[1:]
+        rest = [t for e in stream if isinstance(e, Delta) for t in e.token_ids]
+        assert rest[:5] == solo[0][5:]
+    finally:
+        eng.stop()
+
+
+def test_seeded_sampling_ignores_batch_neighbours(tiny_path):
+    eng = start(tiny_path, max_batch_size=4)
+    try:
+        params = dict(temperature=1.0, seed=42, max_tokens=12)
+        alone = tokens_of(eng.submit(request(PROMPTS[2], **params)))
+        crowd = [eng.submit(request(p, temperature=0.9, seed=i, max_tokens=12)) for i, p in enumerate(PROMPTS)]
+        seeded = eng.submit(request(PROMPTS[2], **params))
+        assert tokens_of(seeded) == alone
+        for h in crowd:
+            tokens_of(h)
+    finally:
+        eng.stop()
+
+
+def test_a_long_prefill_does_not_freeze_running_streams(tiny_path):
+    eng = start(tiny_path, max_batch_size=4, prefill_chunk=4)
+    arrivals: list[str] = []
+    try:
+        running = eng.submit(request(PROMPTS[0], max_tokens=60))
+        stream = iter(running)
+        next(stream)
+
+        def consume(name, events):
+            for event in events:
+                if isinstance(event, Delta):
+                    arrivals.append(name)
+
+        reader = threading.Thread(target=consume, args=("running", stream))
+        reader.start()
+        long_prompt = [(i * 7) % 250 + 3 for i in range(120)]  # 30 prefill chunks of 4
+        long = eng.submit(request(long_prompt, max_tokens=2))
+        consume("long", long)
+        reader.join(30)
+    finally:
+        eng.stop()
+    first_long = arrivals.index("long")
+    assert arrivals[:first_long].count("running") >= 10, arrivals[:40]
+
+
+def test_prefix_cache_reuses_a_shared_prompt_and_changes_nothing(tiny_path):
+    system = [(i * 13) % 250 + 3 for i in range(64)]
+    prompts = [[*system, 5, 6, 7], [*system, 9, 9, 9, 9]]
+    cold = start(tiny_path, prefix_cache=PrefixCacheConfig(enabled=False))
+    try:
+        expected = [tokens_of(cold.submit(request(p, max_tokens=8))) for p in prompts]
+    finally:
+        cold.stop()
+    warm = start(tiny_path)
+    try:
+        got = [tokens_of(warm.submit(request(p, max_tokens=8))) for p in prompts]
+        stats = warm.stats()["prefix_cache"]["tiny"]
+    finally:
+        warm.stop()
+    assert got == expected
+    assert stats["hits"] == 1 and stats["reused_tokens"] == len(system)
+
+
+def test_kv_budget_refuses_what_can_never_fit_and_queues_what_can(tiny_path):
+    probe = start(tiny_path)
+    per_token = probe._kv_bytes_per_token["tiny"]
+    probe.stop()
+    eng = start(tiny_path, max_kv_bytes=per_token * 40, max_batch_size=4)
+    try:
+        with pytest.raises(RequestError) as info:
+            eng.submit(request(PROMPTS[0], max_tokens=60))
+        assert info.value.param == "max_tokens"
+        # Each needs 7 + 25 = 32 positions: only one fits at a time, both finish.
+        first = eng.submit(request(PROMPTS[0], max_tokens=25))
+        second = eng.submit(request(PROMPTS[0], max_tokens=25))
+        time.sleep(0.05)
+        assert eng.running <= 1
+        assert tokens_of(first) == tokens_of(second)
+    finally:
+        eng.stop()
+
+
+def test_cancelling_one_row_keeps_the_others(tiny_path, solo):
+    eng = start(tiny_path, max_batch_size=4)
+    try:
+        doomed = eng.submit(request(PROMPTS[0], max_tokens=200))
+        kept = eng.submit(request(PROMPTS[1], max_tokens=10))
+        next(iter(doomed))
+        doomed.cancel()
+        assert list(doomed)[-1].reason == "cancelled"
+        assert tokens_of(kept) == solo[1]
+    finally:
+        eng.stop()
