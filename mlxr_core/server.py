@@ -6,9 +6,15 @@
     app = build_app(ctx)
 
 The app starts the engine in the background when it starts (so ``GET /health`` answers 503 while
-models load) and stops it, draining the running request, when it shuts down. Each API plugin's
-factory ``make(ctx) -> litestar.Router`` returns a router that carries its own exception handlers,
-so an error reaches the client in that API's wire format.
+models load) and stops it when it shuts down. Each API plugin's factory
+``make(ctx) -> litestar.Router`` returns a router that carries its own exception handlers, so an
+error reaches the client in that API's wire format -- the 401 of a missing API key included, since
+the key check is a guard that runs inside each route (:mod:`mlxr_core.access`).
+
+Operations: ``GET /metrics`` (Prometheus, :mod:`mlxr_core.metrics`), one access-log line and an
+``x-request-id`` per request, a body size limit (``server.max_body_bytes``, 413), CORS only for
+``server.cors_origins``, and :func:`drain` for graceful shutdown: refuse new requests, let the
+running ones finish for ``server.shutdown_timeout`` seconds, then end the rest with an error event.
 """
 
 from __future__ import annotations
@@ -21,12 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
-from litestar import Litestar, Response, Router, get
+from litestar import Litestar, MediaType, Response, Router, get
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
+from mlxr_core.access import ApiKeys, RequestLog, api_key_guard
 from mlxr_core.errors import ConfigError, PluginLoadError, close_matches
+from mlxr_core.frontend import InflightRequests
+from mlxr_core.metrics import CONTENT_TYPE, Metrics
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
@@ -37,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a client is told to wait (``Retry-After``) while models load.
 LOADING_RETRY_AFTER_S = 5
+#: Seconds cancelled requests get to send their final error event at the end of a drain.
+CANCEL_GRACE_S = 5.0
 
 
 @attrs.define
@@ -53,6 +64,14 @@ class ServerContext:
     started_at: float = attrs.field(factory=time.time)
     #: Plugin name -> its validated ``plugins.config.<name>`` section (an instance of its schema).
     plugin_config: dict[str, Any] = attrs.field(factory=dict)
+    #: Generation requests being served (see :mod:`mlxr_core.frontend`); drained at shutdown.
+    inflight: InflightRequests = attrs.field(factory=InflightRequests)
+    #: This server's Prometheus metrics.
+    metrics: Metrics = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        inflight = self.inflight
+        self.metrics = Metrics(self.engine, inflight=lambda: len(inflight))
 
 
 def build_app(ctx: ServerContext) -> Litestar:
@@ -63,16 +82,39 @@ def build_app(ctx: ServerContext) -> Litestar:
     factory fails or returns something other than a ``litestar.Router``.
     """
     routers = [_make_router(ctx, name) for name in _api_names(ctx)]
-    config = ctx.config
-    cors = CORSConfig(allow_origins=list(config.server.cors_origins)) if config.server.cors_origins else None
-    return Litestar(
-        route_handlers=[_health_route(ctx), *routers],
+    server = ctx.config.server
+    cors = CORSConfig(allow_origins=list(server.cors_origins)) if server.cors_origins else None
+    app = Litestar(
+        route_handlers=[_health_route(ctx), _metrics_route(ctx), *routers],
         lifespan=[_engine_lifespan(ctx)],
         cors_config=cors,
+        guards=[api_key_guard(ApiKeys(server.api_keys, exempt=server.auth_exempt))],
+        request_max_body_size=server.max_body_bytes,
         # mlxr configures its own and uvicorn's loggers; Litestar must not touch the root logger.
         logging_config=None,
         state=State({"mlxr": ctx}),
     )
+    # Outermost, around Litestar's own exception and CORS layers: app-level Litestar middleware
+    # only wraps matched routes, and the access log must see 404s and 405s too.
+    app.asgi_handler = RequestLog(app.asgi_handler, ctx.metrics, log_requests=server.access_log)
+    return app
+
+
+async def drain(ctx: ServerContext, timeout: float) -> None:
+    """Graceful shutdown of the HTTP side: refuse new generation requests (503), wait up to
+    ``timeout`` seconds for those in flight, then cancel the rest, which end with a final error
+    event (a stream) or a 503 (a whole reply). Idempotent; returns once they have ended."""
+    inflight = ctx.inflight
+    inflight.draining = True
+    if not len(inflight):
+        return
+    log.info("shutting down: waiting up to %gs for %d request(s)", timeout, len(inflight))
+    if await inflight.wait_empty(timeout):
+        return
+    count = inflight.cancel_all()
+    log.warning("shutdown_timeout (%gs) reached: ending %d request(s) with an error", timeout, count)
+    if not await inflight.wait_empty(CANCEL_GRACE_S):
+        log.warning("%d request(s) did not end after cancellation", len(inflight))
 
 
 def _api_names(ctx: ServerContext) -> list[str]:
@@ -122,6 +164,9 @@ def _engine_lifespan(ctx: ServerContext) -> Any:
         try:
             yield
         finally:
+            # Under uvicorn the connections have closed by now (serve drains on the signal); an
+            # embedding server may go straight here.
+            await drain(ctx, ctx.config.server.shutdown_timeout)
             if owned:
                 # stop() joins the engine thread; off the event loop so in-flight streams can
                 # still receive their last events.
@@ -136,6 +181,14 @@ def _health_route(ctx: ServerContext) -> Any:
         return health_response(ctx)
 
     return health
+
+
+def _metrics_route(ctx: ServerContext) -> Any:
+    @get("/metrics", sync_to_thread=False, include_in_schema=False, media_type=MediaType.TEXT)
+    def metrics() -> Response[bytes]:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    return metrics
 
 
 def health_response(ctx: ServerContext) -> Response[dict[str, Any]]:

@@ -23,12 +23,11 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from importlib.metadata import version
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mlxr_core.config.schema import DTYPES
+from mlxr_core.config.schema import DTYPES, QUANTIZATION_POLICIES, EngineConfig
 from mlxr_core.plugins import hookimpl
 
 if TYPE_CHECKING:
@@ -91,8 +90,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="also submit N requests at once and report their aggregate speed",
     )
     parser.add_argument(
-        "--prefill-chunk", type=_positive_int, default=512, metavar="N",
+        "--quantization", choices=QUANTIZATION_POLICIES, default="auto",
+        help="quantized weights: keep them packed, dequantize them, or auto (dequantize on CPU)",
+    )
+    parser.add_argument(
+        "--prefill-chunk", type=_positive_int, default=EngineConfig().prefill_chunk, metavar="N",
         help="prompt tokens per prefill step (engine.prefill_chunk)",
+    )
+    parser.add_argument(
+        "--max-batch-size", type=_positive_int, default=EngineConfig().max_batch_size, metavar="N",
+        help="requests decoded together (engine.max_batch_size)",
+    )
+    parser.add_argument(
+        "--prefix-cache", action="store_true",
+        help="keep the prefix cache on (repeated runs then skip most of the prefill)",
     )
     parser.set_defaults(handler=run)
 
@@ -107,7 +118,10 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         kernels=dict(args.kernels),
         concurrency=args.concurrency,
+        quantization=args.quantization,
         prefill_chunk=args.prefill_chunk,
+        max_batch_size=args.max_batch_size,
+        prefix_cache=args.prefix_cache,
     )
     print(json.dumps(report, indent=2))
     return 0
@@ -245,25 +259,38 @@ def measure_concurrent(
     return timings
 
 
-def summarize_concurrent(timings: Sequence[StreamTiming], *, max_batch_size: int) -> dict[str, Any]:
-    """Aggregate speed of streams submitted together, and whether the engine overlapped them."""
-    generated = sum(len(t.tokens) for t in timings)
-    decode_window = max(t.last_token for t in timings) - min(t.first_token for t in timings)
-    wall = max(t.last_token for t in timings) - min(t.submitted for t in timings)
-    windows = sorted((t.first_token, t.last_token) for t in timings)
-    interleaved = any(later[0] < earlier[1] for earlier, later in itertools.pairwise(windows))
+def summarize_concurrent(rounds: Sequence[Sequence[StreamTiming]], *, max_batch_size: int) -> dict[str, Any]:
+    """Aggregate speed of streams submitted together (medians over ``rounds``), and whether the
+    engine actually overlapped them."""
+
+    def aggregate(timings: Sequence[StreamTiming]) -> dict[str, Any]:
+        generated = sum(len(t.tokens) for t in timings)
+        last = max(t.last_token for t in timings)
+        windows = sorted((t.first_token, t.last_token) for t in timings)
+        return {
+            "generated_tokens": generated,
+            "wall_s": last - min(t.submitted for t in timings),
+            "throughput_tps": generated / (last - min(t.submitted for t in timings)),
+            "aggregate_decode_tps": generated / (last - min(t.first_token for t in timings)),
+            "ttft_s_mean": statistics.mean(t.ttft_s for t in timings),
+            "ttft_s_max": max(t.ttft_s for t in timings),
+            "per_stream_decode_tps": [t.decode_tps for t in timings],
+            "interleaved": any(b[0] < a[1] for a, b in itertools.pairwise(windows)),
+        }
+
+    runs = [aggregate(timings) for timings in rounds]
+    medians = {
+        key: statistics.median(run[key] for run in runs)
+        for key in ("wall_s", "throughput_tps", "aggregate_decode_tps", "ttft_s_mean", "ttft_s_max")
+    }
     return {
-        "streams": len(timings),
+        "streams": len(rounds[0]),
         "engine_max_batch_size": max_batch_size,
-        # False means the engine ran the requests one after another.
-        "interleaved": interleaved,
-        "generated_tokens": generated,
-        "wall_s": wall,
-        "throughput_tps": generated / wall,
-        "aggregate_decode_tps": generated / decode_window,
-        "ttft_s_mean": statistics.mean(t.ttft_s for t in timings),
-        "ttft_s_max": max(t.ttft_s for t in timings),
-        "per_stream_decode_tps": [t.decode_tps for t in timings],
+        # False: the engine ran the requests one after another.
+        "interleaved": all(run["interleaved"] for run in runs),
+        "generated_tokens": runs[0]["generated_tokens"],
+        **medians,
+        "runs": [{k: v for k, v in run.items() if k != "interleaved"} for run in runs],
     }
 
 
@@ -279,6 +306,8 @@ class ModelSummary:
     format: str
     model_type: str
     dtype: str
+    #: "quantized" when any module kept packed weights, else "dense".
+    weights: str
     kernels: Mapping[str, str]
     model_bytes: int
     device: str
@@ -293,15 +322,20 @@ class _LoadObserver:
 
     @hookimpl
     def mlxr_model_loaded(self, name: str, model: LoadedModel) -> None:
+        import mlx.nn as nn
+
         from mlxr_core.kernels import current_platform
 
         device, platform = current_platform()
+        packed = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+        quantized = any(isinstance(module, packed) for _, module in model.model.named_modules())
         self.models[name] = ModelSummary(
             name=name,
             path=str(model.path),
             format=model.format,
             model_type=str(model.config.get("model_type")),
             dtype=model.dtype,
+            weights="quantized" if quantized else "dense",
             kernels=dict(model.kernels.chosen),
             model_bytes=model.nbytes,
             device=device,
@@ -314,44 +348,29 @@ def start_engine(
     *,
     dtype: str = "auto",
     kernels: Mapping[str, str] | None = None,
-    prefill_chunk: int = 512,
-    max_queue: int = 64,
-    context_length: int | None = None,
+    quantization: str = "auto",
+    engine_config: EngineConfig | None = None,
 ) -> tuple[Engine, ModelSummary]:
-    """Start an engine serving ``model`` alone and wait until it is loaded."""
-    from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
+    """Start an engine serving ``model`` alone and wait until it is loaded.
+
+    ``engine_config`` defaults to the engine settings a benchmark wants: the defaults, with the prefix
+    cache off so that repeating a prompt still prefills it.
+    """
+    from mlxr_core.config.schema import Config, ModelConfig, PrefixCacheConfig
     from mlxr_core.engine.engine import Engine
     from mlxr_core.plugins import load_plugins
 
     observer = _LoadObserver()
     config = Config(
         models=[
-            ModelConfig(path=model, dtype=dtype, kernels=dict(kernels or {}), context_length=context_length)
+            ModelConfig(path=model, dtype=dtype, kernels=dict(kernels or {}), quantization=quantization)
         ],
-        engine=EngineConfig(prefill_chunk=prefill_chunk, max_queue=max_queue),
+        engine=engine_config or EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
     )
     engine = Engine(config, load_plugins(extra=[("mlxr-bench", observer)]))
     engine.start()
     (summary,) = observer.models.values()
     return engine, summary
-
-
-def stop_engine(engine: Engine, timeout: float = 5.0) -> None:
-    """Stop ``engine`` and wait until its OS thread has really exited.
-
-    ``Thread.join`` returns before the thread's C++ thread-local destructors run; MLX's take the
-    GIL, and if the interpreter is finalizing by then the process aborts ("terminate called without
-    an active exception"). Waiting for the kernel task to vanish closes that window (Linux).
-    """
-    threads = [t for t in threading.enumerate() if t.name == "mlxr-engine"]
-    engine.stop()
-    deadline = time.monotonic() + timeout
-    for thread in threads:
-        if thread.is_alive() or thread.native_id is None:
-            continue
-        task = Path(f"/proc/self/task/{thread.native_id}")
-        while task.exists() and time.monotonic() < deadline:
-            time.sleep(0.001)
 
 
 def bench(
@@ -363,16 +382,27 @@ def bench(
     dtype: str = "auto",
     kernels: Mapping[str, str] | None = None,
     concurrency: int = 1,
-    prefill_chunk: int = 512,
+    quantization: str = "auto",
+    prefill_chunk: int | None = None,
+    max_batch_size: int | None = None,
+    prefix_cache: bool = False,
 ) -> dict[str, Any]:
-    """Load ``model``, warm up once, time ``repeat`` single-stream runs (and one concurrent round
-    when ``concurrency > 1``) and return the report :func:`run` prints."""
+    """Load ``model``, warm up once, time ``repeat`` single-stream runs (and ``repeat`` concurrent
+    rounds when ``concurrency > 1``) and return the report :func:`run` prints."""
     import mlx.core as mx
 
     from mlxr_core.blas import ensure_fast_blas
+    from mlxr_core.config.schema import PrefixCacheConfig
 
+    defaults = EngineConfig()
+    engine_config = EngineConfig(
+        prefill_chunk=prefill_chunk or defaults.prefill_chunk,
+        max_batch_size=max_batch_size or defaults.max_batch_size,
+        max_queue=max(defaults.max_queue, concurrency),
+        prefix_cache=PrefixCacheConfig(enabled=prefix_cache),
+    )
     engine, summary = start_engine(
-        model, dtype=dtype, kernels=kernels, prefill_chunk=prefill_chunk, max_queue=max(64, concurrency)
+        model, dtype=dtype, kernels=kernels, quantization=quantization, engine_config=engine_config
     )
     try:
         tokenizer = engine.model(summary.name).tokenizer
@@ -391,21 +421,28 @@ def bench(
             "blas": ensure_fast_blas() if summary.device == "cpu" else None,
             "mlx_version": version("mlx"),
             "dtype": summary.dtype,
+            "quantization": quantization,
+            "weights": summary.weights,
             "kernels": dict(summary.kernels),
             "prompt_tokens": prompt_tokens,
             "gen_tokens": gen_tokens,
             "repeat": repeat,
-            "prefill_chunk": prefill_chunk,
+            "prefill_chunk": engine_config.prefill_chunk,
+            "prefix_cache": prefix_cache,
             **summarize(runs),
+            "peak_memory_bytes": mx.get_peak_memory(),
             "model_bytes": summary.model_bytes,
         }
         if concurrency > 1:
+            # Distinct prompts: no shared prefix even with the prefix cache on.
             prompts = [synthetic_prompt(tokenizer, prompt_tokens, offset=7 * i) for i in range(concurrency)]
-            timings = measure_concurrent(engine, summary.name, prompts, gen_tokens)
+            measure_concurrent(engine, summary.name, prompts, min(gen_tokens, 8))  # warm-up
+            mx.reset_peak_memory()
+            rounds = [measure_concurrent(engine, summary.name, prompts, gen_tokens) for _ in range(repeat)]
             report["concurrent"] = summarize_concurrent(
-                timings, max_batch_size=engine.config.engine.max_batch_size
+                rounds, max_batch_size=engine_config.max_batch_size
             )
-        report["peak_memory_bytes"] = mx.get_peak_memory()
+            report["concurrent"]["peak_memory_bytes"] = mx.get_peak_memory()
         return report
     finally:
-        stop_engine(engine)
+        engine.stop()

@@ -4,14 +4,25 @@ Order matters: the config is loaded and validated first, so a bad config exits w
 names the key before anything heavy happens; then plugins; then the app, whose startup starts the
 engine in the background (``/health`` answers 503 until the models are loaded). If a model fails
 to load, the server shuts down and exits with status 1.
+
+SIGTERM and SIGINT shut down gracefully and exit 0: stop accepting connections, let running
+requests finish for ``server.shutdown_timeout`` seconds, end the rest with a final error event
+(:func:`mlxr_core.server.drain`), stop the engine. A second SIGINT forces the exit.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import functools
 import logging
+import math
+import os
+import signal
 import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.config.schema import LOG_LEVELS
@@ -19,11 +30,15 @@ from mlxr_core.config.schema import LOG_LEVELS
 if TYPE_CHECKING:
     from mlxr_core.engine.engine import Engine
     from mlxr_core.plugins import PluginHost
+    from mlxr_core.server import ServerContext
 
 log = logging.getLogger(__name__)
 
-#: Seconds in-flight requests get to finish after SIGINT/SIGTERM before they are cancelled.
-GRACEFUL_SHUTDOWN_S = 10
+#: Environment variable holding one more API key (added to ``server.api_keys``).
+ENV_API_KEY = "MLXR_API_KEY"
+#: Seconds uvicorn waits beyond ``server.shutdown_timeout`` before it cancels connections itself:
+#: a backstop, since the drain has already ended every request by then.
+UVICORN_GRACE_S = 10
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     }
     # No --config: the loader reads the embedded default.
     config = load_config(args.config, overrides=overrides)
+    env_key = os.environ.get(ENV_API_KEY, "").strip()
+    if env_key:
+        config.server.api_keys = [*config.server.api_keys, env_key]
     level = config.server.log_level
     if getattr(args, "debug", False) and parse_level(level) > logging.DEBUG:
         level = "debug"  # `mlxr -v serve`
@@ -83,37 +101,90 @@ def run(args: argparse.Namespace) -> int:
     log_plugins(host)
     sections = validate_plugin_sections(config, host.registries)
     engine = Engine(config, host)
-    app = build_app(ServerContext(config=config, host=host, engine=engine, plugin_config=sections))
-    serve(app, engine, host=config.server.host, port=config.server.port, log_level=level)
+    ctx = ServerContext(config=config, host=host, engine=engine, plugin_config=sections)
+    serve(build_app(ctx), ctx, log_level=level)
     return 0
 
 
-def serve(app: Any, engine: Engine, *, host: str, port: int, log_level: str) -> None:
-    """Run ``app`` under uvicorn until SIGINT/SIGTERM, or until the models fail to load (raising
-    the engine's error)."""
+def serve(app: Any, ctx: ServerContext, *, log_level: str) -> None:
+    """Run ``app`` under uvicorn until SIGINT/SIGTERM (a graceful shutdown), or until the models
+    fail to load (raising the engine's error)."""
     import uvicorn
 
-    server = uvicorn.Server(
+    from mlxr_core.server import drain
+
+    server_config = ctx.config.server
+    engine = ctx.engine
+    timeout = server_config.shutdown_timeout
+    server = _graceful_server_class()(
         uvicorn.Config(
             app,
-            host=host,
-            port=port,
+            host=server_config.host,
+            port=server_config.port,
             log_level=log_level,
             log_config=None,  # setup_logging already configured uvicorn's loggers like ours
+            access_log=False,  # mlxr.access logs each request once, with its id
             lifespan="on",
-            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        )
+            timeout_graceful_shutdown=math.ceil(timeout) + UVICORN_GRACE_S,
+        ),
+        drain=lambda: drain(ctx, timeout),
     )
-    threading.Thread(target=_announce_when_ready, args=(server, engine), name="mlxr-announce", daemon=True).start()
+    apis = ", ".join(ctx.config.apis)
+    threading.Thread(
+        target=_announce_when_ready, args=(server, engine, apis), name="mlxr-announce", daemon=True
+    ).start()
     try:
-        server.run()  # SIGINT comes back as KeyboardInterrupt after uvicorn's graceful shutdown
+        server.run()
     finally:
-        engine.stop()  # a no-op after the app's shutdown; covers a forced exit
+        # A no-op after the app's shutdown; after a forced exit, ends running requests at once.
+        engine.stop(timeout=0.0 if server.force_exit else timeout)
     if engine.error is not None:
         raise engine.error
 
 
-def _announce_when_ready(server: Any, engine: Engine) -> None:
+@functools.cache
+def _graceful_server_class() -> type[Any]:
+    """Defined on first use: uvicorn is imported only when serving, never by ``mlxr --help``."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, draining mlxr's requests before it waits for connections to close,
+        and treating SIGTERM/SIGINT as a normal end (exit 0) instead of re-raising them."""
+
+        def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+            super().__init__(config)
+            self._drain = drain
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            for listener in self.servers:
+                listener.close()  # stop accepting before the drain, not after
+            drain = asyncio.ensure_future(self._drain())
+            while not drain.done():
+                if self.force_exit:  # a second SIGINT: stop waiting for requests
+                    drain.cancel()
+                    break
+                await asyncio.sleep(0.05)
+            await super().shutdown(sockets)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn re-raises the signal after shutting down, so the process would die of it
+            # (status -15 or a KeyboardInterrupt); an asked-for shutdown is a success here.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def _announce_when_ready(server: Any, engine: Engine, apis: str) -> None:
     """Print the URL once the models are loaded and the socket is bound; stop the server if
     loading failed."""
     try:
@@ -127,7 +198,7 @@ def _announce_when_ready(server: Any, engine: Engine) -> None:
         return
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-    print(f"mlxr: serving {', '.join(sorted(engine.models))} at {url} (OpenAI API: {url}/v1)", flush=True)
+    print(f"mlxr: serving {', '.join(sorted(engine.models))} at {url} (APIs: {apis})", flush=True)
 
 
 def log_plugins(host: PluginHost) -> None:

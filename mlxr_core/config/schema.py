@@ -20,6 +20,17 @@ def _lower(value: str) -> str:
     return value.lower() if isinstance(value, str) else value
 
 
+def _no_empty_key(instance: Any, attribute: attrs.Attribute[Any], keys: list[str]) -> None:
+    if any(not key for key in keys):
+        raise ValueError(f"'{attribute.name}' must not hold an empty key")
+
+
+def _absolute_paths(instance: Any, attribute: attrs.Attribute[Any], paths: list[str]) -> None:
+    bad = [path for path in paths if not path.startswith("/")]
+    if bad:
+        raise ValueError(f"'{attribute.name}' must hold paths starting with '/', got {bad[0]!r}")
+
+
 @attrs.define
 class ServerConfig:
     host: str = "127.0.0.1"
@@ -27,6 +38,20 @@ class ServerConfig:
     log_level: str = attrs.field(default="info", converter=_lower, validator=v.in_(LOG_LEVELS))
     #: Origins allowed by CORS; empty keeps CORS off.
     cors_origins: list[str] = attrs.field(factory=list)
+    #: Keys clients must send (``Authorization: Bearer KEY`` or ``x-api-key: KEY``); empty: no
+    #: authentication. ``MLXR_API_KEY`` adds one.
+    api_keys: list[str] = attrs.field(factory=list, validator=_no_empty_key, repr=False)
+    #: Paths served without a key even when ``api_keys`` is set (probes and scrapers).
+    auth_exempt: list[str] = attrs.field(factory=lambda: ["/health", "/metrics"], validator=_absolute_paths)
+    #: Seconds running requests get to finish after SIGTERM/SIGINT before they are ended with an
+    #: error event.
+    shutdown_timeout: float = attrs.field(default=30.0, validator=v.ge(0.0))
+    #: Largest request body accepted, in bytes (413 beyond).
+    max_body_bytes: int = attrs.field(default=10_000_000, validator=v.ge(1))
+    #: Upper bound on any request's ``max_tokens`` (larger asks are lowered to it); None: no cap.
+    max_tokens_cap: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
+    #: One log line per request (method, path, status, duration, request id) on ``mlxr.access``.
+    access_log: bool = True
 
 
 @attrs.define

@@ -85,6 +85,7 @@ class Sequence:
                 usage=Usage(prompt_tokens=len(self.prompt), completion_tokens=self.generated),
                 ttft_s=(self.first_token_at or now) - self.started,
                 total_s=now - self.started,
+                stop_sequence=self.stops.matched,
             )
         )
 
@@ -145,8 +146,13 @@ class BatchRunner:
     def step(self) -> None:
         """Advance every request by one unit of work: one prefill chunk and/or one decode token."""
         self._drop_cancelled_prefills()
-        if self.prefilling:
-            self._prefill_chunk(self.prefilling[0])
+        # Several short prompts may share one step's prefill budget; a long one takes it all.
+        budget = self.config.prefill_chunk
+        while self.prefilling and budget > 0:
+            seq = self.prefilling[0]
+            budget -= self._prefill_chunk(seq, budget)
+            if self.prefilling and self.prefilling[0] is seq:
+                break  # still prefilling, or waiting for a free row
         if self.running or self.tokens is not None:
             self._decode()
 
@@ -163,11 +169,13 @@ class BatchRunner:
             self.prefilling.remove(seq)
             seq.finish("cancelled")
 
-    def _prefill_chunk(self, seq: Sequence) -> None:
+    def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
+        """Prefill up to ``budget`` of ``seq``'s prompt tokens; join the batch when done.
+        Returns the tokens used."""
         if seq.cache is None:
             seq.cache = self._start_cache(seq)
         room = max(1, self.config.max_batch_tokens - len(self.running))
-        chunk = min(self.config.prefill_chunk, room, seq.pending_prompt)
+        chunk = max(0, min(budget, room, seq.pending_prompt))
         if chunk > 0:
             ids = mx.array(seq.prompt[seq.prefilled : seq.prefilled + chunk], dtype=mx.int32)
             self.model.model(ids[None], cache=seq.cache)
@@ -178,6 +186,7 @@ class BatchRunner:
             if self.prefix_cache is not None and seq.prefilled:
                 self.prefix_cache.store(seq.prompt[: seq.prefilled], seq.cache)
             self._join(seq)
+        return max(chunk, 1)
 
     def _start_cache(self, seq: Sequence) -> list[Any]:
         if self.prefix_cache is not None:

@@ -51,6 +51,12 @@ class ModelInfo:
     tokenizer: Tokenizer
     format: str
     model_type: str
+    #: The resolved model file or folder, the bytes of its resident weights, the activation dtype
+    #: and the checkpoint's format-specific metadata (for the APIs' model listings).
+    path: str = ""
+    nbytes: int = 0
+    dtype: str = ""
+    metadata: dict[str, Any] = attrs.field(factory=dict)
 
 
 class Engine:
@@ -238,6 +244,10 @@ class Engine:
                 tokenizer=m.tokenizer,
                 format=m.format,
                 model_type=str(m.config.get("model_type")),
+                path=str(m.path),
+                nbytes=m.nbytes,
+                dtype=m.dtype,
+                metadata=dict(m.metadata),
             )
             for name, m in self._loaded.items()
         }

@@ -69,6 +69,8 @@ class Finished:
     #: Time to first token and total seconds, for metrics and benchmarks.
     ttft_s: float = 0.0
     total_s: float = 0.0
+    #: The stop string that ended the request (reason ``"stop"``); None for EOS and other reasons.
+    stop_sequence: str | None = None
 
 
 @attrs.frozen

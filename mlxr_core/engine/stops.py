@@ -39,6 +39,8 @@ class StopMatcher:
         self._held: list[str] = []
         self._start = 0
         self._hit = False
+        #: The stop string that was hit (the longest one ending there), once :attr:`hit`.
+        self.matched: str | None = None
 
     @property
     def hit(self) -> bool:
@@ -62,6 +64,7 @@ class StopMatcher:
                 self._hit = True
                 before = "".join(self._held[self._start :]) + text[: i + 1]
                 self._held, self._start = [], 0
+                self.matched = before[len(before) - match[state] :]
                 return before[: len(before) - match[state]], True
         self._state = state
         held = self._held

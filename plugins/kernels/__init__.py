@@ -1,7 +1,8 @@
-"""Built-in kernel backends: a pure-``mx`` reference for every op and ``mx.fast`` ones.
+"""Built-in kernel backends: a pure-``mx`` reference for every op, ``mx.fast`` ones, and fused
+``cuda`` / ``metal`` ones for the ops where a hand-written kernel pays.
 
 Importing this module is cheap (no MLX): backends are registered as ``"module:attr"`` strings and
-imported when a model binds its kernels.
+imported when a model binds its kernels (or ``mlxr kernels`` asks them whether they can run).
 """
 
 from __future__ import annotations
@@ -20,10 +21,14 @@ if TYPE_CHECKING:
 #: Kernels are needed to run any model; ``--disable kernels`` would leave nothing to bind.
 MLXR_ESSENTIAL = True
 
-#: backend -> (module, priority): ``auto`` prefers the fast one wherever it supports the context.
-BACKENDS = {
-    "mlx_fast": ("mlxr_plugins.kernels.mlx_fast", 10),
-    "reference": ("mlxr_plugins.kernels.reference", 0),
+#: backend -> (module, priority, ops it implements; ``None``: every op in ``OPS``). ``auto`` takes
+#: the highest priority that supports the context: the device-specific kernels refuse every other
+#: device, so they can sit above ``mlx_fast``.
+BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
+    "cuda": ("mlxr_plugins.kernels.cuda", 20, ("attention",)),
+    "metal": ("mlxr_plugins.kernels.metal", 20, ("attention", "rms_norm")),
+    "mlx_fast": ("mlxr_plugins.kernels.mlx_fast", 10, None),
+    "reference": ("mlxr_plugins.kernels.reference", 0, None),
 }
 
 
@@ -37,6 +42,8 @@ class KernelImpl:
 
     op: Callable[..., Any]
     check: Callable[[KernelContext], list[str]] = _no_reasons
+    #: One line for ``mlxr kernels``: what is fused, what is delegated.
+    summary: str = ""
 
     def supports(self, ctx: KernelContext) -> list[str]:
         """Reasons this backend cannot run in ``ctx``; empty when it can."""
@@ -45,9 +52,9 @@ class KernelImpl:
 
 @hookimpl
 def mlxr_register_kernels(register: RegisterKernel) -> None:
-    """Register ``reference`` and ``mlx_fast`` for every op in ``mlxr_core.kernels.OPS``."""
+    """Register every backend of :data:`BACKENDS` for the ops it implements."""
     from mlxr_core.kernels import OPS
 
-    for backend, (module, priority) in BACKENDS.items():
-        for op in OPS:
+    for backend, (module, priority, ops) in BACKENDS.items():
+        for op in ops or OPS:
             register(op, backend, f"{module}:{op}_kernel", priority=priority)

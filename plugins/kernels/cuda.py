@@ -52,6 +52,10 @@ TARGET_BLOCKS = 528
 
 # Shared by both kernels: 8 consecutive features of a row as float32.
 _HEADER = r"""
+#ifndef INFINITY  // NVRTC does not always see math.h
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 // 8 consecutive features of one row as float32: 16-byte loads when the caller has checked that
 // the feature stride is 1 and rows are 16-byte aligned, else 8 strided scalar loads.
 template <typename T>
@@ -303,9 +307,10 @@ class DecodePlan:
         return self.Hq // self.Hkv // self.heads_per_block
 
 
-def heads_per_block(ratio: int, dtype: mx.Dtype) -> int:
-    """The largest divisor of the GQA ratio within the register budget (8 heads, 4 in float32)."""
-    cap = 4 if dtype == mx.float32 else 8
+def heads_per_block(ratio: int, dtype: mx.Dtype, cap: int = 8) -> int:
+    """The largest divisor of the GQA ratio within ``cap`` and the register budget (at most 4
+    heads in float32, whose K/V rows take twice the registers)."""
+    cap = min(cap, 4) if dtype == mx.float32 else cap
     return max(h for h in range(1, min(ratio, cap) + 1) if ratio % h == 0)
 
 
@@ -317,6 +322,7 @@ def decode_plan(
     scale: float,
     mask: str | mx.array | None,
     target_blocks: int = TARGET_BLOCKS,
+    max_heads_per_block: int = 8,
 ) -> DecodePlan | str:
     """The fused-kernel plan for these arrays, or why they go to ``mx.fast`` instead."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
@@ -337,7 +343,7 @@ def decode_plan(
         return "an empty KV sequence"
     if not (scale > 0 and math.isfinite(scale)):
         return f"scale {scale} (fused: positive and finite)"
-    hpb = heads_per_block(Hq // Hkv, q.dtype)
+    hpb = heads_per_block(Hq // Hkv, q.dtype, max_heads_per_block)
     keys_per_step = 4 if hpb <= 4 else 2
     tile = THREADS // (D // 8) * keys_per_step
     blocks = B * Hkv * (Hq // Hkv // hpb)

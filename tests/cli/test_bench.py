@@ -34,6 +34,8 @@ def test_report_has_every_figure(tiny_path: Path, capsys: pytest.CaptureFixture[
     assert report["format"] == "gguf" and report["model_type"] == "llama"
     assert report["device"] in {"cpu", "gpu"} and report["backend"] in {"cpu", "cuda", "metal"}
     assert report["dtype"] in {"float32", "bfloat16"}
+    assert report["quantization"] == "auto" and report["weights"] in {"quantized", "dense"}
+    assert report["prefix_cache"] is False
     assert set(report["kernels"]) >= {"attention", "rms_norm", "rope"}
     assert report["prompt_tokens"] == 12 and report["gen_tokens"] == 5 and report["repeat"] == 2
     for field in ("prompt_tps", "decode_tps", "ttft_s", "peak_memory_bytes", "model_bytes"):
@@ -50,12 +52,29 @@ def test_concurrency_reports_the_aggregate(tiny_path: Path, capsys: pytest.Captu
     )
 
     concurrent = report["concurrent"]
-    assert concurrent["streams"] == 3
+    assert concurrent["streams"] == 3 and concurrent["engine_max_batch_size"] >= 1
     assert concurrent["generated_tokens"] == 3 * 4
     assert isinstance(concurrent["interleaved"], bool)
-    for field in ("wall_s", "throughput_tps", "aggregate_decode_tps", "ttft_s_mean", "ttft_s_max"):
+    for field in (
+        "wall_s", "throughput_tps", "aggregate_decode_tps", "ttft_s_mean", "ttft_s_max", "peak_memory_bytes"
+    ):
         assert concurrent[field] > 0, field
-    assert len(concurrent["per_stream_decode_tps"]) == 3
+    (run,) = concurrent["runs"]
+    assert len(run["per_stream_decode_tps"]) == 3
+
+
+def test_streams_overlap_when_the_engine_batches(tiny_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = [str(tiny_path), "--prompt-tokens", "8", "--gen-tokens", "16", "--repeat", "1", "--concurrency", "2"]
+    assert bench([*common, "--max-batch-size", "2"], capsys)["concurrent"]["interleaved"] is True
+    assert bench([*common, "--max-batch-size", "1"], capsys)["concurrent"]["interleaved"] is False
+
+
+def test_weights_follow_the_quantization_policy(tiny_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    common = [str(tiny_path), "--prompt-tokens", "4", "--gen-tokens", "2", "--repeat", "1"]
+    kept = bench([*common, "--quantization", "keep"], capsys)
+    dense = bench([*common, "--quantization", "dequantize"], capsys)
+    assert kept["weights"] == "quantized" and dense["weights"] == "dense"
+    assert dense["model_bytes"] > kept["model_bytes"]
 
 
 def test_kernel_choice_reaches_the_engine(tiny_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -95,6 +114,8 @@ def test_a_prompt_longer_than_the_context_is_refused(
         ["--concurrency", "0"],
         ["--kernels", "attention"],
         ["--dtype", "float64"],
+        ["--quantization", "int3"],
+        ["--max-batch-size", "0"],
     ],
 )
 def test_bad_arguments_exit_with_usage(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,26 +8,22 @@ answered with a bare 500, never with the traceback.
 from __future__ import annotations
 
 import logging
-import re
-from typing import Any, TypeVar
+from typing import Any
 
-import msgspec
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 from litestar.types import ExceptionHandlersMap
 
-from mlxr_core.errors import EngineStopped, MlxrError, Overloaded, RequestError
+from mlxr_core.errors import EngineStopped, MlxrError, Overloaded
+from mlxr_core.frontend import decode_body
 from mlxr_plugins.apis.openai.schemas import ErrorBody, ErrorDetail, encoder
+
+__all__ = ["EXCEPTION_HANDLERS", "decode_body", "error_body", "error_response"]
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 #: ``Retry-After`` seconds for 429 (queue full) and 503 (loading or stopping).
 RETRY_AFTER_S = {Overloaded: 1, EngineStopped: 5}
-
-_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
 
 
 def error_body(exc: MlxrError) -> bytes:
@@ -45,28 +41,6 @@ def error_response(exc: MlxrError) -> Response[bytes]:
     return Response(
         error_body(exc), status_code=exc.status, media_type="application/json", headers=headers
     )
-
-
-def decode_body(body: bytes, schema: type[T]) -> T:
-    """Decode a request body into ``schema``, turning every failure into a RequestError."""
-    if not body.strip():
-        raise RequestError("the request body is empty; send a JSON object")
-    try:
-        return msgspec.json.decode(body, type=schema)
-    except msgspec.ValidationError as exc:
-        raise RequestError(f"invalid request: {exc}", param=_param_of(str(exc))) from None
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from None
-
-
-def _param_of(message: str) -> str | None:
-    """``messages[0].role`` from msgspec's "... - at `$.messages[0]`" and "missing field `role`"."""
-    match = _PATH.search(message)
-    path = match["path"] if match else ""
-    missing = _MISSING.match(message)
-    if missing:
-        path = f"{path}.{missing['field']}" if path else missing["field"]
-    return path or None
 
 
 def _on_mlxr_error(request: Request[Any, Any, Any], exc: MlxrError) -> Response[bytes]:

@@ -8,7 +8,6 @@ answers from the request's events (:mod:`mlxr_plugins.apis.openai.streaming`).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import uuid
 from typing import Any
@@ -16,17 +15,16 @@ from typing import Any
 import anyio
 from litestar import Request, Response, Router, get, post
 
-from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import GenerationRequest, SamplingParams
-from mlxr_core.errors import ContextLengthExceeded, EngineStopped, RequestError
+from mlxr_core.errors import ContextLengthExceeded, RequestError
+from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, submit
 from mlxr_core.server import ServerContext
 from mlxr_plugins.apis.openai import schemas as s
-from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS, decode_body
+from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.streaming import (
     ChatChunks,
     CompletionChunks,
     ResponseMeta,
-    collect,
     sse_response,
     usage_of,
 )
@@ -79,15 +77,12 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
     engine = ready_engine(ctx)
     engine.model(body.model)  # an unknown model is a 404 before any templating
     prompt_ids = await anyio.to_thread.run_sync(functools.partial(engine.encode_chat, body.model, messages))
-    handle = engine.submit(
-        GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params),
-        loop=asyncio.get_running_loop(),
-    )
+    handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params))
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(handle, ChatChunks(meta, include_usage))
-    text, finished = await collect(handle, request)
+        return sse_response(ctx, handle, ChatChunks(meta, include_usage))
+    text, finished = await collect(ctx, handle, request)
     choice = s.ChatChoice(0, s.AssistantMessage(content=text), finished.reason)
     return _json(s.ChatCompletion(meta.id, meta.created, meta.model, [choice], usage_of(finished.usage)))
 
@@ -108,36 +103,20 @@ async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any])
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         prompt_ids = prompt
     try:
-        handle = engine.submit(
-            GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params),
-            loop=asyncio.get_running_loop(),
-        )
+        handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params))
     except ContextLengthExceeded as exc:
         exc.param = "prompt"
         raise
     meta = ResponseMeta(f"cmpl-{uuid.uuid4().hex}", body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(handle, CompletionChunks(meta, include_usage))
-    text, finished = await collect(handle, request)
+        return sse_response(ctx, handle, CompletionChunks(meta, include_usage))
+    text, finished = await collect(ctx, handle, request)
     choice = s.CompletionChoice(0, text, finished.reason)
     return _json(s.Completion(meta.id, meta.created, meta.model, [choice], usage=usage_of(finished.usage)))
 
 
 # -- request -> engine -----------------------------------------------------------------------
-
-
-def ready_engine(ctx: ServerContext) -> Engine:
-    """The engine, or a 503 while it loads, failed or stops."""
-    engine = ctx.engine
-    state = engine.state
-    if state == "ready":
-        return engine
-    if state in ("created", "loading"):
-        raise EngineStopped("the model is still loading; retry shortly")
-    if state == "failed":
-        raise EngineStopped(f"the model failed to load: {engine.error}")
-    raise EngineStopped("the server is shutting down")
 
 
 def chat_messages(messages: list[s.ChatMessage]) -> list[dict[str, Any]]:
@@ -195,7 +174,7 @@ def sampling_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | No
     defaults = ctx.config.sampling
     top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)
     return SamplingParams(
-        max_tokens=max_tokens,
+        max_tokens=cap_max_tokens(ctx, max_tokens),
         temperature=defaults.temperature if body.temperature is None else body.temperature,
         top_p=defaults.top_p if body.top_p is None else body.top_p,
         top_k=top_k,

@@ -6,7 +6,7 @@ A client that goes away cancels its request, whichever way it leaves:
   client disconnects (litestar#3772), so the producer must stop its own work; the response's
   background task cancels again in case the generator was parked at a ``yield`` and is never
   resumed;
-- non-streaming: :func:`collect` watches the connection while it waits for the text.
+- non-streaming: :func:`mlxr_core.frontend.collect` watches the connection while it waits.
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 import attrs
 import msgspec
-from litestar import Request
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
 from mlxr_core.engine.request import Usage as EngineUsage
-from mlxr_core.errors import EngineStopped, MlxrError
+from mlxr_core.frontend import shutdown_cancelled, tracked_events
+from mlxr_core.server import ServerContext
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.errors import error_body
 
@@ -43,49 +42,6 @@ class ResponseMeta:
 
 def usage_of(usage: EngineUsage) -> s.Usage:
     return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
-
-
-def cancelled_error() -> EngineStopped:
-    """Why a request the client still waits for was cancelled: only shutdown does that."""
-    return EngineStopped("the request was cancelled: the server is shutting down")
-
-
-async def collect(handle: RequestHandle, request: Request[Any, Any, Any]) -> tuple[str, Finished]:
-    """Wait for the whole text; cancel the request if the client disconnects meanwhile.
-
-    Raises the request's error if it failed.
-    """
-    parts: list[str] = []
-    last: Finished | Failed | None = None
-    try:
-        async with anyio.create_task_group() as group:
-            group.start_soon(_cancel_on_disconnect, request, handle, group.cancel_scope)
-            async for event in handle.events():
-                if isinstance(event, Delta):
-                    parts.append(event.text)
-                else:
-                    last = event
-            group.cancel_scope.cancel()
-    finally:
-        if last is None:
-            handle.cancel()
-    if last is None:  # the client left; nobody reads this
-        raise MlxrError("the client disconnected")
-    if isinstance(last, Failed):
-        raise last.error
-    if last.reason == "cancelled":
-        raise cancelled_error()
-    return "".join(parts), last
-
-
-async def _cancel_on_disconnect(
-    request: Request[Any, Any, Any], handle: RequestHandle, scope: anyio.CancelScope
-) -> None:
-    # The body has been read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-    handle.cancel()
-    scope.cancel()
 
 
 class ChatChunks:
@@ -138,32 +94,35 @@ class CompletionChunks:
         return self._chunk([], usage_of(usage)) if self.include_usage else None
 
 
-def sse_response(handle: RequestHandle, chunks: ChatChunks | CompletionChunks) -> Stream:
+def sse_response(ctx: ServerContext, handle: RequestHandle, chunks: ChatChunks | CompletionChunks) -> Stream:
     """A ``text/event-stream`` response streaming ``handle``'s events as ``chunks``."""
 
     async def cancel() -> None:
         handle.cancel()
 
     return Stream(
-        _events(handle, chunks),
+        _events(ctx, handle, chunks),
         media_type="text/event-stream",
         headers=SSE_HEADERS,
         background=BackgroundTask(cancel),
     )
 
 
-async def _events(handle: RequestHandle, chunks: ChatChunks | CompletionChunks) -> AsyncIterator[bytes]:
+async def _events(
+    ctx: ServerContext, handle: RequestHandle, chunks: ChatChunks | CompletionChunks
+) -> AsyncIterator[bytes]:
+    events = tracked_events(ctx, handle)
     try:
         first = chunks.first()
         if first is not None:
             yield first
-        async for event in handle.events():
+        async for event in events:
             if isinstance(event, Delta):
                 if event.text:
                     yield chunks.text(event.text)
             elif isinstance(event, Finished):
                 if event.reason == "cancelled":
-                    yield sse_event(error_body(cancelled_error()))
+                    yield sse_event(error_body(shutdown_cancelled()))
                     break
                 yield chunks.finish(event.reason)
                 usage = chunks.usage(event.usage)
@@ -174,7 +133,7 @@ async def _events(handle: RequestHandle, chunks: ChatChunks | CompletionChunks) 
                 yield sse_event(error_body(event.error))
         yield DONE
     finally:
-        handle.cancel()  # a no-op once finished; frees the engine when the client left
+        await events.aclose()  # cancels the request if the client left mid-stream
 
 
 def sse_event(data: bytes) -> bytes:

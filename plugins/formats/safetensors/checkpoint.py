@@ -90,25 +90,25 @@ def weight_files(folder: Path, path: Path) -> dict[Path, list[str] | None]:
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ModelLoadError("the index has no weight_map", path=str(index))
-        shards: dict[Path, list[str] | None] = {}
+        shards: dict[Path, list[str]] = {}
         for tensor, shard in weight_map.items():
-            listed = shards.setdefault(folder / str(shard), [])
-            assert listed is not None
-            listed.append(tensor)
+            shards.setdefault(folder / str(shard), []).append(tensor)
         for shard, tensors in shards.items():
             if not shard.is_file():
                 raise ModelLoadError(
-                    f"missing shard: {INDEX} places {len(tensors or [])} tensors in it",
+                    f"missing shard: {INDEX} places {len(tensors)} tensors in it",
                     path=str(shard),
-                    tensor=(tensors or [None])[0],
+                    tensor=tensors[0],
                 )
-        return shards
+        return {shard: tensors for shard, tensors in sorted(shards.items())}
     if (folder / SINGLE_FILE).is_file():
         return {folder / SINGLE_FILE: None}
     found = sorted(folder.glob("*.safetensors"))
     preferred = [f for f in found if not f.name.startswith("consolidated")]
     if not found:
-        raise ModelLoadError(f"no {SINGLE_FILE}, {INDEX} or other .safetensors file", path=str(folder))
+        raise ModelLoadError(
+            f"no {SINGLE_FILE}, {INDEX} or other .safetensors file", path=str(folder)
+        )
     return dict.fromkeys(preferred or found)
 
 
@@ -122,7 +122,7 @@ def read_weights(
     metadata: dict[str, str] = {}
     for file, expected in files.items():
         try:
-            arrays, file_metadata = mx.load(str(file), format="safetensors", return_metadata=True)
+            loaded: Any = mx.load(str(file), format="safetensors", return_metadata=True)
         except Exception as exc:
             # MLX names the tensor whose header entry or data is bad; lift it into the error.
             named = re.search(r"[Tt]ensor '([^']*)'", str(exc))
@@ -131,7 +131,8 @@ def read_weights(
                 path=str(file),
                 tensor=named.group(1) if named else None,
             ) from exc
-        metadata = metadata or dict(file_metadata)
+        arrays: dict[str, mx.array] = loaded[0]
+        metadata = metadata or dict(loaded[1])
         for name in expected or []:
             if name not in arrays:
                 raise ModelLoadError(
@@ -145,7 +146,9 @@ def read_weights(
                     f"the tensor is also in {origin[name].name}", path=str(file), tensor=name
                 )
             origin[name] = file
-            weights[name] = array.astype(dtype) if mx.issubdtype(array.dtype, mx.floating) else array
+            weights[name] = (
+                array.astype(dtype) if mx.issubdtype(array.dtype, mx.floating) else array
+            )
     return weights, origin, metadata
 
 
@@ -180,7 +183,9 @@ def quantization_specs(
         where = {"path": str(origin[f"{module}.scales"]), "tensor": f"{module}.weight"}
         params = block.get(module, block)
         if params is False:
-            raise ModelLoadError("config.json marks this module unquantized but it is packed", **where)
+            raise ModelLoadError(
+                "config.json marks this module unquantized but it is packed", **where
+            )
         try:
             spec = QuantSpec(
                 bits=int(params["bits"]),
@@ -192,7 +197,9 @@ def quantization_specs(
         weight = weights.get(f"{module}.weight")
         scales = weights[f"{module}.scales"]
         if weight is None or weight.dtype != mx.uint32:
-            raise ModelLoadError("a packed module needs a uint32 weight next to its scales", **where)
+            raise ModelLoadError(
+                "a packed module needs a uint32 weight next to its scales", **where
+            )
         if spec.mode == "affine" and f"{module}.biases" not in weights:
             raise ModelLoadError("an affine-quantized module needs biases", **where)
         columns = scales.shape[-1] * spec.group_size
@@ -243,7 +250,9 @@ class SafetensorsFormat:
         eos_ids = sorted(
             {*token_ids(config.get("eos_token_id")), *token_ids(generation.get("eos_token_id"))}
         )
-        tokenizer = tokenizer_spec(folder, eos_token_ids=eos_ids, vocab_size=config.get("vocab_size"))
+        tokenizer = tokenizer_spec(
+            folder, eos_token_ids=eos_ids, vocab_size=config.get("vocab_size")
+        )
         tokenizer_config = tokenizer.data.get("tokenizer_config", {}) if tokenizer else {}
         return Checkpoint(
             path=folder,

@@ -14,9 +14,13 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        raise ModelLoadError(f"invalid JSON (line {exc.lineno}): {exc.msg}", path=str(path)) from exc
+        raise ModelLoadError(
+            f"invalid JSON (line {exc.lineno}): {exc.msg}", path=str(path)
+        ) from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"unreadable: {exc}", path=str(path)) from exc
     if not isinstance(value, dict):
-        raise ModelLoadError(f"expected a JSON object, found {type(value).__name__}", path=str(path))
+        raise ModelLoadError(
+            f"expected a JSON object, found {type(value).__name__}", path=str(path)
+        )
     return value

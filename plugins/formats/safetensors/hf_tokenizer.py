@@ -1,10 +1,9 @@
 """The ``hf`` tokenizer backend: ``tokenizer.json`` through Hugging Face ``tokenizers``.
 
 It behaves as ``transformers`` 5 loads the same folder: the special tokens
-``tokenizer_config.json`` names are added when ``tokenizer.json`` lacks them; when the config says
-``add_bos_token``/``add_eos_token`` (or ``tokenizer.json`` has no post-processor) the
-post-processor is rebuilt from those flags, otherwise ``tokenizer.json``'s own post-processor
-decides what ``add_special_tokens`` adds.
+``tokenizer_config.json`` names are added when ``tokenizer.json`` lacks them, and
+``tokenizer.json``'s post-processor alone decides what ``add_special_tokens`` adds (transformers 5
+drops the config's ``add_bos_token``/``add_eos_token`` whenever a ``tokenizer.json`` exists).
 """
 
 from __future__ import annotations
@@ -60,7 +59,9 @@ class HFTokenizer(FolderTokenizer):
         plain = backend.encode("a", add_special_tokens=False).ids
         full = backend.encode("a", add_special_tokens=True).ids
         self.add_bos = (
-            self.bos_token_id is not None and len(full) > len(plain) and full[0] == self.bos_token_id
+            self.bos_token_id is not None
+            and len(full) > len(plain)
+            and full[0] == self.bos_token_id
         )
         # transformers 5 skips the clean-up for BPE models: it would eat real spaces.
         self._clean_up = bool(config.get("clean_up_tokenization_spaces")) and (
@@ -73,8 +74,9 @@ class HFTokenizer(FolderTokenizer):
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``; an incomplete UTF-8 sequence decodes to U+FFFD."""
-        text: str = self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of ``ids``; ids outside the vocab decode to nothing, incomplete UTF-8 to U+FFFD."""
+        valid = [i for i in ids if i >= 0]  # tokenizers drops unknown ids but rejects negative ones
+        text: str = self._backend.decode(valid, skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self._clean_up else text
 
 
@@ -103,24 +105,6 @@ class HFTokenizerBackend:
         backend.add_special_tokens([token for token in missing if token.special])
         backend.add_tokens([token for token in missing if not token.special])
 
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            backend.post_processor = _template_processor(backend, config)
         if config.get("split_special_tokens"):
             backend.encode_special_tokens = True
         return HFTokenizer(backend, config=config, data=data, chat_template=chat_template)
-
-
-def _template_processor(backend: tokenizers.Tokenizer, config: dict[str, Any]) -> Any:
-    """The post-processor ``transformers`` builds from ``add_bos_token``/``add_eos_token``."""
-    from tokenizers import processors
-
-    def flagged(flag: str, key: str) -> str | None:
-        text = token_text(config.get(key))
-        known = text is not None and backend.token_to_id(text) is not None
-        return text if config.get(flag) and known else None
-
-    bos, eos = flagged("add_bos_token", "bos_token"), flagged("add_eos_token", "eos_token")
-    single = " ".join(filter(None, [bos and f"{bos}:0", "$A:0", eos and f"{eos}:0"]))
-    pair = " ".join(filter(None, [single, bos and f"{bos}:1", "$B:1", eos and f"{eos}:1"]))
-    special_tokens = [(text, backend.token_to_id(text)) for text in {bos, eos} if text]
-    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=special_tokens)

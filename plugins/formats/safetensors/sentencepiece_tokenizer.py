@@ -47,13 +47,15 @@ class SentencePieceTokenizer(FolderTokenizer):
         if not config.get("eos_token") and processor.eos_id() >= 0:
             config = {**config, "eos_token": processor.id_to_piece(processor.eos_id())}
 
-        #: Ids skipped by ``skip_special_tokens``: control and unknown pieces, special added tokens.
-        self._special = {i for i, (_, special) in added.items() if special} | {
+        #: Pieces SentencePiece decodes to nothing: control pieces and the unknown piece.
+        silent = {
             i for i in range(self._size) if processor.is_control(i) or processor.is_unknown(i)
         }
-        #: Text of ids SentencePiece cannot render itself (added beyond its vocab, or special).
-        self._text = {i: text for i, (text, _) in added.items()} | {
-            i: processor.id_to_piece(i) for i in self._special if i < self._size
+        #: Ids skipped by ``skip_special_tokens``: silent pieces and special added tokens.
+        self._special = silent | {i for i, (_, special) in added.items() if special}
+        #: Text of the ids SentencePiece cannot render: silent pieces, tokens beyond its vocab.
+        self._text = {i: processor.id_to_piece(i) for i in silent} | {
+            i: text for i, (text, _) in added.items() if i >= self._size
         }
         self._split = (
             re.compile("|".join(re.escape(t) for t in sorted(self._matched, key=len, reverse=True)))
@@ -107,7 +109,7 @@ class SentencePieceTokenizer(FolderTokenizer):
                 run = []
                 parts.append(self._text[i])
             elif 0 <= i < self._size:
-                run.append(i)
+                run.append(i)  # user-defined pieces too: SentencePiece renders them as their text
         parts.append(self._sp.decode(run))
         return "".join(parts)
 
@@ -121,7 +123,9 @@ class SentencePieceTokenizerBackend:
             import sentencepiece
         except ImportError:
             raise MissingDependency(
-                "sentencepiece", "a SentencePiece tokenizer (tokenizer.model)", extra="sentencepiece"
+                "sentencepiece",
+                "a SentencePiece tokenizer (tokenizer.model)",
+                extra="sentencepiece",
             ) from None
         path = str(data["file"])
         try:

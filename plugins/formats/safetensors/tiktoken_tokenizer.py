@@ -127,7 +127,9 @@ class TiktokenTokenizerBackend:
                 path.stem, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials
             )
         except Exception as exc:
-            raise ModelLoadError(f"cannot build the tiktoken encoding: {exc}", path=str(path)) from exc
+            raise ModelLoadError(
+                f"cannot build the tiktoken encoding: {exc}", path=str(path)
+            ) from exc
         return TiktokenTokenizer(
             encoding, ranks=ranks, config=config, data=data, chat_template=chat_template
         )

@@ -115,7 +115,9 @@ def added_tokens(config: dict[str, Any]) -> dict[int, tuple[str, bool]]:
     return found
 
 
-def end_of_generation_ids(declared: Iterable[int | None], specials: dict[str, int]) -> frozenset[int]:
+def end_of_generation_ids(
+    declared: Iterable[int | None], specials: dict[str, int]
+) -> frozenset[int]:
     """The declared end ids plus every special token whose text is a known end-of-turn marker."""
     known = {i for text, i in specials.items() if text in END_OF_TURN_TEXTS}
     return frozenset({i for i in declared if i is not None} | known)
@@ -150,7 +152,9 @@ class FolderTokenizer:
         self.eos_token = token_text(config.get("eos_token"))
         self.bos_token_id = token_id(self.bos_token) if self.bos_token is not None else None
         eos_id = token_id(self.eos_token) if self.eos_token is not None else None
-        self.eos_token_ids = end_of_generation_ids([eos_id, *data.get("eos_token_ids", ())], specials)
+        self.eos_token_ids = end_of_generation_ids(
+            [eos_id, *data.get("eos_token_ids", ())], specials
+        )
         self.vocab_size = max(size, int(data.get("vocab_size") or 0))
         self.chat_template = chat_template
 

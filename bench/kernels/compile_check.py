@@ -1,0 +1,124 @@
+"""Compile the ``cuda`` backend's kernels offline with ``nvcc`` and print their resource usage.
+
+    python bench/kernels/compile_check.py [--arch sm_90] [--keep DIR]
+
+Needs ``nvcc`` (CUDA 12.8+ / 13), no GPU. It writes each kernel as ``mx.fast.cuda_kernel`` would
+hand it to NVRTC (MLX's generated signature, ``constexpr`` template arguments, our header and
+body), with a small stand-in for MLX's ``device/utils.cuh`` (only ``Shape``/``Strides`` are used),
+for every dtype, head dim and heads-per-block the backend instantiates, and prints registers,
+spills and shared memory per instantiation (``ptxas -v``): spills in the split kernel would mean
+the register budget behind ``heads_per_block`` is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mlxr_plugins.kernels import cuda
+
+CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+PRELUDE = """
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cooperative_groups.h>
+#define MAX_NDIM 10
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+using mlx::core::cu::Shape;
+using mlx::core::cu::Strides;
+"""
+
+
+def signature(name: str, inputs: dict[str, str], outputs: dict[str, str], source: str) -> str:
+    """The ``__global__`` signature MLX generates: shape/strides only where the body uses them."""
+    params = []
+    for arg, ctype in inputs.items():
+        params.append(f"const {ctype}* {arg}")
+        if f"{arg}_shape" in source:
+            params.append(f"const __grid_constant__ Shape {arg}_shape")
+        if f"{arg}_strides" in source:
+            params.append(f"const __grid_constant__ Strides {arg}_strides")
+    params += [f"{ctype}* {arg}" for arg, ctype in outputs.items()]
+    return f"__global__ void {name}(\n    " + ",\n    ".join(params) + ") {\n"
+
+
+def kernel_text(name: str, header: str, source: str, inputs: dict[str, str],
+                outputs: dict[str, str], template: dict[str, str | int]) -> str:
+    consts = "".join(
+        f"  using {key} = {value};\n" if isinstance(value, str) else f"  constexpr int {key} = {value};\n"
+        for key, value in template.items()
+    )
+    return (PRELUDE + header + "namespace mlx::core::cu {\nnamespace cg = cooperative_groups;\n"
+            + signature(name, inputs, outputs, source) + consts + source + "\n}\n}\n")
+
+
+def instantiations() -> list[tuple[str, str]]:
+    """(label, CUDA text) for each kernel variant the backend can launch."""
+    out = []
+    for dtype, ctype in CUDA_TYPES.items():
+        for D in cuda.FUSED_HEAD_DIMS:
+            cap = 4 if dtype == "float32" else 8
+            for hpb in sorted({1, 2, 4, cap}):
+                U = 4 if hpb <= 4 else 2
+                template: dict[str, str | int] = {
+                    "T": ctype, "D": D, "HPB": hpb, "NT": cuda.THREADS, "U": U,
+                    "SCALE_BITS": cuda._float_bits(D**-0.5),
+                }
+                name = f"split_{dtype}_D{D}_H{hpb}"
+                out.append((name, kernel_text(
+                    name, cuda._HEADER, cuda._SPLIT_SOURCE,
+                    {"q": ctype, "k": ctype, "v": ctype}, {"o_part": "float", "ml": "float"},
+                    template,
+                )))
+            name = f"reduce_{dtype}_D{D}"
+            out.append((name, kernel_text(
+                name, "", cuda._REDUCE_SOURCE, {"o_part": "float", "ml": "float"},
+                {"o": ctype}, {"T": ctype, "D": D},
+            )))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--keep", type=Path, help="also write the .cu files here")
+    args = parser.parse_args()
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        print("nvcc not found", file=sys.stderr)
+        return 1
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, text in instantiations():
+            path = Path(args.keep or tmp) / f"{label}.cu"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            proc = subprocess.run(
+                [nvcc, f"-arch={args.arch}", "-std=c++17", "-cubin", "-Xptxas", "-v",
+                 "-o", str(path.with_suffix(".cubin")), str(path)],
+                capture_output=True, text=True,
+            )
+            if proc.returncode:
+                failed += 1
+                print(f"{label}: FAILED\n{proc.stderr}")
+                continue
+            usage = re.findall(r"Used (\d+) registers.*", proc.stderr)
+            spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
+            smem = re.findall(r"(\d+) bytes smem", proc.stderr)
+            print(f"{label:28s} registers {usage[-1] if usage else '?':>4}  "
+                  f"spill st/ld {'/'.join(spills[-1]) if spills else '?':>7}  "
+                  f"smem {smem[-1] if smem else '0':>6} B")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,468 @@
+"""Decode attention on MLX's CUDA backend: parity of the ``cuda`` kernel, its speed against
+``mx.fast.scaled_dot_product_attention`` in the same run, and decode tokens/s end to end.
+
+    python bench/kernels/decode_attention.py [--out DIR] [--sections parity,attention,e2e]
+
+Run on the GPU machine (see bench/kernels/README.md for the exact command). Sections:
+
+- ``parity``: the ``cuda`` backend, and ``mx.fast`` beside it, against float64 attention computed
+  with NumPy, over float32/float16/bfloat16, GQA ratios 1/4/8 (and 6, 16), head dims 64/128/256,
+  sequence lengths 1/37/1000/4097, batch 1 and 3, three K/V layouts (contiguous; a
+  ``[..., :S, :]`` view of a larger cache buffer, as the KV cache hands it over; a transposed
+  buffer whose feature stride is not 1, which takes the scalar-load path) and softly/sharply
+  peaked scores. Tolerance: ``|out - exact| <= atol + rtol * |exact|`` with the CPU test suite's
+  per-dtype values (float32's scaled by the peak factor: its error follows the scores' size). Prefill (L > 1) and array masks are checked to be exactly ``mx.fast``.
+- ``attention``: B=1, 32 query heads, 8 KV heads, D=128, bfloat16, contexts 1k/4k/8k/32k, and
+  batch 8; plus D=64 (Llama 3.2 1B) at 4k. Time per call, ratio to ``mx.fast``, and the fraction of
+  the copy bandwidth measured in the same run (bytes of K+V read / time). K/V are views of a
+  cache buffer (the real case); ``mx.fast`` is also timed on contiguous arrays, and the fused
+  kernel on a contiguous copy made inside the call (what ``ensure_row_contiguous=True`` would
+  cost). Inputs rotate over enough sets to exceed L2.
+- ``e2e``: a Llama-3.2-1B-shaped model (random bfloat16 weights), 4096 tokens prefilled, then
+  greedy decode with ``kernels: {attention: cuda}`` and ``{attention: mlx_fast}``, alternating.
+
+Timing: a batch of calls is built lazily, then ``mx.eval`` runs it; the median over repeats of
+(wall time / calls) is reported. Graph building is outside the timed region and reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxr_plugins.kernels import cuda, reference
+
+TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)}
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+L2_BYTES = 60e6  # H200 60 MB, H100 50 MB: rotate over at least 4x this
+
+
+def log(*parts: Any) -> None:
+    print(*parts, flush=True)
+
+
+# --------------------------------------------------------------------------------------------
+# parity
+
+
+def exact_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> np.ndarray:
+    """float64 attention of one query position, GQA by head index (query head h -> h // R)."""
+    qn, kn, vn = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (q, k, v))
+    B, Hq = qn.shape[:2]
+    R = Hq // kn.shape[1]
+    kg = np.repeat(kn, R, axis=1)  # [B, Hq, S, D]
+    vg = np.repeat(vn, R, axis=1)
+    scores = scale * np.einsum("bhld,bhsd->bhls", qn, kg)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.asarray(np.einsum("bhls,bhsd->bhld", weights, vg))
+
+
+def make_kv(
+    B: int, Hkv: int, S: int, D: int, dtype: mx.Dtype, layout: str, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """K and V ``[B, Hkv, S, D]`` as a contiguous array, a cache view or a transposed buffer."""
+    keys = mx.random.split(key, 2)
+    if layout == "contiguous":
+        k = mx.random.normal((B, Hkv, S, D), key=keys[0]).astype(dtype)
+        v = mx.random.normal((B, Hkv, S, D), key=keys[1]).astype(dtype)
+    elif layout == "cache_view":  # KVCache: capacity in steps of 256, attention sees [:S]
+        capacity = -(-(S + 1) // 256) * 256
+        k = mx.random.normal((B, Hkv, capacity, D), key=keys[0]).astype(dtype)[..., :S, :]
+        v = mx.random.normal((B, Hkv, capacity, D), key=keys[1]).astype(dtype)[..., :S, :]
+    elif layout == "transposed":  # feature stride S: the scalar-load path
+        k = mx.random.normal((B, Hkv, D, S), key=keys[0]).astype(dtype).swapaxes(-1, -2)
+        v = mx.random.normal((B, Hkv, D, S), key=keys[1]).astype(dtype).swapaxes(-1, -2)
+    else:
+        raise ValueError(layout)
+    mx.eval(k, v)
+    return k, v
+
+
+def parity(results: dict[str, Any], smoke: bool = False) -> None:
+    cases = []
+    lengths = [1, 37] if smoke else [1, 37, 1000, 4097]
+    for dtype_name in DTYPES:
+        for Hq, Hkv in [(8, 8), (8, 2), (8, 1)]:
+            for D in cuda.FUSED_HEAD_DIMS:
+                for S in lengths:
+                    cases.append((dtype_name, Hq, Hkv, D, S, 1, "cache_view", 1.0))
+    # GQA ratios 6 and 16: a block of 6 heads, and two blocks sharing one KV head.
+    for Hq, Hkv in [(12, 2), (32, 2)]:
+        cases.append(("bfloat16", Hq, Hkv, 128, 1000, 2, "cache_view", 1.0))
+        cases.append(("float32", Hq, Hkv, 128, 1000, 2, "cache_view", 1.0))
+    for dtype_name in DTYPES:
+        for layout in ["contiguous", "cache_view", "transposed"]:
+            for sharpness in [1.0, 8.0]:
+                cases.append((dtype_name, 32, 8, 128, 1000, 3, layout, sharpness))
+    rows = []
+    failures = 0
+    for index, (dtype_name, Hq, Hkv, D, S, B, layout, sharpness) in enumerate(cases):
+        dtype = DTYPES[dtype_name]
+        key = mx.random.key(index)
+        qkey, kvkey = mx.random.split(key, 2)
+        q = (sharpness * mx.random.normal((B, Hq, 1, D), key=qkey)).astype(dtype)
+        k, v = make_kv(B, Hkv, S, D, dtype, layout, kvkey)
+        scale = D**-0.5
+        exact = exact_attention(q, k, v, scale)
+        plan = cuda.decode_plan(q, k, v, scale=scale, mask=None)
+        fused = cuda.attention(q, k, v, scale=scale, mask=None)
+        causal = cuda.attention(q, k, v, scale=scale, mask="causal")
+        fast = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+        ref = reference.attention(q, k, v, scale=scale)
+        mx.eval(fused, causal, fast, ref)
+        atol, rtol = TOL[dtype_name]
+        if dtype_name == "float32":  # float32 score errors grow with the scores' magnitude
+            atol, rtol = atol * sharpness, rtol * sharpness
+
+        def error(out: mx.array) -> tuple[float, bool]:
+            got = np.array(out.astype(mx.float32), dtype=np.float64)
+            excess = np.abs(got - exact) - (atol + rtol * np.abs(exact))
+            return float(np.abs(got - exact).max()), bool(np.isfinite(got).all() and excess.max() <= 0)
+
+        fused_err, fused_ok = error(fused)
+        fast_err, _ = error(fast)
+        ref_err, _ = error(ref)
+        same_causal = bool(mx.array_equal(fused, causal).item())
+        ok = fused_ok and same_causal and not isinstance(plan, str) and fused.shape == q.shape
+        failures += not ok
+        row = {
+            "dtype": dtype_name, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S, "layout": layout,
+            "sharpness": sharpness, "fused": not isinstance(plan, str),
+            "heads_per_block": None if isinstance(plan, str) else plan.heads_per_block,
+            "n_splits": None if isinstance(plan, str) else plan.n_splits,
+            "max_err_cuda": fused_err, "max_err_mx_fast": fast_err, "max_err_reference": ref_err,
+            "causal_equals_none": same_causal, "ok": ok,
+        }
+        rows.append(row)
+        if not ok:
+            log("PARITY FAIL", row)
+    # Delegation: prefill and array masks are exactly mx.fast.
+    delegated = []
+    for L, mask_kind in [(4, "causal"), (1, "array"), (7, None)]:
+        q = mx.random.normal((1, 8, L, 128)).astype(mx.bfloat16)
+        k, v = make_kv(1, 2, 64, 128, mx.bfloat16, "cache_view", mx.random.key(99))
+        mask: str | mx.array | None = (
+            mx.zeros((1, 1, L, 64), dtype=mx.bfloat16) if mask_kind == "array" else mask_kind
+        )
+        same = bool(
+            mx.array_equal(
+                cuda.attention(q, k, v, scale=0.1, mask=mask),
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask),
+            ).item()
+        )
+        delegated.append({"L": L, "mask": mask_kind, "equals_mx_fast": same})
+        failures += not same
+    results["parity"] = {"cases": rows, "delegated": delegated, "failures": failures}
+    worst: dict[str, float] = {}
+    for row in rows:
+        worst[row["dtype"]] = max(worst.get(row["dtype"], 0.0), row["max_err_cuda"])
+    log(f"parity: {len(rows)} fused cases + {len(delegated)} delegated, {failures} failures; "
+        f"worst |cuda - exact| per dtype: {worst}")
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+
+
+def timed(
+    make_outputs: Callable[[int], list[mx.array]], calls: int, repeats: int = 7
+) -> tuple[float, float]:
+    """(median seconds per call of evaluation, seconds per call of graph building)."""
+    mx.eval(make_outputs(min(calls, 4)))  # warm-up: JIT compilation, allocator
+    evals, builds = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outputs = make_outputs(calls)
+        t1 = time.perf_counter()
+        mx.eval(outputs)
+        t2 = time.perf_counter()
+        builds.append((t1 - t0) / calls)
+        evals.append((t2 - t1) / calls)
+    return statistics.median(evals), statistics.median(builds)
+
+
+def copy_bandwidth(smoke: bool = False) -> float:
+    """Bytes read + written per second by an elementwise op over 512 MiB of bfloat16."""
+    x = mx.random.normal((1024 if smoke else 256 * 1024 * 1024,)).astype(mx.bfloat16)
+    mx.eval(x)
+    seconds, _ = timed(lambda n: [x + float(i) for i in range(n)], calls=8)
+    return 2 * x.nbytes / seconds
+
+
+def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = False) -> None:
+    shapes = [(1, 32, 8, 128, S) for S in (1024, 4096, 8192, 32768)]
+    shapes += [(8, 32, 8, 128, S) for S in (1024, 4096, 8192)]
+    shapes += [(1, 32, 8, 64, 4096)]
+    if smoke:
+        shapes = [(1, 8, 2, 64, 300)]
+    rows = []
+    for B, Hq, Hkv, D, S in shapes:
+        dtype = mx.bfloat16
+        kv_bytes = 2 * B * Hkv * S * D * 2
+        n_sets = max(2, math.ceil(4 * L2_BYTES / kv_bytes))
+        sets = []
+        for i in range(n_sets):
+            q = mx.random.normal((B, Hq, 1, D), key=mx.random.key(1000 + i)).astype(dtype)
+            k, v = make_kv(B, Hkv, S, D, dtype, "cache_view", mx.random.key(2000 + i))
+            sets.append((q, k, v))
+        contiguous = [(q, mx.contiguous(k), mx.contiguous(v)) for q, k, v in sets]
+        mx.eval(contiguous)
+        scale = D**-0.5
+        calls = 8 if smoke else 200
+
+        def run(fn: Callable[..., mx.array], data: list[tuple[mx.array, ...]]):
+            return lambda n: [fn(*data[i % len(data)]) for i in range(n)]
+
+        def fast(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+        def fused(target: int) -> Callable[..., mx.array]:
+            def fn(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+                plan = cuda.decode_plan(q, k, v, scale=scale, mask=None, target_blocks=target)
+                assert not isinstance(plan, str), plan
+                return cuda.flash_decode(q, k, v, scale=scale, plan=plan)
+            return fn
+
+        def fused_copy(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+            return cuda.attention(q, mx.contiguous(k), mx.contiguous(v), scale=scale)
+
+        # Correctness of this very configuration before timing it.
+        q, k, v = sets[0]
+        diff = mx.abs(cuda.attention(q, k, v, scale=scale).astype(mx.float32)
+                      - fast(q, k, v).astype(mx.float32)).max().item()
+        row: dict[str, Any] = {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S, "dtype": "bfloat16",
+                               "kv_bytes": kv_bytes, "rotating_sets": n_sets, "calls": calls,
+                               "max_abs_diff_vs_mx_fast": diff}
+        variants: dict[str, tuple[Callable[..., mx.array], list[tuple[mx.array, ...]]]] = {
+            "mx_fast_view": (fast, sets),
+            "mx_fast_contiguous": (fast, contiguous),
+            "cuda_view": (fused(cuda.TARGET_BLOCKS), sets),
+            "cuda_view_t264": (fused(264), sets),
+            "cuda_view_t1056": (fused(1056), sets),
+            "cuda_view_t2112": (fused(2112), sets),
+            "cuda_contiguous": (fused(cuda.TARGET_BLOCKS), contiguous),
+            "cuda_copy_first": (fused_copy, sets),
+        }
+        for name, (fn, data) in variants.items():
+            seconds, build = timed(run(fn, data), calls)
+            row[f"{name}_us"] = seconds * 1e6
+            row[f"{name}_build_us"] = build * 1e6
+            row[f"{name}_bw_fraction"] = kv_bytes / seconds / bandwidth
+        plan = cuda.decode_plan(*sets[0], scale=scale, mask=None)
+        row["n_splits"] = None if isinstance(plan, str) else plan.n_splits
+        row["speedup_vs_mx_fast_view"] = row["mx_fast_view_us"] / row["cuda_view_us"]
+        row["speedup_vs_mx_fast_contiguous"] = row["mx_fast_contiguous_us"] / row["cuda_view_us"]
+        rows.append(row)
+        log(f"B={B} S={S:6d} D={D}: mx.fast {row['mx_fast_view_us']:8.1f} us (view) "
+            f"{row['mx_fast_contiguous_us']:8.1f} us (contig) | cuda {row['cuda_view_us']:7.1f} us "
+            f"(t264 {row['cuda_view_t264_us']:.1f}, t1056 {row['cuda_view_t1056_us']:.1f}, "
+            f"t2112 {row['cuda_view_t2112_us']:.1f}; copy-first {row['cuda_copy_first_us']:.1f}) "
+            f"x{row['speedup_vs_mx_fast_view']:.2f}, {100 * row['cuda_view_bw_fraction']:.0f}% bw, "
+            f"diff {diff:.3g}")
+        del sets, contiguous
+    results["attention"] = rows
+
+
+# --------------------------------------------------------------------------------------------
+# end to end
+
+LLAMA_1B = {
+    "model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16,
+    "intermediate_size": 8192, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "max_position_embeddings": 131072, "tie_word_embeddings": True,
+}
+
+
+def bench_e2e(results: dict[str, Any], smoke: bool = False) -> None:
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlxr_core.kernels import bind_kernels
+    from mlxr_core.plugins import load_plugins
+    from mlxr_plugins.archs.llama import LlamaArchitecture
+
+    context, tokens, config = 4096, 128, LLAMA_1B
+    if smoke:
+        context, tokens = 64, 4
+        config = {**LLAMA_1B, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
+                  "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1000}
+    registry = load_plugins(strict=False).registries.kernels
+    arch = LlamaArchitecture()
+    shapes = arch.kernel_context(config)
+    models: dict[str, nn.Module] = {}
+    weights = None
+    for backend in ("mlx_fast", "cuda"):
+        kernels = bind_kernels(registry, dtype="bfloat16", shapes=shapes,
+                               choices={"attention": backend})
+        assert kernels.chosen["attention"] == backend
+        model = arch.build(config, kernels)
+        if weights is None:
+            model.set_dtype(mx.bfloat16)
+            weights = tree_flatten(model.parameters())
+        else:
+            model.load_weights(weights)
+        mx.eval(model.parameters())
+        model.eval()
+        models[backend] = model
+
+    prompt = mx.random.randint(0, config["vocab_size"], (1, context))
+    caches = {}
+    for backend, model in models.items():
+        cache = arch.make_cache(model)
+        for start in range(0, context, 512):
+            model(prompt[:, start : start + 512], cache=cache)
+            mx.eval([c.state for c in cache])
+        caches[backend] = cache
+
+    def decode(backend: str) -> float:
+        model, cache = models[backend], caches[backend]
+
+        def step(token: mx.array) -> mx.array:
+            return mx.argmax(model(token.reshape(1, 1), cache=cache)[:, -1, :], axis=-1)
+
+        y = step(prompt[:, -1])
+        mx.async_eval(y)
+        t0 = None
+        for n in range(tokens + 8):
+            if n == 8:  # after a short warm-up
+                t0 = time.perf_counter()
+            next_y = step(y)
+            mx.async_eval(next_y)
+            y.item()
+            y = next_y
+        y.item()
+        assert t0 is not None
+        elapsed = time.perf_counter() - t0
+        for c in cache:  # back to the prompt for the next round
+            c.trim(tokens + 9)
+        return tokens / elapsed
+
+    # Same first tokens from both graphs (greedy on identical weights and cache).
+    agree = []
+    for backend in models:
+        cache = caches[backend]
+        logits = models[backend](prompt[:, -1:], cache=cache)
+        agree.append(logits[0, -1].astype(mx.float32))
+        for c in cache:
+            c.trim(1)
+    logit_diff = mx.abs(agree[0] - agree[1]).max().item()
+    argmax_same = bool((mx.argmax(agree[0]) == mx.argmax(agree[1])).item())
+
+    rounds: dict[str, list[float]] = {"mlx_fast": [], "cuda": []}
+    for r in range(3):
+        order = ["mlx_fast", "cuda"] if r % 2 == 0 else ["cuda", "mlx_fast"]
+        for backend in order:
+            rounds[backend].append(decode(backend))
+    fast, fused = statistics.median(rounds["mlx_fast"]), statistics.median(rounds["cuda"])
+    results["e2e"] = {
+        "model": "Llama-3.2-1B-shaped (random bf16 weights, tied embeddings)",
+        "context": context, "decode_tokens": tokens, "tok_s": rounds,
+        "median_tok_s": {"mlx_fast": fast, "cuda": fused}, "speedup": fused / fast,
+        "first_logits_max_abs_diff": logit_diff, "first_argmax_same": argmax_same,
+    }
+    log(f"e2e Llama-1B-shaped, {context} context: mlx_fast {fast:.1f} tok/s, cuda {fused:.1f} tok/s "
+        f"(x{fused / fast:.2f}); rounds {rounds}; first logits diff {logit_diff:.3g}")
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def summary(results: dict[str, Any]) -> str:
+    lines = [f"device: {results['device']}, mlx {results['mlx']}, "
+             f"copy bandwidth {results.get('copy_bandwidth_TBs', float('nan')):.2f} TB/s"]
+    if "parity" in results:
+        p = results["parity"]
+        lines.append(f"parity: {len(p['cases'])} fused + {len(p['delegated'])} delegated cases, "
+                     f"{p['failures']} failures")
+    if "attention" in results:
+        lines.append("  B      S    D | mx.fast view  mx.fast contig |   cuda  (copy-first) | "
+                     "speedup | cuda bw | mx.fast bw")
+        for r in results["attention"]:
+            lines.append(
+                f"{r['B']:3d} {r['S']:6d} {r['D']:4d} | {r['mx_fast_view_us']:9.1f} us "
+                f"{r['mx_fast_contiguous_us']:11.1f} us | {r['cuda_view_us']:6.1f} us "
+                f"({r['cuda_copy_first_us']:7.1f}) | x{r['speedup_vs_mx_fast_view']:6.2f} | "
+                f"{100 * r['cuda_view_bw_fraction']:5.0f}% | "
+                f"{100 * r['mx_fast_view_bw_fraction']:5.0f}%"
+            )
+    if "e2e" in results:
+        e = results["e2e"]
+        lines.append(f"e2e decode at {e['context']}: mlx_fast {e['median_tok_s']['mlx_fast']:.1f} "
+                     f"tok/s, cuda {e['median_tok_s']['cuda']:.1f} tok/s, x{e['speedup']:.2f}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--sections", default="parity,attention,e2e")
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help="tiny shapes, to check the script itself (tests run it on CPU with a stand-in kernel)",
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "device": str(mx.default_device()), "mlx": mx.__version__,
+        "python": platform.python_version(), "argv": sys.argv,
+    }
+    try:
+        import subprocess
+
+        results["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True, text=True, check=False,
+        ).stdout.strip()
+    except OSError:
+        results["gpu"] = "unknown"
+    log(f"{results['gpu']} | {results['device']} | mlx {results['mlx']}")
+    sections = args.sections.split(",")
+    status = 0
+    if "parity" in sections:
+        try:
+            parity(results, args.smoke)
+            status |= results["parity"]["failures"] > 0
+        except Exception:
+            traceback.print_exc()
+            status = 1
+    if "attention" in sections or "e2e" in sections:
+        bandwidth = copy_bandwidth(args.smoke)
+        results["copy_bandwidth_TBs"] = bandwidth / 1e12
+        log(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s")
+    if "attention" in sections:
+        try:
+            bench_attention(results, results["copy_bandwidth_TBs"] * 1e12, args.smoke)
+        except Exception:
+            traceback.print_exc()
+            status = 1
+    if "e2e" in sections:
+        try:
+            bench_e2e(results, args.smoke)
+        except Exception:
+            traceback.print_exc()
+            status = 1
+    (args.out / "decode_attention.json").write_text(json.dumps(results, indent=1))
+    text = summary(results)
+    (args.out / "decode_attention.txt").write_text(text + "\n")
+    log("\n" + text)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

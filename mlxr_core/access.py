@@ -1,0 +1,161 @@
+"""The operator's side of every request: API keys, request ids, the access log and HTTP metrics.
+
+- :func:`api_key_guard` is a Litestar guard on every route. It raises :class:`Unauthorized`, a
+  :class:`~mlxr_core.errors.MlxrError`, so each API plugin's own exception handlers answer the 401
+  in that API's wire format (OpenAI, Ollama and Anthropic clients each read their own).
+- :class:`RequestLog` is the outermost ASGI layer: unmatched routes (404/405) pass through it too.
+  It gives each request an id (the client's ``x-request-id`` when it is a plain token, else a new
+  one), returns it in the ``x-request-id`` header, counts the request by route template and status,
+  and writes one line per request to the ``mlxr.access`` logger when the response ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import time
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from mlxr_core.errors import MlxrError
+
+if TYPE_CHECKING:
+    from mlxr_core.metrics import Metrics
+
+access_log = logging.getLogger("mlxr.access")
+
+#: A client-supplied request id is reused only when it cannot inject anything into a log line.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+#: The route label of requests no route matched (bounded cardinality: never the raw path).
+UNMATCHED = "unmatched"
+
+
+class Unauthorized(MlxrError):
+    """A request without a valid API key."""
+
+    status = 401
+    kind = "invalid_request_error"
+
+
+class ApiKeys:
+    """The configured keys, compared in constant time.
+
+    Keys are hashed first so :func:`hmac.compare_digest` compares equal-length digests (its time
+    then depends on neither the key's content nor its length), and every key is compared so the
+    time does not reveal which one matched.
+    """
+
+    def __init__(self, keys: Iterable[str], exempt: Iterable[str] = ()):
+        self._digests = [_digest(key) for key in keys if key]
+        self.exempt = frozenset(exempt)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def matches(self, presented: str) -> bool:
+        digest = _digest(presented)
+        found = False
+        for known in self._digests:
+            found |= hmac.compare_digest(digest, known)
+        return found
+
+    def check(self, path: str, headers: Any) -> None:
+        """Raise :class:`Unauthorized` unless ``path`` is exempt or ``headers`` carry a valid key
+        (``Authorization: Bearer KEY`` or ``x-api-key: KEY``)."""
+        if not self._digests or path in self.exempt:
+            return
+        candidates = []
+        authorization = headers.get("authorization")
+        if authorization:
+            scheme, _, token = authorization.strip().partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                candidates.append(token.strip())
+        api_key = headers.get("x-api-key")
+        if api_key:
+            candidates.append(api_key.strip())
+        if not candidates:
+            raise Unauthorized(
+                "missing API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                code="invalid_api_key",
+            )
+        if not any(self.matches(candidate) for candidate in candidates):
+            raise Unauthorized("invalid API key", code="invalid_api_key")
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+def api_key_guard(keys: ApiKeys) -> Any:
+    """A Litestar guard enforcing ``keys`` on every route it is attached to."""
+
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+        keys.check(connection.scope["path"], connection.headers)
+
+    return guard
+
+
+def request_id_of(scope: Scope) -> str:
+    """The id :class:`RequestLog` gave this request (``"-"`` outside it)."""
+    return str(scope.get("state", {}).get("request_id", "-"))
+
+
+class RequestLog:
+    """Outermost ASGI middleware: request id, HTTP metrics and one access-log line per request."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, *, log_requests: bool = True):
+        self.app = app
+        self.metrics = metrics
+        self.log_requests = log_requests
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _client_request_id(scope) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+        status = 500  # what the client gets if the app fails before it starts a response
+        sent = 0
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, sent
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []), header]}  # type: ignore[typeddict-item]
+            elif message["type"] == "http.response.body":
+                sent += len(message.get("body", b""))
+            await send(message)
+
+        method = str(scope.get("method", "-"))
+        path = scope.get("raw_path", b"").decode("latin-1") or scope["path"]
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            seconds = time.perf_counter() - started
+            # Litestar writes the matched route's template into the scope while routing.
+            endpoint = scope.get("path_template") or UNMATCHED  # type: ignore[typeddict-item]
+            self.metrics.observe_http(method, endpoint, status, seconds)
+            if self.log_requests:
+                client = scope.get("client")
+                access_log.info(
+                    "%s %s %s %s %d %.1fms %dB",
+                    request_id, client[0] if client else "-", method, path, status, seconds * 1000, sent,
+                )
+
+
+def _client_request_id(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", []):
+        if name == b"x-request-id":
+            text = value.decode("latin-1")
+            return text if _CLIENT_ID.fullmatch(text) else None
+    return None

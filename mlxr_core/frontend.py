@@ -1,0 +1,235 @@
+"""What every HTTP API plugin shares: strict body decoding, the engine's readiness, submission,
+tracked event streams, and waiting for a whole reply while watching the connection.
+
+An API plugin (OpenAI, Ollama, Anthropic, a third party's) turns its wire format into a
+:class:`~mlxr_core.engine.request.GenerationRequest`, then:
+
+    handle = submit(ctx, GenerationRequest(...))       # 503 while draining, engine errors as raised
+    async for event in tracked_events(ctx, handle):    # metrics + in-flight tracking
+        ...
+
+Every request submitted this way is known to :class:`InflightRequests`, which is what graceful
+shutdown waits on (:func:`mlxr_core.server.drain`) and what the metrics count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import weakref
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import msgspec
+
+from mlxr_core.engine.request import (
+    Delta,
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestHandle,
+)
+from mlxr_core.errors import EngineStopped, MlxrError, RequestError
+from mlxr_core.metrics import RequestTimer
+
+if TYPE_CHECKING:
+    from litestar import Request
+
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.server import ServerContext
+
+T = TypeVar("T")
+
+_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+
+
+class ClientDisconnected(MlxrError):
+    """The client went away before its reply was ready; nobody reads the response."""
+
+    status = 499
+    kind = "client_disconnected"
+
+
+def decode_body(body: bytes, schema: type[T]) -> T:
+    """Decode a JSON request body into ``schema`` (msgspec, strict types), turning every failure
+    into a :class:`RequestError` whose ``param`` names the field (``messages[0].role``)."""
+    if not body.strip():
+        raise RequestError("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"invalid request: {exc}", param=_param_of(str(exc))) from None
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _param_of(message: str) -> str | None:
+    """``messages[0].role`` from msgspec's "... - at `$.messages[0]`" and "missing field `role`"."""
+    match = _PATH.search(message)
+    path = match["path"] if match else ""
+    missing = _MISSING.match(message)
+    if missing:
+        path = f"{path}.{missing['field']}" if path else missing["field"]
+    return path or None
+
+
+def ready_engine(ctx: ServerContext) -> Engine:
+    """The engine, or :class:`EngineStopped` (503) while it loads, failed, stops or the server drains."""
+    engine = ctx.engine
+    state = engine.state
+    if ctx.inflight.draining or state in ("stopping", "stopped"):
+        raise EngineStopped("the server is shutting down")
+    if state == "ready":
+        return engine
+    if state in ("created", "loading"):
+        raise EngineStopped("the model is still loading; retry shortly")
+    raise EngineStopped(f"the model failed to load: {engine.error}")
+
+
+def cap_max_tokens(ctx: ServerContext, requested: int | None) -> int | None:
+    """``requested`` lowered to ``server.max_tokens_cap``; None (the engine's default) becomes the
+    cap when the default would exceed it."""
+    cap = ctx.config.server.max_tokens_cap
+    if cap is None:
+        return requested
+    if requested is None:
+        return min(cap, ctx.config.engine.default_max_tokens)
+    return min(requested, cap)
+
+
+def room_for(engine: Engine, model: str, prompt_ids: list[int], requested: int | None) -> int | None:
+    """``requested`` clamped to the context left after the prompt, for APIs whose ``max_tokens`` is
+    an upper bound rather than a promise (Anthropic, Ollama). A prompt that fills the context is
+    left to the engine, which refuses it naming the context length."""
+    if requested is None:
+        return None
+    room = engine.model(model).context_length - len(prompt_ids)
+    return max(1, min(requested, room))
+
+
+def submit(ctx: ServerContext, request: GenerationRequest) -> RequestHandle:
+    """Hand ``request`` to the engine for the calling event loop and track it until its last event.
+
+    Raises what :meth:`Engine.submit` raises, and :class:`EngineStopped` while the server drains.
+    """
+    engine = ready_engine(ctx)
+    handle = engine.submit(request, loop=asyncio.get_running_loop())
+    ctx.inflight.add(handle, RequestTimer(ctx.metrics, request.model))
+    return handle
+
+
+async def tracked_events(ctx: ServerContext, handle: RequestHandle) -> AsyncGenerator[Event, None]:
+    """``handle``'s events, timed for the metrics; the request is cancelled if the consumer stops
+    early (a client that left) and forgotten by the in-flight set once its last event is read."""
+    timer = ctx.inflight.timer(handle)
+    finished = False
+    try:
+        async for event in handle.events():
+            if timer is not None:
+                if isinstance(event, Delta):
+                    timer.tokens(len(event.token_ids))
+                elif isinstance(event, Finished):
+                    usage = event.usage
+                    timer.finished(event.reason, usage.prompt_tokens, usage.completion_tokens)
+                else:
+                    timer.finished("error", None, None)
+            finished = not isinstance(event, Delta)
+            yield event
+    finally:
+        if not finished:
+            handle.cancel()  # frees the engine's slot when the client left mid-stream
+            if timer is not None:
+                timer.finished("cancelled", None, None)
+        ctx.inflight.discard(handle)
+
+
+async def collect(
+    ctx: ServerContext, handle: RequestHandle, request: Request[Any, Any, Any]
+) -> tuple[str, Finished]:
+    """The whole reply: its text and last event; cancels the request if the client disconnects.
+
+    Raises the request's error if it failed, :class:`EngineStopped` if it was cancelled by a
+    shutdown, and :class:`ClientDisconnected` if the client left.
+    """
+    parts: list[str] = []
+    last: Finished | Failed | None = None
+    async with anyio.create_task_group() as group:
+        group.start_soon(_cancel_on_disconnect, request, handle, group.cancel_scope)
+        async with aclosing(tracked_events(ctx, handle)) as events:
+            async for event in events:
+                if isinstance(event, Delta):
+                    parts.append(event.text)
+                else:
+                    last = event
+        group.cancel_scope.cancel()
+    if last is None:
+        raise ClientDisconnected("the client disconnected")
+    if isinstance(last, Failed):
+        raise last.error
+    if last.reason == "cancelled":
+        raise shutdown_cancelled()
+    return "".join(parts), last
+
+
+def shutdown_cancelled() -> EngineStopped:
+    """Why a request whose client still waits was cancelled: only a shutdown does that."""
+    return EngineStopped("the request was cancelled: the server is shutting down")
+
+
+async def _cancel_on_disconnect(
+    request: Request[Any, Any, Any], handle: RequestHandle, scope: anyio.CancelScope
+) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    handle.cancel()
+    scope.cancel()
+
+
+class InflightRequests:
+    """The generation requests HTTP handlers are serving, for graceful shutdown and metrics.
+
+    Held weakly: a request whose stream never started (the client left before the first byte) is
+    forgotten once the engine has ended it and nothing refers to its handle any more. Only touched
+    from the server's event loop.
+    """
+
+    def __init__(self) -> None:
+        self._timers: weakref.WeakKeyDictionary[RequestHandle, RequestTimer | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: Set by :func:`mlxr_core.server.drain`: new requests are refused with 503.
+        self.draining = False
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+    def add(self, handle: RequestHandle, timer: RequestTimer | None = None) -> None:
+        self._timers[handle] = timer
+
+    def timer(self, handle: RequestHandle) -> RequestTimer | None:
+        return self._timers.get(handle)
+
+    def discard(self, handle: RequestHandle) -> None:
+        self._timers.pop(handle, None)
+
+    def cancel_all(self) -> int:
+        """Cancel every tracked request; the engine ends each with a ``cancelled`` event."""
+        handles = list(self._timers)
+        for handle in handles:
+            handle.cancel()
+        return len(handles)
+
+    async def wait_empty(self, timeout: float, poll_s: float = 0.05) -> bool:
+        """Wait up to ``timeout`` seconds for every tracked request to end; True if they did."""
+        deadline = time.monotonic() + timeout
+        while self._timers:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True

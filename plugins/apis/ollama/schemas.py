@@ -1,0 +1,174 @@
+"""Ollama wire types (see Ollama's docs/api.md): requests decoded strictly, responses encoded.
+
+Unknown fields and unknown ``options`` are ignored, as Ollama does; a known field of the wrong type
+or out of range is a 400 naming it (``options.temperature``). Fields we know but cannot honour are
+declared so the routes can refuse them by name.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+#: -1 is "until the model stops", -2 "until the context is full"; both mean the context's room here.
+NumPredict = Annotated[int, Meta(ge=-2)]
+
+
+class Options(Struct, forbid_unknown_fields=False, omit_defaults=True):
+    """The ``options`` Ollama maps to sampling. Others (``num_ctx``, ``num_gpu``, ...) are ignored."""
+
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    #: 0 or less: off.
+    top_k: int | None = None
+    min_p: Probability | None = None
+    #: Negative: a random seed (Ollama's -1).
+    seed: int | None = None
+    num_predict: NumPredict | None = None
+    stop: str | list[str] | None = None
+    # Honoured only when a sampler plugin provides them; ignored otherwise (logged at debug).
+    repeat_penalty: Annotated[float, Meta(gt=0.0)] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class Message(Struct, forbid_unknown_fields=False):
+    role: str
+    content: str = ""
+    images: list[str] | None = None
+    tool_calls: list[Any] | None = None
+    thinking: str | None = None
+    tool_name: str | None = None
+
+
+class BaseRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str = ""
+    #: Ollama streams unless told not to.
+    stream: bool = True
+    options: Options | None = None
+    format: Any = None
+    keep_alive: float | str | None = None
+    think: bool | str | None = None
+
+
+class ChatRequest(BaseRequest, forbid_unknown_fields=False, kw_only=True):
+    messages: list[Message] | None = None
+    tools: list[Any] | None = None
+
+
+class GenerateRequest(BaseRequest, forbid_unknown_fields=False, kw_only=True):
+    prompt: str | None = None
+    system: str | None = None
+    suffix: str | None = None
+    template: str | None = None
+    #: Token ids a previous /api/generate returned, continuing that conversation.
+    context: list[int] | None = None
+    raw: bool = False
+    images: list[str] | None = None
+
+
+class ModelRequest(Struct, forbid_unknown_fields=False):
+    """``/api/show`` and friends: ``model`` (``name`` in older clients)."""
+
+    model: str = ""
+    name: str = ""
+    verbose: bool = False
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+
+
+class Timings(Struct, omit_defaults=True):
+    """The final chunk's counters; durations in nanoseconds."""
+
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+    prompt_eval_duration: int
+    eval_count: int
+    eval_duration: int
+
+
+class ChatChunk(Struct, omit_defaults=True):
+    model: str
+    created_at: str
+    message: AssistantMessage
+    done: bool
+    done_reason: str | UnsetType = UNSET
+    total_duration: int | UnsetType = UNSET
+    load_duration: int | UnsetType = UNSET
+    prompt_eval_count: int | UnsetType = UNSET
+    prompt_eval_duration: int | UnsetType = UNSET
+    eval_count: int | UnsetType = UNSET
+    eval_duration: int | UnsetType = UNSET
+
+
+class GenerateChunk(Struct, omit_defaults=True):
+    model: str
+    created_at: str
+    response: str
+    done: bool
+    done_reason: str | UnsetType = UNSET
+    context: list[int] | UnsetType = UNSET
+    total_duration: int | UnsetType = UNSET
+    load_duration: int | UnsetType = UNSET
+    prompt_eval_count: int | UnsetType = UNSET
+    prompt_eval_duration: int | UnsetType = UNSET
+    eval_count: int | UnsetType = UNSET
+    eval_duration: int | UnsetType = UNSET
+
+
+class ModelDetails(Struct):
+    format: str
+    family: str
+    families: list[str]
+    parameter_size: str
+    quantization_level: str
+    parent_model: str = ""
+
+
+class ListedModel(Struct):
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: ModelDetails
+
+
+class RunningModel(Struct):
+    name: str
+    model: str
+    size: int
+    digest: str
+    details: ModelDetails
+    expires_at: str
+    size_vram: int
+    context_length: int
+
+
+class ShowResponse(Struct):
+    modelfile: str
+    parameters: str
+    template: str
+    details: ModelDetails
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+
+
+class ErrorBody(Struct):
+    error: str
+
+
+encoder = msgspec.json.Encoder()

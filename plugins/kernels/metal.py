@@ -1,0 +1,383 @@
+"""``metal``: fused flash-decoding attention and a fused RMS norm through ``mx.fast.metal_kernel``.
+
+The Metal twin of :mod:`mlxr_plugins.kernels.cuda`: the same algorithm, block for block, so a
+review can read them side by side (CUDA block = Metal threadgroup, warp = SIMD-group, shuffle =
+``simd_shuffle_xor``, ``__shared__`` = ``threadgroup``):
+
+1. ``mlxr_flash_decode``: one threadgroup per (batch row, KV head, query-head group, chunk of the
+   KV sequence); the GQA query heads of one KV head share the threadgroup so K/V are read once;
+   ``D / 8`` threads per K/V row, 8 features each (16-byte loads); SIMD shuffles finish the dot
+   products; online softmax in float32 (base 2); row groups merged in threadgroup memory; one
+   unnormalized partial (output, max, sum) per query head and chunk.
+2. ``mlxr_flash_decode_reduce``: merges the chunks of each (batch row, query head).
+
+Plus ``mlxr_rms_norm``: one threadgroup per row, a SIMD-group then threadgroup sum of squares in
+float32, and the scaled, weighted row written in one pass (mx.fast's own Metal rms_norm is fused
+too; this one exists as the Metal counterpart of the reference and to share the build pattern).
+
+Prefill, array masks and head dims other than 64/128/256 are delegated to ``mx.fast``, as in the
+CUDA twin. These kernels only run on Apple Silicon: here ``supports()`` says so and their tests
+skip with that reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+from typing import Any
+
+import mlx.core as mx
+
+from mlxr_core.kernels import KernelContext
+from mlxr_plugins.kernels import KernelImpl
+from mlxr_plugins.kernels.cuda import (
+    FLOAT_DTYPES,
+    THREADS,
+    DecodePlan,
+    _float_bits,
+    decode_plan,
+)
+
+#: Query heads per threadgroup: the merge buffer (THREADS * 8 * heads floats) must fit in Apple
+#: GPUs' 32 KB of threadgroup memory.
+MAX_HEADS_PER_BLOCK = 4
+#: Threads per threadgroup of the RMS norm kernel.
+NORM_THREADS = 256
+
+_HEADER = r"""
+// 8 consecutive features of one row as float32: 16-byte loads when the caller has checked that
+// the feature stride is 1 and rows are 16-byte aligned, else 8 strided scalar loads.
+template <typename T>
+inline void load8(const device T* p, bool vec, int64_t step, thread float* out) {
+  if (vec) {
+    constexpr int PER = 16 / sizeof(T);
+    for (int j = 0; j < 8; j += PER) {
+      const uint4 raw = *reinterpret_cast<const device uint4*>(p + j);
+      thread const T* e = reinterpret_cast<thread const T*>(&raw);
+      for (int i = 0; i < PER; ++i) out[j + i] = static_cast<float>(e[i]);
+    }
+  } else {
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(p[i * step]);
+  }
+}
+
+// Whether the rows of a [B, H, S, D] array can be read with 16-byte loads: unit feature stride
+// and 16-byte multiples for the batch/head (and, with check_rows, row) strides. Unlike the CUDA
+// twin it cannot test the start address (MSL has no pointer-to-integer cast); MLX buffers are
+// page aligned and the views attention gets (slices along B, H or S) keep 16-byte row starts.
+template <typename T, typename St>
+inline bool vectorizable(const device T*, St st, bool check_rows) {
+  const int64_t bytes = sizeof(T);
+  return st[3] == 1 && (int64_t(st[0]) * bytes) % 16 == 0 && (int64_t(st[1]) * bytes) % 16 == 0 &&
+      (!check_rows || (int64_t(st[2]) * bytes) % 16 == 0);
+}
+"""
+
+# Template and layout as in the CUDA twin: T, D, HPB, NT, U, SCALE_BITS. HPB is capped at 4 here
+# (threadgroup memory is 32 KB on Apple GPUs; s_acc takes NT * 8 * HPB floats).
+_SPLIT_SOURCE = r"""
+  constexpr int EPT = 8;              // features per thread
+  constexpr int TPR = D / EPT;        // threads per K/V row: 8, 16 or 32, within one SIMD-group
+  constexpr int RG = NT / TPR;        // row groups: K/V rows read side by side
+  constexpr int TILE = RG * U;        // keys per threadgroup step
+  constexpr float LOG2E = 1.4426950408889634f;
+
+  const int Hq = q_shape[1];
+  const int Hkv = k_shape[1];
+  const int S = k_shape[2];
+  const int R = Hq / Hkv;
+  const int groups = R / HPB;
+  const int n_splits = threadgroups_per_grid.x;
+  const int split = threadgroup_position_in_grid.x;
+  const int g = threadgroup_position_in_grid.y % groups;
+  const int hkv = (threadgroup_position_in_grid.y / groups) % Hkv;
+  const int b = threadgroup_position_in_grid.y / (groups * Hkv);
+  const int hq0 = hkv * R + g * HPB;
+
+  const int tid = thread_index_in_threadgroup;
+  const int rg = tid / TPR;
+  const int d0 = (tid % TPR) * EPT;
+
+  // Chunks are whole tiles; trailing threadgroups may get an empty chunk.
+  const int per_split = (S + n_splits - 1) / n_splits;
+  const int chunk = (per_split + TILE - 1) / TILE * TILE;
+  const int start = split * chunk;
+  const int stop = min(start + chunk, S);
+
+  const bool vec = vectorizable(k, k_strides, true) && vectorizable(v, v_strides, true);
+  const bool q_vec = vectorizable(q, q_strides, false);
+  const int64_t k_row = k_strides[2], v_row = v_strides[2];
+  const device T* k_base =
+      k + b * int64_t(k_strides[0]) + hkv * int64_t(k_strides[1]) + d0 * int64_t(k_strides[3]);
+  const device T* v_base =
+      v + b * int64_t(v_strides[0]) + hkv * int64_t(v_strides[1]) + d0 * int64_t(v_strides[3]);
+
+  // The queries of this threadgroup's heads, pre-scaled so scores come out in log2 units.
+  const float q_scale = as_type<float>(SCALE_BITS) * LOG2E;
+  float qr[HPB][EPT];
+  for (int h = 0; h < HPB; ++h) {
+    load8(q + b * int64_t(q_strides[0]) + (hq0 + h) * int64_t(q_strides[1]) +
+              d0 * int64_t(q_strides[3]),
+          q_vec, q_strides[3], qr[h]);
+    for (int i = 0; i < EPT; ++i) qr[h][i] *= q_scale;
+  }
+
+  // Online softmax state of this thread's row group, per head.
+  float m[HPB], l[HPB], acc[HPB][EPT];
+  for (int h = 0; h < HPB; ++h) {
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+    for (int i = 0; i < EPT; ++i) acc[h][i] = 0.f;
+  }
+
+  for (int s0 = start; s0 < stop; s0 += TILE) {
+    // All U rows of K and V are requested before any is used.
+    float kf[U][EPT], vf[U][EPT];
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + u * RG + rg;
+      if (s < stop) {
+        load8(k_base + s * k_row, vec, k_strides[3], kf[u]);
+        load8(v_base + s * v_row, vec, v_strides[3], vf[u]);
+      } else {
+        for (int i = 0; i < EPT; ++i) kf[u][i] = vf[u][i] = 0.f;
+      }
+    }
+    float score[HPB][U];
+    for (int u = 0; u < U; ++u) {
+      const bool valid = s0 + u * RG + rg < stop;
+      for (int h = 0; h < HPB; ++h) {
+        float dot = 0.f;
+        for (int i = 0; i < EPT; ++i) dot += qr[h][i] * kf[u][i];
+        // Every lane of the row group ends with the full dot product (the loop bounds are
+        // uniform over the threadgroup, so the whole SIMD-group takes part).
+        for (ushort offset = TPR / 2; offset > 0; offset >>= 1)
+          dot += simd_shuffle_xor(dot, offset);
+        score[h][u] = valid ? dot : -INFINITY;
+      }
+    }
+    // One rescale per tile rather than per key.
+    for (int h = 0; h < HPB; ++h) {
+      float tile_max = score[h][0];
+      for (int u = 1; u < U; ++u) tile_max = max(tile_max, score[h][u]);
+      const float m_new = max(m[h], tile_max);
+      if (m_new == -INFINITY) continue;  // no key of this row group yet
+      const float correction = exp2(m[h] - m_new);  // 0 while m[h] is still -inf
+      l[h] *= correction;
+      for (int i = 0; i < EPT; ++i) acc[h][i] *= correction;
+      for (int u = 0; u < U; ++u) {
+        const float p = exp2(score[h][u] - m_new);  // 0 for keys past the chunk
+        l[h] += p;
+        for (int i = 0; i < EPT; ++i) acc[h][i] += p * vf[u][i];
+      }
+      m[h] = m_new;
+    }
+  }
+
+  // Merge the row groups of the threadgroup: rescale each to the threadgroup's max per head.
+  threadgroup float s_m[RG][HPB];
+  threadgroup float s_l[RG][HPB];
+  threadgroup float s_acc[RG][HPB][D];
+  if (tid % TPR == 0) {
+    for (int h = 0; h < HPB; ++h) {
+      s_m[rg][h] = m[h];
+      s_l[rg][h] = l[h];
+    }
+  }
+  for (int h = 0; h < HPB; ++h) {
+    for (int i = 0; i < EPT; ++i) s_acc[rg][h][d0 + i] = acc[h][i];
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int e = tid; e < HPB * D; e += NT) {
+    const int h = e / D;
+    const int d = e % D;
+    float block_max = -INFINITY;
+    for (int r = 0; r < RG; ++r) block_max = max(block_max, s_m[r][h]);
+    float sum = 0.f, out = 0.f;
+    if (block_max != -INFINITY) {
+      for (int r = 0; r < RG; ++r) {
+        const float w = exp2(s_m[r][h] - block_max);
+        sum += w * s_l[r][h];
+        out += w * s_acc[r][h][d];
+      }
+    }
+    const int64_t row = int64_t(b * Hq + hq0 + h) * n_splits + split;
+    o_part[row * D + d] = out;
+    if (d == 0) {
+      ml[row * 2] = block_max;
+      ml[row * 2 + 1] = sum;
+    }
+  }
+"""
+
+_REDUCE_SOURCE = r"""
+  const int n_splits = ml_shape[2];
+  const int64_t row = threadgroup_position_in_grid.x;
+  const int d = thread_index_in_threadgroup;
+  const device float* row_ml = ml + row * n_splits * 2;
+  float global_max = -INFINITY;
+  for (int i = 0; i < n_splits; ++i) global_max = max(global_max, row_ml[2 * i]);
+  float sum = 0.f, out = 0.f;
+  for (int i = 0; i < n_splits; ++i) {
+    const float m_i = row_ml[2 * i];
+    if (m_i == -INFINITY) continue;  // an empty chunk
+    const float w = exp2(m_i - global_max);
+    sum += w * row_ml[2 * i + 1];
+    out += w * o_part[(row * n_splits + i) * D + d];
+  }
+  o[row * D + d] = static_cast<T>(out / sum);
+"""
+
+# Template: T, NT (threads), EPS_BITS (eps as float32 bits). x is row-contiguous [rows, N].
+_RMS_NORM_SOURCE = r"""
+  const int N = w_shape[0];
+  const int64_t row = threadgroup_position_in_grid.x;
+  const int tid = thread_index_in_threadgroup;
+  const device T* xr = x + row * N;
+  float squares = 0.f;
+  for (int i = tid; i < N; i += NT) {
+    const float xi = static_cast<float>(xr[i]);
+    squares += xi * xi;
+  }
+  // SIMD-group sums, then one partial per SIMD-group through threadgroup memory.
+  threadgroup float partial[NT / 32];
+  squares = simd_sum(squares);
+  if (thread_index_in_simdgroup == 0) partial[simdgroup_index_in_threadgroup] = squares;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float total = 0.f;
+  for (int i = 0; i < NT / 32; ++i) total += partial[i];
+  const float inv = metal::precise::rsqrt(total / N + as_type<float>(EPS_BITS));
+  device T* yr = y + row * N;
+  for (int i = tid; i < N; i += NT) {
+    // Rounded to T before the weight, as the reference does.
+    yr[i] = w[i] * static_cast<T>(static_cast<float>(xr[i]) * inv);
+  }
+"""
+
+
+@functools.cache
+def _split_kernel() -> Any:
+    """The split kernel, built once; MLX compiles it once per template instantiation."""
+    return mx.fast.metal_kernel(
+        name="mlxr_flash_decode",
+        input_names=["q", "k", "v"],
+        output_names=["o_part", "ml"],
+        source=_SPLIT_SOURCE,
+        header=_HEADER,
+        ensure_row_contiguous=False,
+    )
+
+
+@functools.cache
+def _reduce_kernel() -> Any:
+    return mx.fast.metal_kernel(
+        name="mlxr_flash_decode_reduce",
+        input_names=["o_part", "ml"],
+        output_names=["o"],
+        source=_REDUCE_SOURCE,
+        ensure_row_contiguous=True,
+    )
+
+
+@functools.cache
+def _rms_norm_kernel() -> Any:
+    return mx.fast.metal_kernel(
+        name="mlxr_rms_norm",
+        input_names=["x", "w"],
+        output_names=["y"],
+        source=_RMS_NORM_SOURCE,
+        ensure_row_contiguous=True,
+    )
+
+
+def flash_decode(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, plan: DecodePlan
+) -> mx.array:
+    """Run the two fused kernels for ``plan`` (the CUDA twin's :func:`decode_plan`)."""
+    B, Hq, D, n_splits = plan.B, plan.Hq, plan.D, plan.n_splits
+    o_part, ml = _split_kernel()(
+        inputs=[q, k, v],
+        template=[
+            ("T", q.dtype),
+            ("D", D),
+            ("HPB", plan.heads_per_block),
+            ("NT", THREADS),
+            ("U", plan.keys_per_step),
+            ("SCALE_BITS", _float_bits(scale)),
+        ],
+        grid=(n_splits * THREADS, B * plan.Hkv * plan.groups, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[(B, Hq, n_splits, D), (B, Hq, n_splits, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = _reduce_kernel()(
+        inputs=[o_part, ml],
+        template=[("T", q.dtype), ("D", D)],
+        grid=(B * Hq * D, 1, 1),
+        threadgroup=(D, 1, 1),
+        output_shapes=[(B, Hq, 1, D)],
+        output_dtypes=[q.dtype],
+    )
+    return out
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: str | mx.array | None = None
+) -> mx.array:
+    """Fused flash-decoding for one query position, else ``mx.fast.scaled_dot_product_attention``."""
+    plan = decode_plan(q, k, v, scale=scale, mask=mask, max_heads_per_block=MAX_HEADS_PER_BLOCK)
+    if isinstance(plan, str):
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return flash_decode(q, k, v, scale=scale, plan=plan)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """Fused RMS norm over the last axis; mixed dtypes go to ``mx.fast.rms_norm``."""
+    N = x.shape[-1]
+    if x.dtype != weight.dtype or weight.shape != (N,) or x.size == 0 or not eps > 0:
+        return mx.fast.rms_norm(x, weight, eps)
+    rows = x.size // N
+    (y,) = _rms_norm_kernel()(
+        inputs=[x.reshape(rows, N), weight],
+        template=[("T", x.dtype), ("NT", NORM_THREADS), ("EPS_BITS", _float_bits(eps))],
+        grid=(rows * NORM_THREADS, 1, 1),
+        threadgroup=(NORM_THREADS, 1, 1),
+        output_shapes=[(rows, N)],
+        output_dtypes=[x.dtype],
+    )
+    return y.reshape(x.shape)
+
+
+def machine() -> str:
+    """This machine in a few words, for "cannot run here" reasons."""
+    return f"{platform.system()} {platform.machine()}"
+
+
+def _metal_support(ctx: KernelContext) -> list[str]:
+    reasons = []
+    if ctx.platform != "metal":
+        reasons.append(
+            f"needs Apple Silicon Metal (this machine: {machine()}, MLX {ctx.device} device, "
+            f"{ctx.platform} platform)"
+        )
+    if ctx.dtype not in FLOAT_DTYPES:
+        reasons.append(f"activation dtype {ctx.dtype} is not one of {', '.join(FLOAT_DTYPES)}")
+    return reasons
+
+
+def _attention_support(ctx: KernelContext) -> list[str]:
+    reasons = _metal_support(ctx)
+    unknown = [kind for kind in ctx.shapes.get("masks", ()) if kind not in ("causal", "array")]
+    if unknown:
+        reasons.append(f"mask kinds {', '.join(map(str, unknown))} are not supported (causal, array)")
+    return reasons
+
+
+attention_kernel = KernelImpl(
+    attention,
+    _attention_support,
+    summary=(
+        "fused flash-decoding for decode (L=1, head dim 64/128/256, no mask or causal); "
+        "prefill and other shapes run mx.fast"
+    ),
+)
+rms_norm_kernel = KernelImpl(rms_norm, _metal_support, summary="fused one-pass RMS norm")
