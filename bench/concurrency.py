@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import socket
@@ -58,7 +59,7 @@ async def one_stream(client: httpx.AsyncClient, model: str, prompt: str, gen: in
                     stamps.append(time.perf_counter())
     if not stamps:
         raise RuntimeError("a stream produced no text")
-    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
     return {"ttft": stamps[0] - start, "gaps": gaps, "end": stamps[-1], "first": stamps[0], "start": start}
 
 
