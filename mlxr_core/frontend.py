@@ -23,6 +23,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
+import attrs
 import msgspec
 
 from mlxr_core.engine.request import (
@@ -148,15 +149,23 @@ async def tracked_events(ctx: ServerContext, handle: RequestHandle) -> AsyncGene
         ctx.inflight.discard(handle)
 
 
-async def collect(
-    ctx: ServerContext, handle: RequestHandle, request: Request[Any, Any, Any]
-) -> tuple[str, Finished]:
-    """The whole reply: its text and last event; cancels the request if the client disconnects.
+@attrs.frozen
+class Reply:
+    """A whole generated reply."""
+
+    text: str
+    token_ids: list[int]
+    finished: Finished
+
+
+async def collect(ctx: ServerContext, handle: RequestHandle, request: Request[Any, Any, Any]) -> Reply:
+    """Wait for the whole reply; cancel the request if the client disconnects meanwhile.
 
     Raises the request's error if it failed, :class:`EngineStopped` if it was cancelled by a
     shutdown, and :class:`ClientDisconnected` if the client left.
     """
     parts: list[str] = []
+    token_ids: list[int] = []
     last: Finished | Failed | None = None
     async with anyio.create_task_group() as group:
         group.start_soon(_cancel_on_disconnect, request, handle, group.cancel_scope)
@@ -164,6 +173,7 @@ async def collect(
             async for event in events:
                 if isinstance(event, Delta):
                     parts.append(event.text)
+                    token_ids.extend(event.token_ids)
                 else:
                     last = event
         group.cancel_scope.cancel()
@@ -173,7 +183,7 @@ async def collect(
         raise last.error
     if last.reason == "cancelled":
         raise shutdown_cancelled()
-    return "".join(parts), last
+    return Reply("".join(parts), token_ids, last)
 
 
 def shutdown_cancelled() -> EngineStopped:

@@ -88,17 +88,6 @@ class AssistantMessage(Struct):
     role: str = "assistant"
 
 
-class Timings(Struct, omit_defaults=True):
-    """The final chunk's counters; durations in nanoseconds."""
-
-    total_duration: int
-    load_duration: int
-    prompt_eval_count: int
-    prompt_eval_duration: int
-    eval_count: int
-    eval_duration: int
-
-
 class ChatChunk(Struct, omit_defaults=True):
     model: str
     created_at: str

@@ -82,9 +82,9 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(ctx, handle, ChatChunks(meta, include_usage))
-    text, finished = await collect(ctx, handle, request)
-    choice = s.ChatChoice(0, s.AssistantMessage(content=text), finished.reason)
-    return _json(s.ChatCompletion(meta.id, meta.created, meta.model, [choice], usage_of(finished.usage)))
+    reply = await collect(ctx, handle, request)
+    choice = s.ChatChoice(0, s.AssistantMessage(content=reply.text), reply.finished.reason)
+    return _json(s.ChatCompletion(meta.id, meta.created, meta.model, [choice], usage_of(reply.finished.usage)))
 
 
 async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -111,9 +111,9 @@ async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any])
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return sse_response(ctx, handle, CompletionChunks(meta, include_usage))
-    text, finished = await collect(ctx, handle, request)
-    choice = s.CompletionChoice(0, text, finished.reason)
-    return _json(s.Completion(meta.id, meta.created, meta.model, [choice], usage=usage_of(finished.usage)))
+    reply = await collect(ctx, handle, request)
+    choice = s.CompletionChoice(0, reply.text, reply.finished.reason)
+    return _json(s.Completion(meta.id, meta.created, meta.model, [choice], usage=usage_of(reply.finished.usage)))
 
 
 # -- request -> engine -----------------------------------------------------------------------

@@ -254,6 +254,8 @@ class SafetensorsFormat:
             folder, eos_token_ids=eos_ids, vocab_size=config.get("vocab_size")
         )
         tokenizer_config = tokenizer.data.get("tokenizer_config", {}) if tokenizer else {}
+        block = config.get("quantization")
+        block = block if isinstance(block, dict) else {}
         return Checkpoint(
             path=folder,
             format=self.name,
@@ -267,9 +269,9 @@ class SafetensorsFormat:
                 "producer": "mlx-lm" if file_metadata.get("format") == "mlx" else None,
                 "stored_dtype": config.get("torch_dtype", config.get("dtype")),
                 "quantization": {
-                    key: config["quantization"][key]
-                    for key in ("bits", "group_size", "mode")
-                    if key in config.get("quantization", {})
+                    key: value
+                    for key, value in block.items()
+                    if key in ("bits", "group_size", "mode")
                 },
                 "eos_token_ids": eos_ids,
                 "generation_defaults": {k: generation[k] for k in SAMPLING_KEYS if k in generation},

@@ -4,7 +4,6 @@ engine on a tiny random GGUF model (generation, stops, seeds, disconnects)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from typing import Any
 
@@ -12,121 +11,13 @@ import httpx
 import openai
 import pytest
 from litestar.testing import TestClient
+from scripted import FakeEngine, FakeTokenizer, ThreadedServer, make_ctx, wait_until
 
 from mlxr_core.config.schema import Config, ModelConfig, SamplingConfig
-from mlxr_core.engine.engine import ModelInfo
-from mlxr_core.engine.request import (
-    Delta,
-    Failed,
-    Finished,
-    GenerationRequest,
-    RequestHandle,
-    Usage,
-)
-from mlxr_core.errors import (
-    ContextLengthExceeded,
-    EngineStopped,
-    MlxrError,
-    ModelNotFound,
-    Overloaded,
-)
+from mlxr_core.engine.request import GenerationRequest, RequestHandle
+from mlxr_core.errors import EngineStopped, Overloaded
 from mlxr_core.plugins import load_plugins
 from mlxr_core.server import ServerContext, build_app
-
-# -- a scripted engine ---------------------------------------------------------------------------
-
-
-class FakeTokenizer:
-    vocab_size = 256
-    eos_token_ids = frozenset({0})
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return ([1] if add_special_tokens else []) + [b for b in text.encode()]
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-
-
-class FakeEngine:
-    """Satisfies what the routes use of :class:`Engine`; replies ``REPLY`` one character per token."""
-
-    REPLY = "Hello, world! How are you?"
-
-    def __init__(self, context_length: int = 64):
-        self.state = "ready"
-        self.error: BaseException | None = None
-        self.queue_depth = 0
-        self.models = {
-            "fake": ModelInfo(
-                name="fake", context_length=context_length, created=1700000000,
-                tokenizer=FakeTokenizer(), format="fake", model_type="fake",  # type: ignore[arg-type]
-            )
-        }
-        self.requests: list[GenerationRequest] = []
-        self.handles: list[RequestHandle] = []
-        self.raise_on_submit: BaseException | None = None
-        self.fail_after: int | None = None  # emit Failed after this many tokens
-        self.endless = False  # emit tokens until cancelled
-
-    def model(self, name: str) -> ModelInfo:
-        if name not in self.models:
-            raise ModelNotFound(name, self.models)
-        return self.models[name]
-
-    def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self.model(model).tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def encode_chat(self, model: str, messages: list[dict[str, Any]]) -> list[int]:
-        tokenizer = self.model(model).tokenizer
-        return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
-
-    def submit(self, request: GenerationRequest, *, loop: Any = None) -> RequestHandle:
-        if self.raise_on_submit is not None:
-            raise self.raise_on_submit
-        info = self.model(request.model)
-        room = info.context_length - len(request.prompt_ids)
-        params = request.params
-        if params.max_tokens is None:
-            params.max_tokens = min(16, room)
-        if params.max_tokens > room or room < 1:
-            raise ContextLengthExceeded(len(request.prompt_ids), params.max_tokens, info.context_length)
-        self.requests.append(request)
-        handle = RequestHandle(request, loop=loop)
-        self.handles.append(handle)
-        threading.Thread(target=self._run, args=(handle,), daemon=True).start()
-        return handle
-
-    def _run(self, handle: RequestHandle) -> None:
-        params = handle.request.params
-        assert params.max_tokens is not None
-        text, reason, count = "", "length", 0
-        while self.endless or count < params.max_tokens:
-            if handle.cancelled:
-                reason = "cancelled"
-                break
-            if self.fail_after is not None and count == self.fail_after:
-                handle._emit(Failed(MlxrError("generation failed: boom")))
-                return
-            char = self.REPLY[count % len(self.REPLY)]
-            count += 1
-            text += char
-            hit = next((stop for stop in params.stop if stop in text), None)
-            if hit:
-                reason = "stop"
-                break
-            handle._emit(Delta(char, (ord(char),)))
-            if self.endless:
-                time.sleep(0.005)
-            elif count == len(self.REPLY):
-                reason = "stop"
-                break
-        usage = Usage(prompt_tokens=len(handle.request.prompt_ids), completion_tokens=count)
-        handle._emit(Finished(reason=reason, usage=usage))
-
-
-def make_ctx(engine: Any, **config: Any) -> ServerContext:
-    cfg = Config(models=[ModelConfig(path="unused")], **config)
-    return ServerContext(config=cfg, host=load_plugins(), engine=engine)
 
 
 @pytest.fixture
@@ -359,38 +250,6 @@ def test_unknown_route_and_method(client: TestClient) -> None:
 
 
 # -- disconnects, over a real socket ---------------------------------------------------------------
-
-
-class ThreadedServer:
-    """uvicorn serving ``app`` from a thread, on a free loopback port."""
-
-    def __init__(self, app: Any):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        return f"http://{host}:{port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-
-
-def wait_until(condition: Any, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_a_client_leaving_a_stream_cancels_its_request(fake: FakeEngine) -> None:

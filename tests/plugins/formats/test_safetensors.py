@@ -35,21 +35,20 @@ def write_folder(
     folder: Path,
     weights: dict[str, mx.array] | None = None,
     config: dict[str, Any] | None = None,
-    **files: Any,
+    files: dict[str, Any] | None = None,
 ) -> Path:
-    """A model folder: ``model.safetensors``, ``config.json`` and any other ``name=content``
-    (dicts are written as JSON, ``.`` in a keyword stands for ``_dot_``: ``chat_template_dot_jinja``)."""
+    """A model folder: ``model.safetensors``, ``config.json`` and ``files`` (name -> bytes, text,
+    or a dict written as JSON)."""
     folder.mkdir(parents=True, exist_ok=True)
     if weights is not None:
         mx.save_safetensors(str(folder / "model.safetensors"), weights)
     if config is not None:
         (folder / "config.json").write_text(json.dumps(config))
-    for name, content in files.items():
-        path = folder / name.replace("_dot_", ".")
+    for name, content in (files or {}).items():
         if isinstance(content, bytes):
-            path.write_bytes(content)
+            (folder / name).write_bytes(content)
         else:
-            path.write_text(content if isinstance(content, str) else json.dumps(content))
+            (folder / name).write_text(content if isinstance(content, str) else json.dumps(content))
     return folder
 
 
@@ -115,7 +114,7 @@ def test_generation_config_gives_end_ids_and_sampling_defaults(tmp_path):
         tmp_path / "m",
         small_weights(),
         {**CONFIG, "eos_token_id": 2},
-        generation_config_dot_json=generation,
+        files={"generation_config.json": generation},
     )
     metadata = SafetensorsFormat().load(folder).metadata
     assert metadata["eos_token_ids"] == [2, 3, 7]
@@ -124,7 +123,7 @@ def test_generation_config_gives_end_ids_and_sampling_defaults(tmp_path):
 
 def test_a_broken_generation_config_is_reported_and_skipped(tmp_path, caplog):
     folder = write_folder(
-        tmp_path / "m", small_weights(), CONFIG, generation_config_dot_json="{not json"
+        tmp_path / "m", small_weights(), CONFIG, files={"generation_config.json": "{not json"}
     )
     with caplog.at_level(logging.WARNING):
         assert SafetensorsFormat().load(folder).metadata["eos_token_ids"] == []
@@ -138,7 +137,7 @@ def test_missing_config_json_is_named(tmp_path):
 
 
 def test_invalid_config_json_names_file_and_line(tmp_path):
-    folder = write_folder(tmp_path / "m", small_weights(), config_dot_json='{\n"a": 1,\n}')
+    folder = write_folder(tmp_path / "m", small_weights(), files={"config.json": '{\n"a": 1,\n}'})
     with pytest.raises(ModelLoadError, match=r"config\.json: invalid JSON \(line 3\)"):
         SafetensorsFormat().load(folder)
 
@@ -153,7 +152,7 @@ def test_truncated_safetensors_names_file_and_tensor(tmp_path):
 
 
 def test_garbage_safetensors_names_the_file(tmp_path):
-    folder = write_folder(tmp_path / "m", config=CONFIG, model_dot_safetensors=b"\xff" * 64)
+    folder = write_folder(tmp_path / "m", config=CONFIG, files={"model.safetensors": b"\xff" * 64})
     with pytest.raises(ModelLoadError, match="corrupt") as error:
         SafetensorsFormat().load(folder)
     assert error.value.path.endswith("model.safetensors")
@@ -169,7 +168,7 @@ def write_sharded(folder: Path) -> Path:
             "b": "model-00002-of-00002.safetensors",
         }
     }
-    return write_folder(folder, config=CONFIG, model_dot_safetensors_dot_index_dot_json=index)
+    return write_folder(folder, config=CONFIG, files={"model.safetensors.index.json": index})
 
 
 def test_sharded_folder_loads_every_shard(tmp_path):
@@ -268,24 +267,23 @@ def test_other_quantization_methods_are_refused(tmp_path):
 def test_tokenizer_kind_follows_the_files(tmp_path):
     assert tokenizer_spec(write_folder(tmp_path / "none")) is None
     hf = tokenizer_spec(
-        write_folder(tmp_path / "hf", tokenizer_dot_json="{}", tokenizer_dot_model=b"\n\x05")
+        write_folder(tmp_path / "hf", files={"tokenizer.json": "{}", "tokenizer.model": b"\n\x05"})
     )
     assert hf is not None and hf.kind == "hf"
-    spm = tokenizer_spec(write_folder(tmp_path / "spm", tokenizer_dot_model=b"\n\x0b\n\x05<unk>"))
+    spm = tokenizer_spec(
+        write_folder(tmp_path / "spm", files={"tokenizer.model": b"\n\x0b\n\x05<unk>"})
+    )
     assert spm is not None and spm.kind == "sentencepiece"
     ranks = b"IQ== 0\nIg== 1\n"
-    for name in ("tokenizer_dot_model", "qwen_dot_tiktoken"):
-        spec = tokenizer_spec(write_folder(tmp_path / name, **{name: ranks}))
-        assert (
-            spec is not None
-            and spec.kind == "tiktoken"
-            and spec.data["file"].endswith(".tiktoken" if "tiktoken" in name else ".model")
-        )
+    for name in ("tokenizer.model", "qwen.tiktoken"):
+        spec = tokenizer_spec(write_folder(tmp_path / name, files={name: ranks}))
+        assert spec is not None and spec.kind == "tiktoken" and spec.data["file"].endswith(name)
 
 
 def test_tokenizer_spec_carries_config_and_end_ids(tmp_path):
     folder = write_folder(
-        tmp_path / "m", tokenizer_dot_json="{}", tokenizer_config_dot_json={"eos_token": "</s>"}
+        tmp_path / "m",
+        files={"tokenizer.json": "{}", "tokenizer_config.json": {"eos_token": "</s>"}},
     )
     spec = tokenizer_spec(folder, eos_token_ids=[5, 2, 5], vocab_size=99)
     assert spec is not None
@@ -298,7 +296,8 @@ def test_chat_template_sources_in_transformers_order(tmp_path):
     named = [{"name": "tool_use", "template": "U"}, {"name": "default", "template": "D"}]
     assert read_chat_template(tmp_path / "a", {"chat_template": named}) == "D"
     jinja = write_folder(
-        tmp_path / "b", chat_template_dot_jinja="J", chat_template_dot_json={"chat_template": "X"}
+        tmp_path / "b",
+        files={"chat_template.jinja": "J", "chat_template.json": {"chat_template": "X"}},
     )
     assert read_chat_template(jinja, {"chat_template": "T"}) == "J"
     (jinja / "chat_template.jinja").unlink()

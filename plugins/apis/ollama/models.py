@@ -1,0 +1,84 @@
+"""Served models as Ollama describes them: ``/api/tags``, ``/api/show`` and ``/api/ps`` entries.
+
+Ollama's ``digest`` is the hash of a model's manifest; mlxr has no manifest, so it is a stable hash
+of the model's name, path and load time (it identifies, it does not verify).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+from mlxr_core.engine.engine import ModelInfo
+from mlxr_plugins.apis.ollama import schemas as s
+from mlxr_plugins.apis.ollama.streaming import rfc3339
+
+#: ``expires_at`` of a model that stays loaded until the server stops.
+NEVER = "9999-12-31T23:59:59Z"
+DTYPE_LEVELS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+
+
+def listed(info: ModelInfo) -> s.ListedModel:
+    return s.ListedModel(
+        name=info.name, model=info.name, modified_at=rfc3339(info.created), size=_size(info),
+        digest=digest(info), details=details(info),
+    )
+
+
+def running(info: ModelInfo) -> s.RunningModel:
+    from mlxr_core.kernels import current_platform
+
+    resident = info.nbytes or _size(info)
+    on_gpu = current_platform()[0] == "gpu"
+    return s.RunningModel(
+        name=info.name, model=info.name, size=resident, digest=digest(info), details=details(info),
+        expires_at=NEVER, size_vram=resident if on_gpu else 0, context_length=info.context_length,
+    )
+
+
+def shown(info: ModelInfo) -> s.ShowResponse:
+    family = info.model_type
+    model_info = {
+        "general.architecture": family,
+        "general.name": str(info.metadata.get("name") or info.name),
+        f"{family}.context_length": info.context_length,
+    }
+    return s.ShowResponse(
+        modelfile="", parameters="", template=info.tokenizer.chat_template or "", details=details(info),
+        model_info=model_info, capabilities=["completion"], modified_at=rfc3339(info.created),
+    )
+
+
+def details(info: ModelInfo) -> s.ModelDetails:
+    return s.ModelDetails(
+        format=info.format, family=info.model_type, families=[info.model_type], parameter_size="",
+        quantization_level=quantization_level(info),
+    )
+
+
+def quantization_level(info: ModelInfo) -> str:
+    """``Q4_1`` from a GGUF's file type, else the served dtype (``F32``, ``BF16``)."""
+    file_type = info.metadata.get("file_type")
+    if isinstance(file_type, int):
+        import gguf
+
+        try:
+            name = gguf.LlamaFileType(file_type).name
+        except ValueError:
+            return ""
+        return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    return DTYPE_LEVELS.get(info.dtype, info.dtype.upper())
+
+
+def digest(info: ModelInfo) -> str:
+    return hashlib.sha256(f"{info.name}\0{info.path}\0{info.created}".encode()).hexdigest()
+
+
+def _size(info: ModelInfo) -> int:
+    """Bytes of the model file (Ollama's ``size``), else of its resident weights."""
+    try:
+        if os.path.isfile(info.path):
+            return os.path.getsize(info.path)
+    except OSError:
+        pass
+    return info.nbytes

@@ -1,0 +1,250 @@
+"""The Ollama-compatible routes under ``/api``: chat, generate, tags, show, ps, version.
+
+A handler decodes its body strictly (:func:`mlxr_core.frontend.decode_body`), maps Ollama's
+``options`` onto :class:`~mlxr_core.engine.request.SamplingParams`, tokenizes in a worker thread,
+submits to the engine and answers with one JSON object or, as Ollama does by default, a stream of
+NDJSON lines (:mod:`mlxr_plugins.apis.ollama.streaming`).
+
+Differences from Ollama, each answered with a 400 naming the field rather than silently ignored:
+``tools``, ``format`` (structured output), ``think``, ``images``, ``suffix`` and ``template`` are
+not supported. ``keep_alive`` is accepted and ignored (models stay loaded while the server runs).
+``/api/embed`` answers 501 until the engine computes embeddings.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import anyio
+from litestar import Request, Response, Router, get, post
+
+from mlxr_core.engine.engine import Engine, ModelInfo
+from mlxr_core.engine.request import GenerationRequest, SamplingParams
+from mlxr_core.errors import MlxrError, ModelNotFound, RequestError
+from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, room_for, submit
+from mlxr_core.server import ServerContext
+from mlxr_plugins.apis.ollama import models
+from mlxr_plugins.apis.ollama import schemas as s
+from mlxr_plugins.apis.ollama.errors import EXCEPTION_HANDLERS
+from mlxr_plugins.apis.ollama.streaming import ChatLines, GenerateLines, Timer, ndjson_response
+
+log = logging.getLogger(__name__)
+
+#: The Ollama API version this frontend follows (clients gate features on it).
+OLLAMA_API_VERSION = "0.12.0"
+#: Roles a chat template may see.
+ROLES = ("system", "user", "assistant", "tool")
+MAX_STOP_STRINGS = 16
+#: Ollama option -> the sampler plugin name that honours it.
+SAMPLER_OWNED = {
+    "repeat_penalty": "repetition_penalty",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+}
+
+
+class NotImplementedYet(MlxrError):
+    status = 501
+    kind = "not_implemented"
+
+
+def make_router(ctx: ServerContext) -> Router:
+    """The Ollama API as a Litestar router (the ``ollama`` entry of ``apis:``)."""
+
+    @post("/chat", status_code=200)
+    async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_chat(ctx, request)
+
+    @post("/generate", status_code=200)
+    async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_generation(ctx, request)
+
+    @get("/tags", sync_to_thread=False)
+    def tags() -> Response[Any]:
+        engine = ready_engine(ctx)
+        return _json({"models": [models.listed(info) for _, info in sorted(engine.models.items())]})
+
+    @post("/show", status_code=200)
+    async def show(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = decode_body(await request.body(), s.ModelRequest)
+        info = resolve_model(ready_engine(ctx), body.model or body.name)
+        return _json(models.shown(info))
+
+    @get("/ps", sync_to_thread=False)
+    def ps() -> Response[Any]:
+        engine = ready_engine(ctx)
+        return _json({"models": [models.running(info) for _, info in sorted(engine.models.items())]})
+
+    @get("/version", sync_to_thread=False)
+    def version() -> Response[Any]:
+        return _json({"version": OLLAMA_API_VERSION})
+
+    @post(["/embed", "/embeddings"], status_code=200)
+    async def embed() -> Response[Any]:
+        raise NotImplementedYet("embeddings are not supported by this server yet")
+
+    return Router(
+        path="/api",
+        route_handlers=[chat, generate, tags, show, ps, version, embed],
+        exception_handlers=EXCEPTION_HANDLERS,
+        tags=["ollama"],
+    )
+
+
+async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+    """``POST /api/chat``."""
+    timer = Timer()
+    body = decode_body(await request.body(), s.ChatRequest)
+    _refuse_unsupported(body)
+    if body.tools:
+        raise RequestError(f"{body.model!r} does not support tools", param="tools")
+    engine = ready_engine(ctx)
+    info = resolve_model(engine, body.model)
+    if not body.messages:  # Ollama's way to load a model: nothing to generate
+        return _json(s.ChatChunk(info.name, timer.created_at, s.AssistantMessage(""), True, "load"))
+    messages = chat_messages(body.messages)
+    params = sampling_params(ctx, body.options)
+    encode = functools.partial(engine.encode_chat, info.name, messages)
+    prompt_ids = await anyio.to_thread.run_sync(encode)
+    params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
+    handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params))
+    timer.submitted()
+    lines = ChatLines(info.name, timer)
+    if body.stream:
+        return ndjson_response(ctx, handle, lines)
+    reply = await collect(ctx, handle, request)
+    return _json(lines.whole(reply.text, reply.finished))
+
+
+async def create_generation(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+    """``POST /api/generate``."""
+    timer = Timer()
+    body = decode_body(await request.body(), s.GenerateRequest)
+    _refuse_unsupported(body)
+    for name, value in (("suffix", body.suffix), ("template", body.template), ("images", body.images)):
+        if value:
+            raise RequestError(f"{name} is not supported by this server", param=name)
+    engine = ready_engine(ctx)
+    info = resolve_model(engine, body.model)
+    if not body.prompt and not body.context:
+        return _json(s.GenerateChunk(info.name, timer.created_at, "", True, "load"))
+    params = sampling_params(ctx, body.options)
+    encode = functools.partial(_generate_prompt_ids, engine, info, body)
+    prompt_ids = await anyio.to_thread.run_sync(encode)
+    params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
+    handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params))
+    timer.submitted()
+    lines = GenerateLines(info.name, timer, prompt_ids)
+    if body.stream:
+        return ndjson_response(ctx, handle, lines)
+    reply = await collect(ctx, handle, request)
+    return _json(lines.whole(reply.text, reply.token_ids, reply.finished))
+
+
+# -- request -> engine -----------------------------------------------------------------------
+
+
+def resolve_model(engine: Engine, name: str) -> ModelInfo:
+    """The served model ``name`` names; Ollama's default tag ``:latest`` may be appended."""
+    if not name:
+        raise RequestError("model is required", param="model")
+    for candidate in (name, name.removesuffix(":latest")):
+        if candidate in engine.models:
+            return engine.models[candidate]
+    error = ModelNotFound(name, engine.models)
+    error.message = f"model {name!r} not found (served: {', '.join(sorted(engine.models)) or 'none'})"
+    raise error
+
+
+def chat_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
+    """Ollama messages as the dicts a chat template renders (text only)."""
+    rendered = []
+    for i, message in enumerate(messages):
+        if message.role not in ROLES:
+            raise RequestError(
+                f"unsupported role {message.role!r}; expected one of {', '.join(ROLES)}",
+                param=f"messages[{i}].role",
+            )
+        if message.images:
+            raise RequestError("images are not supported by this server", param=f"messages[{i}].images")
+        if message.tool_calls:
+            raise RequestError("tool calls are not supported by this server", param=f"messages[{i}].tool_calls")
+        rendered.append({"role": message.role, "content": message.content})
+    return rendered
+
+
+def sampling_params(ctx: ServerContext, options: s.Options | None) -> SamplingParams:
+    """Ollama ``options`` over the config's ``sampling:`` defaults."""
+    defaults = ctx.config.sampling
+    o = options or s.Options()
+    stops = [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
+    if len(stops) > MAX_STOP_STRINGS or any(not stop for stop in stops):
+        raise RequestError(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings", param="options.stop")
+    return SamplingParams(
+        temperature=defaults.temperature if o.temperature is None else o.temperature,
+        top_p=defaults.top_p if o.top_p is None else o.top_p,
+        top_k=defaults.top_k if o.top_k is None else max(o.top_k, 0),
+        min_p=defaults.min_p if o.min_p is None else o.min_p,
+        seed=None if o.seed is None or o.seed < 0 else o.seed % 2**64,
+        stop=stops,
+        extra=_sampler_extras(ctx, o),
+    )
+
+
+def _sampler_extras(ctx: ServerContext, options: s.Options) -> dict[str, Any]:
+    samplers = ctx.host.registries.samplers
+    extra: dict[str, Any] = {}
+    for option, sampler in SAMPLER_OWNED.items():
+        value = getattr(options, option)
+        if value is None:
+            continue
+        if sampler in samplers:
+            extra[sampler] = value
+        else:  # Ollama clients send their defaults on every request: not worth a 400
+            log.debug("option %s ignored: no sampler plugin provides %s", option, sampler)
+    return extra
+
+
+def _max_tokens(
+    ctx: ServerContext, engine: Engine, info: ModelInfo, prompt_ids: list[int], options: s.Options | None
+) -> int | None:
+    """``num_predict``: positive is a bound, -1 and -2 mean "up to the context's end" (Ollama's
+    "until the model stops" and "fill the context"), unset or 0 the server's default."""
+    requested = options.num_predict if options else None
+    if requested is not None and requested < 0:
+        requested = info.context_length
+    return cap_max_tokens(ctx, room_for(engine, info.name, prompt_ids, requested or None))
+
+
+def _generate_prompt_ids(engine: Engine, info: ModelInfo, body: s.GenerateRequest) -> list[int]:
+    """The prompt's ids: ``context`` from an earlier reply, then the prompt, templated as one user
+    turn (after ``system``) unless ``raw`` or the model has no chat template."""
+    tokenizer = info.tokenizer
+    context = list(body.context or [])
+    if any(not 0 <= token < tokenizer.vocab_size for token in context):
+        raise RequestError(f"context token ids must be in [0, {tokenizer.vocab_size})", param="context")
+    prompt = body.prompt or ""
+    if not prompt:
+        return context
+    if body.raw or tokenizer.chat_template is None:
+        ids = engine.encode(info.name, prompt, add_special_tokens=not context)
+    else:
+        messages = [{"role": "system", "content": body.system}] if body.system else []
+        ids = engine.encode_chat(info.name, [*messages, {"role": "user", "content": prompt}])
+        if context and ids and ids[0] == tokenizer.bos_token_id:
+            ids = ids[1:]  # one BOS, at the start of the conversation
+    return context + ids
+
+
+def _refuse_unsupported(body: s.BaseRequest) -> None:
+    if body.format not in (None, ""):
+        raise RequestError("format (structured output) is not supported by this server", param="format")
+    if body.think not in (None, False):
+        raise RequestError(f"{body.model!r} does not support thinking", param="think")
+
+
+def _json(value: Any) -> Response[bytes]:
+    return Response(s.encoder.encode(value), media_type="application/json")
+
