@@ -33,7 +33,7 @@ from litestar.datastructures import State
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
 from mlxr_core.access import ApiKeys, RequestLog, api_key_guard
-from mlxr_core.errors import ConfigError, PluginLoadError, close_matches
+from mlxr_core.errors import ConfigError, MlxrError, PluginLoadError, close_matches
 from mlxr_core.frontend import InflightRequests
 from mlxr_core.metrics import CONTENT_TYPE, Metrics
 
@@ -89,6 +89,8 @@ def build_app(ctx: ServerContext) -> Litestar:
         lifespan=[_engine_lifespan(ctx)],
         cors_config=cors,
         guards=[api_key_guard(ApiKeys(server.api_keys, exempt=server.auth_exempt))],
+        # Routes outside the API routers (/health, /metrics) answer errors as {"error": "..."}.
+        exception_handlers={MlxrError: _plain_error},
         request_max_body_size=server.max_body_bytes,
         # mlxr configures its own and uvicorn's loggers; Litestar must not touch the root logger.
         logging_config=None,
@@ -181,6 +183,10 @@ def _health_route(ctx: ServerContext) -> Any:
         return health_response(ctx)
 
     return health
+
+
+def _plain_error(request: Any, exc: MlxrError) -> Response[dict[str, str]]:
+    return Response({"error": exc.message}, status_code=exc.status)
 
 
 def _metrics_route(ctx: ServerContext) -> Any:

@@ -46,14 +46,15 @@ MAX_TOKENS = 8
 
 
 class ServerProcess:
-    """A real ``mlxr serve`` on the embedded default and a free loopback port, started at once;
-    :meth:`url` waits until it says it is ready."""
+    """A real ``mlxr serve`` on a free loopback port, started at once (on the embedded default
+    unless ``args`` name a ``--config``); :meth:`url` waits until it says it is ready."""
 
-    def __init__(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MLXR_") or k == "MLXR_BLAS"}
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("MLXR_") or k == "MLXR_BLAS"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--port", "0", "--log-level", "warning"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**env, "PYTHONUNBUFFERED": "1"},
+            [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--port", "0", "--log-level", "warning", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**clean, **(env or {}), "PYTHONUNBUFFERED": "1"},
         )
         self.output: list[str] = []
         self.ready = threading.Event()
@@ -77,13 +78,15 @@ class ServerProcess:
             pytest.fail("mlxr serve did not become ready:\n" + "".join(self.output))
         return self._url
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM, then the exit status."""
         self.process.send_signal(signal.SIGTERM)
         try:
-            self.process.wait(timeout=30)
+            status = self.process.wait(timeout=30)
         finally:
             self.process.kill()
         self.reader.join(5)
+        return status
 
 
 @pytest.fixture(scope="module")

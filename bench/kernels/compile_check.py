@@ -20,6 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
+
 from mlxr_plugins.kernels import cuda
 
 CUDA_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -66,24 +68,18 @@ def instantiations() -> list[tuple[str, str]]:
     out = []
     for dtype, ctype in CUDA_TYPES.items():
         for D in cuda.FUSED_HEAD_DIMS:
-            cap = 4 if dtype == "float32" else 8
-            for hpb in sorted({1, 2, 4, cap}):
-                U = 4 if hpb <= 4 else 2
+            for ratio in (1, 2, 4, 8):
+                layout = cuda.layout_for(1, 8 * ratio, 8, D, getattr(mx, dtype), D**-0.5, 8)
                 template: dict[str, str | int] = {
-                    "T": ctype, "D": D, "HPB": hpb, "NT": cuda.THREADS, "U": U,
-                    "SCALE_BITS": cuda._float_bits(D**-0.5),
+                    key: ctype if key == "T" else value for key, value in layout.template
                 }
-                name = f"split_{dtype}_D{D}_H{hpb}"
+                name = f"flash_decode_{dtype}_D{D}_H{layout.heads_per_block}_U{layout.keys_per_step}"
+                if any(label == name for label, _ in out):
+                    continue
                 out.append((name, kernel_text(
-                    name, cuda._HEADER, cuda._SPLIT_SOURCE,
-                    {"q": ctype, "k": ctype, "v": ctype}, {"o_part": "float", "ml": "float"},
-                    template,
+                    name, cuda._HEADER, cuda._SOURCE,
+                    {"q": ctype, "k": ctype, "v": ctype}, {"o": ctype, "ws": "float"}, template,
                 )))
-            name = f"reduce_{dtype}_D{D}"
-            out.append((name, kernel_text(
-                name, "", cuda._REDUCE_SOURCE, {"o_part": "float", "ml": "float"},
-                {"o": ctype}, {"T": ctype, "D": D},
-            )))
     return out
 
 

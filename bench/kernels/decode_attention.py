@@ -28,6 +28,7 @@ Timing: a batch of calls is built lazily, then ``mx.eval`` runs it; the median o
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -229,11 +230,12 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
         def fast(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
 
-        def fused(target: int) -> Callable[..., mx.array]:
+        def fused(target: int, keys_per_step: int | None = None) -> Callable[..., mx.array]:
             def fn(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-                plan = cuda.decode_plan(q, k, v, scale=scale, mask=None, target_blocks=target)
+                plan = cuda.decode_plan(q, k, v, scale=scale, mask=None, target_blocks=target,
+                                        keys_per_step=keys_per_step)
                 assert not isinstance(plan, str), plan
-                return cuda.flash_decode(q, k, v, scale=scale, plan=plan)
+                return cuda.flash_decode(q, k, v, plan=plan)
             return fn
 
         def fused_copy(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
@@ -253,6 +255,8 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
             "cuda_view_t264": (fused(264), sets),
             "cuda_view_t1056": (fused(1056), sets),
             "cuda_view_t2112": (fused(2112), sets),
+            "cuda_view_u2": (fused(cuda.TARGET_BLOCKS, 2), sets),
+            "cuda_view_u8": (fused(cuda.TARGET_BLOCKS, 8), sets),
             "cuda_contiguous": (fused(cuda.TARGET_BLOCKS), contiguous),
             "cuda_copy_first": (fused_copy, sets),
         }
@@ -261,6 +265,16 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_build_us"] = build * 1e6
             row[f"{name}_bw_fraction"] = kv_bytes / seconds / bandwidth
+        # One call at a time, each waited for: what a caller that evaluates every call sees
+        # (launch and synchronization included).
+        for name, fn in (("mx_fast", fast), ("cuda", fused(cuda.TARGET_BLOCKS))):
+            latencies = []
+            for i in range(30):
+                q, k, v = sets[i % n_sets]
+                t0 = time.perf_counter()
+                mx.eval(fn(q, k, v))
+                latencies.append(time.perf_counter() - t0)
+            row[f"{name}_sync_us"] = statistics.median(latencies[5:]) * 1e6
         plan = cuda.decode_plan(*sets[0], scale=scale, mask=None)
         row["n_splits"] = None if isinstance(plan, str) else plan.n_splits
         row["speedup_vs_mx_fast_view"] = row["mx_fast_view_us"] / row["cuda_view_us"]
@@ -269,11 +283,104 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
         log(f"B={B} S={S:6d} D={D}: mx.fast {row['mx_fast_view_us']:8.1f} us (view) "
             f"{row['mx_fast_contiguous_us']:8.1f} us (contig) | cuda {row['cuda_view_us']:7.1f} us "
             f"(t264 {row['cuda_view_t264_us']:.1f}, t1056 {row['cuda_view_t1056_us']:.1f}, "
-            f"t2112 {row['cuda_view_t2112_us']:.1f}; copy-first {row['cuda_copy_first_us']:.1f}) "
+            f"t2112 {row['cuda_view_t2112_us']:.1f}, u2 {row['cuda_view_u2_us']:.1f}, "
+            f"u8 {row['cuda_view_u8_us']:.1f}; copy-first {row['cuda_copy_first_us']:.1f}) "
+            f"sync: mx.fast {row['mx_fast_sync_us']:.1f} cuda {row['cuda_sync_us']:.1f} | "
             f"x{row['speedup_vs_mx_fast_view']:.2f}, {100 * row['cuda_view_bw_fraction']:.0f}% bw, "
             f"diff {diff:.3g}")
         del sets, contiguous
     results["attention"] = rows
+
+
+# --------------------------------------------------------------------------------------------
+# kernel time under Nsight Compute
+
+PROFILE_SHAPES = [(1, 32, 8, 128, 1024), (1, 32, 8, 128, 8192), (1, 32, 8, 128, 32768),
+                  (8, 32, 8, 128, 8192), (1, 32, 8, 64, 4096)]
+
+
+@functools.cache
+def _marker_kernel() -> Any:
+    return mx.fast.cuda_kernel(name="mlxr_marker", input_names=["x"], output_names=["y"],
+                               source="y[0] = x[0] + ID;")
+
+
+def profile(out: Path) -> None:
+    """Each call once per repeat, preceded by a marker kernel named after its index, for
+    ``ncu`` to time every kernel of the call alone (cold L2, real clocks); see --summarize-ncu."""
+    x = mx.zeros((1,))
+    mx.eval(x)
+
+    def marker(index: int) -> None:
+        mx.eval(_marker_kernel()(inputs=[x], template=[("ID", index)], grid=(1, 1, 1),
+                                 threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                                 output_dtypes=[mx.float32])[0])
+
+    labels: dict[int, dict[str, Any]] = {}
+    for B, Hq, Hkv, D, S in PROFILE_SHAPES:
+        q = mx.random.normal((B, Hq, 1, D), key=mx.random.key(5)).astype(mx.bfloat16)
+        k, v = make_kv(B, Hkv, S, D, mx.bfloat16, "cache_view", mx.random.key(6))
+        mx.eval(q)
+        calls = {
+            "mx_fast": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5),
+            "cuda": lambda: cuda.attention(q, k, v, scale=D**-0.5),
+        }
+        for backend, call in calls.items():
+            mx.eval(call())  # compile outside the markers
+            for rep in range(3):
+                index = len(labels) + 1
+                labels[index] = {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S,
+                                 "backend": backend, "rep": rep,
+                                 "kv_bytes": 2 * B * Hkv * S * D * 2}
+                marker(index)
+                mx.eval(call())
+    marker(len(labels) + 1)
+    (out / "profile_markers.json").write_text(json.dumps(labels))
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without namespaces, template arguments' tail and parameters."""
+    name = kernel.split("(")[0].replace("void ", "").replace("mlx::core::cu::", "")
+    return name.replace("custom_kernel_", "")[:60]
+
+
+def summarize_ncu(csv_path: Path, markers_path: Path, bandwidth: float | None) -> dict[str, Any]:
+    """Sum ncu's gpu__time_duration of the kernels between consecutive markers, per call."""
+    import csv
+    import re
+
+    labels = {int(key): value for key, value in json.loads(markers_path.read_text()).items()}
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    lines = csv_path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    groups: dict[int, list[tuple[str, float]]] = {}
+    current = None
+    for row in csv.DictReader(lines[start:]):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        name = row["Kernel Name"]
+        found = re.search(r"mlxr_marker_(\d+)", name)
+        if found:
+            current = int(found.group(1))
+            continue
+        if current in labels:
+            value = float(row["Metric Value"].replace(",", "")) * scale[row["Metric Unit"]]
+            groups.setdefault(current, []).append((short_name(name), value))
+    calls: dict[tuple[Any, ...], list[float]] = {}
+    kernels: dict[tuple[Any, ...], list[str]] = {}
+    for index, label in labels.items():
+        key = (label["B"], label["S"], label["D"], label["backend"])
+        calls.setdefault(key, []).append(sum(us for _, us in groups.get(index, [])))
+        kernels[key] = [f"{name}: {us:.1f} us" for name, us in groups.get(index, [])]
+    rows = []
+    for (B, S, D, backend), times in calls.items():
+        kv_bytes = 2 * B * 8 * S * D * 2
+        us = statistics.median(times)
+        rows.append({"B": B, "S": S, "D": D, "backend": backend, "gpu_us": us,
+                     "bw_fraction": kv_bytes / (us * 1e-6) / bandwidth if bandwidth else None,
+                     "kernels": kernels[(B, S, D, backend)]})
+    return {"method": "ncu gpu__time_duration.sum per kernel, --cache-control all, "
+                      "--clock-control none; median of 3 calls", "rows": rows}
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,12 +519,27 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--sections", default="parity,attention,e2e")
+    parser.add_argument("--summarize-ncu", type=Path, metavar="CSV",
+                        help="summarize an ncu --csv log of `--sections profile` and exit")
+    parser.add_argument("--bandwidth", type=float, help="copy bandwidth in TB/s, for --summarize-ncu")
     parser.add_argument(
         "--smoke", action="store_true",
         help="tiny shapes, to check the script itself (tests run it on CPU with a stand-in kernel)",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.summarize_ncu:
+        bandwidth = args.bandwidth * 1e12 if args.bandwidth else None
+        earlier = args.out.parent / "decode_attention.json"
+        if bandwidth is None and earlier.exists():
+            bandwidth = json.loads(earlier.read_text()).get("copy_bandwidth_TBs", 0) * 1e12 or None
+        table = summarize_ncu(args.summarize_ncu, args.out / "profile_markers.json", bandwidth)
+        (args.out / "ncu_summary.json").write_text(json.dumps(table, indent=1))
+        for row in sorted(table["rows"], key=lambda r: (r["B"], r["S"], r["D"], r["backend"])):
+            fraction = f"{100 * row['bw_fraction']:.0f}%" if row["bw_fraction"] else "-"
+            log(f"ncu B={row['B']} S={row['S']:6d} D={row['D']:4d} {row['backend']:8s} "
+                f"{row['gpu_us']:8.1f} us  {fraction:>5s} of copy bw  {row['kernels']}")
+        return 0
     results: dict[str, Any] = {
         "device": str(mx.default_device()), "mlx": mx.__version__,
         "python": platform.python_version(), "argv": sys.argv,
@@ -451,12 +573,16 @@ def main() -> int:
         except Exception:
             traceback.print_exc()
             status = 1
+    if "profile" in sections:
+        profile(args.out)
     if "e2e" in sections:
         try:
             bench_e2e(results, args.smoke)
         except Exception:
             traceback.print_exc()
             status = 1
+    if sections == ["profile"]:
+        return status
     (args.out / "decode_attention.json").write_text(json.dumps(results, indent=1))
     text = summary(results)
     (args.out / "decode_attention.txt").write_text(text + "\n")

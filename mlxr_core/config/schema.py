@@ -13,7 +13,7 @@ from attrs import validators as v
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATION_POLICIES = ("auto", "keep", "dequantize")
+QUANTIZATION_POLICIES = ("auto", "keep", "dequantize", "q8", "q4", "q4_g64", "f16", "bf16")
 
 
 def _lower(value: str) -> str:
@@ -66,9 +66,12 @@ class ModelConfig:
     arch: str = "auto"
     #: Activation / unquantized-weight dtype; ``auto`` is float32 on CPU, bfloat16 on GPU.
     dtype: str = attrs.field(default="auto", validator=v.in_(DTYPES))
-    #: What to do with quantized checkpoint weights: ``keep`` them packed, ``dequantize`` them to
-    #: ``dtype``, or ``auto``: keep on a GPU, dequantize on CPU, where MLX's quantized matmul is
-    #: ~20x slower than a dense one through OpenBLAS (exact in float32; costs memory).
+    #: What to do with quantized checkpoint weights: ``keep`` them packed (blocks with no exact MLX
+    #: layout requantized to the nearest MLX format), ``dequantize`` them to ``dtype``, ``auto``:
+    #: keep on a GPU, dequantize on CPU, where MLX's quantized matmul is ~20x slower than a dense one
+    #: through OpenBLAS (exact in float32; costs memory); ``q8``/``q4``/``q4_g64``: every weight
+    #: as MLX 8/4-bit (group 32/32/64); ``f16``/``bf16``: every weight dense in that dtype.
+    #: See :mod:`mlxr_core.model.quantize`.
     quantization: str = attrs.field(default="auto", validator=v.in_(QUANTIZATION_POLICIES))
     #: Overrides the checkpoint's context length (must be >= 16 when set).
     context_length: int | None = attrs.field(default=None, validator=v.optional(v.ge(16)))

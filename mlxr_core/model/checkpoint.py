@@ -49,6 +49,11 @@ class Checkpoint:
     weights: dict[str, mx.array]
     #: module path (``model.layers.0.mlp.up_proj``) -> how its ``weight``/``scales``/``biases`` are packed.
     quantization: dict[str, QuantSpec] = attrs.field(factory=dict)
+    #: module path -> the MLX format nearest to the quantized source of a *dense* ``weight`` (a block
+    #: type MLX cannot hold exactly, handed over dequantized); used when the policy keeps weights packed.
+    suggested_quantization: dict[str, QuantSpec] = attrs.field(factory=dict)
+    #: module path -> the source's storage type (``"Q4_K"``, ``"F32"`` ...), for load reports.
+    source_types: dict[str, str] = attrs.field(factory=dict)
     tokenizer: TokenizerSpec | None = None
     chat_template: str | None = None
     #: Anything else worth reporting (file type, per-type tensor counts, ...).

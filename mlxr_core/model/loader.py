@@ -22,6 +22,7 @@ from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
 from mlxr_core.model.arch import Architecture
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
 from mlxr_core.model.paths import resolve_model_path
+from mlxr_core.model.quantize import apply_policy
 from mlxr_core.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -63,12 +64,6 @@ def default_dtype() -> str:
     """float32 on CPU (float16 matmuls are pathologically slow there), bfloat16 on a GPU."""
     device, _ = current_platform()
     return "bfloat16" if device == "gpu" else "float32"
-
-
-def _should_dequantize(policy: str) -> bool:
-    if policy == "auto":
-        return current_platform()[0] == "cpu"
-    return policy == "dequantize"
 
 
 def dequantize_weights(
@@ -141,10 +136,19 @@ def load_model(
     )
     model = arch.build(config, kernels)
     weights = arch.sanitize(checkpoint.weights, config)
-    quantization = checkpoint.quantization
-    if quantization and _should_dequantize(model_config.quantization):
-        weights = dequantize_weights(weights, quantization, DTYPES[dtype])
-        quantization = {}
+    result = apply_policy(
+        model_config.quantization,
+        model,
+        weights,
+        checkpoint.quantization,
+        checkpoint.suggested_quantization,
+        checkpoint.source_types,
+        DTYPES[dtype],
+        current_platform()[0],
+    )
+    weights, quantization = result.weights, result.quantization
+    for outcome, count in sorted(result.report.items()):
+        log.debug("%s: %s: %d tensors", path.name, outcome, count)
     if quantization:
 
         def predicate(module_path: str, module: nn.Module) -> bool | dict[str, Any]:

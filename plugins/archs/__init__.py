@@ -19,6 +19,8 @@ ARCHITECTURES = {
     "mistral": "mlxr_plugins.archs.llama:LlamaArchitecture",
     "qwen2": "mlxr_plugins.archs.qwen2:Qwen2Architecture",
     "qwen3": "mlxr_plugins.archs.qwen3:Qwen3Architecture",
+    "gemma3": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
+    "gemma3_text": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
 }
 
 

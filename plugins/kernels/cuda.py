@@ -2,17 +2,20 @@
 
 One decode step reads the whole KV cache for ~2 FLOPs per byte, so decode attention is bound by
 memory bandwidth, and only a kernel that keeps every SM streaming K and V gets near it. The fused
-path here (one query position, ``L == 1``):
+path here (one query position, ``L == 1``) is one launch of ``mlxr_flash_decode``:
 
-1. ``mlxr_flash_decode``: the KV sequence is split into chunks, one thread block per
-   (batch row, KV head, query-head group, chunk) so even B=1 with 8 KV heads fills the GPU. The
-   query heads that share a KV head (GQA) are handled by the same block, so each K/V row is read
-   once for all of them. A K/V row is read by ``D / 8`` threads, 8 features each (16-byte loads);
-   the dot product is finished with warp shuffles and folded into an online softmax (running max
-   and sum in float32, base-2 exponent). The block merges its row groups in shared memory and
-   writes one unnormalized partial output, max and sum per query head and chunk.
-2. ``mlxr_flash_decode_reduce``: one block per (batch row, query head) rescales the chunks'
-   partials to a common max and normalizes.
+1. The KV sequence is split into chunks, one thread block per (batch row, KV head, query-head
+   group, chunk), so even B=1 with 8 KV heads fills the GPU. The query heads that share a KV head
+   (GQA) are handled by the same block, so each K/V row is read once for all of them.
+2. A K/V row is read by ``D / 8`` threads, 8 features each (16-byte loads); the next tile's rows
+   are requested before the current tile is computed (a register double buffer), so loads stay in
+   flight through the arithmetic. Warp shuffles finish the dot products, which feed an online
+   softmax (running max and sum in float32, base-2 exponent, one rescale per tile).
+3. The block merges its row groups in shared memory and writes one unnormalized partial (output,
+   max, sum) per query head; the last block of a (batch row, KV head) group to finish, found with
+   an atomic counter, merges all chunks and writes the output. One launch instead of a split and a
+   reduce kernel matters as much as the GPU time: MLX spends a few microseconds of CPU per
+   primitive, and a decode step is many small primitives.
 
 K and V are read in place through their strides (``ensure_row_contiguous=False``): the KV cache
 hands attention ``keys[..., :offset, :]``, a view of a larger pre-allocated buffer, and a
@@ -50,29 +53,31 @@ THREADS = 128
 TARGET_BLOCKS = 528
 
 
-# Shared by both kernels: 8 consecutive features of a row as float32.
 _HEADER = r"""
 #ifndef INFINITY  // NVRTC does not always see math.h
 #define INFINITY __int_as_float(0x7f800000)
 #endif
 
-// 8 consecutive features of one row as float32: 16-byte loads when the caller has checked that
-// the feature stride is 1 and rows are 16-byte aligned, else 8 strided scalar loads.
-template <typename T>
-__device__ __forceinline__ void load8(const T* p, bool vec, long long step, float* out) {
+// 8 consecutive features of one row, kept raw (as stored) in P = 8 * sizeof(T) / 16 registers of
+// 16 bytes: 16-byte loads when the caller has checked that the feature stride is 1 and rows are
+// 16-byte aligned, else 8 strided scalar loads packed the same way.
+template <typename T, int P>
+__device__ __forceinline__ void load_raw(const T* p, bool vec, long long step, uint4 (&raw)[P]) {
   if (vec) {
-    constexpr int PER = 16 / sizeof(T);
 #pragma unroll
-    for (int j = 0; j < 8; j += PER) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(p + j);
-      const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int i = 0; i < PER; ++i) out[j + i] = static_cast<float>(e[i]);
-    }
+    for (int j = 0; j < P; ++j) raw[j] = reinterpret_cast<const uint4*>(p)[j];
   } else {
+    T* e = reinterpret_cast<T*>(raw);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(p[i * step]);
+    for (int i = 0; i < 8; ++i) e[i] = p[i * step];
   }
+}
+
+template <typename T, int P>
+__device__ __forceinline__ void to_float(const uint4 (&raw)[P], float* out) {
+  const T* e = reinterpret_cast<const T*>(raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(e[i]);
 }
 
 // Whether the rows of a [B, H, S, D] array can be read with 16-byte loads: unit feature stride,
@@ -86,14 +91,18 @@ __device__ __forceinline__ bool vectorizable(const T* p, const Strides& st, bool
 }
 """
 
-# Template: T (dtype), D (head dim), HPB (query heads per block), NT (threads), U (keys per row
-# group per step), SCALE_BITS (the softmax scale's float32 bits: a float cannot be a template
+# Template: T (dtype), D (head dim), HPB (query heads per block), NT (threads), U (K/V rows per
+# row group per step), SCALE_BITS (the softmax scale's float32 bits: a float cannot be a template
 # argument, and a model's scale never changes, so this costs one compilation per model).
-_SPLIT_SOURCE = r"""
-  constexpr int EPT = 8;              // features per thread
-  constexpr int TPR = D / EPT;        // threads per K/V row: 8, 16 or 32, within one warp
-  constexpr int RG = NT / TPR;        // row groups: K/V rows read side by side
-  constexpr int TILE = RG * U;        // keys per block step
+# Outputs: o [B, Hq, 1, D] and ws, a float32 workspace MLX zero-fills (init_value=0): per query
+# head and split the unnormalized output, max and sum (D + 2 floats), then one arrival counter
+# per (batch row, KV head, head group).
+_SOURCE = r"""
+  constexpr int EPT = 8;                    // features per thread
+  constexpr int P = EPT * sizeof(T) / 16;   // 16-byte registers per row slice: 1, or 2 in float32
+  constexpr int TPR = D / EPT;              // threads per K/V row: 8, 16 or 32, within one warp
+  constexpr int RG = NT / TPR;              // row groups: K/V rows read side by side
+  constexpr int TILE = RG * U;              // keys per block step
   constexpr float LOG2E = 1.4426950408889634f;
 
   const int Hq = q_shape[1];
@@ -103,9 +112,10 @@ _SPLIT_SOURCE = r"""
   const int groups = R / HPB;
   const int n_splits = gridDim.x;
   const int split = blockIdx.x;
-  const int g = blockIdx.y % groups;
-  const int hkv = (blockIdx.y / groups) % Hkv;
-  const int b = blockIdx.y / (groups * Hkv);
+  const int group = blockIdx.y;             // (batch row, KV head, head group)
+  const int g = group % groups;
+  const int hkv = (group / groups) % Hkv;
+  const int b = group / (groups * Hkv);
   const int hq0 = hkv * R + g * HPB;
 
   const int tid = threadIdx.x;
@@ -118,8 +128,8 @@ _SPLIT_SOURCE = r"""
   const int start = split * chunk;
   const int stop = min(start + chunk, S);
 
-  // Uniform over the grid, so the branch in load8 costs nothing. q has one position: its row
-  // stride does not matter.
+  // Uniform over the grid, so the branch in load_raw costs nothing. q has one position: its
+  // row stride does not matter.
   const bool vec = vectorizable(k, k_strides, true) && vectorizable(v, v_strides, true);
   const bool q_vec = vectorizable(q, q_strides, false);
   const long long k_row = k_strides[2], v_row = v_strides[2];
@@ -131,8 +141,10 @@ _SPLIT_SOURCE = r"""
   float qr[HPB][EPT];
 #pragma unroll
   for (int h = 0; h < HPB; ++h) {
-    load8(q + b * q_strides[0] + (hq0 + h) * q_strides[1] + d0 * q_strides[3], q_vec,
-          q_strides[3], qr[h]);
+    uint4 raw[P];
+    load_raw<T, P>(q + b * q_strides[0] + (hq0 + h) * q_strides[1] + d0 * q_strides[3], q_vec,
+                   q_strides[3], raw);
+    to_float<T, P>(raw, qr[h]);
 #pragma unroll
     for (int i = 0; i < EPT; ++i) qr[h][i] *= q_scale;
   }
@@ -147,30 +159,47 @@ _SPLIT_SOURCE = r"""
     for (int i = 0; i < EPT; ++i) acc[h][i] = 0.f;
   }
 
+  // Software pipeline: the next tile's K/V rows are requested before the current tile is
+  // computed, so loads stay in flight through the shuffles and exponentials.
+  uint4 k_next[U][P], v_next[U][P];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int s = start + u * RG + rg;
+    if (s < stop) {
+      load_raw<T, P>(k_base + s * k_row, vec, k_strides[3], k_next[u]);
+      load_raw<T, P>(v_base + s * v_row, vec, v_strides[3], v_next[u]);
+    }
+  }
   for (int s0 = start; s0 < stop; s0 += TILE) {
-    // All U rows of K and V are requested before any is used: that is what keeps enough bytes
-    // in flight to approach the memory bandwidth.
-    float kf[U][EPT], vf[U][EPT];
+    uint4 k_tile[U][P], v_tile[U][P];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int s = s0 + u * RG + rg;
-      if (s < stop) {
-        load8(k_base + s * k_row, vec, k_strides[3], kf[u]);
-        load8(v_base + s * v_row, vec, v_strides[3], vf[u]);
-      } else {
 #pragma unroll
-        for (int i = 0; i < EPT; ++i) kf[u][i] = vf[u][i] = 0.f;
+      for (int j = 0; j < P; ++j) {
+        k_tile[u][j] = k_next[u][j];
+        v_tile[u][j] = v_next[u][j];
       }
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + TILE + u * RG + rg;
+      if (s < stop) {
+        load_raw<T, P>(k_base + s * k_row, vec, k_strides[3], k_next[u]);
+        load_raw<T, P>(v_base + s * v_row, vec, v_strides[3], v_next[u]);
+      }
+    }
+
     float score[HPB][U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
+      float kf[EPT];
+      to_float<T, P>(k_tile[u], kf);
       const bool valid = s0 + u * RG + rg < stop;
 #pragma unroll
       for (int h = 0; h < HPB; ++h) {
         float dot = 0.f;
 #pragma unroll
-        for (int i = 0; i < EPT; ++i) dot += qr[h][i] * kf[u][i];
+        for (int i = 0; i < EPT; ++i) dot += qr[h][i] * kf[i];
         // Every lane of the row group ends with the full dot product (the whole warp takes
         // part: the loop bounds are uniform over the block).
 #pragma unroll
@@ -180,25 +209,34 @@ _SPLIT_SOURCE = r"""
       }
     }
     // One rescale per tile rather than per key.
+    float p[HPB][U];
 #pragma unroll
     for (int h = 0; h < HPB; ++h) {
       float tile_max = score[h][0];
 #pragma unroll
       for (int u = 1; u < U; ++u) tile_max = fmaxf(tile_max, score[h][u]);
       const float m_new = fmaxf(m[h], tile_max);
-      if (m_new == -INFINITY) continue;  // no key of this row group yet
-      const float correction = exp2f(m[h] - m_new);  // 0 while m[h] is still -inf
+      // m_new is -inf only while this row group has seen no key: then nothing changes.
+      const float correction = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
       l[h] *= correction;
 #pragma unroll
       for (int i = 0; i < EPT; ++i) acc[h][i] *= correction;
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        const float p = exp2f(score[h][u] - m_new);  // 0 for keys past the chunk
-        l[h] += p;
-#pragma unroll
-        for (int i = 0; i < EPT; ++i) acc[h][i] += p * vf[u][i];
+        p[h][u] = m_new == -INFINITY ? 0.f : exp2f(score[h][u] - m_new);  // 0 past the chunk
+        l[h] += p[h][u];
       }
       m[h] = m_new;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[EPT];
+      to_float<T, P>(v_tile[u], vf);
+#pragma unroll
+      for (int h = 0; h < HPB; ++h) {
+#pragma unroll
+        for (int i = 0; i < EPT; ++i) acc[h][i] += p[h][u] * vf[i];
+      }
     }
   }
 
@@ -220,6 +258,10 @@ _SPLIT_SOURCE = r"""
     dst[1] = make_float4(acc[h][4], acc[h][5], acc[h][6], acc[h][7]);
   }
   __syncthreads();
+  // Partials: [B * Hq, n_splits, D + 2] (output, then max and sum); counters after them.
+  float* partials = ws;
+  unsigned int* counters =
+      reinterpret_cast<unsigned int*>(ws + (long long)q_shape[0] * Hq * n_splits * (D + 2));
   for (int e = tid; e < HPB * D; e += NT) {
     const int h = e / D;
     const int d = e % D;
@@ -235,76 +277,90 @@ _SPLIT_SOURCE = r"""
         out += w * s_acc[r][h][d];
       }
     }
-    const long long row = (long long)(b * Hq + hq0 + h) * n_splits + split;
-    o_part[row * D + d] = out;
+    float* part = partials + ((long long)(b * Hq + hq0 + h) * n_splits + split) * (D + 2);
+    part[d] = out;
     if (d == 0) {
-      ml[row * 2] = block_max;
-      ml[row * 2 + 1] = sum;
+      part[D] = block_max;
+      part[D + 1] = sum;
     }
   }
-"""
 
-# Template: T (output dtype), D. One block of D threads per (batch row, query head).
-_REDUCE_SOURCE = r"""
-  const int n_splits = ml_shape[2];
-  const long long row = blockIdx.x;
-  const int d = threadIdx.x;
-  const float* row_ml = ml + row * n_splits * 2;
-  float global_max = -INFINITY;
-  for (int i = 0; i < n_splits; ++i) global_max = fmaxf(global_max, row_ml[2 * i]);
-  float sum = 0.f, out = 0.f;
-  for (int i = 0; i < n_splits; ++i) {
-    const float m_i = row_ml[2 * i];
-    if (m_i == -INFINITY) continue;  // an empty chunk
-    const float w = exp2f(m_i - global_max);
-    sum += w * row_ml[2 * i + 1];
-    out += w * o_part[(row * n_splits + i) * D + d];
+  // The last block of the group to finish merges every split (threadFenceReduction pattern):
+  // one launch, no second kernel.
+  __threadfence();
+  __syncthreads();
+  __shared__ bool last;
+  if (tid == 0) last = atomicAdd(&counters[group], 1u) == (unsigned int)(n_splits - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = tid; e < HPB * D; e += NT) {
+    const int h = e / D;
+    const int d = e % D;
+    // __ldcg: read from L2, never from this SM's L1, which may hold nothing of other blocks.
+    const float* part = partials + (long long)(b * Hq + hq0 + h) * n_splits * (D + 2);
+    float global_max = -INFINITY;
+    for (int i = 0; i < n_splits; ++i) global_max = fmaxf(global_max, __ldcg(part + i * (D + 2) + D));
+    float sum = 0.f, out = 0.f;
+    for (int i = 0; i < n_splits; ++i) {
+      const float m_i = __ldcg(part + i * (D + 2) + D);
+      if (m_i == -INFINITY) continue;  // an empty chunk
+      const float w = exp2f(m_i - global_max);
+      sum += w * __ldcg(part + i * (D + 2) + D + 1);
+      out += w * __ldcg(part + i * (D + 2) + d);
+    }
+    o[(long long)(b * Hq + hq0 + h) * D + d] = static_cast<T>(out / sum);
   }
-  o[row * D + d] = static_cast<T>(out / sum);
 """
 
 
 @functools.cache
-def _split_kernel() -> Any:
-    """The split kernel, built once; MLX compiles it once per template instantiation."""
+def _kernel() -> Any:
+    """The fused kernel, built once; MLX compiles it once per template instantiation."""
     return mx.fast.cuda_kernel(
         name="mlxr_flash_decode",
         input_names=["q", "k", "v"],
-        output_names=["o_part", "ml"],
-        source=_SPLIT_SOURCE,
+        output_names=["o", "ws"],
+        source=_SOURCE,
         header=_HEADER,
         ensure_row_contiguous=False,
     )
 
 
-@functools.cache
-def _reduce_kernel() -> Any:
-    return mx.fast.cuda_kernel(
-        name="mlxr_flash_decode_reduce",
-        input_names=["o_part", "ml"],
-        output_names=["o"],
-        source=_REDUCE_SOURCE,
-        ensure_row_contiguous=True,
-    )
+_FLOAT_MX = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@attrs.frozen
+class Layout:
+    """The shape-only half of a plan (everything but the split count), computed once per model."""
+
+    heads_per_block: int
+    keys_per_step: int  # U: K/V rows per row group per step (and in flight for the next one)
+    tile: int  # keys per block step
+    blocks_per_split: int  # B * Hkv * head groups
+    template: tuple[tuple[str, Any], ...]
 
 
 @attrs.frozen
 class DecodePlan:
-    """How the fused path runs one call: block shape and how the sequence is split."""
+    """How the fused kernel runs one call: its :class:`Layout` and how the sequence is split."""
 
     B: int
     Hq: int
     Hkv: int
     S: int
     D: int
-    heads_per_block: int
-    keys_per_step: int  # U: K/V rows each row group requests before using them
+    layout: Layout
     n_splits: int
 
     @property
+    def heads_per_block(self) -> int:
+        return self.layout.heads_per_block
+
+    @property
     def groups(self) -> int:
-        """Blocks sharing one KV head (more than one only when a group exceeds the register cap)."""
-        return self.Hq // self.Hkv // self.heads_per_block
+        """Blocks sharing one KV head (more than one when the GQA ratio exceeds the block cap)."""
+        return self.Hq // self.Hkv // self.layout.heads_per_block
 
 
 def heads_per_block(ratio: int, dtype: mx.Dtype, cap: int = 8) -> int:
@@ -312,6 +368,41 @@ def heads_per_block(ratio: int, dtype: mx.Dtype, cap: int = 8) -> int:
     heads in float32, whose K/V rows take twice the registers)."""
     cap = min(cap, 4) if dtype == mx.float32 else cap
     return max(h for h in range(1, min(ratio, cap) + 1) if ratio % h == 0)
+
+
+@functools.lru_cache(maxsize=256)
+def layout_for(
+    B: int,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    dtype: mx.Dtype,
+    scale: float,
+    max_heads_per_block: int,
+    keys_per_step: int | None = None,
+) -> Layout:
+    """Block shape and template arguments for one model's decode shapes (cached: the per-token
+    cost of the fused path is mostly this Python, since MLX runs the kernel asynchronously)."""
+    hpb = heads_per_block(Hq // Hkv, dtype, max_heads_per_block)
+    # Two buffers of U rows of K and V per thread: fewer in float32 or with many heads, to stay
+    # within the registers (bench/kernels/compile_check.py shows no spills for these).
+    if keys_per_step is None:
+        keys_per_step = 2 if dtype == mx.float32 or hpb > 4 else 4
+    template = (
+        ("T", dtype),
+        ("D", D),
+        ("HPB", hpb),
+        ("NT", THREADS),
+        ("U", keys_per_step),
+        ("SCALE_BITS", _float_bits(scale)),
+    )
+    return Layout(
+        heads_per_block=hpb,
+        keys_per_step=keys_per_step,
+        tile=THREADS // (D // 8) * keys_per_step,
+        blocks_per_split=B * Hkv * (Hq // Hkv // hpb),
+        template=template,
+    )
 
 
 def decode_plan(
@@ -323,8 +414,12 @@ def decode_plan(
     mask: str | mx.array | None,
     target_blocks: int = TARGET_BLOCKS,
     max_heads_per_block: int = 8,
+    keys_per_step: int | None = None,
 ) -> DecodePlan | str:
-    """The fused-kernel plan for these arrays, or why they go to ``mx.fast`` instead."""
+    """The fused-kernel plan for these arrays, or why they go to ``mx.fast`` instead.
+
+    ``target_blocks`` and ``keys_per_step`` override the tuned defaults (for benchmarks).
+    """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return "inputs are not [B, H, L, D]"
     B, Hq, L, D = q.shape
@@ -333,7 +428,7 @@ def decode_plan(
         return f"{L} query positions (the fused kernel is for decode, L == 1)"
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         return "an array mask (the fused kernel handles none or causal)"
-    if not q.dtype == k.dtype == v.dtype or str(q.dtype).rpartition(".")[2] not in FLOAT_DTYPES:
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in _FLOAT_MX:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (fused: one of {', '.join(FLOAT_DTYPES)})"
     if D not in FUSED_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
         return f"head dim {D} (fused: {', '.join(map(str, FUSED_HEAD_DIMS))}, same for q, k, v)"
@@ -343,12 +438,10 @@ def decode_plan(
         return "an empty KV sequence"
     if not (scale > 0 and math.isfinite(scale)):
         return f"scale {scale} (fused: positive and finite)"
-    hpb = heads_per_block(Hq // Hkv, q.dtype, max_heads_per_block)
-    keys_per_step = 4 if hpb <= 4 else 2
-    tile = THREADS // (D // 8) * keys_per_step
-    blocks = B * Hkv * (Hq // Hkv // hpb)
-    n_splits = max(1, min(-(-S // tile), -(-target_blocks // blocks)))
-    return DecodePlan(B, Hq, Hkv, S, D, hpb, keys_per_step, n_splits)
+    layout = layout_for(B, Hq, Hkv, D, q.dtype, scale, max_heads_per_block, keys_per_step)
+    # Enough splits to give the GPU ~target_blocks blocks, each at least one tile of keys.
+    n_splits = max(1, min(-(-S // layout.tile), -(-target_blocks // layout.blocks_per_split)))
+    return DecodePlan(B, Hq, Hkv, S, D, layout, n_splits)
 
 
 def _float_bits(value: float) -> int:
@@ -356,33 +449,19 @@ def _float_bits(value: float) -> int:
     return bits
 
 
-def flash_decode(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, plan: DecodePlan
-) -> mx.array:
-    """Run the two fused kernels for ``plan`` (from :func:`decode_plan` on the same arrays)."""
+def flash_decode(q: mx.array, k: mx.array, v: mx.array, *, plan: DecodePlan) -> mx.array:
+    """Run the fused kernel for ``plan`` (from :func:`decode_plan` on the same arrays)."""
     B, Hq, D, n_splits = plan.B, plan.Hq, plan.D, plan.n_splits
-    o_part, ml = _split_kernel()(
+    blocks_per_split = plan.layout.blocks_per_split
+    # MLX zero-fills both outputs (init_value): the arrival counters must start at 0.
+    out, _ = _kernel()(
         inputs=[q, k, v],
-        template=[
-            ("T", q.dtype),
-            ("D", D),
-            ("HPB", plan.heads_per_block),
-            ("NT", THREADS),
-            ("U", plan.keys_per_step),
-            ("SCALE_BITS", _float_bits(scale)),
-        ],
-        grid=(n_splits * THREADS, B * plan.Hkv * plan.groups, 1),
+        template=list(plan.layout.template),
+        grid=(n_splits * THREADS, blocks_per_split, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, Hq, n_splits, D), (B, Hq, n_splits, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    (out,) = _reduce_kernel()(
-        inputs=[o_part, ml],
-        template=[("T", q.dtype), ("D", D)],
-        grid=(B * Hq * D, 1, 1),
-        threadgroup=(D, 1, 1),
-        output_shapes=[(B, Hq, 1, D)],
-        output_dtypes=[q.dtype],
+        output_shapes=[(B, Hq, 1, D), (B * Hq * n_splits * (D + 2) + blocks_per_split,)],
+        output_dtypes=[q.dtype, mx.float32],
+        init_value=0.0,
     )
     return out
 
@@ -394,7 +473,7 @@ def attention(
     plan = decode_plan(q, k, v, scale=scale, mask=mask)
     if isinstance(plan, str):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    return flash_decode(q, k, v, scale=scale, plan=plan)
+    return flash_decode(q, k, v, plan=plan)
 
 
 def machine() -> str:

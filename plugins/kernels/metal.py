@@ -6,10 +6,14 @@ review can read them side by side (CUDA block = Metal threadgroup, warp = SIMD-g
 
 1. ``mlxr_flash_decode``: one threadgroup per (batch row, KV head, query-head group, chunk of the
    KV sequence); the GQA query heads of one KV head share the threadgroup so K/V are read once;
-   ``D / 8`` threads per K/V row, 8 features each (16-byte loads); SIMD shuffles finish the dot
-   products; online softmax in float32 (base 2); row groups merged in threadgroup memory; one
-   unnormalized partial (output, max, sum) per query head and chunk.
-2. ``mlxr_flash_decode_reduce``: merges the chunks of each (batch row, query head).
+   ``D / 8`` threads per K/V row, 8 features each (16-byte loads), the next tile's rows requested
+   before the current one is computed; SIMD shuffles finish the dot products; online softmax in
+   float32 (base 2); row groups merged in threadgroup memory; one unnormalized partial (output,
+   max, sum) per query head and chunk.
+2. ``mlxr_flash_decode_reduce``: merges the chunks of each (batch row, query head). This is the
+   one structural difference from the CUDA twin, which merges in the last block to finish (an
+   atomic counter and ``__threadfence``): Metal offers no device-scope release/acquire fence that
+   makes that pattern safe, and a second dispatch in the same command buffer is cheap there.
 
 Plus ``mlxr_rms_norm``: one threadgroup per row, a SIMD-group then threadgroup sum of squares in
 float32, and the scaled, weighted row written in one pass (mx.fast's own Metal rms_norm is fused
@@ -45,20 +49,23 @@ MAX_HEADS_PER_BLOCK = 4
 NORM_THREADS = 256
 
 _HEADER = r"""
-// 8 consecutive features of one row as float32: 16-byte loads when the caller has checked that
-// the feature stride is 1 and rows are 16-byte aligned, else 8 strided scalar loads.
-template <typename T>
-inline void load8(const device T* p, bool vec, int64_t step, thread float* out) {
+// 8 consecutive features of one row, kept raw (as stored) in P = 8 * sizeof(T) / 16 registers of
+// 16 bytes: 16-byte loads when the caller has checked that the feature stride is 1 and rows are
+// 16-byte aligned, else 8 strided scalar loads packed the same way.
+template <typename T, int P>
+inline void load_raw(const device T* p, bool vec, int64_t step, thread uint4* raw) {
   if (vec) {
-    constexpr int PER = 16 / sizeof(T);
-    for (int j = 0; j < 8; j += PER) {
-      const uint4 raw = *reinterpret_cast<const device uint4*>(p + j);
-      thread const T* e = reinterpret_cast<thread const T*>(&raw);
-      for (int i = 0; i < PER; ++i) out[j + i] = static_cast<float>(e[i]);
-    }
+    for (int j = 0; j < P; ++j) raw[j] = reinterpret_cast<const device uint4*>(p)[j];
   } else {
-    for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(p[i * step]);
+    thread T* e = reinterpret_cast<thread T*>(raw);
+    for (int i = 0; i < 8; ++i) e[i] = p[i * step];
   }
+}
+
+template <typename T, int P>
+inline void to_float(const thread uint4* raw, thread float* out) {
+  const thread T* e = reinterpret_cast<const thread T*>(raw);
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<float>(e[i]);
 }
 
 // Whether the rows of a [B, H, S, D] array can be read with 16-byte loads: unit feature stride
@@ -73,13 +80,15 @@ inline bool vectorizable(const device T*, St st, bool check_rows) {
 }
 """
 
-# Template and layout as in the CUDA twin: T, D, HPB, NT, U, SCALE_BITS. HPB is capped at 4 here
-# (threadgroup memory is 32 KB on Apple GPUs; s_acc takes NT * 8 * HPB floats).
+# Template and layout as in the CUDA twin: T, D, HPB, NT, U, SCALE_BITS; HPB is capped at 4 here
+# (threadgroup memory is 32 KB on Apple GPUs; s_acc takes NT * 8 * HPB floats). Output: ws, the
+# partials [B * Hq, n_splits, D + 2] (unnormalized output, max, sum) that the reduce kernel merges.
 _SPLIT_SOURCE = r"""
-  constexpr int EPT = 8;              // features per thread
-  constexpr int TPR = D / EPT;        // threads per K/V row: 8, 16 or 32, within one SIMD-group
-  constexpr int RG = NT / TPR;        // row groups: K/V rows read side by side
-  constexpr int TILE = RG * U;        // keys per threadgroup step
+  constexpr int EPT = 8;                    // features per thread
+  constexpr int P = EPT * sizeof(T) / 16;   // 16-byte registers per row slice: 1, or 2 in float32
+  constexpr int TPR = D / EPT;              // threads per K/V row: 8, 16 or 32, in one SIMD-group
+  constexpr int RG = NT / TPR;              // row groups: K/V rows read side by side
+  constexpr int TILE = RG * U;              // keys per threadgroup step
   constexpr float LOG2E = 1.4426950408889634f;
 
   const int Hq = q_shape[1];
@@ -89,9 +98,10 @@ _SPLIT_SOURCE = r"""
   const int groups = R / HPB;
   const int n_splits = threadgroups_per_grid.x;
   const int split = threadgroup_position_in_grid.x;
-  const int g = threadgroup_position_in_grid.y % groups;
-  const int hkv = (threadgroup_position_in_grid.y / groups) % Hkv;
-  const int b = threadgroup_position_in_grid.y / (groups * Hkv);
+  const int group = threadgroup_position_in_grid.y;  // (batch row, KV head, head group)
+  const int g = group % groups;
+  const int hkv = (group / groups) % Hkv;
+  const int b = group / (groups * Hkv);
   const int hq0 = hkv * R + g * HPB;
 
   const int tid = thread_index_in_threadgroup;
@@ -116,9 +126,11 @@ _SPLIT_SOURCE = r"""
   const float q_scale = as_type<float>(SCALE_BITS) * LOG2E;
   float qr[HPB][EPT];
   for (int h = 0; h < HPB; ++h) {
-    load8(q + b * int64_t(q_strides[0]) + (hq0 + h) * int64_t(q_strides[1]) +
-              d0 * int64_t(q_strides[3]),
-          q_vec, q_strides[3], qr[h]);
+    uint4 raw[P];
+    load_raw<T, P>(q + b * int64_t(q_strides[0]) + (hq0 + h) * int64_t(q_strides[1]) +
+                       d0 * int64_t(q_strides[3]),
+                   q_vec, q_strides[3], raw);
+    to_float<T, P>(raw, qr[h]);
     for (int i = 0; i < EPT; ++i) qr[h][i] *= q_scale;
   }
 
@@ -130,24 +142,40 @@ _SPLIT_SOURCE = r"""
     for (int i = 0; i < EPT; ++i) acc[h][i] = 0.f;
   }
 
+  // Software pipeline: the next tile's K/V rows are requested before the current tile is
+  // computed, so loads stay in flight through the shuffles and exponentials.
+  uint4 k_next[U][P], v_next[U][P];
+  for (int u = 0; u < U; ++u) {
+    const int s = start + u * RG + rg;
+    if (s < stop) {
+      load_raw<T, P>(k_base + s * k_row, vec, k_strides[3], k_next[u]);
+      load_raw<T, P>(v_base + s * v_row, vec, v_strides[3], v_next[u]);
+    }
+  }
   for (int s0 = start; s0 < stop; s0 += TILE) {
-    // All U rows of K and V are requested before any is used.
-    float kf[U][EPT], vf[U][EPT];
+    uint4 k_tile[U][P], v_tile[U][P];
     for (int u = 0; u < U; ++u) {
-      const int s = s0 + u * RG + rg;
-      if (s < stop) {
-        load8(k_base + s * k_row, vec, k_strides[3], kf[u]);
-        load8(v_base + s * v_row, vec, v_strides[3], vf[u]);
-      } else {
-        for (int i = 0; i < EPT; ++i) kf[u][i] = vf[u][i] = 0.f;
+      for (int j = 0; j < P; ++j) {
+        k_tile[u][j] = k_next[u][j];
+        v_tile[u][j] = v_next[u][j];
       }
     }
+    for (int u = 0; u < U; ++u) {
+      const int s = s0 + TILE + u * RG + rg;
+      if (s < stop) {
+        load_raw<T, P>(k_base + s * k_row, vec, k_strides[3], k_next[u]);
+        load_raw<T, P>(v_base + s * v_row, vec, v_strides[3], v_next[u]);
+      }
+    }
+
     float score[HPB][U];
     for (int u = 0; u < U; ++u) {
+      float kf[EPT];
+      to_float<T, P>(k_tile[u], kf);
       const bool valid = s0 + u * RG + rg < stop;
       for (int h = 0; h < HPB; ++h) {
         float dot = 0.f;
-        for (int i = 0; i < EPT; ++i) dot += qr[h][i] * kf[u][i];
+        for (int i = 0; i < EPT; ++i) dot += qr[h][i] * kf[i];
         // Every lane of the row group ends with the full dot product (the loop bounds are
         // uniform over the threadgroup, so the whole SIMD-group takes part).
         for (ushort offset = TPR / 2; offset > 0; offset >>= 1)
@@ -156,20 +184,27 @@ _SPLIT_SOURCE = r"""
       }
     }
     // One rescale per tile rather than per key.
+    float p[HPB][U];
     for (int h = 0; h < HPB; ++h) {
       float tile_max = score[h][0];
       for (int u = 1; u < U; ++u) tile_max = max(tile_max, score[h][u]);
       const float m_new = max(m[h], tile_max);
-      if (m_new == -INFINITY) continue;  // no key of this row group yet
-      const float correction = exp2(m[h] - m_new);  // 0 while m[h] is still -inf
+      // m_new is -inf only while this row group has seen no key: then nothing changes.
+      const float correction = m_new == -INFINITY ? 1.f : exp2(m[h] - m_new);
       l[h] *= correction;
       for (int i = 0; i < EPT; ++i) acc[h][i] *= correction;
       for (int u = 0; u < U; ++u) {
-        const float p = exp2(score[h][u] - m_new);  // 0 for keys past the chunk
-        l[h] += p;
-        for (int i = 0; i < EPT; ++i) acc[h][i] += p * vf[u][i];
+        p[h][u] = m_new == -INFINITY ? 0.f : exp2(score[h][u] - m_new);  // 0 past the chunk
+        l[h] += p[h][u];
       }
       m[h] = m_new;
+    }
+    for (int u = 0; u < U; ++u) {
+      float vf[EPT];
+      to_float<T, P>(v_tile[u], vf);
+      for (int h = 0; h < HPB; ++h) {
+        for (int i = 0; i < EPT; ++i) acc[h][i] += p[h][u] * vf[i];
+      }
     }
   }
 
@@ -200,29 +235,32 @@ _SPLIT_SOURCE = r"""
         out += w * s_acc[r][h][d];
       }
     }
-    const int64_t row = int64_t(b * Hq + hq0 + h) * n_splits + split;
-    o_part[row * D + d] = out;
+    device float* part = ws + (int64_t(b * Hq + hq0 + h) * n_splits + split) * (D + 2);
+    part[d] = out;
     if (d == 0) {
-      ml[row * 2] = block_max;
-      ml[row * 2 + 1] = sum;
+      part[D] = block_max;
+      part[D + 1] = sum;
     }
   }
 """
 
+# The CUDA twin's last-block merge as its own launch: Metal has no device-scope release/acquire
+# fence to make the last-threadgroup pattern safe. Template: T, D; one threadgroup of D threads
+# per (batch row, query head); ws as the split kernel wrote it, shape [B * Hq, n_splits, D + 2].
 _REDUCE_SOURCE = r"""
-  const int n_splits = ml_shape[2];
+  const int n_splits = ws_shape[1];
   const int64_t row = threadgroup_position_in_grid.x;
   const int d = thread_index_in_threadgroup;
-  const device float* row_ml = ml + row * n_splits * 2;
+  const device float* part = ws + row * n_splits * (D + 2);
   float global_max = -INFINITY;
-  for (int i = 0; i < n_splits; ++i) global_max = max(global_max, row_ml[2 * i]);
+  for (int i = 0; i < n_splits; ++i) global_max = max(global_max, part[i * (D + 2) + D]);
   float sum = 0.f, out = 0.f;
   for (int i = 0; i < n_splits; ++i) {
-    const float m_i = row_ml[2 * i];
+    const float m_i = part[i * (D + 2) + D];
     if (m_i == -INFINITY) continue;  // an empty chunk
     const float w = exp2(m_i - global_max);
-    sum += w * row_ml[2 * i + 1];
-    out += w * o_part[(row * n_splits + i) * D + d];
+    sum += w * part[i * (D + 2) + D + 1];
+    out += w * part[i * (D + 2) + d];
   }
   o[row * D + d] = static_cast<T>(out / sum);
 """
@@ -260,7 +298,7 @@ def _split_kernel() -> Any:
     return mx.fast.metal_kernel(
         name="mlxr_flash_decode",
         input_names=["q", "k", "v"],
-        output_names=["o_part", "ml"],
+        output_names=["ws"],
         source=_SPLIT_SOURCE,
         header=_HEADER,
         ensure_row_contiguous=False,
@@ -271,7 +309,7 @@ def _split_kernel() -> Any:
 def _reduce_kernel() -> Any:
     return mx.fast.metal_kernel(
         name="mlxr_flash_decode_reduce",
-        input_names=["o_part", "ml"],
+        input_names=["ws"],
         output_names=["o"],
         source=_REDUCE_SOURCE,
         ensure_row_contiguous=True,
@@ -289,28 +327,19 @@ def _rms_norm_kernel() -> Any:
     )
 
 
-def flash_decode(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, plan: DecodePlan
-) -> mx.array:
-    """Run the two fused kernels for ``plan`` (the CUDA twin's :func:`decode_plan`)."""
+def flash_decode(q: mx.array, k: mx.array, v: mx.array, *, plan: DecodePlan) -> mx.array:
+    """Run the split and reduce kernels for ``plan`` (the CUDA twin's :func:`decode_plan`)."""
     B, Hq, D, n_splits = plan.B, plan.Hq, plan.D, plan.n_splits
-    o_part, ml = _split_kernel()(
+    (ws,) = _split_kernel()(
         inputs=[q, k, v],
-        template=[
-            ("T", q.dtype),
-            ("D", D),
-            ("HPB", plan.heads_per_block),
-            ("NT", THREADS),
-            ("U", plan.keys_per_step),
-            ("SCALE_BITS", _float_bits(scale)),
-        ],
-        grid=(n_splits * THREADS, B * plan.Hkv * plan.groups, 1),
+        template=list(plan.layout.template),
+        grid=(n_splits * THREADS, plan.layout.blocks_per_split, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, Hq, n_splits, D), (B, Hq, n_splits, 2)],
-        output_dtypes=[mx.float32, mx.float32],
+        output_shapes=[(B * Hq, n_splits, D + 2)],
+        output_dtypes=[mx.float32],
     )
     (out,) = _reduce_kernel()(
-        inputs=[o_part, ml],
+        inputs=[ws],
         template=[("T", q.dtype), ("D", D)],
         grid=(B * Hq * D, 1, 1),
         threadgroup=(D, 1, 1),
@@ -327,7 +356,7 @@ def attention(
     plan = decode_plan(q, k, v, scale=scale, mask=mask, max_heads_per_block=MAX_HEADS_PER_BLOCK)
     if isinstance(plan, str):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    return flash_decode(q, k, v, scale=scale, plan=plan)
+    return flash_decode(q, k, v, plan=plan)
 
 
 def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:

@@ -3,7 +3,9 @@
 The ``gguf`` package parses the file (memory-mapped) and dequantizes what MLX cannot hold exactly.
 This module maps llama.cpp's metadata keys and tensor names to Hugging Face ones, undoes llama.cpp's
 rotary row permutation, and repacks Q4_0/Q4_1/Q8_0 blocks bit-exactly into MLX affine quantization
-(see :mod:`mlxr_plugins.formats.gguf.quants`).
+(see :mod:`mlxr_plugins.formats.gguf.quants`), and Q5_0/Q5_1/Q4_K/Q5_K through their exact
+32-element groups. Other block types are dequantized with ``gguf`` (exact) and come with the MLX
+format nearest to them, for the loader's quantization policy.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from gguf import GGMLQuantizationType as QType
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, TokenizerSpec
-from mlxr_plugins.formats.gguf.quants import EXACT_BITS, GROUP_SIZE, repack, unpermute_rows
+from mlxr_plugins.formats.gguf.quants import (
+    EXACT_BITS,
+    GROUP_SIZE,
+    NEAREST_BITS,
+    repack,
+    unpermute_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +50,20 @@ BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+#: Per-architecture overrides of :data:`BLOCK_NAMES`. Gemma's blocks have four norms: llama.cpp's
+#: ``ffn_norm`` is the norm before the feed-forward, ``post_*`` the ones after each sub-layer.
+ARCH_BLOCK_NAMES = {
+    "gemma3": {
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
+}
+#: Architectures whose RMS norms scale by ``1 + w``: llama.cpp's converter stores ``w + 1`` in the
+#: file (so ggml multiplies by it directly); we subtract it back to the Hugging Face form.
+NORM_PLUS_ONE_ARCHS = frozenset({"gemma3"})
 
 #: Architectures whose Q/K rows llama.cpp permuted for its adjacent-pair ("NORM") RoPE. We restore
 #: the Hugging Face row order rather than switching the graph to traditional RoPE, so the arch never
@@ -52,12 +74,12 @@ PERMUTED_ARCHS = frozenset({"llama"})
 NOT_WEIGHTS = ("rope_freqs.weight", "attn_rot_embd")
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """Map a llama.cpp tensor name to its Hugging Face name; unknown names pass through."""
     module, _, kind = name.rpartition(".")
     if module.startswith("blk."):
         _, index, rest = module.split(".", 2)
-        mapped = BLOCK_NAMES.get(rest)
+        mapped = ARCH_BLOCK_NAMES.get(arch, {}).get(rest) or BLOCK_NAMES.get(rest)
         return f"model.layers.{index}.{mapped}.{kind}" if mapped else name
     mapped = TOP_NAMES.get(module)
     return f"{mapped}.{kind}" if mapped else name
@@ -190,7 +212,25 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
     factors = tensors.get("rope_freqs.weight")
     if factors is not None:
         config["rope_freq_factors"] = [float(f) for f in np.asarray(factors.data, dtype=np.float32)]
+    if arch == "gemma3":
+        config.update(gemma3_settings(config))
     return {key: value for key, value in config.items() if value is not None}
+
+
+def gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma 3 GGUF does not carry, as llama.cpp hard-codes it (``llama-model.cpp``): every
+    6th layer global, local rope base 1e4, queries scaled by ``head_dim ** -0.5`` (all sizes but
+    27B, whose ``query_pre_attn_scalar`` is ``hidden / heads``), no logit soft-capping."""
+    head_dim = config.get("head_dim", 256)
+    scalar = head_dim
+    if config.get("num_hidden_layers") == 62 and config.get("hidden_size") == 5376:  # 27B
+        scalar = config["hidden_size"] // config["num_attention_heads"]
+    return {
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "query_pre_attn_scalar": scalar,
+        "tie_word_embeddings": config.get("tie_word_embeddings", True),
+    }
 
 
 def _to_mx(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
@@ -218,7 +258,7 @@ class GGUFFormat:
         return Path(path).is_file() and detect(Path(path))
 
     def load(self, path: Path, *, dtype: str = "float32") -> Checkpoint:
-        """Read ``path``: exact MLX quantization for Q4_0/Q4_1/Q8_0, ``dtype`` arrays for the rest."""
+        """Read ``path``: exact MLX quantization where a block type has one, ``dtype`` arrays for the rest."""
         path = Path(path)
         if dtype not in DTYPES:
             raise ModelLoadError(
@@ -238,18 +278,21 @@ class GGUFFormat:
                 "attn_k": config["num_key_value_heads"],
             }
 
+        arch = config["model_type"]
         weights: dict[str, mx.array] = {}
         quantization: dict[str, QuantSpec] = {}
+        suggested: dict[str, QuantSpec] = {}
+        source_types: dict[str, str] = {}
         counts: Counter[str] = Counter()
-        dequantized: set[str] = set()
         for name, tensor in tensors.items():
             counts[tensor.tensor_type.name] += 1
             if name.endswith(NOT_WEIGHTS):
                 continue
-            target = hf_name(name)
+            target = hf_name(name, arch)
             heads = permute.get(name.split(".")[2]) if name.startswith("blk.") else None
+            shift = 1.0 if arch in NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight") else 0.0
             try:
-                arrays = self._convert(tensor, target, DTYPES[dtype], heads, quantization)
+                arrays = self._convert(tensor, target, DTYPES[dtype], heads, quantization, shift)
             except Exception as exc:
                 raise ModelLoadError(
                     f"cannot convert {tensor.tensor_type.name} tensor of shape "
@@ -258,17 +301,12 @@ class GGUFFormat:
                     tensor=name,
                 ) from exc
             weights.update(arrays)
-            if tensor.tensor_type not in EXACT_BITS and tensor.tensor_type not in FLOAT_TYPES:
-                dequantized.add(tensor.tensor_type.name)
-
-        for qtype in sorted(dequantized):
-            log.warning(
-                "%s: %s tensors have no exact MLX layout; dequantized to %s (%d tensors)",
-                path.name,
-                qtype,
-                dtype,
-                counts[qtype],
-            )
+            if target.endswith(".weight") and tensor.data.ndim >= 2:
+                module = target.removesuffix(".weight")
+                source_types[module] = tensor.tensor_type.name
+                if tensor.tensor_type not in EXACT_BITS and tensor.tensor_type not in FLOAT_TYPES:
+                    bits = NEAREST_BITS.get(tensor.tensor_type, 8)
+                    suggested[module] = QuantSpec(bits=bits, group_size=GROUP_SIZE)
 
         tokenizer = None
         if "tokenizer.ggml.model" in reader.fields:
@@ -281,13 +319,15 @@ class GGUFFormat:
             config=config,
             weights=weights,
             quantization=quantization,
+            suggested_quantization=suggested,
+            source_types=source_types,
             tokenizer=tokenizer,
             chat_template=field_value(reader, "tokenizer.chat_template"),
             metadata={
                 "name": field_value(reader, "general.name"),
                 "file_type": field_value(reader, "general.file_type"),
                 "tensor_types": dict(counts),
-                "dequantized_types": sorted(dequantized),
+                "dequantized_types": sorted({source_types[m] for m in suggested}),
                 "resident_bytes": sum(array.nbytes for array in weights.values()),
             },
         )
@@ -299,8 +339,10 @@ class GGUFFormat:
         dtype: mx.Dtype,
         heads: int | None,
         quantization: dict[str, QuantSpec],
+        shift: float = 0.0,
     ) -> dict[str, mx.array]:
-        """One GGUF tensor -> the checkpoint arrays it becomes (``weight`` or ``weight, scales, biases``)."""
+        """One GGUF tensor -> the checkpoint arrays it becomes (``weight`` or ``weight, scales, biases``).
+        ``shift`` is subtracted from a dense tensor in float32, before the cast to ``dtype``."""
         qtype = tensor.tensor_type
         if qtype in EXACT_BITS and target.endswith(".weight") and tensor.data.ndim >= 2:
             packed = repack(tensor.data, qtype)
@@ -318,5 +360,8 @@ class GGUFFormat:
         if heads:
             host = unpermute_rows(host, heads)
         if qtype == QType.BF16:
-            return {target: mx.array(host).view(mx.bfloat16).astype(dtype)}
+            array = mx.array(host).view(mx.bfloat16)
+            return {target: (array.astype(mx.float32) - shift if shift else array).astype(dtype)}
+        if shift:
+            host = host.astype(np.float32) - np.float32(shift)
         return {target: _to_mx(host, dtype)}

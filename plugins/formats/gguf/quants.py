@@ -15,12 +15,20 @@ Q8_0          ``d * x`` (int8 ``x``)    ``d``       ``-128 d``  (``q = x + 128``
 
 Only the bit layout differs: ggml's 4-bit block keeps elements ``0..15`` in the low nibbles of its
 16 bytes and ``16..31`` in the high nibbles, while MLX packs elements ``2j, 2j+1`` into byte ``j``.
+
+Q5_0, Q5_1 and the 32-element sub-blocks of Q4_K and Q5_K are affine groups of 32 too (Q4_K's
+sub-block scale is ``d * sc`` and its bias ``-dmin * m``, from 6-bit ``sc``, ``m``); for those we
+read the scales from the block header, take the values from ``gguf``'s exact dequantization and
+recover each integer as ``round((w - bias) / scale)``: the result dequantizes in MLX to the very
+floats ggml computes. Types with 16-element sub-blocks (Q2_K, Q3_K, Q6_K) or a non-linear codebook
+(IQ4_NL) have no exact layout: :data:`NEAREST_BITS` names the MLX format they are requantized to.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -31,6 +39,20 @@ EXACT_BITS = {
     GGMLQuantizationType.Q4_0: 4,
     GGMLQuantizationType.Q4_1: 4,
     GGMLQuantizationType.Q8_0: 8,
+    GGMLQuantizationType.Q5_0: 5,
+    GGMLQuantizationType.Q5_1: 5,
+    GGMLQuantizationType.Q4_K: 4,
+    GGMLQuantizationType.Q5_K: 5,
+}
+
+#: ggml types without an exact layout -> bits of the MLX format (group 32) they are requantized to
+#: when kept quantized: never fewer bits than the source, since requantizing SmolLM2 to 4 bits
+#: (group 64) changed its argmax. Any other quantized type gets 8.
+NEAREST_BITS = {
+    GGMLQuantizationType.Q2_K: 4,
+    GGMLQuantizationType.Q3_K: 4,
+    GGMLQuantizationType.Q6_K: 8,
+    GGMLQuantizationType.IQ4_NL: 8,
 }
 
 
@@ -58,7 +80,70 @@ def repack(data: np.ndarray, qtype: GGMLQuantizationType) -> Affine:
         scales = _half(d)
         # int8 x -> uint8 x + 128 is a flip of the sign bit.
         return Affine(_words(qs ^ np.uint8(0x80)), scales, -128 * scales, 8)
+    if qtype in _GROUP_AFFINE:
+        return _repack_from_values(data, qtype)
     raise ValueError(f"{qtype.name} has no exact MLX affine layout")
+
+
+def _k_quant_affine(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-blocks ``[n, bytes]`` -> per-sub-block scales and biases ``[n, 8]``."""
+    d, dmin = _half(blocks[:, 0:2][:, None]), _half(blocks[:, 2:4][:, None])
+    sc, m = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+    return d * sc.astype(np.float32), -dmin * m.astype(np.float32)
+
+
+def _q5_0_affine(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    d = _half(blocks[:, 0:2][:, None])
+    return d, -16 * d
+
+
+def _q5_1_affine(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return _half(blocks[:, 0:2][:, None]), _half(blocks[:, 2:4][:, None])
+
+
+#: type -> (block bytes, elements per block, per-32-group scales and biases from raw blocks).
+_GROUP_AFFINE = {
+    GGMLQuantizationType.Q5_0: (22, 32, _q5_0_affine),
+    GGMLQuantizationType.Q5_1: (24, 32, _q5_1_affine),
+    GGMLQuantizationType.Q4_K: (144, 256, _k_quant_affine),
+    GGMLQuantizationType.Q5_K: (176, 256, _k_quant_affine),
+}
+
+
+def _repack_from_values(data: np.ndarray, qtype: GGMLQuantizationType) -> Affine:
+    """Exact repacking through the dequantized values: scales and biases from the block headers,
+    the integers recovered from ``gguf``'s float32 values (see the module docstring)."""
+    block_bytes, block_size, affine = _GROUP_AFFINE[qtype]
+    bits = EXACT_BITS[qtype]
+    if data.dtype != np.uint8 or data.shape[-1] % block_bytes:
+        raise ValueError(f"expected rows of {block_bytes}-byte blocks, got {data.dtype} {data.shape}")
+    rows = data.shape[:-1]
+    blocks = np.ascontiguousarray(data).reshape(-1, block_bytes)
+    scales, biases = affine(blocks)  # [n_blocks, block_size / 32]
+    # Dequantize whole rows: ``gguf`` loops in Python over rows, so one block per row is slow.
+    values = gguf.quants.dequantize(data, qtype).reshape(-1, block_size // GROUP_SIZE, GROUP_SIZE)
+    safe = np.where(scales == 0, 1, scales)[..., None]  # a zero scale: every value is the bias
+    q = np.rint((values - biases[..., None]) / safe).clip(0, 2**bits - 1).astype(np.uint8)
+    columns = data.shape[-1] // block_bytes * block_size
+    q = q.reshape(*rows, columns)
+    return Affine(
+        pack_bits(q, bits),
+        scales.reshape(*rows, columns // GROUP_SIZE),
+        biases.reshape(*rows, columns // GROUP_SIZE),
+        bits,
+    )
+
+
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """Unsigned integers ``[..., n]`` (each < ``2**bits``) -> MLX's packing, uint32 ``[..., n*bits/32]``:
+    a little-endian bit stream per row (element ``i`` at bits ``bits*i .. bits*i+bits-1``)."""
+    if bits == 8:
+        return _words(q[..., None, :])
+    if bits == 4:
+        return _words((q[..., 0::2] | (q[..., 1::2] << np.uint8(4)))[..., None, :])
+    stream = np.unpackbits(q[..., None], axis=-1, bitorder="little")[..., :bits]
+    packed = np.packbits(stream.reshape(*q.shape[:-1], -1), axis=-1, bitorder="little")
+    return _words(packed[..., None, :])
 
 
 def _split_blocks(

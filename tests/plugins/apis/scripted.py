@@ -3,6 +3,7 @@ test_ollama, test_anthropic and test_operations)."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -18,13 +19,18 @@ from mlxr_core.engine.request import (
     Usage,
 )
 from mlxr_core.errors import ContextLengthExceeded, MlxrError, ModelNotFound
-from mlxr_core.plugins import load_plugins
+from mlxr_core.plugins import PluginHost, load_plugins
 from mlxr_core.server import ServerContext
 
 
 class FakeTokenizer:
+    """Byte-level: id 1 is BOS, every other id is a byte."""
+
     vocab_size = 256
     eos_token_ids = frozenset({0})
+    bos_token_id = 1
+    add_bos = False
+    chat_template = "{{ fake }}"
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return ([1] if add_special_tokens else []) + [b for b in text.encode()]
@@ -53,6 +59,11 @@ class FakeEngine:
         self.raise_on_submit: BaseException | None = None
         self.fail_after: int | None = None  # emit Failed after this many tokens
         self.endless = False  # emit tokens until cancelled
+        self.token_delay_s = 0.0  # pause after each token
+        self.running = 0
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": self.running, "queued": self.queue_depth, "kv_bytes": 1024 * self.running}
 
     def model(self, name: str) -> ModelInfo:
         if name not in self.models:
@@ -83,9 +94,16 @@ class FakeEngine:
         return handle
 
     def _run(self, handle: RequestHandle) -> None:
+        self.running += 1
+        try:
+            self._generate(handle)
+        finally:
+            self.running -= 1
+
+    def _generate(self, handle: RequestHandle) -> None:
         params = handle.request.params
         assert params.max_tokens is not None
-        text, reason, count = "", "length", 0
+        text, reason, count, hit = "", "length", 0, None
         while self.endless or count < params.max_tokens:
             if handle.cancelled:
                 reason = "cancelled"
@@ -101,18 +119,26 @@ class FakeEngine:
                 reason = "stop"
                 break
             handle._emit(Delta(char, (ord(char),)))
-            if self.endless:
-                time.sleep(0.005)
+            if self.endless or self.token_delay_s:
+                time.sleep(self.token_delay_s or 0.005)
             elif count == len(self.REPLY):
                 reason = "stop"
                 break
         usage = Usage(prompt_tokens=len(handle.request.prompt_ids), completion_tokens=count)
-        handle._emit(Finished(reason=reason, usage=usage))
+        handle._emit(Finished(reason=reason, usage=usage, stop_sequence=hit))
 
 
 def make_ctx(engine: Any, **config: Any) -> ServerContext:
+    """A server context over ``engine`` with every built-in API mounted unless ``apis`` is given."""
+    config.setdefault("apis", ["openai", "ollama", "anthropic"])
     cfg = Config(models=[ModelConfig(path="unused")], **config)
-    return ServerContext(config=cfg, host=load_plugins(), engine=engine)
+    return ServerContext(config=cfg, host=plugin_host(), engine=engine)
+
+
+@functools.cache
+def plugin_host() -> PluginHost:
+    """The installed plugins, loaded once: loading takes most of a second and nothing here changes them."""
+    return load_plugins()
 
 
 class ThreadedServer:

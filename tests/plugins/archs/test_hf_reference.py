@@ -4,7 +4,8 @@ logits an independent implementation computed on the same files.
 The folders and ``reference.json`` under ``tests/fixtures/tiny_hf/`` were written by
 ``tests/fixtures/make_transformers_reference.py``: transformers (PyTorch, float32, CPU) for
 ``qwen2`` (q/k/v biases, tied embeddings), ``qwen3`` (per-head q/k norms, head_dim != hidden /
-heads) and ``llama`` (llama3 rope scaling, sharded, transformers 5's ``rope_parameters``); mlx-lm
+heads) and ``llama`` (llama3 rope scaling, sharded, transformers 5's ``rope_parameters``), ``gemma3``
+(sliding-window and global layers, per-layer-type rope bases, logit soft-capping); mlx-lm
 for ``llama_mlx_q4`` (mlx-lm's own 4-bit conversion with an 8-bit ``lm_head`` and a module left in
 float). Neither needs torch or mlx-lm here.
 
@@ -34,7 +35,7 @@ from mlxr_plugins.formats.safetensors.checkpoint import SafetensorsFormat
 
 TINY_HF = Path(__file__).parents[2] / "fixtures" / "tiny_hf"
 REFERENCE = json.loads((TINY_HF / "reference.json").read_text(encoding="utf-8"))
-FOLDERS = ["qwen2", "qwen3", "llama", "llama_mlx_q4"]
+FOLDERS = ["qwen2", "qwen3", "llama", "gemma3", "llama_mlx_q4"]
 ATOL = 1e-4
 
 
@@ -128,6 +129,7 @@ def test_cached_decoding_matches_the_reference(folder, registries):
     [
         ("qwen2", "auto"),
         ("llama", "auto"),
+        ("gemma3", "auto"),
         ("llama_mlx_q4", "keep"),
         ("llama_mlx_q4", "dequantize"),
     ],

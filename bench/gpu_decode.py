@@ -1,0 +1,217 @@
+"""Decode speed on a GPU: mlxr vs mlx-lm on the same Llama-3.2-1B-shaped weights, one command.
+
+Writes random weights in the Llama 3.2 1B shape (bf16, and mlx-lm's 4-bit quantization of them) as
+mlx-lm folders, then for each folder measures back to back: mlx-lm's ``generate_step`` and mlxr's
+engine, single stream (prompt ``--prompt-tokens``, ``--gen-tokens`` generated), and mlxr's aggregate
+decode at several concurrent streams. Prints JSON with tokens/s, the ratios, and the
+memory-bandwidth limit (weight bytes per token / measured copy bandwidth).
+
+    python bench/gpu_decode.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
+from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+from mlxr_core.plugins import load_plugins
+
+LLAMA_1B = {
+    "model_type": "llama",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "rope_type": "llama3",
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny_hf" / "llama"
+
+
+#: A tiny shape to check the script itself on a CPU (``--smoke``).
+SMOKE = {
+    **LLAMA_1B,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "vocab_size": 512,
+}
+
+
+def write_folders(root: Path, shape: dict[str, object]) -> dict[str, Path]:
+    """bf16 and 4-bit (group 64) mlx-lm folders of one set of random weights."""
+    from mlx_lm.models import llama
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(shape))
+    model.set_dtype(mx.bfloat16)
+    mx.eval(model.parameters())
+    folders = {}
+    for name in ("bf16", "q4"):
+        folder = root / name
+        folder.mkdir()
+        config = dict(shape)
+        if name == "q4":
+            model, config = quantize_model(model, config, 64, 4)
+        save_model(folder, model)
+        save_config(config, folder / "config.json")
+        for file in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TOKENIZER / file, folder / file)
+        folders[name] = folder
+    return folders
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device copy (read + write)."""
+    x = mx.zeros((256, 1024, 1024), dtype=mx.float32)  # 1 GiB
+    mx.eval(x)
+    for _ in range(2):
+        mx.eval(x + 0)
+    n = 10
+    start = time.perf_counter()
+    for _ in range(n):
+        mx.eval(x + 0)
+    return 2 * x.nbytes * n / (time.perf_counter() - start)
+
+
+def mlx_lm_decode(folder: Path, prompt: list[int], gen: int) -> dict[str, float]:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    mx.eval(model.parameters())
+    for _ in generate_step(mx.array(prompt), model, max_tokens=4):
+        pass
+    start = time.perf_counter()
+    first = 0.0
+    count = 0
+    for _token, _ in generate_step(mx.array(prompt), model, max_tokens=gen):
+        count += 1
+        if count == 1:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return {"ttft_s": first - start, "decode_tps": (count - 1) / (end - first)}
+
+
+def mlxr_decode(engine: Engine, prompt: list[int], gen: int, streams: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=gen, temperature=0.0, extra={"ignore_eos": True})
+    handles = [
+        engine.submit(GenerationRequest(model="bench", prompt_ids=prompt, params=params))
+        for _ in range(streams)
+    ]
+    firsts: list[float] = []
+    finished: list[Finished] = []
+    ends: list[float] = []
+
+    def consume(handle) -> None:  # type: ignore[no-untyped-def]
+        first = None
+        for event in handle:
+            if first is None and isinstance(event, Delta):
+                first = time.perf_counter()
+                firsts.append(first)
+            if isinstance(event, Finished):
+                finished.append(event)
+        ends.append(time.perf_counter())
+
+    threads = [threading.Thread(target=consume, args=(h,)) for h in handles]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if streams == 1:
+        done = finished[0]
+        return {"ttft_s": done.ttft_s, "decode_tps": (gen - 1) / (done.total_s - done.ttft_s)}
+    return {"aggregate_decode_tps": streams * (gen - 1) / (max(ends) - max(firsts))}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--gen-tokens", type=int, default=256)
+    parser.add_argument("--streams", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
+    args = parser.parse_args()
+    prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
+    report: dict[str, object] = {
+        "device": str(mx.default_device()),
+        "shape": "smoke" if args.smoke else "llama-3.2-1b",
+    }
+    bandwidth = copy_bandwidth()
+    report["copy_bandwidth_GBps"] = bandwidth / 1e9
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)
+        for name, folder in folders.items():
+            config = Config(
+                models=[
+                    ModelConfig(
+                        path=str(folder), name="bench", dtype="bfloat16", quantization="keep"
+                    )
+                ],
+                engine=EngineConfig(
+                    max_batch_size=max(args.streams), prefix_cache=PrefixCacheConfig(enabled=False)
+                ),
+            )
+            engine = Engine(config, load_plugins())
+            engine.start()
+            weight_bytes = engine._loaded["bench"].nbytes
+            try:
+                mlxr_decode(engine, prompt, 8, 1)  # warm-up
+                ours = [mlxr_decode(engine, prompt, args.gen_tokens, 1) for _ in range(2)]
+                peer = [mlx_lm_decode(folder, prompt, args.gen_tokens) for _ in range(2)]
+                crowd = {n: mlxr_decode(engine, prompt, args.gen_tokens, n) for n in args.streams}
+            finally:
+                engine.stop()
+            best_ours = max(r["decode_tps"] for r in ours)
+            best_peer = max(r["decode_tps"] for r in peer)
+            report[name] = {
+                "weight_bytes": weight_bytes,
+                "bandwidth_limit_tps": bandwidth / weight_bytes,
+                "mlxr": ours,
+                "mlx_lm": peer,
+                "decode_ratio_mlxr_over_mlx_lm": best_ours / best_peer,
+                "concurrent": {
+                    str(n): {**r, "vs_single": r["aggregate_decode_tps"] / best_ours}
+                    for n, r in crowd.items()
+                },
+            }
+            print(json.dumps({name: report[name]}, indent=2), flush=True)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""Weight quantization policy: which tensors stay packed, which become dense, which are requantized.
+
+A checkpoint hands over packed modules (``Checkpoint.quantization``: exact MLX affine layouts of
+the file's blocks) and dense ones, some of which were dequantized from a block type MLX cannot hold
+exactly (``Checkpoint.suggested_quantization`` names the nearest MLX format for those). The
+``models[].quantization`` policy decides:
+
+==============  ==============================================================================
+policy          effect
+==============  ==============================================================================
+``dequantize``  every weight dense in the model dtype (exact; costs memory)
+``keep``        exact layouts stay packed; non-exact sources requantized to their suggested format
+``auto``        ``dequantize`` on CPU (MLX's CPU quantized matmul is ~20x slower than dense through
+                OpenBLAS), ``keep`` on a GPU
+``q8``/``q4``   every quantizable weight (Linear, Embedding) as MLX 8/4-bit, group 32; packed ones
+                already in that format are kept as they are (no second rounding)
+``q4_g64``      as ``q4`` with group 64 (smaller, less precise)
+``f16``/``bf16`` every weight dense in that dtype (activations keep the model dtype)
+==============  ==============================================================================
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxr_core.model.checkpoint import QuantSpec
+
+#: Policies that requantize everything to one MLX format.
+UNIFORM = {"q8": QuantSpec(8, 32), "q4": QuantSpec(4, 32), "q4_g64": QuantSpec(4, 64)}
+DENSE_DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16}
+
+
+@attrs.define
+class QuantizedWeights:
+    """The weights to load, the modules to build packed, and what happened per source type."""
+
+    weights: dict[str, mx.array]
+    quantization: dict[str, QuantSpec]
+    #: ``"Q4_K -> MLX 4-bit g32 (kept)"`` ... -> number of modules.
+    report: Counter[str]
+
+
+def describe(spec: QuantSpec) -> str:
+    return f"MLX {spec.bits}-bit g{spec.group_size}"
+
+
+def apply_policy(
+    policy: str,
+    model: nn.Module,
+    weights: dict[str, mx.array],
+    quantization: Mapping[str, QuantSpec],
+    suggested: Mapping[str, QuantSpec],
+    source_types: Mapping[str, str],
+    dtype: mx.Dtype,
+    device: str,
+) -> QuantizedWeights:
+    """Apply ``policy`` (already validated by the config schema) to sanitized ``weights``."""
+    if policy == "auto":
+        policy = "dequantize" if device == "cpu" else "keep"
+    weights = dict(weights)
+    packed = {m: spec for m, spec in quantization.items() if f"{m}.scales" in weights}
+    target = UNIFORM.get(policy)
+    out: dict[str, QuantSpec] = {}
+    report: Counter[str] = Counter()
+
+    for module, spec in packed.items():
+        source = source_types.get(module, describe(spec))
+        if policy == "keep" or spec == target:
+            out[module] = spec
+            report[f"{source} -> {describe(spec)} (kept)"] += 1
+            continue
+        weights[f"{module}.weight"] = _unpack(weights, module, spec, dtype)
+
+    quantizable = {path for path, module in model.named_modules() if hasattr(module, "to_quantized")}
+    for module in sorted(quantizable):
+        weight = weights.get(f"{module}.weight")
+        if weight is None or module in out:
+            continue
+        spec: QuantSpec | None = target
+        if spec is None and policy == "keep":
+            spec = suggested.get(module)
+        if spec is None or weight.ndim != 2 or weight.shape[-1] % spec.group_size:
+            continue
+        source = source_types.get(module, _dtype_name(weight))
+        packed_weight, scales, biases = mx.quantize(weight, group_size=spec.group_size, bits=spec.bits)
+        weights.update(
+            {
+                f"{module}.weight": packed_weight,
+                f"{module}.scales": scales.astype(dtype),
+                f"{module}.biases": biases.astype(dtype),
+            }
+        )
+        out[module] = spec
+        report[f"{source} -> {describe(spec)} (requantized)"] += 1
+
+    if policy in DENSE_DTYPES:
+        cast = DENSE_DTYPES[policy]
+        weights = {
+            name: array.astype(cast) if mx.issubdtype(array.dtype, mx.floating) else array
+            for name, array in weights.items()
+        }
+    for module in sorted(set(source_types) | set(packed)):
+        if module not in out and f"{module}.weight" in weights:
+            source = source_types.get(module) or describe(packed[module])
+            report[f"{source} -> dense {_dtype_name(weights[f'{module}.weight'])}"] += 1
+    return QuantizedWeights(weights, out, report)
+
+
+def _unpack(weights: dict[str, Any], module: str, spec: QuantSpec, dtype: mx.Dtype) -> mx.array:
+    packed, scales, biases = (weights.pop(f"{module}.{part}", None) for part in ("weight", "scales", "biases"))
+    return mx.dequantize(
+        packed, scales, biases, group_size=spec.group_size, bits=spec.bits, mode=spec.mode
+    ).astype(dtype)
+
+
+def _dtype_name(array: mx.array) -> str:
+    return str(array.dtype).removeprefix("mlx.core.")

@@ -1,0 +1,273 @@
+"""Gemma 3 (text): interleaved sliding-window and global attention, QK norm, GeGLU, four norms per
+block, embeddings scaled by ``sqrt(hidden_size)``, per-layer RoPE bases, tied embeddings.
+
+Weights use the Hugging Face names (``model.layers.N.pre_feedforward_layernorm.weight`` ...). RMS
+norms hold ``w`` and scale by ``1 + w``, as in Hugging Face checkpoints; the GGUF format plugin
+subtracts the 1 that llama.cpp's converter adds, so one graph serves both. Sliding-window layers
+use ordinary caches and a window mask (see :mod:`mlxr_core.model.masks` for why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.kernels import KernelSet
+from mlxr_core.model.cache import KVCache
+from mlxr_core.model.masks import window_mask
+from mlxr_plugins.archs.llama import LlamaArgs, Rotary
+
+#: Hugging Face's default ``sliding_window_pattern``: every 6th layer attends globally.
+GLOBAL_EVERY = 6
+
+
+@dataclasses.dataclass
+class Gemma3Args(LlamaArgs):
+    """Gemma 3's config keys (Hugging Face names), defaulted as in ``Gemma3TextConfig``."""
+
+    head_dim: int | None = 256
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_local_base_freq: float = 10_000.0
+    max_position_embeddings: int = 131_072
+    sliding_window: int | None = 4096
+    sliding_window_pattern: int = GLOBAL_EVERY
+    #: Per layer ``"sliding_attention"`` or ``"full_attention"``; overrides the pattern when set.
+    layer_types: list[str] | None = None
+    query_pre_attn_scalar: float = 256.0
+    final_logit_softcapping: float | None = None
+    attn_logit_softcapping: float | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attn_logit_softcapping:
+            # The attention kernels compute softmax(q k^T) with no cap; Gemma 2 used one, Gemma 3 does not.
+            raise ModelLoadError("attn_logit_softcapping is not supported by the gemma3 graph")
+        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+            raise ModelLoadError(f"hidden_activation {self.hidden_activation!r} is not GeGLU")
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Gemma3Args:
+        """Build from a ``gemma3_text`` config, or a multimodal ``gemma3`` one's ``text_config``."""
+        text = {**config, **config.get("text_config", {})}
+        # transformers 5: {"full_attention": {rope_theta, scaling...}, "sliding_attention": {...}}.
+        rope = text.get("rope_parameters")
+        if isinstance(rope, dict) and "full_attention" in rope:
+            full = dict(rope["full_attention"])
+            text.setdefault("rope_theta", full.pop("rope_theta", cls.rope_theta))
+            if full.get("rope_type", "default") != "default":
+                text.setdefault("rope_scaling", full)
+            local = rope.get("sliding_attention", {})
+            text.setdefault("rope_local_base_freq", local.get("rope_theta", cls.rope_local_base_freq))
+        args = super().from_config(text)
+        assert isinstance(args, Gemma3Args)
+        return args
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether ``layer`` attends within the sliding window (else over everything)."""
+        if self.layer_types is not None:
+            return self.layer_types[layer] == "sliding_attention"
+        return (layer + 1) % self.sliding_window_pattern != 0
+
+
+class RMSNorm(nn.Module):
+    """RMS norm scaling by ``1 + weight`` (Gemma's stored form)."""
+
+    def __init__(self, dims: int, eps: float, kernels: KernelSet):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+        self._rms_norm = kernels.rms_norm
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self._rms_norm(x, 1.0 + self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Gemma3Args, kernels: KernelSet, rotary: Rotary, window: int | None):
+        super().__init__()
+        assert args.head_dim is not None and args.num_key_value_heads is not None
+        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.scale = args.query_pre_attn_scalar**-0.5
+        D, bias = args.head_dim, args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * D, args.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(D, args.rms_norm_eps, kernels)
+        self.k_norm = RMSNorm(D, args.rms_norm_eps, kernels)
+        self.window = window
+        self._rotary = rotary
+        self._attention = kernels.attention
+
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
+        B, L, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+
+        offset = cache.offset if cache is not None else 0
+        queries = self._rotary(queries, offset)
+        keys = self._rotary(keys, offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        if self.window is not None:
+            mask = window_mask(mask, L, keys.shape[2], self.window)
+
+        out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    """GeGLU with the tanh approximation of GELU (``gelu_pytorch_tanh``)."""
+
+    def __init__(self, args: Gemma3Args):
+        super().__init__()
+        hidden, inner = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre- and post-norms around both attention and feed-forward (the post-norm before the residual)."""
+
+    def __init__(self, args: Gemma3Args, kernels: KernelSet, rotary: Rotary, window: int | None):
+        super().__init__()
+        dims, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(args, kernels, rotary, window)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(dims, eps, kernels)
+        self.post_attention_layernorm = RMSNorm(dims, eps, kernels)
+        self.pre_feedforward_layernorm = RMSNorm(dims, eps, kernels)
+        self.post_feedforward_layernorm = RMSNorm(dims, eps, kernels)
+
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, args: Gemma3Args, kernels: KernelSet):
+        super().__init__()
+        # Global layers: rope_theta and any rope_scaling; sliding ones: the local base, unscaled.
+        global_rotary = Rotary(args, kernels)
+        local_rotary = Rotary(
+            dataclasses.replace(args, rope_theta=args.rope_local_base_freq, rope_scaling=None),
+            kernels,
+        )
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = []
+        for index in range(args.num_hidden_layers):
+            sliding = args.is_sliding(index) and args.sliding_window is not None
+            rotary = local_rotary if sliding else global_rotary
+            window = args.sliding_window if sliding else None
+            self.layers.append(TransformerBlock(args, kernels, rotary, window))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
+        self.embed_scale = math.sqrt(args.hidden_size)
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
+    ) -> mx.array:
+        h = self.embed_tokens(inputs)
+        h = h * mx.array(self.embed_scale, dtype=h.dtype)
+        if mask is None and h.shape[1] > 1:
+            mask = "causal"
+        layer_caches = cache if cache is not None else [None] * len(self.layers)
+        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
+            h = layer(h, mask, layer_cache)
+        return self.norm(h)
+
+
+class Gemma3(nn.Module):
+    """The whole model: ``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
+
+    def __init__(self, args: Gemma3Args, kernels: KernelSet):
+        super().__init__()
+        self.args = args
+        self.model = Gemma3Model(args, kernels)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
+    ) -> mx.array:
+        h = self.model(inputs, cache, mask)
+        if self.args.tie_word_embeddings:
+            logits = self.model.embed_tokens.as_linear(h)
+        else:
+            logits = self.lm_head(h)
+        cap = self.args.final_logit_softcapping
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    @property
+    def layers(self) -> list[TransformerBlock]:
+        return self.model.layers
+
+
+#: Prefixes of the multimodal ``gemma3`` checkpoints' language model -> the text model's names
+#: (transformers < 4.52 and >= 4.52 layouts).
+MULTIMODAL_PREFIXES = {
+    "language_model.model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+    "model.language_model.": "model.",
+}
+#: The image tower and projector of multimodal checkpoints: this graph is text-only.
+VISION_PARTS = ("vision_tower", "multi_modal_projector")
+
+
+class Gemma3Architecture:
+    """The :class:`mlxr_core.model.arch.Architecture` of ``gemma3_text`` and (text only) ``gemma3``."""
+
+    def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
+        """Build the graph from a tolerant config dict."""
+        return Gemma3(Gemma3Args.from_config(config), kernels)
+
+    def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """Text-model names for multimodal checkpoints; drop the vision tower, rotary tables and,
+        with tied embeddings, a redundant ``lm_head``."""
+        tied = Gemma3Args.from_config(config).tie_word_embeddings
+        out = {}
+        for name, array in weights.items():
+            if any(part in name for part in VISION_PARTS) or "rotary_emb.inv_freq" in name:
+                continue
+            for prefix, replacement in MULTIMODAL_PREFIXES.items():
+                if name.startswith(prefix):
+                    name = replacement + name.removeprefix(prefix)
+                    break
+            if tied and name.startswith("lm_head."):
+                continue
+            out[name] = array
+        return out
+
+    def make_cache(self, model: nn.Module) -> list[Any]:
+        """One full :class:`KVCache` per layer; window layers mask, they do not evict."""
+        return [KVCache() for _ in model.layers]
+
+    def context_length(self, config: dict[str, Any]) -> int:
+        """``max_position_embeddings``: the global layers see all of it, the window layers mask."""
+        return Gemma3Args.from_config(config).max_position_embeddings
+
+    def kernel_context(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Shapes kernels check: head dim, head counts, rotary dims and the mask kinds used."""
+        args = Gemma3Args.from_config(config)
+        return {
+            "head_dim": args.head_dim,
+            "n_heads": args.num_attention_heads,
+            "n_kv_heads": args.num_key_value_heads,
+            "rope_dims": args.rope_dims,
+            "rope_traditional": args.rope_traditional,
+            "masks": ("causal", "array"),
+        }

@@ -1,0 +1,38 @@
+"""Fixtures shared by the API plugin tests: the real engine on a tiny random GGUF model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from litestar.testing import TestClient
+
+from mlxr_core.config.schema import Config, ModelConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.plugins import load_plugins
+from mlxr_core.server import ServerContext, build_app
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny-api") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny_app(tiny_model_path: Path) -> Iterator[TestClient]:
+    """Every built-in API over the real engine serving the tiny model as ``tiny`` (context 128)."""
+    config = Config(
+        models=[ModelConfig(path=str(tiny_model_path), name="tiny", context_length=128)],
+        apis=["openai", "ollama", "anthropic"],
+    )
+    host = load_plugins()
+    engine = Engine(config, host)
+    engine.start()
+    try:
+        with TestClient(build_app(ServerContext(config=config, host=host, engine=engine))) as client:
+            yield client
+    finally:
+        engine.stop()
