@@ -103,11 +103,6 @@ def api_key_guard(keys: ApiKeys) -> Any:
     return guard
 
 
-def request_id_of(scope: Scope) -> str:
-    """The id :class:`RequestLog` gave this request (``"-"`` outside it)."""
-    return str(scope.get("state", {}).get("request_id", "-"))
-
-
 class RequestLog:
     """Outermost ASGI middleware: request id, HTTP metrics and one access-log line per request."""
 

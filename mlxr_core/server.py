@@ -75,7 +75,8 @@ class ServerContext:
 
 
 def build_app(ctx: ServerContext) -> Litestar:
-    """Build the app: ``GET /health`` plus the router of every API in ``config.apis``.
+    """Build the app: ``GET /health``, ``GET /metrics`` and the router of every API in ``config.apis``,
+    behind the API-key guard, the body size limit and the access log.
 
     Raises :class:`~mlxr_core.errors.ConfigError` naming ``apis`` when an API is not registered
     by any loaded plugin, and :class:`~mlxr_core.errors.PluginLoadError` when an API plugin's

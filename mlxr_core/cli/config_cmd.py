@@ -93,7 +93,11 @@ def run_show(args: argparse.Namespace) -> int:
     from mlxr_core.config.loader import load_config
 
     config = load_config(args.file)
-    print(yaml.safe_dump(cattrs.unstructure(config), sort_keys=False), end="")
+    shown = cattrs.unstructure(config)
+    server = shown.get("server", {})
+    if server.get("api_keys"):  # never print secrets
+        server["api_keys"] = ["***"] * len(server["api_keys"])
+    print(yaml.safe_dump(shown, sort_keys=False), end="")
     return 0
 
 

@@ -45,7 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     """Add the ``serve`` command to the ``mlxr`` command line."""
     parser = subparsers.add_parser(
         "serve",
-        help="serve models over HTTP (OpenAI-compatible API)",
+        help="serve models over HTTP (OpenAI, Ollama and Anthropic compatible APIs)",
         description=(
             "Serve the models and APIs of a server config. Settings layer as: built-in defaults < "
             "--config FILE < MLXR_* environment < these flags. Without --config, serves the "

@@ -142,5 +142,5 @@ class Config:
     #: Global kernel choices: op -> backend name or ``auto``.
     kernels: dict[str, str] = attrs.field(factory=dict)
     #: API plugins to mount.
-    apis: list[str] = attrs.field(factory=lambda: ["openai"])
+    apis: list[str] = attrs.field(factory=lambda: ["openai", "ollama", "anthropic"])
     plugins: PluginsConfig = attrs.field(factory=PluginsConfig)

@@ -109,6 +109,51 @@ def pick_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "aut
     return arch
 
 
+def build_model(
+    checkpoint: Checkpoint,
+    arch: Architecture,
+    kernels: KernelSet,
+    quantization_policy: str = "auto",
+    dtype: str = "float32",
+) -> nn.Module:
+    """The architecture's module holding ``checkpoint``'s weights under a quantization policy
+    (:mod:`mlxr_core.model.quantize`), evaluated and in eval mode."""
+    config = checkpoint.config
+    model = arch.build(config, kernels)
+    result = apply_policy(
+        quantization_policy,
+        model,
+        arch.sanitize(checkpoint.weights, config),
+        checkpoint.quantization,
+        checkpoint.suggested_quantization,
+        checkpoint.source_types,
+        DTYPES[dtype],
+        current_platform()[0],
+    )
+    weights, quantization = result.weights, result.quantization
+    for outcome, count in sorted(result.report.items()):
+        log.debug("%s: %s: %d tensors", checkpoint.path.name, outcome, count)
+    if quantization:
+
+        def predicate(module_path: str, module: nn.Module) -> bool | dict[str, Any]:
+            spec = quantization.get(module_path)
+            if spec is None or not hasattr(module, "to_quantized"):
+                return False
+            return {"group_size": spec.group_size, "bits": spec.bits, "mode": spec.mode}
+
+        nn.quantize(model, class_predicate=predicate)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ModelLoadError(
+            f"weights do not fit the {config.get('model_type')} graph: {exc}",
+            path=str(checkpoint.path),
+        ) from exc
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
 def load_model(
     model_config: ModelConfig,
     registries: Registries,
@@ -134,38 +179,7 @@ def load_model(
     kernels = bind_kernels(
         registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices
     )
-    model = arch.build(config, kernels)
-    weights = arch.sanitize(checkpoint.weights, config)
-    result = apply_policy(
-        model_config.quantization,
-        model,
-        weights,
-        checkpoint.quantization,
-        checkpoint.suggested_quantization,
-        checkpoint.source_types,
-        DTYPES[dtype],
-        current_platform()[0],
-    )
-    weights, quantization = result.weights, result.quantization
-    for outcome, count in sorted(result.report.items()):
-        log.debug("%s: %s: %d tensors", path.name, outcome, count)
-    if quantization:
-
-        def predicate(module_path: str, module: nn.Module) -> bool | dict[str, Any]:
-            spec = quantization.get(module_path)
-            if spec is None or not hasattr(module, "to_quantized"):
-                return False
-            return {"group_size": spec.group_size, "bits": spec.bits, "mode": spec.mode}
-
-        nn.quantize(model, class_predicate=predicate)
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise ModelLoadError(
-            f"weights do not fit the {config.get('model_type')} graph: {exc}", path=str(path)
-        ) from exc
-    mx.eval(model.parameters())
-    model.eval()
+    model = build_model(checkpoint, arch, kernels, model_config.quantization, dtype)
 
     context_length = model_config.context_length or arch.context_length(config)
     name = model_config.name or path.stem

@@ -77,18 +77,22 @@ def apply_policy(
             continue
         weights[f"{module}.weight"] = _unpack(weights, module, spec, dtype)
 
-    quantizable = {path for path, module in model.named_modules() if hasattr(module, "to_quantized")}
+    quantizable = {
+        path for path, module in model.named_modules() if hasattr(module, "to_quantized")
+    }
     for module in sorted(quantizable):
         weight = weights.get(f"{module}.weight")
         if weight is None or module in out:
             continue
-        spec: QuantSpec | None = target
-        if spec is None and policy == "keep":
-            spec = suggested.get(module)
-        if spec is None or weight.ndim != 2 or weight.shape[-1] % spec.group_size:
+        wanted = (
+            target if target is not None else suggested.get(module) if policy == "keep" else None
+        )
+        if wanted is None or weight.ndim != 2 or weight.shape[-1] % wanted.group_size:
             continue
         source = source_types.get(module, _dtype_name(weight))
-        packed_weight, scales, biases = mx.quantize(weight, group_size=spec.group_size, bits=spec.bits)
+        packed_weight, scales, biases = mx.quantize(
+            weight, group_size=wanted.group_size, bits=wanted.bits
+        )
         weights.update(
             {
                 f"{module}.weight": packed_weight,
@@ -96,8 +100,8 @@ def apply_policy(
                 f"{module}.biases": biases.astype(dtype),
             }
         )
-        out[module] = spec
-        report[f"{source} -> {describe(spec)} (requantized)"] += 1
+        out[module] = wanted
+        report[f"{source} -> {describe(wanted)} (requantized)"] += 1
 
     if policy in DENSE_DTYPES:
         cast = DENSE_DTYPES[policy]
@@ -113,7 +117,9 @@ def apply_policy(
 
 
 def _unpack(weights: dict[str, Any], module: str, spec: QuantSpec, dtype: mx.Dtype) -> mx.array:
-    packed, scales, biases = (weights.pop(f"{module}.{part}", None) for part in ("weight", "scales", "biases"))
+    packed, scales, biases = (
+        weights.pop(f"{module}.{part}", None) for part in ("weight", "scales", "biases")
+    )
     return mx.dequantize(
         packed, scales, biases, group_size=spec.group_size, bits=spec.bits, mode=spec.mode
     ).astype(dtype)

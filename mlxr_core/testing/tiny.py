@@ -94,7 +94,7 @@ def write_tiny_llama_gguf(
 ) -> Path:
     """Write a tiny random llama GGUF to ``path`` and return the path.
 
-    ``quant`` is the type of every matrix (norms stay F32); ``q5_0`` exercises the dequantize path.
+    ``quant`` is the type of every matrix (norms stay F32); ``q5_0`` is repacked as MLX 5-bit.
     The same arguments always produce the same bytes.
     """
     import gguf

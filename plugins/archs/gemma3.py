@@ -65,7 +65,9 @@ class Gemma3Args(LlamaArgs):
             if full.get("rope_type", "default") != "default":
                 text.setdefault("rope_scaling", full)
             local = rope.get("sliding_attention", {})
-            text.setdefault("rope_local_base_freq", local.get("rope_theta", cls.rope_local_base_freq))
+            text.setdefault(
+                "rope_local_base_freq", local.get("rope_theta", cls.rope_local_base_freq)
+            )
         args = super().from_config(text)
         assert isinstance(args, Gemma3Args)
         return args

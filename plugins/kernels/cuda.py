@@ -48,9 +48,11 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 FUSED_HEAD_DIMS = (64, 128, 256)
 #: Threads per block of the split kernel.
 THREADS = 128
-#: Aim for about this many blocks per launch (a few waves over an H100/H200's 132 SMs): fewer
-#: leave SMs idle at B=1, many more only add partial outputs to merge.
-TARGET_BLOCKS = 528
+#: Aim for about this many blocks per launch (two per SM of an H100/H200's 132, which is what
+#: their registers allow): fewer leave SMs idle at B=1, more only add partials to merge.
+TARGET_BLOCKS = 264
+#: The last block's merge keeps two floats per head and split in the shared merge buffer.
+MAX_SPLITS = 512
 
 
 _HEADER = r"""
@@ -161,6 +163,7 @@ _SOURCE = r"""
 
   // Software pipeline: the next tile's K/V rows are requested before the current tile is
   // computed, so loads stay in flight through the shuffles and exponentials.
+  // Rows past the chunk are zeros, not stale registers: their weight is 0, and 0 * NaN is NaN.
   uint4 k_next[U][P], v_next[U][P];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
@@ -168,6 +171,9 @@ _SOURCE = r"""
     if (s < stop) {
       load_raw<T, P>(k_base + s * k_row, vec, k_strides[3], k_next[u]);
       load_raw<T, P>(v_base + s * v_row, vec, v_strides[3], v_next[u]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < P; ++j) k_next[u][j] = v_next[u][j] = make_uint4(0, 0, 0, 0);
     }
   }
   for (int s0 = start; s0 < stop; s0 += TILE) {
@@ -186,6 +192,9 @@ _SOURCE = r"""
       if (s < stop) {
         load_raw<T, P>(k_base + s * k_row, vec, k_strides[3], k_next[u]);
         load_raw<T, P>(v_base + s * v_row, vec, v_strides[3], v_next[u]);
+      } else {
+#pragma unroll
+        for (int j = 0; j < P; ++j) k_next[u][j] = v_next[u][j] = make_uint4(0, 0, 0, 0);
       }
     }
 
@@ -294,22 +303,46 @@ _SOURCE = r"""
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // Every split's max and sum into shared memory (s_acc is free now; n_splits <= 512 keeps
+  // 2 * HPB * n_splits within it). __ldcg reads L2: this SM's L1 holds nothing of other blocks.
+  float* s_w = &s_acc[0][0][0];          // [HPB][n_splits]: max, then weight
+  float* s_sum = s_w + HPB * n_splits;   // [HPB][n_splits]
+  __shared__ float s_inv[HPB];
+  const float* group_part = partials + (long long)(b * Hq + hq0) * n_splits * (D + 2);
+  for (int e = tid; e < HPB * n_splits; e += NT) {
+    s_w[e] = __ldcg(group_part + (long long)e * (D + 2) + D);
+    s_sum[e] = __ldcg(group_part + (long long)e * (D + 2) + D + 1);
+  }
+  __syncthreads();
+  // One warp per head: global max, each split's weight exp2(m_i - max), normalizer.
+  for (int h = tid / 32; h < HPB; h += NT / 32) {
+    const int lane = tid % 32;
+    float global_max = -INFINITY;
+    for (int i = lane; i < n_splits; i += 32) global_max = fmaxf(global_max, s_w[h * n_splits + i]);
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+      global_max = fmaxf(global_max, __shfl_xor_sync(0xffffffffu, global_max, offset));
+    float sum = 0.f;
+    for (int i = lane; i < n_splits; i += 32) {
+      const float m_i = s_w[h * n_splits + i];
+      const float w = m_i == -INFINITY ? 0.f : exp2f(m_i - global_max);  // empty chunks: 0
+      s_w[h * n_splits + i] = w;
+      sum += w * s_sum[h * n_splits + i];
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) s_inv[h] = 1.f / sum;
+  }
+  __syncthreads();
   for (int e = tid; e < HPB * D; e += NT) {
     const int h = e / D;
     const int d = e % D;
-    // __ldcg: read from L2, never from this SM's L1, which may hold nothing of other blocks.
-    const float* part = partials + (long long)(b * Hq + hq0 + h) * n_splits * (D + 2);
-    float global_max = -INFINITY;
-    for (int i = 0; i < n_splits; ++i) global_max = fmaxf(global_max, __ldcg(part + i * (D + 2) + D));
-    float sum = 0.f, out = 0.f;
-    for (int i = 0; i < n_splits; ++i) {
-      const float m_i = __ldcg(part + i * (D + 2) + D);
-      if (m_i == -INFINITY) continue;  // an empty chunk
-      const float w = exp2f(m_i - global_max);
-      sum += w * __ldcg(part + i * (D + 2) + D + 1);
-      out += w * __ldcg(part + i * (D + 2) + d);
-    }
-    o[(long long)(b * Hq + hq0 + h) * D + d] = static_cast<T>(out / sum);
+    const float* part = group_part + (long long)h * n_splits * (D + 2) + d;
+    float out = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < n_splits; ++i) out += s_w[h * n_splits + i] * __ldcg(part + i * (D + 2));
+    o[(long long)(b * Hq + hq0 + h) * D + d] = static_cast<T>(out * s_inv[h]);
   }
 """
 
@@ -440,7 +473,7 @@ def decode_plan(
         return f"scale {scale} (fused: positive and finite)"
     layout = layout_for(B, Hq, Hkv, D, q.dtype, scale, max_heads_per_block, keys_per_step)
     # Enough splits to give the GPU ~target_blocks blocks, each at least one tile of keys.
-    n_splits = max(1, min(-(-S // layout.tile), -(-target_blocks // layout.blocks_per_split)))
+    n_splits = min(-(-S // layout.tile), -(-target_blocks // layout.blocks_per_split), MAX_SPLITS)
     return DecodePlan(B, Hq, Hkv, S, D, layout, n_splits)
 
 

@@ -144,12 +144,15 @@ _SPLIT_SOURCE = r"""
 
   // Software pipeline: the next tile's K/V rows are requested before the current tile is
   // computed, so loads stay in flight through the shuffles and exponentials.
+  // Rows past the chunk are zeros, not stale registers: their weight is 0, and 0 * NaN is NaN.
   uint4 k_next[U][P], v_next[U][P];
   for (int u = 0; u < U; ++u) {
     const int s = start + u * RG + rg;
     if (s < stop) {
       load_raw<T, P>(k_base + s * k_row, vec, k_strides[3], k_next[u]);
       load_raw<T, P>(v_base + s * v_row, vec, v_strides[3], v_next[u]);
+    } else {
+      for (int j = 0; j < P; ++j) k_next[u][j] = v_next[u][j] = uint4(0);
     }
   }
   for (int s0 = start; s0 < stop; s0 += TILE) {
@@ -165,6 +168,8 @@ _SPLIT_SOURCE = r"""
       if (s < stop) {
         load_raw<T, P>(k_base + s * k_row, vec, k_strides[3], k_next[u]);
         load_raw<T, P>(v_base + s * v_row, vec, v_strides[3], v_next[u]);
+      } else {
+        for (int j = 0; j < P; ++j) k_next[u][j] = v_next[u][j] = uint4(0);
       }
     }
 

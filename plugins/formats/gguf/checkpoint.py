@@ -11,6 +11,7 @@ format nearest to them, for the loader's quantization policy.
 from __future__ import annotations
 
 import logging
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,34 @@ class _Reader(gguf.GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._mapped = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    def _get_field_parts(
+        self, orig_offs: int, raw_type: int
+    ) -> tuple[int, list[Any], list[int], list[Any]]:
+        """Arrays of scalars in one read, arrays of strings in a tight loop: the base class walks
+        every element through several numpy views (8 s for Gemma's 262k-token vocabulary).
+        ``contents()`` reads the same values either way."""
+        if raw_type != gguf.GGUFValueType.ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        item_raw = self._get(orig_offs, np.uint32)
+        count = self._get(orig_offs + 4, np.uint64)
+        item_type = gguf.GGUFValueType(int(item_raw[0]))
+        start = orig_offs + 12
+        scalar = self.gguf_scalar_to_np.get(item_type)
+        if scalar is not None:
+            values = self._get(start, scalar, int(count[0]))
+            return 12 + int(values.nbytes), [item_raw, count, values], [2], [raw_type, item_type]
+        if item_type != gguf.GGUFValueType.STRING:
+            return super()._get_field_parts(orig_offs, raw_type)
+        data, buffer, offs = self.data, memoryview(self.data), start
+        parts: list[Any] = [item_raw, count]
+        for _ in range(int(count[0])):
+            (length,) = struct.unpack_from("<Q", buffer, offs)
+            parts.append(data[offs + 8 : offs + 8 + length])
+            offs += 8 + length
+        if offs > len(data):
+            raise ValueError(f"a string array at offset {orig_offs} runs past the end of the file")
+        return offs - orig_offs, parts, list(range(2, len(parts))), [raw_type, item_type]
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         try:

@@ -116,7 +116,9 @@ def _repack_from_values(data: np.ndarray, qtype: GGMLQuantizationType) -> Affine
     block_bytes, block_size, affine = _GROUP_AFFINE[qtype]
     bits = EXACT_BITS[qtype]
     if data.dtype != np.uint8 or data.shape[-1] % block_bytes:
-        raise ValueError(f"expected rows of {block_bytes}-byte blocks, got {data.dtype} {data.shape}")
+        raise ValueError(
+            f"expected rows of {block_bytes}-byte blocks, got {data.dtype} {data.shape}"
+        )
     rows = data.shape[:-1]
     blocks = np.ascontiguousarray(data).reshape(-1, block_bytes)
     scales, biases = affine(blocks)  # [n_blocks, block_size / 32]

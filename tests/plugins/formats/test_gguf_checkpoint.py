@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import gguf
 import mlx.core as mx
 import numpy as np
@@ -14,10 +12,27 @@ from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.checkpoint import QuantSpec
 from mlxr_core.testing.tiny import CHATML_TEMPLATE, write_tiny_llama_gguf
 from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat, hf_name
-from mlxr_plugins.formats.gguf.quants import permute_rows, repack, unpermute_rows
+from mlxr_plugins.formats.gguf.quants import (
+    EXACT_BITS,
+    pack_bits,
+    permute_rows,
+    repack,
+    unpermute_rows,
+)
 
-EXACT = [QType.Q4_0, QType.Q4_1, QType.Q8_0]
-BLOCK_BYTES = {QType.Q4_0: (18, 2), QType.Q4_1: (20, 4), QType.Q8_0: (34, 2)}
+#: Types whose 32-element (sub-)blocks are MLX affine groups; ``gguf`` can write the first five.
+EXACT = [QType.Q4_0, QType.Q4_1, QType.Q8_0, QType.Q5_0, QType.Q5_1, QType.Q4_K, QType.Q5_K]
+QUANTIZABLE = EXACT[:5]
+#: type -> (block bytes, bytes of float16 header: d, and m / dmin where there is one).
+BLOCK_BYTES = {
+    QType.Q4_0: (18, 2),
+    QType.Q4_1: (20, 4),
+    QType.Q8_0: (34, 2),
+    QType.Q5_0: (22, 2),
+    QType.Q5_1: (24, 4),
+    QType.Q4_K: (144, 4),
+    QType.Q5_K: (176, 4),
+}
 
 
 def random_blocks(qtype: QType, rows: int, blocks_per_row: int, seed: int) -> np.ndarray:
@@ -57,6 +72,8 @@ def mlx_dequantize(raw: np.ndarray, qtype: QType, dtype: mx.Dtype = mx.float32) 
 @pytest.mark.parametrize("qtype", EXACT, ids=lambda q: q.name)
 @pytest.mark.parametrize("source", ["random_bytes", "quantized"])
 def test_repacking_is_exact_in_float32(qtype, source):
+    if source == "quantized" and qtype not in QUANTIZABLE:
+        pytest.skip(f"gguf has no {qtype.name} quantizer; random blocks cover every bit pattern")
     raw = (
         random_blocks(qtype, 5, 4, seed=1)
         if source == "random_bytes"
@@ -64,11 +81,12 @@ def test_repacking_is_exact_in_float32(qtype, source):
     )
     expected = gguf.quants.dequantize(raw, qtype)
     # float32 holds the float16 scale, every d*q and the bias (-8d, m, -128d) exactly: bit-equal.
+    # K-quants: MLX computes (d*sc)*q + (-dmin*m) in float32, the very operations ggml does.
     np.testing.assert_array_equal(mlx_dequantize(raw, qtype), expected)
-    assert repack(raw, qtype).bits == (8 if qtype == QType.Q8_0 else 4)
+    assert repack(raw, qtype).bits == EXACT_BITS[qtype]
 
 
-@pytest.mark.parametrize("qtype", EXACT, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda q: q.name)
 @pytest.mark.parametrize(
     "dtype,tolerance",
     # float16: scales stay exact, the products and sums round (two f16 roundings of values up to
@@ -232,19 +250,52 @@ def test_dense_and_quantized_tensors_take_the_model_dtype(tiny_files, dtype):
             assert array.dtype == expected, name
 
 
-def test_types_without_an_exact_layout_are_dequantized_with_one_warning(tiny_files, caplog):
-    with caplog.at_level(logging.WARNING, logger="mlxr_plugins.formats.gguf.checkpoint"):
-        checkpoint = GGUFFormat().load(tiny_files["q5_0"])
-    warnings = [r for r in caplog.records if "Q5_0" in r.getMessage()]
-    assert len(warnings) == 1 and "16 tensors" in warnings[0].getMessage()
-    assert checkpoint.quantization == {}
-    assert checkpoint.metadata["dequantized_types"] == ["Q5_0"]
+def test_q5_0_is_repacked_exactly_as_five_bits(tiny_files):
+    checkpoint = GGUFFormat().load(tiny_files["q5_0"])
+    assert checkpoint.quantization["model.layers.0.mlp.up_proj"] == QuantSpec(bits=5, group_size=32)
+    assert checkpoint.source_types["model.layers.0.mlp.up_proj"] == "Q5_0"
+    assert checkpoint.suggested_quantization == {}
     reader = gguf.GGUFReader(tiny_files["q5_0"])
     (up,) = [t for t in reader.tensors if t.name == "blk.0.ffn_up.weight"]
-    np.testing.assert_array_equal(
-        np.array(checkpoint.weights["model.layers.0.mlp.up_proj.weight"]),
-        gguf.quants.dequantize(up.data, up.tensor_type),
+    w = mx.dequantize(
+        *(
+            checkpoint.weights[f"model.layers.0.mlp.up_proj.{part}"]
+            for part in ("weight", "scales", "biases")
+        ),
+        group_size=32,
+        bits=5,
     )
+    np.testing.assert_array_equal(np.array(w), gguf.quants.dequantize(up.data, up.tensor_type))
+
+
+def test_types_without_an_exact_layout_are_dequantized_with_a_suggested_format(tmp_path):
+    """Q6_K (16-element sub-blocks): dense exact values, and 8-bit group 32 suggested for ``keep``."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (4, 210), dtype=np.uint8)
+    raw[:, 208:] = np.float16(0.01).reshape(1).view(np.uint8)  # d is the block's last 2 bytes
+    writer = gguf.GGUFWriter(tmp_path / "q6.gguf", "qwen2")
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.ffn_up.weight", raw, raw_shape=raw.shape, raw_dtype=QType.Q6_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    checkpoint = GGUFFormat().load(tmp_path / "q6.gguf")
+    module = "model.layers.0.mlp.up_proj"
+    assert checkpoint.quantization == {}
+    assert checkpoint.suggested_quantization == {module: QuantSpec(bits=8, group_size=32)}
+    assert checkpoint.metadata["dequantized_types"] == ["Q6_K"]
+    np.testing.assert_array_equal(
+        np.array(checkpoint.weights[f"{module}.weight"]), gguf.quants.dequantize(raw, QType.Q6_K)
+    )
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
+def test_pack_bits_is_mlx_packing(bits):
+    q = np.random.default_rng(bits).integers(0, 2**bits, (3, 64), dtype=np.uint8)
+    ones = mx.ones((3, 2))
+    unpacked = mx.dequantize(mx.array(pack_bits(q, bits)), ones, 0 * ones, group_size=32, bits=bits)
+    np.testing.assert_array_equal(np.array(unpacked), q.astype(np.float32))
 
 
 def test_detect_checks_the_magic(tiny_files, tmp_path):

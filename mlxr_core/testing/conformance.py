@@ -1,0 +1,127 @@
+"""The conformance check every architecture plugin passes, on tiny random weights.
+
+An architecture is a contract with the engine (:class:`~mlxr_core.model.arch.Architecture`): the
+module maps ``[B, L]`` ids to ``[B, L, vocab]`` logits; decoding through :meth:`make_cache` one token
+at a time gives the logits of one full forward pass; and the engine's batch flow (each prompt
+prefilled alone, its cache joined into a right-aligned :class:`BatchKVCache`, every row decoded
+together under the batch's padding mask, rows leaving) gives each row what it would get alone.
+Third-party architectures run the same check::
+
+    from mlxr_core.testing.conformance import TINY_CONFIG, check_architecture
+    check_architecture(MyArchitecture(), {**TINY_CONFIG, "model_type": "mine"}, kernels)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from mlxr_core.model.cache import BatchKVCache
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from mlxr_core.kernels import KernelSet
+    from mlxr_core.model.arch import Architecture
+
+#: A config every built-in architecture accepts: Hugging Face keys, tiny shapes, a sliding window
+#: shorter than the test sequences (for architectures that use one) and a global layer.
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "vocab_size": 97,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "sliding_window": 4,
+    "sliding_window_pattern": 2,
+    "tie_word_embeddings": False,
+}
+#: Prompt lengths of the two batch rows: different, and longer than the sliding window.
+LENGTHS = (11, 6)
+DECODE_STEPS = 3
+
+
+def random_model(
+    arch: Architecture, config: dict[str, Any], kernels: KernelSet, seed: int = 0
+) -> nn.Module:
+    """The module with O(1) logits: matrices scaled by ``1/sqrt(fan_in)``, vectors near 1 (norms)
+    or near 0 (biases). MLX's default initialization gives near-zero logits, which prove little."""
+    model = arch.build(config, kernels)
+    rng = np.random.default_rng(seed)
+    params = []
+    flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for name, array in flat:
+        noise = rng.standard_normal(array.shape).astype(np.float32)
+        if array.ndim == 1:
+            value = 0.1 * noise + (0.0 if name.endswith("bias") else 1.0)
+        else:
+            value = noise / np.sqrt(array.shape[-1])
+        params.append((name, mx.array(value)))
+    model.update(tree_unflatten(params))
+    mx.eval(model.parameters())
+    return model
+
+
+def check_architecture(
+    arch: Architecture,
+    config: dict[str, Any],
+    kernels: KernelSet,
+    *,
+    seed: int = 0,
+    atol: float = 1e-4,
+) -> None:
+    """Raise AssertionError naming the first broken property of ``arch`` on ``config``."""
+    model = random_model(arch, config, kernels, seed)
+    vocab = int(config["vocab_size"])
+    rng = np.random.default_rng(seed + 1)
+    # Each prompt: n - 1 prefilled tokens, DECODE_STEPS + 1 decoded in the batch, one more alone.
+    prompts = [rng.integers(0, vocab, n + DECODE_STEPS + 1).tolist() for n in LENGTHS]
+
+    # Shapes: a batch of equal-length rows, logits over the vocabulary, float.
+    length = min(LENGTHS)
+    logits = model(mx.array([p[:length] for p in prompts]))
+    assert logits.shape == (2, length, vocab), f"forward shape {logits.shape}"
+    assert bool(mx.all(mx.isfinite(logits))), "non-finite logits"
+    full = [np.array(model(mx.array([p]))[0]) for p in prompts]
+
+    # Cache: prefill half, then one token at a time == one full pass.
+    for prompt, expected in zip(prompts, full, strict=True):
+        cache = arch.make_cache(model)
+        half = len(prompt) // 2
+        steps = [model(mx.array([prompt[:half]]), cache=cache)]
+        steps += [model(mx.array([[token]]), cache=cache) for token in prompt[half:]]
+        cached = np.array(mx.concatenate(steps, axis=1)[0])
+        _close(cached, expected, atol, f"cached decoding of a {len(prompt)}-token sequence")
+
+    # Batch: rows prefilled alone, joined (left padding), decoded together, one leaves.
+    rows = []
+    for n, prompt in zip(LENGTHS, prompts, strict=True):
+        cache = arch.make_cache(model)
+        model(mx.array([prompt[: n - 1]]), cache=cache)
+        rows.append([BatchKVCache.from_cache(layer) for layer in cache])
+    batch = rows[0]
+    for layer, other in zip(batch, rows[1], strict=True):
+        layer.extend(other)
+    for step in range(DECODE_STEPS + 1):
+        tokens = mx.array([[p[n - 1 + step]] for n, p in zip(LENGTHS, prompts, strict=True)])
+        out = np.array(model(tokens, cache=batch, mask=batch[0].mask())[:, -1])
+        for row, (n, expected) in enumerate(zip(LENGTHS, full, strict=True)):
+            _close(out[row], expected[n - 1 + step], atol, f"batch row {row}, decode step {step}")
+    for layer in batch:
+        layer.filter([1])
+    position = LENGTHS[1] + DECODE_STEPS  # the survivor decodes on alone, without a mask
+    alone = np.array(model(mx.array([[prompts[1][position]]]), cache=batch)[0, -1])
+    _close(alone, full[1][position], atol, "the remaining row after the other left")
+
+
+def _close(actual: np.ndarray, expected: np.ndarray, atol: float, what: str) -> None:
+    worst = float(np.abs(actual - expected).max())
+    assert worst <= atol, f"{what}: logits differ by {worst:.2e} (> {atol:g})"

@@ -1,0 +1,120 @@
+"""The ``models[].quantization`` policy: which weights stay packed, which are requantized or dense."""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlxr_core.config.schema import ModelConfig
+from mlxr_core.model.checkpoint import QuantSpec
+from mlxr_core.model.loader import load_model
+from mlxr_core.model.quantize import apply_policy
+from mlxr_core.plugins import load_plugins
+from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+
+@pytest.fixture(scope="module")
+def registries():
+    return load_plugins().registries
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    return {
+        q: write_tiny_llama_gguf(folder / f"{q}.gguf", quant=q) for q in ("f32", "q4_0", "q8_0")
+    }
+
+
+def load(path, registries, policy):
+    return load_model(ModelConfig(path=str(path), dtype="float32", quantization=policy), registries)
+
+
+def up_proj(loaded):
+    return loaded.model.layers[0].mlp.up_proj
+
+
+@pytest.mark.parametrize(
+    ("quant", "policy", "bits", "group_size"),
+    [
+        ("q4_0", "keep", 4, 32),
+        ("q4_0", "q4", 4, 32),
+        ("q4_0", "q8", 8, 32),
+        ("q4_0", "q4_g64", 4, 64),
+        ("q8_0", "q4", 4, 32),
+        ("f32", "q8", 8, 32),
+        ("f32", "q4_g64", 4, 64),
+    ],
+)
+def test_packed_policies(files, registries, quant, policy, bits, group_size):
+    module = up_proj(load(files[quant], registries, policy))
+    assert isinstance(module, nn.QuantizedLinear)
+    assert (module.bits, module.group_size) == (bits, group_size)
+
+
+@pytest.mark.parametrize(
+    ("policy", "dtype"), [("dequantize", mx.float32), ("f16", mx.float16), ("bf16", mx.bfloat16)]
+)
+def test_dense_policies(files, registries, policy, dtype):
+    module = up_proj(load(files["q4_0"], registries, policy))
+    assert type(module) is nn.Linear and module.weight.dtype == dtype
+
+
+def test_keep_leaves_float_weights_dense(files, registries):
+    assert type(up_proj(load(files["f32"], registries, "keep"))) is nn.Linear
+
+
+def test_a_matching_packed_format_is_not_rounded_twice(files, registries):
+    kept = up_proj(load(files["q4_0"], registries, "keep"))
+    again = up_proj(load(files["q4_0"], registries, "q4"))
+    assert mx.array_equal(kept.weight, again.weight) and mx.array_equal(kept.scales, again.scales)
+
+
+def test_the_load_reports_each_source_type_at_debug(files, registries, caplog):
+    with caplog.at_level(logging.DEBUG, logger="mlxr_core.model.loader"):
+        load(files["q4_0"], registries, "q8")
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("Q4_0 -> MLX 8-bit g32 (requantized): 16 tensors" in line for line in lines), lines
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(64, 8, bias=False)
+        self.norm = nn.RMSNorm(64)
+
+
+def test_keep_requantizes_dense_weights_to_their_suggested_format():
+    """A block type with no exact layout (handed over dense) becomes the suggested MLX format."""
+    w = mx.array(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32))
+    weights = {"proj.weight": w, "norm.weight": mx.ones(64)}
+    result = apply_policy(
+        "keep",
+        Tiny(),
+        weights,
+        {},
+        {"proj": QuantSpec(8, 32)},
+        {"proj": "Q6_K"},
+        mx.float32,
+        "gpu",
+    )
+    assert result.quantization == {"proj": QuantSpec(8, 32)}
+    assert result.report == {"Q6_K -> MLX 8-bit g32 (requantized)": 1}
+    restored = mx.dequantize(
+        result.weights["proj.weight"],
+        result.weights["proj.scales"],
+        result.weights["proj.biases"],
+        group_size=32,
+        bits=8,
+    )
+    assert float(mx.abs(restored - w).max()) < 0.02
+    assert result.weights["norm.weight"] is weights["norm.weight"]
+    # ``auto`` on CPU: dense, the suggestion ignored.
+    dense = apply_policy(
+        "auto", Tiny(), weights, {}, {"proj": QuantSpec(8, 32)}, {"proj": "Q6_K"}, mx.float32, "cpu"
+    )
+    assert dense.quantization == {} and dense.report == {"Q6_K -> dense float32": 1}
