@@ -187,9 +187,14 @@ def main() -> int:
             weight_bytes = engine._loaded["bench"].nbytes
             try:
                 mlxr_decode(engine, prompt, 8, 1)  # warm-up
-                ours = [mlxr_decode(engine, prompt, args.gen_tokens, 1) for _ in range(2)]
-                peer = [mlx_lm_decode(folder, prompt, args.gen_tokens) for _ in range(2)]
-                crowd = {n: mlxr_decode(engine, prompt, args.gen_tokens, n) for n in args.streams}
+                ours, peer = [], []
+                for _ in range(3):  # alternate, so drift hits both alike
+                    ours.append(mlxr_decode(engine, prompt, args.gen_tokens, 1))
+                    peer.append(mlx_lm_decode(folder, prompt, args.gen_tokens))
+                crowd = {}
+                for n in args.streams:
+                    mlxr_decode(engine, prompt, 8, n)  # warm-up: first use of each batch shape
+                    crowd[n] = mlxr_decode(engine, prompt, args.gen_tokens, n)
             finally:
                 engine.stop()
             best_ours = max(r["decode_tps"] for r in ours)

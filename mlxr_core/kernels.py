@@ -11,7 +11,10 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
 - ``rope(x, dims, *, traditional, base, scale, offset, freqs=None)``: as ``mx.fast.rope``.
 
 Selection happens once per model, never in the token loop: :func:`bind_kernels` resolves every op
-to a plain callable and returns a :class:`KernelSet`.
+to a plain callable and returns a :class:`KernelSet`. An explicit choice that cannot run is a
+startup error listing the backend's reasons; ``auto`` takes the first backend by priority that can
+run and logs which (and why the ones above it could not). :func:`kernel_report` is the same
+decision for every backend at once, for ``mlxr kernels``.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class KernelContext:
 
 
 class KernelBackend(Protocol):
+    """A backend for one op. It may also carry a one-line ``summary`` (what it fuses, what it
+    delegates), which ``mlxr kernels`` shows."""
+
     op: Callable[..., Any]
 
     def supports(self, ctx: KernelContext) -> list[str]:
@@ -85,7 +91,12 @@ def backends_for(registry: Registry, op: str) -> list[tuple[str, int]]:
 
 
 def select_kernel(registry: Registry, ctx: KernelContext, choice: str = "auto") -> tuple[str, Any]:
-    """Pick the backend for ``ctx.op``: the named one (validated) or the first supported by priority."""
+    """Pick the backend for ``ctx.op``: the named one (validated) or the first supported by priority.
+
+    :raises UnknownName: ``choice`` names no registered backend of the op.
+    :raises KernelUnavailable: the named backend, or with ``auto`` every backend, cannot run in
+        ``ctx``; the message lists each one's reasons.
+    """
     candidates = backends_for(registry, ctx.op)
     if choice != "auto":
         if choice not in {name for name, _ in candidates}:
@@ -95,14 +106,18 @@ def select_kernel(registry: Registry, ctx: KernelContext, choice: str = "auto") 
         if reasons:
             raise KernelUnavailable(
                 f"kernels.{ctx.op}: backend {choice!r} cannot run here: " + "; ".join(reasons)
+                + " (choose another backend or auto; `mlxr kernels` lists what runs here)"
             )
         return choice, backend
-    rejected = []
+    rejected: list[str] = []
     for name, _ in candidates:
         backend = registry.get(f"{ctx.op}:{name}")
         reasons = backend.supports(ctx)
         if not reasons:
-            log.debug("kernel %s: auto chose %s", ctx.op, name)
+            if rejected:
+                log.info("kernel %s: auto chose %s (skipped %s)", ctx.op, name, " | ".join(rejected))
+            else:
+                log.info("kernel %s: auto chose %s", ctx.op, name)
             return name, backend
         rejected.append(f"{name}: {'; '.join(reasons)}")
     raise KernelUnavailable(
@@ -117,9 +132,17 @@ def bind_kernels(
     shapes: Mapping[str, Any],
     choices: Mapping[str, str] | None = None,
 ) -> KernelSet:
-    """Resolve every op in :data:`OPS` for one model."""
+    """Resolve every op in :data:`OPS` for one model.
+
+    ``choices`` maps an op to a backend name or ``auto`` (the merged global and per-model
+    ``kernels:``); ops it leaves out are ``auto``. A choice for an op that is not in :data:`OPS`
+    is an error rather than silently ignored.
+    """
     device, platform = current_platform()
     choices = choices or {}
+    unknown = sorted(set(choices) - set(OPS))
+    if unknown:
+        raise UnknownName("kernel op", unknown[0], OPS)
     chosen: dict[str, str] = {}
     ops: dict[str, Callable[..., Any]] = {}
     for op in OPS:
@@ -128,3 +151,51 @@ def bind_kernels(
         chosen[op] = name
         ops[op] = backend.op
     return KernelSet(chosen=chosen, **ops)
+
+
+def kernel_report(
+    registry: Registry,
+    *,
+    dtype: str,
+    shapes: Mapping[str, Any],
+    device: str | None = None,
+    platform: str | None = None,
+) -> list[dict[str, Any]]:
+    """Every registered backend of every op, asked whether it can run in one context.
+
+    One JSON-ready row per (op, backend), ops in :data:`OPS` order (then any other registered op)
+    and backends by priority: ``supported`` with the ``reasons`` when not, ``auto`` on the backend
+    ``auto`` would choose, the providing ``plugin`` and the backend's ``summary``. A backend that
+    fails to import is reported as unsupported with the error, not raised.
+    """
+    if device is None or platform is None:
+        device, platform = current_platform()
+    registered = {name.partition(":")[0] for name in registry.names()}
+    rows = []
+    for op in [*OPS, *sorted(registered - set(OPS))]:
+        ctx = KernelContext(op=op, device=device, platform=platform, dtype=dtype, shapes=shapes)
+        auto_taken = False
+        for name, priority in backends_for(registry, op):
+            entry = registry.entry(f"{op}:{name}")
+            summary = ""
+            try:
+                backend = entry.load()
+                reasons = list(backend.supports(ctx))
+                summary = str(getattr(backend, "summary", ""))  # optional, see KernelBackend
+            except Exception as exc:  # a broken backend must not hide the others
+                reasons = [f"failed to load: {type(exc).__name__}: {exc}"]
+            auto = not reasons and not auto_taken
+            auto_taken = auto_taken or auto
+            rows.append(
+                {
+                    "op": op,
+                    "backend": name,
+                    "priority": priority,
+                    "plugin": entry.plugin,
+                    "supported": not reasons,
+                    "reasons": reasons,
+                    "auto": auto,
+                    "summary": summary,
+                }
+            )
+    return rows

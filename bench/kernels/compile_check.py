@@ -65,7 +65,7 @@ def kernel_text(name: str, header: str, source: str, inputs: dict[str, str],
 
 def instantiations() -> list[tuple[str, str]]:
     """(label, CUDA text) for each kernel variant the backend can launch."""
-    out = []
+    out: list[tuple[str, str]] = []
     for dtype, ctype in CUDA_TYPES.items():
         for D in cuda.FUSED_HEAD_DIMS:
             for ratio in (1, 2, 4, 8):

@@ -61,8 +61,7 @@ def log(*parts: Any) -> None:
 def exact_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> np.ndarray:
     """float64 attention of one query position, GQA by head index (query head h -> h // R)."""
     qn, kn, vn = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (q, k, v))
-    B, Hq = qn.shape[:2]
-    R = Hq // kn.shape[1]
+    R = qn.shape[1] // kn.shape[1]
     kg = np.repeat(kn, R, axis=1)  # [B, Hq, S, D]
     vg = np.repeat(vn, R, axis=1)
     scores = scale * np.einsum("bhld,bhsd->bhls", qn, kg)
@@ -92,6 +91,13 @@ def make_kv(
     return k, v
 
 
+def max_error(out: mx.array, exact: np.ndarray, atol: float, rtol: float) -> tuple[float, bool]:
+    """(max |out - exact|, whether every element is finite and within atol + rtol * |exact|)."""
+    got = np.array(out.astype(mx.float32), dtype=np.float64)
+    excess = np.abs(got - exact) - (atol + rtol * np.abs(exact))
+    return float(np.abs(got - exact).max()), bool(np.isfinite(got).all() and excess.max() <= 0)
+
+
 def parity(results: dict[str, Any], smoke: bool = False) -> None:
     cases = []
     lengths = [1, 37] if smoke else [1, 37, 1000, 4097]
@@ -108,7 +114,7 @@ def parity(results: dict[str, Any], smoke: bool = False) -> None:
         for layout in ["contiguous", "cache_view", "transposed"]:
             for sharpness in [1.0, 8.0]:
                 cases.append((dtype_name, 32, 8, 128, 1000, 3, layout, sharpness))
-    rows = []
+    rows: list[dict[str, Any]] = []
     failures = 0
     for index, (dtype_name, Hq, Hkv, D, S, B, layout, sharpness) in enumerate(cases):
         dtype = DTYPES[dtype_name]
@@ -128,14 +134,9 @@ def parity(results: dict[str, Any], smoke: bool = False) -> None:
         if dtype_name == "float32":  # float32 score errors grow with the scores' magnitude
             atol, rtol = atol * sharpness, rtol * sharpness
 
-        def error(out: mx.array) -> tuple[float, bool]:
-            got = np.array(out.astype(mx.float32), dtype=np.float64)
-            excess = np.abs(got - exact) - (atol + rtol * np.abs(exact))
-            return float(np.abs(got - exact).max()), bool(np.isfinite(got).all() and excess.max() <= 0)
-
-        fused_err, fused_ok = error(fused)
-        fast_err, _ = error(fast)
-        ref_err, _ = error(ref)
+        fused_err, fused_ok = max_error(fused, exact, atol, rtol)
+        fast_err, _ = max_error(fast, exact, atol, rtol)
+        ref_err, _ = max_error(ref, exact, atol, rtol)
         same_causal = bool(mx.array_equal(fused, causal).item())
         ok = fused_ok and same_causal and not isinstance(plan, str) and fused.shape == q.shape
         failures += not ok
@@ -203,6 +204,46 @@ def copy_bandwidth(smoke: bool = False) -> float:
     return 2 * x.nbytes / seconds
 
 
+Triple = tuple[mx.array, mx.array, mx.array]
+Call = Callable[[mx.array, mx.array, mx.array], mx.array]
+
+
+def fast_call(scale: float) -> Call:
+    """``mx.fast.scaled_dot_product_attention`` with no mask."""
+    return functools.partial(_fast, scale=scale)
+
+
+def _fast(q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def fused_call(scale: float, target: int, keys_per_step: int | None = None) -> Call:
+    """The fused kernel with a given split target and rows per step (asserting it is fused)."""
+    return functools.partial(_fused, scale=scale, target=target, keys_per_step=keys_per_step)
+
+
+def _fused(q: mx.array, k: mx.array, v: mx.array, *, scale: float, target: int,
+           keys_per_step: int | None) -> mx.array:
+    plan = cuda.decode_plan(q, k, v, scale=scale, mask=None, target_blocks=target,
+                            keys_per_step=keys_per_step)
+    assert not isinstance(plan, str), plan
+    return cuda.flash_decode(q, k, v, plan=plan)
+
+
+def copy_first_call(scale: float) -> Call:
+    """The fused kernel on row-contiguous copies: what ``ensure_row_contiguous=True`` costs."""
+    return functools.partial(_copy_first, scale=scale)
+
+
+def _copy_first(q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
+    return cuda.attention(q, mx.contiguous(k), mx.contiguous(v), scale=scale)
+
+
+def batch(fn: Call, data: list[Triple]) -> Callable[[int], list[mx.array]]:
+    """``n`` calls of ``fn``, rotating over ``data``, built lazily."""
+    return lambda n: [fn(*data[i % len(data)]) for i in range(n)]
+
+
 def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = False) -> None:
     shapes = [(1, 32, 8, 128, S) for S in (1024, 4096, 8192, 32768)]
     shapes += [(8, 32, 8, 128, S) for S in (1024, 4096, 8192)]
@@ -224,22 +265,10 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
         scale = D**-0.5
         calls = 8 if smoke else 200
 
-        def run(fn: Callable[..., mx.array], data: list[tuple[mx.array, ...]]):
-            return lambda n: [fn(*data[i % len(data)]) for i in range(n)]
+        fast = fast_call(scale)
 
-        def fast(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-
-        def fused(target: int, keys_per_step: int | None = None) -> Callable[..., mx.array]:
-            def fn(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-                plan = cuda.decode_plan(q, k, v, scale=scale, mask=None, target_blocks=target,
-                                        keys_per_step=keys_per_step)
-                assert not isinstance(plan, str), plan
-                return cuda.flash_decode(q, k, v, plan=plan)
-            return fn
-
-        def fused_copy(q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-            return cuda.attention(q, mx.contiguous(k), mx.contiguous(v), scale=scale)
+        def fused(target: int, keys_per_step: int | None = None) -> Call:
+            return fused_call(scale, target, keys_per_step)
 
         # Correctness of this very configuration before timing it.
         q, k, v = sets[0]
@@ -248,7 +277,7 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
         row: dict[str, Any] = {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S, "dtype": "bfloat16",
                                "kv_bytes": kv_bytes, "rotating_sets": n_sets, "calls": calls,
                                "max_abs_diff_vs_mx_fast": diff}
-        variants: dict[str, tuple[Callable[..., mx.array], list[tuple[mx.array, ...]]]] = {
+        variants: dict[str, tuple[Call, list[Triple]]] = {
             "mx_fast_view": (fast, sets),
             "mx_fast_contiguous": (fast, contiguous),
             "cuda_view": (fused(cuda.TARGET_BLOCKS), sets),
@@ -257,16 +286,18 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
             "cuda_view_u2": (fused(cuda.TARGET_BLOCKS, 2), sets),
             "cuda_view_u8": (fused(cuda.TARGET_BLOCKS, 8), sets),
             "cuda_contiguous": (fused(cuda.TARGET_BLOCKS), contiguous),
-            "cuda_copy_first": (fused_copy, sets),
+            "cuda_copy_first": (copy_first_call(scale), sets),
         }
         for name, (fn, data) in variants.items():
-            seconds, build = timed(run(fn, data), calls)
+            seconds, build = timed(batch(fn, data), calls)
             row[f"{name}_us"] = seconds * 1e6
             row[f"{name}_build_us"] = build * 1e6
             row[f"{name}_bw_fraction"] = kv_bytes / seconds / bandwidth
         # One call at a time, each waited for: what a caller that evaluates every call sees
         # (launch and synchronization included).
-        for name, fn in (("mx_fast", fast), ("cuda", fused(cuda.TARGET_BLOCKS))):
+        sync_calls: tuple[tuple[str, Call], ...] = (
+            ("mx_fast", fast), ("cuda", fused(cuda.TARGET_BLOCKS)))
+        for name, fn in sync_calls:
             latencies = []
             for i in range(30):
                 q, k, v = sets[i % n_sets]
@@ -321,8 +352,8 @@ def profile(out: Path) -> None:
         k, v = make_kv(B, Hkv, S, D, mx.bfloat16, "cache_view", mx.random.key(6))
         mx.eval(q)
         calls = {
-            "mx_fast": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5),
-            "cuda": lambda: cuda.attention(q, k, v, scale=D**-0.5),
+            "mx_fast": functools.partial(fast_call(D**-0.5), q, k, v),
+            "cuda": functools.partial(cuda.attention, q, k, v, scale=D**-0.5),
         }
         for backend, call in calls.items():
             mx.eval(call())  # compile outside the markers
@@ -403,7 +434,7 @@ def bench_e2e(results: dict[str, Any], smoke: bool = False) -> None:
     from mlxr_core.plugins import load_plugins
     from mlxr_plugins.archs.llama import LlamaArchitecture
 
-    context, tokens, config = 4096, 128, LLAMA_1B
+    context, tokens, config = 4096, 128, dict(LLAMA_1B)
     if smoke:
         context, tokens = 64, 4
         config = {**LLAMA_1B, "hidden_size": 256, "num_hidden_layers": 2, "intermediate_size": 512,
@@ -422,12 +453,12 @@ def bench_e2e(results: dict[str, Any], smoke: bool = False) -> None:
             model.set_dtype(mx.bfloat16)
             weights = tree_flatten(model.parameters())
         else:
-            model.load_weights(weights)
+            model.load_weights(list(weights))
         mx.eval(model.parameters())
         model.eval()
         models[backend] = model
 
-    prompt = mx.random.randint(0, config["vocab_size"], (1, context))
+    prompt = mx.random.randint(0, int(str(config["vocab_size"])), (1, context))
     caches = {}
     for backend, model in models.items():
         cache = arch.make_cache(model)
@@ -540,7 +571,7 @@ def main() -> int:
                 f"{row['gpu_us']:8.1f} us  {fraction:>5s} of copy bw  {row['kernels']}")
         return 0
     results: dict[str, Any] = {
-        "device": str(mx.default_device()), "mlx": mx.__version__,
+        "device": str(mx.default_device()), "mlx": getattr(mx, "__version__", "?"),
         "python": platform.python_version(), "argv": sys.argv,
     }
     try:

@@ -25,8 +25,11 @@ BUILTIN_COMMANDS = {
     "serve": "mlxr_core.cli.serve",
     "generate": "mlxr_core.cli.generate",
     "bench": "mlxr_core.cli.bench",
+    "info": "mlxr_core.cli.info",
+    "convert": "mlxr_core.cli.convert",
     "plugins": "mlxr_core.cli.plugins_cmd",
     "config": "mlxr_core.cli.config_cmd",
+    "kernels": "mlxr_core.cli.kernels_cmd",
 }
 
 Subparsers = argparse._SubParsersAction  # type: ignore[type-arg]

@@ -221,7 +221,7 @@ class BatchRunner:
     def _decode(self) -> None:
         assert self.caches is not None and self.tokens is not None
         tokens, caches = self.tokens, self.caches
-        mask = caches[0].mask() if len(self.running) > 1 else None
+        mask = caches[0].mask() if caches[0].padded else None
         logits = self.model.model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
         following = self._sample(logits)
         mx.async_eval(following)

@@ -115,11 +115,20 @@ class BatchKVCache:
         return len(self.left_padding)
 
     @property
-    def offset(self) -> mx.array:
-        """Each row's number of positions, ``[B]``: where its next token's rotary position is."""
+    def offset(self) -> int | mx.array:
+        """Each row's number of positions: where its next token's rotary position is. An int when
+        every row has the same length (no per-row offsets to upload), else an ``[B]`` array."""
+        first = self.left_padding[0] if self.left_padding else 0
+        if all(pad == first for pad in self.left_padding):
+            return self.length - first
         if self._offset is None:
             self._offset = mx.array([self.length - pad for pad in self.left_padding])
         return self._offset
+
+    @property
+    def padded(self) -> bool:
+        """Whether some row starts after padding (only then does attention need a mask)."""
+        return any(pad > 0 for pad in self.left_padding)
 
     def mask(self, extra: int = 1) -> mx.array:
         """Boolean ``[B, 1, 1, length + extra]`` mask letting each row see only its own positions

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,9 +116,11 @@ def build_model(
     kernels: KernelSet,
     quantization_policy: str = "auto",
     dtype: str = "float32",
+    report: Counter[str] | None = None,
 ) -> nn.Module:
     """The architecture's module holding ``checkpoint``'s weights under a quantization policy
-    (:mod:`mlxr_core.model.quantize`), evaluated and in eval mode."""
+    (:mod:`mlxr_core.model.quantize`), evaluated and in eval mode. What the policy did per source
+    type is logged at debug level and added to ``report`` when given."""
     config = checkpoint.config
     model = arch.build(config, kernels)
     result = apply_policy(
@@ -133,6 +136,8 @@ def build_model(
     weights, quantization = result.weights, result.quantization
     for outcome, count in sorted(result.report.items()):
         log.debug("%s: %s: %d tensors", checkpoint.path.name, outcome, count)
+    if report is not None:
+        report.update(result.report)
     if quantization:
 
         def predicate(module_path: str, module: nn.Module) -> bool | dict[str, Any]:

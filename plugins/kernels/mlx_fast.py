@@ -47,6 +47,8 @@ def attention(
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
-attention_kernel = KernelImpl(attention, _attention_support)
-rms_norm_kernel = KernelImpl(mx.fast.rms_norm, _float_dtype)
-rope_kernel = KernelImpl(mx.fast.rope, _rope_support)
+attention_kernel = KernelImpl(
+    attention, _attention_support, summary="mx.fast.scaled_dot_product_attention"
+)
+rms_norm_kernel = KernelImpl(mx.fast.rms_norm, _float_dtype, summary="mx.fast.rms_norm")
+rope_kernel = KernelImpl(mx.fast.rope, _rope_support, summary="mx.fast.rope")

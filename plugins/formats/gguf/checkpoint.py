@@ -111,14 +111,20 @@ class _Reader(gguf.GGUFReader):
         item_raw = self._get(orig_offs, np.uint32)
         count = self._get(orig_offs + 4, np.uint64)
         item_type = gguf.GGUFValueType(int(item_raw[0]))
-        start = orig_offs + 12
+        start, n = orig_offs + 12, int(count[0])
+        types = [gguf.GGUFValueType.ARRAY, item_type]
         scalar = self.gguf_scalar_to_np.get(item_type)
         if scalar is not None:
-            values = self._get(start, scalar, int(count[0]))
-            return 12 + int(values.nbytes), [item_raw, count, values], [2], [raw_type, item_type]
+            values = self._get(start, scalar, n)
+            if values.size != n:
+                raise ValueError(f"an array of {n} values at offset {orig_offs} runs past the end")
+            return 12 + int(values.nbytes), [item_raw, count, values], [2], types
+        if item_type == gguf.GGUFValueType.STRING and n * 8 > len(self.data) - start:
+            raise ValueError(f"an array of {n} strings at offset {orig_offs} runs past the end")
         if item_type != gguf.GGUFValueType.STRING:
             return super()._get_field_parts(orig_offs, raw_type)
-        data, buffer, offs = self.data, memoryview(self.data), start
+        data, offs = self.data, start
+        buffer = memoryview(data.data)  # the raw bytes, for struct
         parts: list[Any] = [item_raw, count]
         for _ in range(int(count[0])):
             (length,) = struct.unpack_from("<Q", buffer, offs)
@@ -126,7 +132,7 @@ class _Reader(gguf.GGUFReader):
             offs += 8 + length
         if offs > len(data):
             raise ValueError(f"a string array at offset {orig_offs} runs past the end of the file")
-        return offs - orig_offs, parts, list(range(2, len(parts))), [raw_type, item_type]
+        return offs - orig_offs, parts, list(range(2, len(parts))), types
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         try:

@@ -344,3 +344,23 @@ def test_tiny_writer_is_deterministic(tmp_path):
     again = write_tiny_llama_gguf(tmp_path / "b.gguf", quant="q4_1", seed=3).read_bytes()
     other = write_tiny_llama_gguf(tmp_path / "c.gguf", quant="q4_1", seed=4).read_bytes()
     assert first == again and first != other
+
+
+def test_the_fast_metadata_reader_reads_what_gguf_reads(tiny_files):
+    from mlxr_plugins.formats.gguf.checkpoint import open_reader
+
+    ours, theirs = open_reader(tiny_files["f32"]), gguf.GGUFReader(tiny_files["f32"])
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        assert ours.fields[key].contents() == field.contents(), key
+        assert ours.fields[key].types == field.types, key
+
+
+def test_a_string_array_past_the_end_names_the_file(tiny_files, tmp_path):
+    data = tiny_files["f32"].read_bytes()
+    start = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 4 + 4
+    bad = tmp_path / "huge-count.gguf"
+    bad.write_bytes(data[:start] + (2**40).to_bytes(8, "little") + data[start + 8 :])
+    with pytest.raises(ModelLoadError, match="corrupt GGUF header") as info:
+        GGUFFormat().load(bad)
+    assert info.value.path == str(bad)

@@ -69,6 +69,23 @@ def test_attention_parity(dtype, heads, D, L, S, mask_kind):
     close(actual, expected, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (8, 1)], ids=["mha", "gqa4", "mqa8"])
+@pytest.mark.parametrize("S", [1, 255, 257])
+def test_decode_attention_parity_on_kv_cache_views(dtype, heads, S):
+    """Decode as the KV cache hands it over: K/V are ``[..., :S, :]`` views of a larger buffer."""
+    Hq, Hkv = heads
+    keys = mx.random.split(mx.random.key(S), 3)
+    capacity = -(-(S + 1) // 256) * 256
+    q = mx.random.normal((2, Hq, 1, 128), key=keys[0]).astype(dtype)
+    k = mx.random.normal((2, Hkv, capacity, 128), key=keys[1]).astype(dtype)[..., :S, :]
+    v = mx.random.normal((2, Hkv, capacity, 128), key=keys[2]).astype(dtype)[..., :S, :]
+    expected = reference.attention(q, k, v, scale=128**-0.5, mask="causal")
+    actual = mlx_fast.attention(q, k, v, scale=128**-0.5, mask="causal")
+    atol, rtol = ATTENTION_TOL[dtype]
+    close(actual, expected, atol=atol, rtol=rtol)
+
+
 def naive_attention(q, k, v, scale, visible):
     """Head by head, with key head ``h // R`` for query head ``h``; ``visible`` is [L, S] or None."""
     q, k, v = (np.array(a, dtype=np.float64) for a in (q, k, v))

@@ -1,0 +1,148 @@
+"""``mlxr info MODEL``: what a model is and what serving it costs.
+
+Format, architecture, parameter count, the storage type of each tensor in the file and what the
+quantization policy makes of it, resident weight size, KV-cache bytes per token and the memory needed
+at a given context length. The model is built exactly as ``mlxr serve`` builds it (same policy), so
+the sizes are the served ones; its tokenizer is not built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from typing import Any
+
+from mlxr_core.cli.commands import Subparsers
+from mlxr_core.config.schema import DTYPES, QUANTIZATION_POLICIES
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_parser(subparsers: Subparsers) -> None:
+    """Add the ``info`` command to the ``mlxr`` command line."""
+    parser = subparsers.add_parser(
+        "info",
+        help="describe a model: format, architecture, parameters, quantization, memory",
+        description=(
+            "Load MODEL as `mlxr serve` would and print its format, architecture, parameter count, "
+            "per-type quantization, resident weight size, KV bytes per token and the memory "
+            "needed at a context length."
+        ),
+    )
+    parser.add_argument(
+        "model", metavar="MODEL", help="a model file or folder, or pkg:DISTRIBUTION[/path]"
+    )
+    parser.add_argument(
+        "--context",
+        type=_positive,
+        metavar="N",
+        help="context length to size (default: the model's)",
+    )
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default="auto", help="activation dtype (as models[].dtype)"
+    )
+    parser.add_argument("--quantization", choices=QUANTIZATION_POLICIES, default="auto",
+                        help="weight policy (as models[].quantization; default auto)")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(handler=run)
+
+
+def describe_model(
+    model: str, *, dtype: str = "auto", quantization: str = "auto", context: int | None = None
+) -> dict[str, Any]:
+    """The facts ``mlxr info`` prints, as a dict."""
+    from mlx.utils import tree_flatten
+
+    from mlxr_core.kernels import bind_kernels
+    from mlxr_core.model.loader import build_model, default_dtype, pick_arch, pick_format
+    from mlxr_core.model.paths import resolve_model_path
+    from mlxr_core.plugins import load_plugins
+
+    registries = load_plugins().registries
+    path = resolve_model_path(model)
+    format_name, fmt = pick_format(path, registries)
+    dtype = default_dtype() if dtype == "auto" else dtype
+    checkpoint = fmt.load(path, dtype=dtype)
+    arch = pick_arch(checkpoint, registries)
+    config = checkpoint.config
+    shapes = arch.kernel_context(config)
+    kernels = bind_kernels(registries.kernels, dtype=dtype, shapes=shapes)
+    report: Counter[str] = Counter()
+    built = build_model(checkpoint, arch, kernels, quantization, dtype, report)
+
+    flat: list[tuple[str, Any]] = tree_flatten(built.parameters())  # type: ignore[assignment]
+    bits = {name: module.bits for name, module in built.named_modules() if hasattr(module, "bits")}
+    parameters = 0
+    for name, array in flat:
+        module, _, part = name.rpartition(".")
+        if module in bits and part in ("scales", "biases"):
+            continue
+        packed = module in bits and part == "weight"  # uint32 words of `bits`-bit integers
+        parameters += array.size * 32 // bits[module] if packed else array.size
+    resident = sum(array.nbytes for _, array in flat)
+    layers = len(arch.make_cache(built))
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+    kv_per_token = 2 * layers * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * itemsize
+    context = context or arch.context_length(config)
+    return {
+        "path": str(path),
+        "format": format_name,
+        "architecture": config.get("model_type"),
+        "name": checkpoint.metadata.get("name"),
+        "parameters": int(parameters),
+        "dtype": dtype,
+        "quantization_policy": quantization,
+        "tensor_types": dict(Counter(checkpoint.source_types.values())),
+        "quantization": dict(sorted(report.items())),
+        "resident_bytes": int(resident),
+        "layers": layers,
+        "kv_bytes_per_token": kv_per_token,
+        "context_length": context,
+        "kv_bytes_at_context": kv_per_token * context,
+        "memory_at_context_bytes": int(resident) + kv_per_token * context,
+    }
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
+def run(args: argparse.Namespace) -> int:
+    facts = describe_model(
+        args.model, dtype=args.dtype, quantization=args.quantization, context=args.context
+    )
+    if args.json:
+        print(json.dumps(facts, indent=2))
+        return 0
+    out = sys.stdout
+    params = facts["parameters"]
+    print(f"model:        {facts['path']}", file=out)
+    print(f"format:       {facts['format']}    architecture: {facts['architecture']}", file=out)
+    print(f"parameters:   {params / 1e6:.1f} M    layers: {facts['layers']}", file=out)
+    types = ", ".join(f"{kind} x{count}" for kind, count in sorted(facts["tensor_types"].items()))
+    print(f"tensor types: {types or '-'}", file=out)
+    print(f"weights ({facts['quantization_policy']} policy, {facts['dtype']}):", file=out)
+    for outcome, count in facts["quantization"].items():
+        print(f"  {outcome}: {count}", file=out)
+    print(f"resident:     {_size(facts['resident_bytes'])}", file=out)
+    print(f"KV cache:     {_size(facts['kv_bytes_per_token'])} per token", file=out)
+    print(
+        f"at {facts['context_length']} tokens: {_size(facts['memory_at_context_bytes'])} "
+        f"(weights + {_size(facts['kv_bytes_at_context'])} KV, one sequence)",
+        file=out,
+    )
+    return 0

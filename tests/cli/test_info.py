@@ -1,0 +1,82 @@
+"""``mlxr info``: what a model is and what serving it costs, on tiny GGUF files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mlxr_core.cli.main import main
+from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+# write_tiny_llama_gguf's defaults: 2 layers, hidden 64, 4 heads (2 KV) of 16, intermediate 128.
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("info")
+    return {q: write_tiny_llama_gguf(folder / f"{q}.gguf", quant=q) for q in ("f32", "q4_0")}
+
+
+def info(capsys, *args):
+    assert main(["info", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_json_facts(files, capsys):
+    facts = json.loads(
+        info(
+            capsys,
+            str(files["q4_0"]),
+            "--json",
+            "--dtype",
+            "float32",
+            "--quantization",
+            "keep",
+            "--context",
+            "100",
+        )
+    )
+    assert (facts["format"], facts["architecture"], facts["layers"]) == ("gguf", "llama", LAYERS)
+    assert facts["tensor_types"] == {"Q4_0": 16}
+    assert facts["quantization"] == {"Q4_0 -> MLX 4-bit g32 (kept)": 16}
+    assert facts["kv_bytes_per_token"] == 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
+    assert (
+        facts["memory_at_context_bytes"]
+        == facts["resident_bytes"] + 100 * facts["kv_bytes_per_token"]
+    )
+    dense = json.loads(info(capsys, str(files["f32"]), "--json", "--dtype", "float32"))
+    # Packed or dense, the same parameters; packed costs a fraction of the bytes.
+    assert facts["parameters"] == dense["parameters"]
+    assert facts["resident_bytes"] < dense["resident_bytes"] / 3
+
+
+def test_the_policy_changes_what_is_resident(files, capsys):
+    kept = json.loads(
+        info(capsys, str(files["q4_0"]), "--json", "--dtype", "float32", "--quantization", "keep")
+    )
+    dense = json.loads(
+        info(
+            capsys,
+            str(files["q4_0"]),
+            "--json",
+            "--dtype",
+            "float32",
+            "--quantization",
+            "dequantize",
+        )
+    )
+    assert dense["quantization"] == {"Q4_0 -> dense float32": 16}
+    assert dense["resident_bytes"] > 3 * kept["resident_bytes"]
+
+
+def test_text_report(files, capsys):
+    out = info(capsys, str(files["q4_0"]), "--quantization", "q8", "--context", "64")
+    assert "architecture: llama" in out and "Q4_0 -> MLX 8-bit g32 (requantized): 16" in out
+    assert "at 64 tokens:" in out and "per token" in out
+
+
+def test_bad_context_is_a_usage_error(files, capsys):
+    assert main(["info", str(files["f32"]), "--context", "0"]) == 2
+    assert "must be >= 1" in capsys.readouterr().err

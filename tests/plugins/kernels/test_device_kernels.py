@@ -1,0 +1,202 @@
+"""The ``cuda`` and ``metal`` backends: what they accept, how they plan the fused decode kernel,
+what they delegate, and (on their own hardware only) parity with the reference.
+
+On this CPU machine the kernels themselves cannot run: their parity tests skip with the backend's
+own reason. The CUDA parity run over every dtype, GQA ratio, head dim and layout happens on the
+lent GPU (``bench/kernels/decode_attention.py``, output in ``bench/kernels/results/``).
+Tolerances (``|fused - reference| <= atol + rtol * |reference|``) are those of test_parity.py.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxr_core.kernels import KernelContext, current_platform
+from mlxr_plugins.kernels import cuda, metal, reference
+
+DEVICE, PLATFORM = current_platform()
+ATTENTION_TOL = {
+    mx.float32: (1e-5, 1e-5),
+    mx.float16: (2e-3, 2.0**-9),
+    mx.bfloat16: (1.6e-2, 2.0**-6),
+}
+
+
+def ctx(op: str, platform: str, dtype: str = "bfloat16", **shapes) -> KernelContext:
+    device = "cpu" if platform == "cpu" else "gpu"
+    return KernelContext(op=op, device=device, platform=platform, dtype=dtype, shapes=shapes)
+
+
+def qkv(B=1, Hq=32, Hkv=8, L=1, S=100, D=128, dtype=mx.bfloat16, cache_view=True, seed=0):
+    keys = mx.random.split(mx.random.key(seed), 3)
+    q = mx.random.normal((B, Hq, L, D), key=keys[0]).astype(dtype)
+    capacity = -(-(S + 1) // 256) * 256 if cache_view else S
+    k = mx.random.normal((B, Hkv, capacity, D), key=keys[1]).astype(dtype)[..., :S, :]
+    v = mx.random.normal((B, Hkv, capacity, D), key=keys[2]).astype(dtype)[..., :S, :]
+    return q, k, v
+
+
+CUDA_REASON = " ".join(cuda.attention_kernel.supports(ctx("attention", PLATFORM)))
+METAL_REASON = " ".join(metal.attention_kernel.supports(ctx("attention", PLATFORM)))
+
+
+# --------------------------------------------------------------------------------------------
+# supports(): device-specific, and says why
+
+
+@pytest.mark.parametrize("module, platform, needs", [
+    (cuda, "cuda", "needs MLX's CUDA backend on an NVIDIA GPU (this machine: "),
+    (metal, "metal", "needs Apple Silicon Metal (this machine: "),
+])
+def test_device_backends_run_only_on_their_platform_and_say_why(module, platform, needs):
+    assert module.attention_kernel.supports(ctx("attention", platform, masks=("causal",))) == []
+    for other in {"cpu", "cuda", "metal"} - {platform}:
+        reasons = module.attention_kernel.supports(ctx("attention", other))
+        assert len(reasons) == 1 and reasons[0].startswith(needs)
+        assert f"{other} platform" in reasons[0]
+    both = module.attention_kernel.supports(ctx("attention", "cpu", "float64", masks=("sliding",)))
+    assert any("float64" in r for r in both) and any("sliding" in r for r in both)
+
+
+def test_metal_rms_norm_support():
+    assert metal.rms_norm_kernel.supports(ctx("rms_norm", "metal")) == []
+    assert "needs Apple Silicon Metal" in metal.rms_norm_kernel.supports(ctx("rms_norm", "cuda"))[0]
+
+
+# --------------------------------------------------------------------------------------------
+# the decode plan: what is fused and how it is split
+
+
+@pytest.mark.parametrize("mask", [None, "causal"])
+@pytest.mark.parametrize("D", cuda.FUSED_HEAD_DIMS)
+def test_decode_with_no_mask_or_causal_is_fused(mask, D):
+    q, k, v = qkv(D=D, S=1000)
+    plan = cuda.decode_plan(q, k, v, scale=D**-0.5, mask=mask)
+    assert isinstance(plan, cuda.DecodePlan)
+    assert (plan.B, plan.Hq, plan.Hkv, plan.S, plan.D) == (1, 32, 8, 1000, D)
+    # Enough chunks to fill the GPU, each at least one tile, never more than the merge holds.
+    assert 1 <= plan.n_splits <= min(math.ceil(1000 / plan.layout.tile), cuda.MAX_SPLITS)
+    assert plan.n_splits * plan.layout.blocks_per_split >= min(
+        cuda.TARGET_BLOCKS, math.ceil(1000 / plan.layout.tile) * plan.layout.blocks_per_split
+    )
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(L=4), "4 query positions"),
+    (dict(D=80), "head dim 80"),
+    (dict(Hq=12, Hkv=8), "not a GQA layout"),
+])
+def test_what_the_fused_kernel_does_not_take_is_named(case, expected):
+    q, k, v = qkv(**case)
+    reason = cuda.decode_plan(q, k, v, scale=0.1, mask=None)
+    assert isinstance(reason, str) and expected in reason
+
+
+def test_array_masks_mixed_dtypes_and_odd_scales_are_not_fused():
+    q, k, v = qkv()
+    assert "array mask" in cuda.decode_plan(q, k, v, scale=0.1, mask=mx.zeros((1, 1, 1, 100)))
+    assert "dtypes" in cuda.decode_plan(q.astype(mx.float32), k, v, scale=0.1, mask=None)
+    assert "dtypes" in cuda.decode_plan(*(a.astype(mx.int32) for a in (q, k, v)), scale=0.1,
+                                        mask=None)
+    assert "scale" in cuda.decode_plan(q, k, v, scale=-1.0, mask=None)
+
+
+@pytest.mark.parametrize("ratio, dtype, cap, expected", [
+    (1, mx.bfloat16, 8, 1), (4, mx.bfloat16, 8, 4), (8, mx.float16, 8, 8), (6, mx.bfloat16, 8, 6),
+    (16, mx.bfloat16, 8, 8), (8, mx.float32, 8, 4), (6, mx.float32, 8, 3), (8, mx.bfloat16, 4, 4),
+])
+def test_gqa_heads_share_a_block_within_the_register_and_shared_memory_budget(
+    ratio, dtype, cap, expected
+):
+    assert cuda.heads_per_block(ratio, dtype, cap) == expected
+
+
+def test_a_gqa_ratio_above_the_cap_splits_heads_over_blocks():
+    q, k, v = qkv(Hq=32, Hkv=2)
+    plan = cuda.decode_plan(q, k, v, scale=0.1, mask=None)
+    assert isinstance(plan, cuda.DecodePlan)
+    assert plan.heads_per_block == 8 and plan.groups == 2
+    assert plan.layout.blocks_per_split == 1 * 2 * 2
+
+
+def test_the_layout_is_computed_once_per_model_shape():
+    cuda.layout_for.cache_clear()
+    for S in (10, 11, 12):
+        q, k, v = qkv(S=S)
+        cuda.decode_plan(q, k, v, scale=128**-0.5, mask=None)
+    info = cuda.layout_for.cache_info()
+    assert info.misses == 1 and info.hits == 2
+
+
+@pytest.mark.parametrize("module", [cuda, metal])
+@pytest.mark.parametrize("L, S, mask", [(4, 9, "causal"), (1, 9, "array"), (3, 3, None)])
+def test_what_is_not_fused_is_exactly_mx_fast(module, L, S, mask):
+    q, k, v = qkv(Hq=8, Hkv=2, L=L, S=S, D=64, dtype=mx.float32)
+    m = mx.random.normal((1, 1, L, S)) if mask == "array" else mask
+    assert mx.array_equal(
+        module.attention(q, k, v, scale=0.125, mask=m),
+        mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m),
+    )
+
+
+def test_metal_rms_norm_delegates_mixed_dtypes_to_mx_fast():
+    x = mx.random.normal((2, 3, 64))
+    w = mx.random.normal((64,)).astype(mx.float16)
+    assert mx.array_equal(metal.rms_norm(x, w, 1e-5), mx.fast.rms_norm(x, w, 1e-5))
+
+
+# --------------------------------------------------------------------------------------------
+# parity on the hardware itself (skipped here, with the backend's reason)
+
+
+def close(actual: mx.array, expected: mx.array, dtype: mx.Dtype) -> None:
+    atol, rtol = ATTENTION_TOL[dtype]
+    np.testing.assert_allclose(
+        np.array(actual.astype(mx.float32)), np.array(expected.astype(mx.float32)),
+        atol=atol, rtol=rtol,
+    )
+
+
+DECODE_CASES = [
+    (dtype, Hq, Hkv, D, S)
+    for dtype in (mx.float32, mx.float16, mx.bfloat16)
+    for Hq, Hkv in ((8, 8), (8, 2), (8, 1))
+    for D in cuda.FUSED_HEAD_DIMS
+    for S in (1, 37, 1000)
+]
+
+
+@pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
+@pytest.mark.parametrize("dtype, Hq, Hkv, D, S", DECODE_CASES, ids=str)
+def test_cuda_decode_parity(dtype, Hq, Hkv, D, S):
+    q, k, v = qkv(B=2, Hq=Hq, Hkv=Hkv, S=S, D=D, dtype=dtype, seed=S + D)
+    assert isinstance(cuda.decode_plan(q, k, v, scale=D**-0.5, mask=None), cuda.DecodePlan)
+    out = cuda.attention(q, k, v, scale=D**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out, reference.attention(q, k, v, scale=D**-0.5), dtype)
+
+
+@pytest.mark.skipif(PLATFORM != "metal", reason=METAL_REASON or "needs Metal")
+@pytest.mark.parametrize("dtype, Hq, Hkv, D, S", DECODE_CASES, ids=str)
+def test_metal_decode_parity(dtype, Hq, Hkv, D, S):
+    q, k, v = qkv(B=2, Hq=Hq, Hkv=Hkv, S=S, D=D, dtype=dtype, seed=S + D)
+    out = metal.attention(q, k, v, scale=D**-0.5)
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out, reference.attention(q, k, v, scale=D**-0.5), dtype)
+
+
+@pytest.mark.skipif(PLATFORM != "metal", reason=METAL_REASON or "needs Metal")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("dims", [64, 576, 4096])
+def test_metal_rms_norm_parity(dtype, dims):
+    eps = {mx.float32: 5e-6, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}[dtype]
+    x = (3 * mx.random.normal((2, 5, dims), key=mx.random.key(dims))).astype(dtype)
+    w = mx.random.normal((dims,), key=mx.random.key(dims + 1)).astype(dtype)
+    np.testing.assert_allclose(
+        np.array(metal.rms_norm(x, w, 1e-5).astype(mx.float32)),
+        np.array(reference.rms_norm(x, w, 1e-5).astype(mx.float32)), atol=eps, rtol=2 * eps,
+    )

@@ -1,0 +1,172 @@
+"""Kernel selection per deployment: explicit choices validated with reasons, ``auto`` by priority
+and logged, global vs per-model choices, ``mlxr kernels``, and the example configs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from mlxr_core.cli.main import main
+from mlxr_core.config.loader import load_config
+from mlxr_core.config.schema import ModelConfig
+from mlxr_core.errors import KernelUnavailable, UnknownName
+from mlxr_core.kernels import KernelContext, bind_kernels, kernel_report, select_kernel
+from mlxr_core.model.loader import load_model
+from mlxr_core.plugins import load_plugins
+from mlxr_core.registry import Registry
+from mlxr_core.testing.tiny import write_tiny_llama_gguf
+from mlxr_plugins.kernels import KernelImpl, mlx_fast, reference
+
+REPO = Path(__file__).resolve().parents[3]
+SHAPES = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
+
+
+@pytest.fixture(scope="module")
+def registries():
+    return load_plugins().registries
+
+
+def fake_registry() -> Registry:
+    """attention: ``fast`` (priority 20) refuses float32, ``slow`` (0) runs everywhere."""
+    registry = Registry("kernel")
+
+    def refuse_float32(ctx: KernelContext) -> list[str]:
+        return [f"no {ctx.dtype} here", "and no luck"] if ctx.dtype == "float32" else []
+
+    registry.add("attention:fast", KernelImpl(reference.attention, refuse_float32),
+                 plugin="a", priority=20)
+    registry.add("attention:slow", KernelImpl(reference.attention), plugin="b", priority=0)
+    return registry
+
+
+def ctx(dtype: str = "float32") -> KernelContext:
+    return KernelContext(op="attention", device="cpu", platform="cpu", dtype=dtype, shapes=SHAPES)
+
+
+def test_explicit_choice_that_cannot_run_is_an_error_listing_every_reason():
+    with pytest.raises(KernelUnavailable) as caught:
+        select_kernel(fake_registry(), ctx(), "fast")
+    message = str(caught.value)
+    assert "kernels.attention" in message and "'fast'" in message
+    assert "no float32 here" in message and "and no luck" in message
+
+
+def test_explicit_choice_that_can_run_is_taken_even_below_a_faster_one():
+    name, backend = select_kernel(fake_registry(), ctx("float16"), "slow")
+    assert name == "slow" and backend.op is reference.attention
+
+
+def test_unknown_backend_names_the_available_ones():
+    with pytest.raises(UnknownName, match="available: fast, slow"):
+        select_kernel(fake_registry(), ctx(), "fsat")
+
+
+def test_auto_takes_the_first_supported_by_priority_and_logs_what_it_skipped(caplog):
+    caplog.set_level(logging.INFO, logger="mlxr_core.kernels")
+    assert select_kernel(fake_registry(), ctx("float16"))[0] == "fast"
+    assert select_kernel(fake_registry(), ctx("float32"))[0] == "slow"
+    messages = [record.getMessage() for record in caplog.records]
+    assert "kernel attention: auto chose fast" in messages
+    assert "kernel attention: auto chose slow (skipped fast: no float32 here; and no luck)" in messages
+
+
+def test_auto_with_nothing_runnable_lists_every_backend():
+    registry = Registry("kernel")
+    registry.add("attention:only", KernelImpl(reference.attention, lambda c: ["never"]),
+                 plugin="a", priority=0)
+    with pytest.raises(KernelUnavailable, match="only: never"):
+        select_kernel(registry, ctx())
+
+
+def test_bind_kernels_rejects_a_choice_for_an_unknown_op(registries):
+    with pytest.raises(UnknownName, match="kernel op 'atention'"):
+        bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES,
+                     choices={"atention": "reference"})
+
+
+def test_on_this_cpu_auto_binds_mlx_fast_and_device_kernels_refuse_with_reasons(registries):
+    kernels = bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES)
+    assert dict(kernels.chosen) == {"attention": "mlx_fast", "rms_norm": "mlx_fast",
+                                    "rope": "mlx_fast"}
+    assert kernels.attention is mlx_fast.attention
+    with pytest.raises(KernelUnavailable, match="needs MLX's CUDA backend"):
+        bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES,
+                     choices={"attention": "cuda"})
+    with pytest.raises(KernelUnavailable, match="needs Apple Silicon Metal"):
+        bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES,
+                     choices={"rms_norm": "metal"})
+
+
+def test_model_choices_override_global_ones_at_load(registries, tmp_path):
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    model = ModelConfig(path=str(path), dtype="float32", kernels={"attention": "reference"})
+    loaded = load_model(model, registries, kernel_choices={"attention": "mlx_fast",
+                                                           "rms_norm": "reference"})
+    assert dict(loaded.kernels.chosen) == {"attention": "reference", "rms_norm": "reference",
+                                           "rope": "mlx_fast"}
+    with pytest.raises(KernelUnavailable, match="cuda"):
+        load_model(ModelConfig(path=str(path), dtype="float32"), registries,
+                   kernel_choices={"attention": "cuda"})
+
+
+def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries):
+    rows = kernel_report(registries.kernels, dtype="float32", shapes=SHAPES,
+                         device="cpu", platform="cpu")
+    by_key = {(row["op"], row["backend"]): row for row in rows}
+    assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "rope")
+                           for b in ("mlx_fast", "reference")} | {
+        ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal")}
+    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3
+    assert not by_key[("attention", "cuda")]["supported"]
+    assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]
+    # The same question as on a CUDA machine: cuda is the auto choice for attention only.
+    cuda_rows = kernel_report(registries.kernels, dtype="bfloat16", shapes=SHAPES,
+                              device="gpu", platform="cuda")
+    chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
+    assert chosen == {"attention": "cuda", "rms_norm": "mlx_fast", "rope": "mlx_fast"}
+
+
+def test_kernel_report_survives_a_backend_that_fails_to_import():
+    registry = fake_registry()
+    registry.add("attention:broken", "no_such_module_xyz:thing", plugin="c", priority=30)
+    rows = kernel_report(registry, dtype="float16", shapes=SHAPES, device="cpu", platform="cpu")
+    assert rows[0]["backend"] == "broken" and not rows[0]["supported"]
+    assert "failed to load" in rows[0]["reasons"][0]
+    assert [row["backend"] for row in rows if row["auto"]] == ["fast"]
+
+
+def test_mlxr_kernels_json(capsys):
+    assert main(["kernels", "--json", "--head-dim", "80"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["context"]["device"] == "cpu" and report["context"]["dtype"] == "float32"
+    assert report["context"]["shapes"]["head_dim"] == 80
+    metal = next(r for r in report["backends"] if r["backend"] == "metal")
+    assert "needs Apple Silicon Metal (this machine:" in metal["reasons"][0]
+
+
+def test_mlxr_kernels_table(capsys):
+    assert main(["kernels", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "bfloat16" in out and "needs Apple Silicon Metal" in out and "auto" in out
+
+
+@pytest.mark.parametrize("name", ["apple", "cuda", "cpu"])
+def test_example_configs_are_valid_and_name_one_backend_per_op(name, capsys):
+    path = REPO / "configs" / f"{name}.yaml"
+    assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err
+    config = load_config(path)
+    assert set(config.kernels) == {"attention", "rms_norm", "rope"}
+    expected = {"apple": "metal", "cuda": "cuda", "cpu": "mlx_fast"}[name]
+    assert config.kernels["attention"] == expected
+
+
+def test_swapping_a_kernel_is_one_line_of_yaml(tmp_path):
+    text = (REPO / "configs" / "cuda.yaml").read_text()
+    swapped = tmp_path / "swapped.yaml"
+    swapped.write_text(text.replace("attention: cuda ", "attention: mlx_fast ", 1))
+    assert load_config(swapped).kernels["attention"] == "mlx_fast"
+    assert sum(a != b for a, b in zip(text.splitlines(), swapped.read_text().splitlines(),
+                                      strict=True)) == 1
