@@ -140,7 +140,7 @@ def parity(results: dict[str, Any], smoke: bool = False) -> None:
         same_causal = bool(mx.array_equal(fused, causal).item())
         ok = fused_ok and same_causal and not isinstance(plan, str) and fused.shape == q.shape
         failures += not ok
-        row = {
+        row: dict[str, Any] = {
             "dtype": dtype_name, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S, "layout": layout,
             "sharpness": sharpness, "fused": not isinstance(plan, str),
             "heads_per_block": None if isinstance(plan, str) else plan.heads_per_block,
@@ -267,8 +267,7 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
 
         fast = fast_call(scale)
 
-        def fused(target: int, keys_per_step: int | None = None) -> Call:
-            return fused_call(scale, target, keys_per_step)
+        fused = functools.partial(fused_call, scale)
 
         # Correctness of this very configuration before timing it.
         q, k, v = sets[0]
@@ -443,7 +442,7 @@ def bench_e2e(results: dict[str, Any], smoke: bool = False) -> None:
     arch = LlamaArchitecture()
     shapes = arch.kernel_context(config)
     models: dict[str, nn.Module] = {}
-    weights = None
+    weights: list[tuple[str, mx.array]] | None = None
     for backend in ("mlx_fast", "cuda"):
         kernels = bind_kernels(registry, dtype="bfloat16", shapes=shapes,
                                choices={"attention": backend})
@@ -451,9 +450,9 @@ def bench_e2e(results: dict[str, Any], smoke: bool = False) -> None:
         model = arch.build(config, kernels)
         if weights is None:
             model.set_dtype(mx.bfloat16)
-            weights = tree_flatten(model.parameters())
+            weights = list(tree_flatten(model.parameters()))  # type: ignore[arg-type]
         else:
-            model.load_weights(list(weights))
+            model.load_weights(weights)
         mx.eval(model.parameters())
         model.eval()
         models[backend] = model

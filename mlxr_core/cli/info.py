@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     params = facts["parameters"]
     print(f"model:        {facts['path']}", file=out)
     print(f"format:       {facts['format']}    architecture: {facts['architecture']}", file=out)
-    print(f"parameters:   {params / 1e6:.1f} M    layers: {facts['layers']}", file=out)
+    print(f"parameters:   {params:,} ({params / 1e6:.1f} M)    layers: {facts['layers']}", file=out)
     types = ", ".join(f"{kind} x{count}" for kind, count in sorted(facts["tensor_types"].items()))
     print(f"tensor types: {types or '-'}", file=out)
     print(f"weights ({facts['quantization_policy']} policy, {facts['dtype']}):", file=out)

@@ -76,9 +76,14 @@ def check_architecture(
     kernels: KernelSet,
     *,
     seed: int = 0,
-    atol: float = 1e-4,
+    atol: float | None = None,
 ) -> None:
-    """Raise AssertionError naming the first broken property of ``arch`` on ``config``."""
+    """Raise AssertionError naming the first broken property of ``arch`` on ``config``.
+
+    ``atol`` defaults to 1e-4 on CPU and 2e-2 on a GPU: MLX's CUDA float32 matmuls round like
+    TF32 (cached vs one-pass logits differ by 3-7e-3 for every architecture on an H100)."""
+    if atol is None:
+        atol = 2e-2 if mx.default_device() == mx.gpu else 1e-4
     model = random_model(arch, config, kernels, seed)
     vocab = int(config["vocab_size"])
     rng = np.random.default_rng(seed + 1)

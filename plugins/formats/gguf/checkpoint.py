@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType as QType
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, TokenizerSpec
+from mlxr_core.model.progress import track
 from mlxr_plugins.formats.gguf.quants import (
     EXACT_BITS,
     GROUP_SIZE,
@@ -319,7 +320,7 @@ class GGUFFormat:
         suggested: dict[str, QuantSpec] = {}
         source_types: dict[str, str] = {}
         counts: Counter[str] = Counter()
-        for name, tensor in tensors.items():
+        for name, tensor in track(tensors.items(), len(tensors), f"reading {path.name}"):
             counts[tensor.tensor_type.name] += 1
             if name.endswith(NOT_WEIGHTS):
                 continue

@@ -98,11 +98,16 @@ def test_what_the_fused_kernel_does_not_take_is_named(case, expected):
 
 def test_array_masks_mixed_dtypes_and_odd_scales_are_not_fused():
     q, k, v = qkv()
-    assert "array mask" in cuda.decode_plan(q, k, v, scale=0.1, mask=mx.zeros((1, 1, 1, 100)))
-    assert "dtypes" in cuda.decode_plan(q.astype(mx.float32), k, v, scale=0.1, mask=None)
-    assert "dtypes" in cuda.decode_plan(*(a.astype(mx.int32) for a in (q, k, v)), scale=0.1,
-                                        mask=None)
-    assert "scale" in cuda.decode_plan(q, k, v, scale=-1.0, mask=None)
+
+    def reason(*arrays: mx.array, scale: float = 0.1, mask: mx.array | None = None) -> str:
+        plan = cuda.decode_plan(*arrays, scale=scale, mask=mask)
+        assert isinstance(plan, str)
+        return plan
+
+    assert "array mask" in reason(q, k, v, mask=mx.zeros((1, 1, 1, 100)))
+    assert "dtypes" in reason(q.astype(mx.float32), k, v)
+    assert "dtypes" in reason(*(a.astype(mx.int32) for a in (q, k, v)))
+    assert "scale" in reason(q, k, v, scale=-1.0)
 
 
 @pytest.mark.parametrize("ratio, dtype, cap, expected", [
