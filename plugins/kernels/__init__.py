@@ -22,11 +22,13 @@ if TYPE_CHECKING:
 MLXR_ESSENTIAL = True
 
 #: backend -> (module, priority, ops it implements; ``None``: every op in ``OPS``). ``auto`` takes
-#: the highest priority that supports the context: the device-specific kernels refuse every other
-#: device, so they can sit above ``mlx_fast``.
+#: the highest priority that supports the context. The fused ``cuda`` and ``metal`` kernels sit
+#: below ``mlx_fast``: they are opt-in (``kernels: {attention: cuda}``) because on the GPU runs of
+#: bench/kernels (MLX 0.32.4, whose mx.fast attention is cuDNN's) ``cuda`` wins at short contexts
+#: but loses at 32k and B=8 x 8k and gave no end-to-end decode gain, and ``metal`` is unmeasured.
 BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
-    "cuda": ("mlxr_plugins.kernels.cuda", 20, ("attention",)),
-    "metal": ("mlxr_plugins.kernels.metal", 20, ("attention", "rms_norm")),
+    "cuda": ("mlxr_plugins.kernels.cuda", 5, ("attention",)),
+    "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm")),
     "mlx_fast": ("mlxr_plugins.kernels.mlx_fast", 10, None),
     "reference": ("mlxr_plugins.kernels.reference", 0, None),
 }

@@ -122,11 +122,13 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3
     assert not by_key[("attention", "cuda")]["supported"]
     assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]
-    # The same question as on a CUDA machine: cuda is the auto choice for attention only.
+    # The same question as on a CUDA machine: cuda can run there, but is opt-in (below mlx_fast).
     cuda_rows = kernel_report(registries.kernels, dtype="bfloat16", shapes=SHAPES,
                               device="gpu", platform="cuda")
+    cuda_row = next(r for r in cuda_rows if r["backend"] == "cuda")
+    assert cuda_row["supported"] and not cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
-    assert chosen == {"attention": "cuda", "rms_norm": "mlx_fast", "rope": "mlx_fast"}
+    assert chosen == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "rope": "mlx_fast"}
 
 
 def test_kernel_report_survives_a_backend_that_fails_to_import():
