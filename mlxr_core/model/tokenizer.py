@@ -50,3 +50,37 @@ class TokenizerBackend(Protocol):
     def build(self, data: dict[str, Any], *, chat_template: str | None) -> Tokenizer:
         """Build a tokenizer from a :class:`~mlxr_core.model.checkpoint.TokenizerSpec`'s data."""
         ...
+
+
+class ChatTemplating:
+    """``apply_chat_template`` for tokenizers that keep ``chat_template``, ``bos_token`` and
+    ``eos_token`` attributes: renders with the sandboxed Jinja2 environment."""
+
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` with the model's chat template; RequestError if it has none."""
+        from mlxr_core.errors import RequestError
+        from mlxr_core.model.chat_template import render_chat_template
+
+        if self.chat_template is None:
+            raise RequestError(
+                "this model has no chat template; send a raw prompt to a completion endpoint",
+                param="messages",
+            )
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+            **kwargs,
+        )

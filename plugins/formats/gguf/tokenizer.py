@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from mlxr_core.errors import ModelLoadError, RequestError
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.model.tokenizer import ChatTemplating
 
 if TYPE_CHECKING:
     import gguf
@@ -121,7 +122,7 @@ def _byte_level_piece(text: str) -> bytes:
     return text.encode()  # not a byte-level string: llama.cpp has no good answer, keep the text
 
 
-class GGUFTokenizer:
+class GGUFTokenizer(ChatTemplating):
     """A :class:`~mlxr_core.model.tokenizer.Tokenizer` over a GGUF vocab. Thread-safe."""
 
     def __init__(
@@ -193,29 +194,6 @@ class GGUFTokenizer:
                     break
         return b"".join(parts).decode("utf-8", errors="replace")
 
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        **kwargs: Any,
-    ) -> str:
-        """Render ``messages`` with the model's chat template; RequestError if it has none."""
-        from mlxr_core.model.chat_template import render_chat_template
-
-        if self.chat_template is None:
-            raise RequestError(
-                "this model has no chat template; send a raw prompt to a completion endpoint",
-                param="messages",
-            )
-        return render_chat_template(
-            self.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **kwargs,
-        )
 
 
 class GGUFTokenizerBackend:

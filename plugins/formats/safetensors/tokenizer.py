@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from mlxr_core.errors import RequestError
 from mlxr_core.model.checkpoint import TokenizerSpec
+from mlxr_core.model.tokenizer import ChatTemplating
 from mlxr_plugins.formats.safetensors.files import read_json
 
 TOKENIZER_JSON = "tokenizer.json"
@@ -123,7 +123,7 @@ def end_of_generation_ids(
     return frozenset({i for i in declared if i is not None} | known)
 
 
-class FolderTokenizer:
+class FolderTokenizer(ChatTemplating):
     """The parts of the :class:`~mlxr_core.model.tokenizer.Tokenizer` protocol every backend
     shares: special tokens, end ids and the chat template. Subclasses encode and decode."""
 
@@ -158,26 +158,3 @@ class FolderTokenizer:
         self.vocab_size = max(size, int(data.get("vocab_size") or 0))
         self.chat_template = chat_template
 
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        *,
-        add_generation_prompt: bool = True,
-        **kwargs: Any,
-    ) -> str:
-        """Render ``messages`` with the model's chat template; RequestError if it has none."""
-        from mlxr_core.model.chat_template import render_chat_template
-
-        if self.chat_template is None:
-            raise RequestError(
-                "this model has no chat template; send a raw prompt to a completion endpoint",
-                param="messages",
-            )
-        return render_chat_template(
-            self.chat_template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **kwargs,
-        )
