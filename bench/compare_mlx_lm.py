@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -382,12 +383,6 @@ PEER_CLASSES: dict[str, Callable[[dict[str, Any]], Peer]] = {
 METRICS = ("prompt_tps", "decode_tps", "ttft_s")
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens two generations share."""
     count = 0
@@ -415,7 +410,7 @@ def build_report(
             cases.append({
                 "prompt_tokens": case["prompt_tokens"],
                 "gen_tokens": case["gen_tokens"],
-                **{m: _median([c[m] for c in per_round]) for m in METRICS},
+                **{m: statistics.median([c[m] for c in per_round]) for m in METRICS},
                 "rounds": [{m: c[m] for m in METRICS} for c in per_round],
                 "peak_memory_bytes": max((c["peak_memory_bytes"] or 0) for c in per_round) or None,
             })
@@ -435,7 +430,7 @@ def build_report(
             ]
             per_case.append({
                 "prompt_tokens": case["prompt_tokens"],
-                **{m: _median([r[m] for r in by_round]) for m in METRICS},
+                **{m: statistics.median([r[m] for r in by_round]) for m in METRICS},
                 "rounds": by_round,
             })
         ratios[f"{mine_name}/{peer}"] = {"compares": meaning, "cases": per_case}

@@ -200,6 +200,13 @@ def load_plugins(
     for info in plugins.values():
         if info.state == "ok":
             _collect(manager, info, registries, fail)
+    # Once every plugin has registered: what each provides now, after overrides in either order.
+    for info in plugins.values():
+        if info.state == "ok":
+            info.provides = {
+                kind: names for kind, registry in registries.all().items()
+                if (names := registry.by_plugin(info.name))
+            }
 
     unknown = disabled - set(plugins)
     if unknown:

@@ -53,27 +53,41 @@ class Registry:
     def add(
         self, name: str, target: Any, *, plugin: str, override: bool = False, **meta: Any
     ) -> Entry:
-        """Register ``name``; a second plugin claiming it must say ``override=True``."""
+        """Register ``name``; a second plugin claiming it must say ``override=True``.
+
+        Plugins load in entry-point order, which the installer decides, so an override may come
+        first: a plain registration arriving after it slots in underneath, as what it replaced.
+        """
         if not isinstance(name, str) or not name:
             raise RegistryError(f"{plugin}: a {self.kind} name must be a non-empty string, got {name!r}")
         entry = Entry(name=name, target=target, plugin=plugin, override=override, meta=meta)
         existing = self._entries.get(name)
-        if existing is not None:
-            if not override:
-                raise RegistryError(
-                    f"{self.kind} {name!r} is registered by both {existing.plugin!r} and {plugin!r}; "
-                    f"the second must register with override=True to replace it"
-                )
+        if existing is None:
+            self._entries[name] = entry
+            return entry
+        if override:
             entry.replaced = [*existing.replaced, existing]
-        self._entries[name] = entry
+            self._entries[name] = entry
+            return entry
+        base = existing.replaced[0] if existing.replaced else existing
+        if not base.override:
+            raise RegistryError(
+                f"{self.kind} {name!r} is registered by both {base.plugin!r} and {plugin!r}; "
+                f"the second must register with override=True to replace it"
+            )
+        # Only overrides so far: this plain registration is what they replace.
+        existing.replaced.insert(0, entry)
         return entry
 
     def remove_plugin(self, plugin: str) -> None:
         """Forget everything ``plugin`` registered, restoring what it overrode."""
         for name, entry in list(self._entries.items()):
+            entry.replaced = [old for old in entry.replaced if old.plugin != plugin]
             if entry.plugin == plugin:
                 if entry.replaced:
-                    self._entries[name] = entry.replaced[-1]
+                    restored = entry.replaced[-1]
+                    restored.replaced = entry.replaced[:-1]
+                    self._entries[name] = restored
                 else:
                     del self._entries[name]
 

@@ -139,6 +139,40 @@ def test_an_explicit_override_replaces_and_is_attributed():
     assert entry.plugin == "second" and entry.override
     assert [old.plugin for old in entry.replaced] == ["first"]
     assert host.plugins["second"].provides == {"formats": ["gguf"]}
+    assert host.plugins["first"].provides == {}  # what it registered is replaced
+
+
+def test_an_override_loaded_before_the_plugin_it_replaces_still_wins():
+    """Entry-point order is the installer's: a plain registration after an override slots under it."""
+    host = load_plugins(
+        extra=[("second", Formats("gguf", override=True)), ("first", Formats("gguf"))], discover=False
+    )
+    assert host.plugins["first"].state == host.plugins["second"].state == "ok"
+    entry = host.registries.formats.entry("gguf")
+    assert entry.plugin == "second" and [old.plugin for old in entry.replaced] == ["first"]
+    assert host.plugins["second"].provides == {"formats": ["gguf"]}
+    assert host.plugins["first"].provides == {}
+
+
+def test_two_plain_claims_conflict_even_under_an_override():
+    host = load_plugins(
+        extra=[("over", Formats("gguf", override=True)), ("first", Formats("gguf")), ("third", Formats("gguf"))],
+        discover=False,
+    )
+    assert host.plugins["third"].state == "failed"
+    assert "registered by both 'first' and 'third'" in host.plugins["third"].error
+    entry = host.registries.formats.entry("gguf")
+    assert entry.plugin == "over" and [old.plugin for old in entry.replaced] == ["first"]
+
+
+def test_removing_an_override_restores_what_it_replaced():
+    from mlxr_core.registry import Registry
+
+    registry = Registry("formats")
+    registry.add("gguf", "a:x", plugin="over", override=True)
+    registry.add("gguf", "a:y", plugin="base")
+    registry.remove_plugin("over")
+    assert registry.entry("gguf").plugin == "base" and registry.entry("gguf").replaced == []
 
 
 def test_an_overriding_plugin_that_fails_gives_the_name_back():
