@@ -17,6 +17,7 @@ import sysconfig
 import textwrap
 import venv
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from test_example_plugin import _wait_for_url, can_build_wheels_offline, mlxr
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TOKENIZER = Path(__file__).resolve().parent / "fixtures" / "tiny_hf" / "llama" / "tokenizer.json"
-GPT2_CONFIG = {
+GPT2_CONFIG: dict[str, Any] = {
     "architectures": ["GPT2LMHeadModel"],
     "model_type": "gpt2",
     "n_embd": 32,
@@ -78,7 +79,7 @@ def run_python(python: Path, script: str, cwd: Path) -> str:
     return result.stdout
 
 
-def plugins_json(python: Path, cwd: Path) -> dict[str, dict]:
+def plugins_json(python: Path, cwd: Path) -> dict[str, dict[str, Any]]:
     result = mlxr(python, "plugins", "--json", cwd=cwd)
     assert result.returncode == 0, result.stderr
     return {plugin["name"]: plugin for plugin in json.loads(result.stdout)}
@@ -134,7 +135,7 @@ def tiny_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def gpt2_loaded(gpt2_env: Path, tiny_gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+def gpt2_loaded(gpt2_env: Path, tiny_gpt2: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """Load the folder through mlxr's pipeline in the plugin's venv, run the conformance check on
     what loaded, and report the architecture, the kernels and the logits of :data:`IDS`."""
     out = tmp_path_factory.mktemp("gpt2-out")
@@ -171,7 +172,7 @@ def test_gpt2_plugin_is_listed(gpt2_env: Path, tmp_path: Path) -> None:
     assert gpt2["provides"] == {"archs": ["gpt2"]}
 
 
-def test_gpt2_checkpoint_loads_and_conforms(gpt2_loaded: dict) -> None:
+def test_gpt2_checkpoint_loads_and_conforms(gpt2_loaded: dict[str, Any]) -> None:
     assert gpt2_loaded["arch"] == "mlxr_gpt2_arch.gpt2:GPT2Architecture"
     assert set(gpt2_loaded["kernels"]) >= {"attention"}
     assert gpt2_loaded["context_length"] == GPT2_CONFIG["n_positions"]
@@ -181,7 +182,7 @@ def test_gpt2_checkpoint_loads_and_conforms(gpt2_loaded: dict) -> None:
     assert logits.std() > 0.1  # random weights scaled for O(1) logits, not near-zero ones
 
 
-def test_gpt2_matches_transformers(gpt2_loaded: dict, tiny_gpt2: Path) -> None:
+def test_gpt2_matches_transformers(gpt2_loaded: dict[str, Any], tiny_gpt2: Path) -> None:
     """The same folder through transformers' own GPT-2 gives the same logits."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
