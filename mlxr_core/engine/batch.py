@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlxr_core.engine.decoding import make_sampler
+from mlxr_core.engine.decoding import SamplerContext, make_sampler, to_token_logprob, token_logprobs
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
-from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle, Usage
+from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle, TokenLogprob, Usage
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
 from mlxr_core.model.cache import BatchKVCache
@@ -36,10 +36,12 @@ class Sequence:
 
     def __init__(self, handle: RequestHandle, model: LoadedModel, samplers: Registry, kv_bytes: int):
         self.handle = handle
+        self.model = model
         params = handle.request.params
         self.prompt = handle.request.prompt_ids
         self.max_tokens = params.max_tokens or 0
-        self.sampler = make_sampler(params, samplers)
+        context = SamplerContext(self.prompt, model.tokenizer, model.tokenizer.vocab_size)
+        self.sampler = make_sampler(params, samplers, context)
         self.detokenizer = StreamingDetokenizer(model.tokenizer)
         self.stops = StopMatcher(params.stop)
         # Benchmarks generate a fixed number of tokens whatever the model says.
@@ -56,7 +58,7 @@ class Sequence:
         """Prompt tokens still to prefill (the last one is fed by the first decode step)."""
         return len(self.prompt) - 1 - self.prefilled
 
-    def accept(self, token: int) -> str | None:
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> str | None:
         """Emit ``token``; return the finish reason when the request is done."""
         self.generated += 1
         if not self.first_token_at:
@@ -64,7 +66,7 @@ class Sequence:
         if token in self.eos:
             return "stop"
         text, hit = self.stops.feed(self.detokenizer.add(token))
-        self.handle._emit(Delta(text, (token,)))
+        self.handle._emit(Delta(text, (token,), (logprob,) if logprob is not None else ()))
         if hit:
             return "stop"
         if self.generated >= self.max_tokens:
@@ -111,6 +113,8 @@ class BatchRunner:
         self.caches: list[BatchKVCache] | None = None
         self.tokens: mx.array | None = None  # [B]: each row's next input (and, unless fresh, output)
         self.fresh: list[bool] = []  # row's token is its last prompt token, not a generated one
+        #: Per row, the (lazy) logprob arrays of its token in ``tokens``, for rows that asked.
+        self.logprobs: list[tuple[mx.array, ...] | None] = []
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -138,8 +142,10 @@ class BatchRunner:
     def size(self) -> int:
         return len(self.prefilling) + len(self.running)
 
-    def add(self, handle: RequestHandle) -> None:
-        self.prefilling.append(Sequence(handle, self.model, self.samplers, self.reserve_bytes(handle)))
+    def add(self, handle: RequestHandle, seq: Sequence | None = None) -> None:
+        if seq is None:
+            seq = Sequence(handle, self.model, self.samplers, self.reserve_bytes(handle))
+        self.prefilling.append(seq)
 
     # -- one engine step --------------------------------------------------------------------
 
@@ -161,7 +167,7 @@ class BatchRunner:
         for seq in (*self.prefilling, *self.running):
             seq.handle._emit(Failed(error))
         self.prefilling.clear()
-        self.running, self.fresh = [], []
+        self.running, self.fresh, self.logprobs = [], [], []
         self.caches, self.tokens = None, None
 
     def _drop_cancelled_prefills(self) -> None:
@@ -211,6 +217,7 @@ class BatchRunner:
         seq.cache = None
         self.running.append(seq)
         self.fresh.append(True)
+        self.logprobs.append(None)
 
     def _empty_row(self) -> BatchKVCache:
         shapes = self.model.arch.kernel_context(self.model.config)
@@ -221,13 +228,25 @@ class BatchRunner:
     def _decode(self) -> None:
         assert self.caches is not None and self.tokens is not None
         tokens, caches = self.tokens, self.caches
+        values: list[int] | None = None
+        if any(seq.sampler.stateful for seq in self.running):
+            # Stateful processors (penalties, grammars) must see token n before processing the
+            # logits of token n+1: read the tokens back first, giving up the overlap this step.
+            values = tokens.tolist()  # type: ignore[assignment]
+            assert values is not None
+            for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):
+                if not self.fresh[row]:
+                    seq.sampler.accept(token)
         mask = caches[0].mask() if caches[0].padded else None
         logits = self.model.model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
         following = self._sample(logits)
-        mx.async_eval(following)
+        following_logprobs = self._logprobs(logits, following)
+        mx.async_eval(following, *[a for lp in following_logprobs if lp is not None for a in lp])
 
         keep: list[int] = []
-        values: list[int] = tokens.tolist()  # type: ignore[assignment]
+        if values is None:
+            values = tokens.tolist()  # type: ignore[assignment]
+            assert values is not None
         for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):
             if seq.handle.cancelled:
                 seq.finish("cancelled")
@@ -236,20 +255,26 @@ class BatchRunner:
                 self.fresh[row] = False
                 keep.append(row)
                 continue
-            reason = seq.accept(token)
+            arrays = self.logprobs[row]
+            logprob = None
+            if arrays is not None:
+                logprob = to_token_logprob(token, [array.tolist()[0] for array in arrays])  # type: ignore[index]
+            reason = seq.accept(token, logprob)
             if reason is not None:
                 seq.finish(reason)
                 continue
             keep.append(row)
 
         if len(keep) == len(self.running):
-            self.tokens = following
+            self.tokens, self.logprobs = following, following_logprobs
             return
         if not keep:
             self.running, self.fresh, self.caches, self.tokens = [], [], None, None
+            self.logprobs = []
             return
         self.running = [self.running[i] for i in keep]
         self.fresh = [self.fresh[i] for i in keep]
+        self.logprobs = [following_logprobs[i] for i in keep]
         for cache in caches:
             cache.filter(keep)
         self.tokens = following[mx.array(keep)]
@@ -260,6 +285,14 @@ class BatchRunner:
             return mx.argmax(logits, axis=-1).astype(mx.int32)
         rows = [sampler(logits[i : i + 1]) for i, sampler in enumerate(samplers)]
         return mx.concatenate(rows).astype(mx.int32)
+
+    def _logprobs(self, logits: mx.array, tokens: mx.array) -> list[tuple[mx.array, ...] | None]:
+        """For the rows that asked for logprobs, those of their sampled token (lazy)."""
+        out: list[tuple[mx.array, ...] | None] = []
+        for i, seq in enumerate(self.running):
+            top = seq.sampler.logprobs
+            out.append(None if top is None else token_logprobs(logits[i : i + 1], tokens[i : i + 1], top))
+        return out
 
 
 def kv_bytes_per_token(model: LoadedModel) -> int:

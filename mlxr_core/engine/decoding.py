@@ -1,62 +1,180 @@
-"""The decoder contract and the sampler chain built once per request."""
+"""The decoder contract and the sampler chain built once per request.
+
+Sampler plugins register *factories*: ``factory(params, context)`` gets one request's
+:class:`~mlxr_core.engine.request.SamplingParams` and a :class:`SamplerContext` and returns a logits
+processor (``[B, V] -> [B, V]``), or None when the request does not use it. A processor may also
+define ``accept(token: int)``: it is then told every token the request emits, in order, before the
+next token's logits are processed (penalties count tokens, grammars advance their state). A factory
+may define ``validate(params, context)``, called in the caller's thread when the request is
+submitted, raising :class:`~mlxr_core.errors.RequestError` (a 400) for parameters it cannot honour.
+
+The engine composes the chain into a :class:`RequestSampler` once per request: no plugin lookup in
+the token loop.
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
 import mlx.core as mx
 
 if TYPE_CHECKING:
-    from mlxr_core.engine.request import SamplingParams
+    from mlxr_core.engine.request import SamplingParams, TokenLogprob
     from mlxr_core.model.loader import LoadedModel
     from mlxr_core.registry import Registry
 
-#: ``[B, V]`` logits -> ``[B]`` token ids.
+
+@attrs.frozen
+class SamplerContext:
+    """What a sampler factory may need besides the request's parameters."""
+
+    #: The request's prompt, as the model sees it.
+    prompt_ids: Sequence[int] = ()
+    #: The model's tokenizer (:class:`mlxr_core.model.tokenizer.Tokenizer`); None in unit tests.
+    tokenizer: Any = None
+    #: Width of the model's logits (rows of the embedding table; may exceed the vocabulary).
+    vocab_size: int = 0
+
+
+class LogitsProcessor(Protocol):
+    def __call__(self, logits: mx.array) -> mx.array: ...
+
+
+class RequestSampler:
+    """One request's logits processors and its final draw.
+
+    Temperature 0 is greedy (argmax after the processors); otherwise a categorical draw with the
+    request's own random key, so a seeded request is reproducible whatever else the engine runs.
+    """
+
+    def __init__(self, processors: list[LogitsProcessor], params: SamplingParams):
+        self.processors = processors
+        self.greedy = params.temperature == 0.0
+        #: A batch of rows that are all ``plain_greedy`` is drawn with one argmax.
+        self.plain_greedy = self.greedy and not processors
+        self._acceptors: list[Callable[[int], None]] = [
+            accept for proc in processors if callable(accept := getattr(proc, "accept", None))
+        ]
+        #: Some processor follows the emitted tokens: the next step's logits cannot be processed
+        #: before this step's token is known (no double-buffering across that boundary).
+        self.stateful = bool(self._acceptors)
+        self.logprobs = params.logprobs
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
+        self._key = mx.random.key(seed)
+
+    def process(self, logits: mx.array) -> mx.array:
+        """Apply the processors to ``[B, V]`` logits (float32)."""
+        logits = logits.astype(mx.float32)
+        for proc in self.processors:
+            logits = proc(logits)
+        return logits
+
+    def draw(self, logits: mx.array) -> mx.array:
+        """``[B, V]`` processed logits -> ``[B]`` token ids."""
+        if self.greedy:
+            return mx.argmax(logits, axis=-1)
+        return mx.random.categorical(logits, key=self.next_key())
+
+    def next_key(self) -> mx.array:
+        """A fresh key from the request's random stream (decoders needing more randomness)."""
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def accept(self, token: int) -> None:
+        """Tell the stateful processors that ``token`` was emitted."""
+        for accept in self._acceptors:
+            accept(token)
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        return self.draw(self.process(logits))
+
+
+#: ``[B, V]`` logits -> ``[B]`` token ids (a :class:`RequestSampler` is one).
 Sampler = Callable[[mx.array], mx.array]
 
 
+def _call(factory: Callable[..., Any], params: SamplingParams, context: SamplerContext) -> Any:
+    """Call a factory with ``(params, context)``, or ``(params)`` for one written that way."""
+    try:
+        inspect.signature(factory).bind(params, context)
+    except TypeError:
+        return factory(params)
+    except ValueError:  # no signature (a builtin): assume the current contract
+        pass
+    return factory(params, context)
+
+
+def _factories(samplers: Registry) -> list[Callable[..., Any]]:
+    entries = sorted(samplers, key=lambda entry: (entry.meta.get("order", 0), entry.name))
+    return [entry.load() for entry in entries]
+
+
+def make_sampler(
+    params: SamplingParams, samplers: Registry, context: SamplerContext | None = None
+) -> RequestSampler:
+    """Compose the request's logits processors (registered by sampler plugins) and a final draw."""
+    context = context or SamplerContext()
+    processors = [
+        proc for factory in _factories(samplers) if (proc := _call(factory, params, context)) is not None
+    ]
+    return RequestSampler(processors, params)
+
+
+def validate_sampling(params: SamplingParams, samplers: Registry, context: SamplerContext) -> None:
+    """Let every sampler plugin refuse parameters it cannot honour (raises RequestError)."""
+    for factory in _factories(samplers):
+        validate = getattr(factory, "validate", None)
+        if callable(validate):
+            validate(params, context)
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, top: int) -> tuple[mx.array, ...]:
+    """Log-probabilities of ``tokens`` ([B]) under ``[B, V]`` raw logits, and the ``top`` most likely
+    ids with theirs. Lazy: the caller evaluates them with the tokens."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+    if top <= 0:
+        return (chosen,)
+    best = mx.argsort(-logprobs, axis=-1)[:, :top]
+    return chosen, best, mx.take_along_axis(logprobs, best, axis=-1)
+
+
+def to_token_logprob(token: int, values: Sequence[Any]) -> TokenLogprob:
+    """One row of :func:`token_logprobs`'s arrays, read back as a :class:`TokenLogprob`."""
+    from mlxr_core.engine.request import TokenLogprob
+
+    chosen = float(values[0])
+    if len(values) < 3:
+        return TokenLogprob(token, chosen)
+    top = tuple((int(i), float(v)) for i, v in zip(values[1], values[2], strict=True))
+    return TokenLogprob(token, chosen, top)
+
+
 class Decoder(Protocol):
-    """A decoding strategy, registered through ``mlxr_register_decoders``."""
+    """A decoding strategy, registered through ``mlxr_register_decoders``.
+
+    ``batched = True`` on the class means the engine's batch runner implements the strategy for
+    batched requests (plain decoding); any other decoder gets the engine to itself per request.
+    """
 
     def generate(
         self,
         model: LoadedModel,
         cache: list[Any],
         prompt_ids: list[int],
-        sampler: Sampler,
+        sampler: RequestSampler,
         *,
         prefill_chunk: int,
     ) -> Iterator[int]:
         """Prefill ``prompt_ids`` into ``cache`` (in chunks of ``prefill_chunk``) and yield generated
         token ids one at a time, forever; the engine stops iterating (and closes the generator) on
-        EOS, a stop string, ``max_tokens`` or cancellation. Runs on the engine thread."""
+        EOS, a stop string, ``max_tokens`` or cancellation. Runs on the engine thread.
+
+        The engine only hands a non-batched decoder requests whose sampler is not ``stateful`` and
+        that ask for no logprobs; others fall back to plain decoding (logged)."""
         ...
-
-
-def make_sampler(params: SamplingParams, samplers: Registry) -> Sampler:
-    """Compose the request's logits processors (registered by sampler plugins) and a final draw.
-
-    Temperature 0 is greedy (argmax after the processors); otherwise a categorical draw with the
-    request's own random key, so a seeded request is reproducible whatever else the engine runs.
-    """
-    entries = sorted(samplers, key=lambda entry: (entry.meta.get("order", 0), entry.name))
-    processors = [proc for entry in entries if (proc := entry.load()(params)) is not None]
-    greedy = params.temperature == 0.0
-    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
-    key = mx.random.key(seed)
-
-    def sample(logits: mx.array) -> mx.array:
-        nonlocal key
-        logits = logits.astype(mx.float32)
-        for proc in processors:
-            logits = proc(logits)
-        if greedy:
-            return mx.argmax(logits, axis=-1)
-        key, draw = mx.random.split(key)
-        return mx.random.categorical(logits, key=draw)
-
-    # The batch runner draws all-greedy batches with one argmax instead of per-row samplers.
-    sample.plain_greedy = greedy and not processors  # type: ignore[attr-defined]
-    return sample

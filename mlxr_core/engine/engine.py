@@ -171,6 +171,10 @@ class Engine:
                 param="max_tokens",
                 code="kv_budget_exceeded",
             )
+        from mlxr_core.engine.decoding import SamplerContext, validate_sampling
+
+        context = SamplerContext(request.prompt_ids, info.tokenizer, info.tokenizer.vocab_size)
+        validate_sampling(params, self.host.registries.samplers, context)
         if self.queue_depth >= self.config.engine.max_queue:
             raise Overloaded(
                 f"{self._queue.qsize()} requests are waiting (engine.max_queue); retry later"

@@ -13,6 +13,29 @@ import attrs
 from mlxr_core.errors import MlxrError
 
 
+@attrs.frozen
+class Constraint:
+    """Structured output the sampler must enforce while decoding.
+
+    ``kind`` is ``"json_object"`` (any JSON object; ``value`` unused), ``"json_schema"`` (``value``:
+    the JSON Schema as a dict), ``"regex"`` (``value``: the pattern) or ``"lark"`` (``value``: a
+    Lark grammar as the constrained-decoding plugin documents it).
+    """
+
+    kind: str
+    value: Any = None
+
+
+@attrs.frozen
+class TokenLogprob:
+    """The log-probability of one emitted token under the model, and the most likely alternatives
+    (``top``: ``(token_id, logprob)`` pairs, best first; empty unless ``top_logprobs`` was asked)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @attrs.define
 class SamplingParams:
     """One request's decoding controls. Validated by the API layer; the engine trusts them."""
@@ -25,6 +48,18 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = attrs.field(factory=list)
+    #: Penalties over tokens already seen: ``repetition_penalty`` (> 1 discourages, over prompt and
+    #: output, divides positive logits and multiplies negative ones), OpenAI's ``frequency_penalty``
+    #: (times the count in the output) and ``presence_penalty`` (once per token in the output).
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    #: Token id -> value added to its logit (OpenAI's ``logit_bias``, -100..100).
+    logit_bias: dict[int, float] = attrs.field(factory=dict)
+    #: None: no logprobs; 0: each emitted token's logprob; k > 0: and the k most likely alternatives.
+    logprobs: int | None = None
+    #: Structured output (``response_format``, forced tool calls); None: free text.
+    constraint: Constraint | None = None
     #: Extra parameters owned by sampler plugins (``logit_bias`` ...), by name.
     extra: dict[str, Any] = attrs.field(factory=dict)
 
@@ -57,6 +92,8 @@ class Delta:
 
     text: str
     token_ids: tuple[int, ...] = ()
+    #: One entry per id in ``token_ids`` when the request asked for logprobs.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @attrs.frozen

@@ -56,7 +56,7 @@ class Scheduler:
             )
             for name, model in models.items()
         }
-        self._warned: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()
 
     # -- figures other threads read (plain ints; approximate while the loop runs) ---------------
 
@@ -114,17 +114,24 @@ class Scheduler:
                 handle._emit(Finished(reason="cancelled", usage=usage))
                 continue
             runner = self.runners[handle.request.model]
-            decoder = self.registries.decoders.get(
-                handle.request.decoder or runner.model.decoder
-            )
+            name = handle.request.decoder or runner.model.decoder
+            decoder = self.registries.decoders.get(name)
+            seq: Sequence | None = None
             if not getattr(decoder, "batched", False):
-                self.waiting.popleft()
-                self._run_alone(handle, runner.model, decoder)
-                continue
+                seq = Sequence(handle, runner.model, self.registries.samplers, 0)
+                fallback = plain_fallback_reason(seq)
+                if fallback is None:
+                    self.waiting.popleft()
+                    self._run_alone(seq, name, decoder)
+                    continue
+                if (name, fallback) not in self._warned:
+                    self._warned.add((name, fallback))
+                    log.info("decoder %s: a request %s, so it runs with plain decoding", name, fallback)
+                seq.kv_bytes = runner.reserve_bytes(handle)
             if runner.size >= self.config.max_batch_size or not self._fits(runner, handle):
                 return  # first come, first served: later requests wait behind this one
             self.waiting.popleft()
-            runner.add(handle)
+            runner.add(handle, seq)
 
     def _fits(self, runner: BatchRunner, handle: RequestHandle) -> bool:
         budget = self.config.max_kv_bytes
@@ -142,13 +149,12 @@ class Scheduler:
             )
             runner.fail_all(error)
 
-    def _run_alone(self, handle: RequestHandle, model: LoadedModel, decoder: Any) -> None:
+    def _run_alone(self, seq: Sequence, name: str, decoder: Any) -> None:
         """A decoder that cannot batch gets the engine to itself for this request."""
-        name = handle.request.decoder or model.decoder
-        if name not in self._warned:
-            self._warned.add(name)
+        if (name, "") not in self._warned:
+            self._warned.add((name, ""))
             log.info("decoder %s does not run in continuous batching: its requests run alone", name)
-        seq = Sequence(handle, model, self.registries.samplers, 0)
+        handle, model = seq.handle, seq.model
         cache = model.make_cache()
         tokens = decoder.generate(
             model, cache, seq.prompt, seq.sampler, prefill_chunk=self.config.prefill_chunk
@@ -182,3 +188,13 @@ class Scheduler:
             if handle is not None:
                 handle._emit(Failed(error))
 
+
+
+def plain_fallback_reason(seq: Sequence) -> str | None:
+    """Why a request cannot use a non-batched decoder (which draws tokens several at a time from
+    stateless samplers), or None when it can."""
+    if seq.handle.request.params.logprobs is not None:
+        return "asks for logprobs"
+    if seq.sampler.stateful:
+        return "uses stateful logits processors (penalties or structured output)"
+    return None

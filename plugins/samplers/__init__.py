@@ -1,8 +1,9 @@
-"""Built-in logits processors: temperature, top-k, top-p, min-p.
+"""Built-in logits processors: logit_bias, penalties, temperature, top-k, top-p, min-p.
 
-Each factory gets one request's :class:`~mlxr_core.engine.request.SamplingParams` and returns a
-``[B, V] -> [B, V]`` logits processor, or None when the request does not use it. The engine builds
-the chain once per request and draws the token after it (argmax at temperature 0).
+Each factory gets one request's :class:`~mlxr_core.engine.request.SamplingParams` (and a
+:class:`~mlxr_core.engine.decoding.SamplerContext`) and returns a ``[B, V] -> [B, V]`` logits
+processor, or None when the request does not use it. The engine builds the chain once per request
+and draws the token after it (argmax at temperature 0). Bias and penalties come before temperature.
 """
 
 from mlxr_core.plugins import hookimpl
@@ -13,6 +14,8 @@ MLXR_ESSENTIAL = True
 
 @hookimpl
 def mlxr_register_samplers(register):  # type: ignore[no-untyped-def]
+    register("logit_bias", "mlxr_plugins.samplers.penalties:logit_bias", order=1)
+    register("penalties", "mlxr_plugins.samplers.penalties:penalties", order=5)
     module = "mlxr_plugins.samplers.basic"
     register("temperature", f"{module}:temperature", order=10)
     register("top_k", f"{module}:top_k", order=20)
