@@ -9,6 +9,9 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   ``mx.fast.scaled_dot_product_attention``.
 - ``rms_norm(x, weight, eps)``: as ``mx.fast.rms_norm``.
 - ``rope(x, dims, *, traditional, base, scale, offset, freqs=None)``: as ``mx.fast.rope``.
+- ``quantized_matmul(x, w, scales, biases, *, transpose, group_size, bits, mode)``: as
+  ``mx.quantized_matmul``; every quantized linear layer of a model (the decode step's weight
+  reads) goes through it.
 
 Selection happens once per model, never in the token loop: :func:`bind_kernels` resolves every op
 to a plain callable and returns a :class:`KernelSet`. An explicit choice that cannot run is a
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
-OPS = ("attention", "rms_norm", "rope")
+OPS = ("attention", "rms_norm", "rope", "quantized_matmul")
 
 
 @attrs.frozen
@@ -65,6 +68,7 @@ class KernelSet:
     attention: Callable[..., Any]
     rms_norm: Callable[..., Any]
     rope: Callable[..., Any]
+    quantized_matmul: Callable[..., Any]
     #: op -> backend name, for logs and ``mlxr info``.
     chosen: Mapping[str, str] = attrs.field(factory=dict)
 

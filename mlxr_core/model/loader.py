@@ -20,10 +20,10 @@ from mlx.utils import tree_flatten
 
 from mlxr_core.errors import ModelLoadError, UnknownArchitecture, UnsupportedFormat
 from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
-from mlxr_core.model.arch import Architecture
+from mlxr_core.model.arch import Architecture, DefaultChatTemplate
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
 from mlxr_core.model.paths import resolve_model_path
-from mlxr_core.model.quantize import apply_policy
+from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -147,6 +147,7 @@ def build_model(
             return {"group_size": spec.group_size, "bits": spec.bits, "mode": spec.mode}
 
         nn.quantize(model, class_predicate=predicate)
+        route_quantized_linears(model, kernels.quantized_matmul)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
@@ -178,7 +179,13 @@ def load_model(
     if checkpoint.tokenizer is None:
         raise ModelLoadError("the checkpoint carries no tokenizer", path=str(path))
     backend = registries.tokenizers.get(checkpoint.tokenizer.kind)
-    tokenizer = backend.build(checkpoint.tokenizer.data, chat_template=checkpoint.chat_template)
+    chat_template = checkpoint.chat_template
+    if chat_template is None and isinstance(arch, DefaultChatTemplate):
+        chat_template = arch.default_chat_template(config)
+        if chat_template is not None:
+            arch_name = config.get("model_type", "architecture's")
+            log.info("%s has no chat template; using the %s default", path.name, arch_name)
+    tokenizer = backend.build(checkpoint.tokenizer.data, chat_template=chat_template)
 
     choices = {**(kernel_choices or {}), **model_config.kernels}
     kernels = bind_kernels(

@@ -127,3 +127,37 @@ def _unpack(weights: dict[str, Any], module: str, spec: QuantSpec, dtype: mx.Dty
 
 def _dtype_name(array: mx.array) -> str:
     return str(array.dtype).removeprefix("mlx.core.")
+
+
+class KernelQuantizedLinear(nn.QuantizedLinear):
+    """``nn.QuantizedLinear`` whose matmul is the model's ``quantized_matmul`` kernel (see
+    :mod:`mlxr_core.kernels`), so the backend chosen in ``kernels:`` runs every packed linear layer."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x = self._quantized_matmul(
+            x,
+            self["weight"],
+            self["scales"],
+            self.get("biases"),
+            transpose=True,
+            group_size=self.group_size,
+            bits=self.bits,
+            mode=self.mode,
+        )
+        if "bias" in self:
+            x = x + self["bias"]
+        return x
+
+
+def route_quantized_linears(model: nn.Module, quantized_matmul: Any) -> int:
+    """Make every ``nn.QuantizedLinear`` of ``model`` call ``quantized_matmul``; returns how many.
+
+    The layers keep their parameters: only their class changes, to a subclass adding no state.
+    """
+    count = 0
+    for _, module in model.named_modules():
+        if type(module) is nn.QuantizedLinear:
+            module.__class__ = KernelQuantizedLinear
+            object.__setattr__(module, "_quantized_matmul", quantized_matmul)
+            count += 1
+    return count

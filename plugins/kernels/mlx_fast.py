@@ -52,3 +52,6 @@ attention_kernel = KernelImpl(
 )
 rms_norm_kernel = KernelImpl(mx.fast.rms_norm, _float_dtype, summary="mx.fast.rms_norm")
 rope_kernel = KernelImpl(mx.fast.rope, _rope_support, summary="mx.fast.rope")
+quantized_matmul_kernel = KernelImpl(
+    mx.quantized_matmul, summary="mx.quantized_matmul (fused dequantize + matmul)"
+)

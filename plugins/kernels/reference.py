@@ -116,3 +116,29 @@ def rope(
 attention_kernel = KernelImpl(attention, summary="plain mx ops, float32 softmax: the ground truth")
 rms_norm_kernel = KernelImpl(rms_norm, summary="plain mx ops in float32: the ground truth")
 rope_kernel = KernelImpl(rope, summary="plain mx ops in float32: the ground truth")
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    *,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+) -> mx.array:
+    """Dequantize ``w``, then an ordinary matmul (``x @ w.T`` when ``transpose``), in float32.
+
+    Affine groups: ``w_float = scale * q + bias`` per ``group_size`` consecutive input features.
+    """
+    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode)
+    dense = dense.astype(mx.float32)
+    out = x.astype(mx.float32) @ (dense.T if transpose else dense)
+    return out.astype(x.dtype)
+
+
+quantized_matmul_kernel = KernelImpl(
+    quantized_matmul, summary="mx.dequantize, then a dense matmul: the ground truth"
+)

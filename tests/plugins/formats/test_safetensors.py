@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -344,7 +345,7 @@ def test_mlx_lm_folder_keeps_its_packing_through_the_loader(registries):
     loaded = load_model(config, registries)
     assert loaded.metadata["producer"] == "mlx-lm"
     layer = loaded.model.layers[0]
-    assert type(layer.mlp.down_proj).__name__ == "QuantizedLinear"
+    assert isinstance(layer.mlp.down_proj, nn.QuantizedLinear)
     assert type(loaded.model.layers[1].mlp.down_proj).__name__ == "Linear"
     assert (layer.mlp.up_proj.bits, layer.mlp.up_proj.group_size) == (4, 32)
     assert loaded.model.lm_head.bits == 8

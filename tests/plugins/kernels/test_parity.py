@@ -222,7 +222,7 @@ def test_mlx_fast_says_why_it_cannot_run():
 
 def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
     registries = load_plugins().registries
-    for op in ("attention", "rms_norm", "rope"):
+    for op in ("attention", "rms_norm", "rope", "quantized_matmul"):
         assert f"{op}:reference" in registries.kernels
         assert f"{op}:mlx_fast" in registries.kernels
     shapes = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
@@ -231,8 +231,50 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
         "attention": "mlx_fast",
         "rms_norm": "mlx_fast",
         "rope": "mlx_fast",
+        "quantized_matmul": "mlx_fast",
     }
     chosen = bind_kernels(
         registries.kernels, dtype="float32", shapes=shapes, choices={"attention": "reference"}
     )
     assert chosen.chosen["attention"] == "reference" and chosen.attention is reference.attention
+
+
+# -- quantized matmul ---------------------------------------------------------------------------
+# The reference dequantizes and accumulates in float32. MLX's fused kernel accumulates in the
+# activation dtype on the CPU, so its error grows like eps * sqrt(K): the bound is on the RMS of
+# the difference relative to the output's RMS, ``eps * sqrt(K) / 2`` (measured worst: 0.2x that).
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("L,K,N", [(1, 512, 384), (7, 1024, 256), (1, 4096, 64)])
+def test_quantized_matmul_parity(dtype, bits, group_size, L, K, N):
+    mx.random.seed(L * K + N + bits + group_size)
+    w, scales, biases = mx.quantize(mx.random.normal((N, K)).astype(dtype), group_size, bits)
+    x = mx.random.normal((L, K)).astype(dtype)
+    kwargs = {"transpose": True, "group_size": group_size, "bits": bits}
+    fast = mlx_fast.quantized_matmul_kernel.op(x, w, scales, biases, **kwargs)
+    ref = reference.quantized_matmul(x, w, scales, biases, **kwargs)
+    assert fast.dtype == ref.dtype == dtype and fast.shape == ref.shape == (L, N)
+    f, r = np.array(fast.astype(mx.float32)), np.array(ref.astype(mx.float32))
+    rms = float(np.sqrt((r**2).mean()))
+    error = float(np.sqrt(((f - r) ** 2).mean()))
+    if dtype == mx.float32:
+        assert error <= 1e-5 * rms
+    else:
+        assert error <= EPS[dtype] * math.sqrt(K) / 2 * rms
+
+
+def test_reference_quantized_matmul_is_the_math():
+    w = mx.random.normal((16, 64))
+    packed, scales, biases = mx.quantize(w, 32, 8)
+    x = mx.random.normal((3, 64))
+    dense = np.array(mx.dequantize(packed, scales, biases, 32, 8))
+    expected = np.array(x) @ dense.T
+    got = reference.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=32, bits=8)
+    np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5)
+    # 8-bit affine groups are close to the original weights, so the result is close to x @ w.T:
+    # each weight is off by at most half a step (range / 255 / 2), over 64 products.
+    error = np.abs(np.array(got) - np.array(x @ w.T)).max()
+    assert error < 0.5, error

@@ -90,7 +90,7 @@ def test_bind_kernels_rejects_a_choice_for_an_unknown_op(registries):
 def test_on_this_cpu_auto_binds_mlx_fast_and_device_kernels_refuse_with_reasons(registries):
     kernels = bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES)
     assert dict(kernels.chosen) == {"attention": "mlx_fast", "rms_norm": "mlx_fast",
-                                    "rope": "mlx_fast"}
+                                    "rope": "mlx_fast", "quantized_matmul": "mlx_fast"}
     assert kernels.attention is mlx_fast.attention
     with pytest.raises(KernelUnavailable, match="needs MLX's CUDA backend"):
         bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES,
@@ -106,7 +106,7 @@ def test_model_choices_override_global_ones_at_load(registries, tmp_path):
     loaded = load_model(model, registries, kernel_choices={"attention": "mlx_fast",
                                                            "rms_norm": "reference"})
     assert dict(loaded.kernels.chosen) == {"attention": "reference", "rms_norm": "reference",
-                                           "rope": "mlx_fast"}
+                                           "rope": "mlx_fast", "quantized_matmul": "mlx_fast"}
     with pytest.raises(KernelUnavailable, match="cuda"):
         load_model(ModelConfig(path=str(path), dtype="float32"), registries,
                    kernel_choices={"attention": "cuda"})
@@ -116,10 +116,10 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     rows = kernel_report(registries.kernels, dtype="float32", shapes=SHAPES,
                          device="cpu", platform="cpu")
     by_key = {(row["op"], row["backend"]): row for row in rows}
-    assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "rope")
+    assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "rope", "quantized_matmul")
                            for b in ("mlx_fast", "reference")} | {
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal")}
-    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3
+    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 4
     assert not by_key[("attention", "cuda")]["supported"]
     assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]
     # The same question as on a CUDA machine: cuda can run there, but is opt-in (below mlx_fast).
@@ -128,7 +128,8 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     cuda_row = next(r for r in cuda_rows if r["backend"] == "cuda")
     assert cuda_row["supported"] and not cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
-    assert chosen == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "rope": "mlx_fast"}
+    assert chosen == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "rope": "mlx_fast",
+                      "quantized_matmul": "mlx_fast"}
 
 
 def test_kernel_report_survives_a_backend_that_fails_to_import():
@@ -172,3 +173,29 @@ def test_swapping_a_kernel_is_one_line_of_yaml(tmp_path):
     assert load_config(swapped).kernels["attention"] == "mlx_fast"
     assert sum(a != b for a, b in zip(text.splitlines(), swapped.read_text().splitlines(),
                                       strict=True)) == 1
+
+
+@pytest.mark.parametrize("backend", ["reference", "mlx_fast"])
+def test_packed_linear_layers_run_the_chosen_quantized_matmul(tmp_path, backend):
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.model.loader import load_model
+    from mlxr_core.model.quantize import KernelQuantizedLinear
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+    from mlxr_plugins.kernels import mlx_fast, reference
+
+    path = write_tiny_llama_gguf(tmp_path / "q4.gguf", quant="q4_0")
+    registries = load_plugins().registries
+    config = ModelConfig(path=str(path), kernels={"quantized_matmul": backend}, quantization="keep")
+    loaded = load_model(config, registries)
+    assert loaded.kernels.chosen["quantized_matmul"] == backend
+    q_proj = loaded.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, KernelQuantizedLinear)
+    expected = {"reference": reference.quantized_matmul, "mlx_fast": mlx_fast.quantized_matmul_kernel.op}
+    assert q_proj._quantized_matmul is expected[backend]
+    # The same logits as with every layer dequantized up front (float32: exact up to summation order).
+    dense = load_model(ModelConfig(path=str(path), quantization="dequantize"), registries)
+    ids = mx.array([[3, 4, 5, 6, 7]])
+    np.testing.assert_allclose(np.array(loaded.model(ids)), np.array(dense.model(ids)), atol=1e-4)

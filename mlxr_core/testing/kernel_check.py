@@ -1,0 +1,143 @@
+"""The parity check of a kernel backend against the pure-MLX reference (see :func:`check_kernel_parity`).
+
+The reference is :mod:`mlxr_plugins.kernels.reference` itself, not whatever is registered as
+``reference``, so a plugin overriding the reference backend is held to the original.
+Tolerances (``|backend - reference| <= atol + rtol * |reference|`` on ~N(0, 1) inputs) are about
+two roundings in the output dtype, as in mlxr's own parity tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from mlxr_core.registry import Registry
+
+DTYPES = ("float32", "float16", "bfloat16")
+#: The ops :func:`check_kernel_parity` has cases for.
+PARITY_OPS = ("attention", "rms_norm", "rope")
+#: dtype -> (atol, rtol) per op.
+TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
+    "attention": {"float32": (1e-5, 1e-5), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
+    "rms_norm": {"float32": (5e-6, 1e-5), "float16": (2.0**-10, 2.0**-9), "bfloat16": (2.0**-7, 2.0**-6)},
+    "rope": {"float32": (2e-5, 1e-5), "float16": (2.0**-8, 2.0**-9), "bfloat16": (2.0**-5, 2.0**-6)},
+}
+
+
+@attrs.define
+class ParityReport:
+    """What :func:`check_kernel_parity` compared (``ran``) and what the backend declined
+    (``skipped``: case -> the reasons its ``supports`` gave)."""
+
+    ran: list[str] = attrs.field(factory=list)
+    skipped: dict[str, list[str]] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Case:
+    name: str
+    shapes: dict[str, Any]
+    #: dtype -> (args, kwargs) of one call.
+    make: Callable[[Any], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def check_kernel_parity(
+    registry: Registry,
+    op: str,
+    backend: str,
+    *,
+    dtypes: Sequence[str] = DTYPES,
+) -> ParityReport:
+    """Compare backend ``backend`` of ``op`` (as registered in ``registry``, e.g.
+    ``load_plugins().registries.kernels``) with the reference over shapes and ``dtypes``.
+
+    Cases the backend declines through ``supports(ctx)`` on this machine are skipped and reported,
+    not failed. Raises AssertionError naming the first case that differs beyond tolerance, or whose
+    output shape or dtype differs.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxr_core.kernels import KernelContext, current_platform
+    from mlxr_plugins.kernels import reference
+
+    device, platform = current_platform()
+    impl = registry.get(f"{op}:{backend}")
+    expected_fn: Callable[..., mx.array] = getattr(reference, op)
+    report = ParityReport()
+    for dtype_name in dtypes:
+        dtype = getattr(mx, dtype_name)
+        for case in _cases(op):
+            label = f"{op}:{backend} {case.name} {dtype_name}"
+            ctx = KernelContext(op=op, device=device, platform=platform, dtype=dtype_name, shapes=case.shapes)
+            reasons = list(impl.supports(ctx))
+            if reasons:
+                report.skipped[label] = reasons
+                continue
+            args, kwargs = case.make(dtype)
+            actual, expected = impl.op(*args, **kwargs), expected_fn(*args, **kwargs)
+            assert actual.shape == expected.shape, f"{label}: shape {actual.shape} != {expected.shape}"
+            assert actual.dtype == expected.dtype, f"{label}: dtype {actual.dtype} != {expected.dtype}"
+            a, e = np.array(actual.astype(mx.float32)), np.array(expected.astype(mx.float32))
+            atol, rtol = TOLERANCES[op][dtype_name]
+            excess = np.abs(a - e) - (atol + rtol * np.abs(e))
+            worst = float(np.nanmax(excess)) if excess.size else 0.0
+            assert np.isfinite(a).all() and worst <= 0, (
+                f"{label}: differs from the reference by up to {worst + atol:.3g} "
+                f"(atol {atol:g}, rtol {rtol:g})"
+            )
+            report.ran.append(label)
+    return report
+
+
+def _cases(op: str) -> Iterator[Case]:
+    import mlx.core as mx
+
+    def normal(shape: tuple[int, ...], seed: int, dtype: Any) -> mx.array:
+        return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+    if op == "attention":
+        for Hq, Hkv in ((8, 8), (8, 2)):
+            for D in (64, 128):
+                for L, S in ((1, 1), (1, 37), (5, 33)):
+                    for mask in ("none", "causal", "array"):
+
+                        def make(dtype: Any, Hq: int = Hq, Hkv: int = Hkv, D: int = D, L: int = L,
+                                 S: int = S, mask: str = mask) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                            q = normal((2, Hq, L, D), 1, dtype)
+                            k, v = normal((2, Hkv, S, D), 2, dtype), normal((2, Hkv, S, D), 3, dtype)
+                            m: Any = {"none": None, "causal": "causal"}.get(mask)
+                            if mask == "array":
+                                m = normal((2, 1, L, S), 4, dtype)
+                            return (q, k, v), {"scale": D**-0.5, "mask": m}
+
+                        masks = () if mask == "none" else (mask,)
+                        shapes = {"head_dim": D, "n_heads": Hq, "n_kv_heads": Hkv, "masks": masks}
+                        yield Case(f"Hq={Hq} Hkv={Hkv} D={D} L={L} S={S} mask={mask}", shapes, make)
+    elif op == "rms_norm":
+        for D in (64, 96, 4096):
+
+            def make_norm(dtype: Any, D: int = D) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                return (normal((2, 5, D), 5, dtype), normal((D,), 6, dtype), 1e-6), {}
+
+            yield Case(f"D={D}", {"hidden_size": D}, make_norm)
+    elif op == "rope":
+        for D, dims in ((64, 64), (128, 64)):
+            for traditional in (False, True):
+                for offset in (0, 7):
+
+                    def make_rope(dtype: Any, D: int = D, dims: int = dims, traditional: bool = traditional,
+                                  offset: int = offset) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                        x = normal((2, 4, 6, D), 7, dtype)
+                        return (x, dims), {"traditional": traditional, "base": 10000.0, "scale": 1.0,
+                                           "offset": offset}
+
+                    shapes = {"head_dim": D, "rope_dims": dims, "rope_traditional": traditional}
+                    yield Case(f"D={D} dims={dims} traditional={traditional} offset={offset}", shapes, make_rope)
+    else:
+        raise ValueError(f"no parity cases for op {op!r} (ops with cases: attention, rms_norm, rope)")
