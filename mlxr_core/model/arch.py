@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -16,7 +16,8 @@ class Architecture(Protocol):
 
     The built module is called as ``model(inputs, cache=cache)`` with ``inputs`` of shape ``[B, L]``
     (int32 token ids) and returns logits of shape ``[B, L, vocab]``; ``cache`` is the list
-    :meth:`make_cache` returned, one entry per layer, advanced in place.
+    :meth:`make_cache` returned, one entry per layer, advanced in place. :meth:`hidden_states` runs
+    the same graph without its LM head (embeddings are pooled from it).
     """
 
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
@@ -37,4 +38,26 @@ class Architecture(Protocol):
 
     def kernel_context(self, config: dict[str, Any]) -> dict[str, Any]:
         """Shape facts kernels need to decide support: head_dim, n_heads, n_kv_heads, masks."""
+        ...
+
+    def hidden_states(
+        self, model: nn.Module, inputs: mx.array, cache: list[Any] | None = None
+    ) -> mx.array:
+        """The final hidden states, ``[B, L, hidden_size]``: after the last norm, before the LM head
+        (and any logit soft-capping), under a causal mask, advancing ``cache`` like a forward pass.
+
+        Positions attend only to earlier ones, so right-padding a row does not change its first
+        positions' states; chunks fed through one cache give what one pass over the whole gives.
+        """
+        ...
+
+
+@runtime_checkable
+class DefaultChatTemplate(Protocol):
+    """An optional capability of an :class:`Architecture`: the chat format of its model family,
+    for checkpoints that carry no template (a GGUF converted without one). The loader uses it
+    only when the checkpoint has none; the checkpoint's own template always wins."""
+
+    def default_chat_template(self, config: dict[str, Any]) -> str | None:
+        """A Jinja2 chat template (Hugging Face conventions), or None when there is none."""
         ...

@@ -91,10 +91,12 @@ def write_tiny_llama_gguf(
     context_length: int = 512,
     rope_theta: float = 10000.0,
     tied_embeddings: bool = False,
+    chat_template: str = CHATML_TEMPLATE,
 ) -> Path:
     """Write a tiny random llama GGUF to ``path`` and return the path.
 
     ``quant`` is the type of every matrix (norms stay F32); ``q5_0`` is repacked as MLX 5-bit.
+    ``chat_template`` replaces the ChatML template (tests give hostile ones).
     The same arguments always produce the same bytes.
     """
     import gguf
@@ -139,7 +141,7 @@ def write_tiny_llama_gguf(
     writer.add_bos_token_id(SPECIAL_TOKENS.index("<|endoftext|>"))
     writer.add_eos_token_id(SPECIAL_TOKENS.index("<|im_end|>"))
     writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
     def add(name: str, array: np.ndarray) -> None:
         if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
@@ -167,6 +169,54 @@ def write_tiny_llama_gguf(
     if not tied_embeddings:
         add("output.weight", matrix(n_vocab, hidden))
 
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_gguf(
+    path: str | Path,
+    arch: str,
+    metadata: dict[str, int | float | str | bool | list[int] | list[float]],
+    tensors: dict[str, np.ndarray],
+    *,
+    quant: Quant = "f32",
+) -> Path:
+    """Write ``tensors`` (llama.cpp names, float32, Hugging Face ``[out, in]`` layout) and
+    ``metadata`` (keys without the ``{arch}.`` prefix) as a GGUF of architecture ``arch``.
+
+    For converting a tiny Hugging Face checkpoint the way ``convert_hf_to_gguf`` would, once the
+    caller has renamed (and, where llama.cpp does, permuted) its tensors. Vectors stay F32; every
+    matrix is stored as ``quant``. Values are typed as the converter types them: ints as uint32,
+    floats as float32, lists as arrays.
+    """
+    import gguf
+
+    path = Path(path)
+    qtype = gguf.GGMLQuantizationType[quant.upper()]
+    writer = gguf.GGUFWriter(path, arch)
+    for key, value in metadata.items():
+        name = f"{arch}.{key}"
+        if isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        elif isinstance(value, str):
+            writer.add_string(name, value)
+        else:
+            writer.add_array(name, value)
+    for name, array in tensors.items():
+        array = np.asarray(array, dtype=np.float32)
+        if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, array)
+        elif qtype == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, array.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

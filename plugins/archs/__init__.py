@@ -13,7 +13,7 @@ from mlxr_core.plugins import hookimpl
 if TYPE_CHECKING:
     from mlxr_core.hookspecs import RegisterName
 
-#: model_type -> implementation. Mistral (v0.1+ without sliding window) is the Llama graph.
+#: model_type -> implementation. Mistral (with or without a sliding window) is the Llama graph.
 ARCHITECTURES = {
     "llama": "mlxr_plugins.archs.llama:LlamaArchitecture",
     "mistral": "mlxr_plugins.archs.llama:LlamaArchitecture",
@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "qwen3": "mlxr_plugins.archs.qwen3:Qwen3Architecture",
     "gemma3": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
     "gemma3_text": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
+    "phi3": "mlxr_plugins.archs.phi3:Phi3Architecture",
 }
 
 

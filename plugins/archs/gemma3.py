@@ -20,7 +20,7 @@ from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import KVCache
 from mlxr_core.model.masks import window_mask
-from mlxr_plugins.archs.llama import LlamaArgs, Rotary
+from mlxr_plugins.archs.llama import LlamaArgs, Rotary, final_hidden_states
 
 #: Hugging Face's default ``sliding_window_pattern``: every 6th layer attends globally.
 GLOBAL_EVERY = 6
@@ -219,6 +219,30 @@ class Gemma3(nn.Module):
         return self.model.layers
 
 
+#: Gemma's turn format, as in the instruction-tuned checkpoints' ``tokenizer_config.json`` (text
+#: parts only): a system message is prefixed to the first user turn, ``assistant`` is ``model``,
+#: every turn ends with ``<end_of_turn>`` (a control token, so it ends generation).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
 #: Prefixes of the multimodal ``gemma3`` checkpoints' language model -> the text model's names
 #: (transformers < 4.52 and >= 4.52 layouts).
 MULTIMODAL_PREFIXES = {
@@ -257,6 +281,16 @@ class Gemma3Architecture:
     def make_cache(self, model: nn.Module) -> list[Any]:
         """One full :class:`KVCache` per layer; window layers mask, they do not evict."""
         return [KVCache() for _ in model.layers]
+
+    def hidden_states(
+        self, model: nn.Module, inputs: mx.array, cache: list[Any] | None = None
+    ) -> mx.array:
+        """``[B, L, hidden_size]`` after the final norm, before the LM head and soft-capping."""
+        return final_hidden_states(model, inputs, cache)
+
+    def default_chat_template(self, config: dict[str, Any]) -> str | None:
+        """Gemma's turn format, for checkpoints without a template (the 270M GGUF's base model)."""
+        return CHAT_TEMPLATE
 
     def context_length(self, config: dict[str, Any]) -> int:
         """``max_position_embeddings``: the global layers see all of it, the window layers mask."""

@@ -1,8 +1,10 @@
-"""Llama (and Mistral without a sliding window): pre-norm decoder, GQA, RoPE, SwiGLU.
+"""Llama and Mistral: pre-norm decoder, GQA, RoPE, SwiGLU, and Mistral's optional sliding window.
 
 Weights use the Hugging Face names (``model.layers.N.self_attn.q_proj.weight`` ...) and the Hugging
 Face rotary layout (feature ``i`` pairs with ``i + head_dim / 2``); format plugins hand weights
-over in that layout. Attention, RMS norm and RoPE go through the bound :class:`KernelSet`.
+over in that layout. Attention, RMS norm and RoPE go through the bound :class:`KernelSet`. With a
+``sliding_window`` every layer attends to its last ``sliding_window`` positions, through the same
+full caches and window masks as Gemma 3's window layers (see :mod:`mlxr_core.model.masks`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import mlx.nn as nn
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import KVCache
+from mlxr_core.model.masks import window_mask
 
 
 @dataclasses.dataclass
@@ -142,7 +145,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary):
+    def __init__(
+        self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary, window: int | None = None
+    ):
         super().__init__()
         assert args.head_dim is not None and args.num_key_value_heads is not None
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
@@ -152,6 +157,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
         self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * D, args.hidden_size, bias=bias)
+        self.window = window
         self._rotary = rotary
         self._attention = kernels.attention
 
@@ -166,6 +172,8 @@ class Attention(nn.Module):
         keys = self._rotary(keys, offset)
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
+        if self.window is not None:
+            mask = window_mask(mask, L, keys.shape[2], self.window)
 
         out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
@@ -184,9 +192,11 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary):
+    def __init__(
+        self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary, window: int | None = None
+    ):
         super().__init__()
-        self.self_attn = Attention(args, kernels, rotary)
+        self.self_attn = Attention(args, kernels, rotary, window)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
@@ -202,7 +212,8 @@ class LlamaModel(nn.Module):
         rotary = Rotary(args, kernels)
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = [
-            TransformerBlock(args, kernels, rotary) for _ in range(args.num_hidden_layers)
+            TransformerBlock(args, kernels, rotary, args.sliding_window or None)
+            for _ in range(args.num_hidden_layers)
         ]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
@@ -241,6 +252,13 @@ class Llama(nn.Module):
         return self.model.layers
 
 
+def final_hidden_states(model: nn.Module, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+    """The backbone's output (``model.model``: after the final norm, before the LM head), which
+    every architecture built on these modules shares; see ``Architecture.hidden_states``."""
+    hidden: mx.array = model.model(inputs, cache)
+    return hidden
+
+
 class LlamaArchitecture:
     """The :class:`mlxr_core.model.arch.Architecture` of ``llama`` and ``mistral``."""
 
@@ -261,12 +279,15 @@ class LlamaArchitecture:
         """One :class:`KVCache` per layer."""
         return [KVCache() for _ in model.layers]
 
+    def hidden_states(
+        self, model: nn.Module, inputs: mx.array, cache: list[Any] | None = None
+    ) -> mx.array:
+        """``[B, L, hidden_size]`` after the final norm, before the LM head."""
+        return final_hidden_states(model, inputs, cache)
+
     def context_length(self, config: dict[str, Any]) -> int:
-        """``max_position_embeddings``, capped at the sliding window this graph does not model."""
-        args = LlamaArgs.from_config(config)
-        if args.sliding_window:
-            return min(args.max_position_embeddings, args.sliding_window)
-        return args.max_position_embeddings
+        """``max_position_embeddings``: a sliding window masks older positions, it does not cap."""
+        return LlamaArgs.from_config(config).max_position_embeddings
 
     def kernel_context(self, config: dict[str, Any]) -> dict[str, Any]:
         """Shapes kernels check: head dim, head counts, rotary dims and the mask kinds used."""
