@@ -14,18 +14,21 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mlxr_core.engine.embedding import Embeddings, check_pooling
+from mlxr_core.engine.jobs import EngineJob, refuse_jobs
 from mlxr_core.engine.request import (
     GenerationRequest,
     RequestHandle,
 )
 from mlxr_core.errors import (
+    ConfigError,
     ContextLengthExceeded,
     EngineStopped,
-    MlxrError,
     ModelNotFound,
     Overloaded,
     RequestError,
@@ -57,6 +60,8 @@ class ModelInfo:
     nbytes: int = 0
     dtype: str = ""
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    #: Other names clients may use for this model (``models[].aliases``).
+    aliases: tuple[str, ...] = ()
 
 
 class Engine:
@@ -69,10 +74,15 @@ class Engine:
         self.state = "created"
         self.error: BaseException | None = None
         self.models: dict[str, ModelInfo] = {}
+        #: Every name and alias a client may ask for -> the served model's name.
+        self.names: dict[str, str] = {}
         self.started_at = time.time()
         self._loaded: dict[str, LoadedModel] = {}
         self._kv_bytes_per_token: dict[str, int] = {}
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
+        self._jobs: queue.Queue[EngineJob] = queue.Queue()
+        self._jobs_lock = threading.Lock()
+        self._jobs_open = True
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._abort = threading.Event()
@@ -119,11 +129,17 @@ class Engine:
 
     # -- caller side (any thread) ------------------------------------------------------------
 
-    def model(self, name: str) -> ModelInfo:
+    def resolve(self, name: str) -> str:
+        """The served model's name for ``name`` (a name or an alias); every API resolves a request's
+        ``model`` here. Raises :class:`ModelNotFound` (404) listing the served models."""
         try:
-            return self.models[name]
+            return self.names[name]
         except KeyError:
             raise ModelNotFound(name, self.models) from None
+
+    def model(self, name: str) -> ModelInfo:
+        """The served model ``name`` (a name or an alias) names; raises :class:`ModelNotFound`."""
+        return self.models[self.resolve(name)]
 
     def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.model(model).tokenizer.encode(text, add_special_tokens=add_special_tokens)
@@ -151,6 +167,7 @@ class Engine:
         if self.state != "ready":
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
         info = self.model(request.model)
+        request.model = info.name  # an alias runs on the model it names
         prompt_tokens = len(request.prompt_ids)
         if prompt_tokens == 0:
             raise RequestError("the prompt is empty", param="prompt")
@@ -183,6 +200,75 @@ class Engine:
         self._queue.put(handle)
         return handle
 
+    def embed(
+        self,
+        model: str,
+        inputs: Sequence[Sequence[int]],
+        *,
+        pooling: str = "mean",
+        timeout: float | None = None,
+    ) -> Embeddings:
+        """The pooled, L2-normalized final hidden states of each token list (see
+        :mod:`mlxr_core.engine.embedding`), computed on the engine thread between batch steps.
+
+        :param model: a served model's name or alias.
+        :param pooling: ``"mean"`` over the positions, or ``"last"``: the last position's state.
+        :raises MlxrError: ModelNotFound, RequestError (empty input, ids outside the vocabulary),
+            ContextLengthExceeded, EngineStopped, or what the computation raised.
+        """
+        return self._embedding_job(model, inputs, pooling).future.result(timeout)
+
+    async def embed_async(
+        self, model: str, inputs: Sequence[Sequence[int]], *, pooling: str = "mean"
+    ) -> Embeddings:
+        """:meth:`embed` for an event loop: waits without blocking it; cancelling the wait drops
+        the job if the engine has not started it."""
+        return await asyncio.wrap_future(self._embedding_job(model, inputs, pooling).future)  # type: ignore[no-any-return]
+
+    def _embedding_job(self, model: str, inputs: Sequence[Sequence[int]], pooling: str) -> EngineJob:
+        """Validate in the caller's thread, then queue the work for the engine thread."""
+        from mlxr_core.engine.embedding import embed_tokens
+
+        if self.state != "ready":
+            raise EngineStopped(f"the engine is {self.state}; not accepting requests")
+        info = self.model(model)
+        check_pooling(pooling)
+        if not inputs:
+            raise RequestError("input must hold at least one item", param="input")
+        vocab = info.tokenizer.vocab_size
+        token_lists = [list(ids) for ids in inputs]
+        for i, ids in enumerate(token_lists):
+            if not ids:
+                raise RequestError(f"input[{i}] is empty", param="input")
+            if any(not 0 <= token < vocab for token in ids):
+                raise RequestError(f"input[{i}]: token ids must be in [0, {vocab})", param="input")
+            if len(ids) > info.context_length:
+                raise RequestError(
+                    f"input[{i}] has {len(ids)} tokens, more than this model's context length "
+                    f"({info.context_length}); shorten it",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+        chunk = self.config.engine.prefill_chunk
+        name = info.name
+
+        def work(models: Any) -> Embeddings:
+            vectors = embed_tokens(models[name], token_lists, chunk=chunk, pooling=pooling)
+            return Embeddings(name, vectors, sum(len(ids) for ids in token_lists))
+
+        job = EngineJob(work, what=f"embedding with model {name}")
+        with self._jobs_lock:
+            if not self._jobs_open:
+                raise EngineStopped("the server is shutting down")
+            self._jobs.put(job)
+        self._queue.put(None)  # wakes the scheduler if it waits for requests
+        return job
+
+    def _close_jobs(self) -> None:
+        with self._jobs_lock:
+            self._jobs_open = False
+            refuse_jobs(self._jobs, EngineStopped("the server is shutting down"))
+
     @property
     def queue_depth(self) -> int:
         """Requests submitted and not yet running."""
@@ -204,6 +290,8 @@ class Engine:
             "queued": self.queue_depth,
             "kv_bytes": scheduler.kv_bytes,
             "kv_bytes_reserved": scheduler.reserved_kv_bytes,
+            #: Draft tokens proposed and accepted, per model and drafting decoder.
+            "decoders": scheduler.decoder_stats(),
             "prefix_cache": {
                 name: attrs.asdict(stats) for name, stats in scheduler.prefix_stats().items()
             },
@@ -226,12 +314,11 @@ class Engine:
         try:
             stream = mx.new_stream(mx.default_device())
             with mx.stream(stream):
-                for model_config in self.config.models:
+                for index, model_config in enumerate(self.config.models):
                     loaded = load_model(
                         model_config, self.host.registries, kernel_choices=self.config.kernels
                     )
-                    if loaded.name in self._loaded:
-                        raise MlxrError(f"two models are named {loaded.name!r}; set models[].name")
+                    self._add_names(index, loaded.name, model_config.aliases)
                     self._loaded[loaded.name] = loaded
                     self.host.notify("mlxr_model_loaded", name=loaded.name, model=loaded)
         except BaseException as exc:
@@ -252,13 +339,33 @@ class Engine:
                 nbytes=m.nbytes,
                 dtype=m.dtype,
                 metadata=dict(m.metadata),
+                aliases=tuple(alias for alias, target in self.names.items() if target == name and alias != name),
             )
             for name, m in self._loaded.items()
         }
         self._kv_bytes_per_token = {name: kv_bytes_per_token(m) for name, m in self._loaded.items()}
         scheduler = Scheduler(
-            engine_config, self._loaded, self.host.registries, self._queue, self._stop, self._abort
+            engine_config,
+            self._loaded,
+            self.host.registries,
+            self._queue,
+            self._stop,
+            self._abort,
+            jobs=self._jobs,
         )
+        try:  # decoders' preconditions (a draft model's vocabulary, trimmable caches)
+            with mx.stream(stream):
+                scheduler.prepare_decoders(self.config.plugins.config)
+        except BaseException as exc:
+            log.error("a decoder cannot serve its model: %s", exc)
+            scheduler.release_decoders()
+            del scheduler
+            self._loaded.clear()
+            gc.collect()
+            self.error = exc
+            self.state = "failed"
+            self._ready.set()
+            return
         self.scheduler = scheduler
         if not self._stop.is_set():  # stop() may have been called while the models loaded
             self.state = "ready"
@@ -268,12 +375,31 @@ class Engine:
                 scheduler.run()
         self._ready.set()
         scheduler.refuse_waiting()
+        self._close_jobs()
         # Free the models here: MLX arrays must not outlive the thread (and stream) that made them.
+        scheduler.release_decoders()
         self.scheduler = None
         del scheduler
         self._loaded.clear()
         gc.collect()
         mx.clear_cache()
+
+
+    def _add_names(self, index: int, name: str, aliases: Sequence[str]) -> None:
+        """Record model ``index``'s name (the configured one or its file's stem) and aliases; a name
+        two models would answer to is a config error naming the key (explicit names and aliases
+        are checked when the config loads; a default name only now)."""
+        keys = [(f"models[{index}].name", name)]
+        keys += [(f"models[{index}].aliases[{j}]", alias) for j, alias in enumerate(aliases)]
+        for key, value in keys:
+            owner = self.names.get(value)
+            if owner is not None and not (owner == name and value == name):
+                raise ConfigError(
+                    f"{key}: {value!r} already names the model {owner!r}; names and aliases must be "
+                    "unique across models (set models[].name)",
+                    param=key,
+                )
+            self.names[value] = name
 
 
 def _wait_for_os_thread_exit(thread: threading.Thread, timeout: float = 5.0) -> None:

@@ -1,0 +1,118 @@
+"""Ollama's embedding routes: ``POST /api/embed`` and the legacy ``POST /api/embeddings``.
+
+Both answer with the served model's mean-pooled, L2-normalized final hidden states
+(:meth:`~mlxr_core.engine.engine.Engine.embed`). ``/api/embed`` takes ``input`` (a string or a list
+of strings) and, with ``truncate`` (the default), cuts inputs longer than the model's context to fit;
+without it such an input is a 400. An empty ``input`` loads nothing and returns no embeddings, as
+Ollama does. The legacy route takes one ``prompt`` and returns one ``embedding``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from litestar import Request, Response
+from msgspec import Struct
+
+from mlxr_core.engine.engine import Engine, ModelInfo
+from mlxr_core.errors import RequestError
+from mlxr_core.frontend import decode_body, ready_engine
+from mlxr_core.server import ServerContext
+from mlxr_plugins.apis.ollama import schemas as s
+
+#: The router's model lookup (name, alias, ``NAME:latest``) -> the served model.
+Resolver = Callable[[Engine, str], ModelInfo]
+
+
+class EmbedRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str
+    input: str | list[str] = ""
+    truncate: bool = True
+    options: s.Options | None = None
+    keep_alive: str | int | float | None = None
+    dimensions: int | None = None
+
+
+class EmbedResponse(Struct):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int
+    load_duration: int
+    prompt_eval_count: int
+
+
+class EmbeddingsRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    """The legacy ``/api/embeddings`` body."""
+
+    model: str
+    prompt: str = ""
+    options: s.Options | None = None
+    keep_alive: str | int | float | None = None
+
+
+class EmbeddingsResponse(Struct):
+    embedding: list[float]
+
+
+async def create_embed(
+    ctx: ServerContext, request: Request[Any, Any, Any], resolve: Resolver
+) -> Response[Any]:
+    """``POST /api/embed``; ``resolve(engine, name)`` is the router's model resolver."""
+    started = time.perf_counter_ns()
+    body = decode_body(await request.body(), EmbedRequest)
+    if body.dimensions is not None:
+        raise RequestError("dimensions is not supported by this server", param="dimensions")
+    engine = ready_engine(ctx)
+    info = resolve(engine, body.model)
+    if isinstance(body.input, str):
+        texts = [body.input] if body.input else []
+    else:
+        texts = list(body.input)
+        if any(not text for text in texts):
+            raise RequestError("input must not hold empty strings", param="input")
+    if not texts:
+        return _json(EmbedResponse(info.name, [], time.perf_counter_ns() - started, 0, 0))
+    encode = functools.partial(_token_lists, engine, info, texts, truncate=body.truncate)
+    token_lists = await anyio.to_thread.run_sync(encode)
+    submitted = time.perf_counter_ns()
+    result = await engine.embed_async(info.name, token_lists)
+    total = time.perf_counter_ns() - started
+    return _json(EmbedResponse(info.name, result.vectors, total, submitted - started, result.prompt_tokens))
+
+
+async def create_embeddings(
+    ctx: ServerContext, request: Request[Any, Any, Any], resolve: Resolver
+) -> Response[Any]:
+    """``POST /api/embeddings`` (legacy): one ``prompt`` -> one ``embedding``."""
+    body = decode_body(await request.body(), EmbeddingsRequest)
+    engine = ready_engine(ctx)
+    info = resolve(engine, body.model)
+    if not body.prompt:
+        return _json(EmbeddingsResponse([]))
+    encode = functools.partial(_token_lists, engine, info, [body.prompt], truncate=True)
+    token_lists = await anyio.to_thread.run_sync(encode)
+    result = await engine.embed_async(info.name, token_lists)
+    return _json(EmbeddingsResponse(result.vectors[0]))
+
+
+def _token_lists(engine: Engine, info: ModelInfo, texts: list[str], *, truncate: bool) -> list[list[int]]:
+    """Each text's ids; with ``truncate``, cut to the model's context length."""
+    token_lists = [engine.encode(info.name, text) for text in texts]
+    if truncate:
+        return [ids[: info.context_length] for ids in token_lists]
+    for i, ids in enumerate(token_lists):
+        if len(ids) > info.context_length:
+            raise RequestError(
+                f"input[{i}] has {len(ids)} tokens, more than the context length "
+                f"({info.context_length}); shorten it or set truncate",
+                param="input",
+            )
+    return token_lists
+
+
+def _json(value: Any) -> Response[bytes]:
+    return Response(s.encoder.encode(value), media_type="application/json")

@@ -1,0 +1,119 @@
+"""``POST /v1/embeddings``: pooled final hidden states of a served model, in OpenAI's shape.
+
+``input`` is a string, a list of strings, a list of token ids or a list of token-id lists; each
+becomes one mean-pooled, L2-normalized vector (:meth:`~mlxr_core.engine.engine.Engine.embed`).
+``encoding_format`` is ``float`` (JSON numbers) or ``base64`` (little-endian float32 bytes, what the
+official client asks for by default). ``dimensions`` is refused: the vectors are the model's width.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import struct
+from typing import Any, Literal
+
+import anyio
+from litestar import Request, Response
+from msgspec import Struct
+
+from mlxr_core.engine.engine import Engine
+from mlxr_core.errors import RequestError
+from mlxr_core.frontend import decode_body, ready_engine
+from mlxr_core.server import ServerContext
+from mlxr_plugins.apis.openai.schemas import encoder
+
+#: OpenAI's limit on inputs per request.
+MAX_INPUTS = 2048
+
+
+class EmbeddingRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str
+    input: str | list[Any]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class EmbeddingUsage(Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(Struct):
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class EmbeddingList(Struct):
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+    object: str = "list"
+
+
+async def create_embeddings(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+    """``POST /v1/embeddings``."""
+    body = decode_body(await request.body(), EmbeddingRequest)
+    if body.dimensions is not None:
+        raise RequestError(
+            "dimensions is not supported by this server: embeddings have the model's hidden size",
+            param="dimensions",
+        )
+    inputs = embedding_inputs(body.input)
+    engine = ready_engine(ctx)
+    info = engine.model(body.model)  # an unknown model is a 404 before tokenizing
+    texts = [(i, item) for i, item in enumerate(inputs) if isinstance(item, str)]
+    if texts:
+        encode = functools.partial(_encode_all, engine, info.name, [text for _, text in texts])
+        for (i, _), ids in zip(texts, await anyio.to_thread.run_sync(encode), strict=True):
+            inputs[i] = ids
+    token_lists: list[list[int]] = inputs  # type: ignore[assignment]
+    result = await engine.embed_async(info.name, token_lists)
+    data = [
+        Embedding(index=i, embedding=_encode_vector(vector, body.encoding_format))
+        for i, vector in enumerate(result.vectors)
+    ]
+    usage = EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
+    return Response(encoder.encode(EmbeddingList(data, body.model, usage)), media_type="application/json")
+
+
+def embedding_inputs(value: str | list[Any]) -> list[str | list[int]]:
+    """``input`` as a list of items, each a non-empty string or a non-empty list of token ids."""
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif value and all(_is_token(token) for token in value):
+        items = [list(value)]
+    else:
+        items = list(value)
+    if not items:
+        raise RequestError("input must not be empty", param="input")
+    if len(items) > MAX_INPUTS:
+        raise RequestError(f"input may hold at most {MAX_INPUTS} items, got {len(items)}", param="input")
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            if not item:
+                raise RequestError(f"input[{i}] is an empty string", param="input")
+        elif not (isinstance(item, list) and item and all(_is_token(token) for token in item)):
+            raise RequestError(
+                "input must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists",
+                param="input",
+            )
+    return items
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _encode_all(engine: Engine, model: str, texts: list[str]) -> list[list[int]]:
+    return [engine.encode(model, text) for text in texts]
+
+
+def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
+    return vector
+
