@@ -4,6 +4,8 @@ A request is first prefilled on its own, one chunk per engine step so a long pro
 the running streams; then its cache joins the batch (:class:`BatchKVCache`, rows right-aligned),
 and every step decodes one token for all rows in one forward pass. The step is double-buffered:
 the graph of step n+1 is queued (``mx.async_eval``) before the tokens of step n are read back.
+A failure that belongs to one request (its prefill, its sampler, its detokenizing) ends that request
+alone; the scheduler fails the whole batch only for a failure of the batch's own forward pass.
 """
 
 from __future__ import annotations
@@ -156,7 +158,15 @@ class BatchRunner:
         budget = self.config.prefill_chunk
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
-            budget -= self._prefill_chunk(seq, budget)
+            try:
+                budget -= self._prefill_chunk(seq, budget)
+            except Exception as exc:
+                if seq not in self.prefilling:
+                    raise  # it failed joining the batch: the batch's state is in doubt
+                # Only this request's own prefill failed: the batch is untouched.
+                self.prefilling.remove(seq)
+                fail_sequence(seq, exc)
+                continue
             if self.prefilling and self.prefilling[0] is seq:
                 break  # still prefilling, or waiting for a free row
         if self.running or self.tokens is not None:
@@ -229,6 +239,9 @@ class BatchRunner:
         assert self.caches is not None and self.tokens is not None
         tokens, caches = self.tokens, self.caches
         values: list[int] | None = None
+        # Rows whose own sampler or stream failed this step: they leave the batch with their error,
+        # the other rows go on (a failure the batch as a whole caused still fails the batch).
+        failed: dict[int, BaseException] = {}
         if any(seq.sampler.stateful for seq in self.running):
             # Stateful processors (penalties, grammars) must see token n before processing the
             # logits of token n+1: read the tokens back first, giving up the overlap this step.
@@ -236,10 +249,13 @@ class BatchRunner:
             assert values is not None
             for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):
                 if not self.fresh[row]:
-                    seq.sampler.accept(token)
+                    try:
+                        seq.sampler.accept(token)
+                    except Exception as exc:
+                        failed[row] = exc
         mask = caches[0].mask() if caches[0].padded else None
         logits = self.model.model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
-        following = self._sample(logits)
+        following = self._sample(logits, failed)
         following_logprobs = self._logprobs(logits, following)
         mx.async_eval(following, *[a for lp in following_logprobs if lp is not None for a in lp])
 
@@ -251,6 +267,9 @@ class BatchRunner:
             if seq.handle.cancelled:
                 seq.finish("cancelled")
                 continue
+            if row in failed:
+                fail_sequence(seq, failed[row])
+                continue
             if self.fresh[row]:
                 self.fresh[row] = False
                 keep.append(row)
@@ -259,7 +278,11 @@ class BatchRunner:
             logprob = None
             if arrays is not None:
                 logprob = to_token_logprob(token, [array.tolist()[0] for array in arrays])  # type: ignore[index]
-            reason = seq.accept(token, logprob)
+            try:
+                reason = seq.accept(token, logprob)
+            except Exception as exc:
+                fail_sequence(seq, exc)
+                continue
             if reason is not None:
                 seq.finish(reason)
                 continue
@@ -279,12 +302,23 @@ class BatchRunner:
             cache.filter(keep)
         self.tokens = following[mx.array(keep)]
 
-    def _sample(self, logits: mx.array) -> mx.array:
+    def _sample(self, logits: mx.array, failed: dict[int, BaseException]) -> mx.array:
+        """One token per row; a row whose sampler raises is recorded in ``failed`` and gets a
+        placeholder token (it leaves the batch before the token is used)."""
         samplers = [seq.sampler for seq in self.running]
         if all(getattr(sampler, "plain_greedy", False) for sampler in samplers):
             return mx.argmax(logits, axis=-1).astype(mx.int32)
-        rows = [sampler(logits[i : i + 1]) for i, sampler in enumerate(samplers)]
-        return mx.concatenate(rows).astype(mx.int32)
+        rows = []
+        for i, sampler in enumerate(samplers):
+            row = logits[i : i + 1]
+            if i not in failed:
+                try:
+                    rows.append(sampler(row).astype(mx.int32))
+                    continue
+                except Exception as exc:
+                    failed[i] = exc
+            rows.append(mx.argmax(row, axis=-1).astype(mx.int32))
+        return mx.concatenate(rows)
 
     def _logprobs(self, logits: mx.array, tokens: mx.array) -> list[tuple[mx.array, ...] | None]:
         """For the rows that asked for logprobs, those of their sampled token (lazy)."""
@@ -293,6 +327,16 @@ class BatchRunner:
             top = seq.sampler.logprobs
             out.append(None if top is None else token_logprobs(logits[i : i + 1], tokens[i : i + 1], top))
         return out
+
+
+def fail_sequence(seq: Sequence, exc: BaseException) -> None:
+    """End ``seq`` alone with ``exc`` (an :class:`MlxrError` as is, anything else as a generation
+    failure naming the exception), logged with its traceback."""
+    log.error("request %s failed", seq.handle.id, exc_info=exc)
+    error = exc if isinstance(exc, MlxrError) else MlxrError(
+        f"generation failed: {type(exc).__name__}: {exc}"
+    )
+    seq.handle._emit(Failed(error))
 
 
 def kv_bytes_per_token(model: LoadedModel) -> int:

@@ -155,11 +155,54 @@ def to_token_logprob(token: int, values: Sequence[Any]) -> TokenLogprob:
     return TokenLogprob(token, chosen, top)
 
 
+@attrs.define
+class DraftStats:
+    """Draft tokens proposed and accepted by a drafting decoder for one model (read from other
+    threads: plain ints, approximate while the engine runs)."""
+
+    #: Draft tokens sent to the target model for verification.
+    drafted: int = 0
+    #: Of those, the tokens the target agreed with (emitted as they were drafted).
+    accepted: int = 0
+    #: Verification passes of the target model.
+    steps: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.steps += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "steps": self.steps,
+            "acceptance_rate": self.acceptance_rate,
+        }
+
+
 class Decoder(Protocol):
     """A decoding strategy, registered through ``mlxr_register_decoders``.
 
     ``batched = True`` on the class means the engine's batch runner implements the strategy for
     batched requests (plain decoding); any other decoder gets the engine to itself per request.
+
+    Optional members, looked up with ``getattr``:
+
+    - ``prepare(model, registries, config)``: called on the engine thread once per served model
+      that uses the decoder, before the engine accepts requests (or before the first request that
+      names the decoder). ``config`` is the decoder's plugin config section
+      (``plugins.config.<plugin>``, an instance of the schema the plugin registered) or None. It
+      loads what the decoder needs (a draft model) and checks its preconditions, raising an
+      :class:`~mlxr_core.errors.MlxrError` that says what does not match: the engine then fails
+      to start with that error.
+    - ``release(model_name)``: called on the engine thread when it stops, to drop the MLX arrays
+      ``prepare`` made for that model.
+    - ``draft_stats``: ``{model name: DraftStats}``, reported by ``Engine.stats()``.
     """
 
     def generate(

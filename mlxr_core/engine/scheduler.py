@@ -12,9 +12,11 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.engine.batch import BatchRunner, Sequence
+from mlxr_core.engine.jobs import EngineJob, run_jobs
 from mlxr_core.engine.prefix_cache import PrefixCache
 from mlxr_core.engine.request import Failed, Finished, RequestHandle, Usage
 from mlxr_core.errors import EngineStopped, MlxrError
@@ -38,6 +40,7 @@ class Scheduler:
         requests: queue.Queue[RequestHandle | None],
         stop: threading.Event,
         abort: threading.Event,
+        jobs: queue.Queue[EngineJob] | None = None,
     ):
         self.config = config
         self.models = models
@@ -45,6 +48,8 @@ class Scheduler:
         self.requests = requests
         self.stop = stop
         self.abort = abort
+        #: Non-generation work (embeddings) run between steps; see :mod:`mlxr_core.engine.jobs`.
+        self.jobs: queue.Queue[EngineJob] = jobs if jobs is not None else queue.Queue()
         self.waiting: deque[RequestHandle] = deque()
         budget = config.prefix_cache.max_bytes if config.prefix_cache.enabled else 0
         self.runners = {
@@ -57,6 +62,9 @@ class Scheduler:
             for name, model in models.items()
         }
         self._warned: set[tuple[str, str]] = set()
+        #: (decoder, model) pairs whose ``prepare`` ran; see :meth:`prepare_decoders`.
+        self._prepared: dict[tuple[str, str], Any] = {}
+        self._plugin_config: Mapping[str, Any] = {}
 
     # -- figures other threads read (plain ints; approximate while the loop runs) ---------------
 
@@ -72,12 +80,58 @@ class Scheduler:
     def reserved_kv_bytes(self) -> int:
         return sum(runner.reserved_bytes for runner in self.runners.values())
 
+    def decoder_stats(self) -> dict[str, dict[str, Any]]:
+        """``{model: {decoder: {drafted, accepted, steps, acceptance_rate}}}`` of drafting decoders."""
+        stats: dict[str, dict[str, Any]] = {}
+        for (name, model), decoder in list(self._prepared.items()):
+            figures = getattr(decoder, "draft_stats", {}).get(model)
+            if figures is not None:
+                stats.setdefault(model, {})[name] = figures.as_dict()
+        return stats
+
     def prefix_stats(self) -> dict[str, Any]:
         return {
             name: runner.prefix_cache.stats
             for name, runner in self.runners.items()
             if runner.prefix_cache is not None
         }
+
+    # -- decoders that need a setup step -----------------------------------------------------
+
+    def prepare_decoders(self, plugin_config: Mapping[str, Any]) -> None:
+        """Run ``prepare`` of every served model's configured decoder (see
+        :class:`~mlxr_core.engine.decoding.Decoder`); its error propagates, so the engine does not
+        start. ``plugin_config`` is the raw ``plugins.config`` mapping."""
+        self._plugin_config = plugin_config
+        for model in self.models.values():
+            self._prepare(model.decoder, self.registries.decoders.get(model.decoder), model)
+
+    def _prepare(self, name: str, decoder: Any, model: LoadedModel) -> None:
+        key = (name, model.name)
+        if key in self._prepared:
+            return
+        prepare = getattr(decoder, "prepare", None)
+        if callable(prepare):
+            from mlxr_core.config.loader import structure_strict
+
+            plugin = self.registries.decoders.entry(name).plugin
+            schema = self.registries.config_sections.get(plugin)
+            where = ("plugins", "config", plugin)
+            section = (
+                structure_strict(self._plugin_config.get(plugin, {}), schema, where=where)
+                if schema is not None
+                else None
+            )
+            prepare(model, self.registries, section)
+        self._prepared[key] = decoder
+
+    def release_decoders(self) -> None:
+        """At shutdown, on the engine thread: let prepared decoders drop their MLX arrays."""
+        for (_, model), decoder in self._prepared.items():
+            release = getattr(decoder, "release", None)
+            if callable(release):
+                release(model)
+        self._prepared.clear()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -91,7 +145,8 @@ class Scheduler:
             if self.stop.is_set() and not busy:
                 return
             if not self.stop.is_set():
-                self._admit(block=not busy)
+                self._admit(block=not busy and self.jobs.empty())
+            run_jobs(self.jobs, self.models)
             for name, runner in self.runners.items():
                 if runner.busy:
                     self._step(name, runner)
@@ -122,6 +177,12 @@ class Scheduler:
                 fallback = plain_fallback_reason(seq)
                 if fallback is None:
                     self.waiting.popleft()
+                    try:
+                        self._prepare(name, decoder, runner.model)
+                    except Exception as exc:  # its preconditions do not hold for this model
+                        log.error("decoder %s cannot serve model %s: %s", name, runner.model.name, exc)
+                        handle._emit(Failed(exc if isinstance(exc, MlxrError) else MlxrError(str(exc))))
+                        continue
                     self._run_alone(seq, name, decoder)
                     continue
                 if (name, fallback) not in self._warned:

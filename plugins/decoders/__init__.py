@@ -1,6 +1,8 @@
-"""Built-in decoding strategies."""
+"""Built-in decoding strategies: ``plain``, and the drafting ``prompt_lookup`` and ``speculative``
+(configured under ``plugins.config.decoders``; see :mod:`mlxr_plugins.decoders.config`)."""
 
 from mlxr_core.plugins import hookimpl
+from mlxr_plugins.decoders.config import DecodersConfig
 
 #: Plain decoding is every model's default: this plugin cannot be disabled.
 MLXR_ESSENTIAL = True
@@ -9,3 +11,10 @@ MLXR_ESSENTIAL = True
 @hookimpl
 def mlxr_register_decoders(register):  # type: ignore[no-untyped-def]
     register("plain", "mlxr_plugins.decoders.plain:PlainDecoder")
+    register("prompt_lookup", "mlxr_plugins.decoders.prompt_lookup:PromptLookupDecoder")
+    register("speculative", "mlxr_plugins.decoders.speculative:SpeculativeDecoder")
+
+
+@hookimpl
+def mlxr_config_sections(register):  # type: ignore[no-untyped-def]
+    register(DecodersConfig)
