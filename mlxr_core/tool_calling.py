@@ -1,0 +1,336 @@
+"""What the API plugins share for tool calling and thinking: the parsers of a served model, the
+prompt rendered with tools, forced tool choices, and the splitter for one request's output.
+
+Messages reach :func:`prepare_chat` in the form Hugging Face chat templates expect, whatever the
+API: an assistant turn may carry ``tool_calls`` (``[{"id", "type": "function", "function":
+{"name", "arguments": <dict>}}]``) and tool results are ``{"role": "tool", "content",
+"tool_call_id", "name"}`` turns. A template that renders no tools gets them the parser's way: the
+definitions in the system prompt, earlier calls as the model writes them, results as user turns.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from mlxr_core.engine.request import Constraint
+from mlxr_core.errors import RequestError
+from mlxr_core.parsing import (
+    OutputSplitter,
+    ReasoningParser,
+    Text,
+    Tool,
+    ToolCall,
+    ToolParser,
+    choose,
+)
+
+if TYPE_CHECKING:
+    from mlxr_core.engine.engine import Engine, ModelInfo
+    from mlxr_core.server import ServerContext
+
+_TOOLS_VARIABLE = re.compile(r"\btools\b")
+
+
+@attrs.frozen
+class ToolChoice:
+    """``none``, ``auto``, ``required`` (some tool) or ``function`` (the tool named ``name``)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+    @property
+    def forced(self) -> bool:
+        return self.mode in ("required", "function")
+
+
+@attrs.frozen
+class ModelParsers:
+    """The parsers one served model uses (None: off)."""
+
+    tool: ToolParser | None = None
+    reasoning: ReasoningParser | None = None
+
+
+def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
+    """The parsers ``models[].tool_parser`` / ``reasoning_parser`` choose for the model ``info``."""
+    model_config = _model_config(ctx, info)
+    registries = ctx.host.registries
+    template = info.tokenizer.chat_template
+    tool = choose(registries.tool_parsers, model_config.tool_parser if model_config else "auto", template)
+    reasoning = choose(
+        registries.reasoning_parsers, model_config.reasoning_parser if model_config else "auto", template
+    )
+    return ModelParsers(
+        tool=registries.tool_parsers.get(tool) if tool else None,
+        reasoning=registries.reasoning_parsers.get(reasoning) if reasoning else None,
+    )
+
+
+def _model_config(ctx: ServerContext, info: ModelInfo) -> Any:
+    """The ``models[]`` entry that loaded ``info``: by name, else by load order (the engine loads
+    ``models`` in order and names an unnamed one after its file)."""
+    models = ctx.config.models
+    for model_config in models:
+        if model_config.name == info.name:
+            return model_config
+    loaded: list[Any] = []
+    for other in ctx.engine.models.values():
+        if all(other is not seen for seen in loaded):
+            loaded.append(other)
+    for model_config, other in zip(models, loaded, strict=False):
+        if other is info:
+            return model_config
+    return None
+
+
+def constraints_supported(ctx: ServerContext) -> bool:
+    """Whether a sampler plugin enforces :attr:`SamplingParams.constraint` (meta ``constraints``)."""
+    return any(entry.meta.get("constraints") for entry in ctx.host.registries.samplers)
+
+
+@attrs.define
+class ChatSetup:
+    """One chat request, rendered: the prompt and how to read the reply."""
+
+    prompt: str
+    prompt_ids: list[int]
+    parsers: ModelParsers
+    tools: list[Tool]
+    choice: ToolChoice
+    parallel: bool = True
+
+    @property
+    def constraint(self) -> Constraint | None:
+        """The JSON schema a forced tool choice constrains the output to."""
+        if not self.choice.forced:
+            return None
+        return Constraint(kind="json_schema", value=call_schema(self._offered()))
+
+    def _offered(self) -> list[Tool]:
+        if self.choice.mode == "function":
+            return [tool for tool in self.tools if tool.name == self.choice.name]
+        return self.tools
+
+    def splitter(self) -> OutputSplitter | ForcedCall:
+        """A fresh splitter for the reply."""
+        tool_stream = None
+        if self.tools and self.choice.mode != "none" and self.parsers.tool is not None:
+            tool_stream = self.parsers.tool.stream()
+        if self.choice.forced:
+            return ForcedCall({tool.name for tool in self._offered()}, OutputSplitter(None, tool_stream))
+        reasoning = self.parsers.reasoning.stream(self.prompt) if self.parsers.reasoning else None
+        return OutputSplitter(reasoning, tool_stream)
+
+    def reader(self) -> ReplyReader:
+        """A fresh reader of the reply's text."""
+        return ReplyReader(self, self.splitter())
+
+
+@attrs.define
+class ReplyReader:
+    """One reply's pieces: reasoning, content, and calls to offered tools (only the first when
+    parallel calls are off). A call to a tool that was not offered is kept as the text it was."""
+
+    setup: ChatSetup
+    splitter: OutputSplitter | ForcedCall
+    calls: int = 0
+
+    def feed(self, text: str) -> list[Text | ToolCall]:
+        return self._keep(self.splitter.feed(text))
+
+    def finish(self) -> list[Text | ToolCall]:
+        return self._keep(self.splitter.finish())
+
+    def whole(self, text: str) -> tuple[str, str, list[ToolCall]]:
+        """A whole reply as ``(content, reasoning, calls)``."""
+        pieces = self.feed(text) + self.finish()
+        content = "".join(p.text for p in pieces if isinstance(p, Text) and p.kind == "content")
+        reasoning = "".join(p.text for p in pieces if isinstance(p, Text) and p.kind == "reasoning")
+        return content, reasoning, [p for p in pieces if isinstance(p, ToolCall)]
+
+    def finish_reason(self, reason: str) -> str:
+        """``"tool_calls"`` for a reply that ended by calling tools."""
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+    def _keep(self, pieces: list[Text | ToolCall]) -> list[Text | ToolCall]:
+        names = {tool.name for tool in self.setup._offered()}
+        out: list[Text | ToolCall] = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                if piece.name not in names:
+                    parser = self.setup.parsers.tool
+                    text = parser.render_calls([piece]) if parser else piece.arguments
+                    out.append(Text(text))
+                    continue
+                if self.calls and not self.setup.parallel:
+                    continue
+                self.calls += 1
+            out.append(piece)
+        return out
+
+
+@attrs.define
+class ForcedCall:
+    """The reply to a forced tool choice: ``{"name", "arguments"}`` JSON (what the constraint
+    enforces). Without enforcement a model may still answer in its own markup (parsed by
+    ``fallback``) or in prose, which stays content: no call is ever made up."""
+
+    names: set[str]
+    fallback: OutputSplitter
+    _text: list[str] = attrs.field(factory=list)
+
+    def feed(self, text: str) -> list[Text | ToolCall]:
+        self._text.append(text)
+        return []
+
+    def finish(self) -> list[Text | ToolCall]:
+        text = "".join(self._text)
+        call = call_from_json(text.strip(), self.names)
+        if call is not None:
+            return [call]
+        return self.fallback.feed(text) + self.fallback.finish()
+
+
+def call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """The JSON schema of one call to any of ``tools``."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for tool in tools
+    ]
+    return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+def call_from_json(text: str, names: set[str] | None = None) -> ToolCall | None:
+    """A call from ``{"name": ..., "arguments"|"parameters": {...}}``, or None if it is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return call_from_object(value, names)
+
+
+def call_from_object(value: Any, names: set[str] | None = None) -> ToolCall | None:
+    """A call from a decoded ``{"name", "arguments"}`` (or ``"parameters"``) object."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict) or (names is not None and value["name"] not in names):
+        return None
+    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def renders_tools(template: str | None) -> bool:
+    """Whether a chat template reads the ``tools`` variable."""
+    return bool(template and _TOOLS_VARIABLE.search(template))
+
+
+def prepare_chat(
+    engine: Engine,
+    info: ModelInfo,
+    parsers: ModelParsers,
+    messages: list[dict[str, Any]],
+    *,
+    tools: list[Tool] | None = None,
+    choice: ToolChoice | None = None,
+    parallel: bool = True,
+    prefill: str = "",
+) -> ChatSetup:
+    """Render and tokenize a conversation (call it in a worker thread: templating is slow).
+
+    ``prefill`` is text the reply continues (Anthropic's final assistant turn).
+    """
+    tools = list(tools or [])
+    choice = choice or ToolChoice()
+    _check_choice(tools, choice)
+    tokenizer = info.tokenizer
+    shown = tools if choice.mode != "none" else []
+    kwargs: dict[str, Any] = {}
+    if renders_tools(tokenizer.chat_template) or parsers.tool is None:
+        messages = [_hf_message(message) for message in messages]
+        if shown:
+            kwargs["tools"] = [tool.as_openai() for tool in shown]
+    else:
+        messages = _inline_tools(messages, shown, parsers.tool)
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) + prefill
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+        ids.insert(0, bos)  # as Engine.encode_chat does
+    return ChatSetup(prompt, ids, parsers, tools, choice, parallel)
+
+
+def _check_choice(tools: list[Tool], choice: ToolChoice) -> None:
+    if choice.forced and not tools:
+        raise RequestError("tool_choice forces a tool call but no tools are given", param="tool_choice")
+    if choice.mode == "function" and all(tool.name != choice.name for tool in tools):
+        raise RequestError(f"tool_choice names {choice.name!r}, which is not among tools", param="tool_choice")
+    names = [tool.name for tool in tools]
+    if len(set(names)) != len(names):
+        raise RequestError("tools must have distinct names", param="tools")
+
+
+def _hf_message(message: dict[str, Any]) -> dict[str, Any]:
+    """``tool_calls`` arguments as objects, as Hugging Face templates expect."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        arguments = call["function"]["arguments"]
+        calls.append({**call, "function": {**call["function"], "arguments": _as_object(arguments)}})
+    return {**message, "tool_calls": calls}
+
+
+def _as_object(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments
+
+
+def _inline_tools(
+    messages: list[dict[str, Any]], tools: list[Tool], parser: ToolParser
+) -> list[dict[str, Any]]:
+    """Tools, calls and results as plain text turns, for a template that renders none of them."""
+    out: list[dict[str, Any]] = []
+    names_by_id: dict[str, str] = {}
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = call["function"]
+                arguments = function["arguments"]
+                text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+                calls.append(ToolCall(function["name"], text, call.get("id") or ""))
+                names_by_id[call.get("id") or ""] = function["name"]
+            content = (content + "\n" if content else "") + parser.render_calls(calls)
+        elif role == "tool":
+            name = message.get("name") or names_by_id.get(message.get("tool_call_id") or "")
+            role, content = "user", parser.render_result(name, content)
+        if out and out[-1]["role"] == role == "user":
+            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + content}
+        else:
+            out.append({"role": role, "content": content})
+    if tools:
+        instructions = parser.system_prompt(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + instructions}
+        else:
+            out.insert(0, {"role": "system", "content": instructions})
+    return out

@@ -1,0 +1,28 @@
+"""Built-in tool-call and reasoning parsers.
+
+Tool formats: ``hermes`` (``<tool_call>{...}</tool_call>``: Hermes, Qwen 2.5/3, and SmolLM2's
+``<tool_call>[...]</tool_call>`` list form), ``llama3_json`` (Llama 3.x ``{"name", "parameters"}``,
+optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS][{...}]``) and ``pythonic``
+(``[get_weather(city="Paris")]``, Gemma 3's documented format). Reasoning: ``think``
+(``<think>...</think>``). See :mod:`mlxr_core.parsing` for the contracts and how ``auto`` chooses.
+"""
+
+from __future__ import annotations
+
+from mlxr_core.hookspecs import RegisterName
+from mlxr_core.plugins import hookimpl
+
+TOOLS = "mlxr_plugins.parsers.tools"
+
+
+@hookimpl
+def mlxr_register_tool_parsers(register: RegisterName) -> None:
+    register("hermes", f"{TOOLS}:HermesParser")
+    register("llama3_json", f"{TOOLS}:Llama3JsonParser")
+    register("mistral", f"{TOOLS}:MistralParser")
+    register("pythonic", f"{TOOLS}:PythonicParser")
+
+
+@hookimpl
+def mlxr_register_reasoning_parsers(register: RegisterName) -> None:
+    register("think", "mlxr_plugins.parsers.reasoning:ThinkParser")
