@@ -1,4 +1,5 @@
-"""Built-in logits processors: logit_bias, penalties, temperature, top-k, top-p, min-p.
+"""Built-in logits processors: logit_bias, penalties, structured output (grammars), temperature,
+top-k, top-p, min-p.
 
 Each factory gets one request's :class:`~mlxr_core.engine.request.SamplingParams` (and a
 :class:`~mlxr_core.engine.decoding.SamplerContext`) and returns a ``[B, V] -> [B, V]`` logits
@@ -16,6 +17,14 @@ MLXR_ESSENTIAL = True
 def mlxr_register_samplers(register):  # type: ignore[no-untyped-def]
     register("logit_bias", "mlxr_plugins.samplers.penalties:logit_bias", order=1)
     register("penalties", "mlxr_plugins.samplers.penalties:penalties", order=5)
+    # After bias and penalties (they cannot revive a token the grammar forbids), before the draw's
+    # shaping (temperature, top-k ... work on the allowed tokens only).
+    register(
+        "structured",
+        "mlxr_plugins.samplers.structured:structured",
+        order=8,
+        constraints=("json_object", "json_schema", "regex", "lark"),
+    )
     module = "mlxr_plugins.samplers.basic"
     register("temperature", f"{module}:temperature", order=10)
     register("top_k", f"{module}:top_k", order=20)

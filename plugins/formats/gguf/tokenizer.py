@@ -23,7 +23,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.errors import ModelLoadError
-from mlxr_core.model.tokenizer import ChatTemplating
+from mlxr_core.model.tokenizer import ChatTemplating, TokenBytes
 
 if TYPE_CHECKING:
     import gguf
@@ -193,6 +193,11 @@ class GGUFTokenizer(ChatTemplating):
                         parts[i] = part[1:]
                     break
         return b"".join(parts).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> TokenBytes:
+        """Each id's bytes: its decoded piece, or its text for a control/unknown token."""
+        pieces = [self._special.get(i, piece) for i, piece in enumerate(self._pieces)]
+        return TokenBytes(pieces=pieces, special=frozenset(self._special))
 
 
 

@@ -8,10 +8,14 @@ drops the config's ``add_bos_token``/``add_eos_token`` whenever a ``tokenizer.js
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.errors import ModelLoadError
+from mlxr_core.model.tokenizer import TokenBytes
 from mlxr_plugins.formats.safetensors.tokenizer import FolderTokenizer, added_tokens, token_text
 
 if TYPE_CHECKING:
@@ -78,6 +82,51 @@ class HFTokenizer(FolderTokenizer):
         valid = [i for i in ids if i >= 0]  # tokenizers drops unknown ids but rejects negative ones
         text: str = self._backend.decode(valid, skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self._clean_up else text
+
+    def token_bytes(self) -> TokenBytes:
+        """Each id's bytes, read from its vocab string as the decoder would render it alone:
+        byte-level BPE through GPT-2's byte table, otherwise ``<0xNN>`` byte fallback and ``▁``
+        as a space. Added tokens are their text."""
+        backend = self._backend
+        added = backend.get_added_tokens_decoder()
+        byte_level = "ByteLevel" in _decoder_kinds(json.loads(backend.to_str()).get("decoder"))
+        table = _unicode_to_byte()
+        pieces: list[bytes] = []
+        for i in range(backend.get_vocab_size(with_added_tokens=True)):
+            text = added[i].content if i in added else backend.id_to_token(i)
+            if text is None:
+                pieces.append(b"")
+            elif i in added:
+                pieces.append(text.encode())
+            elif byte_level and all(c in table for c in text):
+                pieces.append(bytes(table[c] for c in text))
+            elif not byte_level and (byte := _BYTE_PIECE.fullmatch(text)):
+                pieces.append(bytes([int(byte.group(1), 16)]))
+            else:
+                pieces.append(text.replace("\u2581", " ").encode())
+        special = frozenset(i for i, token in added.items() if token.special)
+        return TokenBytes(pieces=pieces, special=special)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(decoder: Any) -> set[str]:
+    """The ``type`` of a ``tokenizer.json`` decoder and of the decoders a Sequence holds."""
+    if not isinstance(decoder, dict):
+        return set()
+    kinds = {str(decoder.get("type"))}
+    for inner in decoder.get("decoders") or ():
+        kinds |= _decoder_kinds(inner)
+    return kinds
+
+
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    """GPT-2's printable character -> byte table of byte-level BPE vocabularies."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    shifted = iter(range(256, 512))
+    return {chr(b) if b in printable else chr(next(shifted)): b for b in range(256)}
 
 
 class HFTokenizerBackend:

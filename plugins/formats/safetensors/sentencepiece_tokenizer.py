@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.errors import MissingDependency, ModelLoadError
+from mlxr_core.model.tokenizer import TokenBytes
 from mlxr_plugins.formats.safetensors.tokenizer import FolderTokenizer, added_tokens, token_text
 
 if TYPE_CHECKING:
@@ -112,6 +113,19 @@ class SentencePieceTokenizer(FolderTokenizer):
                 run.append(i)  # user-defined pieces too: SentencePiece renders them as their text
         parts.append(self._sp.decode(run))
         return "".join(parts)
+
+    def token_bytes(self) -> TokenBytes:
+        """Each id's bytes: ``<0xNN>`` pieces their byte, ``▁`` a space, special ids their text."""
+        pieces = [b""] * max([self._size, *(i + 1 for i in self._text)])
+        for i in range(self._size):
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                pieces[i] = bytes([int(piece[3:5], 16)])
+            else:
+                pieces[i] = piece.replace("\u2581", " ").encode()
+        for i, text in self._text.items():
+            pieces[i] = text.encode()
+        return TokenBytes(pieces=pieces, special=frozenset(self._special))
 
 
 class SentencePieceTokenizerBackend:

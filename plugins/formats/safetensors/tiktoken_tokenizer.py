@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.errors import MissingDependency, ModelLoadError
+from mlxr_core.model.tokenizer import TokenBytes
 from mlxr_plugins.formats.safetensors.tokenizer import FolderTokenizer, added_tokens
 
 if TYPE_CHECKING:
@@ -101,6 +102,14 @@ class TiktokenTokenizer(FolderTokenizer):
         skipped = self._special if skip_special_tokens else set()
         kept = [i for i in ids if i in self._known and i not in skipped]
         return self._encoding.decode_bytes(kept).decode("utf-8", errors="replace")
+
+    def token_bytes(self) -> TokenBytes:
+        """Each id's bytes as the encoding holds them (ranks and added tokens alike)."""
+        pieces = [
+            self._encoding.decode_single_token_bytes(i) if i in self._known else b""
+            for i in range(max(self._known) + 1)
+        ]
+        return TokenBytes(pieces=pieces, special=frozenset(self._special))
 
 
 class TiktokenTokenizerBackend:

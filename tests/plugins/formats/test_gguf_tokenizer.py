@@ -115,6 +115,24 @@ def test_decode_encode_round_trips(real: Real) -> None:
 
 
 @pytest.mark.slow
+def test_token_bytes_match_llama_cpp_pieces(real: Real) -> None:
+    """Every id's bytes (partial UTF-8 sequences and control tokens included) as llama.cpp's
+    ``llama_token_to_piece`` renders them alone."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    reference = llama_cpp.Llama(str(real_model_path(real.name)), vocab_only=True, verbose=False)
+    vocab = llama_cpp.llama_model_get_vocab(reference.model)
+    buffer = ctypes.create_string_buffer(1024)
+    ours = real.tokenizer.token_bytes()
+    assert len(ours.pieces) == real.tokenizer.vocab_size
+    for i, piece in enumerate(ours.pieces):
+        n = llama_cpp.llama_token_to_piece(vocab, i, buffer, len(buffer), 0, True)
+        assert piece == buffer.raw[:n], i
+    assert real.tokenizer.eos_token_ids <= ours.special
+
+
+@pytest.mark.slow
 def test_special_ids_agree_with_llama_cpp(real: Real) -> None:
     tokenizer, reference = real.tokenizer, real.reference
     assert isinstance(tokenizer, Tokenizer)

@@ -448,3 +448,40 @@ def test_tiktoken_missing_library_names_the_extra(tiktoken_folder, monkeypatch):
 def test_no_chat_template_is_a_request_error(tiktoken_folder):
     with pytest.raises(RequestError, match="no chat template"):
         build_from_folder(tiktoken_folder).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# --- token bytes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["qwen2", "llama", *HF_CASES])
+def test_hf_token_bytes_match_llguidances_reading_of_tokenizer_json(tmp_path, case):
+    llguidance = pytest.importorskip("llguidance")
+    folder = TINY_HF / case if case in ("qwen2", "llama") else tmp_path
+    if case not in ("qwen2", "llama"):
+        write_hf_case(tmp_path, case)
+    ours = build_from_folder(folder).token_bytes()
+    theirs = llguidance.LLTokenizer(str(folder / "tokenizer.json"))
+    assert len(ours.pieces) == theirs.vocab_size
+    for i, piece in enumerate(ours.pieces):
+        # llguidance spells no token with a leading 0xFF byte (its special-token marker).
+        if i not in ours.special and not piece.startswith(b"\xff"):
+            assert piece == theirs.decode_bytes([i]), i
+
+
+def test_sentencepiece_token_bytes_spell_the_text(spm_folder):
+    ours = build_from_folder(spm_folder)
+    sp = spm_processor(spm_folder)
+    pieces = ours.token_bytes().pieces
+    for text in TEXTS:
+        ids = sp.encode(text)
+        joined = b"".join(pieces[i] for i in ids)
+        assert joined.decode("utf-8").removeprefix(" ") == sp.decode(ids), text
+
+
+def test_tiktoken_token_bytes_spell_the_text(tiktoken_folder):
+    ours = build_from_folder(tiktoken_folder)
+    vocab = ours.token_bytes()
+    for text in [*TEXTS, "<|im_start|>user\nhi<|im_end|>"]:
+        ids = ours.encode(text, add_special_tokens=False)
+        assert b"".join(vocab.pieces[i] for i in ids) == text.encode(), text
+    assert ours.eos_token_ids <= vocab.special
