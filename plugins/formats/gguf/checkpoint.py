@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,8 @@ ARCH_BLOCK_NAMES = {
         "attn_q_norm": "self_attn.q_norm",
         "attn_k_norm": "self_attn.k_norm",
     },
+    # Phi-3 keeps Hugging Face's fused projections: q, k, v in one matrix, gate and up in ``ffn_up``.
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
 }
 #: Architectures whose RMS norms scale by ``1 + w``: llama.cpp's converter stores ``w + 1`` in the
 #: file (so ggml multiplies by it directly); we subtract it back to the Hugging Face form.
@@ -72,8 +75,14 @@ NORM_PLUS_ONE_ARCHS = frozenset({"gemma3"})
 #: depends on which file format its weights came from (the same graph serves safetensors folders).
 PERMUTED_ARCHS = frozenset({"llama"})
 
-#: Tensors that are not module weights: llama3 rope factors go to the config, the rest is derived.
-NOT_WEIGHTS = ("rope_freqs.weight", "attn_rot_embd")
+#: Tensors that are not module weights: llama3 and LongRoPE factors go to the config, the rest is
+#: derived.
+NOT_WEIGHTS = (
+    "rope_freqs.weight",
+    "rope_factors_long.weight",
+    "rope_factors_short.weight",
+    "attn_rot_embd",
+)
 
 
 def hf_name(name: str, arch: str = "llama") -> str:
@@ -188,7 +197,10 @@ def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
         return default
-    value = field.contents()
+    try:
+        value = field.contents()
+    except Exception as exc:
+        raise ValueError(f"metadata key {key!r} is unreadable: {type(exc).__name__}: {exc}") from exc
     if field.types == [gguf.GGUFValueType.FLOAT32]:
         # The shortest decimal of the stored float32 (1e-05, not 9.999999747378752e-06).
         value = float(str(np.float32(value)))
@@ -250,6 +262,8 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         config["rope_freq_factors"] = [float(f) for f in np.asarray(factors.data, dtype=np.float32)]
     if arch == "gemma3":
         config.update(gemma3_settings(config))
+    if arch == "phi3":
+        config.update(phi3_settings(config, tensors, get))
     return {key: value for key, value in config.items() if value is not None}
 
 
@@ -269,8 +283,41 @@ def gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def phi3_settings(
+    config: dict[str, Any], tensors: dict[str, Any], get: Callable[..., Any]
+) -> dict[str, Any]:
+    """Phi-3's LongRoPE, stored by ``convert_hf_to_gguf`` as the ``rope_factors_long`` and
+    ``rope_factors_short`` tensors, ``rope.scaling.original_context_length`` and
+    ``rope.scaling.attn_factor``, back in the Hugging Face ``rope_scaling`` form."""
+    settings: dict[str, Any] = {}
+    original = get("rope.scaling.original_context_length")
+    if original:
+        settings["original_max_position_embeddings"] = original
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if long is not None and short is not None:
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            "long_factor": [float(f) for f in np.asarray(long.data, dtype=np.float32)],
+            "short_factor": [float(f) for f in np.asarray(short.data, dtype=np.float32)],
+            "original_max_position_embeddings": original or config["max_position_embeddings"],
+        }
+        attn_factor = get("rope.scaling.attn_factor")
+        if attn_factor:
+            scaling["attention_factor"] = attn_factor
+        settings["rope_scaling"] = scaling
+    return settings
+
+
 def _to_mx(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
     return mx.array(array).astype(dtype)
+
+
+def _check_finite(array: np.ndarray, what: str, *, bf16_bits: bool = False) -> None:
+    """Refuse a tensor holding NaN or infinity: a corrupt file, or one that would yield NaN logits."""
+    # Raw bfloat16 bits: an all-ones exponent is infinity or NaN.
+    finite = np.all((array & 0x7F80) != 0x7F80) if bf16_bits else np.isfinite(array).all()
+    if not finite:
+        raise ValueError(f"non-finite {what} (NaN or infinity)")
 
 
 def _host_array(tensor: Any) -> np.ndarray:
@@ -345,10 +392,18 @@ class GGUFFormat:
                     suggested[module] = QuantSpec(bits=bits, group_size=GROUP_SIZE)
 
         tokenizer = None
-        if "tokenizer.ggml.model" in reader.fields:
-            from mlxr_plugins.formats.gguf.tokenizer import tokenizer_data_from_reader
+        try:
+            if "tokenizer.ggml.model" in reader.fields:
+                from mlxr_plugins.formats.gguf.tokenizer import tokenizer_data_from_reader
 
-            tokenizer = TokenizerSpec(kind="gguf", data=tokenizer_data_from_reader(reader))
+                tokenizer = TokenizerSpec(kind="gguf", data=tokenizer_data_from_reader(reader))
+            chat_template = field_value(reader, "tokenizer.chat_template")
+            name = field_value(reader, "general.name")
+            file_type = field_value(reader, "general.file_type")
+        except Exception as exc:
+            raise ModelLoadError(
+                f"unreadable metadata: {type(exc).__name__}: {exc}", path=str(path)
+            ) from exc
         return Checkpoint(
             path=path,
             format=self.name,
@@ -358,10 +413,10 @@ class GGUFFormat:
             suggested_quantization=suggested,
             source_types=source_types,
             tokenizer=tokenizer,
-            chat_template=field_value(reader, "tokenizer.chat_template"),
+            chat_template=chat_template,
             metadata={
-                "name": field_value(reader, "general.name"),
-                "file_type": field_value(reader, "general.file_type"),
+                "name": name,
+                "file_type": file_type,
                 "tensor_types": dict(counts),
                 "dequantized_types": sorted({source_types[m] for m in suggested}),
                 "resident_bytes": sum(array.nbytes for array in weights.values()),
@@ -382,6 +437,8 @@ class GGUFFormat:
         qtype = tensor.tensor_type
         if qtype in EXACT_BITS and target.endswith(".weight") and tensor.data.ndim >= 2:
             packed = repack(tensor.data, qtype)
+            _check_finite(packed.scales, "block scales")
+            _check_finite(packed.biases, "block minimums")
             parts = {"weight": packed.weight, "scales": packed.scales, "biases": packed.biases}
             if heads:
                 parts = {key: unpermute_rows(value, heads) for key, value in parts.items()}
@@ -393,6 +450,7 @@ class GGUFFormat:
                 f"{module}.biases": _to_mx(parts["biases"], dtype),
             }
         host = _host_array(tensor)
+        _check_finite(host, "values", bf16_bits=qtype == QType.BF16)
         if heads:
             host = unpermute_rows(host, heads)
         if qtype == QType.BF16:

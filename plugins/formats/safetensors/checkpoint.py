@@ -13,8 +13,10 @@ mlx-lm's quantized folders store each quantized module as a packed ``weight`` (u
 
 from __future__ import annotations
 
+import json
 import logging
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,16 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 SAMPLING_KEYS = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 #: Packings MLX's quantized modules understand.
 QUANT_BITS = (2, 3, 4, 5, 6, 8)
+#: Bytes per element of each safetensors dtype.
+DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+#: The largest header the safetensors format allows.
+MAX_HEADER_BYTES = 100_000_000
+#: MLX dimensions are 32-bit signed integers.
+MAX_DIM = 2**31 - 1
 
 
 def model_folder(path: Path) -> Path | None:
@@ -121,6 +133,7 @@ def read_weights(
     origin: dict[str, Path] = {}
     metadata: dict[str, str] = {}
     for file, expected in files.items():
+        check_header(file)
         try:
             loaded: Any = mx.load(str(file), format="safetensors", return_metadata=True)
         except Exception as exc:
@@ -146,10 +159,73 @@ def read_weights(
                     f"the tensor is also in {origin[name].name}", path=str(file), tensor=name
                 )
             origin[name] = file
-            weights[name] = (
-                array.astype(dtype) if mx.issubdtype(array.dtype, mx.floating) else array
-            )
+            if mx.issubdtype(array.dtype, mx.floating):
+                if not mx.all(mx.isfinite(array)).item():
+                    raise ModelLoadError(
+                        "non-finite values (NaN or infinity) in the stored tensor",
+                        path=str(file),
+                        tensor=name,
+                    )
+                array = array.astype(dtype)
+            weights[name] = array
     return weights, origin, metadata
+
+
+def check_header(file: Path) -> None:
+    """Check a safetensors file's header against the file before MLX reads (and allocates) it:
+    every tensor's dtype, its shape (non-negative 32-bit dimensions) and a byte range that is
+    exactly its size and lies inside the file. Raises ModelLoadError naming the file and tensor."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise ModelLoadError(
+                    f"truncated safetensors file: {size} bytes, shorter than its 8-byte header "
+                    "length", path=str(file),
+                )
+            (length,) = struct.unpack("<Q", prefix)
+            if length > min(size - 8, MAX_HEADER_BYTES):
+                raise ModelLoadError(
+                    f"corrupt or truncated safetensors file: its header claims {length} bytes "
+                    f"but the file has {size}", path=str(file),
+                )
+            header = json.loads(handle.read(length))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError included
+        raise ModelLoadError(f"unreadable safetensors header: {exc}", path=str(file)) from exc
+    if not isinstance(header, dict):
+        raise ModelLoadError("the safetensors header is not a JSON object", path=str(file))
+    data_bytes = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        where = {"path": str(file), "tensor": str(name)}
+        if not isinstance(entry, dict):
+            raise ModelLoadError("the header entry is not an object", **where)
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPE_BYTES:
+            raise ModelLoadError(f"unknown dtype {dtype!r}", **where)
+        if not isinstance(shape, list) or not all(
+            type(dim) is int and 0 <= dim <= MAX_DIM for dim in shape
+        ):
+            raise ModelLoadError(f"invalid shape {shape!r}", **where)
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(offset) is int for offset in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+        ):
+            raise ModelLoadError(
+                f"data offsets {offsets!r} outside the file's {data_bytes} data bytes", **where
+            )
+        expected = DTYPE_BYTES[dtype]
+        for dim in shape:
+            expected *= dim
+        if offsets[1] - offsets[0] != expected:
+            raise ModelLoadError(
+                f"shape {shape} of {dtype} needs {expected} bytes but its data offsets "
+                f"{offsets} hold {offsets[1] - offsets[0]}", **where,
+            )
 
 
 def quantization_specs(

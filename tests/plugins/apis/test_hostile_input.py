@@ -1,0 +1,154 @@
+"""Hostile requests through the live app, for each API: each one a 4xx in that API's own error shape
+without a traceback, and the server still healthy afterwards. Also hostile chat templates: a model
+whose template reaches for Python internals fails the request, not the server."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from litestar.testing import TestClient
+
+from mlxr_core.config.schema import Config, ModelConfig, ServerConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.plugins import load_plugins
+from mlxr_core.server import ServerContext, build_app
+from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+MAX_BODY = 1_000_000
+CAP = 4
+#: Templates that try to reach Python internals or exhaust memory.
+EVIL_TEMPLATES = {
+    "mro": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "globals": "{{ cycler.__init__.__globals__.os.popen('id').read() }}",
+    "context": "{{ self._TemplateReference__context.cycler.__init__.__globals__ }}",
+    "range": "{{ range(10**10) | list }}",
+    "repeat": "{{ 'x' * 10**10 }}",
+    "power": "{{ 2 ** 100000 }}",
+    "nested_power": "{{ (10 ** 4000) ** 4000 }}",
+}
+
+# Each API: its generating route, a valid body, where the messages and the stop strings go, and
+# whether a body is in its error shape.
+APIS: dict[str, dict[str, Any]] = {
+    "openai": {
+        "path": "/v1/chat/completions",
+        "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+        "stop": ("stop",),
+        "max_tokens": ("max_tokens",),
+        "shape": lambda b: isinstance(b["error"]["message"], str) and "type" in b["error"],
+        "tokens": lambda b: b["usage"]["completion_tokens"],
+    },
+    "ollama": {
+        "path": "/api/chat",
+        "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False},
+        "stop": ("options", "stop"),
+        "max_tokens": ("options", "num_predict"),
+        "shape": lambda b: set(b) == {"error"} and isinstance(b["error"], str),
+        "tokens": lambda b: b["eval_count"],
+    },
+    "anthropic": {
+        "path": "/v1/messages",
+        "body": {"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]},
+        "stop": ("stop_sequences",),
+        "max_tokens": ("max_tokens",),
+        "shape": lambda b: b["type"] == "error" and isinstance(b["error"]["message"], str),
+        "tokens": lambda b: b["usage"]["output_tokens"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    folder = tmp_path_factory.mktemp("hostile")
+    models = [ModelConfig(path=str(write_tiny_llama_gguf(folder / "tiny.gguf")), name="tiny", context_length=128)]
+    for name, template in EVIL_TEMPLATES.items():
+        path = write_tiny_llama_gguf(folder / f"{name}.gguf", chat_template=template)
+        models.append(ModelConfig(path=str(path), name=f"evil-{name}", context_length=128))
+    config = Config(
+        models=models,
+        apis=list(APIS),
+        server=ServerConfig(max_body_bytes=MAX_BODY, max_tokens_cap=CAP, access_log=False),
+    )
+    host = load_plugins()
+    engine = Engine(config, host)
+    engine.start()
+    try:
+        with TestClient(build_app(ServerContext(config=config, host=host, engine=engine))) as test_client:
+            yield test_client
+    finally:
+        engine.stop()
+
+
+def with_value(body: dict[str, Any], where: tuple[str, ...], value: Any) -> dict[str, Any]:
+    body = json.loads(json.dumps(body))
+    node = body
+    for key in where[:-1]:
+        node = node.setdefault(key, {})
+    node[where[-1]] = value
+    return body
+
+
+def hostile_bodies(api: dict[str, Any]) -> dict[str, bytes]:
+    body = api["body"]
+    encode: Callable[[Any], bytes] = lambda value: json.dumps(value).encode()  # noqa: E731
+    depth = 100_000
+    return {
+        "oversized": encode({**body, "padding": "x" * (MAX_BODY + 1)}),
+        "deeply_nested": b'{"model": "tiny", "messages": ' + b"[" * depth + b"]" * depth + b"}",
+        "negative_max_tokens": encode(with_value(body, api["max_tokens"], -5)),
+        "invalid_utf8": encode(body).replace(b'"hi"', b'"h\xff\xfei"'),
+        "long_stop_string": encode(with_value(body, api["stop"], ["s" * 100_000])),
+        "messages_wrong_type": encode({**body, "messages": "hi"}),
+        # Ollama answers an empty chat by loading the model, as Ollama itself does.
+        **({"messages_empty": encode({**body, "messages": []})} if "stream" not in body else {}),
+        "model_wrong_type": encode({**body, "model": {"name": "tiny"}}),
+        "not_an_object": b"[1, 2, 3]",
+        "not_json": b"{model: tiny",
+        "empty": b"",
+    }
+
+
+CASES = [(name, case) for name, api in APIS.items() for case in hostile_bodies(api)]
+
+
+@pytest.mark.parametrize(("api_name", "case"), CASES)
+def test_hostile_bodies_are_4xx_in_the_apis_shape(client: TestClient, api_name: str, case: str) -> None:
+    api = APIS[api_name]
+    response = client.post(
+        api["path"], content=hostile_bodies(api)[case], headers={"content-type": "application/json"}
+    )
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    if case == "oversized":
+        assert response.status_code == 413
+    assert api["shape"](response.json()), response.text[:300]
+    assert "Traceback" not in response.text and ".py" not in response.text
+    assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("max_tokens", [10**9, 10**30])
+@pytest.mark.parametrize("api_name", list(APIS))
+def test_huge_max_tokens_is_lowered_to_the_cap(client: TestClient, api_name: str, max_tokens: int) -> None:
+    api = APIS[api_name]
+    body = with_value(api["body"], api["max_tokens"], max_tokens)
+    body = with_value(body, ("ignore_eos",), True) if api_name == "openai" else body
+    response = client.post(api["path"], json=body)
+    assert response.status_code == 200, response.text
+    assert 1 <= api["tokens"](response.json()) <= CAP
+
+
+@pytest.mark.parametrize("api_name", list(APIS))
+@pytest.mark.parametrize("template", list(EVIL_TEMPLATES))
+def test_hostile_chat_templates_fail_the_request_not_the_server(
+    client: TestClient, api_name: str, template: str
+) -> None:
+    api = APIS[api_name]
+    response = client.post(api["path"], json={**api["body"], "model": f"evil-{template}"})
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    assert api["shape"](response.json())
+    assert "Traceback" not in response.text and "uid=" not in response.text
+    assert client.get("/health").status_code == 200
+    # The same server still serves a model with a sound template.
+    assert client.post(api["path"], json=api["body"]).status_code == 200
