@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.cli.commands import BUILTIN_COMMANDS, Subparsers, add_plugin_commands
+from mlxr_core.hookspecs import HOOK_API_VERSION
 from mlxr_core.plugins import env_flag
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ def plugin_report(host: PluginHost) -> list[dict[str, Any]]:
                 "module": info.module,
                 "state": info.state,
                 "essential": info.essential,
+                "hook_api": info.hook_api,
                 "provides": {kind: list(names) for kind, names in info.provides.items()},
                 "config_section": (
                     f"plugins.config.{info.name} ({schema.__module__}.{schema.__qualname__})"
@@ -129,6 +131,7 @@ def print_table(report: list[dict[str, Any]], *, verbose: bool = False) -> None:
     table.add_column("essential", no_wrap=True)
     if verbose:
         table.add_column("module")
+        table.add_column("hook API", no_wrap=True)
     table.add_column("provides")
     table.add_column("error", style="red")
     for plugin in report:
@@ -146,10 +149,11 @@ def print_table(report: list[dict[str, Any]], *, verbose: bool = False) -> None:
             "yes" if plugin["essential"] else "",
         ]
         if verbose:
-            row.append(escape(plugin["module"] or "-"))
+            row += [escape(plugin["module"] or "-"), escape(str(plugin["hook_api"] or "-"))]
         row += [escape("\n".join(lines)), escape(plugin["error"] or "")]
         table.add_row(*row)
     console.print(table)
+    console.print(f"mlxr hook API {HOOK_API_VERSION}", highlight=False)
     counts = {state: sum(p["state"] == state for p in report) for state in ("ok", "failed", "disabled")}
     console.print(
         f"{len(report)} plugins: {counts['ok']} ok, {counts['failed']} failed, "

@@ -4,11 +4,16 @@ An architecture is a contract with the engine (:class:`~mlxr_core.model.arch.Arc
 module maps ``[B, L]`` ids to ``[B, L, vocab]`` logits; decoding through :meth:`make_cache` one token
 at a time gives the logits of one full forward pass; and the engine's batch flow (each prompt
 prefilled alone, its cache joined into a right-aligned :class:`BatchKVCache`, every row decoded
-together under the batch's padding mask, rows leaving) gives each row what it would get alone.
+together under the batch's padding mask, rows leaving) gives each row what it would get alone;
+``hidden_states`` (pooled for embeddings) is padding- and chunking-invariant.
 Third-party architectures run the same check::
 
     from mlxr_core.testing.conformance import TINY_CONFIG, check_architecture
     check_architecture(MyArchitecture(), {**TINY_CONFIG, "model_type": "mine"}, kernels)
+
+The checks of the other plugin kinds are importable from here too, one line each:
+:func:`check_format`, :func:`check_kernel_parity`, :func:`check_api` (and the sampler and
+decoder checks), each raising AssertionError naming the first broken property.
 """
 
 from __future__ import annotations
@@ -20,12 +25,26 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxr_core.model.cache import BatchKVCache
+from mlxr_core.testing.api_check import check_api
+from mlxr_core.testing.format_check import check_format
+from mlxr_core.testing.kernel_check import ParityReport, check_kernel_parity
 
 if TYPE_CHECKING:
     import mlx.nn as nn
 
     from mlxr_core.kernels import KernelSet
     from mlxr_core.model.arch import Architecture
+
+__all__ = [
+    "LENGTHS",
+    "TINY_CONFIG",
+    "ParityReport",
+    "check_api",
+    "check_architecture",
+    "check_format",
+    "check_kernel_parity",
+    "random_model",
+]
 
 #: A config every built-in architecture accepts: Hugging Face keys, tiny shapes, a sliding window
 #: shorter than the test sequences (for architectures that use one) and a global layer.
@@ -125,6 +144,31 @@ def check_architecture(
     position = LENGTHS[1] + DECODE_STEPS  # the survivor decodes on alone, without a mask
     alone = np.array(model(mx.array([[prompts[1][position]]]), cache=batch)[0, -1])
     _close(alone, full[1][position], atol, "the remaining row after the other left")
+
+    check_hidden_states(arch, model, prompts, atol)
+
+
+def check_hidden_states(
+    arch: Architecture, model: nn.Module, prompts: list[list[int]], atol: float
+) -> None:
+    """``hidden_states`` (what embeddings pool): ``[B, L, D]``; a right-padded row's real
+    positions equal the row alone; chunks through a cache equal one pass."""
+    alone = [np.array(arch.hidden_states(model, mx.array([p]))[0]) for p in prompts]
+    width = alone[0].shape[-1]
+    for states, prompt in zip(alone, prompts, strict=True):
+        assert states.shape == (len(prompt), width), f"hidden states shape {states.shape}"
+        assert np.isfinite(states).all(), "non-finite hidden states"
+    width = max(len(p) for p in prompts)
+    padded = mx.array([p + [0] * (width - len(p)) for p in prompts])
+    batched = np.array(arch.hidden_states(model, padded))
+    for row, (prompt, expected) in enumerate(zip(prompts, alone, strict=True)):
+        _close(batched[row, : len(prompt)], expected, atol, f"hidden states of right-padded row {row}")
+    prompt, expected = prompts[0], alone[0]
+    cache = arch.make_cache(model)
+    third = len(prompt) // 3
+    pieces = [prompt[:third], prompt[third : 2 * third], prompt[2 * third :]]
+    chunked = [np.array(arch.hidden_states(model, mx.array([piece]), cache)[0]) for piece in pieces]
+    _close(np.concatenate(chunked), expected, atol, "hidden states computed in chunks through a cache")
 
 
 def _close(actual: np.ndarray, expected: np.ndarray, atol: float, what: str) -> None:
