@@ -67,6 +67,10 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         raise RequestError(f"invalid request: {exc}", param=_param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise RequestError(
+            f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
 
 
 def _param_of(message: str) -> str | None:

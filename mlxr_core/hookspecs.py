@@ -18,6 +18,12 @@ import pluggy
 
 hookspec = pluggy.HookspecMarker("mlxr")
 
+#: The hook API this mlxr provides, ``"MAJOR.MINOR"``. A plugin declares the one it was built for
+#: in its entry-point module (``MLXR_HOOK_API = "1"``); a different major version is refused at
+#: load time. Adding a hook, or an argument to one (pluggy lets an implementation take fewer),
+#: bumps the minor version; removing or changing one bumps the major version.
+HOOK_API_VERSION = "1.0"
+
 
 class RegisterName(Protocol):
     def __call__(self, name: str, target: Any, *, override: bool = False, **meta: Any) -> None: ...
@@ -133,6 +139,36 @@ def mlxr_register_apis(register: RegisterName) -> None:
 
 
 @hookspec
+def mlxr_register_tool_parsers(register: RegisterName) -> None:
+    """Register tool-call formats (the markup a model family writes its function calls in).
+
+    Called once per plugin manager, when the registries are assembled.
+
+    :param register: ``register(name, target, *, override=False)``. ``name`` is what
+        ``models[].tool_parser`` names (``"hermes"``); ``target`` implements
+        :class:`mlxr_core.parsing.ToolParser`: ``detect(template)`` scores a chat template for
+        ``auto`` selection, ``stream()`` makes one request's incremental parser, and
+        ``system_prompt``/``render_calls``/``render_result`` write tools into prompts whose
+        template renders none.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_register_reasoning_parsers(register: RegisterName) -> None:
+    """Register reasoning formats (how a model marks its thinking, e.g. ``<think>...</think>``).
+
+    Called once per plugin manager, when the registries are assembled.
+
+    :param register: ``register(name, target, *, override=False)``. ``name`` is what
+        ``models[].reasoning_parser`` names (``"think"``); ``target`` implements
+        :class:`mlxr_core.parsing.ReasoningParser`: ``detect(template)`` for ``auto`` selection and
+        ``stream(prompt)`` making one request's splitter of reasoning and content.
+    :return: nothing.
+    """
+
+
+@hookspec
 def mlxr_register_commands(cli: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     """Add ``mlxr`` subcommands.
 
@@ -161,11 +197,12 @@ def mlxr_config_sections(register: RegisterSection) -> None:
 def mlxr_model_loaded(name: str, model: Any) -> None:
     """Observe a model that finished loading.
 
-    Called once per served model, on the engine thread, after its weights are loaded.
+    Called once per served model, after its weights are loaded, in a helper thread while the
+    engine thread waits (at most ``PluginHost.hook_timeout`` seconds, then the engine goes on).
 
     :param name: the served model's name.
-    :param model: the :class:`mlxr_core.model.loader.LoadedModel`. Do not run MLX work on it from
-        another thread.
+    :param model: the :class:`mlxr_core.model.loader.LoadedModel`. Read its Python attributes
+        (config, modules, paths); do not run MLX work on it (its arrays belong to the engine thread).
     :return: nothing. An exception is logged and ignored.
     """
 
@@ -174,10 +211,11 @@ def mlxr_model_loaded(name: str, model: Any) -> None:
 def mlxr_engine_started(engine: Any) -> None:
     """Observe the engine start.
 
-    Called once, after the engine thread has loaded every model and accepts requests.
+    Called once, after the engine thread has loaded every model and accepts requests. Like every
+    lifecycle hook, it runs in a helper thread, bounded by ``PluginHost.hook_timeout`` seconds.
 
     :param engine: the :class:`mlxr_core.engine.engine.Engine`.
-    :return: nothing. An exception is logged and ignored.
+    :return: nothing. An exception is logged and ignored; a hang is logged and left behind.
     """
 
 
@@ -185,8 +223,9 @@ def mlxr_engine_started(engine: Any) -> None:
 def mlxr_engine_stopping(engine: Any) -> None:
     """Observe the engine stop.
 
-    Called once, when shutdown begins and before queued requests are drained or cancelled.
+    Called once, when shutdown begins and before queued requests are drained or cancelled, in a
+    helper thread bounded by ``PluginHost.hook_timeout`` seconds.
 
     :param engine: the :class:`mlxr_core.engine.engine.Engine`.
-    :return: nothing. An exception is logged and ignored.
+    :return: nothing. An exception is logged and ignored; a hang is logged and left behind.
     """

@@ -5,6 +5,12 @@ entry point of the ``mlxr`` group on its own, then calls every registration hook
 time with a ``register`` callback bound to that plugin. A plugin that fails to import or raises while
 registering is recorded as failed, its partial registrations are rolled back, and every other plugin
 keeps working; with ``strict`` (``MLXR_STRICT_PLUGINS=1``) the first failure raises instead.
+
+Compatibility gate: a plugin module may declare the hook API it was built for,
+``MLXR_HOOK_API = "1"`` (or ``"1.2"``, ``"1.x"``); one whose major version differs from
+:data:`mlxr_core.hookspecs.HOOK_API_VERSION`, or that needs a newer minor version, is reported as
+failed with the reason and never registered. ``MLXR_TRACE_HOOKS=1`` logs every hook call (plugin,
+hook, arguments, duration, outcome) through the ``mlxr_core.plugins`` logger.
 """
 
 from __future__ import annotations
@@ -12,6 +18,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
+import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,6 +38,10 @@ log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "mlxr"
 hookimpl = pluggy.HookimplMarker("mlxr")
+#: Module attribute in which a plugin declares the hook API it targets.
+HOOK_API_ATTRIBUTE = "MLXR_HOOK_API"
+#: Seconds the caller waits for one lifecycle hook implementation before going on without it.
+LIFECYCLE_HOOK_TIMEOUT_S = 10.0
 
 #: Registries filled by the capability hooks, by hook name.
 CAPABILITY_HOOKS = {
@@ -39,6 +52,8 @@ CAPABILITY_HOOKS = {
     "mlxr_register_samplers": "samplers",
     "mlxr_register_decoders": "decoders",
     "mlxr_register_apis": "apis",
+    "mlxr_register_tool_parsers": "tool_parsers",
+    "mlxr_register_reasoning_parsers": "reasoning_parsers",
 }
 
 
@@ -55,6 +70,8 @@ class PluginInfo:
     error: str | None = None
     traceback: str | None = None
     provides: dict[str, list[str]] = attrs.field(factory=dict)
+    #: The hook API the plugin declares (``MLXR_HOOK_API``); ``None`` when it declares none.
+    hook_api: str | None = None
 
 
 @attrs.define
@@ -66,6 +83,8 @@ class Registries:
     samplers: Registry = attrs.field(factory=lambda: Registry("sampler"))
     decoders: Registry = attrs.field(factory=lambda: Registry("decoder"))
     apis: Registry = attrs.field(factory=lambda: Registry("api"))
+    tool_parsers: Registry = attrs.field(factory=lambda: Registry("tool parser"))
+    reasoning_parsers: Registry = attrs.field(factory=lambda: Registry("reasoning parser"))
     #: plugin name -> attrs class of its ``plugins.config.<name>`` section.
     config_sections: dict[str, type] = attrs.field(factory=dict)
 
@@ -80,19 +99,41 @@ class PluginHost:
     manager: pluggy.PluginManager
     plugins: dict[str, PluginInfo]
     registries: Registries
+    #: Seconds :meth:`notify` waits for each lifecycle hook implementation.
+    hook_timeout: float = LIFECYCLE_HOOK_TIMEOUT_S
 
     @property
     def failed(self) -> list[PluginInfo]:
         return [info for info in self.plugins.values() if info.state == "failed"]
 
     def notify(self, hook_name: str, **kwargs: Any) -> None:
-        """Call an observe-only lifecycle hook; an implementation that raises is logged and skipped."""
+        """Call an observe-only lifecycle hook, one implementation at a time.
+
+        Each runs in a helper thread while the caller waits for it, at most :attr:`hook_timeout`
+        seconds: a plugin that raises is logged and skipped, one that hangs is logged and left
+        behind (a daemon thread), and the server goes on either way.
+        """
         hook = getattr(self.manager.hook, hook_name)
         for impl in hook.get_hookimpls():
-            try:
-                impl.function(**{arg: kwargs[arg] for arg in impl.argnames})
-            except Exception:
-                log.exception("plugin %s raised in %s; ignored", impl.plugin_name, hook_name)
+            args = {arg: kwargs[arg] for arg in impl.argnames}
+            thread = threading.Thread(
+                target=_observe, args=(impl.plugin_name, hook_name, impl.function, args),
+                name=f"mlxr-hook-{impl.plugin_name}", daemon=True,
+            )
+            thread.start()
+            thread.join(self.hook_timeout)
+            if thread.is_alive():
+                log.error(
+                    "plugin %s did not return from %s within %gs; going on without it",
+                    impl.plugin_name, hook_name, self.hook_timeout,
+                )
+
+
+def _observe(plugin: str, hook_name: str, function: Callable[..., Any], args: dict[str, Any]) -> None:
+    try:
+        call_hook(plugin, hook_name, function, **args)
+    except Exception:
+        log.exception("plugin %s raised in %s; ignored", plugin, hook_name)
 
 
 def env_list(name: str) -> list[str]:
@@ -125,6 +166,62 @@ def check_requirements(requirements: Iterable[str]) -> None:
         raise PluginLoadError("plugins.require: " + "; ".join(problems))
 
 
+def check_hook_api(declared: object) -> None:
+    """Raise :class:`PluginLoadError` unless a plugin built for hook API ``declared`` can run here.
+
+    ``declared`` is ``"MAJOR"``, ``"MAJOR.x"`` or ``"MAJOR.MINOR"`` (an int is read as MAJOR);
+    ``None`` (nothing declared) is accepted. The major versions must match; a minor version is
+    the oldest this plugin needs, since hooks only grow within a major version.
+    """
+    if declared is None:
+        return
+    provided = hookspecs.HOOK_API_VERSION
+    match = re.fullmatch(r"(\d+)(?:\.(\d+|x))?", str(declared).strip())
+    if match is None or isinstance(declared, bool):
+        raise PluginLoadError(
+            f"{HOOK_API_ATTRIBUTE} = {declared!r} is not a hook API version "
+            f'(write "MAJOR", "MAJOR.x" or "MAJOR.MINOR", e.g. "{provided}")'
+        )
+    major, minor = int(match[1]), match[2]
+    core_major, core_minor = (int(part) for part in provided.split("."))
+    if major != core_major:
+        hint = "upgrade mlxr" if major > core_major else "upgrade the plugin"
+        raise PluginLoadError(
+            f"built for hook API {major}, this mlxr provides {core_major} "
+            f"(hook API {provided}); {hint}, or install a release of the plugin for hook API "
+            f"{core_major}"
+        )
+    if minor not in (None, "x") and int(minor) > core_minor:
+        raise PluginLoadError(
+            f"built for hook API {major}.{minor}, this mlxr provides {provided}; upgrade mlxr"
+        )
+
+
+def call_hook(plugin: str, hook_name: str, function: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call one plugin's implementation of a hook; with ``MLXR_TRACE_HOOKS=1`` log the call,
+    its arguments, its duration and how it ended."""
+    if not env_flag("MLXR_TRACE_HOOKS"):
+        return function(**kwargs)
+    args = ", ".join(f"{name}={_short_repr(value)}" for name, value in kwargs.items())
+    log.info("hook call: %s.%s(%s)", plugin, hook_name, args)
+    started = time.perf_counter()
+    try:
+        result = function(**kwargs)
+    except BaseException as exc:
+        log.info(
+            "hook done: %s.%s raised %s after %.2fms",
+            plugin, hook_name, type(exc).__name__, (time.perf_counter() - started) * 1e3,
+        )
+        raise
+    log.info("hook done: %s.%s in %.2fms", plugin, hook_name, (time.perf_counter() - started) * 1e3)
+    return result
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def load_plugins(
     *,
     disable: Sequence[str] = (),
@@ -149,11 +246,22 @@ def load_plugins(
 
     manager = pluggy.PluginManager("mlxr")
     manager.add_hookspecs(hookspecs)
+    if env_flag("MLXR_TRACE_HOOKS"):
+        # Calls through ``manager.hook`` (the core calls implementations one plugin at a time
+        # through call_hook, which logs them itself).
+        manager.add_hookcall_monitoring(
+            lambda name, impls, kwargs: log.info(
+                "hook call: %s(%s) -> %s", name, ", ".join(kwargs), [i.plugin_name for i in impls]
+            ),
+            lambda outcome, name, impls, kwargs: log.info("hook done: %s", name),
+        )
     plugins: dict[str, PluginInfo] = {}
 
     def fail(info: PluginInfo, what: str, exc: BaseException) -> None:
         info.state = "failed"
-        info.error = f"{what}: {type(exc).__name__}: {exc}"
+        # mlxr's own refusals (an incompatible hook API) read as they are.
+        detail = str(exc) if isinstance(exc, PluginLoadError) else f"{type(exc).__name__}: {exc}"
+        info.error = f"{what}: {detail}"
         info.traceback = "".join(traceback.format_exception(exc))
         log.warning("plugin %s failed (%s)", info.name, info.error)
         if strict:
@@ -185,6 +293,12 @@ def load_plugins(
             fail(info, "import failed", exc)
             continue
         info.essential = bool(getattr(obj, "MLXR_ESSENTIAL", False))
+        info.hook_api = getattr(obj, HOOK_API_ATTRIBUTE, None)
+        try:
+            check_hook_api(info.hook_api)
+        except PluginLoadError as exc:
+            fail(info, "incompatible", exc)
+            continue
         if info.name in disabled:
             if info.essential:
                 log.warning("plugin %s is essential and cannot be disabled", info.name)
@@ -250,7 +364,7 @@ def _collect(
                 _registry.add(name, target, plugin=info.name, override=override, **meta)
 
         try:
-            impl(register=register)
+            call_hook(info.name, hook_name, impl, register=register)
         except Exception as exc:
             for reg in registries.all().values():
                 reg.remove_plugin(info.name)
@@ -268,7 +382,7 @@ def _collect(
             def register_section(schema: type) -> None:
                 registries.config_sections[info.name] = schema
 
-            impl(register=register_section)
+            call_hook(info.name, "mlxr_config_sections", impl, register=register_section)
         except Exception as exc:
             for reg in registries.all().values():
                 reg.remove_plugin(info.name)

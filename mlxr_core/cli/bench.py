@@ -315,7 +315,7 @@ class ModelSummary:
 
 
 class _LoadObserver:
-    """Records each model as the engine loads it (``mlxr_model_loaded`` runs on the engine thread)."""
+    """Records each model as the engine loads it (``mlxr_model_loaded`` runs while the engine waits)."""
 
     def __init__(self) -> None:
         self.models: dict[str, ModelSummary] = {}

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.errors import MlxrError
+from mlxr_core.plugins import call_hook
 
 if TYPE_CHECKING:
     from mlxr_core.plugins import PluginHost
@@ -60,7 +61,7 @@ def add_plugin_commands(host: PluginHost, subparsers: Subparsers) -> None:
         info = host.plugins.get(impl.plugin_name)
         before = dict(subparsers.choices)
         try:
-            impl.function(cli=subparsers)
+            call_hook(impl.plugin_name, "mlxr_register_commands", impl.function, cli=subparsers)
             # Python 3.10's argparse silently replaces a command of the same name; 3.11+ raises.
             taken = sorted(name for name, parser in before.items() if subparsers.choices[name] is not parser)
             if taken:

@@ -34,7 +34,8 @@ def build_parser(*, with_plugin_commands: bool = True) -> argparse.ArgumentParse
         prog="mlxr",
         description="mlxr: a plugin-based LLM inference runtime on MLX.",
         epilog="Run `mlxr COMMAND --help` for a command's options. Environment: MLXR_DEBUG=1 for "
-        "tracebacks, MLXR_DISABLE_PLUGINS=a,b, MLXR_STRICT_PLUGINS=1, MLXR_SECTION__KEY=value.",
+        "tracebacks, MLXR_DISABLE_PLUGINS=a,b, MLXR_STRICT_PLUGINS=1, MLXR_TRACE_HOOKS=1 (log every "
+        "hook call), MLXR_SECTION__KEY=value.",
     )
     parser.add_argument("--version", action="version", version=_version_line())
     parser.add_argument(
@@ -59,10 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     debug = debug or args.debug
-    if debug:
+    if debug or env_flag("MLXR_TRACE_HOOKS"):
         from mlxr_core.cli.logs import setup_logging
 
-        setup_logging("debug")
+        # Hook traces are info lines: show them for every command, not only `mlxr serve`.
+        setup_logging("debug" if debug else "info")
     handler = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)

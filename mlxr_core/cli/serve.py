@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(level)
 
     from mlxr_core.engine.engine import Engine
+    from mlxr_core.parsing import validate_parser_choices
     from mlxr_core.plugins import load_plugins
     from mlxr_core.server import ServerContext, build_app
 
@@ -100,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     )
     log_plugins(host)
     sections = validate_plugin_sections(config, host.registries)
+    validate_parser_choices(config, host.registries)
     engine = Engine(config, host)
     ctx = ServerContext(config=config, host=host, engine=engine, plugin_config=sections)
     serve(build_app(ctx), ctx, log_level=level)

@@ -230,7 +230,11 @@ def _read(path: str | os.PathLike[str] | None) -> tuple[str, str]:
 
 def _parse_document(text: str, source: str) -> tuple[dict[str, Any], _Origins]:
     """The top-level mapping of a YAML document and the line of every key in it."""
-    loader = _YamlLoader(text)
+    try:
+        # The reader refuses control characters (NUL ...) as soon as it is made.
+        loader = _YamlLoader(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: invalid YAML: {exc}") from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -348,4 +352,27 @@ def _structure(data: dict[str, Any], schema: type[Config], origins: _Origins) ->
         config: Config = _converter.structure(data, schema)
     except Exception as exc:
         raise origins.report(list(problems_of(exc))) from None
+    problems = model_name_problems(config)
+    if problems:
+        raise origins.report(problems)
     return config
+
+
+def model_name_problems(config: Config) -> list[Problem]:
+    """Each ``models[].name`` or ``models[].aliases[]`` that names a model already named: a
+    request's ``model`` must pick one model. (A model without a name gets its file's stem when it
+    loads; the engine checks those.)"""
+    seen: dict[str, KeyPath] = {}
+    problems = []
+    for index, model in enumerate(config.models):
+        keys: list[tuple[KeyPath, str]] = [(("models", index, "name"), model.name)] if model.name else []
+        keys += [(("models", index, "aliases", j), alias) for j, alias in enumerate(model.aliases)]
+        for key, value in keys:
+            if value in seen:
+                problems.append(
+                    Problem(key, f"{value!r} already names a model (at {format_path(seen[value])}); "
+                            "names and aliases must be unique across models")
+                )
+            else:
+                seen[value] = key
+    return problems

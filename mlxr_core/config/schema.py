@@ -25,6 +25,11 @@ def _no_empty_key(instance: Any, attribute: attrs.Attribute[Any], keys: list[str
         raise ValueError(f"'{attribute.name}' must not hold an empty key")
 
 
+def _no_empty_name(instance: Any, attribute: attrs.Attribute[Any], names: list[str]) -> None:
+    if any(not name for name in names):
+        raise ValueError(f"'{attribute.name}' must not hold an empty name")
+
+
 def _absolute_paths(instance: Any, attribute: attrs.Attribute[Any], paths: list[str]) -> None:
     bad = [path for path in paths if not path.startswith("/")]
     if bad:
@@ -59,7 +64,9 @@ class ModelConfig:
     #: A file, a folder, or ``pkg:DISTRIBUTION[/relative/path]``.
     path: str = attrs.field(validator=v.min_len(1))
     #: The name clients ask for; defaults to the file's stem.
-    name: str | None = None
+    name: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
+    #: Other names clients may ask for (``model`` of a request); unique across all models.
+    aliases: list[str] = attrs.field(factory=list, validator=_no_empty_name)
     #: A format plugin's name, or ``auto`` to detect.
     format: str = "auto"
     #: An architecture plugin's name, or ``auto`` for the checkpoint's ``model_type``.
@@ -76,6 +83,11 @@ class ModelConfig:
     #: Overrides the checkpoint's context length (must be >= 16 when set).
     context_length: int | None = attrs.field(default=None, validator=v.optional(v.ge(16)))
     decoder: str = "plain"
+    #: Tool-call format of the model's output: a tool parser plugin's name, ``auto`` (chosen from
+    #: the chat template's markers) or ``none``. Checked against the loaded plugins at startup.
+    tool_parser: str = attrs.field(default="auto", validator=v.min_len(1))
+    #: Thinking format (``think``: ``<think>...</think>``), ``auto`` or ``none``.
+    reasoning_parser: str = attrs.field(default="auto", validator=v.min_len(1))
     #: Per-model kernel choices (op -> backend), over the global ``kernels:``.
     kernels: dict[str, str] = attrs.field(factory=dict)
 

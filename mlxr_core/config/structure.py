@@ -91,6 +91,8 @@ def make_converter() -> cattrs.Converter:
 def _scalar_hook(kind: type) -> Callable[[Any, Any], Any]:
     def structure(value: Any, _: Any) -> Any:
         # `type(...) is` rather than isinstance: bool is an int subclass and must not pass as one.
+        if kind is int and type(value) is int and not -(2**63) <= value < 2**63:
+            raise TypeMismatch(f"{value} is out of range (a 64-bit integer)")
         if type(value) is kind:
             return value
         if kind is float and type(value) is int:

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 MAX_REPEAT = 1 << 24
 #: The largest exponent a template may use with ``**``.
 MAX_EXPONENT = 4096
+#: The largest integer (in bits) a template may compute with ``**``: ``(10 ** 4000) ** 4000``
+#: keeps each exponent small but would cost seconds of CPU.
+MAX_POWER_BITS = 1 << 16
 
 
 def render_chat_template(
@@ -127,6 +130,14 @@ def _environment() -> jinja2.Environment:
                         )
             elif isinstance(right, (int, float)) and abs(right) > MAX_EXPONENT:
                 raise jinja2.exceptions.SecurityError(f"an exponent above {MAX_EXPONENT}")
+            elif (
+                isinstance(left, int)
+                and isinstance(right, int)
+                and left.bit_length() * abs(right) > MAX_POWER_BITS
+            ):
+                raise jinja2.exceptions.SecurityError(
+                    f"a power larger than {MAX_POWER_BITS} bits"
+                )
             return super().call_binop(context, operator, left, right)
 
     env = ChatTemplateEnvironment(

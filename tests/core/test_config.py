@@ -230,3 +230,32 @@ def test_a_section_for_a_plugin_without_a_schema_is_an_error(write):
     config = load_config(write(MODEL + "plugins:\n  config:\n    helo: {}\n"), environ={})
     with pytest.raises(ConfigError, match=r"plugins\.config\.helo: no loaded plugin named 'helo' .*did you mean hello\?"):
         validate_plugin_sections(config, registries_with(hello=HelloSection))
+
+
+def test_model_names_and_aliases_must_be_unique_naming_the_key_and_line(write):
+    path = write(
+        "models:\n"
+        "  - path: /models/a.gguf\n"
+        "    name: small\n"
+        "    aliases: [tiny, mini]\n"
+        "  - path: /models/b.gguf\n"
+        "    name: mini\n"
+        "    aliases: [big, tiny]\n"
+    )
+    assert problems(path) == [
+        f"{path}:6: models[1].name: 'mini' already names a model (at models[0].aliases[1]); "
+        "names and aliases must be unique across models",
+        f"{path}:7: models[1].aliases[1]: 'tiny' already names a model (at models[0].aliases[0]); "
+        "names and aliases must be unique across models",
+    ]
+
+
+def test_aliases_load_and_must_not_be_empty(write):
+    config = load_config(write(MODEL + "    aliases: [a, b]\n"), environ={})
+    assert config.models[0].aliases == ["a", "b"]
+    assert problems(write(MODEL + "    aliases: [a, '']\n"))[0].endswith(
+        "models[0].aliases: must not hold an empty name"
+    )
+    assert "models[0].aliases[0]: 'a' already names a model" in problems(
+        write(MODEL + "    name: a\n    aliases: [a]\n")
+    )[0]

@@ -198,3 +198,104 @@ def test_config_sections_are_collected_per_plugin():
 
     host = load_plugins(extra=[("sectioned", WithSection())], discover=False)
     assert host.registries.config_sections == {"sectioned": Section}
+
+
+def plugin_for_hook_api(version: str) -> str:
+    return f"""
+        from mlxr_core.plugins import hookimpl
+
+        MLXR_HOOK_API = {version!r}
+
+        @hookimpl
+        def mlxr_register_formats(register):
+            register("fmt_{version.replace('.', '_')}", "nowhere:Format")
+    """
+
+
+def test_a_plugin_built_for_a_newer_hook_api_is_refused_with_a_clear_message(fake_plugin_dist, capsys):
+    import json
+
+    from mlxr_core.cli.main import main
+    from mlxr_core.hookspecs import HOOK_API_VERSION
+
+    major = int(HOOK_API_VERSION.split(".")[0])
+    fake_plugin_dist(
+        "mlxr-test-future", modules={"mlxr_test_future": plugin_for_hook_api(f"{major + 1}")},
+        entry_points={"future": "mlxr_test_future"},
+    )
+    fake_plugin_dist(
+        "mlxr-test-today", modules={"mlxr_test_today": plugin_for_hook_api(f"{major}.x")},
+        entry_points={"today": "mlxr_test_today"},
+    )
+    host = load_plugins(strict=False)
+    future = host.plugins["future"]
+    assert future.state == "failed" and future.hook_api == f"{major + 1}"
+    assert future.error.startswith(
+        f"incompatible: built for hook API {major + 1}, this mlxr provides {major}"
+    )
+    assert "upgrade mlxr" in future.error
+    # Refused before registering anything: its hooks never ran.
+    assert f"fmt_{major + 1}" not in host.registries.formats
+    assert host.manager.get_plugin("future") is None
+    assert host.plugins["today"].state == "ok" and f"fmt_{major}_x" in host.registries.formats
+
+    assert main(["plugins", "--json"]) == 0
+    report = {p["name"]: p for p in json.loads(capsys.readouterr().out)}
+    assert report["future"]["state"] == "failed" and report["future"]["hook_api"] == f"{major + 1}"
+    assert "built for hook API" in report["future"]["error"]
+    assert main(["plugins", "--strict"]) == 1
+    assert "future" in capsys.readouterr().err
+    with pytest.raises(PluginLoadError, match=rf"plugin 'future' failed: incompatible: built for hook API {major + 1}"):
+        load_plugins(strict=True)
+
+
+@pytest.mark.parametrize(
+    ("declared", "error"),
+    [
+        (None, None),
+        ("1", None),
+        (1, None),
+        ("1.x", None),
+        ("1.0", None),
+        ("1.7", "built for hook API 1.7, this mlxr provides 1.0; upgrade mlxr"),
+        ("0", "built for hook API 0, this mlxr provides 1 (hook API 1.0); upgrade the plugin"),
+        ("2.1", "built for hook API 2, this mlxr provides 1"),
+        ("one", "MLXR_HOOK_API = 'one' is not a hook API version"),
+        (True, "is not a hook API version"),
+    ],
+)
+def test_hook_api_declarations(declared, error, monkeypatch):
+    from mlxr_core import hookspecs
+    from mlxr_core.plugins import check_hook_api
+
+    monkeypatch.setattr(hookspecs, "HOOK_API_VERSION", "1.0")
+    if error is None:
+        check_hook_api(declared)
+    else:
+        with pytest.raises(PluginLoadError) as caught:
+            check_hook_api(declared)
+        assert error in str(caught.value)
+
+
+def test_trace_hooks_logs_every_hook_call(monkeypatch, caplog):
+    import logging
+
+    class Observer(Formats):
+        @hookimpl
+        def mlxr_engine_started(self, engine):
+            pass
+
+    monkeypatch.setenv("MLXR_TRACE_HOOKS", "1")
+    with caplog.at_level(logging.INFO, logger="mlxr_core.plugins"):
+        host = load_plugins(extra=[("traced", Observer("tf"))], discover=False)
+        host.notify("mlxr_engine_started", engine="the-engine")
+    calls = [r.getMessage() for r in caplog.records if r.getMessage().startswith("hook call:")]
+    assert any(m.startswith("hook call: traced.mlxr_register_formats(register=") for m in calls)
+    assert "hook call: traced.mlxr_engine_started(engine='the-engine')" in calls
+    assert sum(r.getMessage().startswith("hook done: traced.") for r in caplog.records) == 2
+
+    caplog.clear()
+    monkeypatch.delenv("MLXR_TRACE_HOOKS")
+    with caplog.at_level(logging.INFO, logger="mlxr_core.plugins"):
+        load_plugins(extra=[("traced", Observer("tf"))], discover=False)
+    assert not [r for r in caplog.records if r.getMessage().startswith("hook ")]

@@ -182,6 +182,13 @@ class GPT2Architecture:
         """One :class:`KVCache` per layer."""
         return [KVCache() for _ in model.layers]
 
+    def hidden_states(
+        self, model: nn.Module, inputs: mx.array, cache: list[Any] | None = None
+    ) -> mx.array:
+        """``[B, L, n_embd]`` after the final LayerNorm, before the tied head (for embeddings)."""
+        hidden: mx.array = model.transformer(inputs, cache)
+        return hidden
+
     def context_length(self, config: dict[str, Any]) -> int:
         """``n_positions``: the learned position table has no rows beyond it."""
         return GPT2Args.from_config(config).n_positions

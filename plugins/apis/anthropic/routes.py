@@ -24,6 +24,7 @@ from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import GenerationRequest, SamplingParams
 from mlxr_core.errors import RequestError
 from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, room_for, submit
+from mlxr_core.openapi import documented
 from mlxr_core.server import ServerContext
 from mlxr_plugins.apis.anthropic import schemas as s
 from mlxr_plugins.apis.anthropic.errors import EXCEPTION_HANDLERS
@@ -37,11 +38,14 @@ MAX_STOP_CHARS = 256
 def make_router(ctx: ServerContext) -> Router:
     """The Anthropic Messages API as a Litestar router (the ``anthropic`` entry of ``apis:``)."""
 
-    @post("/messages", status_code=200)
+    @post("/messages", status_code=200, operation_class=documented(
+        request=s.MessagesRequest, response=s.MessageResponse, error=s.ErrorBody,
+        stream="text/event-stream"))
     async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_message(ctx, request)
 
-    @post("/messages/count_tokens", status_code=200)
+    @post("/messages/count_tokens", status_code=200, operation_class=documented(
+        request=s.CountTokensRequest, response=s.CountTokensResponse, error=s.ErrorBody))
     async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
         body = decode_body(await request.body(), s.CountTokensRequest)
         _refuse_unsupported(body)

@@ -1,4 +1,4 @@
-"""The Ollama-compatible routes under ``/api``: chat, generate, tags, show, ps, version.
+"""The Ollama-compatible routes under ``/api``: chat, generate, embed, tags, show, ps, version.
 
 A handler decodes its body strictly (:func:`mlxr_core.frontend.decode_body`), maps Ollama's
 ``options`` onto :class:`~mlxr_core.engine.request.SamplingParams`, tokenizes in a worker thread,
@@ -6,9 +6,10 @@ submits to the engine and answers with one JSON object or, as Ollama does by def
 NDJSON lines (:mod:`mlxr_plugins.apis.ollama.streaming`).
 
 Differences from Ollama, each answered with a 400 naming the field rather than silently ignored:
-``tools``, ``format`` (structured output), ``think``, ``images``, ``suffix`` and ``template`` are
-not supported. ``keep_alive`` is accepted and ignored (models stay loaded while the server runs).
-``/api/embed`` answers 501 until the engine computes embeddings.
+``tools``, ``think``, ``images``, ``suffix`` and ``template`` are not supported. ``format``
+(``"json"`` or a JSON schema) is enforced while decoding. ``keep_alive`` is accepted and ignored
+(models stay loaded while the server runs). ``/api/embed`` and ``/api/embeddings`` are in
+:mod:`mlxr_plugins.apis.ollama.embed`.
 """
 
 from __future__ import annotations
@@ -18,17 +19,28 @@ import logging
 from typing import Any
 
 import anyio
+import attrs
 from litestar import Request, Response, Router, get, post
 
 from mlxr_core.engine.engine import Engine, ModelInfo
-from mlxr_core.engine.request import GenerationRequest, SamplingParams
-from mlxr_core.errors import MlxrError, ModelNotFound, RequestError
+from mlxr_core.engine.request import Constraint, GenerationRequest, SamplingParams
+from mlxr_core.errors import ModelNotFound, RequestError
 from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, room_for, submit
+from mlxr_core.openapi import documented
 from mlxr_core.server import ServerContext
+from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
+from mlxr_plugins.apis.ollama import embed as embedding
 from mlxr_plugins.apis.ollama import models
 from mlxr_plugins.apis.ollama import schemas as s
 from mlxr_plugins.apis.ollama.errors import EXCEPTION_HANDLERS
-from mlxr_plugins.apis.ollama.streaming import ChatLines, GenerateLines, Timer, ndjson_response
+from mlxr_plugins.apis.ollama.streaming import (
+    NDJSON,
+    ChatLines,
+    GenerateLines,
+    Timer,
+    ndjson_response,
+)
+from mlxr_plugins.apis.ollama.tools import message_dict, tools_of
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +49,7 @@ OLLAMA_API_VERSION = "0.12.0"
 #: Roles a chat template may see.
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 #: Ollama option -> the sampler plugin name that honours it.
 SAMPLER_OWNED = {
     "repeat_penalty": "repetition_penalty",
@@ -45,49 +58,56 @@ SAMPLER_OWNED = {
 }
 
 
-class NotImplementedYet(MlxrError):
-    status = 501
-    kind = "not_implemented"
-
-
 def make_router(ctx: ServerContext) -> Router:
     """The Ollama API as a Litestar router (the ``ollama`` entry of ``apis:``)."""
 
-    @post("/chat", status_code=200)
+    @post("/chat", status_code=200, operation_class=documented(
+        request=s.ChatRequest, response=s.ChatChunk, error=s.ErrorBody, stream=NDJSON))
     async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_chat(ctx, request)
 
-    @post("/generate", status_code=200)
+    @post("/generate", status_code=200, operation_class=documented(
+        request=s.GenerateRequest, response=s.GenerateChunk, error=s.ErrorBody, stream=NDJSON))
     async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_generation(ctx, request)
 
-    @get("/tags", sync_to_thread=False)
+    @get("/tags", sync_to_thread=False, operation_class=documented(
+        response=dict[str, list[s.ListedModel]], error=s.ErrorBody))
     def tags() -> Response[Any]:
         engine = ready_engine(ctx)
         return _json({"models": [models.listed(info) for _, info in sorted(engine.models.items())]})
 
-    @post("/show", status_code=200)
+    @post("/show", status_code=200, operation_class=documented(
+        request=s.ModelRequest, response=s.ShowResponse, error=s.ErrorBody))
     async def show(request: Request[Any, Any, Any]) -> Response[Any]:
         body = decode_body(await request.body(), s.ModelRequest)
         info = resolve_model(ready_engine(ctx), body.model or body.name)
         return _json(models.shown(info))
 
-    @get("/ps", sync_to_thread=False)
+    @get("/ps", sync_to_thread=False, operation_class=documented(
+        response=dict[str, list[s.RunningModel]], error=s.ErrorBody))
     def ps() -> Response[Any]:
         engine = ready_engine(ctx)
         return _json({"models": [models.running(info) for _, info in sorted(engine.models.items())]})
 
-    @get("/version", sync_to_thread=False)
+    @get("/version", sync_to_thread=False, operation_class=documented(
+        response=dict[str, str], error=s.ErrorBody))
     def version() -> Response[Any]:
         return _json({"version": OLLAMA_API_VERSION})
 
-    @post(["/embed", "/embeddings"], status_code=200)
-    async def embed() -> Response[Any]:
-        raise NotImplementedYet("embeddings are not supported by this server yet")
+    @post("/embed", status_code=200, operation_class=documented(
+        request=embedding.EmbedRequest, response=embedding.EmbedResponse, error=s.ErrorBody))
+    async def embed(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await embedding.create_embed(ctx, request, resolve_model)
+
+    @post("/embeddings", status_code=200, operation_class=documented(
+        request=embedding.EmbeddingsRequest, response=embedding.EmbeddingsResponse, error=s.ErrorBody))
+    async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await embedding.create_embeddings(ctx, request, resolve_model)
 
     return Router(
         path="/api",
-        route_handlers=[chat, generate, tags, show, ps, version, embed],
+        route_handlers=[chat, generate, tags, show, ps, version, embed, embeddings],
         exception_handlers=EXCEPTION_HANDLERS,
         tags=["ollama"],
     )
@@ -97,21 +117,25 @@ async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Re
     """``POST /api/chat``."""
     timer = Timer()
     body = decode_body(await request.body(), s.ChatRequest)
-    _refuse_unsupported(body)
-    if body.tools:
-        raise RequestError(f"{body.model!r} does not support tools", param="tools")
     engine = ready_engine(ctx)
     info = resolve_model(engine, body.model)
+    parsers = model_parsers(ctx, info)
+    if body.think not in (None, False) and parsers.reasoning is None:
+        raise RequestError(f"{body.model!r} does not support thinking", param="think")
+    if body.think in (None, False):
+        parsers = attrs.evolve(parsers, reasoning=None)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
         return _json(s.ChatChunk(info.name, timer.created_at, s.AssistantMessage(""), True, "load"))
     messages = chat_messages(body.messages)
     params = sampling_params(ctx, body.options)
-    encode = functools.partial(engine.encode_chat, info.name, messages)
-    prompt_ids = await anyio.to_thread.run_sync(encode)
+    params.constraint = format_constraint(ctx, body.format)
+    prepare = functools.partial(prepare_chat, engine, info, parsers, messages, tools=tools_of(body.tools))
+    setup = await anyio.to_thread.run_sync(prepare)
+    prompt_ids = setup.prompt_ids
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
     handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params))
     timer.submitted()
-    lines = ChatLines(info.name, timer)
+    lines = ChatLines(info.name, timer, setup.reader())
     if body.stream:
         return ndjson_response(ctx, handle, lines)
     reply = await collect(ctx, handle, request)
@@ -131,6 +155,7 @@ async def create_generation(ctx: ServerContext, request: Request[Any, Any, Any])
     if not body.prompt and not body.context:
         return _json(s.GenerateChunk(info.name, timer.created_at, "", True, "load"))
     params = sampling_params(ctx, body.options)
+    params.constraint = format_constraint(ctx, body.format)
     encode = functools.partial(_generate_prompt_ids, engine, info, body)
     prompt_ids = await anyio.to_thread.run_sync(encode)
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
@@ -147,12 +172,15 @@ async def create_generation(ctx: ServerContext, request: Request[Any, Any, Any])
 
 
 def resolve_model(engine: Engine, name: str) -> ModelInfo:
-    """The served model ``name`` names; Ollama's default tag ``:latest`` may be appended."""
+    """The served model ``name`` (a name or an alias) names; Ollama's default tag ``:latest`` may
+    be appended."""
     if not name:
         raise RequestError("model is required", param="model")
-    for candidate in (name, name.removesuffix(":latest")):
-        if candidate in engine.models:
-            return engine.models[candidate]
+    for candidate in dict.fromkeys((name, name.removesuffix(":latest"))):
+        try:
+            return engine.model(candidate)
+        except ModelNotFound:
+            continue
     error = ModelNotFound(name, engine.models)
     error.message = f"model {name!r} not found (served: {', '.join(sorted(engine.models)) or 'none'})"
     raise error
@@ -169,9 +197,7 @@ def chat_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
             )
         if message.images:
             raise RequestError("images are not supported by this server", param=f"messages[{i}].images")
-        if message.tool_calls:
-            raise RequestError("tool calls are not supported by this server", param=f"messages[{i}].tool_calls")
-        rendered.append({"role": message.role, "content": message.content})
+        rendered.append(message_dict(i, message))
     return rendered
 
 
@@ -180,8 +206,12 @@ def sampling_params(ctx: ServerContext, options: s.Options | None) -> SamplingPa
     defaults = ctx.config.sampling
     o = options or s.Options()
     stops = [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
-    if len(stops) > MAX_STOP_STRINGS or any(not stop for stop in stops):
-        raise RequestError(f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings", param="options.stop")
+    if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in stops):
+        raise RequestError(
+            f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most "
+            f"{MAX_STOP_CHARS} characters",
+            param="options.stop",
+        )
     return SamplingParams(
         temperature=defaults.temperature if o.temperature is None else o.temperature,
         top_p=defaults.top_p if o.top_p is None else o.top_p,
@@ -238,9 +268,18 @@ def _generate_prompt_ids(engine: Engine, info: ModelInfo, body: s.GenerateReques
     return context + ids
 
 
-def _refuse_unsupported(body: s.BaseRequest) -> None:
-    if body.format not in (None, ""):
+def format_constraint(ctx: ServerContext, value: Any) -> Constraint | None:
+    """Ollama's ``format``: ``"json"`` (a JSON object, as Ollama's grammar has it) or a JSON schema."""
+    if value in (None, ""):
+        return None
+    if value != "json" and not isinstance(value, dict):
+        raise RequestError('format must be "json" or a JSON schema object', param="format")
+    if not constraints_supported(ctx):
         raise RequestError("format (structured output) is not supported by this server", param="format")
+    return Constraint(kind="json_object") if value == "json" else Constraint(kind="json_schema", value=value)
+
+
+def _refuse_unsupported(body: s.BaseRequest) -> None:
     if body.think not in (None, False):
         raise RequestError(f"{body.model!r} does not support thinking", param="think")
 

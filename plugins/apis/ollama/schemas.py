@@ -86,6 +86,9 @@ class ModelRequest(Struct, forbid_unknown_fields=False):
 class AssistantMessage(Struct):
     content: str
     role: str = "assistant"
+    #: ``[{"function": {"name": ..., "arguments": {...}}}]``.
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
+    thinking: str | UnsetType = UNSET
 
 
 class ChatChunk(Struct, omit_defaults=True):

@@ -18,8 +18,10 @@ from litestar.response import Stream
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
 from mlxr_core.frontend import shutdown_cancelled, tracked_events
 from mlxr_core.server import ServerContext
+from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.ollama import schemas as s
 from mlxr_plugins.apis.ollama.errors import error_line
+from mlxr_plugins.apis.ollama.tools import assistant
 
 NDJSON = "application/x-ndjson"
 
@@ -59,24 +61,42 @@ class Timer:
 class ChatLines:
     """The chunks of ``/api/chat``."""
 
-    def __init__(self, model: str, timer: Timer):
+    def __init__(self, model: str, timer: Timer, reader: ReplyReader | None = None):
         self.model = model
         self.timer = timer
+        #: Splits thinking and tool calls from the content as it streams.
+        self.reader = reader
 
     def chunk(self, text: str) -> bytes:
-        return _line(s.ChatChunk(self.model, self.timer.created_at, s.AssistantMessage(text), False))
+        if self.reader is None:
+            return _line(s.ChatChunk(self.model, self.timer.created_at, s.AssistantMessage(text), False))
+        pieces = self.reader.feed(text)
+        if not pieces:
+            return b""
+        return _line(s.ChatChunk(self.model, self.timer.created_at, assistant(pieces), False))
 
     def tokens(self, token_ids: Sequence[int]) -> None:
         """Chat replies carry no token context."""
 
     def whole(self, text: str, finished: Finished) -> s.ChatChunk:
+        message = s.AssistantMessage(text)
+        if self.reader is not None:
+            message = assistant(self.reader.feed(text) + self.reader.finish())
         return s.ChatChunk(
-            self.model, self.timer.created_at, s.AssistantMessage(text), True, finished.reason,
+            self.model, self.timer.created_at, message, True, finished.reason,
             **self.timer.counters(finished),
         )
 
     def final(self, finished: Finished) -> bytes:
-        return _line(self.whole("", finished))
+        if self.reader is None:
+            return _line(self.whole("", finished))
+        # What the reader held back (a call completed at the end) goes in a chunk of its own.
+        rest = self.reader.finish()
+        head = _line(s.ChatChunk(self.model, self.timer.created_at, assistant(rest), False)) if rest else b""
+        return head + _line(s.ChatChunk(
+            self.model, self.timer.created_at, s.AssistantMessage(""), True, finished.reason,
+            **self.timer.counters(finished),
+        ))
 
 
 class GenerateLines:
@@ -123,8 +143,8 @@ async def _lines(ctx: ServerContext, handle: RequestHandle, lines: ChatLines | G
         async for event in events:
             if isinstance(event, Delta):
                 lines.tokens(event.token_ids)
-                if event.text:
-                    yield lines.chunk(event.text)
+                if event.text and (line := lines.chunk(event.text)):
+                    yield line
             elif isinstance(event, Finished):
                 yield error_line(shutdown_cancelled()) if event.reason == "cancelled" else lines.final(event)
             elif isinstance(event, Failed):

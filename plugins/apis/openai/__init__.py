@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``).
+"""The OpenAI-compatible HTTP API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+``/v1/models``).
 
 Enable it with ``apis: [openai]`` (the default). Registration is lazy: the routes, and Litestar
 with them, are imported only when the server builds its app.

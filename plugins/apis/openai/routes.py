@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes: chat completions, completions and models under ``/v1``.
+"""The OpenAI-compatible routes: chat completions, completions, embeddings and models under ``/v1``.
 
 A handler decodes its body strictly (:func:`~mlxr_plugins.apis.openai.errors.decode_body`), turns
 it into :class:`~mlxr_core.engine.request.SamplingParams`, tokenizes in a worker thread (chat
@@ -15,11 +15,14 @@ from typing import Any
 import anyio
 from litestar import Request, Response, Router, get, post
 
-from mlxr_core.engine.request import GenerationRequest, SamplingParams
+from mlxr_core.engine.request import Constraint, GenerationRequest, SamplingParams
 from mlxr_core.errors import ContextLengthExceeded, RequestError
 from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, submit
+from mlxr_core.openapi import documented
 from mlxr_core.server import ServerContext
+from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.openai import schemas as s
+from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.streaming import (
     ChatChunks,
@@ -28,41 +31,55 @@ from mlxr_plugins.apis.openai.streaming import (
     sse_response,
     usage_of,
 )
+from mlxr_plugins.apis.openai.tools import assistant_message, message_dict, tool_request
 
 #: Stop strings: OpenAI allows 4; more are accepted up to these limits.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 #: Chat roles a template may see; ``developer`` is OpenAI's new name for ``system``.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 #: OpenAI parameters honoured only when a sampler plugin registers a sampler of the same name.
 SAMPLER_OWNED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+#: Media type of a streamed reply.
+SSE = "text/event-stream"
 
 
 def make_router(ctx: ServerContext) -> Router:
     """The OpenAI API as a Litestar router (the ``openai`` entry of ``apis:``)."""
 
-    @post("/chat/completions", status_code=200)
+    @post("/chat/completions", status_code=200, operation_class=documented(
+        request=s.ChatCompletionRequest, response=s.ChatCompletion, error=s.ErrorBody, stream=SSE))
     async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_chat_completion(ctx, request)
 
-    @post("/completions", status_code=200)
+    @post("/completions", status_code=200, operation_class=documented(
+        request=s.CompletionRequest, response=s.Completion, error=s.ErrorBody, stream=SSE))
     async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_completion(ctx, request)
 
-    @get("/models", sync_to_thread=False)
+    @get("/models", sync_to_thread=False, operation_class=documented(response=s.ModelList, error=s.ErrorBody))
     def models() -> Response[Any]:
         engine = ready_engine(ctx)
         return _json(s.ModelList([_card(info) for _, info in sorted(engine.models.items())]))
 
-    @get("/models/{model_id:path}", sync_to_thread=False)
+    @get(
+        "/models/{model_id:path}",
+        sync_to_thread=False,
+        operation_class=documented(response=s.ModelCard, error=s.ErrorBody, path_strings=("model_id",)),
+    )
     def model(request: Request[Any, Any, Any]) -> Response[Any]:
         # Model names may contain slashes; a path parameter arrives with a leading one.
         name = str(request.path_params["model_id"]).lstrip("/")
         return _json(_card(ready_engine(ctx).model(name)))
 
+    @post("/embeddings", status_code=200, operation_class=documented(
+        request=EmbeddingRequest, response=EmbeddingList, error=s.ErrorBody))
+    async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_embeddings(ctx, request)
+
     return Router(
         path="/v1",
-        route_handlers=[chat_completions, completions, models, model],
+        route_handlers=[chat_completions, completions, models, model, embeddings],
         exception_handlers=EXCEPTION_HANDLERS,
         tags=["openai"],
     )
@@ -75,15 +92,23 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
     messages = chat_messages(body.messages)
     params = sampling_params(body, ctx, max_tokens=body.max_completion_tokens or body.max_tokens)
     engine = ready_engine(ctx)
-    engine.model(body.model)  # an unknown model is a 404 before any templating
-    prompt_ids = await anyio.to_thread.run_sync(functools.partial(engine.encode_chat, body.model, messages))
-    handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params))
+    info = engine.model(body.model)  # an unknown model is a 404 before any templating
+    tools, tool_choice, parallel = tool_request(body)
+    prepare = functools.partial(
+        prepare_chat, engine, info, model_parsers(ctx, info), messages,
+        tools=tools, choice=tool_choice, parallel=parallel,
+    )
+    setup = await anyio.to_thread.run_sync(prepare)
+    params.constraint = setup.constraint or params.constraint
+    handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=setup.prompt_ids, params=params))
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(ctx, handle, ChatChunks(meta, include_usage))
+        return sse_response(ctx, handle, ChatChunks(meta, include_usage, reader=setup.reader()))
     reply = await collect(ctx, handle, request)
-    choice = s.ChatChoice(0, s.AssistantMessage(content=reply.text), reply.finished.reason)
+    reader = setup.reader()
+    message, _ = assistant_message(reader, reply.text)
+    choice = s.ChatChoice(0, message, reader.finish_reason(reply.finished.reason))
     return _json(s.ChatCompletion(meta.id, meta.created, meta.model, [choice], usage_of(reply.finished.usage)))
 
 
@@ -146,7 +171,7 @@ def chat_messages(messages: list[s.ChatMessage]) -> list[dict[str, Any]]:
                     )
                 texts.append(part.text)
             text = "\n".join(texts)
-        rendered.append({"role": role, "content": text})
+        rendered.append(message_dict(message, {"role": role, "content": text}))
     return rendered
 
 
@@ -182,8 +207,28 @@ def sampling_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | No
         # OpenAI seeds are int64; MLX keys are uint64.
         seed=None if body.seed is None else body.seed % 2**64,
         stop=stop_strings(body.stop),
+        constraint=response_constraint(body.response_format, ctx),
         extra=_extra_params(body, ctx),
     )
+
+
+def response_constraint(response_format: s.ResponseFormat | None, ctx: ServerContext) -> Constraint | None:
+    """``response_format`` as the constraint a sampler plugin enforces while decoding."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if not constraints_supported(ctx):
+        raise RequestError(
+            f"response_format {response_format.type!r} is not supported by this server "
+            "(no sampler plugin enforces structured output)",
+            param="response_format",
+        )
+    if response_format.type == "json_object":
+        return Constraint(kind="json_object")
+    if response_format.json_schema is None or response_format.json_schema.schema is None:
+        raise RequestError(
+            "response_format of type 'json_schema' needs json_schema.schema", param="response_format"
+        )
+    return Constraint(kind="json_schema", value=response_format.json_schema.schema)
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
@@ -215,13 +260,6 @@ def _extra_params(body: s.Request, ctx: ServerContext) -> dict[str, Any]:
 def _refuse_unsupported_chat(body: s.ChatCompletionRequest) -> None:
     if body.logprobs or body.top_logprobs:
         raise RequestError("logprobs are not supported by this server", param="logprobs")
-    if body.tools:
-        raise RequestError("tools are not supported by this server", param="tools")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise RequestError(
-            f"response_format {body.response_format.type!r} is not supported; only 'text' is",
-            param="response_format",
-        )
 
 
 def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:

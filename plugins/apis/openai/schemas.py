@@ -8,7 +8,7 @@ know but cannot honour are declared here and refused by the routes when set.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -46,6 +46,8 @@ class Request(Struct, forbid_unknown_fields=False):
     user: str | None = None
     #: vLLM's extension for benchmarks: generate ``max_tokens`` tokens whatever the model says.
     ignore_eos: bool = False
+    #: Structured output (chat and, as vLLM accepts it, completions).
+    response_format: ResponseFormat | None = None
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):
@@ -59,14 +61,64 @@ class ContentPart(Struct, forbid_unknown_fields=False):
     text: str | None = None
 
 
+class FunctionCall(Struct, forbid_unknown_fields=False):
+    name: str
+    #: The arguments as JSON text (OpenAI's form); an object is accepted too.
+    arguments: str | dict[str, Any] = "{}"
+
+
+class MessageToolCall(Struct, forbid_unknown_fields=False):
+    """A call an earlier assistant turn made."""
+
+    function: FunctionCall
+    id: str = ""
+    type: str = "function"
+
+
 class ChatMessage(Struct, forbid_unknown_fields=False):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    #: A ``tool`` turn: the call it answers.
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(Struct, forbid_unknown_fields=False):
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDefinition(Struct, forbid_unknown_fields=False):
+    function: FunctionDefinition
+    type: str = "function"
+
+
+class NamedFunction(Struct, forbid_unknown_fields=False):
+    name: str
+
+
+class NamedToolChoice(Struct, forbid_unknown_fields=False):
+    function: NamedFunction
+    type: str = "function"
+
+
+class JsonSchemaFormat(Struct, forbid_unknown_fields=False):
+    """``response_format.json_schema``: the output is enforced to validate against ``schema``
+    whatever ``strict`` says."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
 
 
 class ResponseFormat(Struct, forbid_unknown_fields=False):
-    type: str
+    """Structured output: free ``text``, any JSON object, or JSON validating a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
@@ -74,9 +126,10 @@ class ChatCompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: ResponseFormat | None = None
+    tools: list[ToolDefinition] | None = None
+    #: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
@@ -97,9 +150,23 @@ class Usage(Struct):
     total_tokens: int
 
 
+class ResponseFunction(Struct):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(Struct):
+    id: str
+    function: ResponseFunction
+    type: str = "function"
+
+
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
+    tool_calls: list[ResponseToolCall] | UnsetType = UNSET
+    #: The model's thinking, split from ``content`` by the model's reasoning parser.
+    reasoning_content: str | UnsetType = UNSET
 
 
 class ChatChoice(Struct):
@@ -118,9 +185,25 @@ class ChatCompletion(Struct):
     object: str = "chat.completion"
 
 
+class DeltaFunction(Struct, omit_defaults=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class DeltaToolCall(Struct, omit_defaults=True):
+    """A streamed tool call: its first chunk has ``id``, ``type`` and the name; then arguments."""
+
+    index: int
+    function: DeltaFunction
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
 class ChatDelta(Struct):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[DeltaToolCall] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

@@ -23,9 +23,12 @@ from litestar.response import Stream
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
 from mlxr_core.engine.request import Usage as EngineUsage
 from mlxr_core.frontend import shutdown_cancelled, tracked_events
+from mlxr_core.parsing import Text, ToolCall
 from mlxr_core.server import ServerContext
+from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.errors import error_body
+from mlxr_plugins.apis.openai.tools import deltas
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
@@ -45,11 +48,13 @@ def usage_of(usage: EngineUsage) -> s.Usage:
 
 
 class ChatChunks:
-    """The SSE chunks of a chat completion."""
+    """The SSE chunks of a chat completion; with a ``reader``, the text is split into reasoning,
+    content and tool calls as it streams."""
 
-    def __init__(self, meta: ResponseMeta, include_usage: bool):
+    def __init__(self, meta: ResponseMeta, include_usage: bool, reader: ReplyReader | None = None):
         self.meta = meta
         self.include_usage = include_usage
+        self.reader = reader
 
     def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> bytes:
         m = self.meta
@@ -60,10 +65,22 @@ class ChatChunks:
         return self._chunk([s.ChatChunkChoice(0, s.ChatDelta(role="assistant", content=""))])
 
     def text(self, text: str) -> bytes:
-        return self._chunk([s.ChatChunkChoice(0, s.ChatDelta(content=text))])
+        if self.reader is None:
+            return self._chunk([s.ChatChunkChoice(0, s.ChatDelta(content=text))])
+        return self._pieces(self.reader.feed(text))
 
     def finish(self, reason: str) -> bytes:
-        return self._chunk([s.ChatChunkChoice(0, s.ChatDelta(), finish_reason=reason)])
+        head = b""
+        if self.reader is not None:
+            head = self._pieces(self.reader.finish())
+            reason = self.reader.finish_reason(reason)
+        return head + self._chunk([s.ChatChunkChoice(0, s.ChatDelta(), finish_reason=reason)])
+
+    def _pieces(self, pieces: list[Text | ToolCall]) -> bytes:
+        assert self.reader is not None
+        calls = sum(isinstance(piece, ToolCall) for piece in pieces)
+        found = deltas(pieces, self.reader.calls - calls)
+        return b"".join(self._chunk([s.ChatChunkChoice(0, delta)]) for delta in found)
 
     def usage(self, usage: EngineUsage) -> bytes | None:
         return self._chunk([], usage_of(usage)) if self.include_usage else None
@@ -118,8 +135,8 @@ async def _events(
             yield first
         async for event in events:
             if isinstance(event, Delta):
-                if event.text:
-                    yield chunks.text(event.text)
+                if event.text and (data := chunks.text(event.text)):
+                    yield data
             elif isinstance(event, Finished):
                 if event.reason == "cancelled":
                     yield sse_event(error_body(shutdown_cancelled()))

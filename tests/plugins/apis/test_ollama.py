@@ -163,7 +163,7 @@ BAD_REQUESTS = [
     ("/api/chat", json.dumps(chat(options=[1])).encode(), 400, "options"),
     ("/api/chat", json.dumps(chat(stream="yes")).encode(), 400, "stream"),
     ("/api/chat", json.dumps(chat(tools=[{"type": "function"}])).encode(), 400, "tools"),
-    ("/api/chat", json.dumps(chat(format="json")).encode(), 400, "format"),
+    ("/api/chat", json.dumps(chat(format="xml")).encode(), 400, "format"),
     ("/api/chat", json.dumps(chat(think=True)).encode(), 400, "thinking"),
     ("/api/chat", json.dumps({"model": "fake", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "messages[0].role"),
     ("/api/chat", json.dumps({"model": "fake", "messages": [{"role": "user", "content": "x", "images": ["aGk="]}]}).encode(), 400, "images"),
@@ -174,7 +174,11 @@ BAD_REQUESTS = [
     ("/api/generate", json.dumps({"model": "fake", "prompt": 5}).encode(), 400, "prompt"),
     ("/api/show", json.dumps({"model": "nope"}).encode(), 404, "not found"),
     ("/api/show", json.dumps({}).encode(), 400, "model is required"),
-    ("/api/embed", json.dumps({"model": "fake", "input": "x"}).encode(), 501, "embeddings"),
+    ("/api/embed", json.dumps({"model": "nope", "input": "x"}).encode(), 404, "not found"),
+    ("/api/embed", json.dumps({"model": "fake", "input": ["x", ""]}).encode(), 400, "empty strings"),
+    ("/api/embed", json.dumps({"model": "fake", "input": 5}).encode(), 400, "input"),
+    ("/api/embed", json.dumps({"model": "fake", "input": "x", "dimensions": 8}).encode(), 400, "dimensions"),
+    ("/api/embeddings", json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "not found"),
 ]
 
 

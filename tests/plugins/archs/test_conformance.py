@@ -44,3 +44,17 @@ def test_a_broken_cache_is_caught():
     kernels = bind_kernels(REGISTRIES.kernels, dtype="float32", shapes=arch.kernel_context(config))
     with pytest.raises(AssertionError, match="cached decoding"):
         check_architecture(Broken(), config, kernels)
+
+
+def test_hidden_states_that_ignore_the_cache_are_caught():
+    """The check fails an architecture whose hidden states forget earlier chunks."""
+    arch = REGISTRIES.archs.get("llama")
+
+    class Broken(type(arch)):  # type: ignore[misc]
+        def hidden_states(self, model, inputs, cache=None):
+            return super().hidden_states(model, inputs)  # each chunk alone
+
+    config = {**TINY_CONFIG, "model_type": "llama"}
+    kernels = bind_kernels(REGISTRIES.kernels, dtype="float32", shapes=arch.kernel_context(config))
+    with pytest.raises(AssertionError, match="hidden states computed in chunks"):
+        check_architecture(Broken(), config, kernels)
