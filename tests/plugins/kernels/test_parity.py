@@ -18,7 +18,7 @@ import pytest
 
 from mlxr_core.kernels import KernelContext, bind_kernels
 from mlxr_core.plugins import load_plugins
-from mlxr_plugins.kernels import mlx_fast, reference
+from mlxr_plugins.kernels import cpu_blas, mlx_fast, reference
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 ATTENTION_TOL = {
@@ -231,7 +231,7 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
         "attention": "mlx_fast",
         "rms_norm": "mlx_fast",
         "rope": "mlx_fast",
-        "quantized_matmul": "mlx_fast",
+        "quantized_matmul": "cpu_blas",
     }
     chosen = bind_kernels(
         registries.kernels, dtype="float32", shapes=shapes, choices={"attention": "reference"}
@@ -243,18 +243,21 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
 # The reference dequantizes and accumulates in float32. MLX's fused kernel accumulates in the
 # activation dtype on the CPU, so its error grows like eps * sqrt(K): the bound is on the RMS of
 # the difference relative to the output's RMS, ``eps * sqrt(K) / 2`` (measured worst: 0.2x that).
+# ``cpu_blas`` takes its dequantize + matmul path at 7 rows and the fused one at 1.
+KERNELS = {"mlx_fast": mlx_fast, "cpu_blas": cpu_blas}
 
 
+@pytest.mark.parametrize("backend", ["mlx_fast", "cpu_blas"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("L,K,N", [(1, 512, 384), (7, 1024, 256), (1, 4096, 64)])
-def test_quantized_matmul_parity(dtype, bits, group_size, L, K, N):
+def test_quantized_matmul_parity(backend, dtype, bits, group_size, L, K, N):
     mx.random.seed(L * K + N + bits + group_size)
     w, scales, biases = mx.quantize(mx.random.normal((N, K)).astype(dtype), group_size, bits)
     x = mx.random.normal((L, K)).astype(dtype)
     kwargs = {"transpose": True, "group_size": group_size, "bits": bits}
-    fast = mlx_fast.quantized_matmul_kernel.op(x, w, scales, biases, **kwargs)
+    fast = KERNELS[backend].quantized_matmul_kernel.op(x, w, scales, biases, **kwargs)
     ref = reference.quantized_matmul(x, w, scales, biases, **kwargs)
     assert fast.dtype == ref.dtype == dtype and fast.shape == ref.shape == (L, N)
     f, r = np.array(fast.astype(mx.float32)), np.array(ref.astype(mx.float32))
