@@ -33,6 +33,7 @@ from mlxr_core.engine.request import (
     Finished,
     GenerationRequest,
     RequestHandle,
+    TokenLogprob,
 )
 from mlxr_core.errors import EngineStopped, MlxrError, RequestError
 from mlxr_core.metrics import RequestTimer
@@ -160,6 +161,8 @@ class Reply:
     text: str
     token_ids: list[int]
     finished: Finished
+    #: One entry per token when the request asked for logprobs.
+    logprobs: list[TokenLogprob] = attrs.field(factory=list)
 
 
 async def collect(ctx: ServerContext, handle: RequestHandle, request: Request[Any, Any, Any]) -> Reply:
@@ -170,6 +173,7 @@ async def collect(ctx: ServerContext, handle: RequestHandle, request: Request[An
     """
     parts: list[str] = []
     token_ids: list[int] = []
+    logprobs: list[TokenLogprob] = []
     last: Finished | Failed | None = None
     async with anyio.create_task_group() as group:
         group.start_soon(_cancel_on_disconnect, request, handle, group.cancel_scope)
@@ -178,6 +182,7 @@ async def collect(ctx: ServerContext, handle: RequestHandle, request: Request[An
                 if isinstance(event, Delta):
                     parts.append(event.text)
                     token_ids.extend(event.token_ids)
+                    logprobs.extend(event.logprobs)
                 else:
                     last = event
         group.cancel_scope.cancel()
@@ -187,7 +192,7 @@ async def collect(ctx: ServerContext, handle: RequestHandle, request: Request[An
         raise last.error
     if last.reason == "cancelled":
         raise shutdown_cancelled()
-    return Reply("".join(parts), token_ids, last)
+    return Reply("".join(parts), token_ids, last, logprobs)
 
 
 def shutdown_cancelled() -> EngineStopped:

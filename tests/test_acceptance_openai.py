@@ -169,3 +169,26 @@ def test_health_reports_the_loaded_model(server: ServerProcess) -> None:
     assert time.monotonic() - started < 5
     assert body["status"] == "ok" and body["models"] == ["smollm2-135m-instruct"]
     assert body["memory"]["active_bytes"] > 50_000_000  # the Q4_1 weights are resident
+
+
+def test_openai_client_reads_logprobs_and_several_choices(server: ServerProcess, reference: Any) -> None:
+    """logprobs match the model's own log-softmax at each greedy step; ``n`` choices are parsed."""
+    import mlx.core as mx
+
+    client = openai.OpenAI(base_url=f"{server.url()}/v1", api_key="unused", max_retries=0, timeout=60)
+    (model,) = [m.id for m in client.models.list()]
+    reply = client.chat.completions.create(
+        model=model, messages=MESSAGES, temperature=0, max_tokens=8, logprobs=True, top_logprobs=2,  # type: ignore[arg-type]
+    )
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == reply.usage.completion_tokens  # type: ignore[union-attr]
+    tokenizer = reference.tokenizer
+    ids = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
+    logits = reference.model(mx.array([ids]))[0, -1].astype(mx.float32)
+    expected = float((logits - mx.logsumexp(logits)).max().item())
+    assert abs(content[0].logprob - expected) < 0.02
+    assert content[0].top_logprobs[0].token == content[0].token and len(content[0].top_logprobs) == 2
+    several = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, n=2, seed=3, temperature=1.0)
+    assert [c.index for c in several.choices] == [0, 1]
+    assert all(c.finish_reason in ("stop", "length") for c in several.choices)
+    assert several.usage is not None and 2 <= several.usage.completion_tokens <= 12

@@ -50,12 +50,6 @@ OLLAMA_API_VERSION = "0.12.0"
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-#: Ollama option -> the sampler plugin name that honours it.
-SAMPLER_OWNED = {
-    "repeat_penalty": "repetition_penalty",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-}
 
 
 def make_router(ctx: ServerContext) -> Router:
@@ -219,22 +213,17 @@ def sampling_params(ctx: ServerContext, options: s.Options | None) -> SamplingPa
         min_p=defaults.min_p if o.min_p is None else o.min_p,
         seed=None if o.seed is None or o.seed < 0 else o.seed % 2**64,
         stop=stops,
-        extra=_sampler_extras(ctx, o),
+        # Ollama's repeat_penalty looks back repeat_last_n tokens; ours over prompt and output.
+        repetition_penalty=o.repeat_penalty if o.repeat_penalty and o.repeat_penalty > 0 else 1.0,
+        # Clients send their own defaults on every request: out-of-range values are clamped to
+        # OpenAI's range, not refused.
+        presence_penalty=_clamp(o.presence_penalty or 0.0, -2.0, 2.0),
+        frequency_penalty=_clamp(o.frequency_penalty or 0.0, -2.0, 2.0),
     )
 
 
-def _sampler_extras(ctx: ServerContext, options: s.Options) -> dict[str, Any]:
-    samplers = ctx.host.registries.samplers
-    extra: dict[str, Any] = {}
-    for option, sampler in SAMPLER_OWNED.items():
-        value = getattr(options, option)
-        if value is None:
-            continue
-        if sampler in samplers:
-            extra[sampler] = value
-        else:  # Ollama clients send their defaults on every request: not worth a 400
-            log.debug("option %s ignored: no sampler plugin provides %s", option, sampler)
-    return extra
+def _clamp(value: float, low: float, high: float) -> float:
+    return min(max(value, low), high)
 
 
 def _max_tokens(

@@ -8,22 +8,26 @@ answers from the request's events (:mod:`mlxr_plugins.apis.openai.streaming`).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import uuid
 from typing import Any
 
 import anyio
+import attrs
 from litestar import Request, Response, Router, get, post
 
-from mlxr_core.engine.request import Constraint, GenerationRequest, SamplingParams
+from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
+from mlxr_core.engine.request import Usage as EngineUsage
 from mlxr_core.errors import ContextLengthExceeded, RequestError
-from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, submit
+from mlxr_core.frontend import Reply, cap_max_tokens, collect, decode_body, ready_engine, submit
 from mlxr_core.openapi import documented
 from mlxr_core.server import ServerContext
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
+from mlxr_plugins.apis.openai.logprobs import LogprobFormatter
 from mlxr_plugins.apis.openai.streaming import (
     ChatChunks,
     CompletionChunks,
@@ -38,8 +42,6 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 #: Chat roles a template may see; ``developer`` is OpenAI's new name for ``system``.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-#: OpenAI parameters honoured only when a sampler plugin registers a sampler of the same name.
-SAMPLER_OWNED = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
 #: Media type of a streamed reply.
 SSE = "text/event-stream"
 
@@ -88,9 +90,12 @@ def make_router(ctx: ServerContext) -> Router:
 async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
     """``POST /v1/chat/completions``."""
     body = decode_body(await request.body(), s.ChatCompletionRequest)
-    _refuse_unsupported_chat(body)
     messages = chat_messages(body.messages)
     params = sampling_params(body, ctx, max_tokens=body.max_completion_tokens or body.max_tokens)
+    if body.logprobs:
+        params.logprobs = body.top_logprobs or 0
+    elif body.top_logprobs:
+        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
     engine = ready_engine(ctx)
     info = engine.model(body.model)  # an unknown model is a 404 before any templating
     tools, tool_choice, parallel = tool_request(body)
@@ -100,16 +105,25 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
     )
     setup = await anyio.to_thread.run_sync(prepare)
     params.constraint = setup.constraint or params.constraint
-    handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=setup.prompt_ids, params=params))
+    handles = submit_choices(ctx, GenerationRequest(model=body.model, prompt_ids=setup.prompt_ids, params=params), body.n)
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
+    formatter = LogprobFormatter(info.tokenizer, params.logprobs) if params.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(ctx, handle, ChatChunks(meta, include_usage, reader=setup.reader()))
-    reply = await collect(ctx, handle, request)
-    reader = setup.reader()
-    message, _ = assistant_message(reader, reply.text)
-    choice = s.ChatChoice(0, message, reader.finish_reason(reply.finished.reason))
-    return _json(s.ChatCompletion(meta.id, meta.created, meta.model, [choice], usage_of(reply.finished.usage)))
+        chunks = [
+            ChatChunks(meta, include_usage, reader=setup.reader(), index=i, logprobs=formatter)
+            for i in range(len(handles))
+        ]
+        return sse_response(ctx, handles, chunks)
+    replies = await collect_choices(ctx, handles, request)
+    choices = []
+    for i, reply in enumerate(replies):
+        reader = setup.reader()
+        message, _ = assistant_message(reader, reply.text)
+        logprobs = formatter.chat(reply.logprobs) if formatter is not None else None
+        choices.append(s.ChatChoice(i, message, reader.finish_reason(reply.finished.reason), logprobs))
+    usage = usage_of(total_usage([reply.finished.usage for reply in replies]))
+    return _json(s.ChatCompletion(meta.id, meta.created, meta.model, choices, usage))
 
 
 async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -118,6 +132,7 @@ async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any])
     _refuse_unsupported_completion(body)
     prompt = completion_prompt(body.prompt)
     params = sampling_params(body, ctx, max_tokens=body.max_tokens)
+    params.logprobs = body.logprobs
     engine = ready_engine(ctx)
     info = engine.model(body.model)
     if isinstance(prompt, str):
@@ -128,17 +143,64 @@ async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any])
             raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
         prompt_ids = prompt
     try:
-        handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params))
+        handles = submit_choices(ctx, GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params), body.n)
     except ContextLengthExceeded as exc:
         exc.param = "prompt"
         raise
     meta = ResponseMeta(f"cmpl-{uuid.uuid4().hex}", body.model)
+    formatter = LogprobFormatter(info.tokenizer, params.logprobs) if params.logprobs is not None else None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return sse_response(ctx, handle, CompletionChunks(meta, include_usage))
-    reply = await collect(ctx, handle, request)
-    choice = s.CompletionChoice(0, reply.text, reply.finished.reason)
-    return _json(s.Completion(meta.id, meta.created, meta.model, [choice], usage=usage_of(reply.finished.usage)))
+        chunks = [CompletionChunks(meta, include_usage, index=i, logprobs=formatter) for i in range(len(handles))]
+        return sse_response(ctx, handles, chunks)
+    replies = await collect_choices(ctx, handles, request)
+    choices = [
+        s.CompletionChoice(
+            i, reply.text, reply.finished.reason,
+            formatter.completion(reply.logprobs) if formatter is not None else None,
+        )
+        for i, reply in enumerate(replies)
+    ]
+    usage = usage_of(total_usage([reply.finished.usage for reply in replies]))
+    return _json(s.Completion(meta.id, meta.created, meta.model, choices, usage=usage))
+
+
+def submit_choices(ctx: ServerContext, request: GenerationRequest, n: int | None) -> list[RequestHandle]:
+    """Submit ``n`` generations of ``request`` (choice ``i`` seeded ``seed + i`` when a seed is
+    given, so each choice differs and the whole is reproducible); if one is refused (a full
+    queue), the ones already submitted are cancelled and the refusal propagates."""
+    handles: list[RequestHandle] = []
+    try:
+        for i in range(n or 1):
+            params = request.params
+            if i:
+                seed = None if params.seed is None else (params.seed + i) % 2**64
+                params = attrs.evolve(params, seed=seed)
+            handles.append(submit(ctx, attrs.evolve(request, params=params)))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+async def collect_choices(
+    ctx: ServerContext, handles: list[RequestHandle], request: Request[Any, Any, Any]
+) -> list[Reply]:
+    """Every choice's whole reply; if one fails, the others are cancelled and its error raised."""
+    if len(handles) == 1:
+        return [await collect(ctx, handles[0], request)]
+    try:
+        return list(await asyncio.gather(*(collect(ctx, handle, request) for handle in handles)))
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+
+
+def total_usage(usages: list[EngineUsage]) -> EngineUsage:
+    """OpenAI counts the prompt once and the completion tokens of every choice."""
+    return EngineUsage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages))
 
 
 # -- request -> engine -----------------------------------------------------------------------
@@ -194,8 +256,6 @@ def completion_prompt(prompt: str | list[Any]) -> str | list[int]:
 
 def sampling_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | None) -> SamplingParams:
     """Validate what the schema cannot, and fill the request's gaps from ``sampling:``."""
-    if body.n is not None and body.n != 1:
-        raise RequestError(f"only n=1 is supported, got n={body.n}", param="n")
     defaults = ctx.config.sampling
     top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)
     return SamplingParams(
@@ -207,9 +267,26 @@ def sampling_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | No
         # OpenAI seeds are int64; MLX keys are uint64.
         seed=None if body.seed is None else body.seed % 2**64,
         stop=stop_strings(body.stop),
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        logit_bias=logit_bias(body.logit_bias),
         constraint=response_constraint(body.response_format, ctx),
         extra=_extra_params(body, ctx),
     )
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) with integer keys; the sampler
+    plugin checks the ids against the model's vocabulary and the values' range."""
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias") from None
+        parsed[token] = value
+    return parsed
 
 
 def response_constraint(response_format: s.ResponseFormat | None, ctx: ServerContext) -> Constraint | None:
@@ -245,21 +322,7 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 
 def _extra_params(body: s.Request, ctx: ServerContext) -> dict[str, Any]:
-    samplers = ctx.host.registries.samplers
-    extra: dict[str, Any] = {"ignore_eos": True} if body.ignore_eos else {}
-    for name in SAMPLER_OWNED:
-        value = getattr(body, name)
-        if value is None or value == 0 or value == {}:
-            continue
-        if name not in samplers:
-            raise RequestError(f"{name} is not supported by this server (no sampler plugin provides it)", param=name)
-        extra[name] = value
-    return extra
-
-
-def _refuse_unsupported_chat(body: s.ChatCompletionRequest) -> None:
-    if body.logprobs or body.top_logprobs:
-        raise RequestError("logprobs are not supported by this server", param="logprobs")
+    return {"ignore_eos": True} if body.ignore_eos else {}
 
 
 def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
@@ -269,8 +332,6 @@ def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
         raise RequestError("suffix is not supported by this server", param="suffix")
     if body.best_of is not None and body.best_of != 1:
         raise RequestError(f"only best_of=1 is supported, got {body.best_of}", param="best_of")
-    if body.logprobs is not None:
-        raise RequestError("logprobs are not supported by this server", param="logprobs")
 
 
 def _json(value: Any) -> Response[bytes]:

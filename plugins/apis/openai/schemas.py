@@ -16,6 +16,10 @@ from msgspec import UNSET, Meta, Struct, UnsetType
 #: OpenAI's seed is an int64; MLX keys take a uint64, and the routes map one onto the other.
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+#: Upper bounds of ``n`` and of the alternatives per token in ``top_logprobs``/``logprobs``.
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+TopLogprobs = Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -35,7 +39,8 @@ class Request(Struct, forbid_unknown_fields=False):
     min_p: Probability | None = None
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
+    #: Choices per request (each its own generation, seeded ``seed + i`` when a seed is given).
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Known to OpenAI clients; honoured only when a sampler plugin of the same name is installed.
@@ -125,7 +130,7 @@ class ChatCompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs | None = None
     tools: list[ToolDefinition] | None = None
     #: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
     tool_choice: str | NamedToolChoice | None = None
@@ -138,7 +143,7 @@ class CompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: TopLogprobs | None = None
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -169,11 +174,41 @@ class AssistantMessage(Struct):
     reasoning_content: str | UnsetType = UNSET
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    #: The token's UTF-8 bytes (a token may hold part of a character).
+    bytes: list[int] | None
+
+
+class TokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    """``choices[].logprobs`` of a chat completion (and of each streamed chunk)."""
+
+    content: list[TokenLogprob] | None
+    refusal: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(Struct):
+    """``choices[].logprobs`` of a text completion (the legacy format)."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -210,7 +245,7 @@ class ChatChunkChoice(Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -227,7 +262,7 @@ class CompletionChoice(Struct):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(Struct):

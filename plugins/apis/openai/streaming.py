@@ -11,8 +11,9 @@ A client that goes away cancels its request, whichever way it leaves:
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import attrs
@@ -20,7 +21,7 @@ import msgspec
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
-from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
+from mlxr_core.engine.request import Delta, Event, Failed, Finished, RequestHandle, TokenLogprob
 from mlxr_core.engine.request import Usage as EngineUsage
 from mlxr_core.frontend import shutdown_cancelled, tracked_events
 from mlxr_core.parsing import Text, ToolCall
@@ -28,6 +29,7 @@ from mlxr_core.server import ServerContext
 from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.errors import error_body
+from mlxr_plugins.apis.openai.logprobs import LogprobFormatter
 from mlxr_plugins.apis.openai.tools import deltas
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -48,13 +50,24 @@ def usage_of(usage: EngineUsage) -> s.Usage:
 
 
 class ChatChunks:
-    """The SSE chunks of a chat completion; with a ``reader``, the text is split into reasoning,
-    content and tool calls as it streams."""
+    """The SSE chunks of one choice of a chat completion; with a ``reader``, the text is split into
+    reasoning, content and tool calls as it streams; with ``logprobs``, each token's logprob rides
+    on the chunk its text produced (a chunk with an empty delta where the text is held back)."""
 
-    def __init__(self, meta: ResponseMeta, include_usage: bool, reader: ReplyReader | None = None):
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        include_usage: bool,
+        reader: ReplyReader | None = None,
+        *,
+        index: int = 0,
+        logprobs: LogprobFormatter | None = None,
+    ):
         self.meta = meta
         self.include_usage = include_usage
         self.reader = reader
+        self.index = index
+        self.logprobs = logprobs
 
     def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> bytes:
         m = self.meta
@@ -62,36 +75,55 @@ class ChatChunks:
         return sse_event(s.encoder.encode(s.ChatCompletionChunk(m.id, m.created, m.model, choices, usage=field)))
 
     def first(self) -> bytes | None:
-        return self._chunk([s.ChatChunkChoice(0, s.ChatDelta(role="assistant", content=""))])
+        return self._chunk([s.ChatChunkChoice(self.index, s.ChatDelta(role="assistant", content=""))])
 
-    def text(self, text: str) -> bytes:
+    def text(self, text: str, entries: Sequence[TokenLogprob] = ()) -> bytes:
+        logprobs = self.logprobs.chat(entries) if self.logprobs is not None and entries else None
         if self.reader is None:
-            return self._chunk([s.ChatChunkChoice(0, s.ChatDelta(content=text))])
-        return self._pieces(self.reader.feed(text))
+            return self._chunk([s.ChatChunkChoice(self.index, s.ChatDelta(content=text), logprobs=logprobs)])
+        found = self._deltas(self.reader.feed(text))
+        if not found and logprobs is not None:
+            found = [s.ChatDelta()]
+        return b"".join(
+            self._chunk([s.ChatChunkChoice(self.index, delta, logprobs=logprobs if i == 0 else None)])
+            for i, delta in enumerate(found)
+        )
 
     def finish(self, reason: str) -> bytes:
         head = b""
         if self.reader is not None:
-            head = self._pieces(self.reader.finish())
+            head = b"".join(
+                self._chunk([s.ChatChunkChoice(self.index, delta)]) for delta in self._deltas(self.reader.finish())
+            )
             reason = self.reader.finish_reason(reason)
-        return head + self._chunk([s.ChatChunkChoice(0, s.ChatDelta(), finish_reason=reason)])
+        return head + self._chunk([s.ChatChunkChoice(self.index, s.ChatDelta(), finish_reason=reason)])
 
-    def _pieces(self, pieces: list[Text | ToolCall]) -> bytes:
+    def _deltas(self, pieces: list[Text | ToolCall]) -> list[s.ChatDelta]:
         assert self.reader is not None
         calls = sum(isinstance(piece, ToolCall) for piece in pieces)
-        found = deltas(pieces, self.reader.calls - calls)
-        return b"".join(self._chunk([s.ChatChunkChoice(0, delta)]) for delta in found)
+        return deltas(pieces, self.reader.calls - calls)
 
     def usage(self, usage: EngineUsage) -> bytes | None:
         return self._chunk([], usage_of(usage)) if self.include_usage else None
 
 
 class CompletionChunks:
-    """The SSE chunks of a text completion."""
+    """The SSE chunks of one choice of a text completion."""
 
-    def __init__(self, meta: ResponseMeta, include_usage: bool):
+    def __init__(
+        self,
+        meta: ResponseMeta,
+        include_usage: bool,
+        *,
+        index: int = 0,
+        logprobs: LogprobFormatter | None = None,
+    ):
         self.meta = meta
         self.include_usage = include_usage
+        self.index = index
+        self.logprobs = logprobs
+        #: Characters of token text sent so far (``text_offset`` of the next token).
+        self.offset = 0
 
     def _chunk(self, choices: list[s.CompletionChoice], usage: s.Usage | None = None) -> bytes:
         m = self.meta
@@ -101,56 +133,124 @@ class CompletionChunks:
     def first(self) -> bytes | None:
         return None
 
-    def text(self, text: str) -> bytes:
-        return self._chunk([s.CompletionChoice(0, text)])
+    def text(self, text: str, entries: Sequence[TokenLogprob] = ()) -> bytes:
+        logprobs = None
+        if self.logprobs is not None and entries:
+            logprobs = self.logprobs.completion(entries, self.offset)
+            self.offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+        return self._chunk([s.CompletionChoice(self.index, text, logprobs=logprobs)])
 
     def finish(self, reason: str) -> bytes:
-        return self._chunk([s.CompletionChoice(0, "", finish_reason=reason)])
+        return self._chunk([s.CompletionChoice(self.index, "", finish_reason=reason)])
 
     def usage(self, usage: EngineUsage) -> bytes | None:
         return self._chunk([], usage_of(usage)) if self.include_usage else None
 
 
-def sse_response(ctx: ServerContext, handle: RequestHandle, chunks: ChatChunks | CompletionChunks) -> Stream:
-    """A ``text/event-stream`` response streaming ``handle``'s events as ``chunks``."""
+Chunks = ChatChunks | CompletionChunks
+
+
+def sse_response(
+    ctx: ServerContext, handles: RequestHandle | list[RequestHandle], chunks: Chunks | Sequence[Chunks]
+) -> Stream:
+    """A ``text/event-stream`` response streaming each handle's events as its choice's chunks
+    (``handles[i]`` is choice ``i``), in the order they come."""
+    handles = handles if isinstance(handles, list) else [handles]
+    chunks = [chunks] if isinstance(chunks, (ChatChunks, CompletionChunks)) else list(chunks)
 
     async def cancel() -> None:
-        handle.cancel()
+        for handle in handles:
+            handle.cancel()
 
-    return Stream(
-        _events(ctx, handle, chunks),
-        media_type="text/event-stream",
-        headers=SSE_HEADERS,
-        background=BackgroundTask(cancel),
-    )
+    if len(handles) == 1:
+        events = _events(ctx, handles[0], chunks[0])
+    else:
+        events = _merged_events(ctx, handles, chunks)
+    return Stream(events, media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(cancel))
 
 
-async def _events(
-    ctx: ServerContext, handle: RequestHandle, chunks: ChatChunks | CompletionChunks
-) -> AsyncIterator[bytes]:
+def _event_chunks(chunks: Chunks, event: Event) -> bytes:
+    """The chunks one engine event makes (a ``Finished`` makes the finish chunk only)."""
+    if isinstance(event, Delta):
+        if event.text or event.logprobs:
+            return chunks.text(event.text, event.logprobs)
+        return b""
+    if isinstance(event, Finished):
+        if event.reason == "cancelled":
+            return sse_event(error_body(shutdown_cancelled()))
+        return chunks.finish(event.reason)
+    assert isinstance(event, Failed)
+    # Headers are sent: the error travels as an event, which OpenAI clients raise.
+    return sse_event(error_body(event.error))
+
+
+async def _events(ctx: ServerContext, handle: RequestHandle, chunks: Chunks) -> AsyncIterator[bytes]:
     events = tracked_events(ctx, handle)
     try:
         first = chunks.first()
         if first is not None:
             yield first
         async for event in events:
-            if isinstance(event, Delta):
-                if event.text and (data := chunks.text(event.text)):
-                    yield data
-            elif isinstance(event, Finished):
+            data = _event_chunks(chunks, event)
+            if data:
+                yield data
+            if isinstance(event, Finished):
                 if event.reason == "cancelled":
-                    yield sse_event(error_body(shutdown_cancelled()))
                     break
-                yield chunks.finish(event.reason)
                 usage = chunks.usage(event.usage)
                 if usage is not None:
                     yield usage
-            elif isinstance(event, Failed):
-                # Headers are sent: the error travels as an event, which OpenAI clients raise.
-                yield sse_event(error_body(event.error))
         yield DONE
     finally:
         await events.aclose()  # cancels the request if the client left mid-stream
+
+
+async def _merged_events(
+    ctx: ServerContext, handles: list[RequestHandle], chunks: Sequence[Chunks]
+) -> AsyncIterator[bytes]:
+    """Several choices' events interleaved as they arrive; one usage chunk (the choices' tokens
+    summed, the prompt once) after the last choice finishes."""
+    queue: asyncio.Queue[tuple[int, Event | None]] = asyncio.Queue()
+
+    async def pump(index: int) -> None:
+        events = tracked_events(ctx, handles[index])
+        try:
+            async for event in events:
+                await queue.put((index, event))
+        finally:
+            await events.aclose()
+            await queue.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(len(handles))]
+    try:
+        for c in chunks:
+            first = c.first()
+            if first is not None:
+                yield first
+        open_choices, usages, failed = len(handles), [], False
+        while open_choices:
+            index, event = await queue.get()
+            if event is None:
+                open_choices -= 1
+                continue
+            data = _event_chunks(chunks[index], event)
+            if data:
+                yield data
+            if isinstance(event, Finished) and event.reason != "cancelled":
+                usages.append(event.usage)
+            elif not isinstance(event, Delta):
+                failed = True
+        if usages and not failed:
+            total = EngineUsage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages))
+            usage = chunks[0].usage(total)
+            if usage is not None:
+                yield usage
+        yield DONE
+    finally:
+        for task in tasks:
+            task.cancel()
+        for handle in handles:
+            handle.cancel()
 
 
 def sse_event(data: bytes) -> bytes:

@@ -106,6 +106,7 @@ def test_options_map_to_sampling_and_unknown_ones_are_ignored(fake: FakeEngine) 
         client.post("/api/chat", json=chat(stream=False, options={
             "temperature": 0, "top_p": 0.5, "top_k": 0, "min_p": 0.1, "seed": 42, "stop": ["x", "y"],
             "num_predict": 3, "num_ctx": 4096, "mirostat": 2, "repeat_penalty": 1.1, "no_such_option": [1],
+            "presence_penalty": 0.5, "frequency_penalty": 9.0,
         }))
         client.post("/api/chat", json=chat(stream=False, options={"seed": -1, "top_k": -5, "stop": "z"}))
     first, second, third = (r.params for r in fake.requests)
@@ -113,6 +114,8 @@ def test_options_map_to_sampling_and_unknown_ones_are_ignored(fake: FakeEngine) 
     assert first.max_tokens == 16  # the engine's default when num_predict is unset
     assert (second.temperature, second.top_p, second.top_k, second.min_p, second.seed) == (0.0, 0.5, 0, 0.1, 42)
     assert second.stop == ["x", "y"] and second.max_tokens == 3 and second.extra == {}
+    assert (second.repetition_penalty, second.presence_penalty, second.frequency_penalty) == (1.1, 0.5, 2.0)
+    assert (first.repetition_penalty, first.presence_penalty, first.frequency_penalty) == (1.0, 0.0, 0.0)
     assert (third.seed, third.top_k, third.stop) == (None, 0, ["z"])
 
 

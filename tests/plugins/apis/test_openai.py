@@ -146,7 +146,7 @@ def test_the_official_client_reads_our_responses(client: TestClient) -> None:
     with pytest.raises(openai.NotFoundError):
         api.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError) as info:
-        api.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], n=2)
+        api.chat.completions.create(model="fake", messages=[{"role": "user", "content": "hi"}], n=17)
     assert info.value.param == "n"  # type: ignore[attr-defined]
 
 
@@ -167,7 +167,7 @@ BAD_REQUESTS = [
     (CHAT, json.dumps(chat(temperature=2.5)).encode(), 400, "temperature"),
     (CHAT, json.dumps(chat(top_p=0)).encode(), 400, "top_p"),
     (CHAT, json.dumps(chat(seed=2**64)).encode(), 400, "seed"),
-    (CHAT, json.dumps(chat(n=2)).encode(), 400, "n"),
+    (CHAT, json.dumps(chat(n=17)).encode(), 400, "n"),
     (CHAT, json.dumps(chat(n=0)).encode(), 400, "n"),
     (CHAT, json.dumps(chat(model="nope")).encode(), 404, "model"),
     (CHAT, json.dumps(chat(content="x" * 100)).encode(), 400, "messages"),
@@ -179,11 +179,14 @@ BAD_REQUESTS = [
     (CHAT, json.dumps(chat(stop=["a"] * 17)).encode(), 400, "stop"),
     (CHAT, json.dumps(chat(stop=[""])).encode(), 400, "stop"),
     (CHAT, json.dumps(chat(stop="x" * 300)).encode(), 400, "stop"),
-    (CHAT, json.dumps(chat(logprobs=True)).encode(), 400, "logprobs"),
+    (CHAT, json.dumps(chat(logprobs=True, top_logprobs=21)).encode(), 400, "top_logprobs"),
+    (CHAT, json.dumps(chat(top_logprobs=2)).encode(), 400, "top_logprobs"),
+    (CHAT, json.dumps(chat(logit_bias={"abc": 5})).encode(), 400, "logit_bias"),
     (CHAT, json.dumps(chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="sometimes")).encode(), 400, "tool_choice"),
     (CHAT, json.dumps(chat(response_format={"type": "yaml"})).encode(), 400, "response_format.type"),
     (CHAT, json.dumps(chat(response_format={"type": "json_schema"})).encode(), 400, "response_format"),
-    (CHAT, json.dumps(chat(presence_penalty=0.5)).encode(), 400, "presence_penalty"),
+    (CHAT, json.dumps(chat(presence_penalty=2.5)).encode(), 400, "presence_penalty"),
+    (COMPLETIONS, json.dumps({"model": "fake", "prompt": "y", "logprobs": 21}).encode(), 400, "logprobs"),
     (COMPLETIONS, json.dumps({"model": "fake", "prompt": ["a", "b"]}).encode(), 400, "prompt"),
     (COMPLETIONS, json.dumps({"model": "fake", "prompt": [{"x": 1}]}).encode(), 400, "prompt"),
     (COMPLETIONS, json.dumps({"model": "fake", "prompt": [1, 999]}).encode(), 400, "prompt"),
@@ -364,7 +367,9 @@ def test_tiny_bad_requests_then_success(tiny: TestClient) -> None:
         (COMPLETIONS, {"model": "tiny", "prompt": "the wine " * 200}, 400, "prompt"),
         (CHAT, tiny_chat(max_tokens=127), 400, "messages"),
         (CHAT, tiny_chat(max_tokens=-1), 400, "max_tokens"),
-        (CHAT, tiny_chat(n=2), 400, "n"),
+        (CHAT, tiny_chat(n=17), 400, "n"),
+        (CHAT, tiny_chat(logit_bias={"100000": 5}), 400, "logit_bias"),
+        (CHAT, tiny_chat(frequency_penalty=-2.5), 400, "frequency_penalty"),
         (CHAT, tiny_chat(model="other"), 404, "model"),
         (CHAT, tiny_chat(temperature="hot"), 400, "temperature"),
     ]
@@ -400,3 +405,87 @@ def test_tiny_disconnect_frees_the_engine(tiny_path: Any) -> None:
             assert ok.json()["usage"]["completion_tokens"] == 3
     finally:
         engine.stop()
+
+
+# -- logprobs, n, penalties and logit_bias on the tiny engine ---------------------------------
+
+
+def test_tiny_chat_logprobs_whole_and_streamed(tiny: TestClient) -> None:
+    import math
+
+    body = tiny_chat(max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=3)
+    whole = tiny.post(CHAT, json=body).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == 6 == whole["usage"]["completion_tokens"]
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        # Greedy: the emitted token is the most likely one.
+        assert math.isclose(entry["logprob"], entry["top_logprobs"][0]["logprob"], abs_tol=1e-5)
+        assert entry["token"] == entry["top_logprobs"][0]["token"]
+        assert bytes(entry["bytes"]).decode("utf-8", "replace") == entry["token"]
+        probs = [math.exp(alt["logprob"]) for alt in entry["top_logprobs"]]
+        assert probs == sorted(probs, reverse=True) and sum(probs) <= 1 + 1e-5
+    assert "".join(bytes(e["bytes"]).decode("utf-8", "replace") for e in content) == whole["choices"][0]["message"]["content"]
+    streamed = sse_events(tiny.post(CHAT, json={**body, "stream": True}).text)
+    pieces = [e for e in streamed[:-1] if e["choices"] and e["choices"][0]["logprobs"]]
+    assert [x for e in pieces for x in e["choices"][0]["logprobs"]["content"]] == content
+
+
+def test_tiny_completion_logprobs_have_offsets(tiny: TestClient) -> None:
+    body = {"model": "tiny", "prompt": "the wine", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    choice = tiny.post(COMPLETIONS, json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 5
+    offsets = [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(5)]
+    assert logprobs["text_offset"] == offsets
+    assert all(len(top) <= 2 and token in top for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"], strict=True))
+    streamed = sse_events(tiny.post(COMPLETIONS, json={**body, "stream": True}).text)
+    tokens = [t for e in streamed[:-1] if e["choices"] and e["choices"][0]["logprobs"] for t in e["choices"][0]["logprobs"]["tokens"]]
+    offsets_streamed = [o for e in streamed[:-1] if e["choices"] and e["choices"][0]["logprobs"] for o in e["choices"][0]["logprobs"]["text_offset"]]
+    assert tokens == logprobs["tokens"] and offsets_streamed == offsets
+
+
+def test_tiny_n_choices_are_seeded_apart_and_usage_counts_them_all(tiny: TestClient) -> None:
+    body = tiny_chat(max_tokens=8, ignore_eos=True, n=3, temperature=1.0, seed=5)
+    whole = tiny.post(CHAT, json=body).json()
+    texts = [c["message"]["content"] for c in whole["choices"]]
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+    assert len(set(texts)) > 1
+    assert whole["usage"]["completion_tokens"] == 24
+    assert tiny.post(CHAT, json=body).json()["choices"] == whole["choices"]  # reproducible
+    # Choice 0 is the request's own seed: the same as n=1.
+    single = tiny.post(CHAT, json={**body, "n": 1}).json()["choices"][0]["message"]["content"]
+    assert single == texts[0]
+    events = sse_events(tiny.post(CHAT, json={**body, "stream": True, "stream_options": {"include_usage": True}}).text)
+    by_index: dict[int, str] = {}
+    finished = set()
+    for event in events[:-1]:
+        for choice in event["choices"]:
+            by_index[choice["index"]] = by_index.get(choice["index"], "") + (choice["delta"].get("content") or "")
+            if choice["finish_reason"]:
+                finished.add(choice["index"])
+    assert [by_index[i] for i in range(3)] == texts and finished == {0, 1, 2}
+    assert events[-2]["usage"]["completion_tokens"] == 24
+    completions = tiny.post(COMPLETIONS, json={"model": "tiny", "prompt": "the", "max_tokens": 4, "n": 2,
+                                               "ignore_eos": True}).json()
+    assert [c["index"] for c in completions["choices"]] == [0, 1]
+    assert completions["usage"]["completion_tokens"] == 8
+
+
+def test_tiny_penalties_and_logit_bias_reach_the_sampler(tiny: TestClient) -> None:
+    def greedy(**extra: Any) -> list[bytes]:
+        r = tiny.post(CHAT, json=tiny_chat(max_tokens=40, ignore_eos=True, logprobs=True, **extra))
+        assert r.status_code == 200, r.text
+        return [bytes(entry["bytes"]) for entry in r.json()["choices"][0]["logprobs"]["content"]]
+
+    def most_repeated(tokens: list[bytes]) -> int:
+        return max(tokens.count(t) for t in tokens)
+
+    plain = greedy()
+    # A large bias on one token makes greedy decoding pick it every time.
+    forced = greedy(logit_bias={"100": 100})
+    assert forced == [forced[0]] * 40 and forced != plain
+    # Greedy decoding of the random model loops; penalties on repeats break the loop.
+    assert most_repeated(plain) > 3
+    assert most_repeated(greedy(frequency_penalty=2.0, presence_penalty=2.0)) < most_repeated(plain)
+    assert most_repeated(greedy(repetition_penalty=3.0)) < most_repeated(plain)
