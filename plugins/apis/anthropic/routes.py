@@ -8,7 +8,14 @@ the engine and answers with one message or a stream of events
 
 ``max_tokens`` is an upper bound, as in Anthropic's API: it is lowered to the room the context
 leaves after the prompt (and to ``server.max_tokens_cap``), and the reply says ``max_tokens`` when it
-is reached. Tools, thinking and non-text content blocks are refused with a 400 naming the field.
+is reached.
+
+Tools: client tools (``tools`` with an ``input_schema``) are offered to the model through its chat
+template or its tool parser (:mod:`mlxr_core.tool_calling`); its calls come back as ``tool_use``
+blocks (``stop_reason: "tool_use"``), ``tool_choice`` ``any``/``tool`` force a call (the output is
+constrained to one), and ``tool_result`` blocks feed the answers back. Thinking: text inside the
+model's reasoning markers comes back as ``thinking`` blocks, never inside ``text``. Image and
+document blocks and Anthropic's server tools are refused with a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ from typing import Any
 import anyio
 from litestar import Request, Response, Router, post
 
-from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.engine.request import GenerationRequest, SamplingParams
 from mlxr_core.errors import RequestError
 from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, room_for, submit
 from mlxr_core.openapi import documented
+from mlxr_core.parsing import Tool
 from mlxr_core.server import ServerContext
+from mlxr_core.tool_calling import ChatSetup, ToolChoice, model_parsers, prepare_chat
 from mlxr_plugins.apis.anthropic import schemas as s
 from mlxr_plugins.apis.anthropic.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.anthropic.streaming import MessageMeta, message, sse_response
@@ -48,11 +57,10 @@ def make_router(ctx: ServerContext) -> Router:
         request=s.CountTokensRequest, response=s.CountTokensResponse, error=s.ErrorBody))
     async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
         body = decode_body(await request.body(), s.CountTokensRequest)
-        _refuse_unsupported(body)
         engine = ready_engine(ctx)
-        engine.model(body.model)
-        ids = await anyio.to_thread.run_sync(functools.partial(prompt_ids, engine, body))
-        return _json(s.CountTokensResponse(len(ids)))
+        info = engine.model(body.model)
+        setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body))
+        return _json(s.CountTokensResponse(len(setup.prompt_ids)))
 
     return Router(
         path="/v1",
@@ -65,18 +73,18 @@ def make_router(ctx: ServerContext) -> Router:
 async def create_message(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
     """``POST /v1/messages``."""
     body = decode_body(await request.body(), s.MessagesRequest)
-    _refuse_unsupported(body)
     params = sampling_params(ctx, body)
     engine = ready_engine(ctx)
-    engine.model(body.model)  # an unknown model is a 404 before any templating
-    ids = await anyio.to_thread.run_sync(functools.partial(prompt_ids, engine, body))
-    params.max_tokens = cap_max_tokens(ctx, room_for(engine, body.model, ids, body.max_tokens))
-    handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=ids, params=params))
-    meta = MessageMeta(f"msg_{uuid.uuid4().hex}", body.model, len(ids))
+    info = engine.model(body.model)  # an unknown model is a 404 before any templating
+    setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body))
+    params.max_tokens = cap_max_tokens(ctx, room_for(engine, body.model, setup.prompt_ids, body.max_tokens))
+    params.constraint = setup.constraint
+    handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=setup.prompt_ids, params=params))
+    meta = MessageMeta(f"msg_{uuid.uuid4().hex}", body.model, len(setup.prompt_ids))
     if body.stream:
-        return sse_response(ctx, handle, meta)
+        return sse_response(ctx, handle, meta, setup.reader())
     reply = await collect(ctx, handle, request)
-    return _json(message(meta, reply.text, reply.finished))
+    return _json(message(meta, setup.reader(), reply.text, reply.finished))
 
 
 # -- request -> engine -----------------------------------------------------------------------
@@ -101,23 +109,48 @@ def sampling_params(ctx: ServerContext, body: s.MessagesRequest) -> SamplingPara
     )
 
 
-def prompt_ids(engine: Engine, body: s.CountTokensRequest) -> list[int]:
-    """The conversation rendered with the model's chat template and tokenized."""
+def prepare(ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTokensRequest) -> ChatSetup:
+    """The conversation, with its tools, rendered with the model's chat template and tokenized
+    (in a worker thread). A final assistant turn of text is a prefill the reply continues."""
+    _check_thinking(body)
     messages = chat_messages(body)
-    if messages[-1]["role"] != "assistant":
-        return engine.encode_chat(body.model, messages)
-    # A prefill: the reply continues the final assistant turn, which the template must not close.
-    tokenizer = engine.model(body.model).tokenizer
-    prompt = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True)
-    ids = tokenizer.encode(prompt + messages[-1]["content"], add_special_tokens=False)
-    bos = tokenizer.bos_token_id
-    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)  # as Engine.encode_chat does
-    return ids
+    prefill = ""
+    if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
+        prefill = messages.pop()["content"]
+        if not messages:
+            raise RequestError("messages: the conversation must start with a user turn", param="messages")
+    tools, choice, parallel = tool_request(body)
+    return prepare_chat(
+        engine, info, model_parsers(ctx, info), messages,
+        tools=tools, choice=choice, parallel=parallel, prefill=prefill,
+    )
+
+
+def tool_request(body: s.CountTokensRequest) -> tuple[list[Tool], ToolChoice, bool]:
+    """The request's client tools, its tool choice and whether several calls may be made."""
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.type not in (None, "custom"):
+            raise RequestError(
+                f"server tools ({tool.type!r}) are not run by this server; define client tools "
+                "with an input_schema",
+                param=f"tools[{i}].type",
+            )
+        schema = tool.input_schema or {"type": "object", "properties": {}}
+        tools.append(Tool(tool.name, tool.description or "", schema))
+    choice = body.tool_choice
+    if choice is None:
+        return tools, ToolChoice("auto" if tools else "none"), True
+    if choice.type == "tool" and not choice.name:
+        raise RequestError("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+    mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[choice.type]
+    return tools, ToolChoice(mode, choice.name if mode == "function" else None), not choice.disable_parallel_tool_use
 
 
 def chat_messages(body: s.CountTokensRequest) -> list[dict[str, Any]]:
-    """``system`` then the turns, as dicts a chat template renders; same-role turns merged."""
+    """``system`` then the turns, as the dicts :func:`~mlxr_core.tool_calling.prepare_chat` takes:
+    same-role text turns merged, ``tool_use`` blocks as the assistant's ``tool_calls``,
+    ``tool_result`` blocks as ``tool`` turns (before the user's text in the same turn)."""
     if not body.messages:
         raise RequestError("messages: at least one message is required", param="messages")
     rendered: list[dict[str, Any]] = []
@@ -130,12 +163,62 @@ def chat_messages(body: s.CountTokensRequest) -> list[dict[str, Any]]:
                 "(send the system prompt as the top-level system field)",
                 param=f"messages[{i}].role",
             )
-        text = _text(turn.content, f"messages[{i}].content")
-        if rendered and rendered[-1]["role"] == turn.role:
-            rendered[-1]["content"] += "\n\n" + text
-        else:
-            rendered.append({"role": turn.role, "content": text})
+        text, calls, results = _blocks(turn.role, turn.content, f"messages[{i}].content")
+        rendered.extend(results)
+        if not text and not calls and results:
+            continue
+        last = rendered[-1] if rendered else None
+        if last is not None and last["role"] == turn.role and not last.get("tool_calls") and not calls:
+            last["content"] += "\n\n" + text
+            continue
+        entry: dict[str, Any] = {"role": turn.role, "content": text}
+        if calls:
+            entry["tool_calls"] = calls
+        rendered.append(entry)
     return rendered
+
+
+def _blocks(
+    role: str, content: str | list[s.ContentBlock], param: str
+) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """A turn's text, the calls it makes (assistant) and the results it carries (user)."""
+    if isinstance(content, str):
+        return content, [], []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        where = f"{param}[{j}]"
+        if block.type == "text" and block.text is not None:
+            texts.append(block.text)
+        elif block.type == "tool_use" and role == "assistant" and block.id and block.name:
+            arguments = block.input if isinstance(block.input, dict) else {}
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
+        elif block.type == "tool_result" and role == "user" and block.tool_use_id:
+            output = _result_text(block.content, where)
+            if block.is_error:
+                output = f"Error: {output}"
+            results.append({"role": "tool", "content": output, "tool_call_id": block.tool_use_id})
+        elif block.type in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier reasoning is not shown to the model again
+        else:
+            raise RequestError(
+                f"content blocks of type {block.type!r} are not supported here; send text, "
+                "tool_use (assistant) or tool_result (user) blocks",
+                param=where,
+            )
+    return "\n\n".join(texts), calls, results
+
+
+def _result_text(content: str | list[Any] | None, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for k, item in enumerate(content):
+        if not isinstance(item, dict) or item.get("type") != "text" or not isinstance(item.get("text"), str):
+            raise RequestError("tool_result content must be text blocks", param=f"{param}.content[{k}]")
+        texts.append(item["text"])
+    return "\n\n".join(texts)
 
 
 def _text(content: str | list[s.ContentBlock], param: str) -> str:
@@ -152,11 +235,13 @@ def _text(content: str | list[s.ContentBlock], param: str) -> str:
     return "\n\n".join(texts)
 
 
-def _refuse_unsupported(body: s.CountTokensRequest) -> None:
-    if body.tools:
-        raise RequestError("tools are not supported by this server", param="tools")
-    if body.thinking is not None and body.thinking.type != "disabled":
-        raise RequestError("extended thinking is not supported by this server", param="thinking")
+def _check_thinking(body: s.CountTokensRequest) -> None:
+    """``thinking`` ``enabled`` or ``disabled``; a model with a reasoning parser returns its
+    thinking as ``thinking`` blocks either way (a model that does not think returns none)."""
+    if body.thinking is not None and body.thinking.type not in ("enabled", "disabled"):
+        raise RequestError(
+            f"thinking.type must be 'enabled' or 'disabled', got {body.thinking.type!r}", param="thinking.type"
+        )
 
 
 def _json(value: Any) -> Response[bytes]:

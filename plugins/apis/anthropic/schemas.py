@@ -6,7 +6,7 @@ read); known fields of the wrong type or out of range are a 400 naming them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
@@ -19,10 +19,37 @@ TopK = Annotated[int, Meta(ge=0)]
 
 
 class ContentBlock(Struct, forbid_unknown_fields=False):
-    """A content block; only ``{"type": "text", "text": ...}`` is served."""
+    """A content block of a request: ``text``, ``tool_use`` (an assistant turn's call),
+    ``tool_result`` (a user turn's answer to one), ``thinking`` (an earlier reply's, ignored)."""
 
     type: str
     text: str | None = None
+    #: ``tool_use``: the call's id, the tool's name and its input object.
+    id: str | None = None
+    name: str | None = None
+    input: Any = None
+    #: ``tool_result``: the call answered, and its output (text, or text blocks).
+    tool_use_id: str | None = None
+    content: str | list[Any] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None
+    signature: str | None = None
+
+
+class ToolDefinition(Struct, forbid_unknown_fields=False):
+    """A client tool: its name, description and the JSON schema of its input. A ``type`` other
+    than ``custom`` names one of Anthropic's server tools, which this server does not run."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=128)]
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    type: str | None = None
+
+
+class ToolChoice(Struct, forbid_unknown_fields=False):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
 
 
 class Message(Struct, forbid_unknown_fields=False):
@@ -38,7 +65,8 @@ class CountTokensRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     model: str
     messages: list[Message]
     system: str | list[ContentBlock] | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
 
@@ -49,7 +77,6 @@ class MessagesRequest(CountTokensRequest, forbid_unknown_fields=False, kw_only=T
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
-    tool_choice: Any = None
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -57,6 +84,23 @@ class MessagesRequest(CountTokensRequest, forbid_unknown_fields=False, kw_only=T
 
 class TextBlock(Struct, tag_field="type", tag="text"):
     text: str
+
+
+class ToolUseBlock(Struct, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: Any
+
+
+class ThinkingBlock(Struct, tag_field="type", tag="thinking"):
+    """The model's reasoning, split from its answer by the model's reasoning parser. Its
+    ``signature`` is empty: there is nothing to verify it against."""
+
+    thinking: str
+    signature: str = ""
+
+
+Block = TextBlock | ToolUseBlock | ThinkingBlock
 
 
 class Usage(Struct):
@@ -67,7 +111,7 @@ class Usage(Struct):
 class MessageResponse(Struct, tag_field="type", tag="message"):
     id: str
     model: str
-    content: list[TextBlock]
+    content: list[Block]
     stop_reason: str | None
     stop_sequence: str | None
     usage: Usage
@@ -87,16 +131,28 @@ class MessageStart(Struct, tag_field="type", tag="message_start"):
 
 class ContentBlockStart(Struct, tag_field="type", tag="content_block_start"):
     index: int
-    content_block: TextBlock
+    content_block: Block
 
 
 class TextDelta(Struct, tag_field="type", tag="text_delta"):
     text: str
 
 
+class InputJsonDelta(Struct, tag_field="type", tag="input_json_delta"):
+    partial_json: str
+
+
+class ThinkingDelta(Struct, tag_field="type", tag="thinking_delta"):
+    thinking: str
+
+
+class SignatureDelta(Struct, tag_field="type", tag="signature_delta"):
+    signature: str
+
+
 class ContentBlockDelta(Struct, tag_field="type", tag="content_block_delta"):
     index: int
-    delta: TextDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta | SignatureDelta
 
 
 class ContentBlockStop(Struct, tag_field="type", tag="content_block_stop"):

@@ -115,13 +115,13 @@ def test_stream_events(client: TestClient, fake: FakeEngine) -> None:
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse(r.text)
     names = [name for name, _ in events]
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[3:-3]) == {"content_block_delta"}
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["role"] == "assistant"
     assert start["usage"] == {"input_tokens": len(fake.requests[0].prompt_ids), "output_tokens": 0}
-    assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert events[2][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert "".join(data["delta"]["text"] for name, data in events if name == "content_block_delta") == "Hello"
     assert all(data["delta"]["type"] == "text_delta" for name, data in events if name == "content_block_delta")
     assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": ","}
@@ -146,8 +146,11 @@ BAD_REQUESTS = [
     (json.dumps(message(temperature=1.5)).encode(), 400, "invalid_request_error", "temperature"),
     (json.dumps(message(top_k=-1)).encode(), 400, "invalid_request_error", "top_k"),
     (json.dumps(message(model="claude-opus")).encode(), 404, "not_found_error", "claude-opus"),
-    (json.dumps(message(tools=[{"name": "f", "input_schema": {}}])).encode(), 400, "invalid_request_error", "tools"),
-    (json.dumps(message(thinking={"type": "enabled", "budget_tokens": 1024})).encode(), 400, "invalid_request_error", "thinking"),
+    (json.dumps(message(tools=[{"name": "web", "type": "web_search_20250305"}])).encode(), 400, "invalid_request_error", "tools[0].type"),
+    (json.dumps(message(tools=[{"name": "f"}], tool_choice={"type": "tool"})).encode(), 400, "invalid_request_error", "tool_choice.name"),
+    (json.dumps(message(tools=[{"name": "f"}], tool_choice={"type": "tool", "name": "g"})).encode(), 400, "invalid_request_error", "tool_choice"),
+    (json.dumps(message(tool_choice={"type": "any"})).encode(), 400, "invalid_request_error", "tool_choice"),
+    (json.dumps(message(thinking={"type": "sometimes"})).encode(), 400, "invalid_request_error", "thinking.type"),
     (json.dumps(message(content=[{"type": "image", "source": {}}])).encode(), 400, "invalid_request_error", "messages[0].content[0]"),
     (json.dumps(message(stop_sequences=[""])).encode(), 400, "invalid_request_error", "stop_sequences"),
     (json.dumps(message(stream=1)).encode(), 400, "invalid_request_error", "stream"),

@@ -213,3 +213,77 @@ def test_ollama_chat_returns_tool_calls_with_object_arguments_and_thinking(clien
     assert [c for m in messages for c in m.get("tool_calls", [])] == message["tool_calls"]
     assert "".join(m.get("thinking", "") for m in messages) == "hmm"
     assert not "".join(m["content"] for m in messages)
+
+
+# -- Anthropic ------------------------------------------------------------------------------------
+
+ANTHROPIC_WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather of a city",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+def test_anthropic_tool_use_and_thinking_blocks(client: TestClient, fake: FakeEngine) -> None:
+    fake.REPLY = "<think>The user wants weather.</think>Let me look. " + CALL
+    body = {"model": "fake", "max_tokens": 500, "tools": [ANTHROPIC_WEATHER],
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+            "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    reply = client.post("/v1/messages", json=body).json()
+    assert reply["stop_reason"] == "tool_use"
+    thinking, text, tool_use = reply["content"]
+    assert thinking == {"type": "thinking", "thinking": "The user wants weather.", "signature": ""}
+    assert text == {"type": "text", "text": "Let me look. "}
+    assert tool_use["type"] == "tool_use" and tool_use["name"] == "get_weather"
+    assert tool_use["input"] == {"city": "Paris"} and tool_use["id"]
+    assert "<tool_call>" not in json.dumps(reply) and "<think>" not in json.dumps(reply)
+
+
+def test_anthropic_tool_results_go_back_to_the_model(client: TestClient, fake: FakeEngine) -> None:
+    fake.REPLY = "It is sunny."
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hmm", "signature": ""},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+        ]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny, 21C"}]},
+            {"type": "text", "text": "Thanks"},
+        ]},
+    ]
+    body = {"model": "fake", "max_tokens": 500, "tools": [ANTHROPIC_WEATHER], "messages": messages}
+    reply = client.post("/v1/messages", json=body).json()
+    assert reply["content"] == [{"type": "text", "text": "It is sunny."}] and reply["stop_reason"] == "end_turn"
+    prompt = prompt_of(fake)
+    assert '<assistant><tool_call>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_call>' in prompt
+    assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt and "Thanks" in prompt and "hmm" not in prompt
+    counted = client.post("/v1/messages/count_tokens", json={k: v for k, v in body.items() if k != "max_tokens"}).json()
+    assert counted["input_tokens"] == len(fake.requests[-1].prompt_ids)
+
+
+def test_anthropic_forced_tool_choice_constrains_and_streams_with_the_client(fake: FakeEngine) -> None:
+    import anthropic
+
+    fake.REPLY = json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}})
+    with ThreadedServer(build_app(make_ctx(fake))) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+        with client.messages.stream(
+            model="fake", max_tokens=500, tools=[ANTHROPIC_WEATHER],  # type: ignore[list-item]
+            tool_choice={"type": "tool", "name": "get_weather"},
+            messages=[{"role": "user", "content": "Weather in Oslo?"}],
+        ) as stream:
+            final = stream.get_final_message()
+        constraint = fake.requests[-1].params.constraint
+        assert constraint is not None and constraint.kind == "json_schema"
+        (block,) = final.content
+        assert block.type == "tool_use" and block.name == "get_weather" and block.input == {"city": "Oslo"}
+        assert final.stop_reason == "tool_use"
+        fake.REPLY = "<think>Cold, probably.</think>Bring a coat."
+        final = client.messages.create(
+            model="fake", max_tokens=500, messages=[{"role": "user", "content": "Oslo?"}],
+            thinking={"type": "enabled", "budget_tokens": 1024},
+        )
+        assert [b.type for b in final.content] == ["thinking", "text"]
+        assert final.content[0].thinking == "Cold, probably."  # type: ignore[union-attr]
+        assert final.content[1].text == "Bring a coat."  # type: ignore[union-attr]
