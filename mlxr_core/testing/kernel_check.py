@@ -20,12 +20,15 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float16", "bfloat16")
 #: The ops :func:`check_kernel_parity` has cases for.
-PARITY_OPS = ("attention", "rms_norm", "rope")
+PARITY_OPS = ("attention", "rms_norm", "rope", "quantized_matmul")
 #: dtype -> (atol, rtol) per op.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     "attention": {"float32": (1e-5, 1e-5), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
     "rms_norm": {"float32": (5e-6, 1e-5), "float16": (2.0**-10, 2.0**-9), "bfloat16": (2.0**-7, 2.0**-6)},
     "rope": {"float32": (2e-5, 1e-5), "float16": (2.0**-8, 2.0**-9), "bfloat16": (2.0**-5, 2.0**-6)},
+    # Sums of K = 256..512 products of O(1) terms (outputs of O(20)); a backend may accumulate in
+    # the activation dtype, as MLX's fused CPU kernel does.
+    "quantized_matmul": {"float32": (1e-3, 1e-4), "float16": (0.4, 2.0**-8), "bfloat16": (1.0, 2.0**-5)},
 }
 
 
@@ -139,5 +142,16 @@ def _cases(op: str) -> Iterator[Case]:
 
                     shapes = {"head_dim": D, "rope_dims": dims, "rope_traditional": traditional}
                     yield Case(f"D={D} dims={dims} traditional={traditional} offset={offset}", shapes, make_rope)
+    elif op == "quantized_matmul":
+        for L, K, N, bits, group_size in ((1, 256, 128, 4, 64), (7, 512, 96, 8, 32), (16, 256, 64, 4, 32)):
+
+            def make_qmm(dtype: Any, L: int = L, K: int = K, N: int = N, bits: int = bits,
+                         group_size: int = group_size) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                w, scales, biases = mx.quantize(normal((N, K), 8, dtype), group_size, bits)
+                kwargs = {"transpose": True, "group_size": group_size, "bits": bits}
+                return (normal((L, K), 9, dtype), w, scales, biases), kwargs
+
+            shapes = {"bits": bits, "group_size": group_size}
+            yield Case(f"L={L} K={K} N={N} bits={bits} group={group_size}", shapes, make_qmm)
     else:
-        raise ValueError(f"no parity cases for op {op!r} (ops with cases: attention, rms_norm, rope)")
+        raise ValueError(f"no parity cases for op {op!r} (ops with cases: {', '.join(PARITY_OPS)})")
