@@ -165,6 +165,8 @@ def write_mlx_lm_folder(checkpoint: Any, folder: Path, *, dense: bool = False) -
             if (spec.bits, spec.group_size, spec.mode) != (bits, group_size, mode):
                 quantization[module] = {"group_size": spec.group_size, "bits": spec.bits, "mode": spec.mode}
     config = {key: value for key, value in checkpoint.config.items() if _is_json(value)}
+    if config.get("model_type") == "gemma3":
+        config["model_type"] = "gemma3_text"  # mlx-lm's gemma3 is the multimodal wrapper
     if quantization:
         config["quantization"] = quantization
     partial = folder.with_name(folder.name + ".partial")
