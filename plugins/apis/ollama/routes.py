@@ -5,9 +5,11 @@ A handler decodes its body strictly (:func:`mlxr_core.frontend.decode_body`), ma
 submits to the engine and answers with one JSON object or, as Ollama does by default, a stream of
 NDJSON lines (:mod:`mlxr_plugins.apis.ollama.streaming`).
 
-Differences from Ollama, each answered with a 400 naming the field rather than silently ignored:
-``tools``, ``think``, ``images``, ``suffix`` and ``template`` are not supported. ``format``
-(``"json"`` or a JSON schema) is enforced while decoding. ``keep_alive`` is accepted and ignored
+``tools`` are offered to the model (its calls come back as ``message.tool_calls``), ``think``
+splits the reasoning into ``message.thinking`` for a model with a reasoning parser, and ``format``
+(``"json"`` or a JSON schema) is enforced while decoding. An mlxr extension, ``options.tool_choice``,
+forces a call (Ollama has none). Differences from Ollama, each answered with a 400 naming the field
+rather than silently ignored: ``images``, ``suffix`` and ``template`` are not supported. ``keep_alive`` is accepted and ignored
 (models stay loaded while the server runs). ``/api/embed`` and ``/api/embeddings`` are in
 :mod:`mlxr_plugins.apis.ollama.embed`.
 """
@@ -40,7 +42,7 @@ from mlxr_plugins.apis.ollama.streaming import (
     Timer,
     ndjson_response,
 )
-from mlxr_plugins.apis.ollama.tools import message_dict, tools_of
+from mlxr_plugins.apis.ollama.tools import message_dict, tool_choice, tools_of
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +125,12 @@ async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Re
     messages = chat_messages(body.messages)
     params = sampling_params(ctx, body.options)
     params.constraint = format_constraint(ctx, body.format)
-    prepare = functools.partial(prepare_chat, engine, info, parsers, messages, tools=tools_of(body.tools))
+    tools = tools_of(body.tools)
+    prepare = functools.partial(
+        prepare_chat, engine, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools)
+    )
     setup = await anyio.to_thread.run_sync(prepare)
+    params.constraint = setup.constraint or params.constraint
     prompt_ids = setup.prompt_ids
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
     handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params))

@@ -35,6 +35,10 @@ class Options(Struct, forbid_unknown_fields=False, omit_defaults=True):
     repeat_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    #: An mlxr extension (Ollama has no tool choice; Ollama itself ignores unknown options):
+    #: ``auto`` (the default), ``none``, ``required`` (some offered tool) or a tool's name, which
+    #: constrains the reply to a call as OpenAI's ``tool_choice`` does.
+    tool_choice: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
 
 
 class Message(Struct, forbid_unknown_fields=False):

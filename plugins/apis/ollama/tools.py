@@ -1,6 +1,7 @@
 """Ollama's ``tools``, ``tool_calls`` and ``think`` <-> :mod:`mlxr_core.tool_calling`.
 
-Ollama has no ``tool_choice``: offered tools are always ``auto``. ``message.thinking`` carries the
+Ollama has no ``tool_choice``: offered tools are ``auto`` unless the mlxr extension
+``options.tool_choice`` says otherwise (``none``, ``required`` or a tool's name). ``message.thinking`` carries the
 reasoning when the request says ``think: true`` and the model has a reasoning parser.
 """
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from mlxr_core.errors import RequestError
 from mlxr_core.parsing import Text, Tool, ToolCall
+from mlxr_core.tool_calling import ToolChoice
 from mlxr_plugins.apis.ollama import schemas as s
 
 
@@ -26,6 +28,21 @@ def tools_of(tools: list[Any] | None) -> list[Tool]:
             raise RequestError("parameters must be a JSON schema object", param=f"tools[{i}].function.parameters")
         out.append(Tool(function["name"], str(function.get("description") or ""), parameters))
     return out
+
+
+def tool_choice(options: s.Options | None, tools: list[Tool]) -> ToolChoice:
+    """``options.tool_choice`` (an mlxr extension) as a tool choice; ``auto`` when unset."""
+    choice = options.tool_choice if options is not None else None
+    if choice is None or choice == "auto":
+        return ToolChoice("auto" if tools else "none")
+    if choice in ("none", "required"):
+        return ToolChoice(choice)
+    if all(tool.name != choice for tool in tools):
+        raise RequestError(
+            f"options.tool_choice must be 'auto', 'none', 'required' or an offered tool's name, got {choice!r}",
+            param="options.tool_choice",
+        )
+    return ToolChoice("function", choice)
 
 
 def message_dict(i: int, message: s.Message) -> dict[str, Any]:

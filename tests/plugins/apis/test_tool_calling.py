@@ -287,3 +287,18 @@ def test_anthropic_forced_tool_choice_constrains_and_streams_with_the_client(fak
         assert [b.type for b in final.content] == ["thinking", "text"]
         assert final.content[0].thinking == "Cold, probably."  # type: ignore[union-attr]
         assert final.content[1].text == "Bring a coat."  # type: ignore[union-attr]
+
+
+def test_ollama_tool_choice_option_forces_a_call(client: TestClient, fake: FakeEngine) -> None:
+    fake.REPLY = json.dumps({"name": "get_weather", "arguments": {"city": "Rome"}})
+    body = {"model": "fake", "stream": False, "messages": [{"role": "user", "content": "Rome?"}], "tools": [WEATHER],
+            "options": {"tool_choice": "get_weather", "num_predict": 200}}
+    message = client.post("/api/chat", json=body).json()["message"]
+    assert message.get("tool_calls") == [{"function": {"name": "get_weather", "arguments": {"city": "Rome"}}}], message
+    constraint = fake.requests[-1].params.constraint
+    assert constraint is not None and constraint.value["properties"]["name"]["const"] == "get_weather"
+    bad = client.post("/api/chat", json={**body, "options": {"tool_choice": "get_time", "num_predict": 200}})
+    assert bad.status_code == 400 and "options.tool_choice" in bad.json()["error"]
+    fake.REPLY = "plain"
+    client.post("/api/chat", json={**body, "options": {}})
+    assert fake.requests[-1].params.constraint is None
