@@ -140,3 +140,14 @@ def _wait_for_url(process: subprocess.Popen[str]) -> str:
 
 if sys.platform == "win32":  # pragma: no cover - venv layout differs; mlxr targets macOS and Linux
     pytestmark = pytest.mark.skip("POSIX venv layout")
+
+
+def test_it_passes_the_api_conformance_check(plugin_env: Path, tmp_path: Path, tiny_gguf: Path) -> None:
+    code = (
+        "from mlxr_core.testing.api_check import check_api\n"
+        f"routes = check_api('hello', {str(tiny_gguf)!r})\n"
+        "print(sorted(routes))\n"
+    )
+    result = subprocess.run([plugin_env, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "['GET /v1/hello', 'POST /v1/tokenize']"

@@ -277,3 +277,20 @@ def test_selected_backend_is_the_override(override_env: Path, tmp_path: Path) ->
 
 if sys.platform == "win32":  # pragma: no cover - venv layout differs; mlxr targets macOS and Linux
     pytestmark = pytest.mark.skip("POSIX venv layout")
+
+
+def test_the_override_passes_the_kernel_parity_check(override_env: Path, tmp_path: Path) -> None:
+    report = run_python(
+        override_env,
+        """
+        from mlxr_core.plugins import load_plugins
+        from mlxr_core.testing.kernel_check import check_kernel_parity
+        import mlxr_kernel_override.kernels as counting
+
+        report = check_kernel_parity(load_plugins().registries.kernels, "rms_norm", "reference")
+        print(len(report.ran), len(report.skipped), counting.calls == len(report.ran))
+        """,
+        cwd=tmp_path,
+    )
+    ran, skipped, counted = report.split()
+    assert int(ran) >= 9 and skipped == "0" and counted == "True"

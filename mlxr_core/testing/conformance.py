@@ -12,8 +12,8 @@ Third-party architectures run the same check::
     check_architecture(MyArchitecture(), {**TINY_CONFIG, "model_type": "mine"}, kernels)
 
 The checks of the other plugin kinds are importable from here too, one line each:
-:func:`check_format`, :func:`check_kernel_parity`, :func:`check_api` (and the sampler and
-decoder checks), each raising AssertionError naming the first broken property.
+:func:`check_format`, :func:`check_kernel_parity`, :func:`check_api`, :func:`check_sampler` and
+:func:`check_decoder`, each raising AssertionError naming the first broken property.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxr_core.model.cache import BatchKVCache
 from mlxr_core.testing.api_check import check_api
+from mlxr_core.testing.decoding_check import check_decoder, check_sampler
 from mlxr_core.testing.format_check import check_format
 from mlxr_core.testing.kernel_check import ParityReport, check_kernel_parity
 
@@ -41,8 +42,10 @@ __all__ = [
     "ParityReport",
     "check_api",
     "check_architecture",
+    "check_decoder",
     "check_format",
     "check_kernel_parity",
+    "check_sampler",
     "random_model",
 ]
 

@@ -199,3 +199,81 @@ def test_an_api_answering_errors_in_litestar_shape_is_caught(tiny_gguf):
     host = load_plugins(extra=[("bare", Bare())])
     with pytest.raises(AssertionError, match="Litestar's default"):
         check_api("bare", tiny_gguf, host=host)
+
+
+# -- samplers and decoders ------------------------------------------------------------------------
+
+
+SAMPLER_PARAMS = {
+    "logit_bias": {"logit_bias": {3: 5.0, 10: -100.0}},
+    "penalties": {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5},
+    "temperature": {"temperature": 0.7},
+    "top_k": {"temperature": 1.0, "top_k": 5},
+    "top_p": {"temperature": 1.0, "top_p": 0.5},
+    "min_p": {"temperature": 1.0, "min_p": 0.1},
+}
+
+
+@pytest.mark.parametrize("name", HOST.registries.samplers.names())
+def test_builtin_samplers_conform(name, toy_tokenizer):
+    from mlxr_core.engine.request import Constraint, SamplingParams
+    from mlxr_core.testing.decoding_check import check_sampler
+
+    if name == "structured":
+        params = SamplingParams(constraint=Constraint(kind="json_object"))
+        check_sampler(name, params, host=HOST, tokenizer=toy_tokenizer, vocab_size=toy_tokenizer.vocab_size)
+        return
+    check_sampler(name, SamplingParams(**SAMPLER_PARAMS[name]), host=HOST)
+
+
+def test_a_sampler_that_breaks_the_contract_is_caught():
+    from mlxr_core.engine.request import SamplingParams
+    from mlxr_core.plugins import hookimpl, load_plugins
+    from mlxr_core.testing.decoding_check import check_sampler
+
+    class Broken:
+        @hookimpl
+        def mlxr_register_samplers(self, register):
+            register("halves", "test_conformance_checks:halve_the_vocabulary", order=50)
+
+    host = load_plugins(extra=[("broken", Broken())])
+    with pytest.raises(AssertionError, match=r"sampler halves: logits of shape \(1, 97\) became \(1, 48\)"):
+        check_sampler("halves", SamplingParams(), host=host)
+
+
+def halve_the_vocabulary(params, context):
+    return lambda logits: logits[:, : logits.shape[-1] // 2]
+
+
+@pytest.mark.parametrize("name", ["plain", "prompt_lookup", "speculative"])
+def test_builtin_decoders_conform(name, tiny_gguf):
+    from mlxr_core.testing.decoding_check import check_decoder
+
+    config = {"decoders": {"speculative": {"draft": str(tiny_gguf)}}} if name == "speculative" else None
+    check_decoder(name, tiny_gguf, host=HOST, plugin_config=config)
+
+
+def test_a_decoder_that_diverges_from_plain_is_caught(tiny_gguf):
+    from mlxr_core.plugins import hookimpl, load_plugins
+    from mlxr_core.testing.decoding_check import check_decoder
+
+    class Skewed:
+        @hookimpl
+        def mlxr_register_decoders(self, register):
+            register("skewed", "test_conformance_checks:SkewedDecoder")
+
+    host = load_plugins(extra=[("skewed", Skewed())])
+    with pytest.raises(AssertionError, match="decoder skewed: greedy tokens differ from plain decoding"):
+        check_decoder("skewed", tiny_gguf, host=host)
+
+
+class SkewedDecoder:
+    """Plain decoding that emits token 0 after every tenth token: a subtle bug."""
+
+    batched = False
+
+    def generate(self, model, cache, prompt_ids, sampler, *, prefill_chunk):
+        from mlxr_plugins.decoders.plain import PlainDecoder
+
+        for i, token in enumerate(PlainDecoder().generate(model, cache, prompt_ids, sampler, prefill_chunk=prefill_chunk)):
+            yield 0 if i % 10 == 9 else token

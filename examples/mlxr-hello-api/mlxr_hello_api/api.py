@@ -8,8 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-from litestar import Request, Response, Router, get, post
+from litestar import Router, get, post
 
+from mlxr_core.api_errors import exception_handlers
 from mlxr_core.errors import EngineStopped, MlxrError
 from mlxr_core.server import ServerContext
 from mlxr_hello_api import HelloConfig
@@ -43,9 +44,11 @@ def make_router(ctx: ServerContext) -> Router:
         tokens = ctx.engine.encode(data.model, data.text, add_special_tokens=data.add_special_tokens)
         return TokenizeResponse(model=data.model, tokens=tokens, count=len(tokens))
 
-    def on_error(request: Request[Any, Any, Any], exc: MlxrError) -> Response[dict[str, Any]]:
+    def error_body(exc: MlxrError) -> bytes:
         # This API's own wire format; other APIs keep theirs.
-        return Response({"error": exc.message, "param": exc.param}, status_code=exc.status)
+        return msgspec.json.encode({"error": exc.message, "param": exc.param})
 
     handlers = [hello, tokenize] if settings.tokenize else [hello]
-    return Router(path="/v1", route_handlers=handlers, exception_handlers={MlxrError: on_error})
+    # mlxr's handlers around that body: statuses and Retry-After kept, Litestar's own errors
+    # (a malformed body, a wrong method) and unexpected ones in the same shape, no tracebacks.
+    return Router(path="/v1", route_handlers=handlers, exception_handlers=exception_handlers(error_body))
