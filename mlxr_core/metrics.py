@@ -7,7 +7,8 @@ embedders can build many apps). Two kinds of figures:
   tracker every API streams its events through (:mod:`mlxr_core.frontend`): requests by endpoint
   and status, prompt and generated tokens, time to first token, inter-token latency;
 - levels, read from the engine at scrape time (:class:`EngineCollector`): queue depth, running
-  requests, KV-cache bytes, prefix-cache hits, MLX memory, engine state.
+  requests, KV-cache bytes, prefix-cache hits, draft tokens proposed and accepted (speculative
+  acceptance), MLX memory, engine state.
 
 Latencies are measured where the client sees them: from the moment the request is handed to the
 engine (queueing included) to the moment each token's event reaches the HTTP handler.
@@ -153,6 +154,7 @@ class EngineCollector(Collector):
         yield _gauge("mlxr_kv_cache_reserved_bytes", "KV-cache bytes reserved for running requests "
                      "(prompt + max_tokens).", stats.get("kv_bytes_reserved", 0))
         yield from _prefix_cache_metrics(stats.get("prefix_cache") or {})
+        yield from _draft_metrics(stats.get("decoders") or {})
         if engine.state == "ready":
             from mlxr_core.server import mlx_memory
 
@@ -172,6 +174,28 @@ def _engine_stats(engine: Engine) -> dict[str, Any]:
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+def _draft_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:
+    """Drafting decoders' counters (``{model: {decoder: {drafted, accepted, steps, ...}}}``): draft
+    tokens proposed and accepted (their ratio is the acceptance rate), verification passes."""
+    drafted = CounterMetricFamily(
+        "mlxr_draft_tokens", "Draft tokens proposed for verification by drafting decoders.", labels=["model", "decoder"]
+    )
+    accepted = CounterMetricFamily(
+        "mlxr_draft_accepted_tokens", "Draft tokens the served model accepted.", labels=["model", "decoder"]
+    )
+    passes = CounterMetricFamily(
+        "mlxr_draft_verifications", "Verification passes of drafting decoders.", labels=["model", "decoder"]
+    )
+    for model, decoders in per_model.items():
+        for decoder, figures in decoders.items():
+            drafted.add_metric([model, decoder], float(figures.get("drafted", 0)))
+            accepted.add_metric([model, decoder], float(figures.get("accepted", 0)))
+            passes.add_metric([model, decoder], float(figures.get("steps", 0)))
+    yield drafted
+    yield accepted
+    yield passes
 
 
 def _prefix_cache_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:

@@ -235,3 +235,25 @@ def test_a_draft_that_does_not_load_is_a_config_error_naming_the_key(paths, tmp_
     with pytest.raises(ConfigError, match="the draft model did not load") as caught:
         start(paths["target"], tmp_path / "missing.gguf", decoder="speculative")
     assert caught.value.param == "plugins.config.decoders.speculative.draft"
+
+
+def test_metrics_expose_draft_acceptance(engine):
+    from litestar.testing import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlxr_core.server import ServerContext, build_app
+
+    tokens_of(engine.submit(request(PROMPTS[1], decoder="speculative", max_tokens=12)))
+    ctx = ServerContext(config=engine.config, host=load_plugins(), engine=engine)
+    with TestClient(build_app(ctx)) as client:
+        text = client.get("/metrics").text
+    samples = {
+        (sample.name, sample.labels.get("decoder")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("model") == "tiny"
+    }
+    stats = engine.stats()["decoders"]["tiny"]["speculative"]
+    assert samples[("mlxr_draft_tokens_total", "speculative")] == stats["drafted"] > 0
+    assert samples[("mlxr_draft_accepted_tokens_total", "speculative")] == stats["accepted"]
+    assert samples[("mlxr_draft_verifications_total", "speculative")] == stats["steps"]
