@@ -121,6 +121,37 @@ def mlx_lm_decode(folder: Path, prompt: list[int], gen: int) -> dict[str, float]
     return {"ttft_s": first - start, "decode_tps": (count - 1) / (end - first)}
 
 
+def mlxr_bare_decode(engine: Engine, prompt: list[int], gen: int) -> dict[str, float]:
+    """mlxr's loaded model (graph, kernels, cache) in a bare greedy loop like mlx-lm's
+    ``generate_step``, without the engine: separates the model's cost from the engine's."""
+    model = engine._loaded["bench"]
+    stream = mx.new_stream(mx.default_device())
+
+    def step(tokens: mx.array, cache: list) -> mx.array:  # type: ignore[type-arg]
+        with mx.stream(stream):
+            return mx.argmax(model.model(tokens[None], cache=cache)[:, -1, :], axis=-1)
+
+    def run(count: int) -> tuple[float, float, float]:
+        cache = model.make_cache()
+        start = time.perf_counter()
+        token = step(mx.array(prompt, dtype=mx.int32), cache)
+        mx.async_eval(token)
+        first = end = start
+        for i in range(count):
+            following = step(token, cache)
+            mx.async_eval(following)
+            token.item()
+            if i == 0:
+                first = time.perf_counter()
+            token = following
+        end = time.perf_counter()
+        return start, first, end
+
+    run(4)
+    start, first, end = run(gen)
+    return {"ttft_s": first - start, "decode_tps": (gen - 1) / (end - first)}
+
+
 def mlxr_decode(engine: Engine, prompt: list[int], gen: int, streams: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=gen, temperature=0.0, extra={"ignore_eos": True})
     handles = [
@@ -161,6 +192,8 @@ def main() -> int:
     parser.add_argument("--streams", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
+    parser.add_argument("--bare", action="store_true", help="also time mlxr's model in a bare loop")
+    parser.add_argument("--only", nargs="+", default=None, help="weights to run (bf16, q4)")
     args = parser.parse_args()
     prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
     report: dict[str, object] = {
@@ -172,6 +205,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folders = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)
         for name, folder in folders.items():
+            if args.only and name not in args.only:
+                continue
             config = Config(
                 models=[
                     ModelConfig(
@@ -187,10 +222,12 @@ def main() -> int:
             weight_bytes = engine._loaded["bench"].nbytes
             try:
                 mlxr_decode(engine, prompt, 8, 1)  # warm-up
-                ours, peer = [], []
+                ours, peer, bare = [], [], []
                 for _ in range(3):  # alternate, so drift hits both alike
                     ours.append(mlxr_decode(engine, prompt, args.gen_tokens, 1))
                     peer.append(mlx_lm_decode(folder, prompt, args.gen_tokens))
+                    if args.bare:
+                        bare.append(mlxr_bare_decode(engine, prompt, args.gen_tokens))
                 crowd = {}
                 for n in args.streams:
                     mlxr_decode(engine, prompt, 8, n)  # warm-up: first use of each batch shape
@@ -204,6 +241,7 @@ def main() -> int:
                 "bandwidth_limit_tps": bandwidth / weight_bytes,
                 "mlxr": ours,
                 "mlx_lm": peer,
+                "mlxr_bare_loop": bare,
                 "decode_ratio_mlxr_over_mlx_lm": best_ours / best_peer,
                 "concurrent": {
                     str(n): {**r, "vs_single": r["aggregate_decode_tps"] / best_ours}
