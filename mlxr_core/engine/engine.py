@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import numbers
 import os
 import queue
 import threading
@@ -171,6 +172,12 @@ class Engine:
         prompt_tokens = len(request.prompt_ids)
         if prompt_tokens == 0:
             raise RequestError("the prompt is empty", param="prompt")
+        width = info.tokenizer.vocab_size
+        if isinstance(request.prompt_ids, (str, bytes)) or not all(
+            isinstance(token, numbers.Integral) and not isinstance(token, bool) and 0 <= token < width
+            for token in request.prompt_ids
+        ):
+            raise RequestError(f"prompt_ids must be token ids in [0, {width})", param="prompt")
         params = request.params
         room = info.context_length - prompt_tokens
         if params.max_tokens is None:

@@ -10,7 +10,13 @@ import pytest
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Failed, Finished, GenerationRequest, SamplingParams
-from mlxr_core.errors import ContextLengthExceeded, EngineStopped, ModelNotFound, Overloaded
+from mlxr_core.errors import (
+    ContextLengthExceeded,
+    EngineStopped,
+    ModelNotFound,
+    Overloaded,
+    RequestError,
+)
 from mlxr_core.plugins import hookimpl, load_plugins
 
 
@@ -176,3 +182,12 @@ def test_queue_limit_and_shutdown(tiny_path):
     assert eng.state == "stopped"
     with pytest.raises(EngineStopped):
         eng.submit(request(PROMPT, max_tokens=2))
+
+
+@pytest.mark.parametrize("prompt", ["hello", [5, "x"], [5, -1], [5, 10**6], [True, 5]])
+def test_prompt_ids_that_are_not_token_ids_are_refused_before_queueing(engine, prompt):
+    bad = GenerationRequest(model="tiny", prompt_ids=prompt, params=SamplingParams(max_tokens=2))  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match=r"prompt_ids must be token ids in \[0, "):
+        engine.submit(bad)
+    _, done, _ = collect(engine.submit(request(PROMPT, max_tokens=2)))
+    assert isinstance(done, Finished)
