@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -294,3 +295,45 @@ def test_the_override_passes_the_kernel_parity_check(override_env: Path, tmp_pat
     )
     ran, skipped, counted = report.split()
     assert int(ran) >= 9 and skipped == "0" and counted == "True"
+
+
+def test_serve_runs_on_the_override(override_env: Path, tmp_path: Path, tiny_gguf: Path) -> None:
+    """``mlxr serve`` with ``kernels: {rms_norm: reference}`` names the plugin at startup and
+    answers through the overriding kernel."""
+    import httpx
+
+    config = tmp_path / "server.yaml"
+    config.write_text(
+        f"models:\n  - path: {tiny_gguf}\n    name: tiny\n    context_length: 128\n"
+        "apis: [openai]\nkernels:\n  rms_norm: reference\n"
+    )
+    process = subprocess.Popen(
+        [override_env, "-m", "mlxr_core.cli.main", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    startup: list[str] = []
+    try:
+        assert process.stdout is not None
+        url = ""
+        for line in process.stdout:
+            startup.append(line)
+            if match := re.search(r"serving .* at (http://\S+)", line):
+                url = match[1]
+                break
+        assert url, "".join(startup)
+        reply = httpx.post(
+            f"{url}/v1/completions",
+            json={"model": "tiny", "prompt": "the wine", "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+            timeout=60,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 4
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+    assert any("mlxr-kernel-override" in line for line in startup), "".join(startup)
