@@ -19,8 +19,7 @@ import mlx.nn as nn
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import KVCache
-from mlxr_core.model.masks import window_mask
-from mlxr_plugins.archs.llama import LlamaArgs, Rotary, final_hidden_states
+from mlxr_plugins.archs.llama import CachedAttention, LlamaArgs, Rotary, final_hidden_states
 
 #: Hugging Face's default ``sliding_window_pattern``: every 6th layer attends globally.
 GLOBAL_EVERY = 6
@@ -92,7 +91,7 @@ class RMSNorm(nn.Module):
         return self._rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-class Attention(nn.Module):
+class Attention(CachedAttention, nn.Module):
     def __init__(self, args: Gemma3Args, kernels: KernelSet, rotary: Rotary, window: int | None):
         super().__init__()
         assert args.head_dim is not None and args.num_key_value_heads is not None
@@ -114,17 +113,7 @@ class Attention(nn.Module):
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-
-        offset = cache.offset if cache is not None else 0
-        queries = self._rotary(queries, offset)
-        keys = self._rotary(keys, offset)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-        if self.window is not None:
-            mask = window_mask(mask, L, keys.shape[2], self.window)
-
-        out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(queries, keys, values, mask, cache)
 
 
 class MLP(nn.Module):

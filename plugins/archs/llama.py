@@ -144,7 +144,41 @@ class RMSNorm(nn.Module):
         return self._rms_norm(x, self.weight, self.eps)
 
 
-class Attention(nn.Module):
+class CachedAttention:
+    """What the attention modules of the graphs built on these modules share once their queries,
+    keys and values are projected: RoPE at the cache's offset, the cache update, the sliding
+    window's mask, the attention kernel and the output projection. A module mixing it in sets
+    ``scale``, ``window``, ``o_proj``, ``_rotary`` and ``_attention``."""
+
+    scale: float
+    window: int | None
+    o_proj: nn.Module
+    _rotary: Any
+    _attention: Any
+
+    def attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        mask: str | mx.array | None,
+        cache: KVCache | None,
+    ) -> mx.array:
+        """``[B, heads, L, D]`` projections -> ``[B, L, hidden]``."""
+        B, _, L, _ = queries.shape
+        offset = cache.offset if cache is not None else 0
+        queries = self._rotary(queries, offset)
+        keys = self._rotary(keys, offset)
+        if cache is not None:
+            keys, values = cache.update_and_fetch(keys, values)
+        if self.window is not None:
+            mask = window_mask(mask, L, keys.shape[2], self.window)
+        out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
+        result: mx.array = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return result
+
+
+class Attention(CachedAttention, nn.Module):
     def __init__(
         self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary, window: int | None = None
     ):
@@ -166,17 +200,7 @@ class Attention(nn.Module):
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-
-        offset = cache.offset if cache is not None else 0
-        queries = self._rotary(queries, offset)
-        keys = self._rotary(keys, offset)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-        if self.window is not None:
-            mask = window_mask(mask, L, keys.shape[2], self.window)
-
-        out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(queries, keys, values, mask, cache)
 
 
 class MLP(nn.Module):

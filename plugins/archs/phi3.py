@@ -25,7 +25,6 @@ import mlx.nn as nn
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import KVCache
-from mlxr_core.model.masks import window_mask
 from mlxr_plugins.archs import llama
 from mlxr_plugins.archs.llama import LlamaArchitecture, LlamaArgs, Rotary, base_freqs
 
@@ -125,7 +124,7 @@ def make_rotary(args: Phi3Args, kernels: KernelSet) -> Rotary | LongRoPE:
     return Rotary(args, kernels)
 
 
-class Attention(nn.Module):
+class Attention(llama.CachedAttention, nn.Module):
     def __init__(
         self,
         args: Phi3Args,
@@ -153,17 +152,7 @@ class Attention(nn.Module):
         queries = qkv[..., :q_end].reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
         keys = qkv[..., q_end:k_end].reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         values = qkv[..., k_end:].reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-
-        offset = cache.offset if cache is not None else 0
-        queries = self._rotary(queries, offset)
-        keys = self._rotary(keys, offset)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-        if self.window is not None:
-            mask = window_mask(mask, L, keys.shape[2], self.window)
-
-        out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(queries, keys, values, mask, cache)
 
 
 class MLP(nn.Module):

@@ -42,15 +42,7 @@ class Attention(llama.Attention):
         queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-
-        offset = cache.offset if cache is not None else 0
-        queries = self._rotary(queries, offset)
-        keys = self._rotary(keys, offset)
-        if cache is not None:
-            keys, values = cache.update_and_fetch(keys, values)
-
-        out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(queries, keys, values, mask, cache)
 
 
 class Qwen3(llama.Llama):
