@@ -92,12 +92,8 @@ def main() -> None:
         mx.eval(token, [c.state for c in cache])
         return cache, token
 
-    def eager(gen: int) -> tuple[list[int], float]:
-        cache, token = prefill()
-
-        def step(t: Any) -> Any:
-            return mx.argmax(model(t[:, None], cache=cache)[:, -1, :], axis=-1)
-
+    def timed(step: Any, token: Any, gen: int) -> tuple[list[int], float]:
+        """``gen`` greedy tokens from ``step``, double-buffered; the tokens and the seconds taken."""
         out = []
         start = time.perf_counter()
         following = step(token)
@@ -108,6 +104,14 @@ def main() -> None:
             following = step(token)
             mx.async_eval(following)
         return out, time.perf_counter() - start
+
+    def eager(gen: int) -> tuple[list[int], float]:
+        cache, token = prefill()
+
+        def step(t: Any) -> Any:
+            return mx.argmax(model(t[:, None], cache=cache)[:, -1, :], axis=-1)
+
+        return timed(step, token, gen)
 
     def compiled(gen: int) -> tuple[list[int], float]:
         cache, token = prefill()
@@ -125,17 +129,7 @@ def main() -> None:
             mask = (positions <= statics[0].offset)[None, None, None, :]
             return mx.argmax(model(t[:, None], cache=statics, mask=mask)[:, -1, :], axis=-1)
 
-        fn = mx.compile(step, inputs=state, outputs=state)
-        out = []
-        start = time.perf_counter()
-        following = fn(token)
-        mx.async_eval(following)
-        for _ in range(gen):
-            out.append(int(token.item()))
-            token = following
-            following = fn(token)
-            mx.async_eval(following)
-        return out, time.perf_counter() - start
+        return timed(mx.compile(step, inputs=state, outputs=state), token, gen)
 
     assert args.prompt_tokens + args.gen_tokens + 2 <= capacity
     eager(8)

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_acceptance_openai import ServerProcess, _installed
+from test_acceptance_openai import ServerProcess, _installed, serving
 
 pytestmark = [
     pytest.mark.slow,
@@ -40,13 +40,8 @@ server:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     config = Path(tmp_path_factory.mktemp("anthropic")) / "server.yaml"
     config.write_text(CONFIG)
-    process = ServerProcess("--config", str(config), env={"MLXR_API_KEY": KEY})
-    try:
+    with serving(config, env={"MLXR_API_KEY": KEY}) as process:
         yield process
-    finally:
-        status = process.stop()
-    output = "".join(process.output)
-    assert status == 0 and "Traceback" not in output, output
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -16,7 +16,7 @@ import numpy as np
 import ollama
 import openai
 import pytest
-from test_acceptance_openai import ServerProcess, _installed
+from test_acceptance_openai import ServerProcess, _installed, serving
 
 pytestmark = [
     pytest.mark.slow,
@@ -52,13 +52,8 @@ models:
 apis: [openai, ollama, anthropic]
 """
     )
-    process = ServerProcess("--config", str(config))
-    try:
+    with serving(config) as process:
         yield process
-    finally:
-        status = process.stop()
-    output = "".join(process.output)
-    assert status == 0 and "Traceback" not in output, output
 
 
 def assert_matches_llama_cpp(vectors: list[list[float]]) -> None:

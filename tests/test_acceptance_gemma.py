@@ -14,7 +14,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from test_acceptance_openai import ServerProcess
+from test_acceptance_openai import ServerProcess, serving
 
 pytestmark = pytest.mark.slow
 
@@ -26,13 +26,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     )
     config = Path(tmp_path_factory.mktemp("gemma")) / "server.yaml"
     config.write_text(f"models:\n  - path: {gemma.assemble()}\n    name: gemma3\n    context_length: 2048\napis: [openai]\n")
-    process = ServerProcess("--config", str(config))
-    try:
+    with serving(config) as process:
         yield process
-    finally:
-        status = process.stop()
-    output = "".join(process.output)
-    assert status == 0 and "Traceback" not in output, output
 
 
 def test_gemma_answers_and_chats_through_the_openai_client(server: ServerProcess) -> None:

@@ -12,7 +12,7 @@ import ollama
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_acceptance_openai import ServerProcess, _installed
+from test_acceptance_openai import ServerProcess, _installed, serving
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,13 +38,8 @@ apis: [openai, ollama, anthropic]
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     config = Path(tmp_path_factory.mktemp("ollama")) / "server.yaml"
     config.write_text(CONFIG)
-    process = ServerProcess("--config", str(config), env={"MLXR_API_KEY": KEY})
-    try:
+    with serving(config, env={"MLXR_API_KEY": KEY}) as process:
         yield process
-    finally:
-        status = process.stop()
-    output = "".join(process.output)
-    assert status == 0 and "Traceback" not in output, output
 
 
 def metric(url: str, name: str, **labels: str) -> float:

@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -87,6 +89,19 @@ class ServerProcess:
             self.process.kill()
         self.reader.join(5)
         return status
+
+
+@contextmanager
+def serving(config: Path, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
+    """``mlxr serve --config config``; on leaving, SIGTERM, and the exit must be clean (status 0,
+    no traceback in the output)."""
+    process = ServerProcess("--config", str(config), env=env)
+    try:
+        yield process
+    finally:
+        status = process.stop()
+    output = "".join(process.output)
+    assert status == 0 and "Traceback" not in output, output
 
 
 @pytest.fixture(scope="module")

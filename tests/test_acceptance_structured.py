@@ -13,7 +13,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
-from test_acceptance_openai import ServerProcess, _installed
+from test_acceptance_openai import ServerProcess, _installed, serving
 
 pytestmark = [
     pytest.mark.slow,
@@ -56,13 +56,8 @@ MESSAGES: list[Any] = [
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     config = Path(tmp_path_factory.mktemp("structured")) / "server.yaml"
     config.write_text(CONFIG)
-    process = ServerProcess("--config", str(config))
-    try:
+    with serving(config) as process:
         yield process
-    finally:
-        status = process.stop()
-    output = "".join(process.output)
-    assert status == 0 and "Traceback" not in output, output
 
 
 @pytest.fixture(scope="module")

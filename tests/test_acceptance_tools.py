@@ -17,7 +17,7 @@ import jsonschema
 import ollama
 import openai
 import pytest
-from test_acceptance_openai import ServerProcess, _installed
+from test_acceptance_openai import ServerProcess, _installed, serving
 
 pytestmark = [
     pytest.mark.slow,
@@ -46,13 +46,8 @@ MARKUP = ("<tool_call>", "</tool_call>", "<think>", "[TOOL_CALLS]")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     config = Path(tmp_path_factory.mktemp("tools")) / "server.yaml"
     config.write_text(CONFIG)
-    process = ServerProcess("--config", str(config))
-    try:
+    with serving(config) as process:
         yield process
-    finally:
-        status = process.stop()
-    output = "".join(process.output)
-    assert status == 0 and "Traceback" not in output, output
 
 
 def no_markup(text: str) -> None:

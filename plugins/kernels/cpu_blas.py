@@ -14,7 +14,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
-from mlxr_plugins.kernels import KernelImpl
+from mlxr_plugins.kernels import KernelImpl, reference
 
 #: Input rows (batch x positions) from which dequantize + BLAS beats the fused CPU loop.
 MIN_ROWS = 4
@@ -35,8 +35,10 @@ def quantized_matmul(
         return mx.quantized_matmul(
             x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
         )
-    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits).astype(x.dtype)
-    return x @ (dense.T if transpose else dense)
+    # The reference's dequantize + float32 matmul: float32 is what BLAS multiplies (sgemm).
+    return reference.quantized_matmul(
+        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
+    )
 
 
 def _cpu_only(ctx: KernelContext) -> list[str]:

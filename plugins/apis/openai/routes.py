@@ -18,7 +18,6 @@ import attrs
 from litestar import Request, Response, Router, get, post
 
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
-from mlxr_core.engine.request import Usage as EngineUsage
 from mlxr_core.errors import ContextLengthExceeded, RequestError
 from mlxr_core.frontend import Reply, cap_max_tokens, collect, decode_body, ready_engine, submit
 from mlxr_core.openapi import documented
@@ -33,6 +32,7 @@ from mlxr_plugins.apis.openai.streaming import (
     CompletionChunks,
     ResponseMeta,
     sse_response,
+    total_usage,
     usage_of,
 )
 from mlxr_plugins.apis.openai.tools import assistant_message, message_dict, tool_request
@@ -196,11 +196,6 @@ async def collect_choices(
         for handle in handles:
             handle.cancel()
         raise
-
-
-def total_usage(usages: list[EngineUsage]) -> EngineUsage:
-    """OpenAI counts the prompt once and the completion tokens of every choice."""
-    return EngineUsage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages))
 
 
 # -- request -> engine -----------------------------------------------------------------------

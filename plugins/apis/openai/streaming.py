@@ -49,6 +49,11 @@ def usage_of(usage: EngineUsage) -> s.Usage:
     return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
 
 
+def total_usage(usages: list[EngineUsage]) -> EngineUsage:
+    """Several choices' usage: OpenAI counts the prompt once and every choice's completion tokens."""
+    return EngineUsage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages))
+
+
 class ChatChunks:
     """The SSE chunks of one choice of a chat completion; with a ``reader``, the text is split into
     reasoning, content and tool calls as it streams; with ``logprobs``, each token's logprob rides
@@ -241,8 +246,7 @@ async def _merged_events(
             elif not isinstance(event, Delta):
                 failed = True
         if usages and not failed:
-            total = EngineUsage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages))
-            usage = chunks[0].usage(total)
+            usage = chunks[0].usage(total_usage(usages))
             if usage is not None:
                 yield usage
         yield DONE

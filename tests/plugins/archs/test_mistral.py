@@ -18,6 +18,7 @@ import pytest
 from mlxr_core.engine.prefix_cache import PrefixCache
 from mlxr_core.kernels import OPS, bind_kernels
 from mlxr_core.model.cache import BatchKVCache
+from mlxr_core.model.loader import build_model
 from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.conformance import TINY_CONFIG, check_architecture
 from mlxr_core.testing.tiny import write_gguf
@@ -136,10 +137,7 @@ def build(checkpoint: Any, registries: Any, backend: str = "mlx_fast") -> tuple[
         shapes=arch.kernel_context(config),
         choices=dict.fromkeys(OPS, backend),
     )
-    model = arch.build(config, kernels)
-    model.load_weights(list(arch.sanitize(checkpoint.weights, config).items()), strict=True)
-    mx.eval(model.parameters())
-    return model, arch
+    return build_model(checkpoint, arch, kernels, "dequantize", "float32"), arch
 
 
 def test_the_window_matters_for_these_prompts(reference):

@@ -18,6 +18,7 @@ import pytest
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import OPS, bind_kernels
+from mlxr_core.model.loader import build_model
 from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.conformance import TINY_CONFIG, check_architecture
 from mlxr_core.testing.tiny import write_gguf
@@ -140,9 +141,7 @@ def write_phi3_gguf(path: Path, folder: Path, quant: str = "f32") -> Path:
 
 
 def build(checkpoint: Any, registries: Any, backend: str = "mlx_fast") -> tuple[Any, Any]:
-    """The checkpoint's model, with any packed matrices dequantized."""
-    from mlxr_core.model.loader import dequantize_weights
-
+    """The checkpoint's model (packed matrices dequantized), as the loader builds it."""
     config = checkpoint.config
     arch = registries.archs.get(config["model_type"])
     kernels = bind_kernels(
@@ -151,11 +150,7 @@ def build(checkpoint: Any, registries: Any, backend: str = "mlx_fast") -> tuple[
         shapes=arch.kernel_context(config),
         choices=dict.fromkeys(OPS, backend),
     )
-    model = arch.build(config, kernels)
-    weights = dequantize_weights(checkpoint.weights, checkpoint.quantization, mx.float32)
-    model.load_weights(list(arch.sanitize(weights, config).items()), strict=True)
-    mx.eval(model.parameters())
-    return model, arch
+    return build_model(checkpoint, arch, kernels, "dequantize", "float32"), arch
 
 
 def assert_matches(model: Any, reference: dict[str, Any], atol: float = ATOL) -> None:
