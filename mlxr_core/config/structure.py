@@ -170,7 +170,7 @@ def problems_of(exc: BaseException, path: KeyPath = ()) -> Iterator[Problem]:
         for sub in class_errors:
             if isinstance(sub, ForbiddenExtraKeysError):
                 known = [a.name for a in attrs.fields(sub.cl)]
-                for key in sorted(sub.extra_fields):
+                for key in sorted(map(_key_text, sub.extra_fields)):
                     hint = close_matches(key, known) or f" (known keys: {', '.join(known)})"
                     yield Problem((*path, key), f"unknown key{hint}")
             else:
@@ -179,6 +179,15 @@ def problems_of(exc: BaseException, path: KeyPath = ()) -> Iterator[Problem]:
         yield Problem(path, str(exc))
     else:
         yield Problem(path, f"{exc}" or type(exc).__name__)
+
+
+def _key_text(key: Any) -> str:
+    """A mapping key as YAML wrote it: keys may also be null, booleans or numbers."""
+    if isinstance(key, str):
+        return key
+    if key is None:
+        return "null"
+    return str(key).lower() if isinstance(key, bool) else str(key)
 
 
 def _validator_problems(exc: BaseException, path: KeyPath) -> Iterator[Problem]:

@@ -112,6 +112,10 @@ def test_every_problem_is_reported_with_its_key_path_and_line(write):
         (MODEL + "    context_length: 8\n", "models[0].context_length: must be >= 16, got 8"),
         (MODEL + "kernels:\n  attention: [a]\n", "kernels.attention: expected str, got list ['a']"),
         (MODEL + "bogus: 1\n", "bogus: unknown key (known keys: models, server"),
+        # Keys YAML reads as null, numbers or booleans are named as written, not a crash.
+        (MODEL + "~: 1\n", "null: unknown key (known keys: models, server"),
+        (MODEL + "server:\n  1: 2\n", "server['1']: unknown key (known keys: host"),
+        (MODEL + "    true: 1\n", "models[0].true: unknown key (known keys: path"),
     ],
 )
 def test_wrong_types_and_values_name_the_key(write, text, expected):
