@@ -90,6 +90,11 @@ class ModelConfig:
     reasoning_parser: str = attrs.field(default="auto", validator=v.min_len(1))
     #: Per-model kernel choices (op -> backend), over the global ``kernels:``.
     kernels: dict[str, str] = attrs.field(factory=dict)
+    #: Join the layers that read the same input (query/key/value, gate/up projections) into one
+    #: matmul each after loading: fewer kernel launches per token, same outputs. None (default):
+    #: on a GPU, where launches bound decode; not on CPU, where it measured no gain. See
+    #: :mod:`mlxr_core.model.fuse`.
+    fuse_projections: bool | None = None
 
 
 @attrs.define

@@ -22,6 +22,7 @@ from mlxr_core.errors import ModelLoadError, UnknownArchitecture, UnsupportedFor
 from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
 from mlxr_core.model.arch import Architecture, DefaultChatTemplate
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
+from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.paths import resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.tokenizer import Tokenizer
@@ -192,6 +193,9 @@ def load_model(
         registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices
     )
     model = build_model(checkpoint, arch, kernels, model_config.quantization, dtype)
+    fuse = model_config.fuse_projections
+    if fuse if fuse is not None else current_platform()[0] == "gpu":
+        log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
 
     context_length = model_config.context_length or arch.context_length(config)
     name = model_config.name or path.stem

@@ -5,7 +5,9 @@ module maps ``[B, L]`` ids to ``[B, L, vocab]`` logits; decoding through :meth:`
 at a time gives the logits of one full forward pass; and the engine's batch flow (each prompt
 prefilled alone, its cache joined into a right-aligned :class:`BatchKVCache`, every row decoded
 together under the batch's padding mask, rows leaving) gives each row what it would get alone;
-``hidden_states`` (pooled for embeddings) is padding- and chunking-invariant.
+``hidden_states`` (pooled for embeddings) is padding- and chunking-invariant; and where the
+module's layers fuse (:func:`mlxr_core.model.fuse.fuse_model`), the fused module passes the same
+checks with the same logits.
 Third-party architectures run the same check::
 
     from mlxr_core.testing.conformance import TINY_CONFIG, check_architecture
@@ -25,6 +27,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxr_core.model.cache import BatchKVCache
+from mlxr_core.model.fuse import fuse_model
 from mlxr_core.testing.api_check import check_api
 from mlxr_core.testing.decoding_check import check_decoder, check_sampler
 from mlxr_core.testing.format_check import check_format
@@ -106,12 +109,23 @@ def check_architecture(
     TF32 (cached vs one-pass logits differ by 3-7e-3 for every architecture on an H100)."""
     if atol is None:
         atol = 2e-2 if mx.default_device() == mx.gpu else 1e-4
-    model = random_model(arch, config, kernels, seed)
     vocab = int(config["vocab_size"])
     rng = np.random.default_rng(seed + 1)
     # Each prompt: n - 1 prefilled tokens, DECODE_STEPS + 1 decoded in the batch, one more alone.
     prompts = [rng.integers(0, vocab, n + DECODE_STEPS + 1).tolist() for n in LENGTHS]
+    model = random_model(arch, config, kernels, seed)
+    full = _check_model(arch, model, prompts, vocab, atol)
+    fused = random_model(arch, config, kernels, seed)
+    if fuse_model(fused):
+        fused_full = _check_model(arch, fused, prompts, vocab, atol)
+        for row, (mine, expected) in enumerate(zip(fused_full, full, strict=True)):
+            _close(mine, expected, atol, f"prompt {row} with the projections fused")
 
+
+def _check_model(
+    arch: Architecture, model: nn.Module, prompts: list[list[int]], vocab: int, atol: float
+) -> list[np.ndarray]:
+    """Every property of :func:`check_architecture` for one module; its one-pass logits."""
     # Shapes: a batch of equal-length rows, logits over the vocabulary, float.
     length = min(LENGTHS)
     logits = model(mx.array([p[:length] for p in prompts]))
@@ -149,6 +163,7 @@ def check_architecture(
     _close(alone, full[1][position], atol, "the remaining row after the other left")
 
     check_hidden_states(arch, model, prompts, atol)
+    return full
 
 
 def check_hidden_states(

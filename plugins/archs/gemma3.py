@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import KVCache
+from mlxr_core.model.fuse import fuse_into, gate_and_up
 from mlxr_plugins.archs.llama import CachedAttention, LlamaArgs, Rotary, final_hidden_states
 
 #: Hugging Face's default ``sliding_window_pattern``: every 6th layer attends globally.
@@ -96,6 +97,7 @@ class Attention(CachedAttention, nn.Module):
         super().__init__()
         assert args.head_dim is not None and args.num_key_value_heads is not None
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
         self.scale = args.query_pre_attn_scalar**-0.5
         D, bias = args.head_dim, args.attention_bias
         self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=bias)
@@ -109,11 +111,10 @@ class Attention(CachedAttention, nn.Module):
         self._attention = kernels.attention
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        B, L, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.attend(queries, keys, values, mask, cache)
+        queries, keys, values = self.project(x)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
+        return self.attend(queries, keys, values.transpose(0, 2, 1, 3), mask, cache)
 
 
 class MLP(nn.Module):
@@ -127,7 +128,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = gate_and_up(self, x)
+        return self.down_proj(nn.gelu_approx(gate) * up)
+
+    def fuse_projections(self) -> bool:
+        """Replace ``gate_proj`` and ``up_proj`` by one ``gate_up_proj``."""
+        return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
 
 class TransformerBlock(nn.Module):

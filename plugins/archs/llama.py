@@ -19,6 +19,7 @@ import mlx.nn as nn
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import KVCache
+from mlxr_core.model.fuse import fuse_into, gate_and_up, swiglu
 from mlxr_core.model.masks import window_mask
 
 
@@ -145,16 +146,39 @@ class RMSNorm(nn.Module):
 
 
 class CachedAttention:
-    """What the attention modules of the graphs built on these modules share once their queries,
-    keys and values are projected: RoPE at the cache's offset, the cache update, the sliding
-    window's mask, the attention kernel and the output projection. A module mixing it in sets
-    ``scale``, ``window``, ``o_proj``, ``_rotary`` and ``_attention``."""
+    """What the attention modules of the graphs built on these modules share: the query, key and
+    value projections (three layers, or one ``qkv_proj`` once fused), then RoPE at the cache's
+    offset, the cache update, the sliding window's mask, the attention kernel and the output
+    projection. A module mixing it in sets ``n_heads``, ``n_kv_heads``, ``head_dim``, ``scale``,
+    ``window``, ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``_rotary`` and ``_attention``."""
 
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
     scale: float
     window: int | None
     o_proj: nn.Module
     _rotary: Any
     _attention: Any
+
+    def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """``[B, L, hidden]`` -> queries, keys, values as ``[B, L, heads, head_dim]``."""
+        B, L, _ = x.shape
+        module: Any = self
+        if "qkv_proj" in module:
+            heads = module.qkv_proj(x).reshape(B, L, -1, self.head_dim)
+            q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
+            return heads[:, :, :q_end], heads[:, :, q_end:k_end], heads[:, :, k_end:]
+        return (
+            module.q_proj(x).reshape(B, L, self.n_heads, -1),
+            module.k_proj(x).reshape(B, L, self.n_kv_heads, -1),
+            module.v_proj(x).reshape(B, L, self.n_kv_heads, -1),
+        )
+
+    def fuse_projections(self) -> bool:
+        """Replace ``q_proj``, ``k_proj`` and ``v_proj`` by one ``qkv_proj`` (see
+        :mod:`mlxr_core.model.fuse`); False when they cannot be joined."""
+        return fuse_into(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
     def attend(
         self,
@@ -185,6 +209,7 @@ class Attention(CachedAttention, nn.Module):
         super().__init__()
         assert args.head_dim is not None and args.num_key_value_heads is not None
         self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim
         self.scale = args.head_dim**-0.5
         D, bias = args.head_dim, args.attention_bias
         self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=bias)
@@ -196,10 +221,7 @@ class Attention(CachedAttention, nn.Module):
         self._attention = kernels.attention
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        B, L, _ = x.shape
-        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = (part.transpose(0, 2, 1, 3) for part in self.project(x))
         return self.attend(queries, keys, values, mask, cache)
 
 
@@ -212,7 +234,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(*gate_and_up(self, x)))
+
+    def fuse_projections(self) -> bool:
+        """Replace ``gate_proj`` and ``up_proj`` by one ``gate_up_proj``."""
+        return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
 
 class TransformerBlock(nn.Module):

@@ -25,6 +25,7 @@ import mlx.nn as nn
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import KVCache
+from mlxr_core.model.fuse import gate_and_up, swiglu
 from mlxr_plugins.archs import llama
 from mlxr_plugins.archs.llama import LlamaArchitecture, LlamaArgs, Rotary, base_freqs
 
@@ -145,13 +146,7 @@ class Attention(llama.CachedAttention, nn.Module):
         self._attention = kernels.attention
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        B, L, _ = x.shape
-        q_end = self.n_heads * self.head_dim
-        k_end = q_end + self.n_kv_heads * self.head_dim
-        qkv = self.qkv_proj(x)
-        queries = qkv[..., :q_end].reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        keys = qkv[..., q_end:k_end].reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        values = qkv[..., k_end:].reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = (part.transpose(0, 2, 1, 3) for part in self.project(x))
         return self.attend(queries, keys, values, mask, cache)
 
 
@@ -164,8 +159,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(nn.silu(gate) * up)
+        return self.down_proj(swiglu(*gate_and_up(self, x)))
 
 
 class Phi3(llama.Llama):

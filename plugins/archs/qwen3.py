@@ -38,11 +38,10 @@ class Attention(llama.Attention):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        B, L, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        keys = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return self.attend(queries, keys, values, mask, cache)
+        queries, keys, values = self.project(x)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
+        return self.attend(queries, keys, values.transpose(0, 2, 1, 3), mask, cache)
 
 
 class Qwen3(llama.Llama):
