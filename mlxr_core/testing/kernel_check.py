@@ -130,18 +130,22 @@ def _cases(op: str) -> Iterator[Case]:
 
             yield Case(f"D={D}", {"hidden_size": D}, make_norm)
     elif op == "rope":
+        # Prompt chunks (L=6) and decode steps (L=1: one position per row, the offset an int, a
+        # scalar array, or one per row as a batch of different lengths passes it).
         for D, dims in ((64, 64), (128, 64)):
             for traditional in (False, True):
-                for offset in (0, 7):
+                for L, offset in ((6, 0), (6, 7), (1, 0), (1, 7), (1, "array"), (1, "rows")):
 
                     def make_rope(dtype: Any, D: int = D, dims: int = dims, traditional: bool = traditional,
-                                  offset: int = offset) -> tuple[tuple[Any, ...], dict[str, Any]]:
-                        x = normal((2, 4, 6, D), 7, dtype)
+                                  L: int = L, offset: Any = offset) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                        x = normal((2, 4, L, D), 7, dtype)
+                        at = {"array": mx.array(5), "rows": mx.array([3, 11])}.get(offset, offset)
                         return (x, dims), {"traditional": traditional, "base": 10000.0, "scale": 1.0,
-                                           "offset": offset}
+                                           "offset": at}
 
                     shapes = {"head_dim": D, "rope_dims": dims, "rope_traditional": traditional}
-                    yield Case(f"D={D} dims={dims} traditional={traditional} offset={offset}", shapes, make_rope)
+                    name = f"D={D} dims={dims} traditional={traditional} L={L} offset={offset}"
+                    yield Case(name, shapes, make_rope)
     elif op == "quantized_matmul":
         for L, K, N, bits, group_size in ((1, 256, 128, 4, 64), (7, 512, 96, 8, 32), (16, 256, 64, 4, 32)):
 

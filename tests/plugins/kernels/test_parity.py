@@ -230,7 +230,7 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
     assert dict(auto.chosen) == {
         "attention": "mlx_fast",
         "rms_norm": "mlx_fast",
-        "rope": "mlx_fast",
+        "rope": "cpu_blas",
         "quantized_matmul": "cpu_blas",
     }
     chosen = bind_kernels(
@@ -281,3 +281,27 @@ def test_reference_quantized_matmul_is_the_math():
     # each weight is off by at most half a step (range / 255 / 2), over 64 products.
     error = np.abs(np.array(got) - np.array(x @ w.T)).max()
     assert error < 0.5, error
+
+
+# -- one-position RoPE on the CPU ---------------------------------------------------------------
+
+
+def test_cpu_blas_rope_shares_one_rotation_per_step_and_never_reuses_a_stale_one():
+    def check(x, offset):
+        got = cpu_blas.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=offset)
+        ref = reference.rope(x, 64, traditional=False, base=10000.0, scale=1.0, offset=offset)
+        np.testing.assert_allclose(np.array(got), np.array(ref), rtol=1e-5, atol=1e-5)
+
+    x = mx.random.normal((1, 4, 1, 64), key=mx.random.key(0))
+    check(x, 5)
+    first = cpu_blas._last_rotation
+    check(2 * x, 5)  # the next layer of the same step: the same matrix
+    assert cpu_blas._last_rotation is first
+    check(x, 6)  # the next step
+    assert cpu_blas._last_rotation is not first
+    rows = mx.random.normal((2, 4, 1, 64), key=mx.random.key(1))
+    check(rows, mx.array([1, 9]))
+    check(rows, mx.array([1, 9]))  # equal values in a new array: made again, still right
+    check(rows, mx.array([4, 2]))
+    prompt = mx.random.normal((1, 4, 3, 64), key=mx.random.key(2))
+    check(prompt, 6)  # several positions: mx.fast.rope
