@@ -1,0 +1,279 @@
+"""Where a single-stream decode step's time goes, and what the levers on it buy.
+
+    python bench/decode_profile.py [--smoke] [--weights bf16 q4] [--ops-per-buffer 20 100] --out F
+
+Writes random weights in the Llama-3.2-1B shape as mlx-lm folders (bf16, and mlx-lm's 4-bit group-64
+quantization of them), then, for each ``MLX_MAX_OPS_PER_BUFFER`` value (MLX's CUDA backend launches
+its kernels as CUDA graphs of that many nodes; 20 by default; a worker process per value), runs the
+same bare greedy loop (double-buffered with ``mx.async_eval``, like mlx-lm's ``generate_step``) over:
+
+- ``mlx_lm``: mlx-lm's own Llama module on the folder;
+- ``mlxr``: mlxr's model loaded from the same folder by ``mlxr_core.model.loader.load_model``;
+- ``mlxr_fused``: the same with its query/key/value and gate/up projections joined
+  (``mlxr_core.model.fuse``);
+- ``mlxr_fused_compiled``: that model's decode step with each layer as two ``mx.compile``d blocks
+  around the eager cache update and attention (:class:`CompiledLayersStep`);
+- ``mlxr_fused_merged``: the same with one compiled block from each attention to the next.
+
+Per variant it reports decode tokens/s (rounds alternate the variants) and, from a synchronous
+loop, the per-token milliseconds spent building the graph in Python (``build_ms``), in
+``mx.async_eval`` encoding and launching it (``encode_ms``) and waiting for the device after that
+(``wait_ms``): when ``build_ms + encode_ms`` is close to the pipelined time per token, the host
+bounds decode, not the device. Prints JSON; this is a profiling tool, not a peer comparison (see
+``gpu_decode.py`` and ``compare_mlx_lm.py`` for those).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def bare_loop(step: Any, prompt: list[int], gen: int) -> tuple[list[int], float]:
+    """``gen`` greedy tokens after the prompt's; the tokens and decode tokens/s."""
+    import mlx.core as mx
+
+    cache = step.make_cache()
+    token = step(mx.array(prompt, dtype=mx.int32)[None], cache)
+    mx.eval(token)
+    out = []
+    start = time.perf_counter()
+    following = step(token[:, None], cache)
+    mx.async_eval(following)
+    for _ in range(gen):
+        out.append(int(token.item()))
+        token = following
+        following = step(token[:, None], cache)
+        mx.async_eval(following)
+    return out, gen / (time.perf_counter() - start)
+
+
+def breakdown(step: Any, prompt: list[int], gen: int) -> dict[str, float]:
+    """Per-token milliseconds of a synchronous loop: build, encode (async_eval), wait (eval)."""
+    import mlx.core as mx
+
+    cache = step.make_cache()
+    token = step(mx.array(prompt, dtype=mx.int32)[None], cache)
+    mx.eval(token)
+    build = encode = wait = 0.0
+    for _ in range(gen):
+        t0 = time.perf_counter()
+        following = step(token[:, None], cache)
+        t1 = time.perf_counter()
+        mx.async_eval(following)
+        t2 = time.perf_counter()
+        mx.eval(following)
+        t3 = time.perf_counter()
+        build, encode, wait = build + t1 - t0, encode + t2 - t1, wait + t3 - t2
+        token = following
+    return {"build_ms": 1e3 * build / gen, "encode_ms": 1e3 * encode / gen, "wait_ms": 1e3 * wait / gen}
+
+
+class Step:
+    """``step(tokens [B, L], cache) -> [B]`` greedy tokens of one model, and its cache maker."""
+
+    def __init__(self, model: Any, make_cache: Any):
+        self.model = model
+        self.make_cache = make_cache
+
+    def __call__(self, tokens: Any, cache: Any) -> Any:
+        import mlx.core as mx
+
+        return mx.argmax(self.model(tokens, cache=cache)[:, -1, :], axis=-1)
+
+
+def _pre(layer: Any, x: Any, offset: Any) -> tuple[Any, Any, Any]:
+    """A layer up to its attention: norm, projections, RoPE at ``offset``."""
+    attention = layer.self_attn
+    queries, keys, values = (
+        part.transpose(0, 2, 1, 3) for part in attention.project(layer.input_layernorm(x))
+    )
+    return attention._rotary(queries, offset), attention._rotary(keys, offset), values
+
+
+def _post(layer: Any, x: Any, out: Any) -> Any:
+    """A layer after its attention: output projection, residual, norm, MLP, residual."""
+    B, _, L, _ = out.shape
+    h = x + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class CompiledLayersStep(Step):
+    """A decode step run as ``mx.compile``d blocks around each layer's eager cache update and
+    attention. ``merged``: one block from each attention to the next (the previous layer's
+    ``post``, this layer's ``pre``; the embedding before the first, the head after the last);
+    else two blocks per layer. Prompts (more than one position) run the model as it is."""
+
+    def __init__(self, model: Any, make_cache: Any, merged: bool):
+        import mlx.core as mx
+
+        super().__init__(model, make_cache)
+        self.merged = merged
+        layers = model.layers
+        self.attentions = [layer.self_attn for layer in layers]
+
+        def head(h: Any) -> Any:
+            h = model.model.norm(h)
+            logits = model.model.embed_tokens.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
+            return mx.argmax(logits[:, -1, :], axis=-1)
+
+        if merged:
+            first = layers[0]
+            self.first = mx.compile(lambda tokens, offset: (h := model.model.embed_tokens(tokens), *_pre(first, h, offset)))
+            self.between = [
+                mx.compile(lambda h, out, offset, a=a, b=b: (h := _post(a, h, out), *_pre(b, h, offset)))
+                for a, b in itertools.pairwise(layers)
+            ]
+            last = layers[-1]
+            self.last = mx.compile(lambda h, out: head(_post(last, h, out)))
+        else:
+            self.pres = [mx.compile(lambda x, offset, layer=layer: _pre(layer, x, offset)) for layer in layers]
+            self.posts = [mx.compile(lambda x, out, layer=layer: _post(layer, x, out)) for layer in layers]
+            self.head = mx.compile(head)
+
+    def _attend(self, index: int, layer_cache: Any, queries: Any, keys: Any, values: Any) -> Any:
+        attention = self.attentions[index]
+        keys, values = layer_cache.update_and_fetch(keys, values)
+        return attention._attention(queries, keys, values, scale=attention.scale, mask=None)
+
+    def __call__(self, tokens: Any, cache: Any) -> Any:
+        import mlx.core as mx
+
+        if tokens.shape[1] != 1:
+            return super().__call__(tokens, cache)
+        offset = mx.array(cache[0].offset, dtype=mx.int32)
+        if self.merged:
+            h, queries, keys, values = self.first(tokens, offset)
+            out = self._attend(0, cache[0], queries, keys, values)
+            for index, block in enumerate(self.between, start=1):
+                h, queries, keys, values = block(h, out, offset)
+                out = self._attend(index, cache[index], queries, keys, values)
+            return self.last(h, out)
+        h = self.model.model.embed_tokens(tokens)
+        for index, (pre, post) in enumerate(zip(self.pres, self.posts, strict=True)):
+            out = self._attend(index, cache[index], *pre(h, offset))
+            h = post(h, out)
+        return self.head(h)
+
+
+def variants(folder: Path) -> dict[str, Step]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model as mlx_lm_load
+
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.model.fuse import fuse_model
+    from mlxr_core.model.loader import load_model
+    from mlxr_core.plugins import load_plugins
+
+    peer, _ = mlx_lm_load(folder)
+    mx.eval(peer.parameters())
+    registries = load_plugins().registries
+    config = ModelConfig(path=str(folder), name="bench", dtype="bfloat16", quantization="keep")
+    ours = load_model(config, registries)
+    fused = load_model(config, registries)
+    fuse_model(fused.model)
+    return {
+        "mlx_lm": Step(peer, lambda: make_prompt_cache(peer)),
+        "mlxr": Step(ours.model, ours.make_cache),
+        "mlxr_fused": Step(fused.model, fused.make_cache),
+        "mlxr_fused_compiled": CompiledLayersStep(fused.model, fused.make_cache, merged=False),
+        "mlxr_fused_merged": CompiledLayersStep(fused.model, fused.make_cache, merged=True),
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    import mlx.core as mx
+
+    prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
+    report: dict[str, Any] = {
+        "device": str(mx.default_device()),
+        "ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
+    }
+    for name in args.weights:
+        steps = variants(Path(args.folders) / name)
+        for step in steps.values():  # warm-up: kernels compiled, graphs cached, clocks up
+            bare_loop(step, prompt, 128)
+            bare_loop(step, prompt, args.gen_tokens)
+        rounds: dict[str, list[float]] = {v: [] for v in steps}
+        tokens: dict[str, list[int]] = {}
+        for _ in range(args.rounds):
+            for variant, step in steps.items():
+                out, tps = bare_loop(step, prompt, args.gen_tokens)
+                rounds[variant].append(tps)
+                tokens.setdefault(variant, out)
+        base = tokens["mlx_lm"]
+        report[name] = {
+            variant: {
+                "decode_tps": tps,
+                "best_tps": max(tps),
+                **breakdown(steps[variant], prompt, 64),
+                "tokens_equal_mlx_lm": tokens[variant] == base,
+            }
+            for variant, tps in rounds.items()
+        }
+        best = report[name]["mlx_lm"]["best_tps"]
+        for variant in steps:
+            report[name][variant]["best_over_mlx_lm"] = report[name][variant]["best_tps"] / best
+        del steps
+        mx.clear_cache()
+    print(json.dumps(report), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--gen-tokens", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--weights", nargs="+", default=["bf16", "q4"])
+    parser.add_argument("--ops-per-buffer", nargs="+", default=["default"])
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--folders", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+
+    from gpu_decode import LLAMA_1B, SMOKE, write_folders
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)
+        for value in args.ops_per_buffer:
+            env = dict(os.environ)
+            if value != "default":
+                env["MLX_MAX_OPS_PER_BUFFER"] = value
+            command = [
+                sys.executable, __file__, "--worker", "--folders", tmp,
+                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
+                "--rounds", str(args.rounds), "--weights", *args.weights,
+            ]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                print(done.stderr, file=sys.stderr)
+                return done.returncode
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(results[-1], indent=2), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
