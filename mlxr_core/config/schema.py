@@ -91,10 +91,14 @@ class ModelConfig:
     #: Per-model kernel choices (op -> backend), over the global ``kernels:``.
     kernels: dict[str, str] = attrs.field(factory=dict)
     #: Join the layers that read the same input (query/key/value, gate/up projections) into one
-    #: matmul each after loading: fewer kernel launches per token, same outputs. None (default):
-    #: on a GPU, where launches bound decode; not on CPU, where it measured no gain. See
-    #: :mod:`mlxr_core.model.fuse`.
-    fuse_projections: bool | None = None
+    #: matmul each after loading: fewer kernel launches (GPU) or BLAS calls (CPU) per token, same
+    #: outputs. See :mod:`mlxr_core.model.fuse`.
+    fuse_projections: bool = True
+    #: Run each one-token decode step as compiled graphs (``mx.compile``) cut at the attention
+    #: layers' caches: less Python and fewer kernel launches per token, same logits. None
+    #: (default): on a GPU; true/false force it. Architectures that do not offer the cut points
+    #: decode eagerly. See :mod:`mlxr_core.model.compiled`.
+    compile_decode: bool | None = None
 
 
 @attrs.define

@@ -254,7 +254,7 @@ class BatchRunner:
                     except Exception as exc:
                         failed[row] = exc
         mask = caches[0].mask() if caches[0].padded else None
-        logits = self.model.model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
+        logits = self.model.decode(tokens, caches, mask)
         following = self._sample(logits, failed)
         following_logprobs = self._logprobs(logits, following)
         mx.async_eval(following, *[a for lp in following_logprobs if lp is not None for a in lp])

@@ -63,6 +63,8 @@ class ModelInfo:
     metadata: dict[str, Any] = attrs.field(factory=dict)
     #: Other names clients may use for this model (``models[].aliases``).
     aliases: tuple[str, ...] = ()
+    #: Whether decode steps run compiled (``models[].compile_decode``).
+    compiled_decode: bool = False
 
 
 class Engine:
@@ -347,6 +349,7 @@ class Engine:
                 dtype=m.dtype,
                 metadata=dict(m.metadata),
                 aliases=tuple(alias for alias, target in self.names.items() if target == name and alias != name),
+                compiled_decode=m.compiled_decode is not None,
             )
             for name, m in self._loaded.items()
         }

@@ -22,6 +22,7 @@ from mlxr_core.errors import ModelLoadError, UnknownArchitecture, UnsupportedFor
 from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
 from mlxr_core.model.arch import Architecture, DefaultChatTemplate
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
+from mlxr_core.model.compiled import CompiledDecode, disagreement, unsupported
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.paths import resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
@@ -53,9 +54,19 @@ class LoadedModel:
     decoder: str = "plain"
     metadata: dict[str, Any] = attrs.field(factory=dict)
     created: int = attrs.field(factory=lambda: int(time.time()))
+    #: The decode step compiled between attentions (``models[].compile_decode``), or None.
+    compiled_decode: CompiledDecode | None = None
 
     def make_cache(self) -> list[Any]:
         return self.arch.make_cache(self.model)
+
+    def decode(self, tokens: mx.array, caches: list[Any], mask: mx.array | None = None) -> mx.array:
+        """One decode step: ``[B]`` tokens, each the next of its row in ``caches`` (advanced in
+        place) -> ``[B, vocab]`` logits; compiled when :attr:`compiled_decode` is set."""
+        if self.compiled_decode is not None:
+            return self.compiled_decode(tokens, caches, mask)
+        logits: mx.array = self.model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
+        return logits
 
     @property
     def nbytes(self) -> int:
@@ -193,9 +204,21 @@ def load_model(
         registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices
     )
     model = build_model(checkpoint, arch, kernels, model_config.quantization, dtype)
-    fuse = model_config.fuse_projections
-    if fuse if fuse is not None else current_platform()[0] == "gpu":
+    on_gpu = current_platform()[0] == "gpu"
+    if model_config.fuse_projections:
         log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
+    compiled = None
+    if model_config.compile_decode if model_config.compile_decode is not None else on_gpu:
+        reason = unsupported(model)
+        if reason is None:
+            compiled = CompiledDecode(model)
+            reason = disagreement(model, lambda: arch.make_cache(model), compiled)
+            if reason is not None:
+                compiled = None
+                log.warning("%s: decoding eagerly, the compiled decode step does not match the model: %s",
+                            path.name, reason)
+        elif model_config.compile_decode:
+            log.warning("%s: decoding eagerly, the decode step cannot be compiled: %s", path.name, reason)
 
     context_length = model_config.context_length or arch.context_length(config)
     name = model_config.name or path.stem
@@ -212,9 +235,10 @@ def load_model(
         format=format_name,
         decoder=model_config.decoder,
         metadata=checkpoint.metadata,
+        compiled_decode=compiled,
     )
     log.info(
-        "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s",
+        "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s, decode step %s",
         name,
         format_name,
         config.get("model_type"),
@@ -223,5 +247,6 @@ def load_model(
         loaded.nbytes / 1e6,
         context_length,
         ", ".join(f"{op}={backend}" for op, backend in kernels.chosen.items()),
+        "compiled" if compiled is not None else "eager",
     )
     return loaded

@@ -5,9 +5,11 @@ module maps ``[B, L]`` ids to ``[B, L, vocab]`` logits; decoding through :meth:`
 at a time gives the logits of one full forward pass; and the engine's batch flow (each prompt
 prefilled alone, its cache joined into a right-aligned :class:`BatchKVCache`, every row decoded
 together under the batch's padding mask, rows leaving) gives each row what it would get alone;
-``hidden_states`` (pooled for embeddings) is padding- and chunking-invariant; and where the
-module's layers fuse (:func:`mlxr_core.model.fuse.fuse_model`), the fused module passes the same
-checks with the same logits.
+``hidden_states`` (pooled for embeddings) is padding- and chunking-invariant; where the module
+offers the cut points of a compiled decode step (:mod:`mlxr_core.model.compiled`), decoding
+through :class:`~mlxr_core.model.compiled.CompiledDecode` gives the same logits in the same batch
+flow; and where the module's layers fuse (:func:`mlxr_core.model.fuse.fuse_model`), the fused
+module passes the same checks with the same logits.
 Third-party architectures run the same check::
 
     from mlxr_core.testing.conformance import TINY_CONFIG, check_architecture
@@ -20,6 +22,7 @@ The checks of the other plugin kinds are importable from here too, one line each
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -27,6 +30,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxr_core.model.cache import BatchKVCache
+from mlxr_core.model.compiled import CompiledDecode, unsupported
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.testing.api_check import check_api
 from mlxr_core.testing.decoding_check import check_decoder, check_sampler
@@ -142,7 +146,35 @@ def _check_model(
         cached = np.array(mx.concatenate(steps, axis=1)[0])
         _close(cached, expected, atol, f"cached decoding of a {len(prompt)}-token sequence")
 
-    # Batch: rows prefilled alone, joined (left padding), decoded together, one leaves.
+    _check_batch(arch, model, prompts, full, atol, eager_decode(model), "")
+    if unsupported(model) is None:
+        _check_batch(arch, model, prompts, full, atol, CompiledDecode(model), " (compiled decode step)")
+
+    check_hidden_states(arch, model, prompts, atol)
+    return full
+
+
+def eager_decode(model: nn.Module) -> Callable[[mx.array, list[Any], mx.array | None], mx.array]:
+    """One decode step through the module's forward pass: ``[B]`` tokens -> ``[B, vocab]``."""
+
+    def decode(tokens: mx.array, caches: list[Any], mask: mx.array | None) -> mx.array:
+        logits: mx.array = model(tokens[:, None], cache=caches, mask=mask)[:, -1]
+        return logits
+
+    return decode
+
+
+def _check_batch(
+    arch: Architecture,
+    model: nn.Module,
+    prompts: list[list[int]],
+    full: list[np.ndarray],
+    atol: float,
+    decode: Callable[[mx.array, list[Any], mx.array | None], mx.array],
+    how: str,
+) -> None:
+    """Rows prefilled alone, joined (left padding), decoded together through ``decode``, one
+    leaves and the other decodes on alone: each step's logits equal the one-pass ``full``."""
     rows = []
     for n, prompt in zip(LENGTHS, prompts, strict=True):
         cache = arch.make_cache(model)
@@ -152,18 +184,22 @@ def _check_model(
     for layer, other in zip(batch, rows[1], strict=True):
         layer.extend(other)
     for step in range(DECODE_STEPS + 1):
-        tokens = mx.array([[p[n - 1 + step]] for n, p in zip(LENGTHS, prompts, strict=True)])
-        out = np.array(model(tokens, cache=batch, mask=batch[0].mask())[:, -1])
+        tokens = mx.array([p[n - 1 + step] for n, p in zip(LENGTHS, prompts, strict=True)])
+        out = np.array(decode(tokens, batch, batch[0].mask()))
         for row, (n, expected) in enumerate(zip(LENGTHS, full, strict=True)):
-            _close(out[row], expected[n - 1 + step], atol, f"batch row {row}, decode step {step}")
+            _close(out[row], expected[n - 1 + step], atol, f"batch row {row}, decode step {step}{how}")
     for layer in batch:
         layer.filter([1])
     position = LENGTHS[1] + DECODE_STEPS  # the survivor decodes on alone, without a mask
-    alone = np.array(model(mx.array([[prompts[1][position]]]), cache=batch)[0, -1])
-    _close(alone, full[1][position], atol, "the remaining row after the other left")
-
-    check_hidden_states(arch, model, prompts, atol)
-    return full
+    alone = np.array(decode(mx.array([prompts[1][position]]), batch, None)[0])
+    _close(alone, full[1][position], atol, f"the remaining row after the other left{how}")
+    # One sequence in its own per-layer caches, as the drafting decoders keep it.
+    prompt, expected = prompts[0], full[0]
+    cache = arch.make_cache(model)
+    model(mx.array([prompt[:-2]]), cache=cache)
+    for position in (len(prompt) - 2, len(prompt) - 1):
+        single = np.array(decode(mx.array([prompt[position]]), cache, None)[0])
+        _close(single, expected[position], atol, f"decoding one sequence, position {position}{how}")
 
 
 def check_hidden_states(

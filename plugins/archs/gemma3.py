@@ -20,7 +20,14 @@ from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import KVCache
 from mlxr_core.model.fuse import fuse_into, gate_and_up
-from mlxr_plugins.archs.llama import CachedAttention, LlamaArgs, Rotary, final_hidden_states
+from mlxr_plugins.archs.llama import (
+    AttentionBlock,
+    CachedAttention,
+    CausalLM,
+    LlamaArgs,
+    Rotary,
+    final_hidden_states,
+)
 
 #: Hugging Face's default ``sliding_window_pattern``: every 6th layer attends globally.
 GLOBAL_EVERY = 6
@@ -110,11 +117,12 @@ class Attention(CachedAttention, nn.Module):
         self._rotary = rotary
         self._attention = kernels.attention
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
+    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Llama's, with queries and keys normed per head."""
         queries, keys, values = self.project(x)
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(keys).transpose(0, 2, 1, 3)
-        return self.attend(queries, keys, values.transpose(0, 2, 1, 3), mask, cache)
+        return queries, keys, values.transpose(0, 2, 1, 3)
 
 
 class MLP(nn.Module):
@@ -136,7 +144,7 @@ class MLP(nn.Module):
         return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
 
-class TransformerBlock(nn.Module):
+class TransformerBlock(AttentionBlock, nn.Module):
     """Pre- and post-norms around both attention and feed-forward (the post-norm before the residual)."""
 
     def __init__(self, args: Gemma3Args, kernels: KernelSet, rotary: Rotary, window: int | None):
@@ -149,8 +157,8 @@ class TransformerBlock(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(dims, eps, kernels)
         self.post_feedforward_layernorm = RMSNorm(dims, eps, kernels)
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), mask, cache))
+    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn.output(out))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -173,11 +181,15 @@ class Gemma3Model(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.embed_scale = math.sqrt(args.hidden_size)
 
+    def embed(self, inputs: mx.array) -> mx.array:
+        """``[B, L]`` token ids -> ``[B, L, hidden]``, scaled by ``sqrt(hidden_size)``."""
+        h = self.embed_tokens(inputs)
+        return h * mx.array(self.embed_scale, dtype=h.dtype)
+
     def __call__(
         self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
     ) -> mx.array:
-        h = self.embed_tokens(inputs)
-        h = h * mx.array(self.embed_scale, dtype=h.dtype)
+        h = self.embed(inputs)
         if mask is None and h.shape[1] > 1:
             mask = "causal"
         layer_caches = cache if cache is not None else [None] * len(self.layers)
@@ -186,7 +198,7 @@ class Gemma3Model(nn.Module):
         return self.norm(h)
 
 
-class Gemma3(nn.Module):
+class Gemma3(CausalLM, nn.Module):
     """The whole model: ``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
 
     def __init__(self, args: Gemma3Args, kernels: KernelSet):
@@ -196,22 +208,13 @@ class Gemma3(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
-    ) -> mx.array:
-        h = self.model(inputs, cache, mask)
-        if self.args.tie_word_embeddings:
-            logits = self.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.lm_head(h)
+    def lm_logits(self, h: mx.array) -> mx.array:
+        """Logits from final (normed) hidden states, soft-capped when the config says so."""
+        logits = super().lm_logits(h)
         cap = self.args.final_logit_softcapping
         if cap:
             logits = mx.tanh(logits / cap) * cap
         return logits
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
 
 
 #: Gemma's turn format, as in the instruction-tuned checkpoints' ``tokenizer_config.json`` (text

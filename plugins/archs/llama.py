@@ -147,10 +147,15 @@ class RMSNorm(nn.Module):
 
 class CachedAttention:
     """What the attention modules of the graphs built on these modules share: the query, key and
-    value projections (three layers, or one ``qkv_proj`` once fused), then RoPE at the cache's
-    offset, the cache update, the sliding window's mask, the attention kernel and the output
-    projection. A module mixing it in sets ``n_heads``, ``n_kv_heads``, ``head_dim``, ``scale``,
-    ``window``, ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``_rotary`` and ``_attention``."""
+    value projections (three layers, or one ``qkv_proj`` once fused), RoPE at the cache's offset,
+    the cache update, the sliding window's mask, the attention kernel and the output projection.
+    A module mixing it in sets ``n_heads``, ``n_kv_heads``, ``head_dim``, ``scale``, ``window``,
+    ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``_rotary`` and ``_attention``, and may
+    override :meth:`queries_keys_values` (per-head norms).
+
+    The forward pass is :meth:`attention_inputs`, then :meth:`attention` (the part that reads and
+    writes the cache), then :meth:`output`: a compiled decode step runs the first and the last
+    inside compiled graphs and the middle one eagerly (see :mod:`mlxr_core.model.compiled`)."""
 
     n_heads: int
     n_kv_heads: int
@@ -180,7 +185,20 @@ class CachedAttention:
         :mod:`mlxr_core.model.fuse`); False when they cannot be joined."""
         return fuse_into(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
 
-    def attend(
+    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """``[B, L, hidden]`` -> queries, keys, values as ``[B, heads, L, head_dim]``, before RoPE."""
+        queries, keys, values = self.project(x)
+        return queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3), values.transpose(0, 2, 1, 3)
+
+    def attention_inputs(
+        self, x: mx.array, offset: int | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries and keys rotated at ``offset`` (an int, or an array: scalar or one per row),
+        and values, as ``[B, heads, L, head_dim]``."""
+        queries, keys, values = self.queries_keys_values(x)
+        return self._rotary(queries, offset), self._rotary(keys, offset), values
+
+    def attention(
         self,
         queries: mx.array,
         keys: mx.array,
@@ -188,18 +206,26 @@ class CachedAttention:
         mask: str | mx.array | None,
         cache: KVCache | None,
     ) -> mx.array:
-        """``[B, heads, L, D]`` projections -> ``[B, L, hidden]``."""
-        B, _, L, _ = queries.shape
-        offset = cache.offset if cache is not None else 0
-        queries = self._rotary(queries, offset)
-        keys = self._rotary(keys, offset)
+        """The new positions' keys and values into ``cache``, then attention over all of it:
+        ``[B, heads, L, D]`` -> ``[B, heads, L, D]`` (heads not yet merged, so that a compiled
+        step does the merge inside its graph)."""
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         if self.window is not None:
-            mask = window_mask(mask, L, keys.shape[2], self.window)
-        out = self._attention(queries, keys, values, scale=self.scale, mask=mask)
+            mask = window_mask(mask, queries.shape[2], keys.shape[2], self.window)
+        out: mx.array = self._attention(queries, keys, values, scale=self.scale, mask=mask)
+        return out
+
+    def output(self, out: mx.array) -> mx.array:
+        """Attention's ``[B, heads, L, D]`` -> ``[B, L, hidden]``: heads merged, projected."""
+        B, _, L, _ = out.shape
         result: mx.array = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
         return result
+
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
+        """``[B, L, hidden]`` -> ``[B, L, hidden]``, advancing ``cache``."""
+        offset = cache.offset if cache is not None else 0
+        return self.output(self.attention(*self.attention_inputs(x, offset), mask, cache))
 
 
 class Attention(CachedAttention, nn.Module):
@@ -220,10 +246,6 @@ class Attention(CachedAttention, nn.Module):
         self._rotary = rotary
         self._attention = kernels.attention
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        queries, keys, values = (part.transpose(0, 2, 1, 3) for part in self.project(x))
-        return self.attend(queries, keys, values, mask, cache)
-
 
 class MLP(nn.Module):
     def __init__(self, args: LlamaArgs):
@@ -241,7 +263,38 @@ class MLP(nn.Module):
         return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"))
 
 
-class TransformerBlock(nn.Module):
+class AttentionBlock:
+    """A decoder block as :mod:`mlxr_core.model.compiled` cuts it: :meth:`attention_inputs` (the
+    input norm, projections and RoPE), :meth:`attention` (cache and kernel) and
+    ``after_attention`` (the rest), composed by ``__call__``. A block mixing it in holds
+    ``input_layernorm`` and a :class:`CachedAttention` ``self_attn``, and defines
+    ``after_attention(x, out)``."""
+
+    input_layernorm: Any
+    self_attn: Any
+
+    def attention_inputs(
+        self, x: mx.array, offset: int | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        inputs: tuple[mx.array, mx.array, mx.array] = self.self_attn.attention_inputs(
+            self.input_layernorm(x), offset
+        )
+        return inputs
+
+    def attention(self, *inputs: Any) -> mx.array:
+        """``self_attn``'s :meth:`CachedAttention.attention`."""
+        out: mx.array = self.self_attn.attention(*inputs)
+        return out
+
+    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
+        offset = cache.offset if cache is not None else 0
+        return self.after_attention(x, self.attention(*self.attention_inputs(x, offset), mask, cache))
+
+
+class TransformerBlock(AttentionBlock, nn.Module):
     def __init__(
         self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary, window: int | None = None
     ):
@@ -251,8 +304,8 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+        h = x + self.self_attn.output(out)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -267,10 +320,15 @@ class LlamaModel(nn.Module):
         ]
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
+    def embed(self, inputs: mx.array) -> mx.array:
+        """``[B, L]`` token ids -> ``[B, L, hidden]``."""
+        h: mx.array = self.embed_tokens(inputs)
+        return h
+
     def __call__(
         self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
     ) -> mx.array:
-        h = self.embed_tokens(inputs)
+        h = self.embed(inputs)
         if mask is None and h.shape[1] > 1:
             mask = "causal"
         layer_caches = cache if cache is not None else [None] * len(self.layers)
@@ -279,7 +337,42 @@ class LlamaModel(nn.Module):
         return self.norm(h)
 
 
-class Llama(nn.Module):
+class CausalLM:
+    """The top of a decoder-only model built on these modules: ``model(inputs [B, L], cache=...)
+    -> logits [B, L, vocab]`` as the backbone ``model`` (embedding, layers, final norm) followed by
+    :meth:`lm_logits`, plus the pieces a compiled decode step calls (:meth:`embed`,
+    :meth:`final_norm`, ``layers``). A module mixing it in sets ``args`` (with
+    ``tie_word_embeddings``), ``model`` and, untied, ``lm_head``."""
+
+    args: Any
+    model: Any
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
+    ) -> mx.array:
+        return self.lm_logits(self.model(inputs, cache, mask))
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        h: mx.array = self.model.embed(inputs)
+        return h
+
+    def final_norm(self, h: mx.array) -> mx.array:
+        normed: mx.array = self.model.norm(h)
+        return normed
+
+    def lm_logits(self, h: mx.array) -> mx.array:
+        """Logits from final (normed) hidden states."""
+        head: Any = self.model.embed_tokens.as_linear if self.args.tie_word_embeddings else self.lm_head  # type: ignore[attr-defined]
+        logits: mx.array = head(h)
+        return logits
+
+    @property
+    def layers(self) -> list[Any]:
+        layers: list[Any] = self.model.layers
+        return layers
+
+
+class Llama(CausalLM, nn.Module):
     """The whole model: ``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
 
     def __init__(self, args: LlamaArgs, kernels: KernelSet):
@@ -288,18 +381,6 @@ class Llama(nn.Module):
         self.model = LlamaModel(args, kernels)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
-    ) -> mx.array:
-        h = self.model(inputs, cache, mask)
-        if self.args.tie_word_embeddings:
-            return self.model.embed_tokens.as_linear(h)
-        return self.lm_head(h)
-
-    @property
-    def layers(self) -> list[TransformerBlock]:
-        return self.model.layers
 
 
 def final_hidden_states(model: nn.Module, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:

@@ -24,7 +24,6 @@ import mlx.nn as nn
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
-from mlxr_core.model.cache import KVCache
 from mlxr_core.model.fuse import gate_and_up, swiglu
 from mlxr_plugins.archs import llama
 from mlxr_plugins.archs.llama import LlamaArchitecture, LlamaArgs, Rotary, base_freqs
@@ -144,10 +143,6 @@ class Attention(llama.CachedAttention, nn.Module):
         self.window = window
         self._rotary = rotary
         self._attention = kernels.attention
-
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        queries, keys, values = (part.transpose(0, 2, 1, 3) for part in self.project(x))
-        return self.attend(queries, keys, values, mask, cache)
 
 
 class MLP(nn.Module):

@@ -15,7 +15,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxr_core.kernels import KernelSet
-from mlxr_core.model.cache import KVCache
 from mlxr_plugins.archs import llama
 from mlxr_plugins.archs.llama import LlamaArgs, RMSNorm, Rotary
 from mlxr_plugins.archs.qwen2 import Qwen2Architecture, Qwen2Args, sliding_window_context
@@ -37,11 +36,12 @@ class Attention(llama.Attention):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
+    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Llama's, with queries and keys normed per head."""
         queries, keys, values = self.project(x)
         queries = self.q_norm(queries).transpose(0, 2, 1, 3)
         keys = self.k_norm(keys).transpose(0, 2, 1, 3)
-        return self.attend(queries, keys, values.transpose(0, 2, 1, 3), mask, cache)
+        return queries, keys, values.transpose(0, 2, 1, 3)
 
 
 class Qwen3(llama.Llama):

@@ -50,9 +50,8 @@ class PlainDecoder:
         *,
         prefill_chunk: int,
     ) -> Iterator[int]:
-        def step(tokens: mx.array) -> mx.array:
-            logits = model.model(tokens[None], cache=cache)
-            return sampler(logits[:, -1, :])
+        def step(token: mx.array) -> mx.array:
+            return sampler(model.decode(token, cache))
 
         token = step(prefill(model, cache, prompt_ids, prefill_chunk))
         mx.async_eval(token)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlxr_core.config.schema import ModelConfig
-from mlxr_core.kernels import bind_kernels, current_platform
+from mlxr_core.kernels import bind_kernels
 from mlxr_core.model.fuse import concat_linears, fuse_model
 from mlxr_core.model.loader import load_model
 from mlxr_core.model.quantize import route_quantized_linears
@@ -119,12 +119,10 @@ def test_the_conformance_check_catches_a_broken_fused_path(kernels, monkeypatch)
 
 @pytest.mark.parametrize("setting", [None, True, False])
 def test_the_loader_fuses_as_configured(tiny_gguf, setting):
-    # The default (None) fuses on a GPU only.
-    fused = setting if setting is not None else current_platform()[0] == "gpu"
-    loaded = load_model(
-        ModelConfig(path=str(tiny_gguf), dtype="float32", fuse_projections=setting),
-        load_plugins().registries,
-    )
+    # By default it fuses, on every device.
+    fused = setting if setting is not None else True
+    extra = {} if setting is None else {"fuse_projections": setting}
+    loaded = load_model(ModelConfig(path=str(tiny_gguf), dtype="float32", **extra), load_plugins().registries)
     attention = loaded.model.layers[0].self_attn
     assert ("qkv_proj" in attention) == fused and ("q_proj" in attention) != fused
     assert ("gate_up_proj" in loaded.model.layers[0].mlp) == fused

@@ -31,7 +31,9 @@ def files(tmp_path_factory):
 
 
 def load(path, registries, policy):
-    return load_model(ModelConfig(path=str(path), dtype="float32", quantization=policy), registries)
+    # Unfused, so that each layer of the checkpoint is its own module to inspect.
+    config = ModelConfig(path=str(path), dtype="float32", quantization=policy, fuse_projections=False)
+    return load_model(config, registries)
 
 
 def up_proj(loaded):

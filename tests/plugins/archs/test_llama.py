@@ -43,7 +43,8 @@ def tiny_paths(tmp_path_factory):
 
 def load(path, registries, backend="auto", dtype="float32", quantization="keep"):
     kernels = {} if backend == "auto" else dict.fromkeys(OPS, backend)
-    config = ModelConfig(path=str(path), dtype=dtype, kernels=kernels, quantization=quantization)
+    config = ModelConfig(path=str(path), dtype=dtype, kernels=kernels, quantization=quantization,
+                         fuse_projections=False)  # the checkpoint's layers, to inspect
     return load_model(config, registries)
 
 

@@ -340,7 +340,8 @@ def test_weights_that_do_not_fit_the_graph_name_the_tensor(tmp_path, registries)
 
 def test_mlx_lm_folder_keeps_its_packing_through_the_loader(registries):
     config = ModelConfig(
-        path=str(TINY_HF / "llama_mlx_q4"), dtype="float32", quantization="keep", kernels=KERNELS
+        path=str(TINY_HF / "llama_mlx_q4"), dtype="float32", quantization="keep", kernels=KERNELS,
+        fuse_projections=False,
     )
     loaded = load_model(config, registries)
     assert loaded.metadata["producer"] == "mlx-lm"

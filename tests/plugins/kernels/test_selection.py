@@ -191,7 +191,8 @@ def test_packed_linear_layers_run_the_chosen_quantized_matmul(tmp_path, backend)
 
     path = write_tiny_llama_gguf(tmp_path / "q4.gguf", quant="q4_0")
     registries = load_plugins().registries
-    config = ModelConfig(path=str(path), kernels={"quantized_matmul": backend}, quantization="keep")
+    config = ModelConfig(path=str(path), kernels={"quantized_matmul": backend}, quantization="keep",
+                         fuse_projections=False)
     loaded = load_model(config, registries)
     assert loaded.kernels.chosen["quantized_matmul"] == backend
     q_proj = loaded.model.model.layers[0].self_attn.q_proj

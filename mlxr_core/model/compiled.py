@@ -1,0 +1,125 @@
+"""Decode steps as compiled graphs between the attention layers' caches.
+
+A one-token decode step of a small model is bound by the host, not the device: building the step's
+graph op by op in Python and launching each op as its own kernel takes longer than the device needs
+for the weights (Llama-3.2-1B shape on an H100: ~1 ms building and ~1.5 ms launching per token,
+against ~1 ms of weight reads; see ``bench/decode_profile.py``). ``mx.compile`` replays a traced
+graph from C++ and fuses its elementwise ops, which cuts both.
+
+What cannot be compiled is the attention over the cache: the cache grows every step (a new shape,
+so a new trace) and is updated in place. So the step is cut at each layer's attention. Between two
+attentions, everything is one compiled function of fixed shapes (``[B, 1, hidden]``): the previous
+layer's output projection, residuals, norms and MLP, then this layer's norm, projections and RoPE.
+Its inputs are the running hidden state, the previous attention's output and the rotary offset (an
+array, so a new position is not a new trace); each is traced once per batch size. The cache update,
+the window mask and the attention kernel run eagerly between them, through the same methods the
+eager forward pass calls, so both paths compute the same graph.
+
+An architecture offers this by giving its decoder blocks three methods (the eager ``__call__`` is
+their composition):
+
+- ``attention_inputs(x, offset) -> (queries, keys, values)``, each ``[B, heads, L, head_dim]``,
+  queries and keys rotated at ``offset``;
+- ``attention(queries, keys, values, mask, cache) -> out``: the cache update and the attention
+  kernel, as few ops as can be (``out`` is whatever ``after_attention`` takes: the built-in
+  blocks pass ``[B, heads, L, head_dim]`` and merge the heads after);
+- ``after_attention(x, out) -> [B, L, hidden]``: the rest of the block;
+
+and the module (as built) ``embed(inputs)``, ``final_norm(h)`` and ``lm_logits(h)``, with ``layers``.
+:func:`unsupported` names what a module lacks; the loader then keeps the eager step. A module may
+also have the methods and still compute something else in its forward pass (a subclass that
+overrides ``__call__`` to scale the logits, say): the loader runs one step both ways on the real
+weights (:func:`disagreement`) and keeps the eager step, with a warning, when they differ.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+BLOCK_METHODS = ("attention_inputs", "attention", "after_attention")
+MODEL_METHODS = ("embed", "final_norm", "lm_logits")
+
+
+def unsupported(model: nn.Module) -> str | None:
+    """Why ``model`` cannot decode through :class:`CompiledDecode`, or None when it can."""
+    missing = [name for name in MODEL_METHODS if not callable(getattr(model, name, None))]
+    layers = getattr(model, "layers", None)
+    if not layers:
+        missing.append("layers")
+    else:
+        missing += [
+            f"layers[].{name}"
+            for name in BLOCK_METHODS
+            if not all(callable(getattr(layer, name, None)) for layer in layers)
+        ]
+    return f"the module lacks {', '.join(missing)}" if missing else None
+
+
+class CompiledDecode:
+    """``decode(tokens [B], caches, mask) -> logits [B, vocab]`` of one decode step, compiled
+    between attentions (see the module). ``caches`` are the model's per-layer caches (one
+    ``KVCache`` each, or the engine's ``BatchKVCache``), advanced in place as by a forward pass;
+    ``mask`` is the batch's padding mask or None."""
+
+    def __init__(self, model: nn.Module):
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"cannot compile the decode step: {reason}")
+        self.layers: list[Any] = list(model.layers)  # type: ignore[attr-defined]
+        first, last = self.layers[0], self.layers[-1]
+        module: Any = model
+
+        def enter(tokens: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+            h = module.embed(tokens[:, None])
+            return (h, *first.attention_inputs(h, offset))
+
+        def between(done: Any, following: Any) -> Callable[..., tuple[mx.array, ...]]:
+            def step(h: mx.array, out: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+                h = done.after_attention(h, out)
+                return (h, *following.attention_inputs(h, offset))
+
+            return step
+
+        def leave(h: mx.array, out: mx.array) -> mx.array:
+            logits: mx.array = module.lm_logits(module.final_norm(last.after_attention(h, out)))
+            return logits[:, -1, :]
+
+        self._enter = mx.compile(enter)
+        self._between = [mx.compile(between(a, b)) for a, b in itertools.pairwise(self.layers)]
+        self._leave = mx.compile(leave)
+
+    def __call__(self, tokens: mx.array, caches: list[Any], mask: mx.array | None = None) -> mx.array:
+        offset = caches[0].offset
+        if not isinstance(offset, mx.array):
+            offset = mx.array(offset, dtype=mx.int32)
+        h, queries, keys, values = self._enter(tokens, offset)
+        for index, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            out = layer.attention(queries, keys, values, mask, cache)
+            if index < len(self._between):
+                h, queries, keys, values = self._between[index](h, out, offset)
+        return self._leave(h, out)
+
+
+def disagreement(model: nn.Module, make_cache: Callable[[], list[Any]], compiled: CompiledDecode) -> str | None:
+    """Why ``compiled`` does not compute ``model``'s decode step, or None when it does: one step
+    after a 3-token prefill, both ways, on the model's own weights; their logits must agree to
+    rounding (1% of the largest logit). Traces the compiled functions for one row on the way."""
+    prompt = mx.array([[1, 2, 3]], dtype=mx.int32)
+    token = mx.array([4], dtype=mx.int32)
+    caches = [make_cache(), make_cache()]
+    for cache in caches:
+        model(prompt, cache=cache)
+    eager = model(token[:, None], cache=caches[0])[:, -1, :].astype(mx.float32)
+    mine = compiled(token, caches[1]).astype(mx.float32)
+    if mine.shape != eager.shape:
+        return f"logits of shape {tuple(mine.shape)}, the forward pass gives {tuple(eager.shape)}"
+    worst = float(mx.abs(mine - eager).max().item())  # type: ignore[arg-type]
+    scale = float(mx.abs(eager).max().item())  # type: ignore[arg-type]
+    if not worst <= 1e-2 * max(scale, 1.0):  # also catches NaN
+        return f"logits differ from the forward pass's by up to {worst:.3g} (largest logit {scale:.3g})"
+    return None
