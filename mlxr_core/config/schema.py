@@ -95,10 +95,9 @@ class ModelConfig:
     #: outputs. See :mod:`mlxr_core.model.fuse`.
     fuse_projections: bool = True
     #: Run each one-token decode step as compiled graphs (``mx.compile``) cut at the attention
-    #: layers' caches: less Python and fewer kernel launches per token, same logits. None
-    #: (default): on a GPU; true/false force it. Architectures that do not offer the cut points
-    #: decode eagerly. See :mod:`mlxr_core.model.compiled`.
-    compile_decode: bool | None = None
+    #: layers' caches: less Python and fewer kernel launches per token, same logits. Architectures
+    #: that do not offer the cut points decode eagerly. See :mod:`mlxr_core.model.compiled`.
+    compile_decode: bool = True
 
 
 @attrs.define

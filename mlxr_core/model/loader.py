@@ -204,11 +204,10 @@ def load_model(
         registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices
     )
     model = build_model(checkpoint, arch, kernels, model_config.quantization, dtype)
-    on_gpu = current_platform()[0] == "gpu"
     if model_config.fuse_projections:
         log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
     compiled = None
-    if model_config.compile_decode if model_config.compile_decode is not None else on_gpu:
+    if model_config.compile_decode:
         reason = unsupported(model)
         if reason is None:
             compiled = CompiledDecode(model)
@@ -217,8 +216,8 @@ def load_model(
                 compiled = None
                 log.warning("%s: decoding eagerly, the compiled decode step does not match the model: %s",
                             path.name, reason)
-        elif model_config.compile_decode:
-            log.warning("%s: decoding eagerly, the decode step cannot be compiled: %s", path.name, reason)
+        else:
+            log.info("%s: decoding eagerly, the decode step cannot be compiled: %s", path.name, reason)
 
     context_length = model_config.context_length or arch.context_length(config)
     name = model_config.name or path.stem

@@ -19,7 +19,6 @@ from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
 from mlxr_core.errors import ModelLoadError
-from mlxr_core.kernels import current_platform
 from mlxr_core.model.compiled import CompiledDecode, unsupported
 from mlxr_core.model.loader import load_model
 from mlxr_core.plugins import load_plugins
@@ -61,10 +60,9 @@ def test_the_conformance_check_catches_a_compiled_step_that_differs(monkeypatch)
 
 @pytest.mark.parametrize("setting", [None, True, False])
 def test_the_loader_compiles_as_configured(tiny_gguf, setting):
-    compiled = setting if setting is not None else current_platform()[0] == "gpu"
-    loaded = load_model(
-        ModelConfig(path=str(tiny_gguf), dtype="float32", compile_decode=setting), load_plugins().registries
-    )
+    compiled = setting if setting is not None else True  # on by default
+    extra = {} if setting is None else {"compile_decode": setting}
+    loaded = load_model(ModelConfig(path=str(tiny_gguf), dtype="float32", **extra), load_plugins().registries)
     assert (loaded.compiled_decode is not None) == compiled
 
 
