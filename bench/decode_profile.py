@@ -8,12 +8,13 @@ its kernels as CUDA graphs of that many nodes; 20 by default; a worker process p
 same bare greedy loop (double-buffered with ``mx.async_eval``, like mlx-lm's ``generate_step``) over:
 
 - ``mlx_lm``: mlx-lm's own Llama module on the folder;
-- ``mlxr``: mlxr's model loaded from the same folder by ``mlxr_core.model.loader.load_model``;
-- ``mlxr_fused``: the same with its query/key/value and gate/up projections joined
-  (``mlxr_core.model.fuse``);
-- ``mlxr_fused_compiled``: that model's decode step with each layer as two ``mx.compile``d blocks
-  around the eager cache update and attention (:class:`CompiledLayersStep`);
-- ``mlxr_fused_merged``: the same with one compiled block from each attention to the next.
+- ``mlxr_eager``: mlxr's model loaded from the same folder by ``mlxr_core.model.loader.load_model``,
+  neither fused nor compiled;
+- ``mlxr_fused``: with its query/key/value and gate/up projections joined
+  (``models[].fuse_projections``, :mod:`mlxr_core.model.fuse`);
+- ``mlxr_compiled``: with its decode step compiled between attentions
+  (``models[].compile_decode``, :mod:`mlxr_core.model.compiled`);
+- ``mlxr_fused_compiled``: both (mlxr's default on a GPU).
 
 Per variant it reports decode tokens/s (rounds alternate the variants) and, from a synchronous
 loop, the per-token milliseconds spent building the graph in Python (``build_ms``), in
@@ -26,7 +27,6 @@ bounds decode, not the device. Prints JSON; this is a profiling tool, not a peer
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -94,78 +94,19 @@ class Step:
         return mx.argmax(self.model(tokens, cache=cache)[:, -1, :], axis=-1)
 
 
-def _pre(layer: Any, x: Any, offset: Any) -> tuple[Any, Any, Any]:
-    """A layer up to its attention: norm, projections, RoPE at ``offset``."""
-    attention = layer.self_attn
-    queries, keys, values = (
-        part.transpose(0, 2, 1, 3) for part in attention.project(layer.input_layernorm(x))
-    )
-    return attention._rotary(queries, offset), attention._rotary(keys, offset), values
+class LoadedStep(Step):
+    """mlxr's model as loaded, stepping through :meth:`LoadedModel.decode` (compiled or eager)."""
 
-
-def _post(layer: Any, x: Any, out: Any) -> Any:
-    """A layer after its attention: output projection, residual, norm, MLP, residual."""
-    B, _, L, _ = out.shape
-    h = x + layer.self_attn.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
-
-
-class CompiledLayersStep(Step):
-    """A decode step run as ``mx.compile``d blocks around each layer's eager cache update and
-    attention. ``merged``: one block from each attention to the next (the previous layer's
-    ``post``, this layer's ``pre``; the embedding before the first, the head after the last);
-    else two blocks per layer. Prompts (more than one position) run the model as it is."""
-
-    def __init__(self, model: Any, make_cache: Any, merged: bool):
-        import mlx.core as mx
-
-        super().__init__(model, make_cache)
-        self.merged = merged
-        layers = model.layers
-        self.attentions = [layer.self_attn for layer in layers]
-
-        def head(h: Any) -> Any:
-            h = model.model.norm(h)
-            logits = model.model.embed_tokens.as_linear(h) if model.args.tie_word_embeddings else model.lm_head(h)
-            return mx.argmax(logits[:, -1, :], axis=-1)
-
-        if merged:
-            first = layers[0]
-            self.first = mx.compile(lambda tokens, offset: (h := model.model.embed_tokens(tokens), *_pre(first, h, offset)))
-            self.between = [
-                mx.compile(lambda h, out, offset, a=a, b=b: (h := _post(a, h, out), *_pre(b, h, offset)))
-                for a, b in itertools.pairwise(layers)
-            ]
-            last = layers[-1]
-            self.last = mx.compile(lambda h, out: head(_post(last, h, out)))
-        else:
-            self.pres = [mx.compile(lambda x, offset, layer=layer: _pre(layer, x, offset)) for layer in layers]
-            self.posts = [mx.compile(lambda x, out, layer=layer: _post(layer, x, out)) for layer in layers]
-            self.head = mx.compile(head)
-
-    def _attend(self, index: int, layer_cache: Any, queries: Any, keys: Any, values: Any) -> Any:
-        attention = self.attentions[index]
-        keys, values = layer_cache.update_and_fetch(keys, values)
-        return attention._attention(queries, keys, values, scale=attention.scale, mask=None)
+    def __init__(self, loaded: Any):
+        super().__init__(loaded.model, loaded.make_cache)
+        self.loaded = loaded
 
     def __call__(self, tokens: Any, cache: Any) -> Any:
         import mlx.core as mx
 
         if tokens.shape[1] != 1:
             return super().__call__(tokens, cache)
-        offset = mx.array(cache[0].offset, dtype=mx.int32)
-        if self.merged:
-            h, queries, keys, values = self.first(tokens, offset)
-            out = self._attend(0, cache[0], queries, keys, values)
-            for index, block in enumerate(self.between, start=1):
-                h, queries, keys, values = block(h, out, offset)
-                out = self._attend(index, cache[index], queries, keys, values)
-            return self.last(h, out)
-        h = self.model.model.embed_tokens(tokens)
-        for index, (pre, post) in enumerate(zip(self.pres, self.posts, strict=True)):
-            out = self._attend(index, cache[index], *pre(h, offset))
-            h = post(h, out)
-        return self.head(h)
+        return mx.argmax(self.loaded.decode(tokens[:, 0], cache), axis=-1)
 
 
 def variants(folder: Path) -> dict[str, Step]:
@@ -174,23 +115,26 @@ def variants(folder: Path) -> dict[str, Step]:
     from mlx_lm.utils import load_model as mlx_lm_load
 
     from mlxr_core.config.schema import ModelConfig
-    from mlxr_core.model.fuse import fuse_model
     from mlxr_core.model.loader import load_model
     from mlxr_core.plugins import load_plugins
 
     peer, _ = mlx_lm_load(folder)
     mx.eval(peer.parameters())
     registries = load_plugins().registries
-    config = ModelConfig(path=str(folder), name="bench", dtype="bfloat16", quantization="keep")
-    ours = load_model(config, registries)
-    fused = load_model(config, registries)
-    fuse_model(fused.model)
+
+    def ours(fuse: bool, compile_decode: bool) -> LoadedStep:
+        config = ModelConfig(
+            path=str(folder), name="bench", dtype="bfloat16", quantization="keep",
+            fuse_projections=fuse, compile_decode=compile_decode,
+        )
+        return LoadedStep(load_model(config, registries))
+
     return {
         "mlx_lm": Step(peer, lambda: make_prompt_cache(peer)),
-        "mlxr": Step(ours.model, ours.make_cache),
-        "mlxr_fused": Step(fused.model, fused.make_cache),
-        "mlxr_fused_compiled": CompiledLayersStep(fused.model, fused.make_cache, merged=False),
-        "mlxr_fused_merged": CompiledLayersStep(fused.model, fused.make_cache, merged=True),
+        "mlxr_eager": ours(fuse=False, compile_decode=False),
+        "mlxr_fused": ours(fuse=True, compile_decode=False),
+        "mlxr_compiled": ours(fuse=False, compile_decode=True),
+        "mlxr_fused_compiled": ours(fuse=True, compile_decode=True),
     }
 
 

@@ -1,0 +1,116 @@
+"""Where the engine thread's time goes during single-stream decode: cProfile of the scheduler loop.
+
+    python bench/engine_profile.py [--smoke] [--weights bf16] [--gen-tokens 256] [--top 30]
+
+Writes the Llama-3.2-1B-shaped random weights of ``gpu_decode.py``, serves them from an engine
+(mlxr's defaults for the device), decodes one greedy stream and prints the engine thread's profile
+(sorted by own time), beside the decode tokens/s of the engine (its events read by a consumer
+thread, and on the calling thread) and of the same loaded model in a bare loop (on the calling
+thread, and on a thread of its own), then of the engine under the profiler. A diagnostic, not a
+peer comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def engine_on_this_thread(engine: Any, prompt: list[int], gen: int) -> float:
+    """Single-stream decode tokens/s with the events read on the calling thread (no consumer
+    thread: one thread fewer asking for the GIL each token)."""
+    from mlxr_core.engine.request import Finished, GenerationRequest, SamplingParams
+
+    params = SamplingParams(max_tokens=gen, temperature=0.0, extra={"ignore_eos": True})
+    events = list(engine.submit(GenerationRequest(model="bench", prompt_ids=prompt, params=params)))
+    done = events[-1]
+    assert isinstance(done, Finished)
+    return (gen - 1) / (done.total_s - done.ttft_s)
+
+
+def bare_on_a_thread(engine: Any, prompt: list[int], gen: int, bare: Any) -> float:
+    """The bare loop run on a thread of its own, as the engine runs MLX."""
+    import threading
+
+    result: dict[str, float] = {}
+    thread = threading.Thread(target=lambda: result.update(bare(engine, prompt, gen)))
+    thread.start()
+    thread.join()
+    return result["decode_tps"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--gen-tokens", type=int, default=256)
+    parser.add_argument("--weights", default="bf16", choices=["bf16", "q4"])
+    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
+    args = parser.parse_args()
+
+    from gpu_decode import LLAMA_1B, SMOKE, mlxr_bare_decode, mlxr_decode, write_folders
+
+    from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
+    from mlxr_core.engine import scheduler
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.plugins import load_plugins
+
+    profile = cProfile.Profile()
+    active = {"on": False}
+    original = scheduler.BatchRunner.step
+
+    def profiled_step(self: Any) -> None:
+        if not active["on"]:
+            return original(self)
+        profile.enable()
+        try:
+            return original(self)
+        finally:
+            profile.disable()
+
+    scheduler.BatchRunner.step = profiled_step  # type: ignore[method-assign]
+    prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)[args.weights]
+        config = Config(
+            models=[ModelConfig(path=str(folder), name="bench", dtype="bfloat16", quantization="keep")],
+            engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
+        )
+        engine = Engine(config, load_plugins())
+        engine.start()
+        try:
+            mlxr_decode(engine, prompt, 16, 1)
+            mlxr_bare_decode(engine, prompt, 16)
+            for _ in range(args.rounds):
+                plain = mlxr_decode(engine, prompt, args.gen_tokens, 1)["decode_tps"]
+                direct = engine_on_this_thread(engine, prompt, args.gen_tokens)
+                bare = mlxr_bare_decode(engine, prompt, args.gen_tokens)["decode_tps"]
+                threaded = bare_on_a_thread(engine, prompt, args.gen_tokens, mlxr_bare_decode)
+                print(f"engine {plain:.0f} tok/s (read on this thread: {direct:.0f}), bare loop "
+                      f"{bare:.0f} tok/s (on another thread: {threaded:.0f})", flush=True)
+            active["on"] = True
+            profiled = mlxr_decode(engine, prompt, args.gen_tokens, 1)["decode_tps"]
+            active["on"] = False
+            print(f"engine under the profiler {profiled:.0f} tok/s "
+                  f"(decode step: {'compiled' if engine.model('bench').compiled_decode else 'eager'})")
+        finally:
+            engine.stop()
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.top)
+    print(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
