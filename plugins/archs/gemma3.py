@@ -117,6 +117,8 @@ class Attention(CachedAttention, nn.Module):
         self._rotary = rotary
         self._attention = kernels.attention
 
+    head_norms = True
+
     def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Llama's, with queries and keys normed per head."""
         queries, keys, values = self.project(x)

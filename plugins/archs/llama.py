@@ -163,6 +163,8 @@ class CachedAttention:
     scale: float
     window: int | None
     o_proj: nn.Module
+    #: Whether :meth:`queries_keys_values` norms queries and keys per head (Qwen3, Gemma 3).
+    head_norms = False
     _rotary: Any
     _attention: Any
 
@@ -194,7 +196,16 @@ class CachedAttention:
         self, x: mx.array, offset: int | mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
         """Queries and keys rotated at ``offset`` (an int, or an array: scalar or one per row),
-        and values, as ``[B, heads, L, head_dim]``."""
+        and values, as ``[B, heads, L, head_dim]``. With one ``qkv_proj`` and no per-head norms,
+        the query and key heads lie side by side in its output and are rotated by one RoPE call
+        (one kernel fewer per layer)."""
+        if not self.head_norms and "qkv_proj" in self:  # type: ignore[operator]
+            B, L, _ = x.shape
+            module: Any = self
+            heads = module.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+            q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
+            rotated = self._rotary(heads[:, :k_end], offset)
+            return rotated[:, :q_end], rotated[:, q_end:], heads[:, k_end:]
         queries, keys, values = self.queries_keys_values(x)
         return self._rotary(queries, offset), self._rotary(keys, offset), values
 

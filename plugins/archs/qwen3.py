@@ -36,6 +36,8 @@ class Attention(llama.Attention):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
 
+    head_norms = True
+
     def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Llama's, with queries and keys normed per head."""
         queries, keys, values = self.project(x)

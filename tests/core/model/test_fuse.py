@@ -106,13 +106,13 @@ def test_the_conformance_check_catches_a_broken_fused_path(kernels, monkeypatch)
 
     registries, bind = kernels
     config = {**TINY_CONFIG, "model_type": "llama"}
-    original = llama.CachedAttention.project
+    original = llama.CachedAttention.attention_inputs
 
-    def swapped(self, x):
-        queries, keys, values = original(self, x)
+    def swapped(self, x, offset):
+        queries, keys, values = original(self, x, offset)
         return (queries, values, keys) if "qkv_proj" in self else (queries, keys, values)
 
-    monkeypatch.setattr(llama.CachedAttention, "project", swapped)
+    monkeypatch.setattr(llama.CachedAttention, "attention_inputs", swapped)
     with pytest.raises(AssertionError, match="fused"):
         check_architecture(registries.archs.get("llama"), config, bind(config))
 
