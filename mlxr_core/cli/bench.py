@@ -312,6 +312,8 @@ class ModelSummary:
     model_bytes: int
     device: str
     platform: str
+    #: "compiled" or "eager" (``models[].compile_decode`` and whether the graph allows it).
+    decode_step: str = "eager"
 
 
 class _LoadObserver:
@@ -340,6 +342,7 @@ class _LoadObserver:
             model_bytes=model.nbytes,
             device=device,
             platform=platform,
+            decode_step="compiled" if model.compiled_decode is not None else "eager",
         )
 
 
@@ -424,6 +427,7 @@ def bench(
             "quantization": quantization,
             "weights": summary.weights,
             "kernels": dict(summary.kernels),
+            "decode_step": summary.decode_step,
             "prompt_tokens": prompt_tokens,
             "gen_tokens": gen_tokens,
             "repeat": repeat,

@@ -37,6 +37,7 @@ def test_report_has_every_figure(tiny_path: Path, capsys: pytest.CaptureFixture[
     assert report["quantization"] == "auto" and report["weights"] in {"quantized", "dense"}
     assert report["prefix_cache"] is False
     assert set(report["kernels"]) >= {"attention", "rms_norm", "rope"}
+    assert report["decode_step"] == "compiled"  # the default, and the llama graph allows it
     assert report["prompt_tokens"] == 12 and report["gen_tokens"] == 5 and report["repeat"] == 2
     for field in ("prompt_tps", "decode_tps", "ttft_s", "peak_memory_bytes", "model_bytes"):
         assert report[field] > 0, field
