@@ -211,7 +211,10 @@ def load_model(
         reason = unsupported(model)
         if reason is None:
             compiled = CompiledDecode(model)
-            reason = disagreement(model, lambda: arch.make_cache(model), compiled)
+            try:
+                reason = disagreement(model, lambda: arch.make_cache(model), compiled)
+            except Exception as exc:  # an op the compiler refuses, say: the eager step still serves
+                reason = f"one step through it raised {type(exc).__name__}: {exc}"
             if reason is not None:
                 compiled = None
                 log.warning("%s: decoding eagerly, the compiled decode step does not match the model: %s",

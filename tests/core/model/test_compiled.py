@@ -170,3 +170,25 @@ def test_a_module_whose_forward_pass_differs_from_its_pieces_decodes_eagerly(tin
         )
     assert loaded.compiled_decode is None
     assert "decoding eagerly, the compiled decode step does not match the model: logits differ" in caplog.text
+
+
+def test_a_compiled_step_that_raises_at_load_leaves_the_eager_step(tiny_gguf, caplog, monkeypatch):
+    def broken(self, h, out):
+        raise RuntimeError("no compiled kernel for this op")
+
+    from mlxr_plugins.archs import llama
+
+    monkeypatch.setattr(llama.TransformerBlock, "after_attention", broken)
+    # The eager forward pass calls after_attention too; keep it working for the module's own
+    # __call__ only, so that just the compiled path raises.
+    monkeypatch.setattr(
+        llama.TransformerBlock, "__call__",
+        lambda self, x, mask, cache: x + self.self_attn(self.input_layernorm(x), mask, cache),
+    )
+    with caplog.at_level("WARNING", logger="mlxr_core.model.loader"):
+        loaded = load_model(
+            ModelConfig(path=str(tiny_gguf), dtype="float32", compile_decode=True), load_plugins().registries
+        )
+    assert loaded.compiled_decode is None
+    assert "one step through it raised RuntimeError: no compiled kernel for this op" in caplog.text
+    assert loaded.decode(mx.array([1]), loaded.make_cache()).shape[0] == 1  # eager still serves
