@@ -22,8 +22,8 @@ from mlxr_core.model.cache import KVCache
 from mlxr_core.model.fuse import fuse_into, gate_and_up
 from mlxr_plugins.archs.llama import (
     AttentionBlock,
-    CachedAttention,
     CausalLM,
+    HeadNormedAttention,
     LlamaArgs,
     Rotary,
     final_hidden_states,
@@ -99,7 +99,7 @@ class RMSNorm(nn.Module):
         return self._rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-class Attention(CachedAttention, nn.Module):
+class Attention(HeadNormedAttention, nn.Module):
     def __init__(self, args: Gemma3Args, kernels: KernelSet, rotary: Rotary, window: int | None):
         super().__init__()
         assert args.head_dim is not None and args.num_key_value_heads is not None
@@ -116,15 +116,6 @@ class Attention(CachedAttention, nn.Module):
         self.window = window
         self._rotary = rotary
         self._attention = kernels.attention
-
-    head_norms = True
-
-    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Llama's, with queries and keys normed per head."""
-        queries, keys, values = self.project(x)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
-        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
-        return queries, keys, values.transpose(0, 2, 1, 3)
 
 
 class MLP(nn.Module):

@@ -239,6 +239,21 @@ class CachedAttention:
         return self.output(self.attention(*self.attention_inputs(x, offset), mask, cache))
 
 
+class HeadNormedAttention(CachedAttention):
+    """Queries and keys RMS-normalized per head before RoPE (Qwen3, Gemma 3): a module mixing it
+    in sets ``q_norm`` and ``k_norm`` as well."""
+
+    head_norms = True
+    q_norm: Any
+    k_norm: Any
+
+    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        queries, keys, values = self.project(x)
+        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
+        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
+        return queries, keys, values.transpose(0, 2, 1, 3)
+
+
 class Attention(CachedAttention, nn.Module):
     def __init__(
         self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary, window: int | None = None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
 
 from mlxr_core.kernels import KernelSet
@@ -27,7 +26,7 @@ class Qwen3Args(Qwen2Args):
     head_dim: int | None = 128
 
 
-class Attention(llama.Attention):
+class Attention(llama.HeadNormedAttention, llama.Attention):
     """Llama attention whose queries and keys are RMS-normalized per head, before RoPE."""
 
     def __init__(self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary):
@@ -35,15 +34,6 @@ class Attention(llama.Attention):
         assert args.head_dim is not None
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
-
-    head_norms = True
-
-    def queries_keys_values(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """Llama's, with queries and keys normed per head."""
-        queries, keys, values = self.project(x)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
-        keys = self.k_norm(keys).transpose(0, 2, 1, 3)
-        return queries, keys, values.transpose(0, 2, 1, 3)
 
 
 class Qwen3(llama.Llama):
