@@ -35,9 +35,11 @@ class KVCache:
             self._grow(keys, values, start + length)
         assert self.keys is not None and self.values is not None
         self.offset = start + length
-        self.keys[..., start : self.offset, :] = keys
-        self.values[..., start : self.offset, :] = values
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        # Explicit slices, not ``...``: this runs once per layer and token, and MLX parses an
+        # index with an ellipsis a third slower.
+        self.keys[:, :, start : self.offset] = keys
+        self.values[:, :, start : self.offset] = values
+        return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         capacity = -(-needed // self.step) * self.step
@@ -143,9 +145,9 @@ class BatchKVCache:
             self._reserve(start + length)
         self.length = start + length
         self._offset = None
-        self.keys[..., start : self.length, :] = keys
-        self.values[..., start : self.length, :] = values
-        return self.keys[..., : self.length, :], self.values[..., : self.length, :]
+        self.keys[:, :, start : self.length] = keys  # explicit slices: see KVCache
+        self.values[:, :, start : self.length] = values
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
     def _reserve(self, needed: int) -> None:
         capacity = -(-needed // self.step) * self.step
