@@ -194,6 +194,7 @@ def main() -> int:
     parser.add_argument("--gen-tokens", type=int, default=256)
     parser.add_argument("--streams", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--rounds", type=int, default=3, help="alternating single-stream runs per peer")
+    parser.add_argument("--kernels", nargs="*", default=[], metavar="OP=BACKEND", help="mlxr's kernel choices")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
     parser.add_argument("--bare", action="store_true", help="also time mlxr's model in a bare loop")
@@ -214,7 +215,8 @@ def main() -> int:
             config = Config(
                 models=[
                     ModelConfig(
-                        path=str(folder), name="bench", dtype="bfloat16", quantization="keep"
+                        path=str(folder), name="bench", dtype="bfloat16", quantization="keep",
+                        kernels=dict(choice.split("=", 1) for choice in args.kernels),
                     )
                 ],
                 engine=EngineConfig(

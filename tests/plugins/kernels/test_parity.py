@@ -305,3 +305,17 @@ def test_cpu_blas_rope_shares_one_rotation_per_step_and_never_reuses_a_stale_one
     check(rows, mx.array([4, 2]))
     prompt = mx.random.normal((1, 4, 3, 64), key=mx.random.key(2))
     check(prompt, 6)  # several positions: mx.fast.rope
+
+
+def test_cuda_dense_quantized_matmul_dequantizes_from_its_row_threshold_with_the_same_result():
+    """Its math runs anywhere (it is only mx ops), though it registers for CUDA alone."""
+    from mlxr_plugins.kernels import cuda_dense as cuda
+
+    w = mx.random.normal((96, 256), key=mx.random.key(3))
+    packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    for rows in (1, cuda.MIN_ROWS - 1, cuda.MIN_ROWS, 33):
+        x = mx.random.normal((rows, 256), key=mx.random.key(rows))
+        got = cuda.quantized_matmul(x, packed, scales, biases, group_size=64, bits=4)
+        fused = mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64, bits=4)
+        np.testing.assert_allclose(np.array(got), np.array(fused), rtol=1e-4, atol=1e-4)
+    assert "needs MLX's CUDA backend" in cuda.quantized_matmul_kernel.supports(ctx("quantized_matmul"))[0]

@@ -119,7 +119,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "rope", "quantized_matmul")
                            for b in ("mlx_fast", "reference")} | {
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
-        ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas")}
+        ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"), ("quantized_matmul", "cuda_dense")}
     assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 2 + ["cpu_blas"] * 2
     assert not by_key[("attention", "cuda")]["supported"]
     assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]
@@ -130,7 +130,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     assert cuda_row["supported"] and not cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
     assert chosen == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "rope": "mlx_fast",
-                      "quantized_matmul": "mlx_fast"}
+                      "quantized_matmul": "cuda_dense"}
     for blas_row in (r for r in cuda_rows if r["backend"] == "cpu_blas"):
         assert not blas_row["supported"] and "CPU backend" in blas_row["reasons"][0]
 

@@ -1,0 +1,59 @@
+"""``cuda_dense``: packed-weight matmul for several rows as dequantize + dense matmul, on CUDA.
+
+Batched decode multiplies every packed weight by B rows (one per stream). MLX's CUDA
+``mx.quantized_matmul`` is built for one row; from a few rows on, dequantizing the weight to the
+activation dtype (a temporary of one layer, freed after) and running one dense matmul on the
+tensor cores is faster, although it moves more bytes. Measured on an H100 (MLX 0.32.4, Llama-3.2-1B
+shape, 4-bit group 64, bf16 activations; ``bench/gpu_decode.py --only q4 --streams 8 32``, with
+``--kernels quantized_matmul=cuda_dense`` and without): aggregate decode 1,446 vs 1,134 tok/s at
+8 streams and 3,445 vs 1,636 tok/s at 32. Below :data:`MIN_ROWS` rows (single-stream decode) the
+fused ``mx.quantized_matmul`` runs, which reads 4x fewer bytes.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import mlx.core as mx
+
+from mlxr_core.kernels import KernelContext
+from mlxr_plugins.kernels import KernelImpl
+
+#: Input rows (batch x positions) from which the weight is dequantized first.
+MIN_ROWS = 8
+
+
+def quantized_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array,
+    biases: mx.array | None = None,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+) -> mx.array:
+    """``mx.quantized_matmul`` below :data:`MIN_ROWS` input rows, else dequantize + matmul."""
+    rows = x.size // x.shape[-1] if x.ndim else 1
+    if rows < MIN_ROWS or mode != "affine" or biases is None:
+        return mx.quantized_matmul(
+            x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
+        )
+    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(x.dtype)
+    return x @ (dense.T if transpose else dense)
+
+
+def _cuda_only(ctx: KernelContext) -> list[str]:
+    if ctx.platform != "cuda":
+        return [
+            f"needs MLX's CUDA backend on an NVIDIA GPU (this machine: {platform.system()} "
+            f"{platform.machine()}, MLX {ctx.device} device, {ctx.platform} platform)"
+        ]
+    return []
+
+
+quantized_matmul_kernel = KernelImpl(
+    quantized_matmul,
+    _cuda_only,
+    summary=f"mx.quantized_matmul below {MIN_ROWS} rows; from there dequantize + dense matmul (batched decode)",
+)
