@@ -33,25 +33,9 @@ from mlxr_plugins.kernels import KernelImpl, mlx_fast, reference
 MIN_ROWS = 4
 
 
-def quantized_matmul(
-    x: mx.array,
-    w: mx.array,
-    scales: mx.array,
-    biases: mx.array | None = None,
-    transpose: bool = True,
-    group_size: int = 64,
-    bits: int = 4,
-    mode: str = "affine",
-) -> mx.array:
-    rows = x.size // x.shape[-1] if x.ndim else 1
-    if rows < MIN_ROWS or mode != "affine" or biases is None:
-        return mx.quantized_matmul(
-            x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
-        )
-    # The reference's dequantize + float32 matmul: float32 is what BLAS multiplies (sgemm).
-    return reference.quantized_matmul(
-        x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
-    )
+#: The reference's dequantize + float32 matmul from MIN_ROWS rows: float32 is what BLAS multiplies
+#: (sgemm).
+quantized_matmul = reference.fused_below(MIN_ROWS, reference.quantized_matmul)
 
 
 #: The last rotation made: (key, the arrays it names by id, R); the layers of one step share it.

@@ -18,34 +18,32 @@ layers with a long reduction would likely gain more; that rule is not measured e
 from __future__ import annotations
 
 import platform
+from typing import Any
 
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
-from mlxr_plugins.kernels import KernelImpl
+from mlxr_plugins.kernels import KernelImpl, reference
 
 #: Input rows (batch x positions) from which the weight is dequantized first.
 MIN_ROWS = 8
 
 
-def quantized_matmul(
+def dequantize_matmul(
     x: mx.array,
     w: mx.array,
     scales: mx.array,
     biases: mx.array | None = None,
-    transpose: bool = True,
-    group_size: int = 64,
-    bits: int = 4,
-    mode: str = "affine",
+    **packing: Any,
 ) -> mx.array:
-    """``mx.quantized_matmul`` below :data:`MIN_ROWS` input rows, else dequantize + matmul."""
-    rows = x.size // x.shape[-1] if x.ndim else 1
-    if rows < MIN_ROWS or mode != "affine" or biases is None:
-        return mx.quantized_matmul(
-            x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
-        )
-    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, mode=mode).astype(x.dtype)
+    """``w`` dequantized to the activation dtype (a temporary of one layer), then one matmul."""
+    transpose = packing.pop("transpose", True)
+    dense = mx.dequantize(w, scales, biases, **packing).astype(x.dtype)
     return x @ (dense.T if transpose else dense)
+
+
+#: ``mx.quantized_matmul`` below :data:`MIN_ROWS` input rows, else :func:`dequantize_matmul`.
+quantized_matmul = reference.fused_below(MIN_ROWS, dequantize_matmul)
 
 
 def _cuda_only(ctx: KernelContext) -> list[str]:

@@ -7,6 +7,7 @@ nothing is fused. Signatures follow ``mlxr_core.kernels``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -142,3 +143,29 @@ def quantized_matmul(
 quantized_matmul_kernel = KernelImpl(
     quantized_matmul, summary="mx.dequantize, then a dense matmul: the ground truth"
 )
+
+
+def fused_below(min_rows: int, dense: Callable[..., mx.array]) -> Callable[..., mx.array]:
+    """A quantized matmul that runs ``mx.quantized_matmul`` for fewer than ``min_rows`` input rows
+    (batch x positions) and ``dense`` (same arguments) from there on; affine packing with biases
+    only, other modes always fused. Backends whose dense path pays from a few rows build on it."""
+
+    def quantized_matmul(
+        x: mx.array,
+        w: mx.array,
+        scales: mx.array,
+        biases: mx.array | None = None,
+        transpose: bool = True,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+    ) -> mx.array:
+        rows = x.size // x.shape[-1] if x.ndim else 1
+        if rows < min_rows or mode != "affine" or biases is None:
+            return mx.quantized_matmul(
+                x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
+            )
+        out: mx.array = dense(x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode)
+        return out
+
+    return quantized_matmul
