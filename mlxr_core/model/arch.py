@@ -18,6 +18,13 @@ class Architecture(Protocol):
     (int32 token ids) and returns logits of shape ``[B, L, vocab]``; ``cache`` is the list
     :meth:`make_cache` returned, one entry per layer, advanced in place. :meth:`hidden_states` runs
     the same graph without its LM head (embeddings are pooled from it).
+
+    Two optional capabilities of the built module, used where present: submodules with a
+    ``fuse_projections()`` method join layers that read the same input after loading
+    (:mod:`mlxr_core.model.fuse`), and a module with ``embed`` / ``final_norm`` / ``lm_logits`` and
+    layers with ``attention_inputs`` / ``attention`` / ``after_attention`` decodes through a
+    compiled step (:mod:`mlxr_core.model.compiled`). The built-in graphs offer both; the
+    conformance check covers both.
     """
 
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:

@@ -45,6 +45,12 @@ BLOCK_METHODS = ("attention_inputs", "attention", "after_attention")
 MODEL_METHODS = ("embed", "final_norm", "lm_logits")
 
 
+def eager_step(model: nn.Module, tokens: mx.array, caches: list[Any], mask: mx.array | None = None) -> mx.array:
+    """One decode step through the module's forward pass: ``[B]`` tokens -> ``[B, vocab]`` logits."""
+    logits: mx.array = model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
+    return logits
+
+
 def unsupported(model: nn.Module) -> str | None:
     """Why ``model`` cannot decode through :class:`CompiledDecode`, or None when it can."""
     missing = [name for name in MODEL_METHODS if not callable(getattr(model, name, None))]
@@ -114,7 +120,7 @@ def disagreement(model: nn.Module, make_cache: Callable[[], list[Any]], compiled
     caches = [make_cache(), make_cache()]
     for cache in caches:
         model(prompt, cache=cache)
-    eager = model(token[:, None], cache=caches[0])[:, -1, :].astype(mx.float32)
+    eager = eager_step(model, token, caches[0]).astype(mx.float32)
     mine = compiled(token, caches[1]).astype(mx.float32)
     if mine.shape != eager.shape:
         return f"logits of shape {tuple(mine.shape)}, the forward pass gives {tuple(eager.shape)}"

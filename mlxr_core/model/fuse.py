@@ -7,9 +7,10 @@ concatenated weights gives the same outputs, side by side, for one dispatch inst
 two. Dense layers join when their biases agree (all or none); packed layers when they share a
 packing (bits, group size, mode), since affine packing is per output row and so concatenates.
 
-Architectures offer ``fuse_projections(model)`` (see :mod:`mlxr_core.model.arch`); the loader
-calls it for served models (``models[].fuse_projections``), never for ``mlxr convert``, which
-writes the checkpoint's own layout.
+Modules of a built model offer a ``fuse_projections()`` method (see :mod:`mlxr_core.model.arch`);
+the loader calls every one through :func:`fuse_model` for served models
+(``models[].fuse_projections``), never for ``mlxr convert``, which writes the checkpoint's own
+layout.
 """
 
 from __future__ import annotations

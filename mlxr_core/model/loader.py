@@ -22,7 +22,7 @@ from mlxr_core.errors import ModelLoadError, UnknownArchitecture, UnsupportedFor
 from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
 from mlxr_core.model.arch import Architecture, DefaultChatTemplate
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
-from mlxr_core.model.compiled import CompiledDecode, disagreement, unsupported
+from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.paths import resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
@@ -65,8 +65,7 @@ class LoadedModel:
         place) -> ``[B, vocab]`` logits; compiled when :attr:`compiled_decode` is set."""
         if self.compiled_decode is not None:
             return self.compiled_decode(tokens, caches, mask)
-        logits: mx.array = self.model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
-        return logits
+        return eager_step(self.model, tokens, caches, mask)
 
     @property
     def nbytes(self) -> int:

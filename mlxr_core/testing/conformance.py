@@ -23,6 +23,7 @@ The checks of the other plugin kinds are importable from here too, one line each
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -30,7 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxr_core.model.cache import BatchKVCache
-from mlxr_core.model.compiled import CompiledDecode, unsupported
+from mlxr_core.model.compiled import CompiledDecode, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.testing.api_check import check_api
 from mlxr_core.testing.decoding_check import check_decoder, check_sampler
@@ -146,22 +147,12 @@ def _check_model(
         cached = np.array(mx.concatenate(steps, axis=1)[0])
         _close(cached, expected, atol, f"cached decoding of a {len(prompt)}-token sequence")
 
-    _check_batch(arch, model, prompts, full, atol, eager_decode(model), "")
+    _check_batch(arch, model, prompts, full, atol, partial(eager_step, model), "")
     if unsupported(model) is None:
         _check_batch(arch, model, prompts, full, atol, CompiledDecode(model), " (compiled decode step)")
 
     check_hidden_states(arch, model, prompts, atol)
     return full
-
-
-def eager_decode(model: nn.Module) -> Callable[[mx.array, list[Any], mx.array | None], mx.array]:
-    """One decode step through the module's forward pass: ``[B]`` tokens -> ``[B, vocab]``."""
-
-    def decode(tokens: mx.array, caches: list[Any], mask: mx.array | None) -> mx.array:
-        logits: mx.array = model(tokens[:, None], cache=caches, mask=mask)[:, -1]
-        return logits
-
-    return decode
 
 
 def _check_batch(

@@ -168,12 +168,20 @@ class CachedAttention:
     _rotary: Any
     _attention: Any
 
+    def fused_heads(self, x: mx.array) -> mx.array:
+        """``qkv_proj``'s output as ``[B, L, n_heads + 2 * n_kv_heads, head_dim]``: the query heads,
+        then the key heads, then the value heads."""
+        B, L, _ = x.shape
+        module: Any = self
+        heads: mx.array = module.qkv_proj(x).reshape(B, L, -1, self.head_dim)
+        return heads
+
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """``[B, L, hidden]`` -> queries, keys, values as ``[B, L, heads, head_dim]``."""
         B, L, _ = x.shape
         module: Any = self
         if "qkv_proj" in module:
-            heads = module.qkv_proj(x).reshape(B, L, -1, self.head_dim)
+            heads = self.fused_heads(x)
             q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
             return heads[:, :, :q_end], heads[:, :, q_end:k_end], heads[:, :, k_end:]
         return (
@@ -200,9 +208,7 @@ class CachedAttention:
         the query and key heads lie side by side in its output and are rotated by one RoPE call
         (one kernel fewer per layer)."""
         if not self.head_norms and "qkv_proj" in self:  # type: ignore[operator]
-            B, L, _ = x.shape
-            module: Any = self
-            heads = module.qkv_proj(x).reshape(B, L, -1, self.head_dim).transpose(0, 2, 1, 3)
+            heads = self.fused_heads(x).transpose(0, 2, 1, 3)
             q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
             rotated = self._rotary(heads[:, :k_end], offset)
             return rotated[:, :q_end], rotated[:, q_end:], heads[:, k_end:]
