@@ -1,11 +1,16 @@
 """Where a single-stream decode step's time goes, and what the levers on it buy.
 
     python bench/decode_profile.py [--smoke] [--weights bf16 q4] [--ops-per-buffer 20 100] --out F
+    python bench/decode_profile.py --settings default MLX_USE_CUDA_GRAPHS=0 \
+        MLX_CUDA_USE_CUDNN_SDPA=0,MLX_USE_CUDA_GRAPHS=0 --variants mlx_lm mlxr_fused_compiled
 
 Writes random weights in the Llama-3.2-1B shape as mlx-lm folders (bf16, and mlx-lm's 4-bit group-64
-quantization of them), then, for each ``MLX_MAX_OPS_PER_BUFFER`` value (MLX's CUDA backend launches
-its kernels as CUDA graphs of that many nodes; 20 by default; a worker process per value), runs the
-same bare greedy loop (double-buffered with ``mx.async_eval``, like mlx-lm's ``generate_step``) over:
+quantization of them), then, for each MLX setting (a worker process each: MLX reads them once), runs
+the same bare greedy loop (double-buffered with ``mx.async_eval``, like mlx-lm's ``generate_step``)
+over the variants. ``--ops-per-buffer N`` is the setting ``MLX_MAX_OPS_PER_BUFFER=N`` (MLX's CUDA
+backend launches its kernels as CUDA graphs of that many nodes; 20 by default); ``--settings`` takes
+any comma-separated ``NAME=VALUE`` lists (``MLX_USE_CUDA_GRAPHS=0``: launch kernels one by one;
+``MLX_CUDA_USE_CUDNN_SDPA=0``: MLX's own attention kernels instead of cuDNN's). The variants:
 
 - ``mlx_lm``: mlx-lm's own Llama module on the folder;
 - ``mlxr_eager``: mlxr's model loaded from the same folder by ``mlxr_core.model.loader.load_model``,
@@ -14,7 +19,9 @@ same bare greedy loop (double-buffered with ``mx.async_eval``, like mlx-lm's ``g
   (``models[].fuse_projections``, :mod:`mlxr_core.model.fuse`);
 - ``mlxr_compiled``: with its decode step compiled between attentions
   (``models[].compile_decode``, :mod:`mlxr_core.model.compiled`);
-- ``mlxr_fused_compiled``: both (mlxr's default on a GPU).
+- ``mlxr_fused_compiled``: both (mlxr's default on a GPU);
+- ``mlxr_cuda_attention``: both, with the ``cuda`` attention kernel (one launch of mlxr's
+  flash-decoding kernel per layer instead of ``mx.fast.scaled_dot_product_attention``).
 
 Per variant it reports decode tokens/s (rounds alternate the variants) and, from a synchronous
 loop, the per-token milliseconds spent building the graph in Python (``build_ms``), in
@@ -78,7 +85,11 @@ def breakdown(step: Any, prompt: list[int], gen: int) -> dict[str, float]:
         t3 = time.perf_counter()
         build, encode, wait = build + t1 - t0, encode + t2 - t1, wait + t3 - t2
         token = following
-    return {"build_ms": 1e3 * build / gen, "encode_ms": 1e3 * encode / gen, "wait_ms": 1e3 * wait / gen}
+    return {
+        "build_ms": 1e3 * build / gen,
+        "encode_ms": 1e3 * encode / gen,
+        "wait_ms": 1e3 * wait / gen,
+    }
 
 
 class Step:
@@ -109,7 +120,7 @@ class LoadedStep(Step):
         return mx.argmax(self.loaded.decode(tokens[:, 0], cache), axis=-1)
 
 
-def variants(folder: Path) -> dict[str, Step]:
+def variants(folder: Path, names: list[str] | None = None) -> dict[str, Step]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model as mlx_lm_load
@@ -122,20 +133,30 @@ def variants(folder: Path) -> dict[str, Step]:
     mx.eval(peer.parameters())
     registries = load_plugins().registries
 
-    def ours(fuse: bool, compile_decode: bool) -> LoadedStep:
-        config = ModelConfig(
-            path=str(folder), name="bench", dtype="bfloat16", quantization="keep",
-            fuse_projections=fuse, compile_decode=compile_decode,
-        )
-        return LoadedStep(load_model(config, registries))
+    def ours(fuse: bool, compile_decode: bool, **kernels: str) -> Any:
+        def build() -> LoadedStep:
+            config = ModelConfig(
+                path=str(folder),
+                name="bench",
+                dtype="bfloat16",
+                quantization="keep",
+                fuse_projections=fuse,
+                compile_decode=compile_decode,
+                kernels=kernels,
+            )
+            return LoadedStep(load_model(config, registries))
 
-    return {
-        "mlx_lm": Step(peer, lambda: make_prompt_cache(peer)),
+        return build
+
+    makers = {
+        "mlx_lm": lambda: Step(peer, lambda: make_prompt_cache(peer)),
         "mlxr_eager": ours(fuse=False, compile_decode=False),
         "mlxr_fused": ours(fuse=True, compile_decode=False),
         "mlxr_compiled": ours(fuse=False, compile_decode=True),
         "mlxr_fused_compiled": ours(fuse=True, compile_decode=True),
+        "mlxr_cuda_attention": ours(fuse=True, compile_decode=True, attention="cuda"),
     }
+    return {name: make() for name, make in makers.items() if names is None or name in names}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -145,9 +166,10 @@ def worker(args: argparse.Namespace) -> None:
     report: dict[str, Any] = {
         "device": str(mx.default_device()),
         "ops_per_buffer": os.environ.get("MLX_MAX_OPS_PER_BUFFER", "default"),
+        "settings": args.setting,
     }
     for name in args.weights:
-        steps = variants(Path(args.folders) / name)
+        steps = variants(Path(args.folders) / name, args.variants)
         for step in steps.values():  # warm-up: kernels compiled, graphs cached, clocks up
             bare_loop(step, prompt, 128)
             bare_loop(step, prompt, args.gen_tokens)
@@ -158,7 +180,7 @@ def worker(args: argparse.Namespace) -> None:
                 out, tps = bare_loop(step, prompt, args.gen_tokens)
                 rounds[variant].append(tps)
                 tokens.setdefault(variant, out)
-        base = tokens["mlx_lm"]
+        base = tokens.get("mlx_lm", next(iter(tokens.values())))
         report[name] = {
             variant: {
                 "decode_tps": tps,
@@ -168,7 +190,7 @@ def worker(args: argparse.Namespace) -> None:
             }
             for variant, tps in rounds.items()
         }
-        best = report[name]["mlx_lm"]["best_tps"]
+        best = report[name].get("mlx_lm", next(iter(report[name].values())))["best_tps"]
         for variant in steps:
             report[name][variant]["best_over_mlx_lm"] = report[name][variant]["best_tps"] / best
         del steps
@@ -184,7 +206,12 @@ def main() -> int:
     parser.add_argument("--gen-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--weights", nargs="+", default=["bf16", "q4"])
-    parser.add_argument("--ops-per-buffer", nargs="+", default=["default"])
+    parser.add_argument("--ops-per-buffer", nargs="+", default=[])
+    parser.add_argument("--settings", nargs="+", default=[], metavar="NAME=VALUE[,NAME=VALUE]")
+    parser.add_argument(
+        "--variants", nargs="+", default=None, help="variants to run (default: all)"
+    )
+    parser.add_argument("--setting", default="default", help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -199,14 +226,31 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)
-        for value in args.ops_per_buffer:
+        settings = [
+            value if value == "default" else f"MLX_MAX_OPS_PER_BUFFER={value}"
+            for value in args.ops_per_buffer
+        ] + args.settings
+        for setting in settings or ["default"]:
             env = dict(os.environ)
-            if value != "default":
-                env["MLX_MAX_OPS_PER_BUFFER"] = value
+            if setting != "default":
+                env.update(item.split("=", 1) for item in setting.split(","))
             command = [
-                sys.executable, __file__, "--worker", "--folders", tmp,
-                "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
-                "--rounds", str(args.rounds), "--weights", *args.weights,
+                sys.executable,
+                __file__,
+                "--worker",
+                "--folders",
+                tmp,
+                "--setting",
+                setting,
+                "--prompt-tokens",
+                str(args.prompt_tokens),
+                "--gen-tokens",
+                str(args.gen_tokens),
+                "--rounds",
+                str(args.rounds),
+                "--weights",
+                *args.weights,
+                *(["--variants", *args.variants] if args.variants else []),
             ]
             done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
             if done.returncode != 0:

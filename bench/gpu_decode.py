@@ -192,7 +192,7 @@ def main() -> int:
     )
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--gen-tokens", type=int, default=256)
-    parser.add_argument("--streams", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--streams", type=int, nargs="*", default=[8, 32])
     parser.add_argument("--rounds", type=int, default=3, help="alternating single-stream runs per peer")
     parser.add_argument("--kernels", nargs="*", default=[], metavar="OP=BACKEND", help="mlxr's kernel choices")
     parser.add_argument("--out", type=Path)

@@ -7,6 +7,14 @@ group 64: the attention and MLP projections and the tied LM head) this times, pe
 MLX's fused ``mx.quantized_matmul`` against ``mx.dequantize`` followed by a dense matmul in the
 activation dtype (the dequantized weight a temporary), synchronously over repeated calls, and
 checks the two agree. Prints JSON; the ratio > 1 where dequantizing first is faster.
+``quantized_matmul_b1k`` is ``mx.quantized_matmul`` given the same rows as ``[B, 1, K]`` (how a
+batched decode step's activations arrive) instead of ``[B, K]``.
+
+``--pipelined`` times ``--iters`` calls queued as one evaluation instead of one call at a time (the
+device's throughput, as in a decode step, rather than one call's latency), and ``--split-k 2 4``
+adds split-reduction variants: the packed weight cut into that many contiguous pieces along the
+reduction (at load time, as a kernel would keep them), one ``mx.quantized_matmul`` per piece and
+their sum (more blocks for a layer with few outputs and a long reduction, like the down projection).
 """
 
 from __future__ import annotations
@@ -17,53 +25,144 @@ import time
 
 import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
 
-SHAPES = {"qkv": (2048, 3072), "o": (2048, 2048), "gate_up": (2048, 16384), "down": (8192, 2048),
-          "lm_head": (2048, 128256)}
+SHAPES = {
+    "qkv": (2048, 3072),
+    "o": (2048, 2048),
+    "gate_up": (2048, 16384),
+    "down": (8192, 2048),
+    "lm_head": (2048, 128256),
+}
 SMOKE = {"qkv": (128, 192), "down": (256, 128)}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument(
+        "--pipelined", action="store_true", help="queue --iters calls per evaluation"
+    )
+    parser.add_argument(
+        "--split-k", type=int, nargs="*", default=[], help="split-reduction variants"
+    )
     args = parser.parse_args()
 
     import mlx.core as mx
 
     dtype = getattr(mx, args.dtype)
-    report: dict[str, object] = {"device": str(mx.default_device()), "dtype": args.dtype, "shapes": {}}
+    report: dict[str, object] = {
+        "device": str(mx.default_device()),
+        "dtype": args.dtype,
+        "pipelined": args.pipelined,
+        "shapes": {},
+    }
     for name, (k, n) in (SMOKE if args.smoke else SHAPES).items():
         w = (mx.random.normal((n, k)) / k**0.5).astype(dtype)
         packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
         mx.eval(packed, scales, biases)
 
-        def fused(x: mx.array, packed: mx.array = packed, scales: mx.array = scales,
-                  biases: mx.array = biases) -> mx.array:
-            return mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64, bits=4)
+        def fused(
+            x: mx.array,
+            packed: mx.array = packed,
+            scales: mx.array = scales,
+            biases: mx.array = biases,
+        ) -> mx.array:
+            return mx.quantized_matmul(
+                x, packed, scales, biases, transpose=True, group_size=64, bits=4
+            )
 
-        def dense(x: mx.array, packed: mx.array = packed, scales: mx.array = scales,
-                  biases: mx.array = biases) -> mx.array:
-            return x @ mx.dequantize(packed, scales, biases, group_size=64, bits=4).astype(x.dtype).T
+        def dense(
+            x: mx.array,
+            packed: mx.array = packed,
+            scales: mx.array = scales,
+            biases: mx.array = biases,
+        ) -> mx.array:
+            return (
+                x @ mx.dequantize(packed, scales, biases, group_size=64, bits=4).astype(x.dtype).T
+            )
+
+        def fused_3d(
+            x: mx.array,
+            packed: mx.array = packed,
+            scales: mx.array = scales,
+            biases: mx.array = biases,
+        ) -> mx.array:
+            """The rows as a batch of one-row inputs (``[B, 1, K]``, a batched decode step's shape)."""
+            out = mx.quantized_matmul(
+                x[:, None], packed, scales, biases, transpose=True, group_size=64, bits=4
+            )
+            return out[:, 0]
+
+        variants = {
+            "quantized_matmul": fused,
+            "dequantize_matmul": dense,
+            "quantized_matmul_b1k": fused_3d,
+        }
+        for pieces in args.split_k:
+            if k % (pieces * 64):
+                continue
+            step = k // pieces
+            parts = [
+                (
+                    packed[:, i * step // 8 : (i + 1) * step // 8],
+                    scales[:, i * step // 64 : (i + 1) * step // 64],
+                    biases[:, i * step // 64 : (i + 1) * step // 64],
+                )
+                for i in range(pieces)
+            ]
+            parts = [tuple(mx.contiguous(a) for a in part) for part in parts]
+            mx.eval(parts)
+
+            def split(x: mx.array, parts: list = parts, step: int = step) -> mx.array:  # type: ignore[type-arg]
+                total = None
+                for i, (p, s, b) in enumerate(parts):
+                    y = mx.quantized_matmul(
+                        x[:, i * step : (i + 1) * step],
+                        p,
+                        s,
+                        b,
+                        transpose=True,
+                        group_size=64,
+                        bits=4,
+                    )
+                    total = y if total is None else total + y
+                return total  # type: ignore[return-value]
+
+            variants[f"split_k{pieces}"] = split
 
         rows_report = {}
         for rows in args.rows:
             x = mx.random.normal((rows, k)).astype(dtype)
             mx.eval(x)
-            error = mx.abs(fused(x).astype(mx.float32) - dense(x).astype(mx.float32)).max().item()
+            reference = dense(x).astype(mx.float32)
             times = {}
-            for label, fn in (("quantized_matmul", fused), ("dequantize_matmul", dense)):
+            errors = {}
+            for label, fn in variants.items():
+                errors[label] = mx.abs(fn(x).astype(mx.float32) - reference).max().item()
                 for _ in range(3):
                     mx.eval(fn(x))
                 start = time.perf_counter()
-                for _ in range(args.iters):
-                    mx.eval(fn(x))
+                if args.pipelined:
+                    mx.eval([fn(x) for _ in range(args.iters)])
+                else:
+                    for _ in range(args.iters):
+                        mx.eval(fn(x))
                 times[label] = (time.perf_counter() - start) / args.iters * 1e6
             rows_report[str(rows)] = {
                 **{f"{label}_us": round(us, 1) for label, us in times.items()},
-                "dequantize_first_speedup": round(times["quantized_matmul"] / times["dequantize_matmul"], 2),
-                "max_abs_difference": error,
+                "dequantize_first_speedup": round(
+                    times["quantized_matmul"] / times["dequantize_matmul"], 2
+                ),
+                "max_abs_difference": errors["quantized_matmul"],
+                **{
+                    f"{label}_max_abs_difference": e
+                    for label, e in errors.items()
+                    if label.startswith("split")
+                },
             }
         report["shapes"][name] = {"k": k, "n": n, "rows": rows_report}  # type: ignore[index]
     print(json.dumps(report, indent=2))

@@ -131,33 +131,68 @@ def _dtype_name(array: mx.array) -> str:
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` whose matmul is the model's ``quantized_matmul`` kernel (see
-    :mod:`mlxr_core.kernels`), so the backend chosen in ``kernels:`` runs every packed linear layer."""
+    :mod:`mlxr_core.kernels`), so the backend chosen in ``kernels:`` runs every packed linear layer.
+
+    The kernel gets the input as one matrix of rows (``[B * L, K]``, a free reshape of a contiguous
+    input): a batched decode step's ``[B, 1, K]`` would otherwise be B separate one-row products to
+    MLX's CUDA ``quantized_matmul``, each reading the whole weight (H100, Llama-3.2-1B shapes, 32
+    rows: ``bench/kernels/quantized_rows.py --pipelined``)."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        x = self._quantized_matmul(
-            x,
-            self["weight"],
-            self["scales"],
-            self.get("biases"),
-            transpose=True,
-            group_size=self.group_size,
-            bits=self.bits,
-            mode=self.mode,
-        )
+        x = packed_matmul(self, x)
         if "bias" in self:
             x = x + self["bias"]
         return x
 
 
+class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
+    """``nn.QuantizedEmbedding`` whose :meth:`as_linear` (the LM head of a model with tied
+    embeddings) is the model's ``quantized_matmul`` kernel, like :class:`KernelQuantizedLinear`."""
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        return packed_matmul(self, x)
+
+
+def packed_matmul(module: nn.Module, x: mx.array) -> mx.array:
+    """``x @ W.T`` for a packed layer through its routed kernel, ``x`` as rows (see
+    :class:`KernelQuantizedLinear`)."""
+    layer: Any = module
+    shape = x.shape
+    if x.ndim > 2:
+        x = x.reshape(-1, shape[-1])
+    out: mx.array = layer._quantized_matmul(
+        x,
+        layer["weight"],
+        layer["scales"],
+        layer.get("biases"),
+        transpose=True,
+        group_size=layer.group_size,
+        bits=layer.bits,
+        mode=layer.mode,
+    )
+    if len(shape) > 2:
+        out = out.reshape(*shape[:-1], out.shape[-1])
+    return out
+
+
+#: Packed module classes and the routing subclass each becomes.
+ROUTED: dict[type, type] = {
+    nn.QuantizedLinear: KernelQuantizedLinear,
+    nn.QuantizedEmbedding: KernelQuantizedEmbedding,
+}
+
+
 def route_quantized_linears(model: nn.Module, quantized_matmul: Any) -> int:
-    """Make every ``nn.QuantizedLinear`` of ``model`` call ``quantized_matmul``; returns how many.
+    """Make every ``nn.QuantizedLinear`` of ``model`` (and the ``as_linear`` of every
+    ``nn.QuantizedEmbedding``: a tied LM head) call ``quantized_matmul``; returns how many.
 
     The layers keep their parameters: only their class changes, to a subclass adding no state.
     """
     count = 0
     for _, module in model.named_modules():
-        if type(module) is nn.QuantizedLinear:
-            module.__class__ = KernelQuantizedLinear
+        routed = ROUTED.get(type(module))
+        if routed is not None:
+            module.__class__ = routed
             object.__setattr__(module, "_quantized_matmul", quantized_matmul)
             count += 1
     return count

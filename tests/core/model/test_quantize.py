@@ -120,3 +120,32 @@ def test_keep_requantizes_dense_weights_to_their_suggested_format():
         "auto", Tiny(), weights, {}, {"proj": QuantSpec(8, 32)}, {"proj": "Q6_K"}, mx.float32, "cpu"
     )
     assert dense.quantization == {} and dense.report == {"Q6_K -> dense float32": 1}
+
+
+def test_packed_layers_and_a_tied_head_hand_the_kernel_rows():
+    """Every packed matmul, the tied LM head's too, runs the routed kernel with a ``[rows, K]``
+    input (a batched decode step's ``[B, 1, K]`` flattened), and gives nn's own result."""
+    from mlxr_core.model.quantize import route_quantized_linears
+
+    mx.random.seed(0)
+    holder = nn.Module()
+    holder.linear = nn.Linear(64, 96)
+    holder.embed = nn.Embedding(96, 64)
+    nn.quantize(holder, group_size=32, bits=4)
+    x = mx.random.normal((3, 1, 64))
+    expected = (holder.linear(x), holder.embed.as_linear(x))
+    shapes = []
+
+    def kernel(x, *args, **kwargs):
+        shapes.append(tuple(x.shape))
+        return mx.quantized_matmul(x, *args, **kwargs)
+
+    assert route_quantized_linears(holder, kernel) == 2
+    got = (holder.linear(x), holder.embed.as_linear(x))
+    assert shapes == [(3, 64), (3, 64)]
+    for ours, theirs in zip(got, expected, strict=True):
+        assert ours.shape == theirs.shape == (3, 1, 96)
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-5)
+    # Embedding lookups stay as they were.
+    ids = mx.array([[1, 5]])
+    assert holder.embed(ids).shape == (1, 2, 64)
