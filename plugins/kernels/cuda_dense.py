@@ -1,18 +1,19 @@
 """``cuda_dense``: packed-weight matmul for several rows as dequantize + dense matmul, on CUDA.
+Opt-in (``kernels: {quantized_matmul: cuda_dense}``); ``mx.quantized_matmul`` is the default.
 
-Batched decode multiplies every packed weight by B rows (one per stream). MLX's CUDA
-``mx.quantized_matmul`` is built for one row; from a few rows on, dequantizing the weight to the
-activation dtype (a temporary of one layer, freed after) and running one dense matmul on the
-tensor cores is faster overall, although it moves more bytes. Measured on an H100 (MLX 0.32.4,
-Llama-3.2-1B shape, 4-bit group 64, bf16 activations; ``bench/gpu_decode.py --only q4 --rounds 3
---streams 8 32``, with ``--kernels quantized_matmul=mlx_fast`` and without): aggregate decode 1,394
-vs 1,167 tok/s at 8 streams and 3,598 vs 1,665 tok/s at 32. Below :data:`MIN_ROWS` rows
-(single-stream decode) the fused ``mx.quantized_matmul`` runs, which reads 4x fewer bytes.
-
-Per layer it is not a win everywhere (``bench/kernels/quantized_rows.py``, one call at a time, 32
-rows): the down projection (8192 -> 2048) takes 137 us dense vs 269 us fused, but the LM head
-(2048 -> 128256) 828 vs 286 us and gate/up (2048 -> 16384) 165 vs 89 us. Dequantizing only for
-layers with a long reduction would likely gain more; that rule is not measured end to end yet.
+The idea: batched decode multiplies every packed weight by B rows (one per stream); from a few
+rows on, dequantize the weight to the activation dtype (a temporary of one layer, freed after) and
+run one dense matmul on the tensor cores. It was auto-selected on CUDA while batched 4-bit decode
+handed ``mx.quantized_matmul`` a ``[B, 1, K]`` input, which MLX's CUDA backend runs as B one-row
+products each reading the whole weight (H100, 32 rows, tied LM head 2048 -> 128256: 3,338 us
+against 231 us as ``[B, K]``; ``bench/kernels/results/quantized_rows_pipelined_b1k_h100.json``).
+Packed layers now always get ``[rows, K]`` (:class:`mlxr_core.model.quantize.KernelQuantizedLinear`),
+and then the fused kernel is faster for every Llama-3.2-1B layer shape at 1, 8 and 32 rows (32
+rows, device time of queued calls: qkv 72 vs 106 us, output 25 vs 70, gate/up 46 vs 241, down 58
+vs 189, LM head 231 vs 1,375; ``python3 bench/kernels/quantized_rows.py --rows 32 --iters 10
+--pipelined``). End to end on an H100 (``bench/gpu_decode.py --only q4 --rounds 3 --streams 8
+32``, each kernel): 8 streams 1,053 tok/s here vs 1,684 fused, 32 streams 4,073 vs 3,959 (the
+step is bound elsewhere there). Below :data:`MIN_ROWS` rows the fused kernel runs anyway.
 """
 
 from __future__ import annotations

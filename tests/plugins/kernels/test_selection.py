@@ -129,8 +129,9 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     cuda_row = next(r for r in cuda_rows if r["backend"] == "cuda")
     assert cuda_row["supported"] and not cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
-    assert chosen == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "rope": "mlx_fast",
-                      "quantized_matmul": "cuda_dense"}
+    assert chosen == {op: "mlx_fast" for op in ("attention", "rms_norm", "rope", "quantized_matmul")}
+    dense_row = next(r for r in cuda_rows if r["backend"] == "cuda_dense")
+    assert dense_row["supported"] and not dense_row["auto"]  # opt-in too
     for blas_row in (r for r in cuda_rows if r["backend"] == "cpu_blas"):
         assert not blas_row["supported"] and "CPU backend" in blas_row["reasons"][0]
 
