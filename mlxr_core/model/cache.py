@@ -11,6 +11,16 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+#: Positions a cache's buffers grow by. Not 256: MLX's CUDA backend sends one-position attention
+#: over a cache whose capacity is a multiple of 256 (mlx-lm's step) to cuDNN, whose per-call host
+#: work outweighs its device time at these lengths, and every other one to its own vector kernel.
+#: A one-token decode step on the GPU is bound by the host, and the vector kernel's step is faster
+#: (H100, Llama-3.2-1B shape, bare decode loop, six alternating rounds: bf16 612 vs 572 tok/s with
+#: 256, 4-bit 478 vs 456; ``bench/decode_profile.py --variants ... mlxr_cache_step_264``). With 264
+#: a capacity is a multiple of 256 only from 8,448 positions on, where cuDNN's kernel earns its
+#: cost. Other backends do not care.
+CACHE_STEP = 264
+
 
 class KVCache:
     """Keys and values of one layer, ``[B, H, S, D]``, grown in steps of :attr:`step` positions.
@@ -20,7 +30,7 @@ class KVCache:
     """
 
     #: Positions added each time the buffers grow.
-    step: int = 256
+    step: int = CACHE_STEP
 
     def __init__(self) -> None:
         self.keys: mx.array | None = None
@@ -97,7 +107,7 @@ class BatchKVCache:
     shorter side is padded on the left) and leave with :meth:`filter`.
     """
 
-    step: int = 256
+    step: int = CACHE_STEP
 
     def __init__(self, keys: mx.array, values: mx.array, left_padding: list[int], length: int):
         self.keys = keys  # [B, H, capacity, D]; positions >= length are free

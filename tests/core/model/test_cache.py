@@ -26,16 +26,18 @@ def test_update_returns_every_position_so_far():
 
 
 def test_buffers_grow_in_steps_and_keep_their_contents():
+    step = KVCache.step
+    assert step % 8 == 0 and step % 256  # aligned rows; not a cuDNN decode capacity (see CACHE_STEP)
     cache = KVCache()
-    cache.update_and_fetch(*kv(250))
-    assert cache.keys is not None and cache.keys.shape[2] == 256
+    cache.update_and_fetch(*kv(step - 6))
+    assert cache.keys is not None and cache.keys.shape[2] == step
     first_buffer_bytes = cache.nbytes
-    keys, _ = cache.update_and_fetch(*kv(10, start=250))
-    assert cache.keys.shape[2] == 512 and cache.nbytes == 2 * first_buffer_bytes
-    np.testing.assert_array_equal(np.array(keys[0, 0, :, 0]), np.arange(260))
-    keys, _ = cache.update_and_fetch(*kv(600, start=260))  # one update larger than a step
-    assert cache.keys.shape[2] == 1024 and keys.shape[2] == 860
-    np.testing.assert_array_equal(np.array(keys[0, 1, :, 3]), np.arange(860))
+    keys, _ = cache.update_and_fetch(*kv(10, start=step - 6))
+    assert cache.keys.shape[2] == 2 * step and cache.nbytes == 2 * first_buffer_bytes
+    np.testing.assert_array_equal(np.array(keys[0, 0, :, 0]), np.arange(step + 4))
+    keys, _ = cache.update_and_fetch(*kv(600, start=step + 4))  # one update larger than a step
+    assert cache.keys.shape[2] == 4 * step and keys.shape[2] == step + 604
+    np.testing.assert_array_equal(np.array(keys[0, 1, :, 3]), np.arange(step + 604))
 
 
 def test_trim_forgets_the_last_positions():
@@ -53,5 +55,6 @@ def test_state_is_what_a_prefill_chunk_must_evaluate():
     cache = KVCache()
     cache.update_and_fetch(*kv(3))
     mx.eval(cache.state)
-    assert [a.shape for a in cache.state] == [(1, 2, 256, 4), (1, 2, 256, 3)]
+    step = KVCache.step
+    assert [a.shape for a in cache.state] == [(1, 2, step, 4), (1, 2, step, 3)]
     assert cache.nbytes == sum(a.nbytes for a in cache.state)
