@@ -22,11 +22,10 @@ any comma-separated ``NAME=VALUE`` lists (``MLX_USE_CUDA_GRAPHS=0``: launch kern
 - ``mlxr_fused_compiled``: both (mlxr's default on a GPU);
 - ``mlxr_cuda_attention``: both, with the ``cuda`` attention kernel (one launch of mlxr's
   flash-decoding kernel per layer instead of ``mx.fast.scaled_dot_product_attention``);
-- ``mlxr_add_norm`` (CUDA only): both, with each block's attention residual and the MLP's norm as
-  one kernel (``add_rms_norm_cuda.py``);
-- ``mlxr_cache_step_264``: both, with KV caches grown in steps of 264 positions instead of 256:
-  MLX's CUDA attention decodes through cuDNN only over caches whose capacity is a multiple of 256
-  (mlx-lm's step), and through its own vector kernel otherwise.
+- ``mlxr_two_kernel_norm``: both, with each block's residual add and RMS norm as two kernels
+  (``kernels: {add_rms_norm: mlx_fast}``; on CUDA the default is one, ``cuda_norm``);
+- ``mlxr_cache_step_256``: both, with KV caches grown in steps of 256 positions (mlx-lm's) instead
+  of ``mlxr_core.model.cache.CACHE_STEP``, so that MLX's CUDA attention decodes through cuDNN.
 
 Per variant it reports decode tokens/s (rounds alternate the variants) and, from a synchronous
 loop, the per-token milliseconds spent building the graph in Python (``build_ms``), in
@@ -153,16 +152,6 @@ def variants(folder: Path, names: list[str] | None = None) -> dict[str, Step]:
 
         return build
 
-    def add_norm() -> LoadedStep:
-        from add_rms_norm_cuda import patch_blocks
-
-        from mlxr_core.model.compiled import CompiledDecode
-
-        step = ours(fuse=True, compile_decode=True)()
-        patch_blocks(step.loaded.model)
-        step.loaded.compiled_decode = CompiledDecode(step.loaded.model)
-        return step
-
     def cache_step(positions: int) -> Any:
         def build() -> LoadedStep:
             step = ours(fuse=True, compile_decode=True)()
@@ -186,8 +175,8 @@ def variants(folder: Path, names: list[str] | None = None) -> dict[str, Step]:
         "mlxr_compiled": ours(fuse=False, compile_decode=True),
         "mlxr_fused_compiled": ours(fuse=True, compile_decode=True),
         "mlxr_cuda_attention": ours(fuse=True, compile_decode=True, attention="cuda"),
-        "mlxr_add_norm": add_norm,
-        "mlxr_cache_step_264": cache_step(264),
+        "mlxr_two_kernel_norm": ours(fuse=True, compile_decode=True, add_rms_norm="mlx_fast"),
+        "mlxr_cache_step_256": cache_step(256),
     }
     return {name: make() for name, make in makers.items() if names is None or name in names}
 

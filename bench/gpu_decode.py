@@ -220,7 +220,7 @@ def main() -> int:
                     )
                 ],
                 engine=EngineConfig(
-                    max_batch_size=max(args.streams), prefix_cache=PrefixCacheConfig(enabled=False)
+                    max_batch_size=max([1, *args.streams]), prefix_cache=PrefixCacheConfig(enabled=False)
                 ),
             )
             engine = Engine(config, load_plugins())

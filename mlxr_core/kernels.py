@@ -8,6 +8,9 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   ``Hq`` is a multiple of ``Hkv``. Returns ``[B, Hq, L, D]``. Same contract as
   ``mx.fast.scaled_dot_product_attention``.
 - ``rms_norm(x, weight, eps)``: as ``mx.fast.rms_norm``.
+- ``add_rms_norm(x, residual, weight, eps) -> (h, normed)``: a residual add and the RMS norm
+  after it, ``h = x + residual`` and ``rms_norm(h, weight, eps)`` (a decoder block's attention
+  residual and its MLP's input norm: one kernel where a backend fuses them).
 - ``rope(x, dims, *, traditional, base, scale, offset, freqs=None)``: as ``mx.fast.rope``.
 - ``quantized_matmul(x, w, scales, biases, *, transpose, group_size, bits, mode)``: as
   ``mx.quantized_matmul``; every quantized linear layer of a model (the decode step's weight
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
-OPS = ("attention", "rms_norm", "rope", "quantized_matmul")
+OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul")
 
 
 @attrs.frozen
@@ -67,6 +70,7 @@ class KernelSet:
 
     attention: Callable[..., Any]
     rms_norm: Callable[..., Any]
+    add_rms_norm: Callable[..., Any]
     rope: Callable[..., Any]
     quantized_matmul: Callable[..., Any]
     #: op -> backend name, for logs and ``mlxr info``.

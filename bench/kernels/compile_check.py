@@ -1,4 +1,5 @@
-"""Compile the ``cuda`` backend's kernels offline with ``nvcc`` and print their resource usage.
+"""Compile the ``cuda`` and ``cuda_norm`` backends' kernels offline with ``nvcc`` and print their
+resource usage.
 
     python bench/kernels/compile_check.py [--arch sm_90] [--keep DIR]
 
@@ -80,6 +81,15 @@ def instantiations() -> list[tuple[str, str]]:
                     name, cuda._HEADER, cuda._SOURCE,
                     {"q": ctype, "k": ctype, "v": ctype}, {"o": ctype, "ws": "float"}, template,
                 )))
+    from mlxr_plugins.kernels import cuda_norm
+
+    for dtype, ctype in CUDA_TYPES.items():
+        for D in (640, 2048, 4096, 8192):
+            template = {"T": ctype, "D": D, "THREADS": cuda_norm.THREADS, "EPS_BITS": 925353388}
+            out.append((f"add_rms_norm_{dtype}_D{D}", kernel_text(
+                f"add_rms_norm_{dtype}_D{D}", "", cuda_norm._SOURCE,
+                {"x": ctype, "y": ctype, "w": ctype}, {"h": ctype, "n": ctype}, template,
+            )))
     return out
 
 

@@ -20,11 +20,12 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float16", "bfloat16")
 #: The ops :func:`check_kernel_parity` has cases for.
-PARITY_OPS = ("attention", "rms_norm", "rope", "quantized_matmul")
+PARITY_OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul")
 #: dtype -> (atol, rtol) per op.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     "attention": {"float32": (1e-5, 1e-5), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
     "rms_norm": {"float32": (5e-6, 1e-5), "float16": (2.0**-10, 2.0**-9), "bfloat16": (2.0**-7, 2.0**-6)},
+    "add_rms_norm": {"float32": (5e-6, 1e-5), "float16": (2.0**-10, 2.0**-9), "bfloat16": (2.0**-7, 2.0**-6)},
     "rope": {"float32": (2e-5, 1e-5), "float16": (2.0**-8, 2.0**-9), "bfloat16": (2.0**-5, 2.0**-6)},
     # Sums of K = 256..512 products of O(1) terms (outputs of O(20)); a backend may accumulate in
     # the activation dtype, as MLX's fused CPU kernel does.
@@ -84,16 +85,22 @@ def check_kernel_parity(
                 continue
             args, kwargs = case.make(dtype)
             actual, expected = impl.op(*args, **kwargs), expected_fn(*args, **kwargs)
-            assert actual.shape == expected.shape, f"{label}: shape {actual.shape} != {expected.shape}"
-            assert actual.dtype == expected.dtype, f"{label}: dtype {actual.dtype} != {expected.dtype}"
-            a, e = np.array(actual.astype(mx.float32)), np.array(expected.astype(mx.float32))
-            atol, rtol = TOLERANCES[op][dtype_name]
-            excess = np.abs(a - e) - (atol + rtol * np.abs(e))
-            worst = float(np.nanmax(excess)) if excess.size else 0.0
-            assert np.isfinite(a).all() and worst <= 0, (
-                f"{label}: differs from the reference by up to {worst + atol:.3g} "
-                f"(atol {atol:g}, rtol {rtol:g})"
-            )
+            # An op may return several arrays (add_rms_norm: the sum and its norm).
+            actuals = actual if isinstance(actual, tuple) else (actual,)
+            expecteds = expected if isinstance(expected, tuple) else (expected,)
+            assert len(actuals) == len(expecteds), f"{label}: {len(actuals)} outputs, not {len(expecteds)}"
+            for index, (got, want) in enumerate(zip(actuals, expecteds, strict=True)):
+                where = f"{label}" if len(actuals) == 1 else f"{label} output {index}"
+                assert got.shape == want.shape, f"{where}: shape {got.shape} != {want.shape}"
+                assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
+                a, e = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+                atol, rtol = TOLERANCES[op][dtype_name]
+                excess = np.abs(a - e) - (atol + rtol * np.abs(e))
+                worst = float(np.nanmax(excess)) if excess.size else 0.0
+                assert np.isfinite(a).all() and worst <= 0, (
+                    f"{where}: differs from the reference by up to {worst + atol:.3g} "
+                    f"(atol {atol:g}, rtol {rtol:g})"
+                )
             report.ran.append(label)
     return report
 
@@ -129,6 +136,15 @@ def _cases(op: str) -> Iterator[Case]:
                 return (normal((2, 5, D), 5, dtype), normal((D,), 6, dtype), 1e-6), {}
 
             yield Case(f"D={D}", {"hidden_size": D}, make_norm)
+    elif op == "add_rms_norm":
+        # Decode rows ([B, 1, D]) and prompt chunks; D below, at and above one block's threads.
+        for shape in ((1, 1, 64), (3, 1, 640), (2, 5, 2048), (1, 3, 4096)):
+
+            def make_add_norm(dtype: Any, shape: tuple[int, ...] = shape) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                D = shape[-1]
+                return (normal(shape, 10, dtype), normal(shape, 11, dtype), normal((D,), 12, dtype), 1e-5), {}
+
+            yield Case(f"shape={shape}", {"hidden_size": shape[-1]}, make_add_norm)
     elif op == "rope":
         # Prompt chunks (L=6) and decode steps (L=1: one position per row, the offset an int, a
         # scalar array, or one per row as a batch of different lengths passes it).

@@ -94,9 +94,15 @@ class RMSNorm(nn.Module):
         self.weight = mx.zeros((dims,))
         self.eps = eps
         self._rms_norm = kernels.rms_norm
+        self._add_rms_norm = kernels.add_rms_norm
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._rms_norm(x, 1.0 + self.weight, self.eps)
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        """``h = x + residual`` and this norm of ``h`` (the ``add_rms_norm`` kernel)."""
+        h, normed = self._add_rms_norm(x, residual, 1.0 + self.weight, self.eps)
+        return h, normed
 
 
 class Attention(HeadNormedAttention, nn.Module):
@@ -151,8 +157,9 @@ class TransformerBlock(AttentionBlock, nn.Module):
         self.post_feedforward_layernorm = RMSNorm(dims, eps, kernels)
 
     def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn.output(out))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        attended = self.post_attention_layernorm(self.self_attn.output(out))
+        h, normed = self.pre_feedforward_layernorm.add_and_norm(x, attended)
+        return h + self.post_feedforward_layernorm(self.mlp(normed))
 
 
 class Gemma3Model(nn.Module):

@@ -140,9 +140,15 @@ class RMSNorm(nn.Module):
         self.weight = mx.ones((dims,))
         self.eps = eps
         self._rms_norm = kernels.rms_norm
+        self._add_rms_norm = kernels.add_rms_norm
 
     def __call__(self, x: mx.array) -> mx.array:
         return self._rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        """``h = x + residual`` and this norm of ``h`` (the ``add_rms_norm`` kernel)."""
+        h, normed = self._add_rms_norm(x, residual, self.weight, self.eps)
+        return h, normed
 
 
 class CachedAttention:
@@ -337,8 +343,8 @@ class TransformerBlock(AttentionBlock, nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
     def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
-        h = x + self.self_attn.output(out)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(out))
+        return h + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

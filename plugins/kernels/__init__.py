@@ -26,13 +26,14 @@ MLXR_ESSENTIAL = True
 #: below ``mlx_fast``: they are opt-in (``kernels: {attention: cuda}``) because on the GPU runs of
 #: bench/kernels (MLX 0.32.4, whose mx.fast attention is cuDNN's) ``cuda`` wins at short contexts
 #: but loses at 32k and B=8 x 8k and gave no end-to-end decode gain, and ``metal`` is unmeasured.
-#: ``cpu_blas`` (quantized matmul and decode RoPE on MLX's CPU backend only) sits above
-#: ``mlx_fast``; ``cuda_dense`` (quantized matmul for several rows as dequantize + dense matmul, on
+#: ``cpu_blas`` (quantized matmul and decode RoPE on MLX's CPU backend only) and ``cuda_norm``
+#: (residual add + RMS norm as one kernel, CUDA only) sit above ``mlx_fast``; ``cuda_dense`` (quantized matmul for several rows as dequantize + dense matmul, on
 #: MLX's CUDA backend only) below it, opt-in: see their modules.
 BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
     "cpu_blas": ("mlxr_plugins.kernels.cpu_blas", 20, ("quantized_matmul", "rope")),
     "cuda": ("mlxr_plugins.kernels.cuda", 5, ("attention",)),
     "cuda_dense": ("mlxr_plugins.kernels.cuda_dense", 5, ("quantized_matmul",)),
+    "cuda_norm": ("mlxr_plugins.kernels.cuda_norm", 20, ("add_rms_norm",)),
     "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm")),
     "mlx_fast": ("mlxr_plugins.kernels.mlx_fast", 10, None),
     "reference": ("mlxr_plugins.kernels.reference", 0, None),

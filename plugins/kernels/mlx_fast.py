@@ -51,6 +51,19 @@ attention_kernel = KernelImpl(
     attention, _attention_support, summary="mx.fast.scaled_dot_product_attention"
 )
 rms_norm_kernel = KernelImpl(mx.fast.rms_norm, _float_dtype, summary="mx.fast.rms_norm")
+
+
+def add_rms_norm(
+    x: mx.array, residual: mx.array, weight: mx.array, eps: float
+) -> tuple[mx.array, mx.array]:
+    """An add (fused with its neighbours inside ``mx.compile``), then ``mx.fast.rms_norm``."""
+    h = x + residual
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+add_rms_norm_kernel = KernelImpl(
+    add_rms_norm, _float_dtype, summary="an add, then mx.fast.rms_norm (two kernels)"
+)
 rope_kernel = KernelImpl(mx.fast.rope, _rope_support, summary="mx.fast.rope")
 quantized_matmul_kernel = KernelImpl(
     mx.quantized_matmul, summary="mx.quantized_matmul (fused dequantize + matmul)"

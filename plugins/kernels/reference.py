@@ -65,6 +65,14 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return weight * normed.astype(x.dtype)
 
 
+def add_rms_norm(
+    x: mx.array, residual: mx.array, weight: mx.array, eps: float
+) -> tuple[mx.array, mx.array]:
+    """``h = x + residual`` and :func:`rms_norm` of ``h``: two ops, nothing fused."""
+    h = x + residual
+    return h, rms_norm(h, weight, eps)
+
+
 def rope(
     x: mx.array,
     dims: int,
@@ -116,6 +124,7 @@ def rope(
 
 attention_kernel = KernelImpl(attention, summary="plain mx ops, float32 softmax: the ground truth")
 rms_norm_kernel = KernelImpl(rms_norm, summary="plain mx ops in float32: the ground truth")
+add_rms_norm_kernel = KernelImpl(add_rms_norm, summary="an add, then the reference rms_norm")
 rope_kernel = KernelImpl(rope, summary="plain mx ops in float32: the ground truth")
 
 

@@ -205,3 +205,54 @@ def test_metal_rms_norm_parity(dtype, dims):
         np.array(metal.rms_norm(x, w, 1e-5).astype(mx.float32)),
         np.array(reference.rms_norm(x, w, 1e-5).astype(mx.float32)), atol=eps, rtol=2 * eps,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# cuda_norm: the residual add + RMS norm kernel
+
+
+def test_cuda_norm_runs_only_on_cuda_and_says_why():
+    from mlxr_plugins.kernels import cuda_norm
+
+    assert cuda_norm.add_rms_norm_kernel.supports(ctx("add_rms_norm", "cuda")) == []
+    for other in ("cpu", "metal"):
+        reasons = cuda_norm.add_rms_norm_kernel.supports(ctx("add_rms_norm", other, "float64"))
+        assert reasons[0].startswith("needs MLX's CUDA backend") and any("float64" in r for r in reasons)
+
+
+def test_cuda_norm_hands_what_it_does_not_fuse_to_mx_fast(monkeypatch):
+    """Mixed dtypes, a broadcast residual or a very wide row never reach the kernel."""
+    from mlxr_plugins.kernels import cuda_norm, mlx_fast
+
+    calls = []
+    monkeypatch.setattr(cuda_norm, "_kernel", lambda: calls.append("kernel"))
+    x = mx.ones((2, 1, 64), dtype=mx.bfloat16)
+    for args in (
+        (x, x.astype(mx.float32), mx.ones((64,), dtype=mx.bfloat16)),
+        (x, mx.ones((64,), dtype=mx.bfloat16), mx.ones((64,), dtype=mx.bfloat16)),
+        (x, x, mx.ones((64,), dtype=mx.float32)),
+        (mx.ones((1, 40 * 256)), mx.ones((1, 40 * 256)), mx.ones((40 * 256,))),
+    ):
+        h, normed = cuda_norm.add_rms_norm(*args, 1e-5)
+        want_h, want_n = mlx_fast.add_rms_norm(*args, 1e-5)
+        np.testing.assert_array_equal(np.array(h.astype(mx.float32)), np.array(want_h.astype(mx.float32)))
+        np.testing.assert_array_equal(np.array(normed.astype(mx.float32)), np.array(want_n.astype(mx.float32)))
+    assert calls == []
+
+
+@pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
+def test_cuda_norm_parity_and_identity_with_mx_fast():
+    from mlxr_core.plugins import load_plugins
+    from mlxr_core.testing.kernel_check import check_kernel_parity
+    from mlxr_plugins.kernels import cuda_norm, mlx_fast
+
+    report = check_kernel_parity(load_plugins().registries.kernels, "add_rms_norm", "cuda_norm")
+    assert report.ran and not report.skipped
+    # Rounded as the two-kernel version rounds: equal up to one rounding step of the dtype.
+    for dtype in (mx.float16, mx.bfloat16):
+        x, y = (mx.random.normal((3, 1, 2048), key=mx.random.key(s)).astype(dtype) for s in (1, 2))
+        w = mx.random.normal((2048,), key=mx.random.key(3)).astype(dtype)
+        for got, want in zip(cuda_norm.add_rms_norm(x, y, w, 1e-5), mlx_fast.add_rms_norm(x, y, w, 1e-5),
+                             strict=True):
+            np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                                       atol=2.0**-6, rtol=2.0**-7)

@@ -222,7 +222,7 @@ def test_mlx_fast_says_why_it_cannot_run():
 
 def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
     registries = load_plugins().registries
-    for op in ("attention", "rms_norm", "rope", "quantized_matmul"):
+    for op in ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul"):
         assert f"{op}:reference" in registries.kernels
         assert f"{op}:mlx_fast" in registries.kernels
     shapes = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
@@ -230,6 +230,7 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
     assert dict(auto.chosen) == {
         "attention": "mlx_fast",
         "rms_norm": "mlx_fast",
+        "add_rms_norm": "mlx_fast",
         "rope": "cpu_blas",
         "quantized_matmul": "cpu_blas",
     }

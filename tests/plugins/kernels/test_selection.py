@@ -90,7 +90,8 @@ def test_bind_kernels_rejects_a_choice_for_an_unknown_op(registries):
 def test_on_this_cpu_auto_binds_mlx_fast_and_device_kernels_refuse_with_reasons(registries):
     kernels = bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES)
     assert dict(kernels.chosen) == {"attention": "mlx_fast", "rms_norm": "mlx_fast",
-                                    "rope": "cpu_blas", "quantized_matmul": "cpu_blas"}
+                                    "add_rms_norm": "mlx_fast", "rope": "cpu_blas",
+                                    "quantized_matmul": "cpu_blas"}
     assert kernels.attention is mlx_fast.attention
     with pytest.raises(KernelUnavailable, match="needs MLX's CUDA backend"):
         bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES,
@@ -106,7 +107,8 @@ def test_model_choices_override_global_ones_at_load(registries, tmp_path):
     loaded = load_model(model, registries, kernel_choices={"attention": "mlx_fast",
                                                            "rms_norm": "reference"})
     assert dict(loaded.kernels.chosen) == {"attention": "reference", "rms_norm": "reference",
-                                           "rope": "cpu_blas", "quantized_matmul": "cpu_blas"}
+                                           "add_rms_norm": "mlx_fast", "rope": "cpu_blas",
+                                           "quantized_matmul": "cpu_blas"}
     with pytest.raises(KernelUnavailable, match="cuda"):
         load_model(ModelConfig(path=str(path), dtype="float32"), registries,
                    kernel_choices={"attention": "cuda"})
@@ -116,11 +118,14 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     rows = kernel_report(registries.kernels, dtype="float32", shapes=SHAPES,
                          device="cpu", platform="cpu")
     by_key = {(row["op"], row["backend"]): row for row in rows}
-    assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "rope", "quantized_matmul")
+    assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "add_rms_norm", "rope",
+                                              "quantized_matmul")
                            for b in ("mlx_fast", "reference")} | {
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
-        ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"), ("quantized_matmul", "cuda_dense")}
-    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 2 + ["cpu_blas"] * 2
+        ("add_rms_norm", "cuda_norm"), ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"),
+        ("quantized_matmul", "cuda_dense")}
+    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3 + ["cpu_blas"] * 2
+    assert "needs MLX's CUDA backend" in by_key[("add_rms_norm", "cuda_norm")]["reasons"][0]
     assert not by_key[("attention", "cuda")]["supported"]
     assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]
     # The same question as on a CUDA machine: cuda can run there, but is opt-in (below mlx_fast).
@@ -129,7 +134,8 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     cuda_row = next(r for r in cuda_rows if r["backend"] == "cuda")
     assert cuda_row["supported"] and not cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
-    assert chosen == {op: "mlx_fast" for op in ("attention", "rms_norm", "rope", "quantized_matmul")}
+    assert chosen == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "add_rms_norm": "cuda_norm",
+                      "rope": "mlx_fast", "quantized_matmul": "mlx_fast"}
     dense_row = next(r for r in cuda_rows if r["backend"] == "cuda_dense")
     assert dense_row["supported"] and not dense_row["auto"]  # opt-in too
     for blas_row in (r for r in cuda_rows if r["backend"] == "cpu_blas"):
