@@ -58,6 +58,31 @@ class KernelImpl:
         return self.check(ctx)
 
 
+#: Activation dtypes the hand-written kernels are built for.
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+#: What each device backend needs, as its "cannot run here" reason starts.
+NEEDS = {
+    "cuda": "needs MLX's CUDA backend on an NVIDIA GPU",
+    "metal": "needs Apple Silicon Metal",
+}
+
+
+def device_reasons(ctx: KernelContext, platform_name: str) -> list[str]:
+    """Why a backend written for ``platform_name`` ("cuda" or "metal") cannot run in ``ctx``:
+    another platform (naming this machine), or an activation dtype it has no kernel for."""
+    import platform
+
+    reasons = []
+    if ctx.platform != platform_name:
+        reasons.append(
+            f"{NEEDS[platform_name]} (this machine: {platform.system()} {platform.machine()}, "
+            f"MLX {ctx.device} device, {ctx.platform} platform)"
+        )
+    if ctx.dtype not in FLOAT_DTYPES:
+        reasons.append(f"activation dtype {ctx.dtype} is not one of {', '.join(FLOAT_DTYPES)}")
+    return reasons
+
+
 @hookimpl
 def mlxr_register_kernels(register: RegisterKernel) -> None:
     """Register every backend of :data:`BACKENDS` for the ops it implements."""

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import math
-import platform
 import struct
 from typing import Any
 
@@ -45,9 +44,8 @@ import attrs
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
-from mlxr_plugins.kernels import KernelImpl
+from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl, device_reasons
 
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 #: Head dims with a fused path: ``D / 8`` threads per row must be a power of two within a warp.
 FUSED_HEAD_DIMS = (64, 128, 256)
 #: Threads per block of the split kernel.
@@ -513,20 +511,8 @@ def attention(
     return flash_decode(q, k, v, plan=plan)
 
 
-def machine() -> str:
-    """This machine in a few words, for "cannot run here" reasons."""
-    return f"{platform.system()} {platform.machine()}"
-
-
 def _attention_support(ctx: KernelContext) -> list[str]:
-    reasons = []
-    if ctx.platform != "cuda":
-        reasons.append(
-            f"needs MLX's CUDA backend on an NVIDIA GPU (this machine: {machine()}, "
-            f"MLX {ctx.device} device, {ctx.platform} platform)"
-        )
-    if ctx.dtype not in FLOAT_DTYPES:
-        reasons.append(f"activation dtype {ctx.dtype} is not one of {', '.join(FLOAT_DTYPES)}")
+    reasons = device_reasons(ctx, "cuda")
     unknown = [kind for kind in ctx.shapes.get("masks", ()) if kind not in ("causal", "array")]
     if unknown:
         reasons.append(f"mask kinds {', '.join(map(str, unknown))} are not supported (causal, array)")

@@ -18,13 +18,12 @@ step is bound elsewhere there). Below :data:`MIN_ROWS` rows the fused kernel run
 
 from __future__ import annotations
 
-import platform
 from typing import Any
 
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
-from mlxr_plugins.kernels import KernelImpl, reference
+from mlxr_plugins.kernels import KernelImpl, device_reasons, reference
 
 #: Input rows (batch x positions) from which the weight is dequantized first.
 MIN_ROWS = 8
@@ -48,12 +47,7 @@ quantized_matmul = reference.fused_below(MIN_ROWS, dequantize_matmul)
 
 
 def _cuda_only(ctx: KernelContext) -> list[str]:
-    if ctx.platform != "cuda":
-        return [
-            f"needs MLX's CUDA backend on an NVIDIA GPU (this machine: {platform.system()} "
-            f"{platform.machine()}, MLX {ctx.device} device, {ctx.platform} platform)"
-        ]
-    return []
+    return device_reasons(ctx, "cuda")
 
 
 quantized_matmul_kernel = KernelImpl(

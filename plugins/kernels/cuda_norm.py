@@ -16,16 +16,14 @@ per-token launch time 1.48 vs 1.71 ms (bf16). Auto-selected on CUDA.
 from __future__ import annotations
 
 import functools
-import platform
 import struct
 from typing import Any
 
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
-from mlxr_plugins.kernels import KernelImpl, mlx_fast
+from mlxr_plugins.kernels import KernelImpl, device_reasons, mlx_fast
 
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 #: Threads per row (block).
 THREADS = 256
 
@@ -111,15 +109,7 @@ def add_rms_norm(
 
 
 def _support(ctx: KernelContext) -> list[str]:
-    reasons = []
-    if ctx.platform != "cuda":
-        reasons.append(
-            f"needs MLX's CUDA backend on an NVIDIA GPU (this machine: {platform.system()} "
-            f"{platform.machine()}, MLX {ctx.device} device, {ctx.platform} platform)"
-        )
-    if ctx.dtype not in FLOAT_DTYPES:
-        reasons.append(f"activation dtype {ctx.dtype} is not one of {', '.join(FLOAT_DTYPES)}")
-    return reasons
+    return device_reasons(ctx, "cuda")
 
 
 add_rms_norm_kernel = KernelImpl(

@@ -27,15 +27,13 @@ skip with that reason.
 from __future__ import annotations
 
 import functools
-import platform
 from typing import Any
 
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
-from mlxr_plugins.kernels import KernelImpl
+from mlxr_plugins.kernels import KernelImpl, device_reasons
 from mlxr_plugins.kernels.cuda import (
-    FLOAT_DTYPES,
     THREADS,
     DecodePlan,
     _float_bits,
@@ -381,20 +379,8 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return y.reshape(x.shape)
 
 
-def machine() -> str:
-    """This machine in a few words, for "cannot run here" reasons."""
-    return f"{platform.system()} {platform.machine()}"
-
-
 def _metal_support(ctx: KernelContext) -> list[str]:
-    reasons = []
-    if ctx.platform != "metal":
-        reasons.append(
-            f"needs Apple Silicon Metal (this machine: {machine()}, MLX {ctx.device} device, "
-            f"{ctx.platform} platform)"
-        )
-    if ctx.dtype not in FLOAT_DTYPES:
-        reasons.append(f"activation dtype {ctx.dtype} is not one of {', '.join(FLOAT_DTYPES)}")
+    reasons = device_reasons(ctx, "metal")
     return reasons
 
 

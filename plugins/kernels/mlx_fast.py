@@ -10,9 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
-from mlxr_plugins.kernels import KernelImpl
-
-FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl
 
 
 def _float_dtype(ctx: KernelContext) -> list[str]:
