@@ -12,6 +12,7 @@ memory-bandwidth limit (weight bytes per token / measured copy bandwidth).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
@@ -230,11 +231,19 @@ def main() -> int:
             try:
                 mlxr_decode(engine, prompt, 8, 1)  # warm-up
                 ours, peer, bare = [], [], []
-                for _ in range(args.rounds):  # alternate, so drift hits both alike
-                    ours.append(mlxr_decode(engine, prompt, args.gen_tokens, 1))
-                    peer.append(mlx_lm_decode(folder, prompt, args.gen_tokens))
-                    if args.bare:
-                        bare.append(mlxr_bare_decode(engine, prompt, args.gen_tokens))
+                gen = args.gen_tokens
+                runs = [
+                    (ours, functools.partial(mlxr_decode, engine, prompt, gen, 1)),
+                    (peer, functools.partial(mlx_lm_decode, folder, prompt, gen)),
+                ]
+                if args.bare:
+                    runs.append((bare, functools.partial(mlxr_bare_decode, engine, prompt, gen)))
+                # Alternate, so drift hits every runner alike, and rotate the order each round, so
+                # that none always follows the same one.
+                for round_index in range(args.rounds):
+                    shift = round_index % len(runs)
+                    for results, run in runs[shift:] + runs[:shift]:
+                        results.append(run())
                 crowd = {}
                 for n in args.streams:
                     mlxr_decode(engine, prompt, 8, n)  # warm-up: first use of each batch shape
