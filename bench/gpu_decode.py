@@ -16,6 +16,7 @@ import functools
 import json
 import shutil
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -244,6 +245,11 @@ def main() -> int:
                     shift = round_index % len(runs)
                     for results, run in runs[shift:] + runs[:shift]:
                         results.append(run())
+                    # Progress on stderr: a run cut short by a time limit still leaves its rounds.
+                    done = {"mlxr": ours, "mlx_lm": peer, "bare": bare}
+                    print(f"{name} round {round_index + 1}: " + ", ".join(
+                        f"{label} {r[-1]['decode_tps']:.0f} tok/s" for label, r in done.items() if r
+                    ), file=sys.stderr, flush=True)
                 crowd = {}
                 for n in args.streams:
                     mlxr_decode(engine, prompt, 8, n)  # warm-up: first use of each batch shape
