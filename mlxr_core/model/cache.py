@@ -15,8 +15,9 @@ import mlx.core as mx
 #: over a cache whose capacity is a multiple of 256 (mlx-lm's step) to cuDNN, whose per-call host
 #: work outweighs its device time at these lengths, and every other one to its own vector kernel.
 #: A one-token decode step on the GPU is bound by the host, and the vector kernel's step is faster
-#: (H100, Llama-3.2-1B shape, bare decode loop, six alternating rounds: bf16 612 vs 572 tok/s with
-#: 256, 4-bit 478 vs 456; ``bench/decode_profile.py --variants ... mlxr_cache_step_264``). With 264
+#: (H100, Llama-3.2-1B shape, bare decode loop, six alternating rounds, median tok/s: bf16 612 vs
+#: 556 with 256, 4-bit 477 vs 456; with the other defaults of today, 535 vs 441 and 361 vs 337;
+#: ``bench/results/decode_profile_*_h100.json``, ``bench/decode_profile.py --variants``). With 264
 #: a capacity is a multiple of 256 only from 8,448 positions on, where cuDNN's kernel earns its
 #: cost. Other backends do not care.
 CACHE_STEP = 264

@@ -6,11 +6,13 @@ attention's output to the residual stream and RMS-normalizes the sum for its MLP
 that in two kernels (an elementwise add, then ``rms_norm``), this backend in one: a thread block
 per row adds, writes the sum, reduces its squares (warp shuffles, then shared memory) and writes
 the normalized row. Float32 arithmetic, rounded as the two-kernel version rounds (the sum to the
-activation dtype first), so results are identical to ``mx.fast``'s.
+activation dtype first), so results equal ``mx.fast``'s up to float32 rounding (in bf16 they
+were bit-identical on the H100).
 
 Measured (H100, MLX 0.32.4, Llama-3.2-1B shape, bare decode loop, six alternating rounds,
-``bench/decode_profile.py``): bf16 median 604 tok/s vs 572 without, 4-bit 506 vs 456; the host's
-per-token launch time 1.48 vs 1.71 ms (bf16). Auto-selected on CUDA.
+``bench/decode_profile.py``): bf16 median 604 tok/s vs 556 without, 4-bit 506 vs 456; the host's
+per-token launch time 1.48 vs 1.71 ms (bf16). In a second run with the final defaults the gain
+was smaller (bf16 1.37x vs 1.35x mlx-lm, 4-bit 1.33x vs 1.25x). Auto-selected on CUDA.
 """
 
 from __future__ import annotations
