@@ -38,6 +38,7 @@ bounds decode, not the device. Prints JSON; this is a profiling tool, not a peer
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -183,6 +184,7 @@ def variants(folder: Path, names: list[str] | None = None) -> dict[str, Step]:
 
 def worker(args: argparse.Namespace) -> None:
     import mlx.core as mx
+    from gpu_decode import alternate
 
     prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
     report: dict[str, Any] = {
@@ -195,13 +197,10 @@ def worker(args: argparse.Namespace) -> None:
         for step in steps.values():  # warm-up: kernels compiled, graphs cached, clocks up
             bare_loop(step, prompt, 128)
             bare_loop(step, prompt, args.gen_tokens)
-        rounds: dict[str, list[float]] = {v: [] for v in steps}
-        tokens: dict[str, list[int]] = {}
-        for _ in range(args.rounds):
-            for variant, step in steps.items():
-                out, tps = bare_loop(step, prompt, args.gen_tokens)
-                rounds[variant].append(tps)
-                tokens.setdefault(variant, out)
+        rounds, tokens = alternate(
+            {variant: functools.partial(bare_loop, step, prompt, args.gen_tokens) for variant, step in steps.items()},
+            args.rounds,
+        )
         base = tokens.get("mlx_lm", next(iter(tokens.values())))
         report[name] = {
             variant: {

@@ -14,6 +14,7 @@ are ``compare_mlx_lm.py`` and ``gpu_decode.py``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -58,6 +59,7 @@ def main() -> int:
     args = parser.parse_args()
 
     import mlx.core as mx
+    from gpu_decode import alternate
 
     from mlxr_core.config.schema import ModelConfig
     from mlxr_core.model.loader import load_model
@@ -69,13 +71,10 @@ def main() -> int:
     prompt = list(range(3, 131))
     for loaded in models.values():
         decode(loaded, prompt, 8)  # warm-up: compiled traces, allocations
-    rounds: dict[str, list[float]] = {name: [] for name in models}
-    tokens: dict[str, list[int]] = {}
-    for _ in range(args.rounds):
-        for name, loaded in models.items():
-            out, tps = decode(loaded, prompt, args.gen_tokens)
-            rounds[name].append(tps)
-            tokens.setdefault(name, out)
+    rounds, tokens = alternate(
+        {name: functools.partial(decode, loaded, prompt, args.gen_tokens) for name, loaded in models.items()},
+        args.rounds,
+    )
     report = {
         "model": args.model,
         "device": str(mx.default_device()),

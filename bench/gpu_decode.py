@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -90,6 +91,21 @@ def write_folders(root: Path, shape: dict[str, object]) -> dict[str, Path]:
             shutil.copy(TOKENIZER / file, folder / file)
         folders[name] = folder
     return folders
+
+
+def alternate(
+    runners: dict[str, Callable[[], tuple[list[int], float]]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Each runner once per round, in order, so drift hits them alike: per runner, its tokens/s of
+    every round and the tokens of its first round."""
+    tps: dict[str, list[float]] = {name: [] for name in runners}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(rounds):
+        for name, run in runners.items():
+            out, speed = run()
+            tps[name].append(speed)
+            tokens.setdefault(name, out)
+    return tps, tokens
 
 
 def copy_bandwidth() -> float:

@@ -20,6 +20,7 @@ their sum (more blocks for a layer with few outputs and a long reduction, like t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -60,85 +61,53 @@ def main() -> int:
         "pipelined": args.pipelined,
         "shapes": {},
     }
+    def fused(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+        return mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64, bits=4)
+
+    def dense(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+        return x @ mx.dequantize(packed, scales, biases, group_size=64, bits=4).astype(x.dtype).T
+
+    def fused_3d(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
+        """The rows as a batch of one-row inputs (``[B, 1, K]``, a batched decode step's shape)."""
+        return fused(x[:, None], packed, scales, biases)[:, 0]
+
+    def split(x: mx.array, parts: list[tuple[mx.array, ...]], step: int) -> mx.array:
+        """One fused matmul per contiguous piece of the reduction, summed."""
+        pieces = [fused(x[:, i * step : (i + 1) * step], *part) for i, part in enumerate(parts)]
+        total = pieces[0]
+        for piece in pieces[1:]:
+            total = total + piece
+        return total
+
     for name, (k, n) in (SMOKE if args.smoke else SHAPES).items():
         w = (mx.random.normal((n, k)) / k**0.5).astype(dtype)
         packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
         mx.eval(packed, scales, biases)
-
-        def fused(
-            x: mx.array,
-            packed: mx.array = packed,
-            scales: mx.array = scales,
-            biases: mx.array = biases,
-        ) -> mx.array:
-            return mx.quantized_matmul(
-                x, packed, scales, biases, transpose=True, group_size=64, bits=4
-            )
-
-        def dense(
-            x: mx.array,
-            packed: mx.array = packed,
-            scales: mx.array = scales,
-            biases: mx.array = biases,
-        ) -> mx.array:
-            return (
-                x @ mx.dequantize(packed, scales, biases, group_size=64, bits=4).astype(x.dtype).T
-            )
-
-        def fused_3d(
-            x: mx.array,
-            packed: mx.array = packed,
-            scales: mx.array = scales,
-            biases: mx.array = biases,
-        ) -> mx.array:
-            """The rows as a batch of one-row inputs (``[B, 1, K]``, a batched decode step's shape)."""
-            out = mx.quantized_matmul(
-                x[:, None], packed, scales, biases, transpose=True, group_size=64, bits=4
-            )
-            return out[:, 0]
-
+        weight = {"packed": packed, "scales": scales, "biases": biases}
         variants = {
-            "quantized_matmul": fused,
-            "dequantize_matmul": dense,
-            "quantized_matmul_b1k": fused_3d,
+            "quantized_matmul": functools.partial(fused, **weight),
+            "dequantize_matmul": functools.partial(dense, **weight),
+            "quantized_matmul_b1k": functools.partial(fused_3d, **weight),
         }
         for pieces in args.split_k:
             if k % (pieces * 64):
                 continue
             step = k // pieces
             parts = [
-                (
-                    packed[:, i * step // 8 : (i + 1) * step // 8],
-                    scales[:, i * step // 64 : (i + 1) * step // 64],
-                    biases[:, i * step // 64 : (i + 1) * step // 64],
+                tuple(
+                    mx.contiguous(a[:, i * step // per : (i + 1) * step // per])
+                    for a, per in ((packed, 8), (scales, 64), (biases, 64))
                 )
                 for i in range(pieces)
             ]
-            parts = [tuple(mx.contiguous(a) for a in part) for part in parts]
             mx.eval(parts)
-
-            def split(x: mx.array, parts: list = parts, step: int = step) -> mx.array:  # type: ignore[type-arg]
-                total = None
-                for i, (p, s, b) in enumerate(parts):
-                    y = mx.quantized_matmul(
-                        x[:, i * step : (i + 1) * step],
-                        p,
-                        s,
-                        b,
-                        transpose=True,
-                        group_size=64,
-                        bits=4,
-                    )
-                    total = y if total is None else total + y
-                return total  # type: ignore[return-value]
-
-            variants[f"split_k{pieces}"] = split
+            variants[f"split_k{pieces}"] = functools.partial(split, parts=parts, step=step)
 
         rows_report = {}
         for rows in args.rows:
             x = mx.random.normal((rows, k)).astype(dtype)
             mx.eval(x)
-            reference = dense(x).astype(mx.float32)
+            reference = variants["dequantize_matmul"](x).astype(mx.float32)
             times = {}
             errors = {}
             for label, fn in variants.items():

@@ -7,6 +7,7 @@ imported when a model binds its kernels (or ``mlxr kernels`` asks them whether t
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -70,7 +71,6 @@ NEEDS = {
 def device_reasons(ctx: KernelContext, platform_name: str) -> list[str]:
     """Why a backend written for ``platform_name`` ("cuda" or "metal") cannot run in ``ctx``:
     another platform (naming this machine), or an activation dtype it has no kernel for."""
-    import platform
 
     reasons = []
     if ctx.platform != platform_name:

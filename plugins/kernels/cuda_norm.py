@@ -18,13 +18,13 @@ was smaller (bf16 1.37x vs 1.35x mlx-lm, 4-bit 1.33x vs 1.25x). Auto-selected on
 from __future__ import annotations
 
 import functools
-import struct
 from typing import Any
 
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
 from mlxr_plugins.kernels import KernelImpl, device_reasons, mlx_fast
+from mlxr_plugins.kernels.cuda import _float_bits
 
 #: Threads per row (block).
 THREADS = 256
@@ -77,11 +77,6 @@ def _kernel() -> Any:
         output_names=["h", "n"],
         source=_SOURCE,
     )
-
-
-def _float_bits(value: float) -> int:
-    bits: int = struct.unpack("<i", struct.pack("<f", value))[0]
-    return bits
 
 
 def add_rms_norm(
