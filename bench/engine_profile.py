@@ -6,18 +6,25 @@ Writes the Llama-3.2-1B-shaped random weights of ``gpu_decode.py``, serves them 
 (mlxr's defaults for the device), decodes one greedy stream and prints the engine thread's profile
 (sorted by own time), beside the decode tokens/s of the engine (its events read by a consumer
 thread, and on the calling thread) and of the same loaded model in a bare loop (on the calling
-thread, and on a thread of its own), then of the engine under the profiler. A diagnostic, not a
-peer comparison.
+thread, on a thread of its own, and decoding from the engine's batch cache), each with the median,
+90th percentile and longest time between the starts of two decode steps (a steady gap or
+occasional stalls), the runners in a rotated order each round; then of the engine under the
+profiler. A diagnostic, not a peer comparison.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
+import itertools
 import pstats
+import statistics
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +69,7 @@ def main() -> int:
     from gpu_decode import LLAMA_1B, SMOKE, mlxr_bare_decode, mlxr_decode, write_folders
 
     from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
-    from mlxr_core.engine import scheduler
+    from mlxr_core.engine import batch, scheduler
     from mlxr_core.engine.engine import Engine
     from mlxr_core.plugins import load_plugins
 
@@ -80,6 +87,14 @@ def main() -> int:
             profile.disable()
 
     scheduler.BatchRunner.step = profiled_step  # type: ignore[method-assign]
+    marks: list[float] = []  # when each decode step starts, engine and bare loop alike
+    decode = batch.BatchRunner._decode
+
+    def marked_decode(self: Any) -> None:
+        marks.append(time.perf_counter())
+        decode(self)
+
+    batch.BatchRunner._decode = marked_decode  # type: ignore[method-assign]
     prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)[args.weights]
@@ -92,13 +107,40 @@ def main() -> int:
         try:
             mlxr_decode(engine, prompt, 16, 1)
             mlxr_bare_decode(engine, prompt, 16)
-            for _ in range(args.rounds):
-                plain = mlxr_decode(engine, prompt, args.gen_tokens, 1)["decode_tps"]
-                direct = engine_on_this_thread(engine, prompt, args.gen_tokens)
-                bare = mlxr_bare_decode(engine, prompt, args.gen_tokens)["decode_tps"]
-                threaded = bare_on_a_thread(engine, prompt, args.gen_tokens, mlxr_bare_decode)
-                print(f"engine {plain:.0f} tok/s (read on this thread: {direct:.0f}), bare loop "
-                      f"{bare:.0f} tok/s (on another thread: {threaded:.0f})", flush=True)
+            gen = args.gen_tokens
+            runners: dict[str, Callable[[], float]] = {
+                "engine": lambda: mlxr_decode(engine, prompt, gen, 1)["decode_tps"],
+                "engine read here": lambda: engine_on_this_thread(engine, prompt, gen),
+                "bare": lambda: mlxr_bare_decode(engine, prompt, gen, marks=marks)["decode_tps"],
+                "bare on a thread": lambda: bare_on_a_thread(
+                    engine, prompt, gen, functools.partial(mlxr_bare_decode, marks=marks)
+                ),
+                "bare, batch cache": lambda: mlxr_bare_decode(
+                    engine, prompt, gen, batch_cache=True, marks=marks
+                )["decode_tps"],
+            }
+            speeds: dict[str, list[float]] = {name: [] for name in runners}
+            steps: dict[str, list[float]] = {name: [] for name in runners}
+            names = list(runners)
+            for round_index in range(args.rounds):
+                shift = round_index % len(names)
+                line = []
+                for name in names[shift:] + names[:shift]:
+                    marks.clear()
+                    speeds[name].append(runners[name]())
+                    gaps = [b - a for a, b in itertools.pairwise(marks[1:])]  # the first step prefills
+                    if gaps:
+                        steps[name].append(statistics.median(gaps) * 1e3)
+                    line.append(f"{name} {speeds[name][-1]:.0f}"
+                                + (f" ({steps[name][-1]:.2f} ms/step median, p90 "
+                                   f"{statistics.quantiles(gaps, n=10)[-1] * 1e3:.2f}, max {max(gaps) * 1e3:.1f})"
+                                   if gaps else ""))
+                print(f"round {round_index + 1}: " + "; ".join(line), flush=True)
+            print("medians over rounds: " + "; ".join(
+                f"{name} {statistics.median(speeds[name]):.0f} tok/s"
+                + (f" ({statistics.median(steps[name]):.2f} ms/step)" if steps[name] else "")
+                for name in names
+            ), flush=True)
             active["on"] = True
             profiled = mlxr_decode(engine, prompt, args.gen_tokens, 1)["decode_tps"]
             active["on"] = False

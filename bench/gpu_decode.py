@@ -29,6 +29,7 @@ import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+from mlxr_core.model.cache import BatchKVCache
 from mlxr_core.plugins import load_plugins
 
 LLAMA_1B = {
@@ -140,9 +141,13 @@ def mlx_lm_decode(folder: Path, prompt: list[int], gen: int) -> dict[str, float]
     return {"ttft_s": first - start, "decode_tps": (count - 1) / (end - first)}
 
 
-def mlxr_bare_decode(engine: Engine, prompt: list[int], gen: int) -> dict[str, float]:
+def mlxr_bare_decode(
+    engine: Engine, prompt: list[int], gen: int, *, batch_cache: bool = False, marks: list[float] | None = None
+) -> dict[str, float]:
     """mlxr's loaded model (graph, kernels, cache) in a bare greedy loop like mlx-lm's
-    ``generate_step``, without the engine: separates the model's cost from the engine's."""
+    ``generate_step``, without the engine: separates the model's cost from the engine's.
+    ``batch_cache`` decodes from the engine's batch cache (one row) instead of the model's own;
+    ``marks`` collects the time each decode step starts."""
     model = engine._loaded["bench"]
     stream = mx.new_stream(mx.default_device())
 
@@ -152,13 +157,16 @@ def mlxr_bare_decode(engine: Engine, prompt: list[int], gen: int) -> dict[str, f
                 return mx.argmax(model.decode(tokens, cache), axis=-1)
             return mx.argmax(model.model(tokens[None], cache=cache)[:, -1, :], axis=-1)
 
-    def run(count: int) -> tuple[float, float, float]:
+    def run(count: int, stamps: list[float]) -> tuple[float, float, float]:
         cache = model.make_cache()
         start = time.perf_counter()
         token = step(mx.array(prompt, dtype=mx.int32), cache)
         mx.async_eval(token)
+        if batch_cache:
+            cache = [BatchKVCache.from_cache(layer) for layer in cache]
         first = end = start
         for i in range(count):
+            stamps.append(time.perf_counter())
             following = step(token, cache)
             mx.async_eval(following)
             token.item()
@@ -168,8 +176,8 @@ def mlxr_bare_decode(engine: Engine, prompt: list[int], gen: int) -> dict[str, f
         end = time.perf_counter()
         return start, first, end
 
-    run(4)
-    start, first, end = run(gen)
+    run(4, [])
+    start, first, end = run(gen, marks if marks is not None else [])
     return {"ttft_s": first - start, "decode_tps": (gen - 1) / (end - first)}
 
 
