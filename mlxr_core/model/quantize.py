@@ -21,6 +21,7 @@ policy          effect
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -155,10 +156,14 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
 
 def packed_matmul(module: nn.Module, x: mx.array) -> mx.array:
     """``x @ W.T`` for a packed layer through its routed kernel, ``x`` as rows (see
-    :class:`KernelQuantizedLinear`)."""
+    :class:`KernelQuantizedLinear`). Only an input with more than one matrix (``[B, L, K]`` with
+    B > 1) is reshaped: a one-stream step's ``[1, 1, K]`` is one matrix already, and the two
+    reshapes would be two primitives more per layer and token for MLX to replay and evaluate,
+    which a one-token step on a GPU pays in host time."""
     layer: Any = module
     shape = x.shape
-    if x.ndim > 2:
+    rows = len(shape) > 2 and math.prod(shape[:-2]) > 1
+    if rows:
         x = x.reshape(-1, shape[-1])
     out: mx.array = layer._quantized_matmul(
         x,
@@ -170,7 +175,7 @@ def packed_matmul(module: nn.Module, x: mx.array) -> mx.array:
         bits=layer.bits,
         mode=layer.mode,
     )
-    if len(shape) > 2:
+    if rows:
         out = out.reshape(*shape[:-1], out.shape[-1])
     return out
 

@@ -122,9 +122,27 @@ def test_keep_requantizes_dense_weights_to_their_suggested_format():
     assert dense.quantization == {} and dense.report == {"Q6_K -> dense float32": 1}
 
 
+def expected_linear(holder: nn.Module, x: mx.array) -> mx.array:
+    """nn.QuantizedLinear's own result for ``holder.linear``."""
+    layer = holder.linear
+    out = mx.quantized_matmul(
+        x, layer.weight, layer.scales, layer.biases, transpose=True, group_size=32, bits=4
+    )
+    return out + layer.bias
+
+
+def expected_head(holder: nn.Module, x: mx.array) -> mx.array:
+    """nn.QuantizedEmbedding.as_linear's own result for ``holder.embed``."""
+    embed = holder.embed
+    return mx.quantized_matmul(
+        x, embed.weight, embed.scales, embed.biases, transpose=True, group_size=32, bits=4
+    )
+
+
 def test_packed_layers_and_a_tied_head_hand_the_kernel_rows():
     """Every packed matmul, the tied LM head's too, runs the routed kernel with a ``[rows, K]``
-    input (a batched decode step's ``[B, 1, K]`` flattened), and gives nn's own result."""
+    input (a batched decode step's ``[B, 1, K]`` flattened), and gives nn's own result; an input
+    that is one matrix already (one stream's ``[1, L, K]``) reaches the kernel as it is."""
     from mlxr_core.model.quantize import route_quantized_linears
 
     mx.random.seed(0)
@@ -145,6 +163,13 @@ def test_packed_layers_and_a_tied_head_hand_the_kernel_rows():
     assert shapes == [(3, 64), (3, 64)]
     for ours, theirs in zip(got, expected, strict=True):
         assert ours.shape == theirs.shape == (3, 1, 96)
+        np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-5)
+    shapes.clear()
+    one = mx.random.normal((1, 2, 64))
+    got = (holder.linear(one), holder.embed.as_linear(one))
+    assert shapes == [(1, 2, 64), (1, 2, 64)]
+    for ours, theirs in zip(got, (expected_linear(holder, one), expected_head(holder, one)), strict=True):
+        assert ours.shape == (1, 2, 96)
         np.testing.assert_allclose(np.array(ours), np.array(theirs), atol=1e-5)
     # Embedding lookups stay as they were.
     ids = mx.array([[1, 5]])
