@@ -8,8 +8,9 @@ Writes the Llama-3.2-1B-shaped random weights of ``gpu_decode.py``, serves them 
 thread, and on the calling thread) and of the same loaded model in a bare loop (on the calling
 thread, on a thread of its own, and decoding from the engine's batch cache), each with the median,
 90th percentile and longest time between the starts of two decode steps (a steady gap or
-occasional stalls), the runners in a rotated order each round; then of the engine under the
-profiler. A diagnostic, not a peer comparison.
+occasional stalls), the runners in a rotated order each round; with ``--streams``, the engine's
+aggregate decode at those stream counts and where its step's host time goes (building the graph,
+encoding it); then of the engine under the profiler. A diagnostic, not a peer comparison.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,9 @@ def main() -> int:
     parser.add_argument("--weights", default="bf16", choices=["bf16", "q4"])
     parser.add_argument("--top", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--streams", type=int, nargs="*", default=[],
+                        help="also time batched decode at these stream counts (aggregate tok/s, step phases)")
+    parser.add_argument("--profile-streams", type=int, default=1, help="streams of the profiled run")
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
     args = parser.parse_args()
 
@@ -71,6 +76,7 @@ def main() -> int:
     from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
     from mlxr_core.engine import batch, scheduler
     from mlxr_core.engine.engine import Engine
+    from mlxr_core.model.loader import LoadedModel
     from mlxr_core.plugins import load_plugins
 
     profile = cProfile.Profile()
@@ -88,13 +94,30 @@ def main() -> int:
 
     scheduler.BatchRunner.step = profiled_step  # type: ignore[method-assign]
     marks: list[float] = []  # when each decode step starts, engine and bare loop alike
+    # Per engine decode step, seconds in: the whole step, building the model's graph
+    # (LoadedModel.decode), and encoding and launching it (mx.async_eval).
+    phases: dict[str, float] = {"step": 0.0, "build": 0.0, "encode": 0.0}
     decode = batch.BatchRunner._decode
+    build = LoadedModel.decode
+    encode = batch.mx.async_eval
+
+    def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                phases[key] += time.perf_counter() - start
+
+        return run
 
     def marked_decode(self: Any) -> None:
         marks.append(time.perf_counter())
-        decode(self)
+        timed("step", decode)(self)
 
     batch.BatchRunner._decode = marked_decode  # type: ignore[method-assign]
+    LoadedModel.decode = timed("build", build)  # type: ignore[method-assign]
+    batch.mx = types.SimpleNamespace(**{**vars(batch.mx), "async_eval": timed("encode", encode)})  # type: ignore[attr-defined]
     prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)[args.weights]
@@ -141,10 +164,25 @@ def main() -> int:
                 + (f" ({statistics.median(steps[name]):.2f} ms/step)" if steps[name] else "")
                 for name in names
             ), flush=True)
+            for streams in args.streams:
+                mlxr_decode(engine, prompt, 8, streams)  # first use of the batch shape
+                for _ in range(args.rounds):
+                    marks.clear()
+                    phases.update(step=0.0, build=0.0, encode=0.0)
+                    tps = mlxr_decode(engine, prompt, gen, streams)["aggregate_decode_tps"]
+                    n = max(len(marks), 1)
+                    gaps = [b - a for a, b in itertools.pairwise(marks[1:])]
+                    print(f"{streams} streams: {tps:.0f} tok/s aggregate, {len(marks)} decode steps, "
+                          f"{statistics.median(gaps) * 1e3:.2f} ms apart (median); per step "
+                          f"{phases['step'] / n * 1e3:.2f} ms in the step, of which building "
+                          f"{phases['build'] / n * 1e3:.2f} ms and encoding {phases['encode'] / n * 1e3:.2f} ms",
+                          flush=True)
             active["on"] = True
-            profiled = mlxr_decode(engine, prompt, args.gen_tokens, 1)["decode_tps"]
+            profiled = mlxr_decode(engine, prompt, args.gen_tokens, args.profile_streams)[
+                "decode_tps" if args.profile_streams == 1 else "aggregate_decode_tps"
+            ]
             active["on"] = False
-            print(f"engine under the profiler {profiled:.0f} tok/s "
+            print(f"engine under the profiler, {args.profile_streams} stream(s): {profiled:.0f} tok/s "
                   f"(decode step: {'compiled' if engine.model('bench').compiled_decode else 'eager'})")
         finally:
             engine.stop()

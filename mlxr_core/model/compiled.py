@@ -26,6 +26,13 @@ their composition):
 - ``after_attention(x, out) -> [B, L, hidden]``: the rest of the block;
 
 and the module (as built) ``embed(inputs)``, ``final_norm(h)`` and ``lm_logits(h)``, with ``layers``.
+
+Optionally, the residual add that ends each block is fused with the norm that follows it (one
+``add_rms_norm`` kernel instead of an add and a norm: a one-token step on a GPU pays per kernel
+and per primitive). A module offers this with every block's ``after_attention_parts(x, out) ->
+(residual, delta)`` (``after_attention`` is their sum) and ``add_attention_inputs(residual, delta,
+offset) -> (h, queries, keys, values)`` (``h = residual + delta``, then ``attention_inputs`` of it),
+and the module's ``add_final_norm(residual, delta)`` (``final_norm`` of the sum).
 :func:`unsupported` names what a module lacks; the loader then keeps the eager step. A module may
 also have the methods and still compute something else in its forward pass (a subclass that
 overrides ``__call__`` to scale the logits, say): the loader runs one step both ways on the real
@@ -66,6 +73,18 @@ def unsupported(model: nn.Module) -> str | None:
     return f"the module lacks {', '.join(missing)}" if missing else None
 
 
+def residuals_fusable(model: nn.Module) -> bool:
+    """Whether ``model`` offers the optional methods that fuse each block's residual add with the
+    norm after it (the next block's input norm, or the final norm): every block's
+    ``after_attention_parts`` and ``add_attention_inputs``, and the module's ``add_final_norm``."""
+    layers = getattr(model, "layers", None) or []
+    return callable(getattr(model, "add_final_norm", None)) and all(
+        callable(getattr(layer, name, None))
+        for layer in layers
+        for name in ("after_attention_parts", "add_attention_inputs")
+    )
+
+
 class CompiledDecode:
     """``decode(tokens [B], caches, mask) -> logits [B, vocab]`` of one decode step, compiled
     between attentions (see the module). ``caches`` are the model's per-layer caches (one
@@ -84,15 +103,26 @@ class CompiledDecode:
             h = module.embed(tokens[:, None])
             return (h, *first.attention_inputs(h, offset))
 
+        #: Whether every block's residual add is fused with the norm after it (see the module).
+        self.residuals_fused = residuals_fusable(model)
+        fused = self.residuals_fused
+
         def between(done: Any, following: Any) -> Callable[..., tuple[mx.array, ...]]:
             def step(h: mx.array, out: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
+                if fused:
+                    residual, delta = done.after_attention_parts(h, out)
+                    return tuple(following.add_attention_inputs(residual, delta, offset))
                 h = done.after_attention(h, out)
                 return (h, *following.attention_inputs(h, offset))
 
             return step
 
         def leave(h: mx.array, out: mx.array) -> mx.array:
-            logits: mx.array = module.lm_logits(module.final_norm(last.after_attention(h, out)))
+            if fused:
+                normed = module.add_final_norm(*last.after_attention_parts(h, out))
+            else:
+                normed = module.final_norm(last.after_attention(h, out))
+            logits: mx.array = module.lm_logits(normed)
             return logits[:, -1, :]
 
         self._enter = mx.compile(enter)

@@ -156,10 +156,17 @@ class TransformerBlock(AttentionBlock, nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(dims, eps, kernels)
         self.post_feedforward_layernorm = RMSNorm(dims, eps, kernels)
 
-    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+    def after_attention_parts(self, x: mx.array, out: mx.array) -> tuple[mx.array, mx.array]:
+        """The block's output as ``(residual, delta)``, their sum unformed (see
+        :meth:`AttentionBlock.add_attention_inputs`)."""
         attended = self.post_attention_layernorm(self.self_attn.output(out))
         h, normed = self.pre_feedforward_layernorm.add_and_norm(x, attended)
-        return h + self.post_feedforward_layernorm(self.mlp(normed))
+        delta: mx.array = self.post_feedforward_layernorm(self.mlp(normed))
+        return h, delta
+
+    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+        h, delta = self.after_attention_parts(x, out)
+        return h + delta
 
 
 class Gemma3Model(nn.Module):

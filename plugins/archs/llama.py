@@ -189,7 +189,8 @@ class CachedAttention:
         if "qkv_proj" in module:
             heads = self.fused_heads(x)
             q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
-            return heads[:, :, :q_end], heads[:, :, q_end:k_end], heads[:, :, k_end:]
+            queries, keys, values = mx.split(heads, [q_end, k_end], axis=2)
+            return queries, keys, values
         return (
             module.q_proj(x).reshape(B, L, self.n_heads, -1),
             module.k_proj(x).reshape(B, L, self.n_kv_heads, -1),
@@ -212,12 +213,23 @@ class CachedAttention:
         """Queries and keys rotated at ``offset`` (an int, or an array: scalar or one per row),
         and values, as ``[B, heads, L, head_dim]``. With one ``qkv_proj`` and no per-head norms,
         the query and key heads lie side by side in its output and are rotated by one RoPE call
-        (one kernel fewer per layer)."""
+        (one kernel fewer per layer).
+
+        A decode step's graph is built with as few primitives as it can be, since a one-token step
+        on a GPU is bound by the host's cost per primitive: one position's heads are a reshape of
+        the projection (no transpose), and each cut is one split (one primitive, not a slice per
+        part)."""
         if not self.head_norms and "qkv_proj" in self:  # type: ignore[operator]
-            heads = self.fused_heads(x).transpose(0, 2, 1, 3)
+            B, L, _ = x.shape
+            if L == 1:  # [B, 1, heads, D] and [B, heads, 1, D] have the same memory order
+                module: Any = self
+                heads = module.qkv_proj(x).reshape(B, -1, 1, self.head_dim)
+            else:
+                heads = self.fused_heads(x).transpose(0, 2, 1, 3)
             q_end, k_end = self.n_heads, self.n_heads + self.n_kv_heads
-            rotated = self._rotary(heads[:, :k_end], offset)
-            return rotated[:, :q_end], rotated[:, q_end:], heads[:, k_end:]
+            rotate, values = mx.split(heads, [k_end], axis=1)
+            queries, keys = mx.split(self._rotary(rotate, offset), [q_end], axis=1)
+            return queries, keys, values
         queries, keys, values = self.queries_keys_values(x)
         return self._rotary(queries, offset), self._rotary(keys, offset), values
 
@@ -242,7 +254,9 @@ class CachedAttention:
     def output(self, out: mx.array) -> mx.array:
         """Attention's ``[B, heads, L, D]`` -> ``[B, L, hidden]``: heads merged, projected."""
         B, _, L, _ = out.shape
-        result: mx.array = self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        # One position: merging the heads is a reshape (see attention_inputs).
+        merged = out.reshape(B, 1, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        result: mx.array = self.o_proj(merged)
         return result
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
@@ -305,8 +319,10 @@ class AttentionBlock:
     """A decoder block as :mod:`mlxr_core.model.compiled` cuts it: :meth:`attention_inputs` (the
     input norm, projections and RoPE), :meth:`attention` (cache and kernel) and
     ``after_attention`` (the rest), composed by ``__call__``. A block mixing it in holds
-    ``input_layernorm`` and a :class:`CachedAttention` ``self_attn``, and defines
-    ``after_attention(x, out)``."""
+    ``input_layernorm`` (with ``add_and_norm``) and a :class:`CachedAttention` ``self_attn``, and
+    defines ``after_attention(x, out)``; defining ``after_attention_parts(x, out) -> (residual,
+    delta)`` as well lets a compiled step fuse the residual add with the next norm
+    (:meth:`add_attention_inputs`)."""
 
     input_layernorm: Any
     self_attn: Any
@@ -318,6 +334,16 @@ class AttentionBlock:
             self.input_layernorm(x), offset
         )
         return inputs
+
+    def add_attention_inputs(
+        self, residual: mx.array, delta: mx.array, offset: int | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """``h = residual + delta`` (the previous block's output in the two parts
+        ``after_attention_parts`` gives) and :meth:`attention_inputs` of ``h``, as ``(h, queries,
+        keys, values)``: the add and this block's input norm are one ``add_rms_norm`` kernel."""
+        h, normed = self.input_layernorm.add_and_norm(delta, residual)
+        queries, keys, values = self.self_attn.attention_inputs(normed, offset)
+        return h, queries, keys, values
 
     def attention(self, *inputs: Any) -> mx.array:
         """``self_attn``'s :meth:`CachedAttention.attention`."""
@@ -342,9 +368,16 @@ class TransformerBlock(AttentionBlock, nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
 
-    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+    def after_attention_parts(self, x: mx.array, out: mx.array) -> tuple[mx.array, mx.array]:
+        """The block's output as ``(residual, delta)``, their sum unformed (see
+        :meth:`AttentionBlock.add_attention_inputs`)."""
         h, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(out))
-        return h + self.mlp(normed)
+        delta: mx.array = self.mlp(normed)
+        return h, delta
+
+    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+        h, delta = self.after_attention_parts(x, out)
+        return h + delta
 
 
 class LlamaModel(nn.Module):
@@ -397,6 +430,13 @@ class CausalLM:
     def final_norm(self, h: mx.array) -> mx.array:
         normed: mx.array = self.model.norm(h)
         return normed
+
+    def add_final_norm(self, residual: mx.array, delta: mx.array) -> mx.array:
+        """:meth:`final_norm` of ``residual + delta`` (the last block's output in parts), the add
+        and the norm in one ``add_rms_norm`` kernel."""
+        _, normed = self.model.norm.add_and_norm(delta, residual)
+        result: mx.array = normed
+        return result
 
     def lm_logits(self, h: mx.array) -> mx.array:
         """Logits from final (normed) hidden states."""

@@ -89,6 +89,38 @@ def test_compiled_and_eager_steps_agree_on_dense_and_packed_weights(tiny_gguf, q
     assert caches[0][0].offset == caches[1][0].offset == 18
 
 
+
+@pytest.mark.parametrize("parts", [True, False], ids=["residual-add-fused", "blocks-without-parts"])
+def test_the_residual_add_is_fused_with_the_next_norm_where_the_blocks_offer_it(tiny_gguf, parts, monkeypatch):
+    """Built-in blocks give their output in two parts, and the compiled step adds them in the next
+    block's input norm (and the final norm); blocks without ``after_attention_parts`` get the
+    plain step. Either way the compiled step computes the forward pass's logits."""
+    from mlxr_core.model.compiled import residuals_fusable
+    from mlxr_plugins.archs import llama
+
+    if not parts:  # a block that only knows its whole output
+        def after_attention(self, x, out):
+            h, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(out))
+            return h + self.mlp(normed)
+
+        monkeypatch.setattr(llama.TransformerBlock, "after_attention", after_attention)
+        monkeypatch.delattr(llama.TransformerBlock, "after_attention_parts")
+    loaded = load_model(
+        ModelConfig(path=str(tiny_gguf), dtype="float32", compile_decode=True), load_plugins().registries
+    )
+    assert residuals_fusable(loaded.model) is parts
+    assert loaded.compiled_decode is not None and loaded.compiled_decode.residuals_fused is parts
+    prompt = mx.array([[5, 17, 3, 99]], dtype=mx.int32)
+    caches = [loaded.make_cache(), loaded.make_cache()]
+    for cache in caches:
+        loaded.model(prompt, cache=cache)
+    token = mx.array([11], dtype=mx.int32)
+    for _ in range(4):
+        eager = loaded.model(token[:, None], cache=caches[0])[:, -1, :]
+        compiled = loaded.decode(token, caches[1])
+        np.testing.assert_allclose(np.array(compiled), np.array(eager), atol=1e-4)
+        token = mx.argmax(eager, axis=-1).astype(mx.int32)
+
 def smollm2_path():
     from mlxr_core.model.paths import resolve_model_path
 
@@ -179,6 +211,7 @@ def test_a_compiled_step_that_raises_at_load_leaves_the_eager_step(tiny_gguf, ca
     from mlxr_plugins.archs import llama
 
     monkeypatch.setattr(llama.TransformerBlock, "after_attention", broken)
+    monkeypatch.setattr(llama.TransformerBlock, "after_attention_parts", broken)
     # The eager forward pass calls after_attention too; keep it working for the module's own
     # __call__ only, so that just the compiled path raises.
     monkeypatch.setattr(
