@@ -123,7 +123,10 @@ def main() -> int:
         folder = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)[args.weights]
         config = Config(
             models=[ModelConfig(path=str(folder), name="bench", dtype="bfloat16", quantization="keep")],
-            engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
+            engine=EngineConfig(
+                max_batch_size=max([1, args.profile_streams, *args.streams]),
+                prefix_cache=PrefixCacheConfig(enabled=False),
+            ),
         )
         engine = Engine(config, load_plugins())
         engine.start()
@@ -169,7 +172,8 @@ def main() -> int:
                 for _ in range(args.rounds):
                     marks.clear()
                     phases.update(step=0.0, build=0.0, encode=0.0)
-                    tps = mlxr_decode(engine, prompt, gen, streams)["aggregate_decode_tps"]
+                    result = mlxr_decode(engine, prompt, gen, streams)
+                    tps = result.get("aggregate_decode_tps", result["decode_tps"])
                     n = max(len(marks), 1)
                     gaps = [b - a for a, b in itertools.pairwise(marks[1:])]
                     print(f"{streams} streams: {tps:.0f} tok/s aggregate, {len(marks)} decode steps, "
