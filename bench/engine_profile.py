@@ -173,7 +173,7 @@ def main() -> int:
                     marks.clear()
                     phases.update(step=0.0, build=0.0, encode=0.0)
                     result = mlxr_decode(engine, prompt, gen, streams)
-                    tps = result.get("aggregate_decode_tps", result["decode_tps"])
+                    tps = result["aggregate_decode_tps" if streams > 1 else "decode_tps"]
                     n = max(len(marks), 1)
                     gaps = [b - a for a, b in itertools.pairwise(marks[1:])]
                     print(f"{streams} streams: {tps:.0f} tok/s aggregate, {len(marks)} decode steps, "
