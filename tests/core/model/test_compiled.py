@@ -76,17 +76,24 @@ def test_compiled_and_eager_steps_agree_on_dense_and_packed_weights(tiny_gguf, q
         registries,
     )
     assert loaded.compiled_decode is not None
-    prompt = mx.array([[5, 17, 3, 99, 42, 7]], dtype=mx.int32)
+    caches = assert_steps_agree(loaded, [5, 17, 3, 99, 42, 7], steps=12)
+    assert caches[0][0].offset == caches[1][0].offset == 18
+
+
+def assert_steps_agree(loaded, prompt_ids, steps):
+    """Greedy decoding after ``prompt_ids`` through the forward pass and through
+    ``loaded.decode``, each on its own caches: the same logits every step. Returns the caches."""
+    prompt = mx.array([prompt_ids], dtype=mx.int32)
     caches = [loaded.make_cache(), loaded.make_cache()]
     for cache in caches:
         loaded.model(prompt, cache=cache)
     token = mx.array([11], dtype=mx.int32)
-    for _ in range(12):
+    for _ in range(steps):
         eager = loaded.model(token[:, None], cache=caches[0])[:, -1, :]
         compiled = loaded.decode(token, caches[1])
         np.testing.assert_allclose(np.array(compiled), np.array(eager), atol=1e-4)
         token = mx.argmax(eager, axis=-1).astype(mx.int32)
-    assert caches[0][0].offset == caches[1][0].offset == 18
+    return caches
 
 
 
@@ -110,16 +117,7 @@ def test_the_residual_add_is_fused_with_the_next_norm_where_the_blocks_offer_it(
     )
     assert residuals_fusable(loaded.model) is parts
     assert loaded.compiled_decode is not None and loaded.compiled_decode.residuals_fused is parts
-    prompt = mx.array([[5, 17, 3, 99]], dtype=mx.int32)
-    caches = [loaded.make_cache(), loaded.make_cache()]
-    for cache in caches:
-        loaded.model(prompt, cache=cache)
-    token = mx.array([11], dtype=mx.int32)
-    for _ in range(4):
-        eager = loaded.model(token[:, None], cache=caches[0])[:, -1, :]
-        compiled = loaded.decode(token, caches[1])
-        np.testing.assert_allclose(np.array(compiled), np.array(eager), atol=1e-4)
-        token = mx.argmax(eager, axis=-1).astype(mx.int32)
+    assert_steps_agree(loaded, [5, 17, 3, 99], steps=4)
 
 def smollm2_path():
     from mlxr_core.model.paths import resolve_model_path
