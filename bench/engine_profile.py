@@ -6,7 +6,8 @@ Writes the Llama-3.2-1B-shaped random weights of ``gpu_decode.py``, serves them 
 (mlxr's defaults for the device), decodes one greedy stream and prints the engine thread's profile
 (sorted by own time), beside the decode tokens/s of the engine (its events read by a consumer
 thread, and on the calling thread) and of the same loaded model in a bare loop (on the calling
-thread, on a thread of its own, and decoding from the engine's batch cache), each with the median,
+thread, on a thread of its own, decoding from the engine's batch cache, and handing each token to
+a reader thread through a queue), each with the median,
 90th percentile and longest time between the starts of two decode steps (a steady gap or
 occasional stalls), the runners in a rotated order each round; with ``--streams``, the engine's
 aggregate decode at those stream counts and where its step's host time goes (building the graph,
@@ -143,6 +144,9 @@ def main() -> int:
                 ),
                 "bare, batch cache": lambda: mlxr_bare_decode(
                     engine, prompt, gen, batch_cache=True, marks=marks
+                )["decode_tps"],
+                "bare, tokens to a thread": lambda: mlxr_bare_decode(
+                    engine, prompt, gen, marks=marks, handoff=True
                 )["decode_tps"],
             }
             speeds: dict[str, list[float]] = {name: [] for name in runners}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import queue
 import shutil
 import statistics
 import sys
@@ -142,14 +143,27 @@ def mlx_lm_decode(folder: Path, prompt: list[int], gen: int) -> dict[str, float]
 
 
 def mlxr_bare_decode(
-    engine: Engine, prompt: list[int], gen: int, *, batch_cache: bool = False, marks: list[float] | None = None
+    engine: Engine,
+    prompt: list[int],
+    gen: int,
+    *,
+    batch_cache: bool = False,
+    marks: list[float] | None = None,
+    handoff: bool = False,
 ) -> dict[str, float]:
     """mlxr's loaded model (graph, kernels, cache) in a bare greedy loop like mlx-lm's
     ``generate_step``, without the engine: separates the model's cost from the engine's.
     ``batch_cache`` decodes from the engine's batch cache (one row) instead of the model's own;
-    ``marks`` collects the time each decode step starts."""
+    ``marks`` collects the time each decode step starts; ``handoff`` passes each token through a
+    queue to a reader thread, as the engine hands its tokens to a request's reader."""
     model = engine._loaded["bench"]
     stream = mx.new_stream(mx.default_device())
+    tokens_out: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    reader = None
+    if handoff:
+        received: list[int] = []
+        reader = threading.Thread(target=lambda: received.extend(iter(tokens_out.get, None)))
+        reader.start()
 
     def step(tokens: mx.array, cache: list) -> mx.array:  # type: ignore[type-arg]
         with mx.stream(stream):
@@ -169,15 +183,22 @@ def mlxr_bare_decode(
             stamps.append(time.perf_counter())
             following = step(token, cache)
             mx.async_eval(following)
-            token.item()
+            value = token.item()
+            if handoff:
+                tokens_out.put(value)  # type: ignore[arg-type]
             if i == 0:
                 first = time.perf_counter()
             token = following
         end = time.perf_counter()
         return start, first, end
 
-    run(4, [])
-    start, first, end = run(gen, marks if marks is not None else [])
+    try:
+        run(4, [])
+        start, first, end = run(gen, marks if marks is not None else [])
+    finally:
+        if reader is not None:
+            tokens_out.put(None)
+            reader.join()
     return {"ttft_s": first - start, "decode_tps": (gen - 1) / (end - first)}
 
 
