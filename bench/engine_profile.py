@@ -7,7 +7,7 @@ Writes the Llama-3.2-1B-shaped random weights of ``gpu_decode.py``, serves them 
 (sorted by own time), beside the decode tokens/s of the engine (its events read by a consumer
 thread, and on the calling thread) and of the same loaded model in a bare loop (on the calling
 thread, on a thread of its own, decoding from the engine's batch cache, and handing each token to
-a reader thread through a queue), each with the median,
+a reader thread through a queue, and on one stream reused by every run), each with the median,
 90th percentile and longest time between the starts of two decode steps (a steady gap or
 occasional stalls), the runners in a rotated order each round; with ``--streams``, the engine's
 aggregate decode at those stream counts and where its step's host time goes (building the graph,
@@ -135,6 +135,7 @@ def main() -> int:
             mlxr_decode(engine, prompt, 16, 1)
             mlxr_bare_decode(engine, prompt, 16)
             gen = args.gen_tokens
+            kept_stream = batch.mx.new_stream(batch.mx.default_device())  # reused, as the engine's is
             runners: dict[str, Callable[[], float]] = {
                 "engine": lambda: mlxr_decode(engine, prompt, gen, 1)["decode_tps"],
                 "engine read here": lambda: engine_on_this_thread(engine, prompt, gen),
@@ -147,6 +148,9 @@ def main() -> int:
                 )["decode_tps"],
                 "bare, tokens to a thread": lambda: mlxr_bare_decode(
                     engine, prompt, gen, marks=marks, handoff=True
+                )["decode_tps"],
+                "bare, one stream for all runs": lambda: mlxr_bare_decode(
+                    engine, prompt, gen, marks=marks, stream=kept_stream
                 )["decode_tps"],
             }
             speeds: dict[str, list[float]] = {name: [] for name in runners}

@@ -150,14 +150,16 @@ def mlxr_bare_decode(
     batch_cache: bool = False,
     marks: list[float] | None = None,
     handoff: bool = False,
+    stream: mx.Stream | None = None,
 ) -> dict[str, float]:
     """mlxr's loaded model (graph, kernels, cache) in a bare greedy loop like mlx-lm's
     ``generate_step``, without the engine: separates the model's cost from the engine's.
     ``batch_cache`` decodes from the engine's batch cache (one row) instead of the model's own;
     ``marks`` collects the time each decode step starts; ``handoff`` passes each token through a
-    queue to a reader thread, as the engine hands its tokens to a request's reader."""
+    queue to a reader thread, as the engine hands its tokens to a request's reader; ``stream`` is
+    the MLX stream to run on (default: a new one)."""
     model = engine._loaded["bench"]
-    stream = mx.new_stream(mx.default_device())
+    stream = stream or mx.new_stream(mx.default_device())
     tokens_out: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     reader = None
     if handoff:
