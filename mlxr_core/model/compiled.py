@@ -111,7 +111,7 @@ class CompiledDecode:
             def step(h: mx.array, out: mx.array, offset: mx.array) -> tuple[mx.array, ...]:
                 if fused:
                     residual, delta = done.after_attention_parts(h, out)
-                    return tuple(following.add_attention_inputs(residual, delta, offset))
+                    return following.add_attention_inputs(residual, delta, offset)  # type: ignore[no-any-return]
                 h = done.after_attention(h, out)
                 return (h, *following.attention_inputs(h, offset))
 

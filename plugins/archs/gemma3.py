@@ -164,10 +164,6 @@ class TransformerBlock(AttentionBlock, nn.Module):
         delta: mx.array = self.post_feedforward_layernorm(self.mlp(normed))
         return h, delta
 
-    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
-        h, delta = self.after_attention_parts(x, out)
-        return h + delta
-
 
 class Gemma3Model(nn.Module):
     def __init__(self, args: Gemma3Args, kernels: KernelSet):

@@ -320,9 +320,9 @@ class AttentionBlock:
     input norm, projections and RoPE), :meth:`attention` (cache and kernel) and
     ``after_attention`` (the rest), composed by ``__call__``. A block mixing it in holds
     ``input_layernorm`` (with ``add_and_norm``) and a :class:`CachedAttention` ``self_attn``, and
-    defines ``after_attention(x, out)``; defining ``after_attention_parts(x, out) -> (residual,
-    delta)`` as well lets a compiled step fuse the residual add with the next norm
-    (:meth:`add_attention_inputs`)."""
+    defines ``after_attention_parts(x, out) -> (residual, delta)``, whose sum is
+    :meth:`after_attention` and which lets a compiled step fuse the residual add with the next norm
+    (:meth:`add_attention_inputs`); or it overrides ``after_attention`` alone."""
 
     input_layernorm: Any
     self_attn: Any
@@ -351,7 +351,12 @@ class AttentionBlock:
         return out
 
     def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
-        raise NotImplementedError
+        """The rest of the block: the sum of ``after_attention_parts``, which a block defines
+        (or it overrides this method instead)."""
+        parts: Any = self
+        residual, delta = parts.after_attention_parts(x, out)
+        result: mx.array = residual + delta
+        return result
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
         offset = cache.offset if cache is not None else 0
@@ -374,10 +379,6 @@ class TransformerBlock(AttentionBlock, nn.Module):
         h, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(out))
         delta: mx.array = self.mlp(normed)
         return h, delta
-
-    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
-        h, delta = self.after_attention_parts(x, out)
-        return h + delta
 
 
 class LlamaModel(nn.Module):
