@@ -7,7 +7,8 @@ Writes the Llama-3.2-1B-shaped random weights of ``gpu_decode.py``, serves them 
 (sorted by own time), beside the decode tokens/s of the engine (its events read by a consumer
 thread, and on the calling thread) and of the same loaded model in a bare loop (on the calling
 thread, on a thread of its own, decoding from the engine's batch cache, and handing each token to
-a reader thread through a queue, and on one stream reused by every run), each with the median,
+a reader thread through a queue, and on one stream reused by every run; and the engine's batch
+runner stepped on the calling thread, without the scheduler), each with the median,
 90th percentile and longest time between the starts of two decode steps (a steady gap or
 occasional stalls), the runners in a rotated order each round; with ``--streams``, the engine's
 aggregate decode at those stream counts and where its step's host time goes (building the graph,
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import io
 import itertools
 import pstats
@@ -48,15 +48,35 @@ def engine_on_this_thread(engine: Any, prompt: list[int], gen: int) -> float:
     return (gen - 1) / (done.total_s - done.ttft_s)
 
 
-def bare_on_a_thread(engine: Any, prompt: list[int], gen: int, bare: Any) -> float:
-    """The bare loop run on a thread of its own, as the engine runs MLX."""
+def runner_on_this_thread(engine: Any, prompt: list[int], gen: int) -> float:
+    """The engine's batch runner for this model, stepped on the calling thread without the
+    scheduler and its thread (the engine must be idle): the runner's cost without the loop's."""
+    import mlx.core as mx
+
+    from mlxr_core.engine.batch import BatchRunner
+    from mlxr_core.engine.request import Finished, GenerationRequest, RequestHandle, SamplingParams
+
+    runner = BatchRunner(engine._loaded["bench"], engine.config.engine, engine.host.registries.samplers, None)
+    params = SamplingParams(max_tokens=gen, temperature=0.0, extra={"ignore_eos": True})
+    handle = RequestHandle(GenerationRequest(model="bench", prompt_ids=prompt, params=params))
+    runner.add(handle)
+    with mx.stream(mx.new_stream(mx.default_device())):
+        while runner.busy:
+            runner.step()
+    done = list(handle)[-1]
+    assert isinstance(done, Finished)
+    return (gen - 1) / (done.total_s - done.ttft_s)
+
+
+def on_a_thread(fn: Callable[..., float], *args: Any) -> float:
+    """``fn(*args)`` run on a thread of its own."""
     import threading
 
-    result: dict[str, float] = {}
-    thread = threading.Thread(target=lambda: result.update(bare(engine, prompt, gen)))
+    result: list[float] = []
+    thread = threading.Thread(target=lambda: result.append(fn(*args)))
     thread.start()
     thread.join()
-    return result["decode_tps"]
+    return result[0]
 
 
 def main() -> int:
@@ -118,7 +138,7 @@ def main() -> int:
 
     batch.BatchRunner._decode = marked_decode  # type: ignore[method-assign]
     LoadedModel.decode = timed("build", build)  # type: ignore[method-assign]
-    batch.mx = types.SimpleNamespace(**{**vars(batch.mx), "async_eval": timed("encode", encode)})  # type: ignore[attr-defined]
+    batch.mx = types.SimpleNamespace(**{**vars(batch.mx), "async_eval": timed("encode", encode)})  # type: ignore[assignment]
     prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)[args.weights]
@@ -140,8 +160,8 @@ def main() -> int:
                 "engine": lambda: mlxr_decode(engine, prompt, gen, 1)["decode_tps"],
                 "engine read here": lambda: engine_on_this_thread(engine, prompt, gen),
                 "bare": lambda: mlxr_bare_decode(engine, prompt, gen, marks=marks)["decode_tps"],
-                "bare on a thread": lambda: bare_on_a_thread(
-                    engine, prompt, gen, functools.partial(mlxr_bare_decode, marks=marks)
+                "bare on a thread": lambda: on_a_thread(
+                    lambda: mlxr_bare_decode(engine, prompt, gen, marks=marks)["decode_tps"]
                 ),
                 "bare, batch cache": lambda: mlxr_bare_decode(
                     engine, prompt, gen, batch_cache=True, marks=marks
@@ -152,6 +172,8 @@ def main() -> int:
                 "bare, one stream for all runs": lambda: mlxr_bare_decode(
                     engine, prompt, gen, marks=marks, stream=kept_stream
                 )["decode_tps"],
+                "batch runner here": lambda: runner_on_this_thread(engine, prompt, gen),
+                "batch runner on a thread": lambda: on_a_thread(runner_on_this_thread, engine, prompt, gen),
             }
             speeds: dict[str, list[float]] = {name: [] for name in runners}
             steps: dict[str, list[float]] = {name: [] for name in runners}
