@@ -114,21 +114,6 @@ def main() -> int:
             profile.disable()
 
     scheduler.BatchRunner.step = profiled_step  # type: ignore[method-assign]
-    fresh = {"on": False}  # while set, new schedulers decode on a stream of their own
-    scheduler_init, scheduler_run = scheduler.Scheduler.__init__, scheduler.Scheduler.run
-
-    def init(self: Any, *a: Any, **k: Any) -> None:
-        scheduler_init(self, *a, **k)
-        self.fresh_stream = fresh["on"]
-
-    def run(self: Any) -> None:
-        if not self.fresh_stream:
-            return scheduler_run(self)
-        with batch.mx.stream(batch.mx.new_stream(batch.mx.default_device())):
-            return scheduler_run(self)
-
-    scheduler.Scheduler.__init__ = init  # type: ignore[method-assign]
-    scheduler.Scheduler.run = run  # type: ignore[method-assign]
     marks: list[float] = []  # when each decode step starts, engine and bare loop alike
     # Per engine decode step, seconds in: the whole step, building the model's graph
     # (LoadedModel.decode), and encoding and launching it (mx.async_eval).
@@ -166,21 +151,13 @@ def main() -> int:
         )
         engine = Engine(config, load_plugins())
         engine.start()
-        # A second engine whose scheduler decodes on a stream of its own, not the one its thread
-        # loaded the model on.
-        fresh["on"] = True
-        other = Engine(config, load_plugins())
-        other.start()
-        fresh["on"] = False
         try:
             mlxr_decode(engine, prompt, 16, 1)
-            mlxr_decode(other, prompt, 16, 1)
             mlxr_bare_decode(engine, prompt, 16)
             gen = args.gen_tokens
             kept_stream = batch.mx.new_stream(batch.mx.default_device())  # reused, as the engine's is
             runners: dict[str, Callable[[], float]] = {
                 "engine": lambda: mlxr_decode(engine, prompt, gen, 1)["decode_tps"],
-                "engine, decoding on a fresh stream": lambda: mlxr_decode(other, prompt, gen, 1)["decode_tps"],
                 "engine read here": lambda: engine_on_this_thread(engine, prompt, gen),
                 "bare": lambda: mlxr_bare_decode(engine, prompt, gen, marks=marks)["decode_tps"],
                 "bare on a thread": lambda: on_a_thread(
@@ -243,7 +220,6 @@ def main() -> int:
                   f"(decode step: {'compiled' if engine.model('bench').compiled_decode else 'eager'})")
         finally:
             engine.stop()
-            other.stop()
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.top)
     print(out.getvalue())
