@@ -1,7 +1,9 @@
 """Decode attention on MLX's CUDA backend: parity of the ``cuda`` kernel, its speed against
 ``mx.fast.scaled_dot_product_attention`` in the same run, and decode tokens/s end to end.
 
-    python bench/kernels/decode_attention.py [--out DIR] [--sections parity,attention,e2e]
+    python bench/kernels/decode_attention.py [--out DIR] [--sections parity,attention,masked,e2e]
+
+(default: parity,attention,masked)
 
 Run on the GPU machine (see bench/kernels/README.md for the exact command). Sections:
 
@@ -11,15 +13,22 @@ Run on the GPU machine (see bench/kernels/README.md for the exact command). Sect
   ``[..., :S, :]`` view of a larger cache buffer, as the KV cache hands it over; a transposed
   buffer whose feature stride is not 1, which takes the scalar-load path) and softly/sharply
   peaked scores. Tolerance: ``|out - exact| <= atol + rtol * |exact|`` with the CPU test suite's
-  per-dtype values (float32's scaled by the peak factor: its error follows the scores' size). Prefill (L > 1) and array masks are checked to be exactly ``mx.fast``.
+  per-dtype values (float32's scaled by the peak factor: its error follows the scores' size). Then masked decode (the backend's op, which fuses it) against float64 attention under the same
+  masks: per-row padding (boolean and additive), a window, one row's mask over the batch. Prefill
+  (L > 1), and unmasked decode through the backend's op, are checked to be exactly ``mx.fast``.
 - ``attention``: B=1, 32 query heads, 8 KV heads, D=128, bfloat16, contexts 1k/4k/8k/32k, and
   batch 8; plus D=64 (Llama 3.2 1B) at 4k. Time per call, ratio to ``mx.fast``, and the fraction of
   the copy bandwidth measured in the same run (bytes of K+V read / time). K/V are views of a
   cache buffer (the real case); ``mx.fast`` is also timed on contiguous arrays, and the fused
   kernel on a contiguous copy made inside the call (what ``ensure_row_contiguous=True`` would
   cost). Inputs rotate over enough sets to exceed L2.
+- ``masked``: batched decode under a padding mask (rows that joined the batch at different steps),
+  Llama-3.2-1B heads, B 8/32, contexts 400 to 8k: ``mx.fast`` with the mask against the backend's
+  op, which fuses masked decode.
 - ``e2e``: a Llama-3.2-1B-shaped model (random bfloat16 weights), 4096 tokens prefilled, then
   greedy decode with ``kernels: {attention: cuda}`` and ``{attention: mlx_fast}``, alternating.
+  Since the backend's op hands unmasked decode to mx.fast, the two now run the same kernels; the
+  section is kept for the results measured before that (bench/kernels/README.md).
 
 Timing: a batch of calls is built lazily, then ``mx.eval`` runs it; the median over repeats of
 (wall time / calls) is reported. Graph building is outside the timed region and reported apart.
@@ -58,13 +67,21 @@ def log(*parts: Any) -> None:
 # parity
 
 
-def exact_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> np.ndarray:
-    """float64 attention of one query position, GQA by head index (query head h -> h // R)."""
+def exact_attention(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None
+) -> np.ndarray:
+    """float64 attention of one query position, GQA by head index (query head h -> h // R),
+    under an optional boolean (false hides) or additive mask broadcasting to ``[B, Hq, 1, S]``."""
     qn, kn, vn = (np.array(a.astype(mx.float32), dtype=np.float64) for a in (q, k, v))
     R = qn.shape[1] // kn.shape[1]
     kg = np.repeat(kn, R, axis=1)  # [B, Hq, S, D]
     vg = np.repeat(vn, R, axis=1)
     scores = scale * np.einsum("bhld,bhsd->bhls", qn, kg)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = np.where(np.array(mask), scores, -np.inf)
+        else:
+            scores = scores + np.array(mask.astype(mx.float32), dtype=np.float64)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights /= weights.sum(-1, keepdims=True)
     return np.asarray(np.einsum("bhls,bhsd->bhld", weights, vg))
@@ -125,8 +142,8 @@ def parity(results: dict[str, Any], smoke: bool = False) -> None:
         scale = D**-0.5
         exact = exact_attention(q, k, v, scale)
         plan = cuda.decode_plan(q, k, v, scale=scale, mask=None)
-        fused = cuda.attention(q, k, v, scale=scale, mask=None)
-        causal = cuda.attention(q, k, v, scale=scale, mask="causal")
+        fused = cuda.fused_attention(q, k, v, scale=scale, mask=None)
+        causal = cuda.fused_attention(q, k, v, scale=scale, mask="causal")
         fast = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
         ref = reference.attention(q, k, v, scale=scale)
         mx.eval(fused, causal, fast, ref)
@@ -151,21 +168,21 @@ def parity(results: dict[str, Any], smoke: bool = False) -> None:
         rows.append(row)
         if not ok:
             log("PARITY FAIL", row)
-    # Delegation: prefill and array masks are exactly mx.fast.
+    failures += masked_parity(rows)
+    # Delegation: prefill, and unmasked decode through the backend's op, are exactly mx.fast.
     delegated = []
-    for L, mask_kind in [(4, "causal"), (1, "array"), (7, None)]:
+    for L, mask_kind, op in [(4, "causal", "fused"), (7, None, "fused"), (1, None, "op"),
+                             (1, "causal", "op")]:
         q = mx.random.normal((1, 8, L, 128)).astype(mx.bfloat16)
         k, v = make_kv(1, 2, 64, 128, mx.bfloat16, "cache_view", mx.random.key(99))
-        mask: str | mx.array | None = (
-            mx.zeros((1, 1, L, 64), dtype=mx.bfloat16) if mask_kind == "array" else mask_kind
-        )
+        call = cuda.fused_attention if op == "fused" else cuda.attention
         same = bool(
             mx.array_equal(
-                cuda.attention(q, k, v, scale=0.1, mask=mask),
-                mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask),
+                call(q, k, v, scale=0.1, mask=mask_kind),
+                mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1, mask=mask_kind),
             ).item()
         )
-        delegated.append({"L": L, "mask": mask_kind, "equals_mx_fast": same})
+        delegated.append({"L": L, "mask": mask_kind, "call": op, "equals_mx_fast": same})
         failures += not same
     results["parity"] = {"cases": rows, "delegated": delegated, "failures": failures}
     worst: dict[str, float] = {}
@@ -173,6 +190,62 @@ def parity(results: dict[str, Any], smoke: bool = False) -> None:
         worst[row["dtype"]] = max(worst.get(row["dtype"], 0.0), row["max_err_cuda"])
     log(f"parity: {len(rows)} fused cases + {len(delegated)} delegated, {failures} failures; "
         f"worst |cuda - exact| per dtype: {worst}")
+
+
+def padding_mask(B: int, S: int, seed: int, kind: str = "bool") -> mx.array:
+    """A batch cache's mask: row ``i`` sees its last ``S - pad_i`` keys (``[B, 1, 1, S]``), as
+    boolean or additive (0 / -inf in bfloat16); row 0 has no padding."""
+    rng = np.random.default_rng(seed)
+    pads = np.concatenate([[0], rng.integers(0, max(1, S // 2), size=B - 1)])
+    visible = np.arange(S)[None, :] >= pads[:, None]
+    mask = mx.array(visible)[:, None, None, :]
+    if kind == "additive":
+        return mx.where(mask, mx.array(0.0), mx.array(-math.inf)).astype(mx.bfloat16)
+    return mask
+
+
+def masked_parity(rows: list[dict[str, Any]]) -> int:
+    """The fused kernel under array masks (the backend's op, which fuses them) against float64
+    attention under the same mask: per-row padding as boolean and additive masks, a window mask
+    shared by every row (``[1, S]``, as a sliding-window layer gives it), and a mask of one row
+    broadcast over the batch. Returns the failures; appends a row per case to ``rows``."""
+    failures = 0
+    cases = []
+    for dtype_name in DTYPES:
+        for kind in ("bool", "additive"):
+            cases.append((dtype_name, 3, 32, 8, 64, 300, kind))
+    cases += [("bfloat16", 32, 32, 8, 64, 411, "bool"), ("bfloat16", 2, 8, 2, 128, 1000, "window"),
+              ("float16", 4, 8, 8, 256, 37, "one_row")]
+    for index, (dtype_name, B, Hq, Hkv, D, S, kind) in enumerate(cases):
+        dtype = DTYPES[dtype_name]
+        qkey, kvkey = mx.random.split(mx.random.key(500 + index), 2)
+        q = mx.random.normal((B, Hq, 1, D), key=qkey).astype(dtype)
+        k, v = make_kv(B, Hkv, S, D, dtype, "cache_view", kvkey)
+        if kind == "window":  # the last 256 keys
+            mask = (mx.arange(S) >= S - 256)[None, :]
+        elif kind == "one_row":  # [1, 1, 1, S]: the same padding for every row
+            mask = mx.arange(S)[None, None, None, :] >= 5
+        else:
+            mask = padding_mask(B, S, index, kind)
+            if dtype_name != "bfloat16" and kind == "additive":
+                mask = mask.astype(dtype)
+        scale = D**-0.5
+        exact = exact_attention(q, k, v, scale, mask)
+        plan = cuda.decode_plan(q, k, v, scale=scale, mask=mask)
+        out = cuda.attention(q, k, v, scale=scale, mask=mask)
+        fast = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        atol, rtol = TOL[dtype_name]
+        err, ok = max_error(out, exact, atol, rtol)
+        fast_err, _ = max_error(fast, exact, atol, rtol)
+        ok = ok and not isinstance(plan, str) and out.shape == q.shape
+        failures += not ok
+        row = {"dtype": dtype_name, "B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S, "mask": kind,
+               "fused": not isinstance(plan, str), "max_err_cuda": err,
+               "max_err_mx_fast": fast_err, "ok": ok}
+        rows.append(row)
+        if not ok:
+            log("MASKED PARITY FAIL", row, plan if isinstance(plan, str) else "")
+    return failures
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,7 +309,18 @@ def copy_first_call(scale: float) -> Call:
 
 
 def _copy_first(q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
-    return cuda.attention(q, mx.contiguous(k), mx.contiguous(v), scale=scale)
+    return cuda.fused_attention(q, mx.contiguous(k), mx.contiguous(v), scale=scale)
+
+
+def rotating_sets(B: int, Hq: int, Hkv: int, D: int, S: int, dtype: mx.Dtype, seed: int) -> list[Triple]:
+    """Enough (q, K/V cache views) input sets that rotating over them exceeds the L2 cache."""
+    n_sets = max(2, math.ceil(4 * L2_BYTES / (2 * B * Hkv * S * D * 2)))
+    sets = []
+    for i in range(n_sets):
+        q = mx.random.normal((B, Hq, 1, D), key=mx.random.key(seed + i)).astype(dtype)
+        k, v = make_kv(B, Hkv, S, D, dtype, "cache_view", mx.random.key(seed + 1000 + i))
+        sets.append((q, k, v))
+    return sets
 
 
 def batch(fn: Call, data: list[Triple]) -> Callable[[int], list[mx.array]]:
@@ -254,12 +338,8 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
     for B, Hq, Hkv, D, S in shapes:
         dtype = mx.bfloat16
         kv_bytes = 2 * B * Hkv * S * D * 2
-        n_sets = max(2, math.ceil(4 * L2_BYTES / kv_bytes))
-        sets = []
-        for i in range(n_sets):
-            q = mx.random.normal((B, Hq, 1, D), key=mx.random.key(1000 + i)).astype(dtype)
-            k, v = make_kv(B, Hkv, S, D, dtype, "cache_view", mx.random.key(2000 + i))
-            sets.append((q, k, v))
+        sets = rotating_sets(B, Hq, Hkv, D, S, dtype, seed=1000)
+        n_sets = len(sets)
         contiguous = [(q, mx.contiguous(k), mx.contiguous(v)) for q, k, v in sets]
         mx.eval(contiguous)
         scale = D**-0.5
@@ -271,7 +351,7 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
 
         # Correctness of this very configuration before timing it.
         q, k, v = sets[0]
-        diff = mx.abs(cuda.attention(q, k, v, scale=scale).astype(mx.float32)
+        diff = mx.abs(cuda.fused_attention(q, k, v, scale=scale).astype(mx.float32)
                       - fast(q, k, v).astype(mx.float32)).max().item()
         row: dict[str, Any] = {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S, "dtype": "bfloat16",
                                "kv_bytes": kv_bytes, "rotating_sets": n_sets, "calls": calls,
@@ -321,6 +401,60 @@ def bench_attention(results: dict[str, Any], bandwidth: float, smoke: bool = Fal
     results["attention"] = rows
 
 
+def bench_masked(results: dict[str, Any], smoke: bool = False) -> None:
+    """Batched decode under a padding mask (rows of different lengths), Llama-3.2-1B heads:
+    ``mx.fast`` with the mask (boolean and additive), the backend's op (the fused kernel), and
+    ``mx.fast`` without a mask for scale. Per call: device-bound time of queued calls, graph
+    building, and one call waited for."""
+    shapes = [(8, 400), (32, 400), (32, 2048), (8, 8192)] if not smoke else [(4, 50)]
+    Hq, Hkv, D, dtype = (32, 8, 64, mx.bfloat16) if not smoke else (8, 2, 64, mx.bfloat16)
+    scale = D**-0.5
+    rows = []
+    for B, S in shapes:
+        kv_bytes = 2 * B * Hkv * S * D * 2
+        sets = rotating_sets(B, Hq, Hkv, D, S, dtype, seed=3000)
+        n_sets = len(sets)
+        masks = {"bool": padding_mask(B, S, B + S), "additive": padding_mask(B, S, B + S, "additive")}
+        mx.eval(masks)
+        q, k, v = sets[0]
+        diff = mx.abs(
+            cuda.attention(q, k, v, scale=scale, mask=masks["bool"]).astype(mx.float32)
+            - mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=masks["additive"])
+            .astype(mx.float32)
+        ).max().item()
+        sdpa = mx.fast.scaled_dot_product_attention
+        variants: dict[str, Call] = {
+            "mx_fast_bool": functools.partial(sdpa, scale=scale, mask=masks["bool"]),
+            "mx_fast_additive": functools.partial(sdpa, scale=scale, mask=masks["additive"]),
+            "cuda_bool": functools.partial(cuda.attention, scale=scale, mask=masks["bool"]),
+            "cuda_additive": functools.partial(cuda.attention, scale=scale, mask=masks["additive"]),
+            "mx_fast_unmasked": fast_call(scale),
+        }
+        row: dict[str, Any] = {"B": B, "Hq": Hq, "Hkv": Hkv, "D": D, "S": S, "kv_bytes": kv_bytes,
+                               "max_abs_diff_cuda_vs_mx_fast": diff}
+        calls = 8 if smoke else 200
+        for name, fn in variants.items():
+            seconds, build = timed(batch(fn, sets), calls)
+            row[f"{name}_us"] = seconds * 1e6
+            row[f"{name}_build_us"] = build * 1e6
+            latencies = []
+            for i in range(30):
+                t0 = time.perf_counter()
+                mx.eval(fn(*sets[i % n_sets]))
+                latencies.append(time.perf_counter() - t0)
+            row[f"{name}_sync_us"] = statistics.median(latencies[5:]) * 1e6
+        row["speedup_bool"] = row["mx_fast_bool_us"] / row["cuda_bool_us"]
+        row["speedup_bool_sync"] = row["mx_fast_bool_sync_us"] / row["cuda_bool_sync_us"]
+        rows.append(row)
+        log(f"masked B={B} S={S}: " + ", ".join(
+            f"{name} {row[name + '_us']:.1f} us (build {row[name + '_build_us']:.1f}, "
+            f"sync {row[name + '_sync_us']:.1f})" for name in variants
+        ) + f" | x{row['speedup_bool']:.2f} queued, x{row['speedup_bool_sync']:.2f} waited, "
+            f"diff {diff:.3g}")
+        del sets
+    results["masked"] = rows
+
+
 # --------------------------------------------------------------------------------------------
 # kernel time under Nsight Compute
 
@@ -352,7 +486,7 @@ def profile(out: Path) -> None:
         mx.eval(q)
         calls = {
             "mx_fast": functools.partial(fast_call(D**-0.5), q, k, v),
-            "cuda": functools.partial(cuda.attention, q, k, v, scale=D**-0.5),
+            "cuda": functools.partial(cuda.fused_attention, q, k, v, scale=D**-0.5),
         }
         for backend, call in calls.items():
             mx.eval(call())  # compile outside the markers
@@ -537,6 +671,13 @@ def summary(results: dict[str, Any]) -> str:
                 f"{100 * r['cuda_view_bw_fraction']:5.0f}% | "
                 f"{100 * r['mx_fast_view_bw_fraction']:5.0f}%"
             )
+    for r in results.get("masked", []):
+        lines.append(
+            f"masked B={r['B']} S={r['S']}: mx.fast bool {r['mx_fast_bool_us']:.1f} us, additive "
+            f"{r['mx_fast_additive_us']:.1f} us; cuda bool {r['cuda_bool_us']:.1f} us "
+            f"(x{r['speedup_bool']:.2f}; waited for: {r['mx_fast_bool_sync_us']:.1f} vs "
+            f"{r['cuda_bool_sync_us']:.1f} us); mx.fast unmasked {r['mx_fast_unmasked_us']:.1f} us"
+        )
     if "e2e" in results:
         e = results["e2e"]
         lines.append(f"e2e decode at {e['context']}: mlx_fast {e['median_tok_s']['mlx_fast']:.1f} "
@@ -547,7 +688,7 @@ def summary(results: dict[str, Any]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--sections", default="parity,attention,e2e")
+    parser.add_argument("--sections", default="parity,attention,masked")
     parser.add_argument("--summarize-ncu", type=Path, metavar="CSV",
                         help="summarize an ncu --csv log of `--sections profile` and exit")
     parser.add_argument("--bandwidth", type=float, help="copy bandwidth in TB/s, for --summarize-ncu")
@@ -599,6 +740,12 @@ def main() -> int:
     if "attention" in sections:
         try:
             bench_attention(results, results["copy_bandwidth_TBs"] * 1e12, args.smoke)
+        except Exception:
+            traceback.print_exc()
+            status = 1
+    if "masked" in sections:
+        try:
+            bench_masked(results, args.smoke)
         except Exception:
             traceback.print_exc()
             status = 1

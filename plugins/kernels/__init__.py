@@ -23,16 +23,16 @@ if TYPE_CHECKING:
 MLXR_ESSENTIAL = True
 
 #: backend -> (module, priority, ops it implements; ``None``: every op in ``OPS``). ``auto`` takes
-#: the highest priority that supports the context. The fused ``cuda`` and ``metal`` kernels sit
-#: below ``mlx_fast``: they are opt-in (``kernels: {attention: cuda}``) because on the GPU runs of
-#: bench/kernels (MLX 0.32.4, whose mx.fast attention is cuDNN's) ``cuda`` wins at short contexts
-#: but loses at 32k and B=8 x 8k and gave no end-to-end decode gain, and ``metal`` is unmeasured.
+#: the highest priority that supports the context. ``cuda`` sits above ``mlx_fast``: its op fuses
+#: only decode under an array mask, which MLX's CUDA backend has no fused kernel for, and hands
+#: the rest to mx.fast (see its module). The fused ``metal`` kernels sit below ``mlx_fast``,
+#: opt-in (``kernels: {attention: metal}``): unmeasured.
 #: ``cpu_blas`` (quantized matmul and decode RoPE on MLX's CPU backend only) and ``cuda_norm``
 #: (residual add + RMS norm as one kernel, CUDA only) sit above ``mlx_fast``; ``cuda_dense`` (quantized matmul for several rows as dequantize + dense matmul, on
 #: MLX's CUDA backend only) below it, opt-in: see their modules.
 BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
     "cpu_blas": ("mlxr_plugins.kernels.cpu_blas", 20, ("quantized_matmul", "rope")),
-    "cuda": ("mlxr_plugins.kernels.cuda", 5, ("attention",)),
+    "cuda": ("mlxr_plugins.kernels.cuda", 15, ("attention",)),
     "cuda_dense": ("mlxr_plugins.kernels.cuda_dense", 5, ("quantized_matmul",)),
     "cuda_norm": ("mlxr_plugins.kernels.cuda_norm", 20, ("add_rms_norm",)),
     "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm")),

@@ -22,15 +22,20 @@ hands attention ``keys[..., :offset, :]``, a view of a larger pre-allocated buff
 row-contiguous copy of it would cost as much traffic as the attention itself. Rows that are not
 16-byte aligned with a unit feature stride fall back to scalar loads (same result, slower).
 
-Everything else (prefill ``L > 1``, array masks, head dims other than 64/128/256, mixed dtypes) is
-delegated to ``mx.fast.scaled_dot_product_attention``. The backend therefore speaks for the
-attention op as a whole: a model binds one callable per op and must prefill through it too, so a
-decode-only backend could never be chosen with ``kernels: {attention: cuda}``. :func:`decode_plan`
-says for given arrays whether the fused path runs, or why not.
+An array mask that varies over batch rows and keys only (``[B or 1, 1, 1, S]``, boolean or
+additive) is read by the kernel as it goes: the padding mask of a batch whose rows joined at
+different steps, or a sliding window. Everything else (prefill ``L > 1``, other masks, head dims
+other than 64/128/256, mixed dtypes) is delegated to ``mx.fast.scaled_dot_product_attention``.
+:func:`decode_plan` says for given arrays whether the fused path can run, or why not.
 
-Measured on an H100 with MLX 0.32.4 (bench/kernels/README.md): parity holds everywhere; against
-mx.fast (cuDNN there) it is 1.0-1.6x at short contexts but 0.74x at 32k, so it is registered
-below ``mlx_fast`` and is opt-in.
+Which calls the backend's op fuses (:func:`attention`) follows the measurements. Measured on an
+H100 with MLX 0.32.4 (bench/kernels/README.md): for unmasked decode, against mx.fast (its own
+vector kernel, or cuDNN's) the fused kernel is 1.0-1.6x at short contexts but 0.74x at 32k, for
+several times the host work per call, and gave no end-to-end decode gain; so unmasked calls go to
+mx.fast. MLX's CUDA backend has no fused kernel for a decode query under an array mask (its vector
+kernel takes none, and boolean masks none of its kernels): those calls are the fused kernel's.
+With that split the backend ranks above ``mlx_fast`` and ``auto`` picks it on CUDA.
+:func:`fused_attention` fuses whatever the kernel takes (for benchmarks and tests of the kernel).
 """
 
 from __future__ import annotations
@@ -137,6 +142,7 @@ _SOURCE = r"""
   const bool vec = vectorizable(k, k_strides, true) && vectorizable(v, v_strides, true);
   const bool q_vec = vectorizable(q, q_strides, false);
   const long long k_row = k_strides[2], v_row = v_strides[2];
+  /*MASK_ROW*/
   const T* k_base = k + b * k_strides[0] + hkv * k_strides[1] + d0 * k_strides[3];
   const T* v_base = v + b * v_strides[0] + hkv * v_strides[1] + d0 * v_strides[3];
 
@@ -205,7 +211,10 @@ _SOURCE = r"""
     for (int u = 0; u < U; ++u) {
       float kf[EPT];
       to_float<T, P>(k_tile[u], kf);
-      const bool valid = s0 + u * RG + rg < stop;
+      const int key = s0 + u * RG + rg;
+      bool valid = key < stop;
+      float bias = 0.f;  // an additive mask's value, in log2 units
+      /*MASK_LOAD*/
 #pragma unroll
       for (int h = 0; h < HPB; ++h) {
         float dot = 0.f;
@@ -216,7 +225,7 @@ _SOURCE = r"""
 #pragma unroll
         for (int offset = TPR / 2; offset > 0; offset >>= 1)
           dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        score[h][u] = valid ? dot : -INFINITY;
+        score[h][u] = valid ? dot + bias : -INFINITY;
       }
     }
     // One rescale per tile rather than per key.
@@ -334,7 +343,7 @@ _SOURCE = r"""
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1)
       sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-    if (lane == 0) s_inv[h] = 1.f / sum;
+    if (lane == 0) s_inv[h] = sum > 0.f ? 1.f / sum : 0.f;  // a row that masks every key: 0
   }
   __syncthreads();
   for (int e = tid; e < HPB * D; e += NT) {
@@ -349,14 +358,32 @@ _SOURCE = r"""
 """
 
 
+# The masked kernel's extra input: ``mask``, ``[B or 1, 1, 1, S]``, read through its strides;
+# template MASK_KIND 1 for a boolean mask (false hides the key), 2 for an additive one (added to
+# the score, so it is scaled to the scores' log2 units). Both branches compile for either type.
+_MASK_ROW = r"""const long long mask_row = mask_shape[0] == 1 ? 0 : b * mask_strides[0];"""
+_MASK_LOAD = r"""if (valid) {
+        const auto mask_value = mask[mask_row + (long long)key * mask_strides[3]];
+        if (MASK_KIND == 1) {
+          valid = static_cast<bool>(mask_value);
+        } else {
+          bias = static_cast<float>(mask_value) * LOG2E;
+        }
+      }"""
+
+
 @functools.cache
-def _kernel() -> Any:
-    """The fused kernel, built once; MLX compiles it once per template instantiation."""
+def _kernel(masked: bool = False) -> Any:
+    """The fused kernel (with a mask input or without), built once; MLX compiles it once per
+    template instantiation."""
+    source = _SOURCE
+    if masked:
+        source = source.replace("/*MASK_ROW*/", _MASK_ROW).replace("/*MASK_LOAD*/", _MASK_LOAD)
     return mx.fast.cuda_kernel(
-        name="mlxr_flash_decode",
-        input_names=["q", "k", "v"],
+        name="mlxr_flash_decode_masked" if masked else "mlxr_flash_decode",
+        input_names=["q", "k", "v", "mask"] if masked else ["q", "k", "v"],
         output_names=["o", "ws"],
-        source=_SOURCE,
+        source=source,
         header=_HEADER,
         ensure_row_contiguous=False,
     )
@@ -461,8 +488,12 @@ def decode_plan(
     _, Hkv, S, _ = k.shape
     if L != 1:
         return f"{L} query positions (the fused kernel is for decode, L == 1)"
-    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
-        return "an array mask (the fused kernel handles none or causal)"
+    if isinstance(mask, mx.array):
+        reason = _mask_reason(mask, B, S)
+        if reason is not None:
+            return reason
+    elif mask is not None and mask != "causal":
+        return f"mask {mask!r} (fused: none, causal or an array)"
     if not q.dtype == k.dtype == v.dtype or q.dtype not in _FLOAT_MX:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (fused: one of {', '.join(FLOAT_DTYPES)})"
     if D not in FUSED_HEAD_DIMS or k.shape[3] != D or v.shape[3] != D:
@@ -479,19 +510,38 @@ def decode_plan(
     return DecodePlan(B, Hq, Hkv, S, D, layout, n_splits)
 
 
+def _mask_reason(mask: mx.array, B: int, S: int) -> str | None:
+    """Why the fused kernel cannot apply ``mask`` for ``B`` rows of ``S`` keys, or None."""
+    if mask.dtype != mx.bool_ and mask.dtype not in _FLOAT_MX:
+        return f"a mask of dtype {str(mask.dtype).rsplit('.', 1)[-1]} (fused: bool or floating point)"
+    shape = (1,) * (4 - mask.ndim) + tuple(mask.shape)
+    if len(shape) != 4 or shape[1:3] != (1, 1) or shape[0] not in (1, B) or shape[3] != S:
+        return f"a mask of shape {tuple(mask.shape)} (fused: [{B} or 1, 1, 1, {S}])"
+    return None
+
+
 def _float_bits(value: float) -> int:
     bits: int = struct.unpack("<i", struct.pack("<f", value))[0]
     return bits
 
 
-def flash_decode(q: mx.array, k: mx.array, v: mx.array, *, plan: DecodePlan) -> mx.array:
-    """Run the fused kernel for ``plan`` (from :func:`decode_plan` on the same arrays)."""
+def flash_decode(
+    q: mx.array, k: mx.array, v: mx.array, *, plan: DecodePlan, mask: mx.array | None = None
+) -> mx.array:
+    """Run the fused kernel for ``plan`` (from :func:`decode_plan` on the same arrays and mask;
+    a string mask is no mask here: ``"causal"`` hides nothing from the last position)."""
     B, Hq, D, n_splits = plan.B, plan.Hq, plan.D, plan.n_splits
     blocks_per_split = plan.layout.blocks_per_split
+    inputs, template = [q, k, v], list(plan.layout.template)
+    if mask is not None:
+        if mask.ndim < 4:
+            mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+        inputs.append(mask)
+        template.append(("MASK_KIND", 1 if mask.dtype == mx.bool_ else 2))
     # MLX zero-fills both outputs (init_value): the arrival counters must start at 0.
-    out, _ = _kernel()(
-        inputs=[q, k, v],
-        template=list(plan.layout.template),
+    out, _ = _kernel(mask is not None)(
+        inputs=inputs,
+        template=template,
         grid=(n_splits * THREADS, blocks_per_split, 1),
         threadgroup=(THREADS, 1, 1),
         output_shapes=[(B, Hq, 1, D), (B * Hq * n_splits * (D + 2) + blocks_per_split,)],
@@ -501,14 +551,30 @@ def flash_decode(q: mx.array, k: mx.array, v: mx.array, *, plan: DecodePlan) -> 
     return out
 
 
-def attention(
+def fused_attention(
     q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: str | mx.array | None = None
 ) -> mx.array:
-    """Fused flash-decoding for one query position, else ``mx.fast.scaled_dot_product_attention``."""
+    """The fused kernel whenever :func:`decode_plan` allows it, else ``mx.fast``: for benchmarks
+    and tests of the kernel itself (the backend's op is :func:`attention`)."""
     plan = decode_plan(q, k, v, scale=scale, mask=mask)
     if isinstance(plan, str):
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    return flash_decode(q, k, v, plan=plan)
+    return flash_decode(q, k, v, plan=plan, mask=mask if isinstance(mask, mx.array) else None)
+
+
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: str | mx.array | None = None
+) -> mx.array:
+    """The fused kernel for one query position under an array mask, ``mx.fast`` for the rest.
+
+    Unmasked decode stays with ``mx.fast``, whose vector and cuDNN kernels are as fast at short
+    contexts and faster at long ones, for a fraction of the host time per call (module docstring).
+    """
+    if isinstance(mask, mx.array):
+        plan = decode_plan(q, k, v, scale=scale, mask=mask)
+        if not isinstance(plan, str):
+            return flash_decode(q, k, v, plan=plan, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def _attention_support(ctx: KernelContext) -> list[str]:
@@ -523,7 +589,7 @@ attention_kernel = KernelImpl(
     attention,
     _attention_support,
     summary=(
-        "fused flash-decoding for decode (L=1, head dim 64/128/256, no mask or causal); "
-        "prefill and other shapes run mx.fast"
+        "fused flash-decoding for decode under an array mask (L=1, head dim 64/128/256: a batch "
+        "of rows of different lengths, a sliding window); the rest runs mx.fast"
     ),
 )

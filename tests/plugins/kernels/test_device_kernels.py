@@ -96,15 +96,28 @@ def test_what_the_fused_kernel_does_not_take_is_named(case, expected):
     assert isinstance(reason, str) and expected in reason
 
 
-def test_array_masks_mixed_dtypes_and_odd_scales_are_not_fused():
-    q, k, v = qkv()
+@pytest.mark.parametrize("shape", [(3, 1, 1, 100), (1, 1, 1, 100), (1, 100), (100,)])
+@pytest.mark.parametrize("dtype", [mx.bool_, mx.bfloat16, mx.float32])
+def test_masks_over_rows_and_keys_are_fused(shape, dtype):
+    q, k, v = qkv(B=3)
+    plan = cuda.decode_plan(q, k, v, scale=0.1, mask=mx.zeros(shape, dtype=dtype))
+    assert isinstance(plan, cuda.DecodePlan) and (plan.B, plan.S) == (3, 100)
+
+
+def test_masks_mixed_dtypes_and_odd_scales_the_kernel_does_not_take_are_named():
+    q, k, v = qkv(B=3)
 
     def reason(*arrays: mx.array, scale: float = 0.1, mask: mx.array | None = None) -> str:
         plan = cuda.decode_plan(*arrays, scale=scale, mask=mask)
         assert isinstance(plan, str)
         return plan
 
-    assert "array mask" in reason(q, k, v, mask=mx.zeros((1, 1, 1, 100)))
+    # Masks that differ per head or per query position, have the wrong length or batch, or no
+    # truth value the kernel reads.
+    for shape in [(3, 32, 1, 100), (1, 1, 2, 100), (1, 1, 1, 99), (2, 1, 1, 100), (3, 1, 1, 1, 100)]:
+        assert "a mask of shape" in reason(q, k, v, mask=mx.zeros(shape, dtype=mx.bool_))
+    assert "a mask of dtype int32" in reason(q, k, v, mask=mx.zeros((1, 100), dtype=mx.int32))
+    assert "mask 'sliding'" in reason(q, k, v, mask="sliding")
     assert "dtypes" in reason(q.astype(mx.float32), k, v)
     assert "dtypes" in reason(*(a.astype(mx.int32) for a in (q, k, v)))
     assert "scale" in reason(q, k, v, scale=-1.0)
@@ -141,7 +154,8 @@ def test_the_layout_is_computed_once_per_model_shape():
 @pytest.mark.parametrize("L, S, mask", [(4, 9, "causal"), (1, 9, "array"), (3, 3, None)])
 def test_what_is_not_fused_is_exactly_mx_fast(module, L, S, mask):
     q, k, v = qkv(Hq=8, Hkv=2, L=L, S=S, D=64, dtype=mx.float32)
-    m = mx.random.normal((1, 1, L, S)) if mask == "array" else mask
+    # A mask per head: the fused kernel takes masks over batch rows and keys only.
+    m = mx.random.normal((1, 8, L, S)) if mask == "array" else mask
     assert mx.array_equal(
         module.attention(q, k, v, scale=0.125, mask=m),
         mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m),
@@ -180,9 +194,32 @@ DECODE_CASES = [
 def test_cuda_decode_parity(dtype, Hq, Hkv, D, S):
     q, k, v = qkv(B=2, Hq=Hq, Hkv=Hkv, S=S, D=D, dtype=dtype, seed=S + D)
     assert isinstance(cuda.decode_plan(q, k, v, scale=D**-0.5, mask=None), cuda.DecodePlan)
-    out = cuda.attention(q, k, v, scale=D**-0.5)
+    out = cuda.fused_attention(q, k, v, scale=D**-0.5)
     assert out.shape == q.shape and out.dtype == dtype
     close(out, reference.attention(q, k, v, scale=D**-0.5), dtype)
+
+
+@pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["bool", "additive", "window", "one_row"])
+@pytest.mark.parametrize("D, S", [(64, 37), (128, 1000)])
+def test_cuda_masked_decode_parity(dtype, kind, D, S):
+    """The backend's op fuses decode under a mask over rows and keys: a batch's padding (rows that
+    joined at different steps, boolean or additive), a window shared by every row, one row's
+    mask broadcast over the batch."""
+    B = 3
+    q, k, v = qkv(B=B, Hq=8, Hkv=2, S=S, D=D, dtype=dtype, seed=S + D + 1)
+    visible = mx.arange(S)[None, :] >= mx.array([0, S // 3, S - 1])[:, None]  # [B, S]
+    mask = {
+        "bool": visible[:, None, None, :],
+        "additive": mx.where(visible, 0.0, -math.inf).astype(dtype)[:, None, None, :],
+        "window": (mx.arange(S) >= S - 16)[None, :],
+        "one_row": (mx.arange(S) >= 5)[None, None, None, :],
+    }[kind]
+    assert isinstance(cuda.decode_plan(q, k, v, scale=D**-0.5, mask=mask), cuda.DecodePlan)
+    out = cuda.attention(q, k, v, scale=D**-0.5, mask=mask)
+    assert out.shape == q.shape and out.dtype == dtype
+    close(out, reference.attention(q, k, v, scale=D**-0.5, mask=mask), dtype)
 
 
 @pytest.mark.skipif(PLATFORM != "metal", reason=METAL_REASON or "needs Metal")

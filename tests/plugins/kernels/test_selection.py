@@ -128,13 +128,14 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     assert "needs MLX's CUDA backend" in by_key[("add_rms_norm", "cuda_norm")]["reasons"][0]
     assert not by_key[("attention", "cuda")]["supported"]
     assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]
-    # The same question as on a CUDA machine: cuda can run there, but is opt-in (below mlx_fast).
+    # The same question as on a CUDA machine: cuda runs there, ahead of mlx_fast (it fuses masked
+    # decode only and hands the rest to mx.fast).
     cuda_rows = kernel_report(registries.kernels, dtype="bfloat16", shapes=SHAPES,
                               device="gpu", platform="cuda")
     cuda_row = next(r for r in cuda_rows if r["backend"] == "cuda")
-    assert cuda_row["supported"] and not cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
+    assert cuda_row["supported"] and cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
-    assert chosen == {"attention": "mlx_fast", "rms_norm": "mlx_fast", "add_rms_norm": "cuda_norm",
+    assert chosen == {"attention": "cuda", "rms_norm": "mlx_fast", "add_rms_norm": "cuda_norm",
                       "rope": "mlx_fast", "quantized_matmul": "mlx_fast"}
     dense_row = next(r for r in cuda_rows if r["backend"] == "cuda_dense")
     assert dense_row["supported"] and not dense_row["auto"]  # opt-in too
