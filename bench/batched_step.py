@@ -1,6 +1,7 @@
 """One batched decode step, alone: where its time goes at B rows.
 
-    python bench/batched_step.py [--weights q4] [--rows 1 32] [--steps 200] [--smoke]
+    python bench/batched_step.py [--weights q4] [--rows 1 32] [--steps 200] [--rounds 3]
+        [--variants auto quantized_matmul=mlx_fast] [--smoke]
 
 Writes the Llama-3.2-1B-shaped random weights of ``gpu_decode.py``, loads them as the engine does
 (mlxr's defaults for the device), prefills ``B`` rows and decodes them together through the
@@ -10,14 +11,17 @@ batch cache, without the engine: rows of one length (no mask) and rows of differ
 batch's padding mask). Per configuration, the median step when steps are pipelined as the engine
 runs them (step n+1 queued before step n's tokens are read), and its host parts: building the
 graph, ``mx.async_eval``, and waiting for the previous step's tokens; then the median step when
-every step is waited for. Under ``nsys profile`` the kernels of the pipelined steps dominate the
-trace (``--steps`` long). A diagnostic for the engine's aggregate throughput, not a peer
-comparison.
+every step is waited for. ``--variants`` compares kernel choices in one process (one engine
+each, alternating per round, so that host drift hits them alike). ``--ncu-steps`` marks a run of
+steps for Nsight Compute instead, and ``--summarize-ncu`` sums each run's kernel times per step by
+kernel name: the device's busy time, against the step's wall time. A diagnostic for the engine's
+aggregate throughput, not a peer comparison.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -38,6 +42,14 @@ def batch_caches(model: Any, rows: int, prompt: int, padded: bool) -> list[Any]:
     ``padded``, row ``i`` ``prompt + i`` tokens (so every row but the longest is left-padded)."""
     from mlxr_core.model.cache import BatchKVCache
 
+    if not padded:  # one prefill of every row
+        cache = model.make_cache()
+        ids = mx.array([[(i * 37 + row) % 100 + 3 for i in range(prompt)] for row in range(rows)],
+                       dtype=mx.int32)
+        model.model(ids, cache=cache)
+        joined = [BatchKVCache.from_cache(layer) for layer in cache]
+        mx.eval([array for layer in joined for array in layer.state])
+        return joined
     caches: list[Any] | None = None
     for row in range(rows):
         length = prompt + (row if padded else 0)
@@ -93,6 +105,55 @@ def waited(model: Any, caches: list[Any], steps: int) -> float:
     return statistics.median(times[min(5, steps // 4):]) * 1e3
 
 
+@functools.cache
+def _marker_kernel() -> Any:
+    return mx.fast.cuda_kernel(name="mlxr_marker", input_names=["x"], output_names=["y"],
+                               source="y[0] = x[0] + ID;")
+
+
+def marker(index: int) -> None:
+    """A one-thread kernel named after ``index`` (0 closes a range), for ``--summarize-ncu``."""
+    x = mx.zeros((1,))
+    mx.eval(_marker_kernel()(inputs=[x], template=[("ID", index)], grid=(1, 1, 1),
+                             threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                             output_dtypes=[mx.float32])[0])
+
+
+def summarize_ncu(csv_path: Path, labels: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Per marked range (see ``--ncu-steps``): device time per step, by kernel name, from an
+    ``ncu --csv`` log of ``gpu__time_duration.sum``."""
+    import csv
+    import re
+
+    scale = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    lines = csv_path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    ranges: dict[int, dict[str, list[float]]] = {}
+    current = None
+    for row in csv.DictReader(lines[start:]):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        found = re.search(r"mlxr_marker_(\d+)", row["Kernel Name"])
+        if found:
+            current = int(found.group(1)) or None
+            continue
+        if current in labels:
+            name = row["Kernel Name"].split("(")[0].replace("void ", "").replace("mlx::core::cu::", "")
+            value = float(row["Metric Value"].replace(",", "")) * scale[row["Metric Unit"]]
+            ranges.setdefault(current, {}).setdefault(name[:80], []).append(value)
+    summary = {}
+    for index, label in labels.items():
+        kernels = ranges.get(index, {})
+        steps = label["steps"]
+        per_step = {name: sum(us) / steps for name, us in kernels.items()}
+        summary[label["label"]] = {
+            "device_us_per_step": sum(per_step.values()),
+            "kernels_per_step": sum(len(us) for us in kernels.values()) / steps,
+            "top": dict(sorted(per_step.items(), key=lambda item: -item[1])[:25]),
+        }
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -101,10 +162,26 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--kernels", nargs="*", default=[], metavar="OP=BACKEND")
+    parser.add_argument(
+        "--variants", nargs="+", default=["auto"], metavar="OP=BACKEND[,OP=BACKEND]",
+        help="kernel choices to compare in this process, one engine each ('auto': the defaults)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per variant")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
+    parser.add_argument(
+        "--ncu-steps", type=int, default=0,
+        help="instead of timing, run this many pipelined steps per variant and row count (rows of "
+        "one length) between marker kernels, for `ncu --metrics gpu__time_duration.sum --csv`",
+    )
+    parser.add_argument("--summarize-ncu", type=Path, metavar="CSV",
+                        help="summarize the ncu log of an --ncu-steps run (its --out JSON) and exit")
     args = parser.parse_args()
+    if args.summarize_ncu:
+        assert args.out is not None, "--out: the --ncu-steps run's JSON"
+        labels = {int(k): v for k, v in json.loads(args.out.read_text())["ncu_markers"].items()}
+        print(json.dumps(summarize_ncu(args.summarize_ncu, labels), indent=1))
+        return 0
 
     from gpu_decode import LLAMA_1B, SMOKE, write_folders
 
@@ -113,35 +190,58 @@ def main() -> int:
     from mlxr_core.plugins import load_plugins
 
     report: dict[str, Any] = {"device": str(mx.default_device()), "weights": args.weights,
-                              "kernels": args.kernels, "rows": {}}
+                              "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)[args.weights]
-        config = Config(
-            models=[ModelConfig(path=str(folder), name="bench", dtype="bfloat16", quantization="keep",
-                                kernels=dict(choice.split("=", 1) for choice in args.kernels))],
-            engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
-        )
-        engine = Engine(config, load_plugins())
-        engine.start()
+        engines = {}
+        for variant in args.variants:
+            choices = {} if variant == "auto" else dict(c.split("=", 1) for c in variant.split(","))
+            config = Config(
+                models=[ModelConfig(path=str(folder), name="bench", dtype="bfloat16",
+                                    quantization="keep", kernels=choices)],
+                engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
+            )
+            engines[variant] = Engine(config, load_plugins())
+            engines[variant].start()
+            report["variants"][variant] = {
+                "kernels_chosen": dict(engines[variant]._loaded["bench"].kernels.chosen), "rows": {}
+            }
         try:
-            model = engine._loaded["bench"]
-            report["kernels_chosen"] = dict(model.kernels.chosen)
             # Decode on a stream of its own, as the engine does (not the one the model loaded on).
             with mx.stream(mx.new_stream(mx.default_device())):
+                if args.ncu_steps:
+                    report["ncu_markers"] = {}
+                    for variant, engine in engines.items():
+                        for rows in args.rows:
+                            model = engine._loaded["bench"]
+                            caches = batch_caches(model, rows, args.prompt_tokens, False)
+                            pipelined(model, caches, 4)
+                            index = len(report["ncu_markers"]) + 1
+                            report["ncu_markers"][index] = {
+                                "label": f"{variant} | {rows} rows", "steps": args.ncu_steps}
+                            marker(index)
+                            pipelined(model, caches, args.ncu_steps)
+                            marker(0)
+                            del caches
+                    args.rows = []
                 for rows in args.rows:
                     for padded in (False, True) if rows > 1 else (False,):
-                        caches = batch_caches(model, rows, args.prompt_tokens, padded)
-                        pipelined(model, caches, 8)  # first use of the shape
-                        result = pipelined(model, caches, args.steps)
-                        result["waited_step_ms"] = waited(model, caches, min(args.steps, 50))
-                        result["tokens_per_s"] = rows / result["step_ms"] * 1e3
                         label = f"{rows} rows" + (", padded" if padded else "")
-                        report["rows"][label] = result
-                        print(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in result.items()),
-                              flush=True)
-                        del caches
+                        for round_index in range(args.rounds):
+                            for variant, engine in engines.items():
+                                model = engine._loaded["bench"]
+                                caches = batch_caches(model, rows, args.prompt_tokens, padded)
+                                pipelined(model, caches, 8)  # first use of the shape
+                                result = pipelined(model, caches, args.steps)
+                                result["waited_step_ms"] = waited(model, caches, min(args.steps, 50))
+                                result["tokens_per_s"] = rows / result["step_ms"] * 1e3
+                                report["variants"][variant]["rows"].setdefault(label, []).append(result)
+                                print(f"{variant} | {label} | round {round_index + 1}: " + ", ".join(
+                                    f"{k} {v:.2f}" for k, v in result.items()), flush=True)
+                                del caches
         finally:
-            engine.stop()
+            for engine in engines.values():
+                engine.stop()
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -1,4 +1,5 @@
-"""Packed-weight matmul by number of input rows: ``mx.quantized_matmul`` vs dequantize + dense matmul.
+"""Packed-weight matmul by number of input rows: ``mx.quantized_matmul`` vs dequantize + dense matmul
+(and, on CUDA, mlxr's ``cuda_qmm`` kernel where it takes the layer).
 
     python bench/kernels/quantized_rows.py [--rows 1 4 8 16 32 64] [--dtype bfloat16] [--smoke]
 
@@ -23,8 +24,11 @@ import argparse
 import functools
 import json
 import time
+from typing import Any
 
 import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
+from mlxr_core.kernels import current_platform
+from mlxr_plugins.kernels import cuda_qmm
 
 SHAPES = {
     "qkv": (2048, 3072),
@@ -34,6 +38,7 @@ SHAPES = {
     "lm_head": (2048, 128256),
 }
 SMOKE = {"qkv": (128, 192), "down": (256, 128)}
+L2_BYTES = 60e6  # H200 60 MB, H100 50 MB
 
 
 def main() -> int:
@@ -50,11 +55,17 @@ def main() -> int:
     parser.add_argument(
         "--split-k", type=int, nargs="*", default=[], help="split-reduction variants"
     )
+    parser.add_argument(
+        "--rotate", action="store_true",
+        help="rotate over copies of each layer (4x the L2 cache), as a decode step's weights come "
+        "from memory; without it a layer small enough stays in the L2 cache between calls",
+    )
     args = parser.parse_args()
 
     import mlx.core as mx
 
     dtype = getattr(mx, args.dtype)
+    cuda = current_platform()[1] == "cuda"
     report: dict[str, object] = {
         "device": str(mx.default_device()),
         "dtype": args.dtype,
@@ -79,16 +90,28 @@ def main() -> int:
             total = total + piece
         return total
 
-    for name, (k, n) in (SMOKE if args.smoke else SHAPES).items():
-        w = (mx.random.normal((n, k)) / k**0.5).astype(dtype)
-        packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
-        mx.eval(packed, scales, biases)
+    def variants_for(packed: mx.array, scales: mx.array, biases: mx.array) -> dict[str, Any]:
         weight = {"packed": packed, "scales": scales, "biases": biases}
-        variants = {
+        return {
             "quantized_matmul": functools.partial(fused, **weight),
             "dequantize_matmul": functools.partial(dense, **weight),
             "quantized_matmul_b1k": functools.partial(fused_3d, **weight),
         }
+
+    for name, (k, n) in (SMOKE if args.smoke else SHAPES).items():
+        w = (mx.random.normal((n, k)) / k**0.5).astype(dtype)
+        packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
+        mx.eval(packed, scales, biases)
+        weight_args: dict[str, Any] = {"w": packed, "scales": scales, "biases": biases, "group_size": 64}
+        variants = variants_for(packed, scales, biases)
+        # Copies of the layer to rotate over, so that weights come from memory, not the L2 cache.
+        copies = [(packed, scales, biases)]
+        if args.rotate:
+            layer_bytes = packed.nbytes + scales.nbytes + biases.nbytes
+            for _ in range(-(-int(4 * L2_BYTES) // layer_bytes) - 1):
+                copies.append(mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=64, bits=4))
+            mx.eval(copies)
+        rotated = [variants_for(*copy) for copy in copies]
         for pieces in args.split_k:
             if k % (pieces * 64):
                 continue
@@ -110,16 +133,26 @@ def main() -> int:
             reference = variants["dequantize_matmul"](x).astype(mx.float32)
             times = {}
             errors = {}
-            for label, fn in variants.items():
+            chosen = dict(variants)
+            # mlxr's split-reduction kernel, where it takes the layer (CUDA only).
+            if cuda and not isinstance(cuda_qmm.rows_plan(x, **weight_args), str):
+                chosen["cuda_qmm"] = functools.partial(cuda_qmm.quantized_matmul, **weight_args)
+                for copy, copy_variants in zip(copies, rotated, strict=True):
+                    copy_variants["cuda_qmm"] = functools.partial(
+                        cuda_qmm.quantized_matmul, w=copy[0], scales=copy[1], biases=copy[2],
+                        group_size=64,
+                    )
+            for label, fn in chosen.items():
                 errors[label] = mx.abs(fn(x).astype(mx.float32) - reference).max().item()
-                for _ in range(3):
-                    mx.eval(fn(x))
+                calls = [copy.get(label, fn) for copy in rotated]
+                for call in calls[:3]:
+                    mx.eval(call(x))
                 start = time.perf_counter()
                 if args.pipelined:
-                    mx.eval([fn(x) for _ in range(args.iters)])
+                    mx.eval([calls[i % len(calls)](x) for i in range(args.iters)])
                 else:
-                    for _ in range(args.iters):
-                        mx.eval(fn(x))
+                    for i in range(args.iters):
+                        mx.eval(calls[i % len(calls)](x))
                 times[label] = (time.perf_counter() - start) / args.iters * 1e6
             rows_report[str(rows)] = {
                 **{f"{label}_us": round(us, 1) for label, us in times.items()},
@@ -130,8 +163,12 @@ def main() -> int:
                 **{
                     f"{label}_max_abs_difference": e
                     for label, e in errors.items()
-                    if label.startswith("split")
+                    if label.startswith("split") or label == "cuda_qmm"
                 },
+                **(
+                    {"cuda_qmm_speedup": round(times["quantized_matmul"] / times["cuda_qmm"], 2)}
+                    if "cuda_qmm" in times else {}
+                ),
             }
         report["shapes"][name] = {"k": k, "n": n, "rows": rows_report}  # type: ignore[index]
     print(json.dumps(report, indent=2))

@@ -29,11 +29,14 @@ MLXR_ESSENTIAL = True
 #: opt-in (``kernels: {attention: metal}``): unmeasured.
 #: ``cpu_blas`` (quantized matmul and decode RoPE on MLX's CPU backend only) and ``cuda_norm``
 #: (residual add + RMS norm as one kernel, CUDA only) sit above ``mlx_fast``; ``cuda_dense`` (quantized matmul for several rows as dequantize + dense matmul, on
-#: MLX's CUDA backend only) below it, opt-in: see their modules.
+#: MLX's CUDA backend only) below it, opt-in; ``cuda_qmm`` (4-bit packed matmul for a few rows with
+#: a split reduction, CUDA only; it hands wide layers and one-row calls to mx) above it: see their
+#: modules.
 BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
     "cpu_blas": ("mlxr_plugins.kernels.cpu_blas", 20, ("quantized_matmul", "rope")),
     "cuda": ("mlxr_plugins.kernels.cuda", 15, ("attention",)),
     "cuda_dense": ("mlxr_plugins.kernels.cuda_dense", 5, ("quantized_matmul",)),
+    "cuda_qmm": ("mlxr_plugins.kernels.cuda_qmm", 15, ("quantized_matmul",)),
     "cuda_norm": ("mlxr_plugins.kernels.cuda_norm", 20, ("add_rms_norm",)),
     "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm")),
     "mlx_fast": ("mlxr_plugins.kernels.mlx_fast", 10, None),

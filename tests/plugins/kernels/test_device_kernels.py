@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mlxr_core.kernels import KernelContext, current_platform
-from mlxr_plugins.kernels import cuda, metal, reference
+from mlxr_plugins.kernels import cuda, cuda_qmm, metal, reference
 
 DEVICE, PLATFORM = current_platform()
 ATTENTION_TOL = {
@@ -293,3 +293,64 @@ def test_cuda_norm_parity_and_identity_with_mx_fast():
                              strict=True):
             np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                        atol=2.0**-6, rtol=2.0**-7)
+
+
+# --------------------------------------------------------------------------------------------
+# cuda_qmm: packed matmul for a few rows
+
+
+def packed_layer(n: int, k: int, group_size: int = 64, dtype=mx.bfloat16, seed: int = 0):
+    w = (mx.random.normal((n, k), key=mx.random.key(seed)) / k**0.5).astype(dtype)
+    return mx.quantize(w, group_size=group_size, bits=4)
+
+
+@pytest.mark.parametrize("rows, n, k, allotted", [
+    (2, 3072, 2048, 8), (8, 2048, 2048, 8), (9, 2048, 8192, 16), (32, 8192, 2048, 32),
+])
+def test_cuda_qmm_takes_a_few_rows_of_narrow_layers(rows, n, k, allotted):
+    packed, scales, biases = packed_layer(n, k)
+    plan = cuda_qmm.rows_plan(mx.zeros((rows, k), dtype=mx.bfloat16), packed, scales, biases)
+    assert plan == allotted
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(rows=1), "1 rows"),
+    (dict(rows=33), "33 rows"),
+    (dict(n=16384), "16384 outputs"),
+    (dict(k=320), "reduction 320"),
+    (dict(bits=8), "affine 8-bit"),
+    (dict(group_size=16), "group size 16"),
+    (dict(biases=False), "with biases"),
+    (dict(transpose=False), "not transposed"),
+])
+def test_what_cuda_qmm_does_not_take_is_named(case, expected):
+    rows, n, k = case.get("rows", 4), case.get("n", 256), case.get("k", 512)
+    group_size = case.get("group_size", 64)
+    packed, scales, biases = packed_layer(n, k, group_size if group_size in (32, 64, 128) else 64)
+    reason = cuda_qmm.rows_plan(
+        mx.zeros((rows, k)), packed, scales, biases if case.get("biases", True) else None,
+        bits=case.get("bits", 4), group_size=group_size, transpose=case.get("transpose", True),
+    )
+    assert isinstance(reason, str) and expected in reason
+
+
+@pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [2, 5, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize("n, k, group_size", [(100, 256, 64), (3072, 2048, 64), (2048, 8192, 32),
+                                              (384, 1024, 128)])
+def test_cuda_qmm_parity(dtype, rows, n, k, group_size):
+    packed, scales, biases = packed_layer(n, k, group_size, dtype, seed=rows + n)
+    x = mx.random.normal((rows, k), key=mx.random.key(rows)).astype(dtype)
+    plan = cuda_qmm.rows_plan(x, packed, scales, biases, group_size=group_size)
+    assert isinstance(plan, int), plan
+    out = cuda_qmm.quantized_matmul(x, packed, scales, biases, group_size=group_size)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    # float64 on the host: a float32 GPU matmul may round through TF32.
+    dense = np.array(mx.dequantize(packed, scales, biases, group_size=group_size, bits=4)
+                     .astype(mx.float32), dtype=np.float64)
+    expected = np.array(x.astype(mx.float32), dtype=np.float64) @ dense.T
+    atol, rtol = {mx.float32: (1e-4, 1e-4), mx.float16: (2e-3, 2e-3), mx.bfloat16: (1.6e-2, 1e-2)}[dtype]
+    np.testing.assert_allclose(
+        np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol
+    )

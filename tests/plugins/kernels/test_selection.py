@@ -123,7 +123,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
                            for b in ("mlx_fast", "reference")} | {
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
         ("add_rms_norm", "cuda_norm"), ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"),
-        ("quantized_matmul", "cuda_dense")}
+        ("quantized_matmul", "cuda_dense"), ("quantized_matmul", "cuda_qmm")}
     assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3 + ["cpu_blas"] * 2
     assert "needs MLX's CUDA backend" in by_key[("add_rms_norm", "cuda_norm")]["reasons"][0]
     assert not by_key[("attention", "cuda")]["supported"]
@@ -136,7 +136,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     assert cuda_row["supported"] and cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
     assert chosen == {"attention": "cuda", "rms_norm": "mlx_fast", "add_rms_norm": "cuda_norm",
-                      "rope": "mlx_fast", "quantized_matmul": "mlx_fast"}
+                      "rope": "mlx_fast", "quantized_matmul": "cuda_qmm"}
     dense_row = next(r for r in cuda_rows if r["backend"] == "cuda_dense")
     assert dense_row["supported"] and not dense_row["auto"]  # opt-in too
     for blas_row in (r for r in cuda_rows if r["backend"] == "cpu_blas"):
