@@ -162,6 +162,18 @@ def test_what_is_not_fused_is_exactly_mx_fast(module, L, S, mask):
     )
 
 
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_cuda_hands_unmasked_decode_to_mx_fast(mask):
+    """The backend's op fuses masked decode only: unmasked decode is exactly mx.fast (which runs
+    here too, so this holds on any machine)."""
+    q, k, v = qkv(Hq=8, Hkv=2, S=9, D=64, dtype=mx.float32)
+    assert isinstance(cuda.decode_plan(q, k, v, scale=0.125, mask=mask), cuda.DecodePlan)
+    assert mx.array_equal(
+        cuda.attention(q, k, v, scale=0.125, mask=mask),
+        mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask),
+    )
+
+
 def test_metal_rms_norm_delegates_mixed_dtypes_to_mx_fast():
     x = mx.random.normal((2, 3, 64))
     w = mx.random.normal((64,)).astype(mx.float16)
@@ -332,6 +344,18 @@ def test_what_cuda_qmm_does_not_take_is_named(case, expected):
         bits=case.get("bits", 4), group_size=group_size, transpose=case.get("transpose", True),
     )
     assert isinstance(reason, str) and expected in reason
+
+
+@pytest.mark.parametrize("rows, n", [(1, 256), (3, 16384), (40, 256)])
+def test_what_cuda_qmm_does_not_take_is_exactly_mx(rows, n):
+    """One row, a wide layer, many rows: ``mx.quantized_matmul`` itself (it runs here too)."""
+    packed, scales, biases = packed_layer(n, 512)
+    x = mx.random.normal((rows, 512)).astype(mx.bfloat16)
+    assert isinstance(cuda_qmm.rows_plan(x, packed, scales, biases), str)
+    assert mx.array_equal(
+        cuda_qmm.quantized_matmul(x, packed, scales, biases, group_size=64, bits=4),
+        mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64, bits=4),
+    )
 
 
 @pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
