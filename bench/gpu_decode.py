@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -204,7 +205,7 @@ def mlxr_bare_decode(
     return {"ttft_s": first - start, "decode_tps": (gen - 1) / (end - first)}
 
 
-def mlxr_decode(engine: Engine, prompt: list[int], gen: int, streams: int) -> dict[str, float]:
+def mlxr_decode(engine: Engine, prompt: list[int], gen: int, streams: int) -> dict[str, Any]:
     params = SamplingParams(max_tokens=gen, temperature=0.0, extra={"ignore_eos": True})
     handles = [
         engine.submit(GenerationRequest(model="bench", prompt_ids=prompt, params=params))
@@ -213,26 +214,47 @@ def mlxr_decode(engine: Engine, prompt: list[int], gen: int, streams: int) -> di
     firsts: list[float] = []
     finished: list[Finished] = []
     ends: list[float] = []
+    tokens: list[list[int]] = [[] for _ in handles]
 
-    def consume(handle) -> None:  # type: ignore[no-untyped-def]
+    def consume(index: int, handle) -> None:  # type: ignore[no-untyped-def]
         first = None
         for event in handle:
-            if first is None and isinstance(event, Delta):
-                first = time.perf_counter()
-                firsts.append(first)
+            if isinstance(event, Delta):
+                tokens[index].extend(event.token_ids)
+                if first is None:
+                    first = time.perf_counter()
+                    firsts.append(first)
             if isinstance(event, Finished):
                 finished.append(event)
         ends.append(time.perf_counter())
 
-    threads = [threading.Thread(target=consume, args=(h,)) for h in handles]
+    threads = [threading.Thread(target=consume, args=(i, h)) for i, h in enumerate(handles)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
     if streams == 1:
         done = finished[0]
-        return {"ttft_s": done.ttft_s, "decode_tps": (gen - 1) / (done.total_s - done.ttft_s)}
-    return {"aggregate_decode_tps": streams * (gen - 1) / (max(ends) - max(firsts))}
+        return {"ttft_s": done.ttft_s, "decode_tps": (gen - 1) / (done.total_s - done.ttft_s),
+                "tokens": tokens[0]}
+    return {"aggregate_decode_tps": streams * (gen - 1) / (max(ends) - max(firsts)),
+            "tokens": tokens}
+
+
+def agreement(single: list[int], batched: list[list[int]]) -> dict[str, float]:
+    """How batched streams of the single stream's prompt agree with its greedy tokens: the share
+    of streams identical to it, and the mean length of the prefix they share with it. Rows of a
+    batch run other kernels (and sum in other orders) than one row, so a near tie may flip."""
+    shared = []
+    for tokens in batched:
+        same = 0
+        for a, b in zip(single, tokens, strict=False):
+            if a != b:
+                break
+            same += 1
+        shared.append(same)
+    return {"identical_streams": sum(t == single for t in batched) / len(batched),
+            "mean_shared_prefix": statistics.mean(shared), "tokens_per_stream": len(single)}
 
 
 def main() -> int:
@@ -301,6 +323,12 @@ def main() -> int:
                 for n in args.streams:
                     mlxr_decode(engine, prompt, 8, n)  # warm-up: first use of each batch shape
                     crowd[n] = mlxr_decode(engine, prompt, args.gen_tokens, n)
+                    # Every stream decodes the same prompt greedily: a check of the batched step
+                    # against the single stream (reported, not asserted: see agreement()).
+                    crowd[n]["agreement_with_single"] = agreement(
+                        ours[0]["tokens"], crowd[n].pop("tokens"))
+                for result in (*ours, *bare):
+                    result.pop("tokens", None)
             finally:
                 engine.stop()
             best_ours = max(r["decode_tps"] for r in ours)
