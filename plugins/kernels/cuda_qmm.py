@@ -180,6 +180,8 @@ def rows_plan(
         return f"group size {group_size} (kernel: {', '.join(map(str, GROUP_SIZES))})"
     if x.ndim != 2 or x.dtype not in _FLOATS:
         return f"input of shape {tuple(x.shape)} and dtype {x.dtype} (kernel: [rows, K], floating point)"
+    if scales.dtype != x.dtype or biases.dtype != x.dtype:
+        return f"scales and biases in {scales.dtype}, input in {x.dtype} (kernel: one dtype)"
     rows, k = x.shape
     n = w.shape[0]
     if not 2 <= rows <= MAX_ROWS:

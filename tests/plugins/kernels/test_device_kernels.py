@@ -334,13 +334,15 @@ def test_cuda_qmm_takes_a_few_rows_of_narrow_layers(rows, n, k, allotted):
     (dict(group_size=16), "group size 16"),
     (dict(biases=False), "with biases"),
     (dict(transpose=False), "not transposed"),
+    (dict(dtype=mx.float32), "one dtype"),
 ])
 def test_what_cuda_qmm_does_not_take_is_named(case, expected):
     rows, n, k = case.get("rows", 4), case.get("n", 256), case.get("k", 512)
     group_size = case.get("group_size", 64)
     packed, scales, biases = packed_layer(n, k, group_size if group_size in (32, 64, 128) else 64)
     reason = cuda_qmm.rows_plan(
-        mx.zeros((rows, k)), packed, scales, biases if case.get("biases", True) else None,
+        mx.zeros((rows, k), dtype=case.get("dtype", mx.bfloat16)), packed, scales,
+        biases if case.get("biases", True) else None,
         bits=case.get("bits", 4), group_size=group_size, transpose=case.get("transpose", True),
     )
     assert isinstance(reason, str) and expected in reason
