@@ -737,26 +737,24 @@ def main() -> int:
         bandwidth = copy_bandwidth(args.smoke)
         results["copy_bandwidth_TBs"] = bandwidth / 1e12
         log(f"copy bandwidth (read + write): {bandwidth / 1e12:.2f} TB/s")
+
+    def guarded(section: Callable[[], None]) -> int:
+        """Run a timing section; a failure is printed and makes the exit status 1."""
+        try:
+            section()
+        except Exception:
+            traceback.print_exc()
+            return 1
+        return 0
+
     if "attention" in sections:
-        try:
-            bench_attention(results, results["copy_bandwidth_TBs"] * 1e12, args.smoke)
-        except Exception:
-            traceback.print_exc()
-            status = 1
+        status |= guarded(lambda: bench_attention(results, results["copy_bandwidth_TBs"] * 1e12, args.smoke))
     if "masked" in sections:
-        try:
-            bench_masked(results, args.smoke)
-        except Exception:
-            traceback.print_exc()
-            status = 1
+        status |= guarded(lambda: bench_masked(results, args.smoke))
     if "profile" in sections:
         profile(args.out)
     if "e2e" in sections:
-        try:
-            bench_e2e(results, args.smoke)
-        except Exception:
-            traceback.print_exc()
-            status = 1
+        status |= guarded(lambda: bench_e2e(results, args.smoke))
     if sections == ["profile"]:
         return status
     (args.out / "decode_attention.json").write_text(json.dumps(results, indent=1))

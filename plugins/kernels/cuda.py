@@ -571,9 +571,7 @@ def attention(
     contexts and faster at long ones, for a fraction of the host time per call (module docstring).
     """
     if isinstance(mask, mx.array):
-        plan = decode_plan(q, k, v, scale=scale, mask=mask)
-        if not isinstance(plan, str):
-            return flash_decode(q, k, v, plan=plan, mask=mask)
+        return fused_attention(q, k, v, scale=scale, mask=mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
