@@ -15,8 +15,8 @@ array, so a new position is not a new trace); each is traced once per batch size
 the window mask and the attention kernel run eagerly between them, through the same methods the
 eager forward pass calls, so both paths compute the same graph.
 
-An architecture offers this by giving its decoder blocks three methods (the eager ``__call__`` is
-their composition):
+An architecture offers this by giving its decoder blocks the three methods of :class:`DecodeBlock`
+(the eager ``__call__`` is their composition):
 
 - ``attention_inputs(x, offset) -> (queries, keys, values)``, each ``[B, heads, L, head_dim]``,
   queries and keys rotated at ``offset``;
@@ -43,13 +43,75 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
+#: The methods of :class:`DecodeBlock` and :class:`DecodeModel`, named when a module lacks them.
 BLOCK_METHODS = ("attention_inputs", "attention", "after_attention")
 MODEL_METHODS = ("embed", "final_norm", "lm_logits")
+
+
+class DecodeBlock(Protocol):
+    """What a compiled decode step needs from each decoder block (see the module)."""
+
+    def attention_inputs(
+        self, x: mx.array, offset: int | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries and keys rotated at ``offset``, and values, as ``[B, heads, L, head_dim]``."""
+        ...
+
+    def attention(
+        self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any, cache: Any
+    ) -> mx.array:
+        """The cache update and the attention kernel (run eagerly, between compiled graphs)."""
+        ...
+
+    def after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+        """The rest of the block: ``[B, L, hidden]``."""
+        ...
+
+
+class ResidualFusingBlock(DecodeBlock, Protocol):
+    """A :class:`DecodeBlock` whose residual add can be fused with the next norm."""
+
+    def after_attention_parts(self, x: mx.array, out: mx.array) -> tuple[mx.array, mx.array]:
+        """The block's output as ``(residual, delta)``; ``after_attention`` is their sum."""
+        ...
+
+    def add_attention_inputs(
+        self, residual: mx.array, delta: mx.array, offset: int | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """``h = residual + delta`` and ``attention_inputs`` of ``h``, as ``(h, q, k, v)``."""
+        ...
+
+
+class DecodeModel(Protocol):
+    """What a compiled decode step needs from the module as built."""
+
+    @property
+    def layers(self) -> list[Any]: ...
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """``[B, L]`` ids -> ``[B, L, hidden]``."""
+        ...
+
+    def final_norm(self, h: mx.array) -> mx.array:
+        """The norm after the last block."""
+        ...
+
+    def lm_logits(self, h: mx.array) -> mx.array:
+        """Logits from final (normed) hidden states."""
+        ...
+
+
+class ResidualFusingModel(DecodeModel, Protocol):
+    """A :class:`DecodeModel` whose final norm takes the last block's output in parts."""
+
+    def add_final_norm(self, residual: mx.array, delta: mx.array) -> mx.array:
+        """``final_norm(residual + delta)``."""
+        ...
 
 
 def eager_step(model: nn.Module, tokens: mx.array, caches: list[Any], mask: mx.array | None = None) -> mx.array:
@@ -58,9 +120,25 @@ def eager_step(model: nn.Module, tokens: mx.array, caches: list[Any], mask: mx.a
     return logits
 
 
+#: Each protocol's methods. Conformance is checked on them directly, not with ``isinstance``: a
+#: runtime-checkable protocol caches its answer per class, which a class patched later would defeat.
+PROTOCOL_METHODS: dict[type, tuple[str, ...]] = {
+    DecodeModel: MODEL_METHODS,
+    DecodeBlock: BLOCK_METHODS,
+    ResidualFusingModel: (*MODEL_METHODS, "add_final_norm"),
+    ResidualFusingBlock: (*BLOCK_METHODS, "after_attention_parts", "add_attention_inputs"),
+}
+
+
+def lacking(obj: Any, protocol: type) -> list[str]:
+    """The methods of ``protocol`` (one of :data:`PROTOCOL_METHODS`) that ``obj`` lacks."""
+    return [name for name in PROTOCOL_METHODS[protocol] if not callable(getattr(obj, name, None))]
+
+
 def unsupported(model: nn.Module) -> str | None:
-    """Why ``model`` cannot decode through :class:`CompiledDecode`, or None when it can."""
-    missing = [name for name in MODEL_METHODS if not callable(getattr(model, name, None))]
+    """Why ``model`` cannot decode through :class:`CompiledDecode`, or None when it can: the
+    methods of :class:`DecodeModel` and of its blocks' :class:`DecodeBlock` that it lacks."""
+    missing = lacking(model, DecodeModel)
     layers = getattr(model, "layers", None)
     if not layers:
         missing.append("layers")
@@ -68,20 +146,17 @@ def unsupported(model: nn.Module) -> str | None:
         missing += [
             f"layers[].{name}"
             for name in BLOCK_METHODS
-            if not all(callable(getattr(layer, name, None)) for layer in layers)
+            if any(name in lacking(layer, DecodeBlock) for layer in layers)
         ]
     return f"the module lacks {', '.join(missing)}" if missing else None
 
 
 def residuals_fusable(model: nn.Module) -> bool:
-    """Whether ``model`` offers the optional methods that fuse each block's residual add with the
-    norm after it (the next block's input norm, or the final norm): every block's
-    ``after_attention_parts`` and ``add_attention_inputs``, and the module's ``add_final_norm``."""
+    """Whether ``model`` is a :class:`ResidualFusingModel` whose blocks are all
+    :class:`ResidualFusingBlock` (see the module)."""
     layers = getattr(model, "layers", None) or []
-    return callable(getattr(model, "add_final_norm", None)) and all(
-        callable(getattr(layer, name, None))
-        for layer in layers
-        for name in ("after_attention_parts", "add_attention_inputs")
+    return not lacking(model, ResidualFusingModel) and not any(
+        lacking(layer, ResidualFusingBlock) for layer in layers
     )
 
 

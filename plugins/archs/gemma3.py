@@ -18,25 +18,29 @@ import mlx.nn as nn
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
-from mlxr_core.model.cache import KVCache
-from mlxr_core.model.fuse import fuse_into, gate_and_up
-from mlxr_plugins.archs.llama import (
-    AttentionBlock,
+from mlxr_core.model.layers import (
+    Attention,
     CausalLM,
-    HeadNormedAttention,
-    LlamaArgs,
-    Rotary,
-    final_hidden_states,
+    DecoderArchitecture,
+    DecoderModel,
+    GatedMLP,
+    RMSNorm,
+    SandwichBlock,
+    TransformerArgs,
+    args_rotary,
+    geglu,
 )
 
 #: Hugging Face's default ``sliding_window_pattern``: every 6th layer attends globally.
 GLOBAL_EVERY = 6
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass
-class Gemma3Args(LlamaArgs):
+class Gemma3Args(TransformerArgs):
     """Gemma 3's config keys (Hugging Face names), defaulted as in ``Gemma3TextConfig``."""
 
+    family = "gemma3"
     head_dim: int | None = 256
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
@@ -75,149 +79,54 @@ class Gemma3Args(LlamaArgs):
             text.setdefault(
                 "rope_local_base_freq", local.get("rope_theta", cls.rope_local_base_freq)
             )
-        args = super().from_config(text)
-        assert isinstance(args, Gemma3Args)
-        return args
+        return super().from_config(text)
 
     def is_sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends within the sliding window (else over everything)."""
+        if self.sliding_window is None:
+            return False
         if self.layer_types is not None:
             return self.layer_types[layer] == "sliding_attention"
         return (layer + 1) % self.sliding_window_pattern != 0
 
 
-class RMSNorm(nn.Module):
-    """RMS norm scaling by ``1 + weight`` (Gemma's stored form)."""
+class Gemma3(CausalLM):
+    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``, logits soft-capped when the
+    config says so."""
 
-    def __init__(self, dims: int, eps: float, kernels: KernelSet):
-        super().__init__()
-        self.weight = mx.zeros((dims,))
-        self.eps = eps
-        self._rms_norm = kernels.rms_norm
-        self._add_rms_norm = kernels.add_rms_norm
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self._rms_norm(x, 1.0 + self.weight, self.eps)
-
-    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
-        """``h = x + residual`` and this norm of ``h`` (the ``add_rms_norm`` kernel)."""
-        h, normed = self._add_rms_norm(x, residual, 1.0 + self.weight, self.eps)
-        return h, normed
-
-
-class Attention(HeadNormedAttention, nn.Module):
-    def __init__(self, args: Gemma3Args, kernels: KernelSet, rotary: Rotary, window: int | None):
-        super().__init__()
-        assert args.head_dim is not None and args.num_key_value_heads is not None
-        self.n_heads, self.n_kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.head_dim = args.head_dim
-        self.scale = args.query_pre_attn_scalar**-0.5
-        D, bias = args.head_dim, args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * D, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, self.n_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * D, args.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(D, args.rms_norm_eps, kernels)
-        self.k_norm = RMSNorm(D, args.rms_norm_eps, kernels)
-        self.window = window
-        self._rotary = rotary
-        self._attention = kernels.attention
-
-
-class MLP(nn.Module):
-    """GeGLU with the tanh approximation of GELU (``gelu_pytorch_tanh``)."""
-
-    def __init__(self, args: Gemma3Args):
-        super().__init__()
-        hidden, inner = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=False)
-        self.up_proj = nn.Linear(hidden, inner, bias=False)
-        self.down_proj = nn.Linear(inner, hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        gate, up = gate_and_up(self, x)
-        return self.down_proj(nn.gelu_approx(gate) * up)
-
-    def fuse_projections(self) -> bool:
-        """Replace ``gate_proj`` and ``up_proj`` by one ``gate_up_proj``."""
-        return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"))
-
-
-class TransformerBlock(AttentionBlock, nn.Module):
-    """Pre- and post-norms around both attention and feed-forward (the post-norm before the residual)."""
-
-    def __init__(self, args: Gemma3Args, kernels: KernelSet, rotary: Rotary, window: int | None):
-        super().__init__()
-        dims, eps = args.hidden_size, args.rms_norm_eps
-        self.self_attn = Attention(args, kernels, rotary, window)
-        self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(dims, eps, kernels)
-        self.post_attention_layernorm = RMSNorm(dims, eps, kernels)
-        self.pre_feedforward_layernorm = RMSNorm(dims, eps, kernels)
-        self.post_feedforward_layernorm = RMSNorm(dims, eps, kernels)
-
-    def after_attention_parts(self, x: mx.array, out: mx.array) -> tuple[mx.array, mx.array]:
-        """The block's output as ``(residual, delta)``, their sum unformed (see
-        :meth:`AttentionBlock.add_attention_inputs`)."""
-        attended = self.post_attention_layernorm(self.self_attn.output(out))
-        h, normed = self.pre_feedforward_layernorm.add_and_norm(x, attended)
-        delta: mx.array = self.post_feedforward_layernorm(self.mlp(normed))
-        return h, delta
-
-
-class Gemma3Model(nn.Module):
     def __init__(self, args: Gemma3Args, kernels: KernelSet):
-        super().__init__()
         # Global layers: rope_theta and any rope_scaling; sliding ones: the local base, unscaled.
-        global_rotary = Rotary(args, kernels)
-        local_rotary = Rotary(
-            dataclasses.replace(args, rope_theta=args.rope_local_base_freq, rope_scaling=None),
-            kernels,
+        global_rotary = args_rotary(args, kernels, types=ROPE_TYPES)
+        local_rotary = args_rotary(
+            args, kernels, base=args.rope_local_base_freq, scaling=None, freq_factors=None
         )
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = []
-        for index in range(args.num_hidden_layers):
-            sliding = args.is_sliding(index) and args.sliding_window is not None
-            rotary = local_rotary if sliding else global_rotary
-            window = args.sliding_window if sliding else None
-            self.layers.append(TransformerBlock(args, kernels, rotary, window))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, kernels)
-        self.embed_scale = math.sqrt(args.hidden_size)
+        H, eps = args.hidden_size, args.rms_norm_eps
 
-    def embed(self, inputs: mx.array) -> mx.array:
-        """``[B, L]`` token ids -> ``[B, L, hidden]``, scaled by ``sqrt(hidden_size)``."""
-        h = self.embed_tokens(inputs)
-        return h * mx.array(self.embed_scale, dtype=h.dtype)
+        def block(index: int) -> SandwichBlock:
+            sliding = args.is_sliding(index)
+            attention = Attention(
+                H,
+                args.num_attention_heads,
+                args.kv_heads,
+                args.dims,
+                kernels=kernels,
+                rotary=local_rotary if sliding else global_rotary,
+                scale=args.query_pre_attn_scalar**-0.5,
+                qkv_bias=args.attention_bias,
+                out_bias=args.attention_bias,
+                head_norm_eps=eps,
+                norm_offset=1.0,
+                window=args.sliding_window if sliding else None,
+            )
+            mlp = GatedMLP(H, args.intermediate_size, activation=geglu)
+            return SandwichBlock(attention, mlp, H, eps, kernels, norm_offset=1.0)
 
-    def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
-    ) -> mx.array:
-        h = self.embed(inputs)
-        if mask is None and h.shape[1] > 1:
-            mask = "causal"
-        layer_caches = cache if cache is not None else [None] * len(self.layers)
-        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
-            h = layer(h, mask, layer_cache)
-        return self.norm(h)
-
-
-class Gemma3(CausalLM, nn.Module):
-    """The whole model: ``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
-
-    def __init__(self, args: Gemma3Args, kernels: KernelSet):
-        super().__init__()
+        layers = [block(index) for index in range(args.num_hidden_layers)]
+        model = DecoderModel(
+            args.vocab_size, H, layers, RMSNorm(H, eps, kernels, offset=1.0), math.sqrt(H)
+        )
+        super().__init__(model, tied=args.tie_word_embeddings, softcap=args.final_logit_softcapping)
         self.args = args
-        self.model = Gemma3Model(args, kernels)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def lm_logits(self, h: mx.array) -> mx.array:
-        """Logits from final (normed) hidden states, soft-capped when the config says so."""
-        logits = super().lm_logits(h)
-        cap = self.args.final_logit_softcapping
-        if cap:
-            logits = mx.tanh(logits / cap) * cap
-        return logits
 
 
 #: Gemma's turn format, as in the instruction-tuned checkpoints' ``tokenizer_config.json`` (text
@@ -255,8 +164,10 @@ MULTIMODAL_PREFIXES = {
 VISION_PARTS = ("vision_tower", "multi_modal_projector")
 
 
-class Gemma3Architecture:
+class Gemma3Architecture(DecoderArchitecture):
     """The :class:`mlxr_core.model.arch.Architecture` of ``gemma3_text`` and (text only) ``gemma3``."""
+
+    args_class = Gemma3Args
 
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
         """Build the graph from a tolerant config dict."""
@@ -279,32 +190,6 @@ class Gemma3Architecture:
             out[name] = array
         return out
 
-    def make_cache(self, model: nn.Module) -> list[Any]:
-        """One full :class:`KVCache` per layer; window layers mask, they do not evict."""
-        return [KVCache() for _ in model.layers]
-
-    def hidden_states(
-        self, model: nn.Module, inputs: mx.array, cache: list[Any] | None = None
-    ) -> mx.array:
-        """``[B, L, hidden_size]`` after the final norm, before the LM head and soft-capping."""
-        return final_hidden_states(model, inputs, cache)
-
     def default_chat_template(self, config: dict[str, Any]) -> str | None:
         """Gemma's turn format, for checkpoints without a template (the 270M GGUF's base model)."""
         return CHAT_TEMPLATE
-
-    def context_length(self, config: dict[str, Any]) -> int:
-        """``max_position_embeddings``: the global layers see all of it, the window layers mask."""
-        return Gemma3Args.from_config(config).max_position_embeddings
-
-    def kernel_context(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Shapes kernels check: head dim, head counts, rotary dims and the mask kinds used."""
-        args = Gemma3Args.from_config(config)
-        return {
-            "head_dim": args.head_dim,
-            "n_heads": args.num_attention_heads,
-            "n_kv_heads": args.num_key_value_heads,
-            "rope_dims": args.rope_dims,
-            "rope_traditional": args.rope_traditional,
-            "masks": ("causal", "array"),
-        }

@@ -1,4 +1,4 @@
-"""Qwen3 (dense): the Llama graph with an RMS norm over each query and key head before RoPE.
+"""Qwen3 (dense): Llama's block with an RMS norm over each query and key head before RoPE.
 
 Unlike Qwen2, the projections carry no bias (unless ``attention_bias`` says so, then all four do,
 as in Llama), and ``head_dim`` is its own config key (128 by default), not ``hidden_size / heads``.
@@ -14,41 +14,63 @@ from typing import Any
 import mlx.nn as nn
 
 from mlxr_core.kernels import KernelSet
-from mlxr_plugins.archs import llama
-from mlxr_plugins.archs.llama import LlamaArgs, RMSNorm, Rotary
-from mlxr_plugins.archs.qwen2 import Qwen2Architecture, Qwen2Args, sliding_window_context
+from mlxr_core.model.layers import (
+    Attention,
+    CausalLM,
+    DecoderArchitecture,
+    DecoderModel,
+    GatedMLP,
+    PreNormBlock,
+    RMSNorm,
+    args_rotary,
+)
+from mlxr_plugins.archs.qwen2 import ROPE_TYPES, Qwen2Args
 
 
 @dataclasses.dataclass
 class Qwen3Args(Qwen2Args):
     """Qwen2's config keys with Qwen3's default head size."""
 
+    family = "qwen3"
     head_dim: int | None = 128
 
 
-class Attention(llama.HeadNormedAttention, llama.Attention):
-    """Llama attention whose queries and keys are RMS-normalized per head, before RoPE."""
-
-    def __init__(self, args: LlamaArgs, kernels: KernelSet, rotary: Rotary):
-        super().__init__(args, kernels, rotary)
-        assert args.head_dim is not None
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps, kernels)
-
-
-class Qwen3(llama.Llama):
-    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``: Llama with Qwen3 attention."""
-
-    def __init__(self, args: Qwen2Args, kernels: KernelSet):
-        super().__init__(args, kernels)
-        rotary = Rotary(args, kernels)
-        # As in Qwen2: the replaced Llama attention's lazy weights are never evaluated.
-        for layer in self.layers:
-            layer.self_attn = Attention(args, kernels, rotary)
+def qwen3_attention(args: Qwen3Args, kernels: KernelSet, rotary: Any) -> Attention:
+    """Qwen3's attention (dense and MoE): per-head q/k norms, biases only with ``attention_bias``."""
+    return Attention(
+        args.hidden_size,
+        args.num_attention_heads,
+        args.kv_heads,
+        args.dims,
+        kernels=kernels,
+        rotary=rotary,
+        qkv_bias=args.attention_bias,
+        out_bias=args.attention_bias,
+        head_norm_eps=args.rms_norm_eps,
+    )
 
 
-class Qwen3Architecture(Qwen2Architecture):
+class Qwen3(CausalLM):
+    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
+
+    def __init__(self, args: Qwen3Args, kernels: KernelSet):
+        rotary = args_rotary(args, kernels, types=ROPE_TYPES)
+        H, eps = args.hidden_size, args.rms_norm_eps
+        layers = [
+            PreNormBlock(
+                qwen3_attention(args, kernels, rotary), GatedMLP(H, args.intermediate_size), H, eps, kernels
+            )
+            for _ in range(args.num_hidden_layers)
+        ]
+        model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, eps, kernels))
+        super().__init__(model, tied=args.tie_word_embeddings)
+        self.args = args
+
+
+class Qwen3Architecture(DecoderArchitecture):
     """The :class:`mlxr_core.model.arch.Architecture` of ``qwen3``."""
+
+    args_class = Qwen3Args
 
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
         """Build the graph from a tolerant config dict."""
@@ -56,8 +78,4 @@ class Qwen3Architecture(Qwen2Architecture):
 
     def context_length(self, config: dict[str, Any]) -> int:
         """``max_position_embeddings``; a ``sliding_window`` only counts when layers use it."""
-        return sliding_window_context(Qwen3Args.from_config(config))
-
-    def kernel_context(self, config: dict[str, Any]) -> dict[str, Any]:
-        """Llama's shapes, with Qwen3's default ``head_dim`` when the config has none."""
-        return super().kernel_context({"head_dim": 128, **config})
+        return Qwen3Args.from_config(config).context()

@@ -103,15 +103,15 @@ def test_the_residual_add_is_fused_with_the_next_norm_where_the_blocks_offer_it(
     block's input norm (and the final norm); blocks without ``after_attention_parts`` get the
     plain step. Either way the compiled step computes the forward pass's logits."""
     from mlxr_core.model.compiled import residuals_fusable
-    from mlxr_plugins.archs import llama
+    from mlxr_core.model.layers import PreNormBlock
 
     if not parts:  # a block that only knows its whole output
         def after_attention(self, x, out):
             h, normed = self.post_attention_layernorm.add_and_norm(x, self.self_attn.output(out))
             return h + self.mlp(normed)
 
-        monkeypatch.setattr(llama.TransformerBlock, "after_attention", after_attention)
-        monkeypatch.delattr(llama.TransformerBlock, "after_attention_parts")
+        monkeypatch.setattr(PreNormBlock, "after_attention", after_attention)
+        monkeypatch.delattr(PreNormBlock, "after_attention_parts")
     loaded = load_model(
         ModelConfig(path=str(tiny_gguf), dtype="float32", compile_decode=True), load_plugins().registries
     )
@@ -206,14 +206,14 @@ def test_a_compiled_step_that_raises_at_load_leaves_the_eager_step(tiny_gguf, ca
     def broken(self, h, out):
         raise RuntimeError("no compiled kernel for this op")
 
-    from mlxr_plugins.archs import llama
+    from mlxr_core.model.layers import PreNormBlock
 
-    monkeypatch.setattr(llama.TransformerBlock, "after_attention", broken)
-    monkeypatch.setattr(llama.TransformerBlock, "after_attention_parts", broken)
+    monkeypatch.setattr(PreNormBlock, "after_attention", broken)
+    monkeypatch.setattr(PreNormBlock, "after_attention_parts", broken)
     # The eager forward pass calls after_attention too; keep it working for the module's own
     # __call__ only, so that just the compiled path raises.
     monkeypatch.setattr(
-        llama.TransformerBlock, "__call__",
+        PreNormBlock, "__call__",
         lambda self, x, mask, cache: x + self.self_attn(self.input_layernorm(x), mask, cache),
     )
     with caplog.at_level("WARNING", logger="mlxr_core.model.loader"):

@@ -102,17 +102,17 @@ def test_every_builtin_architecture_fuses_to_the_same_logits(kernels, model_type
 
 
 def test_the_conformance_check_catches_a_broken_fused_path(kernels, monkeypatch):
-    from mlxr_plugins.archs import llama
+    from mlxr_core.model.layers import Attention
 
     registries, bind = kernels
     config = {**TINY_CONFIG, "model_type": "llama"}
-    original = llama.CachedAttention.attention_inputs
+    original = Attention.attention_inputs
 
     def swapped(self, x, offset):
         queries, keys, values = original(self, x, offset)
         return (queries, values, keys) if "qkv_proj" in self else (queries, keys, values)
 
-    monkeypatch.setattr(llama.CachedAttention, "attention_inputs", swapped)
+    monkeypatch.setattr(Attention, "attention_inputs", swapped)
     with pytest.raises(AssertionError, match="fused"):
         check_architecture(registries.archs.get("llama"), config, bind(config))
 

@@ -13,10 +13,11 @@ from mlxr_core.config.schema import ModelConfig
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import OPS, bind_kernels
 from mlxr_core.model.cache import KVCache
+from mlxr_core.model.layers import args_rotary, base_freqs
 from mlxr_core.model.loader import load_model
 from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
-from mlxr_plugins.archs.llama import LlamaArchitecture, LlamaArgs, Rotary, base_freqs
+from mlxr_plugins.archs.llama import ROPE_TYPES, LlamaArchitecture, LlamaArgs
 
 CONFIG = {
     "model_type": "llama",
@@ -180,9 +181,9 @@ def test_llama3_rope_scaling_matches_the_stored_gguf_factors(registries):
     }
     kernels = kernels_for(registries, "reference")
     config = {**CONFIG, "head_dim": 64, "rope_theta": 500000.0}
-    from_hf = Rotary(LlamaArgs.from_config({**config, "rope_scaling": scaling}), kernels)
+    from_hf = args_rotary(LlamaArgs.from_config({**config, "rope_scaling": scaling}), kernels, types=ROPE_TYPES)
     factors = llama_cpp_rope_factors(64, 500000.0, 8.0, 1.0, 4.0, 8192)
-    from_gguf = Rotary(LlamaArgs.from_config({**config, "rope_freq_factors": factors}), kernels)
+    from_gguf = args_rotary(LlamaArgs.from_config({**config, "rope_freq_factors": factors}), kernels, types=ROPE_TYPES)
     assert from_hf.base is None and from_hf.freqs is not None and from_gguf.freqs is not None
     np.testing.assert_allclose(np.array(from_hf.freqs), np.array(from_gguf.freqs), rtol=1e-5)
     plain = np.array(base_freqs(64, 500000.0))
@@ -192,16 +193,10 @@ def test_llama3_rope_scaling_matches_the_stored_gguf_factors(registries):
 
 def test_linear_and_unknown_rope_scaling(registries):
     kernels = kernels_for(registries, "reference")
-    linear = Rotary(
-        LlamaArgs.from_config({**CONFIG, "rope_scaling": {"type": "linear", "factor": 4.0}}),
-        kernels,
-    )
+    linear = args_rotary(LlamaArgs.from_config({**CONFIG, "rope_scaling": {"type": "linear", "factor": 4.0}}), kernels, types=ROPE_TYPES)
     assert linear.scale == 0.25 and linear.freqs is None
     with pytest.raises(ModelLoadError, match="yarn"):
-        Rotary(
-            LlamaArgs.from_config({**CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
-            kernels,
-        )
+        args_rotary(LlamaArgs.from_config({**CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}), kernels, types=ROPE_TYPES)
 
 
 def test_context_length_and_kernel_context():

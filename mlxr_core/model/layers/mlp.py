@@ -1,0 +1,58 @@
+"""Gated feed-forward layers: ``down(act(gate(x)) * up(x))``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxr_core.model.fuse import fuse_into, gate_and_up, swiglu
+
+
+@partial(mx.compile, shapeless=True)
+def geglu(gate: mx.array, up: mx.array) -> mx.array:
+    """``gelu_tanh(gate) * up`` as one fused elementwise kernel (Gemma's ``gelu_pytorch_tanh``)."""
+    return nn.gelu_approx(gate) * up
+
+
+#: Hugging Face ``hidden_act`` names -> the gated activation of their MLP.
+GATED_ACTIVATIONS: dict[str, Callable[[mx.array, mx.array], mx.array]] = {
+    "silu": swiglu,
+    "swish": swiglu,
+    "gelu_pytorch_tanh": geglu,
+    "gelu_tanh": geglu,
+    "gelu": geglu,
+}
+
+
+class GatedMLP(nn.Module):
+    """``gate_proj`` and ``up_proj`` (or one ``gate_up_proj``, gate first: built so with
+    ``fused``, or joined after loading by :meth:`fuse_projections`), then ``down_proj``."""
+
+    def __init__(
+        self,
+        hidden: int,
+        inner: int,
+        *,
+        activation: Callable[[mx.array, mx.array], mx.array] = swiglu,
+        bias: bool = False,
+        fused: bool = False,
+    ):
+        super().__init__()
+        if fused:
+            self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(hidden, inner, bias=bias)
+            self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias)
+        self._activation = activation
+
+    def __call__(self, x: mx.array) -> mx.array:
+        out: mx.array = self.down_proj(self._activation(*gate_and_up(self, x)))
+        return out
+
+    def fuse_projections(self) -> bool:
+        """Replace ``gate_proj`` and ``up_proj`` by one ``gate_up_proj``."""
+        return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"))

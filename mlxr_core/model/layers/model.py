@@ -1,0 +1,101 @@
+"""The decoder stack and the causal LM on top of it, as every built-in family composes them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxr_core.model.layers.norms import RMSNorm
+
+
+class DecoderModel(nn.Module):
+    """``embed_tokens``, ``layers`` and the final ``norm`` (Hugging Face's ``model.*``):
+    ``[B, L]`` ids -> final normed hidden states ``[B, L, hidden]``, under a causal mask unless
+    one is given. ``embed_scale`` multiplies the embeddings (Gemma: ``sqrt(hidden)``)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden: int,
+        layers: Sequence[nn.Module],
+        norm: RMSNorm,
+        embed_scale: float | None = None,
+    ):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden)
+        self.layers = list(layers)
+        self.norm = norm
+        self.embed_scale = embed_scale
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """``[B, L]`` token ids -> ``[B, L, hidden]``."""
+        h: mx.array = self.embed_tokens(inputs)
+        if self.embed_scale is not None:
+            h = h * mx.array(self.embed_scale, dtype=h.dtype)
+        return h
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
+    ) -> mx.array:
+        h = self.embed(inputs)
+        if mask is None and h.shape[1] > 1:
+            mask = "causal"
+        layer_caches = cache if cache is not None else [None] * len(self.layers)
+        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
+            h = layer(h, mask, layer_cache)
+        normed: mx.array = self.norm(h)
+        return normed
+
+
+class CausalLM(nn.Module):
+    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``: a :class:`DecoderModel`
+    (``model``) and its LM head (``lm_head``, or the embedding matrix when ``tied``), with the
+    pieces a compiled decode step calls (:meth:`embed`, :meth:`final_norm`,
+    :meth:`add_final_norm`, :meth:`lm_logits`, :attr:`layers`). ``softcap`` caps the logits at
+    ``softcap * tanh(logits / softcap)`` (Gemma)."""
+
+    def __init__(self, model: DecoderModel, *, tied: bool, softcap: float | None = None):
+        super().__init__()
+        self.model = model
+        self.tied = tied
+        self.softcap = softcap
+        if not tied:
+            hidden = model.embed_tokens.weight.shape[1]
+            self.lm_head = nn.Linear(hidden, model.embed_tokens.weight.shape[0], bias=False)
+
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
+    ) -> mx.array:
+        return self.lm_logits(self.model(inputs, cache, mask))
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        return self.model.embed(inputs)
+
+    def final_norm(self, h: mx.array) -> mx.array:
+        normed: mx.array = self.model.norm(h)
+        return normed
+
+    def add_final_norm(self, residual: mx.array, delta: mx.array) -> mx.array:
+        """:meth:`final_norm` of ``residual + delta`` (the last block's output in parts), the add
+        and the norm in one ``add_rms_norm`` kernel."""
+        _, normed = self.model.norm.add_and_norm(delta, residual)
+        return normed
+
+    def lm_logits(self, h: mx.array) -> mx.array:
+        """Logits from final (normed) hidden states."""
+        head: Any = self.model.embed_tokens.as_linear if self.tied else self.lm_head
+        logits: mx.array = head(h)
+        if self.softcap:
+            logits = mx.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @property
+    def layers(self) -> list[Any]:
+        return self.model.layers
+
+    def hidden_states(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        """The backbone's output: after the final norm, before the LM head (and soft-capping)."""
+        return self.model(inputs, cache)
