@@ -15,6 +15,12 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
 - ``quantized_matmul(x, w, scales, biases, *, transpose, group_size, bits, mode)``: as
   ``mx.quantized_matmul``; every quantized linear layer of a model (the decode step's weight
   reads) goes through it.
+- ``gather_matmul(x, w, scales, biases, *, indices, transpose, group_size, bits, mode,
+  sorted_indices)``: one matrix per row picked from a stack of experts, as ``mx.gather_qmm`` with
+  ``rhs_indices=indices`` (``scales`` None: dense ``w``, as ``mx.gather_mm`` of ``w`` transposed
+  when ``transpose``). ``w`` is ``[E, out, in]`` (packed on the last axis); ``x`` ``[..., 1, in]``
+  broadcasts against ``indices`` ``[...]``; returns ``[..., 1, out]``. Every mixture-of-experts
+  layer's expert matmuls go through it.
 
 Selection happens once per model, never in the token loop: :func:`bind_kernels` resolves every op
 to a plain callable and returns a :class:`KernelSet`. An explicit choice that cannot run is a
@@ -39,7 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
-OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul")
+OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul")
 
 
 @attrs.frozen
@@ -73,6 +79,7 @@ class KernelSet:
     add_rms_norm: Callable[..., Any]
     rope: Callable[..., Any]
     quantized_matmul: Callable[..., Any]
+    gather_matmul: Callable[..., Any]
     #: op -> backend name, for logs and ``mlxr info``.
     chosen: Mapping[str, str] = attrs.field(factory=dict)
 

@@ -134,10 +134,16 @@ def build_model(
     type is logged at debug level and added to ``report`` when given."""
     config = checkpoint.config
     model = arch.build(config, kernels)
+    try:
+        sanitized = arch.sanitize(checkpoint.weights, config)
+    except ModelLoadError as exc:
+        if exc.path is not None:
+            raise
+        raise ModelLoadError(str(exc), path=str(checkpoint.path), tensor=exc.tensor) from exc
     result = apply_policy(
         quantization_policy,
         model,
-        arch.sanitize(checkpoint.weights, config),
+        sanitized,
         checkpoint.quantization,
         checkpoint.suggested_quantization,
         checkpoint.source_types,

@@ -88,7 +88,7 @@ def apply_policy(
         wanted = (
             target if target is not None else suggested.get(module) if policy == "keep" else None
         )
-        if wanted is None or weight.ndim != 2 or weight.shape[-1] % wanted.group_size:
+        if wanted is None or weight.ndim < 2 or weight.shape[-1] % wanted.group_size:
             continue
         source = source_types.get(module, _dtype_name(weight))
         packed_weight, scales, biases = mx.quantize(

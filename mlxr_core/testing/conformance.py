@@ -73,6 +73,12 @@ TINY_CONFIG: dict[str, Any] = {
     "sliding_window": 4,
     "sliding_window_pattern": 2,
     "tie_word_embeddings": False,
+    # Mixtures of experts: 4 experts, 2 per token, a shared expert where the family has one.
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "shared_expert_intermediate_size": 24,
 }
 #: Prompt lengths of the two batch rows: different, and longer than the sliding window.
 LENGTHS = (11, 6)

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float16", "bfloat16")
 #: The ops :func:`check_kernel_parity` has cases for.
-PARITY_OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul")
+PARITY_OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul")
 #: dtype -> (atol, rtol) per op.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     "attention": {"float32": (1e-5, 1e-5), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
@@ -30,6 +30,7 @@ TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     # Sums of K = 256..512 products of O(1) terms (outputs of O(20)); a backend may accumulate in
     # the activation dtype, as MLX's fused CPU kernel does.
     "quantized_matmul": {"float32": (1e-3, 1e-4), "float16": (0.4, 2.0**-8), "bfloat16": (3.0, 2.0**-5)},
+    "gather_matmul": {"float32": (1e-3, 1e-4), "float16": (0.4, 2.0**-8), "bfloat16": (3.0, 2.0**-5)},
 }
 
 
@@ -107,6 +108,7 @@ def check_kernel_parity(
 
 def _cases(op: str) -> Iterator[Case]:
     import mlx.core as mx
+    import numpy as np
 
     def normal(shape: tuple[int, ...], seed: int, dtype: Any) -> mx.array:
         return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
@@ -173,5 +175,36 @@ def _cases(op: str) -> Iterator[Case]:
 
             shapes = {"bits": bits, "group_size": group_size}
             yield Case(f"L={L} K={K} N={N} bits={bits} group={group_size}", shapes, make_qmm)
+    elif op == "gather_matmul":
+        # Decode (one token, top-2 of 8 experts), a prompt chunk sorted by expert (as MoE layers
+        # pass it from 64 rows), dense and packed experts (affine 4/8-bit, mxfp4).
+        for N, k, K, M, packing, sort in (
+            (1, 2, 256, 64, None, False), (6, 2, 128, 96, (4, 32, "affine"), False),
+            (3, 4, 256, 64, (8, 64, "affine"), False), (40, 2, 128, 64, (4, 32, "affine"), True),
+            (4, 2, 128, 64, (4, 32, "mxfp4"), False), (40, 2, 128, 64, None, True),
+        ):
+
+            def make_gmm(dtype: Any, N: int = N, k: int = k, K: int = K, M: int = M,
+                         packing: Any = packing, sort: bool = sort) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                experts = 8
+                w = normal((experts, M, K), 13, dtype)
+                indices = mx.array(np.random.default_rng(14).integers(0, experts, (N, k)), dtype=mx.uint32)
+                x = normal((N, 1, 1, K), 15, dtype)
+                kwargs: dict[str, Any] = {"transpose": True, "sorted_indices": sort}
+                if sort:  # one row per (token, expert), ordered by expert
+                    flat = indices.flatten()
+                    order = mx.argsort(flat)
+                    x, indices = x.reshape(N, 1, K)[order // k], flat[order]
+                if packing is None:
+                    return (x, w, None, None), {**kwargs, "indices": indices}
+                bits, group_size, mode = packing
+                w, scales, *rest = mx.quantize(w, group_size, bits, mode=mode)
+                biases = rest[0] if rest else None
+                kwargs.update(group_size=group_size, bits=bits, mode=mode, indices=indices)
+                return (x, w, scales, biases), kwargs
+
+            shapes = {"bits": packing[0], "group_size": packing[1]} if packing else {}
+            name = f"N={N} top-{k} K={K} M={M} {packing or 'dense'}{' sorted' if sort else ''}"
+            yield Case(name, shapes, make_gmm)
     else:
         raise ValueError(f"no parity cases for op {op!r} (ops with cases: {', '.join(PARITY_OPS)})")

@@ -22,6 +22,9 @@ ARCHITECTURES = {
     "gemma3": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
     "gemma3_text": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
     "phi3": "mlxr_plugins.archs.phi3:Phi3Architecture",
+    "qwen3_moe": "mlxr_plugins.archs.qwen3_moe:Qwen3MoeArchitecture",
+    "qwen2_moe": "mlxr_plugins.archs.qwen2_moe:Qwen2MoeArchitecture",
+    "mixtral": "mlxr_plugins.archs.mixtral:MixtralArchitecture",
 }
 
 

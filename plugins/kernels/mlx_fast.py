@@ -66,3 +66,45 @@ rope_kernel = KernelImpl(mx.fast.rope, _rope_support, summary="mx.fast.rope")
 quantized_matmul_kernel = KernelImpl(
     mx.quantized_matmul, summary="mx.quantized_matmul (fused dequantize + matmul)"
 )
+
+
+def gather_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array | None = None,
+    biases: mx.array | None = None,
+    *,
+    indices: mx.array,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+    sorted_indices: bool = False,
+) -> mx.array:
+    """``mx.gather_qmm`` for packed experts, ``mx.gather_mm`` for dense ones: no expert is
+    copied out of the stack. MLX's CPU ``gather_mm`` runs float32 only: other dense dtypes on the
+    CPU take each row's expert out of the stack, then multiply."""
+    if scales is None:
+        if x.dtype != mx.float32 and mx.default_device() == mx.cpu:
+            picked = w[indices]
+            return x @ (picked.swapaxes(-1, -2) if transpose else picked)
+        return mx.gather_mm(
+            x, w.swapaxes(-1, -2) if transpose else w, rhs_indices=indices, sorted_indices=sorted_indices
+        )
+    return mx.gather_qmm(
+        x,
+        w,
+        scales,
+        biases,
+        rhs_indices=indices,
+        transpose=transpose,
+        group_size=group_size,
+        bits=bits,
+        mode=mode,
+        sorted_indices=sorted_indices,
+    )
+
+
+gather_matmul_kernel = KernelImpl(
+    gather_matmul, summary="mx.gather_qmm / mx.gather_mm (experts read in place)"
+)

@@ -154,6 +154,41 @@ quantized_matmul_kernel = KernelImpl(
 )
 
 
+def gather_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array | None = None,
+    biases: mx.array | None = None,
+    *,
+    indices: mx.array,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+    sorted_indices: bool = False,
+) -> mx.array:
+    """Each row's expert matrix taken out of the stack (dequantized when packed), then an
+    ordinary batched matmul in float32: ``x [..., 1, in] @ w[indices].T -> [..., 1, out]``."""
+    picked = w[indices]
+    if scales is not None:
+        picked = mx.dequantize(
+            picked,
+            scales[indices],
+            None if biases is None else biases[indices],
+            group_size=group_size,
+            bits=bits,
+            mode=mode,
+        )
+    picked = picked.astype(mx.float32)
+    out = x.astype(mx.float32) @ (picked.swapaxes(-1, -2) if transpose else picked)
+    return out.astype(x.dtype)
+
+
+gather_matmul_kernel = KernelImpl(
+    gather_matmul, summary="each row's expert taken out of the stack, then a matmul: the ground truth"
+)
+
+
 def fused_below(min_rows: int, dense: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """A quantized matmul that runs ``mx.quantized_matmul`` for fewer than ``min_rows`` input rows
     (batch x positions) and ``dense`` (same arguments) from there on; affine packing with biases

@@ -11,6 +11,7 @@ from mlxr_core.model.layers.block import AttentionBlock, PreNormBlock, SandwichB
 from mlxr_core.model.layers.family import DecoderArchitecture
 from mlxr_core.model.layers.mlp import GATED_ACTIVATIONS, GatedMLP, geglu
 from mlxr_core.model.layers.model import CausalLM, DecoderModel
+from mlxr_core.model.layers.moe import SparseMoE, SwitchGLU, SwitchLinear, route, stack_experts
 from mlxr_core.model.layers.norms import RMSNorm
 from mlxr_core.model.layers.rope import Rotary, args_rotary, base_freqs, make_rotary, rope_type
 
@@ -27,10 +28,15 @@ __all__ = [
     "RMSNorm",
     "Rotary",
     "SandwichBlock",
+    "SparseMoE",
+    "SwitchGLU",
+    "SwitchLinear",
     "TransformerArgs",
     "args_rotary",
     "base_freqs",
     "geglu",
     "make_rotary",
     "rope_type",
+    "route",
+    "stack_experts",
 ]

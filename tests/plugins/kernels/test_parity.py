@@ -233,6 +233,7 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
         "add_rms_norm": "mlx_fast",
         "rope": "cpu_blas",
         "quantized_matmul": "cpu_blas",
+        "gather_matmul": "mlx_fast",
     }
     chosen = bind_kernels(
         registries.kernels, dtype="float32", shapes=shapes, choices={"attention": "reference"}

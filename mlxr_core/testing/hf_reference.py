@@ -1,0 +1,166 @@
+"""An architecture against transformers on tiny random weights: the checks every family's
+reference test runs (logits, cached decoding, a batch of rows of different lengths, a prefix-cache
+hit), written once.
+
+:func:`tiny_reference` saves a transformers model with O(1) random weights (the default
+initialization's 0.02 std gives near-zero logits, which prove little) and records its logits for
+two prompts; :func:`check_reference` loads the folder through mlxr's safetensors format and
+loader and compares. transformers and torch are imported only by :func:`tiny_reference`, so a
+test module skips where they are not installed::
+
+    reference = tiny_reference("Qwen3MoeForCausalLM", "Qwen3MoeConfig", SHAPE, tmp_path)
+    check_reference(reference, registries, backend="mlx_fast")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+if TYPE_CHECKING:
+    from mlxr_core.plugins import Registries
+
+#: Prompt lengths: a prefill of more than 64 (token, expert) pairs takes the sorted expert path.
+PROMPT_LENGTHS = (40, 19)
+
+
+@attrs.define
+class Reference:
+    """A saved tiny model, its prompts and transformers' logits (float32) for each."""
+
+    folder: Path
+    prompts: list[list[int]]
+    logits: list[np.ndarray]
+    config: dict[str, Any]
+
+
+def o1_init(model: Any, torch: Any, skip: Callable[[str], bool] = lambda name: False) -> None:
+    """Vectors near 1 (norms), matrices scaled by ``1/sqrt(fan_in)``; ``skip`` keeps some
+    parameters as initialized (e.g. per-layer scalars whose meaning 1 is)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if skip(name):
+                continue
+            if parameter.ndim == 1:
+                parameter.copy_(1.0 + 0.1 * torch.randn_like(parameter))
+            else:
+                parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5)
+
+
+def tiny_reference(
+    model_class: str,
+    config_class: str,
+    shape: dict[str, Any],
+    folder: Path,
+    *,
+    lengths: tuple[int, ...] = PROMPT_LENGTHS,
+    seed: int = 0,
+    init: Callable[[Any, Any], None] | None = None,
+) -> Reference:
+    """Save a tiny ``transformers.<model_class>`` (eager attention, float32) with O(1) random
+    weights to ``folder`` and record its logits for random prompts of ``lengths`` tokens."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_class)(**shape, attn_implementation="eager")
+    model = getattr(transformers, model_class)(config).eval()
+    (init or (lambda m, t: o1_init(m, t)))(model, torch)
+    model.save_pretrained(folder)
+    write_tokenizer(folder, shape["vocab_size"])
+    rng = np.random.default_rng(seed + 1)
+    prompts = [rng.integers(0, shape["vocab_size"], n).tolist() for n in lengths]
+    with torch.no_grad():
+        logits = [model(torch.tensor([ids])).logits[0].float().numpy() for ids in prompts]
+    return Reference(folder, prompts, logits, config.to_dict())
+
+
+def write_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A word-level ``tokenizer.json`` of ``vocab_size`` tokens (``t0`` ... split on spaces, the
+    first two ``<s>`` and ``</s>``) and a plain chat template, so the folder serves as it is."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    settings = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
+
+
+def load_reference_model(reference: Reference, registries: Registries, backend: str = "mlx_fast") -> Any:
+    """The folder through mlxr's loader (format detection, sanitize, strict weights), float32,
+    every kernel op on ``backend``. Returns the :class:`~mlxr_core.model.loader.LoadedModel`."""
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.kernels import OPS
+    from mlxr_core.model.loader import load_model
+
+    config = ModelConfig(
+        path=str(reference.folder),
+        dtype="float32",
+        kernels=dict.fromkeys(OPS, backend),
+        compile_decode=False,
+    )
+    return load_model(config, registries)
+
+
+def check_reference(
+    reference: Reference, registries: Registries, *, backend: str = "mlx_fast", atol: float = 1e-4
+) -> None:
+    """Raise AssertionError naming the first of these that differs from transformers: one-pass
+    logits of each prompt; prefill of half, then one token at a time; both prompts prefilled alone,
+    joined in a left-padded batch and decoded together; a prefix-cache hit continued."""
+    from mlxr_core.engine.prefix_cache import PrefixCache
+    from mlxr_core.model.cache import BatchKVCache
+
+    loaded = load_reference_model(reference, registries, backend)
+    model, arch = loaded.model, loaded.arch
+    prompts, expected = reference.prompts, reference.logits
+
+    for ids, want in zip(prompts, expected, strict=True):
+        _close(np.array(model(mx.array([ids]))[0]), want, atol, f"one pass over {len(ids)} tokens")
+
+    ids, want = prompts[0], expected[0]
+    half = len(ids) // 2
+    cache = arch.make_cache(model)
+    steps = [model(mx.array([ids[:half]]), cache=cache)]
+    steps += [model(mx.array([[token]]), cache=cache) for token in ids[half:]]
+    _close(np.array(mx.concatenate(steps, axis=1)[0]), want, atol, "cached decoding")
+
+    prefill = [len(prompts[0]) - 6, len(prompts[1]) - 6]
+    rows = []
+    for ids, n in zip(prompts, prefill, strict=True):
+        cache = arch.make_cache(model)
+        model(mx.array([ids[:n]]), cache=cache)
+        rows.append([BatchKVCache.from_cache(layer) for layer in cache])
+    batch = rows[0]
+    for layer, other in zip(batch, rows[1], strict=True):
+        layer.extend(other)
+    for step in range(6):
+        tokens = mx.array([[ids[n + step]] for ids, n in zip(prompts, prefill, strict=True)])
+        out = np.array(model(tokens, cache=batch, mask=batch[0].mask())[:, -1])
+        for row, n in enumerate(prefill):
+            _close(out[row], expected[row][n + step], atol, f"batched decoding, row {row}, step {step}")
+
+    ids, want = prompts[0], expected[0]
+    prefix = PrefixCache(max_bytes=1 << 24)
+    cache = arch.make_cache(model)
+    model(mx.array([ids[:16]]), cache=cache)
+    prefix.store(ids[:16], cache)
+    reused, caches = prefix.lookup(ids, limit=len(ids) - 1)
+    assert reused == 16 and caches is not None, f"the prefix cache reused {reused} tokens, not 16"
+    _close(np.array(model(mx.array([ids[16:]]), cache=caches)[0]), want[16:], atol, "a prefix-cache hit")
+
+
+def _close(got: np.ndarray, want: np.ndarray, atol: float, what: str) -> None:
+    worst = float(np.abs(got - want).max())
+    assert worst <= atol, f"{what}: logits differ from transformers' by up to {worst:.3g} (atol {atol})"
+    assert (got.argmax(-1) == want.argmax(-1)).all(), f"{what}: the argmax differs from transformers'"
