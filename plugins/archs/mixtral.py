@@ -31,6 +31,8 @@ from mlxr_core.model.layers import (
 
 #: Hugging Face's per-expert projections -> the stacked ones.
 EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+#: ... and as older llama.cpp Mixtral files name them (one tensor per expert).
+EXPERT_NAMES |= {name: name for name in EXPERT_NAMES.values()}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 

@@ -105,7 +105,12 @@ class Qwen2MoeArchitecture(DecoderArchitecture):
         return Qwen2Moe(Qwen2MoeArgs.from_config(config), kernels)
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
-        """Per-expert tensors stacked; rotary tables and a tied ``lm_head`` dropped."""
+        """Per-expert tensors stacked; the shared expert's gate as a ``[1, hidden]`` matrix
+        (llama.cpp stores it as a vector); rotary tables and a tied ``lm_head`` dropped."""
+        weights = {
+            name: array[None] if name.endswith("shared_expert_gate.weight") and array.ndim == 1 else array
+            for name, array in weights.items()
+        }
         count = Qwen2MoeArgs.from_config(config).num_experts
         stacked = stack_experts(weights, "mlp.experts", "mlp.switch_mlp", EXPERT_NAMES, count)
         return super().sanitize(stacked, config)

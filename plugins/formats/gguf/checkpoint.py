@@ -51,7 +51,21 @@ BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    # Mixtures of experts: the router, the experts stacked ``[experts, out, in]``, a shared expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+#: Mixtral files older than llama.cpp's stacked experts hold one tensor per expert
+#: (``blk.N.ffn_gate.E.weight``); the architecture stacks them.
+PER_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 #: Per-architecture overrides of :data:`BLOCK_NAMES`. Gemma's blocks have four norms: llama.cpp's
 #: ``ffn_norm`` is the norm before the feed-forward, ``post_*`` the ones after each sub-layer.
@@ -90,6 +104,9 @@ def hf_name(name: str, arch: str = "llama") -> str:
     module, _, kind = name.rpartition(".")
     if module.startswith("blk."):
         _, index, rest = module.split(".", 2)
+        base, _, expert = rest.partition(".")
+        if expert.isdigit() and base in PER_EXPERT_NAMES:
+            return f"model.layers.{index}.mlp.experts.{expert}.{PER_EXPERT_NAMES[base]}.{kind}"
         mapped = ARCH_BLOCK_NAMES.get(arch, {}).get(rest) or BLOCK_NAMES.get(rest)
         return f"model.layers.{index}.{mapped}.{kind}" if mapped else name
     mapped = TOP_NAMES.get(module)
@@ -264,6 +281,8 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         config.update(gemma3_settings(config))
     if arch == "phi3":
         config.update(phi3_settings(config, tensors, get))
+    if get("expert_count"):
+        config.update(moe_settings(arch, config, tensors, get))
     return {key: value for key, value in config.items() if value is not None}
 
 
@@ -281,6 +300,43 @@ def gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:
         "query_pre_attn_scalar": scalar,
         "tie_word_embeddings": config.get("tie_word_embeddings", True),
     }
+
+
+#: llama.cpp architecture -> (Hugging Face model_type, whether the router's top-k weights are
+#: renormalized: llama.cpp hard-codes it per architecture, the file does not say).
+MOE_ARCHS = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False), "llama": ("mixtral", True)}
+
+
+def moe_settings(
+    arch: str, config: dict[str, Any], tensors: dict[str, Any], get: Callable[..., Any]
+) -> dict[str, Any]:
+    """A mixture of experts' keys: expert counts and widths, the family's routing rule, and the
+    Hugging Face ``model_type`` (a ``llama`` file with experts is a Mixtral)."""
+    if arch not in MOE_ARCHS:
+        return {}
+    model_type, normalize = MOE_ARCHS[arch]
+    experts = get("expert_count")
+    settings: dict[str, Any] = {
+        "model_type": model_type,
+        "num_experts": experts,
+        "num_local_experts": experts,
+        "num_experts_per_tok": get("expert_used_count"),
+        "norm_topk_prob": normalize,
+    }
+    width = get("expert_feed_forward_length")
+    if width:
+        settings["moe_intermediate_size"] = width
+    shared = get("expert_shared_feed_forward_length")
+    if shared:
+        settings["shared_expert_intermediate_size"] = shared
+    if arch == "qwen2moe":
+        settings["qkv_bias"] = "blk.0.attn_q.bias" in tensors
+    # Layers without a router are dense (Qwen's ``mlp_only_layers``).
+    layers = range(int(config.get("num_hidden_layers") or 0))
+    dense = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+    if dense:
+        settings["mlp_only_layers"] = dense
+    return settings
 
 
 def phi3_settings(
@@ -354,14 +410,15 @@ class GGUFFormat:
         except Exception as exc:
             raise ModelLoadError(f"unreadable model metadata: {exc}", path=str(path)) from exc
 
+        # llama.cpp's architecture (a Mixtral file says ``llama``), which its tensor layout follows.
+        arch = field_value(reader, "general.architecture")
         permute: dict[str, int] = {}
-        if config["model_type"] in PERMUTED_ARCHS:
+        if arch in PERMUTED_ARCHS:
             permute = {
                 "attn_q": config["num_attention_heads"],
                 "attn_k": config["num_key_value_heads"],
             }
 
-        arch = config["model_type"]
         weights: dict[str, mx.array] = {}
         quantization: dict[str, QuantSpec] = {}
         suggested: dict[str, QuantSpec] = {}

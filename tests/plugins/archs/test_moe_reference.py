@@ -43,7 +43,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2_moe": (
         "Qwen2MoeForCausalLM",
         "Qwen2MoeConfig",
-        {"num_experts": 6, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+        {"num_experts": 6, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
          "norm_topk_prob": False},
     ),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", {"num_local_experts": 6, "sliding_window": 12}),
@@ -100,3 +100,130 @@ def test_a_missing_expert_is_named(reference, registries, tmp_path):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(Exception, match=r"lacks 1 expert tensor\(s\) of 6 experts: model\.layers\.\d\.mlp\.experts\.3\."):
         load_model(ModelConfig(path=str(folder), dtype="float32"), registries)
+
+
+#: Hugging Face module -> llama.cpp tensor, as ``convert_hf_to_gguf`` names the MoE families.
+GGUF_NAMES = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
+TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+#: Per-expert projection (either family's name) -> llama.cpp's stacked tensor.
+EXPERT_GGUF = {"gate_proj": "ffn_gate", "w1": "ffn_gate", "up_proj": "ffn_up", "w3": "ffn_up",
+               "down_proj": "ffn_down", "w2": "ffn_down"}
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+
+
+def write_moe_gguf(path, reference, *, stacked: bool = True, quant: str = "f32"):
+    """The folder as llama.cpp's converter writes it: experts stacked (``ffn_gate_exps``) or, as
+    older Mixtral files do, one tensor per expert (``ffn_gate.E``); a Mixtral as ``llama`` with its
+    Q/K rows permuted for ggml's rotary layout."""
+    from mlxr_core.testing.tiny import _permute_for_ggml, write_gguf
+    from mlxr_plugins.formats.safetensors.checkpoint import SafetensorsFormat
+
+    config = reference.config
+    arch = GGUF_ARCH[config["model_type"]]
+    weights = SafetensorsFormat().load(reference.folder, dtype="float32").weights
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
+    for name, array in weights.items():
+        data = np.array(array, dtype=np.float32)
+        if not name.startswith("model.layers."):
+            tensors[TOP_NAMES[name]] = data
+            continue
+        _, _, index, rest = name.split(".", 3)
+        module, kind = rest.rsplit(".", 1)
+        if ".experts." in module:
+            expert, projection = module.split(".experts.")[1].split(".")
+            experts.setdefault((index, EXPERT_GGUF[projection]), {})[int(expert)] = data
+            continue
+        target = GGUF_NAMES[module]
+        if arch == "llama" and target in ("attn_q", "attn_k"):
+            heads = config["num_attention_heads"] if target == "attn_q" else config["num_key_value_heads"]
+            data = _permute_for_ggml(data, heads)
+        if target == "ffn_gate_inp_shexp":
+            data = data[0]  # llama.cpp stores the shared expert's gate as a vector
+        tensors[f"blk.{index}.{target}.{kind}"] = data
+    for (index, target), rows in experts.items():
+        if stacked:
+            tensors[f"blk.{index}.{target}_exps.weight"] = np.stack([rows[e] for e in sorted(rows)])
+        else:
+            for e, data in rows.items():
+                tensors[f"blk.{index}.{target}.{e}.weight"] = data
+    metadata = {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "rope.freq_base": float(config.get("rope_parameters", {}).get("rope_theta", 10000.0)),
+        "expert_count": config.get("num_experts") or config["num_local_experts"],
+        "expert_used_count": config["num_experts_per_tok"],
+    }
+    if config.get("head_dim"):
+        metadata["attention.key_length"] = metadata["attention.value_length"] = config["head_dim"]
+    if config.get("moe_intermediate_size"):
+        metadata["expert_feed_forward_length"] = config["moe_intermediate_size"]
+    if config.get("shared_expert_intermediate_size"):
+        metadata["expert_shared_feed_forward_length"] = config["shared_expert_intermediate_size"]
+    if config.get("sliding_window"):
+        metadata["attention.sliding_window"] = config["sliding_window"]
+    return write_gguf(path, arch, metadata, tensors, quant=quant)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per-expert"])
+def test_gguf_matches_transformers(reference, registries, tmp_path, layout):
+    """llama.cpp's layout of the same weights (F32): the reference's logits to float rounding."""
+    from mlxr_core.kernels import OPS
+    from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat
+
+    if layout == "per-expert" and reference.config["model_type"] != "mixtral":
+        pytest.skip("only Mixtral files were written with one tensor per expert")
+    path = write_moe_gguf(tmp_path / "moe.gguf", reference, stacked=layout == "stacked")
+    checkpoint = GGUFFormat().load(path)
+    assert checkpoint.config["model_type"] == reference.config["model_type"]
+    arch = registries.archs.get(checkpoint.config["model_type"])
+    from mlxr_core.kernels import bind_kernels
+    from mlxr_core.model.loader import build_model
+
+    kernels = bind_kernels(registries.kernels, dtype="float32", shapes=arch.kernel_context(checkpoint.config),
+                           choices=dict.fromkeys(OPS, "mlx_fast"))
+    model = build_model(checkpoint, arch, kernels, "dequantize", "float32")
+    for ids, want in zip(reference.prompts, reference.logits, strict=True):
+        got = np.array(model(mx.array([ids]))[0])
+        assert np.abs(got - want).max() < 1e-4
+
+
+def test_q8_0_gguf_experts_load_packed(reference, registries, tmp_path):
+    """Q8_0 expert stacks repacked exactly into MLX 8-bit and kept packed (``quantization: keep``)."""
+    from mlxr_core.kernels import bind_kernels
+    from mlxr_core.model.loader import build_model
+    from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat
+
+    checkpoint = GGUFFormat().load(write_moe_gguf(tmp_path / "moe-q8.gguf", reference, quant="q8_0"))
+    arch = registries.archs.get(checkpoint.config["model_type"])
+    kernels = bind_kernels(registries.kernels, dtype="float32", shapes=arch.kernel_context(checkpoint.config))
+    model = build_model(checkpoint, arch, kernels, "keep", "float32")
+    packed = [m for _, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert packed and all(m.bits == 8 for m in packed)
+    for ids, want in zip(reference.prompts, reference.logits, strict=True):
+        got = np.array(model(mx.array([ids]))[0])
+        assert np.abs(got - want).mean() < 0.03 * np.abs(want).max()  # as with q8 above
