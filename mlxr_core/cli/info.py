@@ -64,6 +64,7 @@ def describe_model(
     from mlx.utils import tree_flatten
 
     from mlxr_core.kernels import bind_kernels
+    from mlxr_core.model.layers import SparseMoE
     from mlxr_core.model.loader import build_model, default_dtype, pick_arch, pick_format
     from mlxr_core.model.paths import resolve_model_path
     from mlxr_core.plugins import load_plugins
@@ -82,13 +83,22 @@ def describe_model(
 
     flat: list[tuple[str, Any]] = tree_flatten(built.parameters())  # type: ignore[assignment]
     bits = {name: module.bits for name, module in built.named_modules() if hasattr(module, "bits")}
-    parameters = 0
+    # Mixtures of experts: a token runs top_k of each layer's stacked experts.
+    active_share = {
+        f"{name}.switch_mlp.": module.top_k / module.switch_mlp.gate_proj["weight"].shape[0]
+        for name, module in built.named_modules()
+        if isinstance(module, SparseMoE)
+    }
+    parameters, active = 0, 0.0
     for name, array in flat:
         module, _, part = name.rpartition(".")
         if module in bits and part in ("scales", "biases"):
             continue
         packed = module in bits and part == "weight"  # uint32 words of `bits`-bit integers
-        parameters += array.size * 32 // bits[module] if packed else array.size
+        count = array.size * 32 // bits[module] if packed else array.size
+        parameters += count
+        share = next((s for prefix, s in active_share.items() if name.startswith(prefix)), 1.0)
+        active += count * share
     resident = sum(array.nbytes for _, array in flat)
     layers = len(arch.make_cache(built))
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
@@ -100,6 +110,7 @@ def describe_model(
         "architecture": config.get("model_type"),
         "name": checkpoint.metadata.get("name"),
         "parameters": int(parameters),
+        "active_parameters": int(active),
         "dtype": dtype,
         "quantization_policy": quantization,
         "tensor_types": dict(Counter(checkpoint.source_types.values())),
@@ -133,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"model:        {facts['path']}", file=out)
     print(f"format:       {facts['format']}    architecture: {facts['architecture']}", file=out)
     print(f"parameters:   {params:,} ({params / 1e6:.1f} M)    layers: {facts['layers']}", file=out)
+    if facts["active_parameters"] != params:
+        active = facts["active_parameters"]
+        print(f"active:       {active:,} ({active / 1e6:.1f} M) per token (mixture of experts)", file=out)
     types = ", ".join(f"{kind} x{count}" for kind, count in sorted(facts["tensor_types"].items()))
     print(f"tensor types: {types or '-'}", file=out)
     print(f"weights ({facts['quantization_policy']} policy, {facts['dtype']}):", file=out)

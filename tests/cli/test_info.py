@@ -80,3 +80,22 @@ def test_text_report(files, capsys):
 def test_bad_context_is_a_usage_error(files, capsys):
     assert main(["info", str(files["f32"]), "--context", "0"]) == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_a_mixture_of_experts_reports_its_active_parameters(tmp_path, capsys):
+    """Top-2 of 8 experts: a token runs a quarter of the expert weights and all the rest."""
+    pytest.importorskip("torch", reason="the tiny model is written by transformers")
+    pytest.importorskip("transformers", reason="the tiny model is written by transformers")
+    from mlxr_core.testing.hf_reference import tiny_reference
+
+    shape = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "max_position_embeddings": 256}
+    tiny_reference("Qwen3MoeForCausalLM", "Qwen3MoeConfig", shape, tmp_path, lengths=(4,))
+    assert main(["info", str(tmp_path), "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    experts = 2 * 3 * 8 * 32 * 64  # layers x projections x experts x width x hidden
+    assert facts["architecture"] == "qwen3_moe"
+    assert facts["parameters"] - facts["active_parameters"] == experts * 3 // 4
+    assert main(["info", str(tmp_path)]) == 0
+    assert "per token (mixture of experts)" in capsys.readouterr().out

@@ -227,3 +227,36 @@ def test_q8_0_gguf_experts_load_packed(reference, registries, tmp_path):
     for ids, want in zip(reference.prompts, reference.logits, strict=True):
         got = np.array(model(mx.array([ids]))[0])
         assert np.abs(got - want).mean() < 0.03 * np.abs(want).max()  # as with q8 above
+
+
+def test_the_engine_serves_a_mixture_of_experts_batched_as_solo(reference, tmp_path):
+    """Four concurrent greedy streams (continuous batching, the compiled decode step, a shared
+    prefix from the prefix cache, chunked prefill) give each stream its solo tokens."""
+    from mlxr_core.config.schema import Config, EngineConfig, PrefixCacheConfig
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+
+    shared = reference.prompts[0][:24]
+    prompts = [[*shared, 5], [*shared, 9, 8], reference.prompts[1], [7, 3]]
+
+    def run(**engine):
+        model = ModelConfig(path=str(reference.folder), name="moe", dtype="float32", context_length=128)
+        eng = Engine(Config(models=[model], engine=EngineConfig(**engine)), load_plugins())
+        eng.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=8, extra={"ignore_eos": True})
+            handles = [eng.submit(GenerationRequest(model="moe", prompt_ids=p, params=params)) for p in prompts]
+            outputs = []
+            for handle in handles:
+                events = list(handle)
+                assert isinstance(events[-1], Finished), events[-1]
+                outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
+            return outputs, eng.model("moe").compiled_decode is not None
+        finally:
+            eng.stop()
+
+    solo, _ = run(max_batch_size=1, prefix_cache=PrefixCacheConfig(enabled=False))
+    batched, compiled = run(max_batch_size=4, prefill_chunk=16)
+    assert compiled
+    assert [len(out) for out in solo] == [8] * 4
+    assert batched == solo
