@@ -1,7 +1,8 @@
 """Decode speed on a GPU: mlxr vs mlx-lm on the same Llama-3.2-1B-shaped weights, one command.
 
 Writes random weights in the Llama 3.2 1B shape (bf16, and mlx-lm's 4-bit quantization of them) as
-mlx-lm folders, then for each folder measures back to back: mlx-lm's ``generate_step`` and mlxr's
+mlx-lm folders (``--shape qwen3-30b-a3b``: a Qwen3-30B-A3B-shaped mixture of experts, 4-bit only;
+``qwen3-moe-cpu``: a smaller one for a CPU), then for each folder measures back to back: mlx-lm's ``generate_step`` and mlxr's
 engine, single stream (prompt ``--prompt-tokens``, ``--gen-tokens`` generated), and mlxr's aggregate
 decode at several concurrent streams. Prints JSON with tokens/s, the ratios, and the
 memory-bandwidth limit (weight bytes per token / measured copy bandwidth).
@@ -59,6 +60,41 @@ LLAMA_1B = {
 TOKENIZER = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tiny_hf" / "llama"
 
 
+#: Qwen3-30B-A3B: 48 layers, 128 experts of width 768, 8 per token (30.5B parameters, 3.3B active).
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+#: The same design at a size a 2-core CPU decodes in seconds (12 layers, 32 experts, 8 per token).
+QWEN3_MOE_CPU = {
+    **QWEN3_30B_A3B,
+    "hidden_size": 1024,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "num_experts": 32,
+    "moe_intermediate_size": 256,
+    "vocab_size": 32000,
+}
+
 #: A tiny shape to check the script itself on a CPU (``--smoke``).
 SMOKE = {
     **LLAMA_1B,
@@ -72,17 +108,27 @@ SMOKE = {
 }
 
 
-def write_folders(root: Path, shape: dict[str, object]) -> dict[str, Path]:
-    """bf16 and 4-bit (group 64) mlx-lm folders of one set of random weights."""
-    from mlx_lm.models import llama
+#: ``--shape`` -> (config, smoke config).
+SHAPES = {
+    "llama-3.2-1b": LLAMA_1B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen3-moe-cpu": QWEN3_MOE_CPU,
+}
+
+
+def write_folders(root: Path, shape: dict[str, object], names: tuple[str, ...] = ("bf16", "q4")) -> dict[str, Path]:
+    """bf16 and 4-bit (group 64) mlx-lm folders of one set of random weights. The weights stay
+    lazy until each file is written (a 30B model's bf16 weights need not fit in memory at once)."""
+    import importlib
+
     from mlx_lm.utils import quantize_model, save_config, save_model
 
+    family = importlib.import_module(f"mlx_lm.models.{shape['model_type']}")
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(shape))
+    model = family.Model(family.ModelArgs.from_dict(shape))
     model.set_dtype(mx.bfloat16)
-    mx.eval(model.parameters())
     folders = {}
-    for name in ("bf16", "q4"):
+    for name in names:
         folder = root / name
         folder.mkdir()
         config = dict(shape)
@@ -109,6 +155,25 @@ def alternate(
             tps[name].append(speed)
             tokens.setdefault(name, out)
     return tps, tokens
+
+
+def active_bytes(model: Any) -> int:
+    """Weight bytes one token reads: all of them, except that each mixture-of-experts layer reads
+    ``top_k`` of its stacked experts (the LM head counted whole, as one stream reads it)."""
+    from mlx.utils import tree_flatten
+
+    from mlxr_core.model.layers import SparseMoE
+
+    shares = {
+        f"{name}.switch_mlp.": module.top_k / module.switch_mlp.gate_proj["weight"].shape[0]
+        for name, module in model.named_modules()
+        if isinstance(module, SparseMoE)
+    }
+    total = 0.0
+    for name, array in tree_flatten(model.parameters()):
+        share = next((s for prefix, s in shares.items() if name.startswith(prefix)), 1.0)
+        total += array.nbytes * share
+    return int(total)
 
 
 def copy_bandwidth() -> float:
@@ -270,23 +335,35 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
     parser.add_argument("--bare", action="store_true", help="also time mlxr's model in a bare loop")
     parser.add_argument("--only", nargs="+", default=None, help="weights to run (bf16, q4)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    parser.add_argument("--mlxr-defaults", action="store_true",
+                        help="mlxr's dtype and weight policy for the device (on a CPU: float32, "
+                             "weights dequantized) instead of bf16 with packed weights kept")
     args = parser.parse_args()
     prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
+    shape = SHAPES[args.shape]
+    if args.smoke:
+        shape = {**shape, **{k: v for k, v in SMOKE.items() if k in shape or k == "model_type"},
+                 "model_type": shape["model_type"]}
+        if "num_experts" in shape:
+            shape.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
     report: dict[str, object] = {
         "device": str(mx.default_device()),
-        "shape": "smoke" if args.smoke else "llama-3.2-1b",
+        "shape": f"{args.shape} (smoke)" if args.smoke else args.shape,
     }
     bandwidth = copy_bandwidth()
     report["copy_bandwidth_GBps"] = bandwidth / 1e9
     with tempfile.TemporaryDirectory() as tmp:
-        folders = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)
+        folders = write_folders(Path(tmp), shape, tuple(args.only or ("bf16", "q4")))
         for name, folder in folders.items():
             if args.only and name not in args.only:
                 continue
             config = Config(
                 models=[
                     ModelConfig(
-                        path=str(folder), name="bench", dtype="bfloat16", quantization="keep",
+                        path=str(folder), name="bench",
+                        dtype="auto" if args.mlxr_defaults else "bfloat16",
+                        quantization="auto" if args.mlxr_defaults else "keep",
                         kernels=dict(choice.split("=", 1) for choice in args.kernels),
                     )
                 ],
@@ -297,6 +374,7 @@ def main() -> int:
             engine = Engine(config, load_plugins())
             engine.start()
             weight_bytes = engine._loaded["bench"].nbytes
+            active = active_bytes(engine._loaded["bench"].model)
             decode_step = "compiled" if engine._loaded["bench"].compiled_decode else "eager"
             try:
                 mlxr_decode(engine, prompt, 8, 1)  # warm-up
@@ -336,6 +414,10 @@ def main() -> int:
             report[name] = {
                 "weight_bytes": weight_bytes,
                 "bandwidth_limit_tps": bandwidth / weight_bytes,
+                # A mixture of experts reads top_k of each layer's experts per token (one stream).
+                "active_weight_bytes": active,
+                "active_bandwidth_limit_tps": bandwidth / active,
+                "mlxr_share_of_active_limit": best_ours / (bandwidth / active),
                 "mlxr": ours,
                 "mlx_lm": peer,
                 "mlxr_bare_loop": bare,

@@ -3,9 +3,12 @@
 A kernel backend is an object with a ``supports(ctx)`` method returning the list of reasons it
 cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's signature:
 
-- ``attention(q, k, v, *, scale, mask)``: q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``, mask
-  ``None | "causal" | mx.array`` (additive or boolean, broadcastable to ``[B, Hq, L, S]``); GQA when
-  ``Hq`` is a multiple of ``Hkv``. Returns ``[B, Hq, L, D]``. Same contract as
+- ``attention(q, k, v, *, scale, mask, sinks=None)``: q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``,
+  mask ``None | "causal" | mx.array`` (additive or boolean, broadcastable to ``[B, Hq, L, S]``); GQA
+  when ``Hq`` is a multiple of ``Hkv``. ``sinks`` ``[Hq]`` (gpt-oss) is one learned logit per head
+  that joins each softmax, never masked, and gets no value (its column is dropped after the
+  softmax); it is passed only where the architecture's kernel context has ``"sinks": True``, and a
+  backend that cannot take it refuses that context. Returns ``[B, Hq, L, D]``. Same contract as
   ``mx.fast.scaled_dot_product_attention``.
 - ``rms_norm(x, weight, eps)``: as ``mx.fast.rms_norm``.
 - ``add_rms_norm(x, residual, weight, eps) -> (h, normed)``: a residual add and the RMS norm
@@ -21,6 +24,10 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   when ``transpose``). ``w`` is ``[E, out, in]`` (packed on the last axis); ``x`` ``[..., 1, in]``
   broadcasts against ``indices`` ``[...]``; returns ``[..., 1, out]``. Every mixture-of-experts
   layer's expert matmuls go through it.
+- ``route(logits, *, top_k, scoring, normalize) -> (indices, weights)``: a mixture of experts'
+  router: ``logits`` ``[..., E]`` scored by ``softmax`` (over all experts) or ``sigmoid``, in
+  float32, the ``top_k`` best experts ``[..., k]`` (uint32, in any order) and their scores
+  (float32), rescaled to sum to 1 when ``normalize``.
 
 Selection happens once per model, never in the token loop: :func:`bind_kernels` resolves every op
 to a plain callable and returns a :class:`KernelSet`. An explicit choice that cannot run is a
@@ -45,7 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
-OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul")
+OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul", "route")
 
 
 @attrs.frozen
@@ -80,6 +87,7 @@ class KernelSet:
     rope: Callable[..., Any]
     quantized_matmul: Callable[..., Any]
     gather_matmul: Callable[..., Any]
+    route: Callable[..., Any]
     #: op -> backend name, for logs and ``mlxr info``.
     chosen: Mapping[str, str] = attrs.field(factory=dict)
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 DTYPES = ("float32", "float16", "bfloat16")
 #: The ops :func:`check_kernel_parity` has cases for.
-PARITY_OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul")
+PARITY_OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul", "route")
 #: dtype -> (atol, rtol) per op.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     "attention": {"float32": (1e-5, 1e-5), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
@@ -31,6 +31,8 @@ TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     # the activation dtype, as MLX's fused CPU kernel does.
     "quantized_matmul": {"float32": (1e-3, 1e-4), "float16": (0.4, 2.0**-8), "bfloat16": (3.0, 2.0**-5)},
     "gather_matmul": {"float32": (1e-3, 1e-4), "float16": (0.4, 2.0**-8), "bfloat16": (3.0, 2.0**-5)},
+    # Weights are float32 whatever the logits' dtype; indices compare exactly.
+    "route": {"float32": (1e-6, 1e-5), "float16": (1e-6, 1e-5), "bfloat16": (1e-6, 1e-5)},
 }
 
 
@@ -86,6 +88,8 @@ def check_kernel_parity(
                 continue
             args, kwargs = case.make(dtype)
             actual, expected = impl.op(*args, **kwargs), expected_fn(*args, **kwargs)
+            if op == "route":  # the top-k come in any order: compare them sorted by expert
+                actual, expected = _by_expert(*actual), _by_expert(*expected)  # type: ignore[assignment]
             # An op may return several arrays (add_rms_norm: the sum and its norm).
             actuals = actual if isinstance(actual, tuple) else (actual,)
             expecteds = expected if isinstance(expected, tuple) else (expected,)
@@ -104,6 +108,13 @@ def check_kernel_parity(
                 )
             report.ran.append(label)
     return report
+
+
+def _by_expert(indices: Any, weights: Any) -> tuple[Any, Any]:
+    import mlx.core as mx
+
+    order = mx.argsort(indices, axis=-1)
+    return mx.take_along_axis(indices, order, axis=-1), mx.take_along_axis(weights, order, axis=-1)
 
 
 def _cases(op: str) -> Iterator[Case]:
@@ -131,6 +142,18 @@ def _cases(op: str) -> Iterator[Case]:
                         masks = () if mask == "none" else (mask,)
                         shapes = {"head_dim": D, "n_heads": Hq, "n_kv_heads": Hkv, "masks": masks}
                         yield Case(f"Hq={Hq} Hkv={Hkv} D={D} L={L} S={S} mask={mask}", shapes, make)
+        # Attention sinks (gpt-oss): one more logit per query head, never masked.
+        for L, S, mask in ((1, 37, "causal"), (5, 33, "causal"), (5, 33, "array")):
+
+            def make_sinks(dtype: Any, L: int = L, S: int = S,
+                           mask: str = mask) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                q = normal((2, 8, L, 64), 1, dtype)
+                k, v = normal((2, 2, S, 64), 2, dtype), normal((2, 2, S, 64), 3, dtype)
+                m: Any = "causal" if mask == "causal" else normal((2, 1, L, S), 4, dtype)
+                return (q, k, v), {"scale": 64**-0.5, "mask": m, "sinks": normal((8,), 5, dtype)}
+
+            shapes = {"head_dim": 64, "n_heads": 8, "n_kv_heads": 2, "masks": (mask,), "sinks": True}
+            yield Case(f"Hq=8 Hkv=2 D=64 L={L} S={S} mask={mask} sinks", shapes, make_sinks)
     elif op == "rms_norm":
         for D in (64, 96, 4096):
 
@@ -206,5 +229,20 @@ def _cases(op: str) -> Iterator[Case]:
             shapes = {"bits": packing[0], "group_size": packing[1]} if packing else {}
             name = f"N={N} top-{k} K={K} M={M} {packing or 'dense'}{' sorted' if sort else ''}"
             yield Case(name, shapes, make_gmm)
+    elif op == "route":
+        # One decode token, a few, a prompt chunk; 8 to 300 experts (not a multiple of 32 too).
+        for rows, experts, k, scoring, normalize in (
+            (1, 128, 8, "softmax", True), (5, 8, 2, "softmax", True), (3, 64, 4, "softmax", False),
+            (40, 300, 6, "sigmoid", True), (2, 32, 4, "sigmoid", False),
+        ):
+
+            def make_route(dtype: Any, rows: int = rows, experts: int = experts, k: int = k,
+                           scoring: str = scoring, normalize: bool = normalize) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                # Distinct logits, well apart: a near tie may rank either way in any dtype.
+                order = np.random.default_rng(16).permuted(np.tile(np.arange(experts), (rows, 1)), axis=1)
+                logits = mx.array(order * (4.0 / experts) - 2.0).astype(dtype)
+                return (logits,), {"top_k": k, "scoring": scoring, "normalize": normalize}
+
+            yield Case(f"rows={rows} experts={experts} top-{k} {scoring} normalize={normalize}", {}, make_route)
     else:
         raise ValueError(f"no parity cases for op {op!r} (ops with cases: {', '.join(PARITY_OPS)})")

@@ -31,11 +31,13 @@ MLXR_ESSENTIAL = True
 #: (residual add + RMS norm as one kernel, CUDA only) sit above ``mlx_fast``; ``cuda_dense`` (quantized matmul for several rows as dequantize + dense matmul, on
 #: MLX's CUDA backend only) below it, opt-in; ``cuda_qmm`` (4-bit packed matmul for a few rows with
 #: a split reduction, CUDA only; it hands wide layers and one-row calls to mx) above it: see their
-#: modules.
+#: modules. ``cuda_moe`` (a mixture of experts' router in one kernel, CUDA only) sits above
+#: ``mlx_fast``.
 BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
     "cpu_blas": ("mlxr_plugins.kernels.cpu_blas", 20, ("quantized_matmul", "rope")),
     "cuda": ("mlxr_plugins.kernels.cuda", 15, ("attention",)),
     "cuda_dense": ("mlxr_plugins.kernels.cuda_dense", 5, ("quantized_matmul",)),
+    "cuda_moe": ("mlxr_plugins.kernels.cuda_moe", 15, ("route",)),
     "cuda_qmm": ("mlxr_plugins.kernels.cuda_qmm", 15, ("quantized_matmul",)),
     "cuda_norm": ("mlxr_plugins.kernels.cuda_norm", 20, ("add_rms_norm",)),
     "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm")),

@@ -580,6 +580,8 @@ def _attention_support(ctx: KernelContext) -> list[str]:
     unknown = [kind for kind in ctx.shapes.get("masks", ()) if kind not in ("causal", "array")]
     if unknown:
         reasons.append(f"mask kinds {', '.join(map(str, unknown))} are not supported (causal, array)")
+    if ctx.shapes.get("sinks"):
+        reasons.append("attention sinks (one learned logit per head) are not supported")
     return reasons
 
 

@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
 from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl
+from mlxr_plugins.kernels.reference import route
 
 
 def _float_dtype(ctx: KernelContext) -> list[str]:
@@ -39,10 +40,19 @@ def _rope_support(ctx: KernelContext) -> list[str]:
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: str | mx.array | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: str | mx.array | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention`` (GQA without tiling, bottom-right causal mask)."""
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    """``mx.fast.scaled_dot_product_attention`` (GQA without tiling, bottom-right causal mask).
+    Sinks are cast to the activations' dtype: MLX refuses float32 sinks with bfloat16 queries."""
+    if sinks is not None:
+        sinks = sinks.astype(q.dtype)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
 
 attention_kernel = KernelImpl(
@@ -108,3 +118,6 @@ def gather_matmul(
 gather_matmul_kernel = KernelImpl(
     gather_matmul, summary="mx.gather_qmm / mx.gather_mm (experts read in place)"
 )
+
+#: The router as plain mx ops (argpartition for the top-k): MLX has no fused router.
+route_kernel = KernelImpl(route, summary="mx.softmax / mx.sigmoid, mx.argpartition")

@@ -11,17 +11,26 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from mlxr_core.model.layers.moe import route
 from mlxr_plugins.kernels import KernelImpl
 
 
 def attention(
-    q: mx.array, k: mx.array, v: mx.array, *, scale: float, mask: str | mx.array | None = None
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: str | mx.array | None = None,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """``softmax(scale * q @ k.T + mask) @ v`` with grouped-query heads.
 
     q ``[B, Hq, L, D]``, k/v ``[B, Hkv, S, D]``. Query heads ``h * R .. h * R + R - 1`` share key
     head ``h`` (``R = Hq // Hkv``); they are grouped by a reshape, so keys are never copied. The
     ``"causal"`` mask is aligned bottom-right: query ``i`` sees keys ``0 .. S - L + i``.
+    ``sinks`` ``[Hq]`` (gpt-oss) is one more logit per head, never masked: a column joined to the
+    scores before the softmax and dropped after it, so it only takes weight from the keys.
     """
     B, Hq, L, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -43,8 +52,14 @@ def attention(
         else:
             scores = scores + grouped.astype(mx.float32)
 
-    weights = mx.softmax(scores, axis=-1).astype(v.dtype)
-    out = weights @ v[:, :, None]  # [B, Hkv, R, L, Dv]
+    if sinks is not None:
+        column = mx.broadcast_to(
+            sinks.astype(mx.float32).reshape(1, Hkv, R, 1, 1), (*scores.shape[:-1], 1)
+        )
+        weights = mx.softmax(mx.concatenate([scores, column], axis=-1), axis=-1)[..., :S]
+    else:
+        weights = mx.softmax(scores, axis=-1)
+    out = weights.astype(v.dtype) @ v[:, :, None]  # [B, Hkv, R, L, Dv]
     return out.reshape(B, Hq, L, v.shape[-1])
 
 
@@ -187,6 +202,9 @@ def gather_matmul(
 gather_matmul_kernel = KernelImpl(
     gather_matmul, summary="each row's expert taken out of the stack, then a matmul: the ground truth"
 )
+
+
+route_kernel = KernelImpl(route, summary="softmax or sigmoid, argpartition, take: the ground truth")
 
 
 def fused_below(min_rows: int, dense: Callable[..., mx.array]) -> Callable[..., mx.array]:

@@ -1,5 +1,5 @@
-"""Sparse mixtures of experts: a router picks ``top_k`` experts per token, the experts' gated MLPs
-run through the ``gather_matmul`` kernel (one matmul per projection over a stack of experts, never
+"""Sparse mixtures of experts: a router (the ``route`` kernel) picks ``top_k`` experts per token,
+the experts' gated MLPs run through the ``gather_matmul`` kernel (one matmul per projection over a stack of experts, never
 a loop), and their outputs are summed with the router's weights; shared experts, where a family
 has them, run on every token.
 
@@ -194,6 +194,7 @@ class SparseMoE(nn.Module):
     ):
         super().__init__()
         self.top_k, self.scoring, self.normalize = top_k, scoring, normalize
+        self._route = kernels.route
         self.gate = nn.Linear(hidden, experts, bias=router_bias)
         self.switch_mlp = SwitchGLU(
             hidden, inner, experts, kernels=kernels, activation=activation, bias=expert_bias
@@ -204,7 +205,9 @@ class SparseMoE(nn.Module):
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
-        indices, weights = route(self.gate(x), self.top_k, scoring=self.scoring, normalize=self.normalize)
+        indices, weights = self._route(
+            self.gate(x), top_k=self.top_k, scoring=self.scoring, normalize=self.normalize
+        )
         outputs = self.switch_mlp(x, indices)  # [..., k, hidden]
         out = (outputs * weights[..., None].astype(outputs.dtype)).sum(axis=-2)
         if "shared_expert" in self:

@@ -137,6 +137,67 @@ def test_reference_attention_rejects_bad_heads_and_masks():
         reference.attention(q, q, q, scale=1.0, mask="sliding")
 
 
+def sink_attention(q, k, v, scale, visible, sinks):
+    """Head by head, one extra logit ``sinks[h]`` per row joining the softmax, its weight dropped."""
+    q, k, v = (np.array(a, dtype=np.float64) for a in (q, k, v))
+    B, Hq, L = q.shape[:3]
+    R = Hq // k.shape[1]
+    out = np.zeros(q.shape)
+    for b in range(B):
+        for h in range(Hq):
+            scores = scale * q[b, h] @ k[b, h // R].T
+            if visible is not None:
+                scores = np.where(visible, scores, -np.inf)
+            scores = np.concatenate([scores, np.full((L, 1), float(sinks[h]))], axis=-1)
+            weights = np.exp(scores - scores.max(-1, keepdims=True))
+            out[b, h] = (weights / weights.sum(-1, keepdims=True))[:, :-1] @ v[b, h // R]
+    return out
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("L,S", [(1, 9), (3, 11)])
+def test_reference_attention_sinks_are_the_math(heads, L, S):
+    Hq, Hkv = heads
+    keys = mx.random.split(mx.random.key(11), 4)
+    q = mx.random.normal((2, Hq, L, 16), key=keys[0])
+    k = mx.random.normal((2, Hkv, S, 16), key=keys[1])
+    v = mx.random.normal((2, Hkv, S, 16), key=keys[2])
+    sinks = 2 * mx.random.normal((Hq,), key=keys[3])
+    causal = np.arange(S - L, S)[:, None] >= np.arange(S)[None, :]
+    got = reference.attention(q, k, v, scale=0.25, mask="causal", sinks=sinks)
+    np.testing.assert_allclose(np.array(got), sink_attention(q, k, v, 0.25, causal, sinks), atol=1e-5)
+    # A sink of -inf takes no weight: plain attention.
+    none = reference.attention(q, k, v, scale=0.25, mask="causal", sinks=mx.full((Hq,), -math.inf))
+    close(none, reference.attention(q, k, v, scale=0.25, mask="causal"), atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("L,S", [(1, 37), (5, 33)])
+@pytest.mark.parametrize("mask_kind", ["causal", "additive", "bool"])
+def test_attention_sinks_parity(dtype, L, S, mask_kind):
+    """mx.fast with sinks (float32 ones too: the backend casts them) against the reference."""
+    keys = mx.random.split(mx.random.key(S), 5)
+    q = mx.random.normal((2, 8, L, 64), key=keys[0]).astype(dtype)
+    k = mx.random.normal((2, 2, S, 64), key=keys[1]).astype(dtype)
+    v = mx.random.normal((2, 2, S, 64), key=keys[2]).astype(dtype)
+    mask = make_mask(mask_kind, 2, 8, L, S, dtype, keys[3])
+    sinks = 2 * mx.random.normal((8,), key=keys[4])
+    expected = reference.attention(q, k, v, scale=0.125, mask=mask, sinks=sinks)
+    actual = mlx_fast.attention(q, k, v, scale=0.125, mask=mask, sinks=sinks)
+    assert actual.dtype == expected.dtype == dtype
+    atol, rtol = ATTENTION_TOL[dtype]
+    close(actual, expected, atol=atol, rtol=rtol)
+
+
+def test_device_attention_backends_refuse_sinks():
+    from mlxr_plugins.kernels import cuda, metal
+
+    for backend in (cuda.attention_kernel, metal.attention_kernel):
+        assert "sinks" in " ".join(backend.supports(ctx("attention", sinks=True)))
+        assert "sinks" not in " ".join(backend.supports(ctx("attention")))
+    assert mlx_fast.attention_kernel.supports(ctx("attention", sinks=True)) == []
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("dims", [64, 576, 4096])
 def test_rms_norm_parity(dtype, dims):
@@ -234,6 +295,7 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
         "rope": "cpu_blas",
         "quantized_matmul": "cpu_blas",
         "gather_matmul": "mlx_fast",
+        "route": "mlx_fast",
     }
     chosen = bind_kernels(
         registries.kernels, dtype="float32", shapes=shapes, choices={"attention": "reference"}
