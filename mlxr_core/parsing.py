@@ -7,12 +7,17 @@ points at its format, ``none`` turns parsing off). Per request they yield small 
 take the text as the engine streams it and return :data:`Piece` s, holding back any text that may
 still turn out to be markup: markup never reaches ``content``, streamed or not, and markup that
 does not parse is given back as plain content.
+
+A :class:`ChannelParser` (gpt-oss's Harmony) frames every reply in markup: one stream splits
+reasoning, content and calls, its markup is made of special tokens the engine keeps in the text
+for it, and the API layer uses it for each reply of the model whatever the request turns off.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Literal, Protocol
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 
@@ -105,11 +110,11 @@ class ToolParser(Protocol):
 
 
 class ReasoningStream(Protocol):
-    """One request's incremental reasoning splitter."""
+    """One request's incremental reasoning splitter (a channel format's also yields calls)."""
 
-    def feed(self, text: str) -> list[Text]: ...
+    def feed(self, text: str) -> Sequence[Text | ToolCall]: ...
 
-    def finish(self) -> list[Text]: ...
+    def finish(self) -> Sequence[Text | ToolCall]: ...
 
 
 class ReasoningParser(Protocol):
@@ -125,12 +130,35 @@ class ReasoningParser(Protocol):
         ...
 
 
+@runtime_checkable
+class ChannelParser(Protocol):
+    """A format whose markup frames every reply (gpt-oss's Harmony channels), registered as a
+    tool parser, a reasoning parser or both: the API layer reads each reply of the model with its
+    stream, whatever the request turns off, so that its markup never reaches a client."""
+
+    #: The special tokens the markup is made of. The engine drops special tokens from the text it
+    #: streams; these it keeps, for the stream to read (and remove).
+    markup_tokens: tuple[str, ...]
+
+    def stream(self, prompt: str) -> ReasoningStream:
+        """A fresh parser for one reply: reasoning and content ``Text`` pieces and calls."""
+        ...
+
+    def forced_grammar(self, tools: list[Tool]) -> str:
+        """A Lark grammar (as the structured-output sampler takes it) of a reply, in this format,
+        that calls one of ``tools``."""
+        ...
+
+
 @attrs.define
 class OutputSplitter:
-    """Reasoning first, then tool calls in what is left: one request's whole pipeline."""
+    """Reasoning first, then tool calls in what is left: one request's whole pipeline. Calls a
+    channel format's reasoning stream yields pass as they are; ``show_reasoning`` False drops the
+    reasoning (a channel format's, which cannot be turned off)."""
 
     reasoning: ReasoningStream | None = None
     tools: ToolStream | None = None
+    show_reasoning: bool = True
 
     def feed(self, text: str) -> list[Text | ToolCall]:
         return self._route(self.reasoning.feed(text) if self.reasoning else [Text(text)], final=False)
@@ -139,12 +167,14 @@ class OutputSplitter:
         pieces = self._route(self.reasoning.finish() if self.reasoning else [], final=False)
         return pieces + self._route([], final=True)
 
-    def _route(self, texts: list[Text], *, final: bool) -> list[Text | ToolCall]:
+    def _route(self, pieces: Sequence[Text | ToolCall], *, final: bool) -> list[Text | ToolCall]:
         out: list[Text | ToolCall] = []
-        for piece in texts:
-            if piece.kind == "content" and self.tools is not None:
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                out.append(piece)
+            elif piece.kind == "content" and self.tools is not None:
                 out.extend(self.tools.feed(piece.text))
-            elif piece.text:
+            elif piece.text and (piece.kind == "content" or self.show_reasoning):
                 out.append(piece)
         if final and self.tools is not None:
             out.extend(self.tools.finish())

@@ -19,6 +19,7 @@ import attrs
 from mlxr_core.engine.request import Constraint
 from mlxr_core.errors import RequestError
 from mlxr_core.parsing import (
+    ChannelParser,
     OutputSplitter,
     ReasoningParser,
     Text,
@@ -30,6 +31,7 @@ from mlxr_core.parsing import (
 
 if TYPE_CHECKING:
     from mlxr_core.engine.engine import Engine, ModelInfo
+    from mlxr_core.model.tokenizer import Tokenizer
     from mlxr_core.server import ServerContext
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
@@ -53,6 +55,14 @@ class ModelParsers:
 
     tool: ToolParser | None = None
     reasoning: ReasoningParser | None = None
+
+    @property
+    def channels(self) -> ChannelParser | None:
+        """The parser of a format that frames every reply (Harmony), in either role."""
+        for parser in (self.tool, self.reasoning):
+            if isinstance(parser, ChannelParser):
+                return parser
+        return None
 
 
 def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
@@ -102,12 +112,18 @@ class ChatSetup:
     tools: list[Tool]
     choice: ToolChoice
     parallel: bool = True
+    #: The ids of a channel format's markup tokens, for the engine to keep in the reply's text.
+    keep_special: frozenset[int] = frozenset()
 
     @property
     def constraint(self) -> Constraint | None:
-        """The JSON schema a forced tool choice constrains the output to."""
+        """What a forced tool choice constrains the output to: a call as JSON, or a reply in the
+        model's channel format that ends with a call."""
         if not self.choice.forced:
             return None
+        channels = self.parsers.channels
+        if channels is not None:
+            return Constraint(kind="lark", value=channels.forced_grammar(self._offered()))
         return Constraint(kind="json_schema", value=call_schema(self._offered()))
 
     def _offered(self) -> list[Tool]:
@@ -117,6 +133,9 @@ class ChatSetup:
 
     def splitter(self) -> OutputSplitter | ForcedCall:
         """A fresh splitter for the reply."""
+        channels = self.parsers.channels
+        if channels is not None:
+            return OutputSplitter(channels.stream(self.prompt), show_reasoning=self.parsers.reasoning is not None)
         tool_stream = None
         if self.tools and self.choice.mode != "none" and self.parsers.tool is not None:
             tool_stream = self.parsers.tool.stream()
@@ -157,13 +176,18 @@ class ReplyReader:
         return "tool_calls" if self.calls and reason == "stop" else reason
 
     def _keep(self, pieces: list[Text | ToolCall]) -> list[Text | ToolCall]:
-        names = {tool.name for tool in self.setup._offered()}
+        offered = self.setup._offered() if self.setup.choice.mode != "none" else []
+        names = {tool.name for tool in offered}
+        channels = self.setup.parsers.channels
         out: list[Text | ToolCall] = []
         for piece in pieces:
             if isinstance(piece, ToolCall):
                 if piece.name not in names:
                     parser = self.setup.parsers.tool
                     text = parser.render_calls([piece]) if parser else piece.arguments
+                    if channels is not None:  # its markup is special tokens, never shown
+                        for token in channels.markup_tokens:
+                            text = text.replace(token, "")
                     out.append(Text(text))
                     continue
                 if self.calls and not self.setup.parallel:
@@ -270,7 +294,20 @@ def prepare_chat(
     bos = tokenizer.bos_token_id
     if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, bos)  # as Engine.encode_chat does
-    return ChatSetup(prompt, ids, parsers, tools, choice, parallel)
+    channels = parsers.channels
+    keep = special_ids(tokenizer, channels.markup_tokens) if channels is not None else frozenset()
+    return ChatSetup(prompt, ids, parsers, tools, choice, parallel, keep)
+
+
+def special_ids(tokenizer: Tokenizer, texts: tuple[str, ...]) -> frozenset[int]:
+    """The ids of those ``texts`` that are one special token of ``tokenizer`` (a token the
+    detokenizer would leave out of the text)."""
+    ids = set()
+    for text in texts:
+        encoded = tokenizer.encode(text, add_special_tokens=False)
+        if len(encoded) == 1 and not tokenizer.decode(encoded, skip_special_tokens=True):
+            ids.add(encoded[0])
+    return frozenset(ids)
 
 
 def _check_choice(tools: list[Tool], choice: ToolChoice) -> None:

@@ -44,7 +44,7 @@ class Sequence:
         self.max_tokens = params.max_tokens or 0
         context = SamplerContext(self.prompt, model.tokenizer, model.tokenizer.vocab_size)
         self.sampler = make_sampler(params, samplers, context)
-        self.detokenizer = StreamingDetokenizer(model.tokenizer)
+        self.detokenizer = StreamingDetokenizer(model.tokenizer, handle.request.keep_special)
         self.stops = StopMatcher(params.stop)
         # Benchmarks generate a fixed number of tokens whatever the model says.
         self.eos = frozenset() if params.extra.get("ignore_eos") else model.tokenizer.eos_token_ids

@@ -11,6 +11,8 @@ the context's text.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from mlxr_core.model.tokenizer import Tokenizer
 
 #: What an incomplete UTF-8 sequence decodes to; text ending with it is held back.
@@ -24,7 +26,9 @@ class StreamingDetokenizer:
     """Turns a stream of token ids into text deltas whose concatenation is ``decode(all ids)``.
 
     ``add(token_id)`` returns the text the token finalized (often ``""`` while a character is
-    incomplete); ``flush()`` returns whatever is left at the end. Special tokens are skipped.
+    incomplete); ``flush()`` returns whatever is left at the end. Special tokens are skipped,
+    except those in ``keep`` (markup a reply parser reads, such as Harmony's ``<|channel|>``): their
+    text is emitted as it is, once the text before them is.
     Every call decodes at most ``2 * MAX_PENDING`` tokens, however long the stream.
 
     Two assumptions about the tokenizer's ``decode``: it concatenates (the text of a window,
@@ -34,8 +38,9 @@ class StreamingDetokenizer:
     special tokens before any text) they are released as they are.
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, keep: Collection[int] = ()):
         self.tokenizer = tokenizer
+        self._kept = {i: tokenizer.decode([i], skip_special_tokens=False) for i in keep}
         #: The last emitted chunk (context) followed by the pending tokens.
         self._window: list[int] = []
         self._context_len = 0
@@ -44,6 +49,10 @@ class StreamingDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token and return the text it completes (``""`` if nothing is final yet)."""
+        kept = self._kept.get(token_id)
+        if kept is not None:
+            # Its text joins no neighbour, and like a skipped one it stays out of the window.
+            return self.flush() + kept
         self._window.append(token_id)
         text = self._decode(self._window)
         if text and text == self._window_text and not text.endswith(REPLACEMENT):

@@ -74,6 +74,9 @@ class GenerationRequest:
     params: SamplingParams = attrs.field(factory=SamplingParams)
     #: The decoder to use; None means the model's configured decoder.
     decoder: str | None = None
+    #: Special tokens to keep in the streamed text (markup a reply parser reads, which it removes);
+    #: every other special token is left out of the text.
+    keep_special: frozenset[int] = frozenset()
 
 
 @attrs.frozen

@@ -7,6 +7,7 @@ quantizers) with a small but valid GPT-2-style byte-level BPE vocabulary and a C
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +17,11 @@ Quant = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0"]
 
 #: Control tokens, first in the vocabulary like SmolLM2's.
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: gpt-oss's (Harmony's) special tokens in its order, for a tiny model that speaks Harmony.
+HARMONY_SPECIAL_TOKENS = (
+    "<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+    "<|end|>", "<|message|>", "<|call|>",
+)  # fmt: skip
 #: A few BPE merges over the byte alphabet (``Ġ`` is the GPT-2 symbol for a space).
 MERGES = (
     ("Ġ", "t"),
@@ -56,13 +62,15 @@ def gpt2_byte_symbols() -> list[str]:
     return [symbols[byte] for byte in range(256)]
 
 
-def tiny_gpt2_vocab() -> tuple[list[str], list[int], list[str]]:
+def tiny_gpt2_vocab(
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of the tiny vocabulary: specials, 256 bytes, merged tokens."""
     import gguf
 
-    tokens = [*SPECIAL_TOKENS, *gpt2_byte_symbols(), *(a + b for a, b in MERGES)]
-    types = [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * (
-        len(tokens) - len(SPECIAL_TOKENS)
+    tokens = [*special_tokens, *gpt2_byte_symbols(), *(a + b for a, b in MERGES)]
+    types = [gguf.TokenType.CONTROL] * len(special_tokens) + [gguf.TokenType.NORMAL] * (
+        len(tokens) - len(special_tokens)
     )
     return tokens, [int(t) for t in types], [f"{a} {b}" for a, b in MERGES]
 
@@ -92,11 +100,14 @@ def write_tiny_llama_gguf(
     rope_theta: float = 10000.0,
     tied_embeddings: bool = False,
     chat_template: str = CHATML_TEMPLATE,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    eos_token: str = "<|im_end|>",
 ) -> Path:
     """Write a tiny random llama GGUF to ``path`` and return the path.
 
     ``quant`` is the type of every matrix (norms stay F32); ``q5_0`` is repacked as MLX 5-bit.
-    ``chat_template`` replaces the ChatML template (tests give hostile ones).
+    ``chat_template`` replaces the ChatML template (tests give hostile ones); ``special_tokens``
+    (control tokens, ``<|endoftext|>`` among them: the BOS) and ``eos_token`` replace ChatML's.
     The same arguments always produce the same bytes.
     """
     import gguf
@@ -110,7 +121,7 @@ def write_tiny_llama_gguf(
         else gguf.LlamaFileType[f"MOSTLY_{quant.upper()}"]
     )
     path = Path(path)
-    tokens, token_types, merges = tiny_gpt2_vocab()
+    tokens, token_types, merges = tiny_gpt2_vocab(special_tokens)
     n_vocab, head_dim = len(tokens), hidden // heads
     rng = np.random.default_rng(seed)
 
@@ -138,8 +149,8 @@ def write_tiny_llama_gguf(
     writer.add_token_list(tokens)
     writer.add_token_types(token_types)
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(SPECIAL_TOKENS.index("<|endoftext|>"))
-    writer.add_eos_token_id(SPECIAL_TOKENS.index("<|im_end|>"))
+    writer.add_bos_token_id(tokens.index("<|endoftext|>"))
+    writer.add_eos_token_id(tokens.index(eos_token))
     writer.add_add_bos_token(False)
     writer.add_chat_template(chat_template)
 
@@ -183,19 +194,21 @@ def write_gguf(
     tensors: dict[str, np.ndarray],
     *,
     quant: Quant = "f32",
+    quants: Mapping[str, str] | None = None,
 ) -> Path:
     """Write ``tensors`` (llama.cpp names, float32, Hugging Face ``[out, in]`` layout) and
     ``metadata`` (keys without the ``{arch}.`` prefix) as a GGUF of architecture ``arch``.
 
     For converting a tiny Hugging Face checkpoint the way ``convert_hf_to_gguf`` would, once the
     caller has renamed (and, where llama.cpp does, permuted) its tensors. Vectors stay F32; every
-    matrix is stored as ``quant``. Values are typed as the converter types them: ints as uint32,
-    floats as float32, lists as arrays.
+    matrix is stored as ``quant``, or as the ggml type ``quants`` names for it (``{"blk.0.
+    ffn_down_exps.weight": "mxfp4"}``: llama.cpp's gpt-oss files keep only the experts MXFP4).
+    Values are typed as the converter types them: ints as uint32, floats as float32, lists as
+    arrays.
     """
     import gguf
 
     path = Path(path)
-    qtype = gguf.GGMLQuantizationType[quant.upper()]
     writer = gguf.GGUFWriter(path, arch)
     for key, value in metadata.items():
         name = f"{arch}.{key}"
@@ -211,6 +224,7 @@ def write_gguf(
             writer.add_array(name, value)
     for name, array in tensors.items():
         array = np.asarray(array, dtype=np.float32)
+        qtype = gguf.GGMLQuantizationType[(quants or {}).get(name, quant).upper()]
         if array.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, array)
         elif qtype == gguf.GGMLQuantizationType.F16:

@@ -4,7 +4,8 @@ Tool formats: ``hermes`` (``<tool_call>{...}</tool_call>``: Hermes, Qwen 2.5/3, 
 ``<tool_call>[...]</tool_call>`` list form), ``llama3_json`` (Llama 3.x ``{"name", "parameters"}``,
 optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS][{...}]``) and ``pythonic``
 (``[get_weather(city="Paris")]``, Gemma 3's documented format). Reasoning: ``think``
-(``<think>...</think>``). See :mod:`mlxr_core.parsing` for the contracts and how ``auto`` chooses.
+(``<think>...</think>``). Both: ``harmony`` (gpt-oss's channels: reasoning, answer and calls in one
+markup). See :mod:`mlxr_core.parsing` for the contracts and how ``auto`` chooses.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from mlxr_core.hookspecs import RegisterName
 from mlxr_core.plugins import hookimpl
 
 TOOLS = "mlxr_plugins.parsers.tools"
+HARMONY = "mlxr_plugins.parsers.harmony:HarmonyParser"
 
 
 @hookimpl
@@ -21,8 +23,10 @@ def mlxr_register_tool_parsers(register: RegisterName) -> None:
     register("llama3_json", f"{TOOLS}:Llama3JsonParser")
     register("mistral", f"{TOOLS}:MistralParser")
     register("pythonic", f"{TOOLS}:PythonicParser")
+    register("harmony", HARMONY)
 
 
 @hookimpl
 def mlxr_register_reasoning_parsers(register: RegisterName) -> None:
     register("think", "mlxr_plugins.parsers.reasoning:ThinkParser")
+    register("harmony", HARMONY)

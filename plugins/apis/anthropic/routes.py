@@ -79,7 +79,9 @@ async def create_message(ctx: ServerContext, request: Request[Any, Any, Any]) ->
     setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body))
     params.max_tokens = cap_max_tokens(ctx, room_for(engine, body.model, setup.prompt_ids, body.max_tokens))
     params.constraint = setup.constraint
-    handle = submit(ctx, GenerationRequest(model=body.model, prompt_ids=setup.prompt_ids, params=params))
+    handle = submit(ctx, GenerationRequest(
+        model=body.model, prompt_ids=setup.prompt_ids, params=params, keep_special=setup.keep_special
+    ))
     meta = MessageMeta(f"msg_{uuid.uuid4().hex}", body.model, len(setup.prompt_ids))
     if body.stream:
         return sse_response(ctx, handle, meta, setup.reader())

@@ -133,7 +133,8 @@ async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Re
     params.constraint = setup.constraint or params.constraint
     prompt_ids = setup.prompt_ids
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
-    handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params))
+    generation = GenerationRequest(info.name, prompt_ids, params, keep_special=setup.keep_special)
+    handle = submit(ctx, generation)
     timer.submitted()
     lines = ChatLines(info.name, timer, setup.reader())
     if body.stream:

@@ -105,7 +105,8 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
     )
     setup = await anyio.to_thread.run_sync(prepare)
     params.constraint = setup.constraint or params.constraint
-    handles = submit_choices(ctx, GenerationRequest(model=body.model, prompt_ids=setup.prompt_ids, params=params), body.n)
+    generation = GenerationRequest(body.model, setup.prompt_ids, params, keep_special=setup.keep_special)
+    handles = submit_choices(ctx, generation, body.n)
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
     formatter = LogprobFormatter(info.tokenizer, params.logprobs) if params.logprobs is not None else None
     if body.stream:

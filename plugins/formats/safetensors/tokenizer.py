@@ -118,9 +118,16 @@ def added_tokens(config: dict[str, Any]) -> dict[int, tuple[str, bool]]:
 def end_of_generation_ids(
     declared: Iterable[int | None], specials: dict[str, int]
 ) -> frozenset[int]:
-    """The declared end ids plus every special token whose text is a known end-of-turn marker."""
-    known = {i for text, i in specials.items() if text in END_OF_TURN_TEXTS}
-    return frozenset({i for i in declared if i is not None} | known)
+    """The declared end ids plus every special token whose text is a known end-of-turn marker.
+
+    gpt-oss (Harmony) ends a turn with ``<|return|>`` or ``<|call|>``, and ends only a message
+    with ``<|end|>`` (the reply goes on in another channel): there ``<|end|>`` is not an end.
+    """
+    known = {text: i for text, i in specials.items() if text in END_OF_TURN_TEXTS}
+    if "<|return|>" in specials and "<|call|>" in specials:
+        known.pop("<|end|>", None)
+        known.update({text: specials[text] for text in ("<|return|>", "<|call|>")})
+    return frozenset({i for i in declared if i is not None} | set(known.values()))
 
 
 class FolderTokenizer(ChatTemplating):

@@ -120,6 +120,22 @@ def test_special_tokens_are_skipped(tiny_gpt2: Any, tiny_spm: Any) -> None:
     assert_streams_like_decode(tiny_spm, [2, *ids, 1, *ids, 2])
 
 
+def test_kept_special_tokens_stream_in_place(tiny_gpt2: Any, tiny_spm: Any) -> None:
+    """A parser's markup tokens are kept, each after the text before it, with nothing lost or
+    split around them (half an emoji before one is flushed, as at the end)."""
+    hello = tiny_gpt2.encode("hello world")
+    detokenizer = StreamingDetokenizer(tiny_gpt2, keep={0})
+    deltas = [detokenizer.add(i) for i in [0, *hello[:1], 0, *hello[1:], 0]] + [detokenizer.flush()]
+    assert "".join(deltas) == "<|im_end|>hello<|im_end|> world<|im_end|>"
+    ids = tiny_spm.encode("hello world", add_special_tokens=False)
+    detokenizer = StreamingDetokenizer(tiny_spm, keep={2})
+    text = "".join([detokenizer.add(i) for i in [*ids[:1], 2, *ids[1:], 1]] + [detokenizer.flush()])
+    assert text == "hello<eot> world"  # the SentencePiece space survives; <s> is still skipped
+    emoji = tiny_gpt2.encode("😀", add_special_tokens=False)[-4:]
+    detokenizer = StreamingDetokenizer(tiny_gpt2, keep={0})
+    assert [detokenizer.add(i) for i in [*emoji[:2], 0]] == ["", "", "\ufffd<|im_end|>"]
+
+
 def test_sentencepiece_spaces_between_tokens(tiny_spm: Any) -> None:
     ids = tiny_spm.encode("hello world hello", add_special_tokens=False)
     # Alone, "▁hello" may lose its space as a first token; in the stream it keeps it.
