@@ -68,3 +68,16 @@ class DefaultChatTemplate(Protocol):
     def default_chat_template(self, config: dict[str, Any]) -> str | None:
         """A Jinja2 chat template (Hugging Face conventions), or None when there is none."""
         ...
+
+
+@runtime_checkable
+class RenamesModules(Protocol):
+    """An optional capability of an :class:`Architecture` whose ``sanitize`` renames or splits
+    modules a checkpoint may hold packed: ``Checkpoint.quantization`` names modules as the
+    checkpoint does, and the loader moves each one's packing (and source type) to the modules
+    ``sanitize`` makes of it."""
+
+    def sanitized_modules(self, module: str) -> list[str]:
+        """The module paths ``sanitize`` makes of checkpoint module ``module`` (``[module]`` when
+        it keeps the name)."""
+        ...

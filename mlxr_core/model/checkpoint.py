@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class QuantSpec:
-    """MLX affine quantization of one module: ``w = scales * q + biases`` per group."""
+    """MLX quantization of one module: ``mode`` ``affine`` is ``w = scales * q + biases`` per
+    group; ``mxfp4`` is e2m1 codes times a power-of-two scale per group of 32 (no biases)."""
 
     bits: int
     group_size: int

@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 import mlx.core as mx
@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from mlxr_core.errors import ModelLoadError, UnknownArchitecture, UnsupportedFormat
 from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
-from mlxr_core.model.arch import Architecture, DefaultChatTemplate
+from mlxr_core.model.arch import Architecture, DefaultChatTemplate, RenamesModules
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+T = TypeVar("T")
 
 
 @attrs.define
@@ -121,6 +122,14 @@ def pick_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "aut
     return arch
 
 
+def renamed_modules(arch: Architecture, table: Mapping[str, T]) -> Mapping[str, T]:
+    """``table`` (checkpoint module -> anything) under the names the architecture's ``sanitize``
+    gives the modules (see :class:`~mlxr_core.model.arch.RenamesModules`)."""
+    if not isinstance(arch, RenamesModules):
+        return table
+    return {new: value for module, value in table.items() for new in arch.sanitized_modules(module)}
+
+
 def build_model(
     checkpoint: Checkpoint,
     arch: Architecture,
@@ -144,9 +153,9 @@ def build_model(
         quantization_policy,
         model,
         sanitized,
-        checkpoint.quantization,
-        checkpoint.suggested_quantization,
-        checkpoint.source_types,
+        renamed_modules(arch, checkpoint.quantization),
+        renamed_modules(arch, checkpoint.suggested_quantization),
+        renamed_modules(arch, checkpoint.source_types),
         DTYPES[dtype],
         current_platform()[0],
     )

@@ -48,7 +48,8 @@ class QuantizedWeights:
 
 
 def describe(spec: QuantSpec) -> str:
-    return f"MLX {spec.bits}-bit g{spec.group_size}"
+    mode = "" if spec.mode == "affine" else f" {spec.mode}"
+    return f"MLX {spec.bits}-bit{mode} g{spec.group_size}"
 
 
 def apply_policy(

@@ -25,6 +25,7 @@ ARCHITECTURES = {
     "qwen3_moe": "mlxr_plugins.archs.qwen3_moe:Qwen3MoeArchitecture",
     "qwen2_moe": "mlxr_plugins.archs.qwen2_moe:Qwen2MoeArchitecture",
     "mixtral": "mlxr_plugins.archs.mixtral:MixtralArchitecture",
+    "gpt_oss": "mlxr_plugins.archs.gpt_oss:GptOssArchitecture",
     # llama.cpp's names for the same families, as GGUF files carry them.
     "qwen3moe": "mlxr_plugins.archs.qwen3_moe:Qwen3MoeArchitecture",
     "qwen2moe": "mlxr_plugins.archs.qwen2_moe:Qwen2MoeArchitecture",

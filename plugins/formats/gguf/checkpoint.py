@@ -4,8 +4,8 @@ The ``gguf`` package parses the file (memory-mapped) and dequantizes what MLX ca
 This module maps llama.cpp's metadata keys and tensor names to Hugging Face ones, undoes llama.cpp's
 rotary row permutation, and repacks Q4_0/Q4_1/Q8_0 blocks bit-exactly into MLX affine quantization
 (see :mod:`mlxr_plugins.formats.gguf.quants`), and Q5_0/Q5_1/Q4_K/Q5_K through their exact
-32-element groups. Other block types are dequantized with ``gguf`` (exact) and come with the MLX
-format nearest to them, for the loader's quantization policy.
+32-element groups, and MXFP4 into MLX's ``mxfp4`` mode. Other block types are dequantized with
+``gguf`` (exact) and come with the MLX format nearest to them, for the loader's quantization policy.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from mlxr_plugins.formats.gguf.quants import (
     GROUP_SIZE,
     NEAREST_BITS,
     repack,
+    repack_mxfp4,
     unpermute_rows,
 )
 
@@ -79,6 +80,13 @@ ARCH_BLOCK_NAMES = {
     },
     # Phi-3 keeps Hugging Face's fused projections: q, k, v in one matrix, gate and up in ``ffn_up``.
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # gpt-oss: the norm before the experts, the attention sinks (``.weight`` appended; the
+    # architecture drops it), and newer files' gate and up experts in one tensor.
+    "gpt-oss": {
+        "post_attention_norm": "post_attention_layernorm",
+        "attn_sinks": "self_attn.sinks",
+        "ffn_gate_up_exps": "mlp.switch_mlp.gate_up_proj",
+    },
 }
 #: Architectures whose RMS norms scale by ``1 + w``: llama.cpp's converter stores ``w + 1`` in the
 #: file (so ggml multiplies by it directly); we subtract it back to the Hugging Face form.
@@ -283,6 +291,8 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         config.update(phi3_settings(config, tensors, get))
     if get("expert_count"):
         config.update(moe_settings(arch, config, tensors, get))
+    if arch == "gpt-oss":
+        config.update(gpt_oss_settings(config, get))
     return {key: value for key, value in config.items() if value is not None}
 
 
@@ -336,6 +346,30 @@ def moe_settings(
     dense = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     if dense:
         settings["mlp_only_layers"] = dense
+    return settings
+
+
+def gpt_oss_settings(config: dict[str, Any], get: Callable[..., Any]) -> dict[str, Any]:
+    """gpt-oss's keys: the Hugging Face ``model_type``, the experts, and YaRN as Hugging Face
+    computes it for these checkpoints (``truncate: false``; llama.cpp always truncates the
+    correction range). The sliding layers are the even ones, as Hugging Face's default and
+    llama.cpp's hard-coded pattern agree."""
+    settings: dict[str, Any] = {
+        "model_type": "gpt_oss",
+        "num_local_experts": get("expert_count"),
+        "num_experts_per_tok": get("expert_used_count"),
+    }
+    width = get("expert_feed_forward_length")
+    if width:
+        settings["intermediate_size"] = width
+    scaling = config.get("rope_scaling")
+    if scaling and scaling.get("rope_type") == "yarn":
+        settings["rope_scaling"] = {
+            **scaling,
+            "beta_fast": get("rope.scaling.yarn_beta_fast", 32.0),
+            "beta_slow": get("rope.scaling.yarn_beta_slow", 1.0),
+            "truncate": False,
+        }
     return settings
 
 
@@ -444,7 +478,7 @@ class GGUFFormat:
             if target.endswith(".weight") and tensor.data.ndim >= 2:
                 module = target.removesuffix(".weight")
                 source_types[module] = tensor.tensor_type.name
-                if tensor.tensor_type not in EXACT_BITS and tensor.tensor_type not in FLOAT_TYPES:
+                if tensor.tensor_type not in (*EXACT_BITS, *FLOAT_TYPES, QType.MXFP4):
                     bits = NEAREST_BITS.get(tensor.tensor_type, 8)
                     suggested[module] = QuantSpec(bits=bits, group_size=GROUP_SIZE)
 
@@ -506,6 +540,15 @@ class GGUFFormat:
                 f"{module}.scales": _to_mx(parts["scales"], dtype),
                 f"{module}.biases": _to_mx(parts["biases"], dtype),
             }
+        if qtype == QType.MXFP4 and target.endswith(".weight") and tensor.data.ndim >= 2:
+            weight, scales = repack_mxfp4(tensor.data)
+            if (scales == 255).any():  # e8m0's NaN
+                raise ValueError("non-finite block scales (NaN)")
+            if heads:
+                weight, scales = unpermute_rows(weight, heads), unpermute_rows(scales, heads)
+            module = target.removesuffix(".weight")
+            quantization[module] = QuantSpec(bits=4, group_size=32, mode="mxfp4")
+            return {f"{module}.weight": mx.array(weight), f"{module}.scales": mx.array(scales)}
         host = _host_array(tensor)
         _check_finite(host, "values", bf16_bits=qtype == QType.BF16)
         if heads:

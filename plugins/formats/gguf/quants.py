@@ -22,6 +22,9 @@ read the scales from the block header, take the values from ``gguf``'s exact deq
 recover each integer as ``round((w - bias) / scale)``: the result dequantizes in MLX to the very
 floats ggml computes. Types with 16-element sub-blocks (Q2_K, Q3_K, Q6_K) or a non-linear codebook
 (IQ4_NL) have no exact layout: :data:`NEAREST_BITS` names the MLX format they are requantized to.
+
+MXFP4 (gpt-oss's experts) is not affine but is MLX's ``mxfp4`` mode, nibbles reordered
+(:func:`repack_mxfp4`).
 """
 
 from __future__ import annotations
@@ -134,6 +137,18 @@ def _repack_from_values(data: np.ndarray, qtype: GGMLQuantizationType) -> Affine
         biases.reshape(*rows, columns // GROUP_SIZE),
         bits,
     )
+
+
+def repack_mxfp4(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml MXFP4 blocks (``uint8 [..., bytes_per_row]``: per 32 elements an e8m0 scale byte, then
+    16 bytes holding element ``j`` in the low nibble of byte ``j`` and element ``j + 16`` in its
+    high nibble) -> MLX ``mxfp4``: uint32 words ``[..., in / 8]`` (elements ``2j, 2j + 1`` in byte
+    ``j``) and the scales, uint8 ``[..., in / 32]``. ggml's doubled e2m1 values times its halved
+    scale are MLX's e2m1 values times the scale: the bytes carry over exactly."""
+    scales, qs = _split_blocks(data, 17, 1)
+    codes = np.concatenate([qs & np.uint8(0x0F), qs >> np.uint8(4)], axis=-1)  # element order
+    paired = codes[..., 0::2] | (codes[..., 1::2] << np.uint8(4))
+    return _words(paired), np.ascontiguousarray(scales[..., 0])
 
 
 def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:

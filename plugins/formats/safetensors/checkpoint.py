@@ -9,6 +9,10 @@ mlx-lm's quantized folders store each quantized module as a packed ``weight`` (u
 ``scales`` and ``biases``, and describe the packing in ``config.json``'s ``quantization`` block:
 ``group_size``, ``bits`` (and ``mode``) by default, overridden per module path by a dict or by
 ``false`` for a module left in float. Each packed module becomes one :class:`QuantSpec`.
+
+Hugging Face's MXFP4 folders (gpt-oss: ``quantization_config.quant_method`` ``mxfp4``) store packed
+tensors as ``*_blocks`` and ``*_scales``; MLX's ``mxfp4`` packing holds the same bytes, so they are
+handed over packed too (:func:`repack_mxfp4`).
 """
 
 from __future__ import annotations
@@ -228,6 +232,52 @@ def check_header(file: Path) -> None:
             )
 
 
+#: The packing of Hugging Face's MXFP4 tensors: e2m1 codes in groups of 32 with an e8m0 scale.
+MXFP4 = QuantSpec(bits=4, group_size=32, mode="mxfp4")
+
+
+def hf_quant_method(config: dict[str, Any]) -> str | None:
+    """``quantization_config.quant_method`` of a Hugging Face folder (None for mlx-lm's, whose
+    ``quantization`` block describes the packing)."""
+    block = config.get("quantization_config")
+    if config.get("quantization") is not None or not isinstance(block, dict):
+        return None
+    method = block.get("quant_method")
+    return None if method is None else str(method)
+
+
+def repack_mxfp4(weights: dict[str, mx.array], origin: dict[str, Path]) -> dict[str, QuantSpec]:
+    """Hugging Face's MXFP4 tensors as MLX ``mxfp4`` modules, in ``weights`` itself; returns their
+    packings. ``P_blocks`` (uint8 ``[..., rows, in / 32, 16]``: two e2m1 codes a byte, the earlier
+    element in the low nibble) and ``P_scales`` (e8m0 exponents, uint8 ``[..., rows, in / 32]``)
+    become module ``P``'s ``weight``, the same bytes as MLX's uint32 words ``[..., rows, in / 8]``,
+    and ``scales`` as they are."""
+    specs: dict[str, QuantSpec] = {}
+    for name in sorted(name for name in weights if name.endswith("_blocks")):
+        module = name.removesuffix("_blocks")
+        where = {"path": str(origin[name]), "tensor": name}
+        blocks, scales = weights[name], weights.get(f"{module}_scales")
+        if scales is None:
+            raise ModelLoadError(f"MXFP4 blocks without their {module}_scales", **where)
+        if (
+            blocks.dtype != mx.uint8
+            or scales.dtype != mx.uint8
+            or blocks.ndim < 3
+            or blocks.shape[-1] != 16
+            or blocks.shape[:-1] != scales.shape
+        ):
+            raise ModelLoadError(
+                f"MXFP4 blocks {blocks.dtype} {list(blocks.shape)} and scales {scales.dtype} "
+                f"{list(scales.shape)} are not uint8 [..., groups, 16] and [..., groups]",
+                **where,
+            )
+        del weights[name], weights[f"{module}_scales"]
+        weights[f"{module}.weight"] = blocks.reshape(*blocks.shape[:-2], -1).view(mx.uint32)
+        weights[f"{module}.scales"] = scales
+        specs[module] = MXFP4
+    return specs
+
+
 def quantization_specs(
     config: dict[str, Any], weights: dict[str, mx.array], origin: dict[str, Path], folder: Path
 ) -> dict[str, QuantSpec]:
@@ -240,7 +290,7 @@ def quantization_specs(
         if method is not None:
             raise ModelLoadError(
                 f"quantization_config.quant_method {method!r} is not supported (supported: MLX "
-                f"affine quantization as mlx-lm writes it; dequantize the model or convert it)",
+                f"quantization as mlx-lm writes it, mxfp4; dequantize the model or convert it)",
                 path=str(folder / CONFIG),
             )
         block = hf_block  # some mlx-lm releases wrote only this spelling
@@ -321,7 +371,10 @@ class SafetensorsFormat:
 
         files = weight_files(folder, path)
         weights, origin, file_metadata = read_weights(files, DTYPES[dtype])
-        quantization = quantization_specs(config, weights, origin, folder)
+        if hf_quant_method(config) == "mxfp4":
+            quantization = repack_mxfp4(weights, origin)
+        else:
+            quantization = quantization_specs(config, weights, origin, folder)
 
         eos_ids = sorted(
             {*token_ids(config.get("eos_token_id")), *token_ids(generation.get("eos_token_id"))}

@@ -17,6 +17,7 @@ from mlxr_plugins.formats.gguf.quants import (
     pack_bits,
     permute_rows,
     repack,
+    repack_mxfp4,
     unpermute_rows,
 )
 
@@ -101,6 +102,23 @@ def test_repacking_in_half_precision_is_within_rounding(qtype, dtype, tolerance)
     group_max = np.abs(expected).reshape(expected.shape[0], -1, 32).max(-1, keepdims=True)
     error = np.abs(mlx_dequantize(raw, qtype, dtype) - expected).reshape(group_max.shape[0], -1, 32)
     assert (error <= tolerance * group_max).all()
+
+
+def test_mxfp4_repacking_is_exact():
+    """ggml's MXFP4 (scale byte, then element j and j + 16 in byte j) as MLX ``mxfp4`` words:
+    bit-equal to ``gguf``'s dequantization for every code and every scale whose values are
+    finite (0 to 250; ggml's and MLX's denormal scales 0 and 1 included)."""
+    rng = np.random.default_rng(4)
+    scales = rng.permutation(np.concatenate([np.arange(251), [0, 1, 127, 250]])).astype(np.uint8)[:, None]
+    raw = np.concatenate([scales, rng.integers(0, 256, (255, 16), dtype=np.uint8)], axis=1)
+    raw = raw.reshape(5, 3, 17 * 17)  # a stack of experts: [E, rows, bytes]
+    weight, mlx_scales = repack_mxfp4(raw)
+    assert weight.dtype == np.uint32 and weight.shape == (5, 3, 17 * 32 // 8)
+    assert mlx_scales.dtype == np.uint8 and mlx_scales.shape == (5, 3, 17)
+    dense = mx.dequantize(
+        mx.array(weight), mx.array(mlx_scales), group_size=32, bits=4, mode="mxfp4", dtype=mx.float32
+    )
+    np.testing.assert_array_equal(np.array(dense), gguf.quants.dequantize(raw, QType.MXFP4))
 
 
 def test_repack_rejects_misaligned_rows_and_other_types():

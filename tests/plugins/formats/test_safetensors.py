@@ -265,6 +265,31 @@ def test_other_quantization_methods_are_refused(tmp_path):
         SafetensorsFormat().load(folder)
 
 
+def test_mxfp4_tensors_become_packed_mxfp4_modules(tmp_path):
+    """Hugging Face's ``*_blocks`` / ``*_scales`` are MLX ``mxfp4`` bytes: handed over packed,
+    dequantizing to e2m1 codes (low nibble first) times ``2 ** (scale - 127)``."""
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (2, 3, 2, 16), dtype=np.uint8)  # [experts, rows, in / 32, 16]
+    scales = rng.integers(120, 130, (2, 3, 2), dtype=np.uint8)
+    config = {**CONFIG, "quantization_config": {"quant_method": "mxfp4"}}
+    weights = {"experts.down_proj_blocks": mx.array(blocks), "experts.down_proj_scales": mx.array(scales)}
+    checkpoint = SafetensorsFormat().load(write_folder(tmp_path / "m", weights, config))
+    assert checkpoint.quantization == {"experts.down_proj": QuantSpec(4, 32, "mxfp4")}
+    packed = checkpoint.weights["experts.down_proj.weight"]
+    assert packed.dtype == mx.uint32 and packed.shape == (2, 3, 8)
+    dense = mx.dequantize(packed, checkpoint.weights["experts.down_proj.scales"], group_size=32, bits=4,
+                          mode="mxfp4", dtype=mx.float32)
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    codes = np.stack([blocks & 15, blocks >> 4], axis=-1).reshape(2, 3, 2, 32)
+    expected = np.ldexp(e2m1[codes], scales[..., None].astype(np.int32) - 127).reshape(2, 3, 64)
+    np.testing.assert_array_equal(np.array(dense), expected)
+
+    weights["experts.down_proj_scales"] = mx.array(scales[..., :1])
+    with pytest.raises(ModelLoadError, match=r"MXFP4 blocks .* are not uint8") as error:
+        SafetensorsFormat().load(write_folder(tmp_path / "bad", weights, config))
+    assert "experts.down_proj_blocks" in str(error.value)
+
+
 def test_tokenizer_kind_follows_the_files(tmp_path):
     assert tokenizer_spec(write_folder(tmp_path / "none")) is None
     hf = tokenizer_spec(
