@@ -131,6 +131,15 @@ class ReasoningParser(Protocol):
 
 
 @runtime_checkable
+class SpecialMarkup(Protocol):
+    """An optional capability of a tool or reasoning parser whose markup is special tokens (Gemma
+    4's ``<|tool_call>``, every :class:`ChannelParser`'s): the engine drops special tokens from the
+    text it streams, except these, which the parser reads (and removes)."""
+
+    markup_tokens: tuple[str, ...]
+
+
+@runtime_checkable
 class ChannelParser(Protocol):
     """A format whose markup frames every reply (gpt-oss's Harmony channels), registered as a
     tool parser, a reasoning parser or both: the API layer reads each reply of the model with its

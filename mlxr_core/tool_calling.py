@@ -22,6 +22,7 @@ from mlxr_core.parsing import (
     ChannelParser,
     OutputSplitter,
     ReasoningParser,
+    SpecialMarkup,
     Text,
     Tool,
     ToolCall,
@@ -63,6 +64,15 @@ class ModelParsers:
             if isinstance(parser, ChannelParser):
                 return parser
         return None
+
+    @property
+    def markup_tokens(self) -> tuple[str, ...]:
+        """The special tokens the parsers read, which the engine keeps in a reply's text."""
+        tokens: list[str] = []
+        for parser in (self.tool, self.reasoning):
+            if isinstance(parser, SpecialMarkup):
+                tokens += parser.markup_tokens
+        return tuple(tokens)
 
 
 def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
@@ -112,7 +122,7 @@ class ChatSetup:
     tools: list[Tool]
     choice: ToolChoice
     parallel: bool = True
-    #: The ids of a channel format's markup tokens, for the engine to keep in the reply's text.
+    #: The ids of the parsers' markup tokens, for the engine to keep in the reply's text.
     keep_special: frozenset[int] = frozenset()
 
     @property
@@ -294,8 +304,7 @@ def prepare_chat(
     bos = tokenizer.bos_token_id
     if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, bos)  # as Engine.encode_chat does
-    channels = parsers.channels
-    keep = special_ids(tokenizer, channels.markup_tokens) if channels is not None else frozenset()
+    keep = special_ids(tokenizer, parsers.markup_tokens)
     return ChatSetup(prompt, ids, parsers, tools, choice, parallel, keep)
 
 

@@ -152,6 +152,8 @@ class BatchKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start, length = self.length, keys.shape[2]
+        if self.keys.shape[2] == 0:
+            self._shape_like(keys, values)
         if start + length > self.keys.shape[2]:
             self._reserve(start + length)
         self.length = start + length
@@ -159,6 +161,14 @@ class BatchKVCache:
         self.keys[:, :, start : self.length] = keys  # explicit slices: see KVCache
         self.values[:, :, start : self.length] = values
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def _shape_like(self, keys: mx.array, values: mx.array) -> None:
+        """Give a cache with no positions allocated the heads and head size of ``keys`` and
+        ``values``: the engine makes a one-token prompt's empty rows in one shape for every
+        layer, and layers may differ (Gemma 4's global layers, layers sharing another's cache)."""
+        B = self.keys.shape[0]
+        self.keys = mx.zeros((B, keys.shape[1], 0, keys.shape[3]), dtype=keys.dtype)
+        self.values = mx.zeros((B, values.shape[1], 0, values.shape[3]), dtype=values.dtype)
 
     def _reserve(self, needed: int) -> None:
         capacity = -(-needed // self.step) * self.step
@@ -180,6 +190,9 @@ class BatchKVCache:
 
     def extend(self, other: BatchKVCache) -> None:
         """Append ``other``'s rows, aligning both sides' ends."""
+        for empty, full in ((self, other), (other, self)):
+            if empty.keys.shape[2] == 0 and full.keys.shape[2] > 0:
+                empty._shape_like(full.keys, full.values)
         length = max(self.length, other.length)
         capacity = max(self.keys.shape[2] + length - self.length, other.keys.shape[2] + length - other.length)
         parts = []

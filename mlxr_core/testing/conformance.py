@@ -79,6 +79,9 @@ TINY_CONFIG: dict[str, Any] = {
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 16,
     "shared_expert_intermediate_size": 24,
+    # Gemma 4's per-layer inputs: by default a 262144-row table of 256 features per layer.
+    "vocab_size_per_layer_input": 97,
+    "hidden_size_per_layer_input": 4,
 }
 #: Prompt lengths of the two batch rows: different, and longer than the sliding window.
 LENGTHS = (11, 6)

@@ -26,6 +26,8 @@ ARCHITECTURES = {
     "qwen2_moe": "mlxr_plugins.archs.qwen2_moe:Qwen2MoeArchitecture",
     "mixtral": "mlxr_plugins.archs.mixtral:MixtralArchitecture",
     "gpt_oss": "mlxr_plugins.archs.gpt_oss:GptOssArchitecture",
+    "gemma4": "mlxr_plugins.archs.gemma4:Gemma4Architecture",
+    "gemma4_text": "mlxr_plugins.archs.gemma4:Gemma4Architecture",
     # llama.cpp's names for the same families, as GGUF files carry them.
     "qwen3moe": "mlxr_plugins.archs.qwen3_moe:Qwen3MoeArchitecture",
     "qwen2moe": "mlxr_plugins.archs.qwen2_moe:Qwen2MoeArchitecture",

@@ -58,3 +58,22 @@ def test_state_is_what_a_prefill_chunk_must_evaluate():
     step = KVCache.step
     assert [a.shape for a in cache.state] == [(1, 2, step, 4), (1, 2, step, 3)]
     assert cache.nbytes == sum(a.nbytes for a in cache.state)
+
+
+def test_an_empty_batch_row_takes_the_shape_of_its_layer():
+    """The engine makes a one-token prompt's empty rows in one shape for every layer; a layer
+    whose heads or head size differ (Gemma 4's global layers) still joins and decodes them."""
+    from mlxr_core.model.cache import BatchKVCache
+
+    def empty() -> BatchKVCache:
+        return BatchKVCache(mx.zeros((1, 1, 0, 8)), mx.zeros((1, 1, 0, 8)), [0], 0)
+
+    row = BatchKVCache.from_cache(KVCache.from_arrays(*kv(3)))  # 2 heads, keys 4 wide, values 3
+    row.extend(empty())
+    keys, values = row.update_and_fetch(*kv(1, start=3, heads=2, dim=4))
+    assert keys.shape == (2, 2, 4, 4) and values.shape == (2, 2, 4, 3) and row.left_padding == [0, 3]
+    alone = empty()  # a batch of only empty rows: the first update gives the shape
+    keys, values = alone.update_and_fetch(*kv(1, heads=2, dim=4))
+    assert keys.shape == (1, 2, 1, 4) and values.shape == (1, 2, 1, 3)
+    alone.extend(BatchKVCache.from_cache(KVCache.from_arrays(*kv(2))))
+    assert alone.keys.shape[:2] == (2, 2) and alone.left_padding == [1, 0]
