@@ -162,13 +162,9 @@ def active_bytes(model: Any) -> int:
     ``top_k`` of its stacked experts (the LM head counted whole, as one stream reads it)."""
     from mlx.utils import tree_flatten
 
-    from mlxr_core.model.layers import SparseMoE
+    from mlxr_core.model.layers.moe import active_share
 
-    shares = {
-        f"{name}.switch_mlp.": module.top_k / module.switch_mlp.gate_proj["weight"].shape[0]
-        for name, module in model.named_modules()
-        if isinstance(module, SparseMoE)
-    }
+    shares = active_share(model)
     total = 0.0
     for name, array in tree_flatten(model.parameters()):
         share = next((s for prefix, s in shares.items() if name.startswith(prefix)), 1.0)

@@ -64,7 +64,7 @@ def describe_model(
     from mlx.utils import tree_flatten
 
     from mlxr_core.kernels import bind_kernels
-    from mlxr_core.model.layers import SparseMoE
+    from mlxr_core.model.layers.moe import active_share
     from mlxr_core.model.loader import build_model, default_dtype, pick_arch, pick_format
     from mlxr_core.model.paths import resolve_model_path
     from mlxr_core.plugins import load_plugins
@@ -84,11 +84,7 @@ def describe_model(
     flat: list[tuple[str, Any]] = tree_flatten(built.parameters())  # type: ignore[assignment]
     bits = {name: module.bits for name, module in built.named_modules() if hasattr(module, "bits")}
     # Mixtures of experts: a token runs top_k of each layer's stacked experts.
-    active_share = {
-        f"{name}.switch_mlp.": module.top_k / module.switch_mlp.gate_proj["weight"].shape[0]
-        for name, module in built.named_modules()
-        if isinstance(module, SparseMoE)
-    }
+    shares = active_share(built)
     parameters, active = 0, 0.0
     for name, array in flat:
         module, _, part = name.rpartition(".")
@@ -97,7 +93,7 @@ def describe_model(
         packed = module in bits and part == "weight"  # uint32 words of `bits`-bit integers
         count = array.size * 32 // bits[module] if packed else array.size
         parameters += count
-        share = next((s for prefix, s in active_share.items() if name.startswith(prefix)), 1.0)
+        share = next((s for prefix, s in shares.items() if name.startswith(prefix)), 1.0)
         active += count * share
     resident = sum(array.nbytes for _, array in flat)
     layers = len(arch.make_cache(built))

@@ -246,7 +246,7 @@ class Gemma4Block(AttentionBlock):
         E, inner, top_k = args.num_experts, args.moe_intermediate_size, args.top_k_experts
         if args.enable_moe_block and E and inner and top_k:
             self.router = Router(H, E, top_k, eps, kernels)
-            self.experts = SwitchGLU(H, inner, E, kernels=kernels, activation=geglu)
+            self.experts = SwitchGLU(H, inner, E, kernels=kernels, activation=geglu, top_k=args.top_k_experts)
             norms += [f"post_feedforward_layernorm_{i}" for i in (1, 2)] + ["pre_feedforward_layernorm_2"]
         for name in norms:
             setattr(self, name, RMSNorm(H, eps, kernels))

@@ -131,7 +131,8 @@ class QuantizedSwitchLinear(nn.Module):
 
 class SwitchGLU(nn.Module):
     """Every expert's gated MLP, ``down(act(gate(x)) * up(x))``, stacked: ``gate_proj``,
-    ``up_proj`` and ``down_proj`` are :class:`SwitchLinear`. ``activation`` takes ``(gate, up)``."""
+    ``up_proj`` and ``down_proj`` are :class:`SwitchLinear`. ``activation`` takes ``(gate, up)``;
+    ``top_k`` (the experts a token runs) is what ``mlxr info`` counts as active."""
 
     def __init__(
         self,
@@ -142,8 +143,10 @@ class SwitchGLU(nn.Module):
         kernels: KernelSet,
         activation: Callable[[mx.array, mx.array], mx.array] = swiglu,
         bias: bool = False,
+        top_k: int | None = None,
     ):
         super().__init__()
+        self.experts, self.top_k = experts, top_k
         self.gate_proj = SwitchLinear(hidden, inner, experts, kernels=kernels, bias=bias)
         self.up_proj = SwitchLinear(hidden, inner, experts, kernels=kernels, bias=bias)
         self.down_proj = SwitchLinear(inner, hidden, experts, kernels=kernels, bias=bias)
@@ -197,7 +200,7 @@ class SparseMoE(nn.Module):
         self._route = kernels.route
         self.gate = nn.Linear(hidden, experts, bias=router_bias)
         self.switch_mlp = SwitchGLU(
-            hidden, inner, experts, kernels=kernels, activation=activation, bias=expert_bias
+            hidden, inner, experts, kernels=kernels, activation=activation, bias=expert_bias, top_k=top_k
         )
         if shared_expert is not None:
             self.shared_expert = shared_expert
@@ -216,6 +219,16 @@ class SparseMoE(nn.Module):
                 shared = mx.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+
+def active_share(model: nn.Module) -> dict[str, float]:
+    """Parameter path prefix -> the share of it one token runs: ``top_k / experts`` for every
+    :class:`SwitchGLU` that knows its ``top_k`` (``mlxr info``'s active parameters)."""
+    return {
+        f"{name}.": module.top_k / module.experts
+        for name, module in model.named_modules()
+        if isinstance(module, SwitchGLU) and module.top_k
+    }
 
 
 def stack_experts(

@@ -243,3 +243,16 @@ def test_bad_configs_are_refused_with_the_reason(change, message, registries):
     kernels = bind_kernels(registries.kernels, dtype="float32", shapes={"masks": ("causal", "array")})
     with pytest.raises(ModelLoadError, match=message):
         arch.build(config, kernels)
+
+
+def test_mlxr_info_counts_the_experts_a_token_runs(reference):
+    """Top-2 of 4 experts: half of every expert stack is inactive per token; the dense model has none."""
+    from mlxr_core.cli.info import describe_model
+
+    facts = describe_model(str(reference.folder), dtype="float32")
+    config = reference.config
+    if not config.get("enable_moe_block"):
+        assert facts["active_parameters"] == facts["parameters"]
+        return
+    experts = config["num_experts"] * 3 * config["moe_intermediate_size"] * config["hidden_size"]
+    assert facts["parameters"] - facts["active_parameters"] == config["num_hidden_layers"] * experts // 2
