@@ -139,6 +139,9 @@ class StreamTiming:
     first_token: float
     last_token: float
     tokens: tuple[int, ...]
+    #: First and last token as the engine timed them (its ``Finished`` event): unlike the
+    #: arrivals above, not delayed by a busy consumer thread.
+    engine_window: tuple[float, float] = (0.0, 0.0)
 
     @property
     def ttft_s(self) -> float:
@@ -206,6 +209,7 @@ def _collect(handle: Any, submitted: float, prompt_tokens: int, gen_tokens: int)
     from mlxr_core.errors import MlxrError
 
     first = last = 0.0
+    window = (0.0, 0.0)
     tokens: list[int] = []
     for event in handle:
         now = time.perf_counter()
@@ -215,11 +219,13 @@ def _collect(handle: Any, submitted: float, prompt_tokens: int, gen_tokens: int)
             tokens.extend(event.token_ids)
         elif isinstance(event, Failed):
             raise event.error
-        elif isinstance(event, Finished) and len(tokens) != gen_tokens:
-            raise MlxrError(
-                f"the engine generated {len(tokens)} of {gen_tokens} tokens (finish reason {event.reason!r})"
-            )
-    return StreamTiming(prompt_tokens, submitted, first, last, tuple(tokens))
+        elif isinstance(event, Finished):
+            if len(tokens) != gen_tokens:
+                raise MlxrError(
+                    f"the engine generated {len(tokens)} of {gen_tokens} tokens (finish reason {event.reason!r})"
+                )
+            window = (event.first_token_at, event.finished_at)
+    return StreamTiming(prompt_tokens, submitted, first, last, tuple(tokens), window)
 
 
 def measure_concurrent(
@@ -266,7 +272,7 @@ def summarize_concurrent(rounds: Sequence[Sequence[StreamTiming]], *, max_batch_
     def aggregate(timings: Sequence[StreamTiming]) -> dict[str, Any]:
         generated = sum(len(t.tokens) for t in timings)
         last = max(t.last_token for t in timings)
-        windows = sorted((t.first_token, t.last_token) for t in timings)
+        windows = sorted(t.engine_window for t in timings)
         return {
             "generated_tokens": generated,
             "wall_s": last - min(t.submitted for t in timings),

@@ -90,6 +90,8 @@ class Sequence:
                 ttft_s=(self.first_token_at or now) - self.started,
                 total_s=now - self.started,
                 stop_sequence=self.stops.matched,
+                first_token_at=self.first_token_at or now,
+                finished_at=now,
             )
         )
 

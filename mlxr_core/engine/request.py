@@ -111,6 +111,10 @@ class Finished:
     total_s: float = 0.0
     #: The stop string that ended the request (reason ``"stop"``); None for EOS and other reasons.
     stop_sequence: str | None = None
+    #: When the engine produced the first and the last token, on ``time.perf_counter``'s clock
+    #: (benchmarks: whether requests overlapped, whatever their readers' delays).
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
 
 
 @attrs.frozen

@@ -251,7 +251,7 @@ def test_the_engine_serves_a_mixture_of_experts_batched_as_solo(reference, tmp_p
                 events = list(handle)
                 assert isinstance(events[-1], Finished), events[-1]
                 outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
-            return outputs, eng.model("moe").compiled_decode is not None
+            return outputs, bool(eng.model("moe").compiled_decode)
         finally:
             eng.stop()
 
