@@ -3,6 +3,9 @@
 - :func:`api_key_guard` is a Litestar guard on every route. It raises :class:`Unauthorized`, a
   :class:`~mlxr_core.errors.MlxrError`, so each API plugin's own exception handlers answer the 401
   in that API's wire format (OpenAI, Ollama and Anthropic clients each read their own).
+- :func:`json_body_guard`, likewise on every route, answers 415 to a POST, PUT or PATCH whose
+  ``Content-Type`` is not JSON: a web page can send ``text/plain`` or a form across sites without
+  asking (no CORS preflight), never ``application/json``.
 - :class:`RequestLog` is the outermost ASGI layer: unmatched routes (404/405) pass through it too.
   It gives each request an id (the client's ``x-request-id`` when it is a plain token, else a new
   one), returns it in the ``x-request-id`` header, counts the request by route template and status,
@@ -90,14 +93,55 @@ class ApiKeys:
             raise Unauthorized("invalid API key", code="invalid_api_key")
 
 
+class UnsupportedMediaType(MlxrError):
+    """A request body that is not declared as JSON, to a route that reads JSON."""
+
+    status = 415
+    kind = "invalid_request_error"
+
+
+#: Methods whose body a route reads.
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def is_json(content_type: str) -> bool:
+    """``application/json`` or a ``+json`` type (``application/problem+json``), any parameters."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+def json_body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """Refuse a body not declared as JSON (:class:`UnsupportedMediaType`, 415). A route that reads
+    another media type lists what it accepts in its ``opt["content_types"]``."""
+    if connection.scope.get("method") not in BODY_METHODS:
+        return
+    content_type = connection.headers.get("content-type", "")
+    accepted = handler.opt.get("content_types", ())
+    if is_json(content_type) or content_type.partition(";")[0].strip().lower() in accepted:
+        return
+    raise UnsupportedMediaType(
+        f"the request body must be JSON (Content-Type: application/json), not "
+        f"{content_type or 'undeclared'}",
+        code="unsupported_media_type",
+    )
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
-def api_key_guard(keys: ApiKeys) -> Any:
-    """A Litestar guard enforcing ``keys`` on every route it is attached to."""
+#: A GET route handler with ``opt={PUBLIC: True}`` is served without a key: only for files that hold
+#: no data and are the same for everyone, such as the web page's own HTML (a browser cannot add a
+#: header to a page it navigates to); the requests that page makes for data still need the key.
+PUBLIC = "public"
 
-    def guard(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
+
+def api_key_guard(keys: ApiKeys) -> Any:
+    """A Litestar guard enforcing ``keys`` on every route it is attached to but :data:`PUBLIC` ones."""
+
+    def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        if handler.opt.get(PUBLIC) is True and connection.scope.get("method") in ("GET", "HEAD"):
+            return
         keys.check(connection.scope["path"], connection.headers)
 
     return guard

@@ -61,8 +61,21 @@ class UnknownName(RegistryError):
 
 
 class UnknownArchitecture(UnknownName):
-    def __init__(self, name: str, available: Iterable[str]):
+    """No architecture plugin names a model type, and no architecture fallback serves it: lists the
+    architectures and each fallback's reason (``mlx-lm bridge: mlx-lm 0.32.2 has no model type
+    'foo'``, ``mlx-lm bridge: not installed (pip install 'mlxr[mlx-lm]')``)."""
+
+    def __init__(self, name: str, available: Iterable[str], fallbacks: Iterable[str] = ()):
         super().__init__("architecture", name, available)
+        self.fallbacks = list(fallbacks)
+        if self.fallbacks:
+            self.message = f"{self.message}; {'; '.join(self.fallbacks)}"
+            self.args = (self.message,)
+
+
+class ArchitectureUnavailable(MlxrError):
+    """An architecture fallback cannot serve a model type; the message says why (the library has
+    no such model type, or is not installed)."""
 
 
 class UnsupportedFormat(MlxrError):
@@ -78,17 +91,30 @@ class MissingDependency(MlxrError):
 
 
 class ModelLoadError(MlxrError):
-    """A model file is corrupt or inconsistent; names the file and, where known, the tensor."""
+    """A model file is corrupt or inconsistent; names the file and, where known, the tensor or
+    the metadata key (as the file spells it: ``llama.block_count``, ``num_hidden_layers``)."""
 
-    def __init__(self, message: str, *, path: str | None = None, tensor: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        tensor: str | None = None,
+        key: str | None = None,
+    ):
         where = ""
         if path:
             where += f"{path}: "
         if tensor:
             where += f"tensor {tensor!r}: "
+        if key:
+            where += f"key {key!r}: "
         super().__init__(where + message)
+        #: The message without the file, tensor and key.
+        self.detail = message
         self.path = path
         self.tensor = tensor
+        self.key = key
 
 
 class KernelUnavailable(MlxrError):

@@ -18,13 +18,14 @@ import asyncio
 import re
 import time
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import attrs
 import msgspec
+import numpy as np
 
 from mlxr_core.engine.request import (
     Delta,
@@ -48,6 +49,9 @@ T = TypeVar("T")
 
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+#: How deep a request body may nest: far beyond any real request (a tool's JSON schema included),
+#: far inside the recursion limits of the decoder and of what later walks the values.
+MAX_BODY_DEPTH = 100
 
 
 class ClientDisconnected(MlxrError):
@@ -62,6 +66,8 @@ def decode_body(body: bytes, schema: type[T]) -> T:
     into a :class:`RequestError` whose ``param`` names the field (``messages[0].role``)."""
     if not body.strip():
         raise RequestError("the request body is empty; send a JSON object")
+    if body.count(b"[") + body.count(b"{") > MAX_BODY_DEPTH and body_depth(body) > MAX_BODY_DEPTH:
+        raise RequestError(f"the request body nests arrays and objects deeper than {MAX_BODY_DEPTH}")
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
@@ -72,6 +78,24 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         raise RequestError(
             f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})"
         ) from None
+    except RecursionError:  # a deep body on a deep stack: body_depth is the bound, this a backstop
+        raise RequestError("the request body nests arrays and objects too deeply") from None
+
+
+def body_depth(body: bytes) -> int:
+    """How deep a JSON text's arrays and objects nest, brackets inside strings not counted: a few
+    vectorized passes, in bounded time and memory, before anything recurses into it."""
+    # Escape pairs out first (left to right, as JSON pairs them); strings then run quote to quote.
+    text = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    outside = (np.cumsum(text == ord('"'), dtype=np.uint8) & 1) == 0  # wraps at 256, keeps parity
+    opens = ((text == ord("[")) | (text == ord("{"))) & outside
+    closes = ((text == ord("]")) | (text == ord("}"))) & outside
+    steps = (opens.astype(np.int8) - closes.astype(np.int8))[opens | closes]
+    deepest = depth = 0
+    for start in range(0, len(steps), 1 << 20):  # int64 running depths, a chunk at a time
+        running = np.cumsum(steps[start : start + (1 << 20)], dtype=np.int64) + depth
+        deepest, depth = max(deepest, int(running.max())), int(running[-1])
+    return deepest
 
 
 def _param_of(message: str) -> str | None:
@@ -195,6 +219,27 @@ async def collect(ctx: ServerContext, handle: RequestHandle, request: Request[An
     return Reply("".join(parts), token_ids, last, logprobs)
 
 
+async def unless_disconnected(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled (an engine job
+    stops before its next part) and :class:`ClientDisconnected` raised."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientDisconnected("the client disconnected")
+    finally:
+        for pending in (task, watch):
+            pending.cancel()
+
+
+async def _disconnected(request: Request[Any, Any, Any]) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def shutdown_cancelled() -> EngineStopped:
     """Why a request whose client still waits was cancelled: only a shutdown does that."""
     return EngineStopped("the request was cancelled: the server is shutting down")
@@ -203,9 +248,7 @@ def shutdown_cancelled() -> EngineStopped:
 async def _cancel_on_disconnect(
     request: Request[Any, Any, Any], handle: RequestHandle, scope: anyio.CancelScope
 ) -> None:
-    # The body has been read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    await _disconnected(request)
     handle.cancel()
     scope.cancel()
 

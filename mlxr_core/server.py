@@ -32,10 +32,11 @@ from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from mlxr_core.access import ApiKeys, RequestLog, api_key_guard
+from mlxr_core.access import ApiKeys, RequestLog, api_key_guard, json_body_guard
 from mlxr_core.errors import ConfigError, MlxrError, PluginLoadError, close_matches
 from mlxr_core.frontend import InflightRequests
 from mlxr_core.metrics import CONTENT_TYPE, Metrics
+from mlxr_core.model.chat_template import interrupt_renders
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
@@ -89,7 +90,7 @@ def build_app(ctx: ServerContext) -> Litestar:
         route_handlers=[_health_route(ctx), _metrics_route(ctx), *routers],
         lifespan=[_engine_lifespan(ctx)],
         cors_config=cors,
-        guards=[api_key_guard(ApiKeys(server.api_keys, exempt=server.auth_exempt))],
+        guards=[api_key_guard(ApiKeys(server.api_keys, exempt=server.auth_exempt)), json_body_guard],
         # Routes outside the API routers (/health, /metrics) answer errors as {"error": "..."}.
         exception_handlers={MlxrError: _plain_error},
         request_max_body_size=server.max_body_bytes,
@@ -104,11 +105,13 @@ def build_app(ctx: ServerContext) -> Litestar:
 
 
 async def drain(ctx: ServerContext, timeout: float) -> None:
-    """Graceful shutdown of the HTTP side: refuse new generation requests (503), wait up to
+    """Graceful shutdown of the HTTP side: refuse new generation requests (503), stop the chat
+    templates rendering (:func:`~mlxr_core.model.chat_template.interrupt_renders`), wait up to
     ``timeout`` seconds for those in flight, then cancel the rest, which end with a final error
     event (a stream) or a 503 (a whole reply). Idempotent; returns once they have ended."""
     inflight = ctx.inflight
     inflight.draining = True
+    interrupt_renders()  # a request still rendering its prompt would be refused anyway
     if not len(inflight):
         return
     log.info("shutting down: waiting up to %gs for %d request(s)", timeout, len(inflight))
@@ -118,6 +121,21 @@ async def drain(ctx: ServerContext, timeout: float) -> None:
     log.warning("shutdown_timeout (%gs) reached: ending %d request(s) with an error", timeout, count)
     if not await inflight.wait_empty(CANCEL_GRACE_S):
         log.warning("%d request(s) did not end after cancellation", len(inflight))
+
+
+async def end_now(ctx: ServerContext) -> int:
+    """A forced shutdown (a second signal during the drain): cancel every request in flight at
+    once, so each still ends with its final error event (a stream) or a 503, and give them
+    ``CANCEL_GRACE_S`` to send it. Returns how many were cancelled."""
+    inflight = ctx.inflight
+    inflight.draining = True
+    interrupt_renders()
+    count = inflight.cancel_all()
+    if count:
+        log.warning("shutdown forced: ending %d request(s) with an error", count)
+        if not await inflight.wait_empty(CANCEL_GRACE_S):
+            log.warning("%d request(s) did not end after cancellation", len(inflight))
+    return count
 
 
 def _api_names(ctx: ServerContext) -> list[str]:

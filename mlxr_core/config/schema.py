@@ -6,6 +6,7 @@ naming the key path. Every field has a default except a model's ``path``.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
 import attrs
@@ -14,6 +15,8 @@ from attrs import validators as v
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATION_POLICIES = ("auto", "keep", "dequantize", "q8", "q4", "q4_g64", "f16", "bf16")
+#: The wire APIs mounted when ``apis:`` is not set; the web page (``webui``) joins them on loopback.
+DEFAULT_APIS = ("openai", "ollama", "anthropic")
 
 
 def _lower(value: str) -> str:
@@ -53,6 +56,11 @@ class ServerConfig:
     shutdown_timeout: float = attrs.field(default=30.0, validator=v.ge(0.0))
     #: Largest request body accepted, in bytes (413 beyond).
     max_body_bytes: int = attrs.field(default=10_000_000, validator=v.ge(1))
+    #: Seconds a connection has to send a request's head, from connecting or from its previous
+    #: response; an idle or slow-loris connection is closed then (:mod:`mlxr_core.connections`).
+    header_timeout: float = attrs.field(default=10.0, validator=v.gt(0.0))
+    #: Seconds a request has to send its whole body once its head is in; then it is closed.
+    body_timeout: float = attrs.field(default=60.0, validator=v.gt(0.0))
     #: Upper bound on any request's ``max_tokens`` (larger asks are lowered to it); None: no cap.
     max_tokens_cap: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
     #: One log line per request (method, path, status, duration, request id) on ``mlxr.access``.
@@ -63,7 +71,8 @@ class ServerConfig:
 class ModelConfig:
     #: A file, a folder, or ``pkg:DISTRIBUTION[/relative/path]``.
     path: str = attrs.field(validator=v.min_len(1))
-    #: The name clients ask for; defaults to the file's stem.
+    #: The name clients ask for; defaults to the file's stem (a folder's name) in lowercase, less a
+    #: quantization tag (:func:`mlxr_core.model.paths.default_model_name`), however ``path`` is spelled.
     name: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
     #: Other names clients may ask for (``model`` of a request); unique across all models.
     aliases: list[str] = attrs.field(factory=list, validator=_no_empty_name)
@@ -161,6 +170,25 @@ class Config:
     sampling: SamplingConfig = attrs.field(factory=SamplingConfig)
     #: Global kernel choices: op -> backend name or ``auto``.
     kernels: dict[str, str] = attrs.field(factory=dict)
-    #: API plugins to mount.
-    apis: list[str] = attrs.field(factory=lambda: ["openai", "ollama", "anthropic"])
+    #: API plugins to mount; unset: :data:`DEFAULT_APIS`, and ``webui`` on a loopback address.
+    apis: list[str] = attrs.field(
+        default=attrs.Factory(lambda self: default_apis(self.server.host), takes_self=True)
+    )
     plugins: PluginsConfig = attrs.field(factory=PluginsConfig)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` answers this machine only (``127.0.0.0/8``, ``::1``,
+    ``localhost``); ``0.0.0.0``, ``::`` and other names do not count."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def default_apis(host: str) -> list[str]:
+    """``apis:`` when the config does not set it, for a server bound to ``host``: the wire APIs,
+    and the web page when only this machine can reach it (elsewhere, list ``webui`` to serve it)."""
+    return [*DEFAULT_APIS, "webui"] if is_loopback(host) else list(DEFAULT_APIS)

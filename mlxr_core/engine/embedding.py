@@ -3,11 +3,13 @@
 Runs on the engine thread (see :meth:`mlxr_core.engine.engine.Engine.embed`). Short inputs are
 batched by right-padding: attention is causal, so a row's real positions never see its padding,
 and pooling masks the padding out. An input longer than ``chunk`` tokens runs alone, ``chunk``
-tokens at a time through a KV cache, so no forward pass carries more than ``chunk`` tokens.
+tokens at a time through a KV cache, so no forward pass carries more than ``chunk`` tokens; the
+engine runs them one forward pass at a time between its batch steps (:func:`embed_parts`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING
 
 import attrs
@@ -70,6 +72,19 @@ def embed_tokens(
     :param chunk: the most tokens one forward pass carries (``engine.prefill_chunk``): a batch's
         rows times its longest row, or one chunk of an input longer than this.
     """
+    parts = embed_parts(loaded, inputs, chunk=chunk, pooling=pooling)
+    while True:
+        try:
+            next(parts)
+        except StopIteration as done:
+            vectors: list[list[float]] = done.value
+            return vectors
+
+
+def embed_parts(
+    loaded: LoadedModel, inputs: list[list[int]], *, chunk: int, pooling: str = "mean"
+) -> Generator[None, None, list[list[float]]]:
+    """:func:`embed_tokens` a forward pass at a time: yields after each, returns the vectors."""
     check_pooling(pooling)
     hidden_states = getattr(loaded.arch, "hidden_states", None)
     if hidden_states is None:
@@ -82,11 +97,12 @@ def embed_tokens(
     batch: list[int] = []
     for index in order:
         if len(inputs[index]) > chunk:
-            out[index] = _embed_long(loaded, inputs[index], chunk, pooling)
+            out[index] = yield from _embed_long(loaded, inputs[index], chunk, pooling)
             continue
         # Sorted by length, so the row just added is the longest of its batch.
         if batch and (len(batch) + 1) * len(inputs[index]) > chunk:
             _embed_batch(loaded, inputs, batch, pooling, out)
+            yield
             batch = []
         batch.append(index)
     if batch:
@@ -110,8 +126,11 @@ def _embed_batch(
         out[i] = vector
 
 
-def _embed_long(loaded: LoadedModel, ids: list[int], chunk: int, pooling: str) -> list[float]:
-    """One input longer than ``chunk``: chunked through a cache, summing as it goes."""
+def _embed_long(
+    loaded: LoadedModel, ids: list[int], chunk: int, pooling: str
+) -> Generator[None, None, list[float]]:
+    """One input longer than ``chunk``: chunked through a cache, summing as it goes, yielding
+    after each chunk."""
     cache = loaded.make_cache()
     total: mx.array | None = None
     last: mx.array | None = None
@@ -122,6 +141,7 @@ def _embed_long(loaded: LoadedModel, ids: list[int], chunk: int, pooling: str) -
         total = part if total is None else total + part
         last = hidden[-1]
         mx.eval(total, last)  # one chunk's graph at a time
+        yield
     assert total is not None and last is not None
     pooled = last if pooling == "last" else total / len(ids)
     vector: list[float] = normalize(pooled[None])[0].tolist()  # type: ignore[assignment]

@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -65,6 +65,23 @@ class ModelInfo:
     aliases: tuple[str, ...] = ()
     #: Whether decode steps run compiled (``models[].compile_decode``).
     compiled_decode: bool = False
+    #: The most bytes one token stands for (0: unknown); bounds a prompt's text before tokenizing.
+    longest_token_bytes: int = 0
+
+    def check_prompt_text(self, text: str, param: str | None = "messages") -> None:
+        """Refuse, before tokenizing it, a text the context cannot hold whatever its tokens: no
+        token stands for more than :attr:`longest_token_bytes` bytes, hence characters, so a text
+        longer than ``context_length`` times that needs more tokens than the context has (and
+        tokenizing megabytes for nothing can take gigabytes)."""
+        limit = self.context_length * self.longest_token_bytes
+        if limit and len(text) > limit:
+            raise RequestError(
+                f"the text has {len(text)} characters, more than this model's context length "
+                f"({self.context_length} tokens of at most {self.longest_token_bytes} characters) "
+                "can hold; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
 
 
 class Engine:
@@ -144,17 +161,36 @@ class Engine:
         """The served model ``name`` (a name or an alias) names; raises :class:`ModelNotFound`."""
         return self.models[self.resolve(name)]
 
-    def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return self.model(model).tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode(
+        self,
+        model: str,
+        text: str,
+        *,
+        add_special_tokens: bool = True,
+        truncate: bool = False,
+        param: str = "prompt",
+    ) -> list[int]:
+        """``text``'s token ids; RequestError naming ``param``, without tokenizing, for a text the
+        context cannot hold. With ``truncate`` (the caller keeps the first ``context_length`` ids)
+        such a text's head is tokenized instead: twice what the context can hold, so the cut is
+        far from the ids kept."""
+        info = self.model(model)
+        if truncate and info.longest_token_bytes:
+            text = text[: 2 * info.context_length * info.longest_token_bytes]
+        else:
+            info.check_prompt_text(text, param=param)
+        return info.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(
         self, model: str, messages: list[dict[str, Any]], **template_kwargs: Any
     ) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the result."""
-        tokenizer = self.model(model).tokenizer
+        info = self.model(model)
+        tokenizer = info.tokenizer
         prompt = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **template_kwargs
         )
+        info.check_prompt_text(prompt)
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         # Most templates write BOS themselves; add it for a model that wants one when they don't.
         bos = tokenizer.bos_token_id
@@ -230,13 +266,18 @@ class Engine:
     async def embed_async(
         self, model: str, inputs: Sequence[Sequence[int]], *, pooling: str = "mean"
     ) -> Embeddings:
-        """:meth:`embed` for an event loop: waits without blocking it; cancelling the wait drops
-        the job if the engine has not started it."""
-        return await asyncio.wrap_future(self._embedding_job(model, inputs, pooling).future)  # type: ignore[no-any-return]
+        """:meth:`embed` for an event loop: waits without blocking it; cancelling the wait (a
+        client that left) stops the job before its next forward pass."""
+        job = self._embedding_job(model, inputs, pooling)
+        try:
+            return await asyncio.wrap_future(job.future)  # type: ignore[no-any-return]
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
 
     def _embedding_job(self, model: str, inputs: Sequence[Sequence[int]], pooling: str) -> EngineJob:
         """Validate in the caller's thread, then queue the work for the engine thread."""
-        from mlxr_core.engine.embedding import embed_tokens
+        from mlxr_core.engine.embedding import embed_parts
 
         if self.state != "ready":
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
@@ -261,8 +302,8 @@ class Engine:
         chunk = self.config.engine.prefill_chunk
         name = info.name
 
-        def work(models: Any) -> Embeddings:
-            vectors = embed_tokens(models[name], token_lists, chunk=chunk, pooling=pooling)
+        def work(models: Any) -> Generator[None, None, Embeddings]:
+            vectors = yield from embed_parts(models[name], token_lists, chunk=chunk, pooling=pooling)
             return Embeddings(name, vectors, sum(len(ids) for ids in token_lists))
 
         job = EngineJob(work, what=f"embedding with model {name}")
@@ -350,6 +391,7 @@ class Engine:
                 metadata=dict(m.metadata),
                 aliases=tuple(alias for alias, target in self.names.items() if target == name and alias != name),
                 compiled_decode=m.compiled_decode is not None,
+                longest_token_bytes=max(map(len, m.tokenizer.token_bytes().pieces), default=0),
             )
             for name, m in self._loaded.items()
         }
@@ -401,7 +443,7 @@ class Engine:
 
 
     def _add_names(self, index: int, name: str, aliases: Sequence[str]) -> None:
-        """Record model ``index``'s name (the configured one or its file's stem) and aliases; a name
+        """Record model ``index``'s name (the configured one or its default name) and aliases; a name
         two models would answer to is a config error naming the key (explicit names and aliases
         are checked when the config loads; a default name only now)."""
         keys = [(f"models[{index}].name", name)]

@@ -50,6 +50,8 @@ class Scheduler:
         self.abort = abort
         #: Non-generation work (embeddings) run between steps; see :mod:`mlxr_core.engine.jobs`.
         self.jobs: queue.Queue[EngineJob] = jobs if jobs is not None else queue.Queue()
+        #: Jobs started and not yet ended, a part of each run per loop.
+        self.running_jobs: list[EngineJob] = []
         self.waiting: deque[RequestHandle] = deque()
         budget = config.prefix_cache.max_bytes if config.prefix_cache.enabled else 0
         self.runners = {
@@ -141,15 +143,22 @@ class Scheduler:
             if self.abort.is_set():
                 for runner in self.runners.values():
                     runner.fail_all(EngineStopped("the server shut down before this request finished"))
+                self._end_jobs()
                 return
             if self.stop.is_set() and not busy:
+                self._end_jobs()
                 return
             if not self.stop.is_set():
-                self._admit(block=not busy and self.jobs.empty())
-            run_jobs(self.jobs, self.models)
+                self._admit(block=not busy and self.jobs.empty() and not self.running_jobs)
+            run_jobs(self.jobs, self.models, self.running_jobs)
             for name, runner in self.runners.items():
                 if runner.busy:
                     self._step(name, runner)
+
+    def _end_jobs(self) -> None:
+        for job in self.running_jobs:
+            job.refuse(EngineStopped("the server is shutting down"))
+        self.running_jobs.clear()
 
     def _admit(self, *, block: bool) -> None:
         """Move queued requests into the waiting line, then as many as fit into their runners."""

@@ -3,19 +3,25 @@
 A chat template comes from a model file, so it is untrusted code: it runs in Jinja2's
 :class:`~jinja2.sandbox.ImmutableSandboxedEnvironment` (no attribute access to Python internals,
 no mutation of the caller's messages), with bounds on string repetition and powers so a template
-cannot exhaust memory. The environment matches ``transformers``' ``apply_chat_template``:
+cannot exhaust memory, and on its work: every loop step and call checks the render's deadline
+(:data:`MAX_RENDER_SECONDS`), the output is capped (:data:`MAX_RENDER_CHARS`), and
+:func:`interrupt_renders` (a server's shutdown) stops every render in progress. The environment
+matches ``transformers``' ``apply_chat_template``:
 ``trim_blocks``, ``lstrip_blocks``, ``loopcontrols``, the ``{% generation %}`` tag, a ``tojson``
 filter that does not escape HTML, and the ``raise_exception`` and ``strftime_now`` globals.
 """
 
 from __future__ import annotations
 
+import contextvars
 import json
+import time
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from mlxr_core.errors import MissingDependency, RequestError
+from mlxr_core.errors import EngineStopped, MissingDependency, RequestError
 
 if TYPE_CHECKING:
     import jinja2
@@ -27,6 +33,51 @@ MAX_EXPONENT = 4096
 #: The largest integer (in bits) a template may compute with ``**``: ``(10 ** 4000) ** 4000``
 #: keeps each exponent small but would cost seconds of CPU.
 MAX_POWER_BITS = 1 << 16
+#: Seconds a render may take; real templates take milliseconds, nested loops could take years.
+MAX_RENDER_SECONDS = 5.0
+#: The longest prompt a template may render, in characters.
+MAX_RENDER_CHARS = MAX_REPEAT
+
+
+class _RenderStopped(Exception):
+    """Raised inside a render that ran out of time or was interrupted."""
+
+
+class _Budget:
+    """One render's deadline, and the :func:`interrupt_renders` count it started under."""
+
+    def __init__(self, seconds: float):
+        self.deadline = time.monotonic() + seconds
+        self.epoch = _interrupts
+
+    def check(self) -> None:
+        if self.epoch != _interrupts:
+            raise _RenderStopped("interrupted")
+        if time.monotonic() > self.deadline:
+            raise _RenderStopped("deadline")
+
+
+_budget: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("mlxr_render", default=None)
+_interrupts = 0
+
+
+def interrupt_renders() -> None:
+    """Stop every render in progress (they raise :class:`EngineStopped`); later ones run."""
+    global _interrupts
+    _interrupts += 1
+
+
+def _check_budget() -> None:
+    budget = _budget.get()
+    if budget is not None:
+        budget.check()
+
+
+def _checked_iter(iterable: Iterable[Any]) -> Iterator[Any]:
+    """What every ``{% for %}`` iterates: ``iterable``, checking the render's budget each step."""
+    for item in iterable:
+        _check_budget()
+        yield item
 
 
 def render_chat_template(
@@ -62,9 +113,26 @@ def render_chat_template(
 
     from jinja2.exceptions import SecurityError, TemplateError
 
+    token = _budget.set(_Budget(MAX_RENDER_SECONDS))
     try:
-        return compiled.render(variables)
-    except RequestError:
+        parts, size = [], 0
+        for part in compiled.generate(variables):
+            size += len(part)
+            if size > MAX_RENDER_CHARS:
+                raise RequestError(
+                    f"the chat template rendered more than {MAX_RENDER_CHARS} characters",
+                    param="messages",
+                )
+            parts.append(part)
+        return "".join(parts)
+    except _RenderStopped as exc:
+        if str(exc) == "interrupted":
+            raise EngineStopped("the server is shutting down") from None
+        raise RequestError(
+            f"the chat template took longer than {MAX_RENDER_SECONDS:g} s to render",
+            param="messages",
+        ) from None
+    except (RequestError, EngineStopped):
         raise
     except SecurityError as exc:
         raise RequestError(
@@ -77,15 +145,22 @@ def render_chat_template(
             f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
             param="messages",
         ) from None
+    finally:
+        _budget.reset(token)
 
 
 @lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
     """Compile ``template`` once; the cache is keyed by the template text."""
+    from jinja2 import nodes
     from jinja2.exceptions import TemplateSyntaxError
 
+    environment = _environment()
     try:
-        return _environment().from_string(template)
+        source = environment.parse(template)
+        for loop in source.find_all(nodes.For):  # every loop steps through _checked_iter
+            loop.iter = nodes.Filter(loop.iter, "mlxr_checked_iter", [], [], None, None, lineno=loop.lineno)
+        return environment.from_string(source)
     except TemplateSyntaxError as exc:
         raise RequestError(
             f"the model's chat template is invalid (line {exc.lineno}): {exc.message}",
@@ -117,6 +192,10 @@ def _environment() -> jinja2.Environment:
     class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         intercepted_binops = frozenset({"*", "**"})
 
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
+            _check_budget()  # macros calling macros loop without a {% for %}
+            return super().call(__context, __obj, *args, **kwargs)
+
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
             if operator == "*":
                 for sequence, count in ((left, right), (right, left)):
@@ -144,6 +223,7 @@ def _environment() -> jinja2.Environment:
         trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols]
     )
     env.filters["tojson"] = _tojson
+    env.filters["mlxr_checked_iter"] = _checked_iter
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env

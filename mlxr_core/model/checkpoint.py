@@ -59,6 +59,12 @@ class Checkpoint:
     chat_template: str | None = None
     #: Anything else worth reporting (file type, per-type tensor counts, ...).
     metadata: dict[str, Any] = attrs.field(factory=dict)
+    #: The file ``config`` was read from (``config.json``), when it is not ``path`` itself.
+    config_path: Path | None = None
+    #: config key -> the metadata key (or tensor, ``*.weight``) the format read it from, where the
+    #: file spells it otherwise (GGUF: ``num_hidden_layers`` -> ``llama.block_count``); errors
+    #: about a config value name the file's key.
+    config_keys: dict[str, str] = attrs.field(factory=dict)
 
 
 class Format(Protocol):

@@ -169,12 +169,16 @@ class GrammarMask:
         self.eos_ids = eos_ids
 
     def allowed(self, width: int) -> np.ndarray:
-        """``[width]`` bools: the tokens the grammar allows next."""
+        """``[width]`` bools: the tokens the grammar allows next. RequestError when the matcher
+        gives up on the grammar itself (too complex to follow, such as a schema that requires
+        itself): the request ends with that error, not with text the constraint no longer holds."""
         if self.matcher.is_stopped() or self.matcher.is_error():
             allowed = np.zeros(width, dtype=bool)
             allowed[[i for i in self.eos_ids if i < width]] = True
             return allowed
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():
+            raise self._gave_up()
         allowed = np.unpackbits(bits, bitorder="little").astype(bool)
         if allowed.shape[0] < width:  # embedding rows past the vocabulary: never allowed
             return np.concatenate([allowed, np.zeros(width - allowed.shape[0], dtype=bool)])
@@ -185,10 +189,24 @@ class GrammarMask:
         return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def accept(self, token: int) -> None:
-        if self.matcher.is_stopped():
+        """Advance past ``token``. One the grammar does not allow (handed in against the mask)
+        ends the grammar (only EOS follows); an allowed one the matcher then fails on is
+        :meth:`_gave_up`."""
+        if self.matcher.is_stopped() or self.matcher.is_error():
             return
-        if not self.matcher.consume_token(token):
-            log.warning("token %d does not follow the grammar: %s", token, self.matcher.get_error())
+        allowed = self.matcher.validate_tokens([token]) == 1
+        if self.matcher.consume_token(token):
+            return
+        if allowed:
+            raise self._gave_up()
+        log.warning("token %d does not follow the grammar: %s", token, self.matcher.get_error())
+
+    def _gave_up(self) -> RequestError:
+        error = str(self.matcher.get_error()).strip().splitlines()
+        return RequestError(
+            f"the constraint can no longer be enforced: {error[0] if error else 'matcher error'}",
+            param="response_format",
+        )
 
 
 def structured(params: SamplingParams, context: SamplerContext) -> GrammarMask | None:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,7 +189,7 @@ def test_an_unknown_api_exits_2_before_loading_models(
     monkeypatch.setattr("mlxr_core.engine.engine.Engine.start", lambda *a, **kw: pytest.fail("engine started"))
     config = tmp_path / "server.yaml"
     config.write_text("models:\n  - path: /nowhere.gguf\napis: [openia]\n")
-    assert main(["serve", "--config", str(config)]) == 2
+    assert main(["serve", "--config", str(config), "--port", "0"]) == 2  # the port is bound first
     assert "apis: unknown API 'openia'" in capsys.readouterr().err
 
 
@@ -199,6 +202,123 @@ def test_a_model_that_fails_to_load_stops_the_server_with_status_1(
     assert main(["serve", "--config", str(config), "--port", "0", "--log-level", "WARNING"]) == 1
     assert time.monotonic() - started < 15
     assert "nowhere.gguf" in capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_error_before_anything_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mlxr_core.plugins.load_plugins", lambda **kw: pytest.fail("plugins loaded"))
+    config = tmp_path / "server.yaml"
+    config.write_text(f"models:\n  - path: {tmp_path / 'nowhere.gguf'}\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--config", str(config), "--port", str(port)]) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"mlxr: error: cannot listen on 127.0.0.1:{port}: ") and "--port" in line
+
+
+@pytest.mark.slow
+def test_the_serving_line_comes_when_the_server_answers(tiny_config: Path, tmp_path: Path) -> None:
+    """No "startup complete" from uvicorn while the models load; "serving" once /health is 200."""
+    config = tmp_path / "server.yaml"
+    config.write_text(tiny_config.read_text() + "apis: [openai]\n")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--config", str(config), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert process.stdout is not None
+    try:
+        lines = []
+        while not lines or "mlxr: serving" not in lines[-1]:
+            lines.append(process.stdout.readline())
+            assert lines[-1], "".join(lines)
+        assert httpx.get(re.search(r"at (http://\S+)", lines[-1])[1] + "/health").status_code == 200  # type: ignore[index]
+        assert not [line for line in lines if "startup complete" in line or "Uvicorn running" in line], lines
+        assert any("GET /health 200" in line for line in lines)  # the check that preceded the line
+    finally:
+        process.kill()
+        process.communicate()
+
+
+# -- read deadlines on connections -------------------------------------------------------------------
+
+
+@pytest.fixture
+def deadline_server() -> Iterator[tuple[int, float]]:
+    """uvicorn with ``mlxr serve``'s settings (0.5 s read deadlines) around a tiny app: ``/health``
+    and a route that takes 1.5 s to answer; yields the port and the deadline."""
+    import uvicorn
+    from litestar import Litestar
+
+    from mlxr_core.config.schema import ServerConfig
+
+    @get("/health", sync_to_thread=False)
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @get("/slow")
+    async def slow() -> dict[str, str]:
+        await asyncio.sleep(1.5)
+        return {"status": "done"}
+
+    settings = ServerConfig(port=0, header_timeout=0.5, body_timeout=0.5)
+    server = uvicorn.Server(serve.uvicorn_config(Litestar([health, slow]), settings, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1], 0.5
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def closed_within(sock: socket.socket, seconds: float, dribble: bytes = b"") -> bool:
+    """Whether the server closes ``sock`` within ``seconds`` while the client sends ``dribble`` a
+    byte at a time."""
+    sock.settimeout(0.05)
+    deadline, sent = time.monotonic() + seconds, 0
+    while time.monotonic() < deadline:
+        try:
+            if not sock.recv(1024):
+                return True
+        except TimeoutError:
+            pass
+        except OSError:
+            return True
+        if dribble:
+            try:
+                sock.send(dribble[sent % len(dribble) : sent % len(dribble) + 1])
+            except OSError:
+                return True
+            sent += 1
+    return False
+
+
+def test_idle_slow_loris_and_slow_body_connections_are_closed_and_health_keeps_answering(
+    deadline_server: tuple[int, float],
+) -> None:
+    port, timeout = deadline_server
+    connect = lambda: socket.create_connection(("127.0.0.1", port))  # noqa: E731
+    idle = [connect() for _ in range(20)]
+    loris, body = connect(), connect()
+    loris.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    body.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+        assert client.get("/health").status_code == 200
+        assert closed_within(loris, 3 * timeout, dribble=b"X-Slow: 1\r\n")
+        assert closed_within(body, 3 * timeout, dribble=b"x")
+        assert all(closed_within(sock, timeout) for sock in idle)
+        assert client.get("/health").status_code == 200
+        # A response that takes longer than both deadlines is not cut: the request is all in.
+        assert client.get("/slow", timeout=10).json() == {"status": "done"}
+    for sock in [*idle, loris, body]:
+        sock.close()
 
 
 # -- a real server process on the tiny model --------------------------------------------------------
@@ -303,3 +423,50 @@ def test_sigterm_during_eight_streams_ends_each_one_and_exits_0(tiny_config: Pat
             assert last["choices"][0]["finish_reason"] == "length"
             finished += 1
     assert finished >= 2 and cut >= 1, (finished, cut)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_during_the_drain_ends_every_stream_with_an_error_and_exits_130(
+    tiny_config: Path, tmp_path: Path, second: int
+) -> None:
+    """SIGTERM starts a drain that would wait 60 s; a second signal ends the streams at once, each
+    with a final error event, and the exit status says the shutdown was forced."""
+    config = tmp_path / "server.yaml"
+    config.write_text(tiny_config.read_text().replace("shutdown_timeout: 1.0", "shutdown_timeout: 60.0"))
+    process, url = start_server(config)
+    streams: list[list[str]] = [[] for _ in range(6)]
+    first_chunk = [threading.Event() for _ in streams]
+
+    def stream(i: int) -> None:
+        body = {"model": "tiny", "prompt": "the", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line:
+                        streams[i].append(line)
+                        first_chunk[i].set()
+        except httpx.HTTPError as exc:
+            streams[i].append(f"cut: {exc!r}")
+        first_chunk[i].set()
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(streams))]
+    try:
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(30) for event in first_chunk)
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        sent = time.monotonic()
+        process.send_signal(second)
+        output, _ = process.communicate(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        process.kill()
+    for thread in threads:
+        thread.join(5)
+    assert process.returncode == 130 and took < 10, (process.returncode, took, output[-2000:])
+    assert "Traceback" not in output, output[-5000:]
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert "shutting down" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]

@@ -20,7 +20,7 @@ from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.errors import RequestError
-from mlxr_core.frontend import decode_body, ready_engine
+from mlxr_core.frontend import decode_body, ready_engine, unless_disconnected
 from mlxr_core.server import ServerContext
 from mlxr_plugins.apis.ollama import schemas as s
 
@@ -79,7 +79,7 @@ async def create_embed(
     encode = functools.partial(_token_lists, engine, info, texts, truncate=body.truncate)
     token_lists = await anyio.to_thread.run_sync(encode)
     submitted = time.perf_counter_ns()
-    result = await engine.embed_async(info.name, token_lists)
+    result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
     total = time.perf_counter_ns() - started
     return _json(EmbedResponse(info.name, result.vectors, total, submitted - started, result.prompt_tokens))
 
@@ -95,13 +95,13 @@ async def create_embeddings(
         return _json(EmbeddingsResponse([]))
     encode = functools.partial(_token_lists, engine, info, [body.prompt], truncate=True)
     token_lists = await anyio.to_thread.run_sync(encode)
-    result = await engine.embed_async(info.name, token_lists)
+    result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
     return _json(EmbeddingsResponse(result.vectors[0]))
 
 
 def _token_lists(engine: Engine, info: ModelInfo, texts: list[str], *, truncate: bool) -> list[list[int]]:
     """Each text's ids; with ``truncate``, cut to the model's context length."""
-    token_lists = [engine.encode(info.name, text) for text in texts]
+    token_lists = [engine.encode(info.name, text, truncate=truncate, param="input") for text in texts]
     if truncate:
         return [ids[: info.context_length] for ids in token_lists]
     for i, ids in enumerate(token_lists):

@@ -19,7 +19,7 @@ from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine
 from mlxr_core.errors import RequestError
-from mlxr_core.frontend import decode_body, ready_engine
+from mlxr_core.frontend import decode_body, ready_engine, unless_disconnected
 from mlxr_core.server import ServerContext
 from mlxr_plugins.apis.openai.schemas import encoder
 
@@ -70,7 +70,7 @@ async def create_embeddings(ctx: ServerContext, request: Request[Any, Any, Any])
         for (i, _), ids in zip(texts, await anyio.to_thread.run_sync(encode), strict=True):
             inputs[i] = ids
     token_lists: list[list[int]] = inputs  # type: ignore[assignment]
-    result = await engine.embed_async(info.name, token_lists)
+    result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
     data = [
         Embedding(index=i, embedding=_encode_vector(vector, body.encoding_format))
         for i, vector in enumerate(result.vectors)
@@ -109,7 +109,7 @@ def _is_token(value: Any) -> bool:
 
 
 def _encode_all(engine: Engine, model: str, texts: list[str]) -> list[list[int]]:
-    return [engine.encode(model, text) for text in texts]
+    return [engine.encode(model, text, param="input") for text in texts]
 
 
 def _encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -24,6 +24,7 @@ from gguf import GGMLQuantizationType as QType
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, TokenizerSpec
+from mlxr_core.model.layers.args import TransformerArgs, check_value, field_types
 from mlxr_core.model.progress import track
 from mlxr_plugins.formats.gguf.quants import (
     EXACT_BITS,
@@ -232,46 +233,103 @@ def field_value(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return value
 
 
+#: Config keys read from ``{arch}.*`` metadata -> the key each is stored under (without the
+#: ``{arch}.`` prefix), each checked as :class:`TransformerArgs` types it as soon as it is read.
+METADATA_KEYS = {
+    "num_hidden_layers": "block_count",
+    "hidden_size": "embedding_length",
+    "intermediate_size": "feed_forward_length",
+    "num_attention_heads": "attention.head_count",
+    "num_key_value_heads": "attention.head_count_kv",
+    "head_dim": "attention.key_length",
+    "rms_norm_eps": "attention.layer_norm_rms_epsilon",
+    "rope_theta": "rope.freq_base",
+    "max_position_embeddings": "context_length",
+    "sliding_window": "attention.sliding_window",
+}
+#: Other config keys and where they come from; errors about their values (raised when an
+#: architecture reads them) name the metadata key.
+OTHER_METADATA_KEYS = {
+    "partial_rotary_factor": "rope.dimension_count",
+    "rope_scaling": "rope.scaling",
+    "rope_scaling.factor": "rope.scaling.factor",
+    "rope_scaling.original_max_position_embeddings": "rope.scaling.original_context_length",
+    "num_experts": "expert_count",
+    "num_local_experts": "expert_count",
+    "num_experts_per_tok": "expert_used_count",
+    "moe_intermediate_size": "expert_feed_forward_length",
+    "shared_expert_intermediate_size": "expert_shared_feed_forward_length",
+    "original_max_position_embeddings": "rope.scaling.original_context_length",
+}
+
+
+def config_keys(arch: str) -> dict[str, str]:
+    """Config key -> the GGUF metadata key (or tensor) it comes from, for error messages."""
+    keys = {name: f"{arch}.{key}" for name, key in {**METADATA_KEYS, **OTHER_METADATA_KEYS}.items()}
+    keys["vocab_size"] = "token_embd.weight"
+    keys["rope_freq_factors"] = "rope_freqs.weight"
+    return keys
+
+
 def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, Any]:
-    """The model config in Hugging Face naming, from ``{arch}.*`` metadata and tensor shapes."""
+    """The model config in Hugging Face naming, from ``{arch}.*`` metadata and tensor shapes.
+
+    Every value it computes with is checked first (type and range, as the architectures' config
+    classes check them): a ModelLoadError names the metadata key and value."""
     arch = field_value(reader, "general.architecture")
     if not arch:
         raise ValueError("general.architecture is missing")
+    if not isinstance(arch, str):
+        raise ModelLoadError(f"{arch!r} is not a string", key="general.architecture")
 
     def get(key: str, default: Any = None) -> Any:
         return field_value(reader, f"{arch}.{key}", default)
 
-    heads = get("attention.head_count")
+    types, limits = field_types(TransformerArgs), TransformerArgs.limits
+    values = {
+        name: check_value(f"{arch}.{key}", get(key), types[name], limits.get(name))
+        for name, key in METADATA_KEYS.items()
+        if get(key) is not None
+    }
+    heads = values.get("num_attention_heads")
     config: dict[str, Any] = {
         "model_type": arch,
-        "num_hidden_layers": get("block_count"),
-        "hidden_size": get("embedding_length"),
-        "intermediate_size": get("feed_forward_length"),
-        "num_attention_heads": heads,
-        "num_key_value_heads": get("attention.head_count_kv", heads),
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": get("rope.freq_base", 10000.0),
-        "max_position_embeddings": get("context_length", 2048),
+        **values,
+        "num_key_value_heads": values.get("num_key_value_heads", heads),
+        "rms_norm_eps": values.get("rms_norm_eps", 1e-6),
+        "rope_theta": values.get("rope_theta", 10000.0),
+        "max_position_embeddings": values.get("max_position_embeddings", 2048),
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in tensors,
     }
+    if not config.get("sliding_window"):
+        config.pop("sliding_window", None)
+    kv_heads = config["num_key_value_heads"]
+    if heads and kv_heads and heads % kv_heads:  # llama's rows are unpermuted per head below
+        raise ModelLoadError(
+            f"{kv_heads} key/value heads do not divide the {heads} attention heads",
+            key=f"{arch}.{METADATA_KEYS['num_key_value_heads']}",
+        )
     embedding = tensors.get("token_embd.weight")
     if embedding is not None:
         config["vocab_size"] = int(embedding.shape[-1])  # ggml shape: [hidden, vocab]
     elif get("vocab_size") is not None:
         config["vocab_size"] = get("vocab_size")
-    head_dim = get("attention.key_length")
-    if head_dim is None and heads and config["hidden_size"]:
+    head_dim = values.get("head_dim")
+    if head_dim is None and heads and config.get("hidden_size"):
         head_dim = config["hidden_size"] // heads
-    if head_dim is not None:
+    if head_dim:
         config["head_dim"] = head_dim
     rope_dims = get("rope.dimension_count")
-    if rope_dims and head_dim and rope_dims != head_dim:
+    if rope_dims is not None and head_dim and rope_dims != head_dim:
+        if type(rope_dims) is not int or not 2 <= rope_dims <= head_dim or rope_dims % 2:
+            raise ModelLoadError(
+                f"{rope_dims!r} rotary dimensions: expected an even number in [2, {head_dim}] "
+                "(the head size)",
+                key=f"{arch}.rope.dimension_count",
+            )
         config["partial_rotary_factor"] = rope_dims / head_dim
-    window = get("attention.sliding_window")
-    if window:
-        config["sliding_window"] = window
 
     kind = get("rope.scaling.type")
     if kind and kind != "none":
@@ -284,7 +342,12 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         config["rope_scaling"] = {"rope_type": "linear", "factor": get("rope.scale_linear")}
     factors = tensors.get("rope_freqs.weight")
     if factors is not None:
-        config["rope_freq_factors"] = [float(f) for f in np.asarray(factors.data, dtype=np.float32)]
+        stored = np.asarray(factors.data, dtype=np.float32)
+        if not (np.isfinite(stored) & (stored > 0)).all():
+            raise ModelLoadError(
+                "rope frequency factors must be finite and positive", tensor="rope_freqs.weight"
+            )
+        config["rope_freq_factors"] = [float(f) for f in stored]
     if arch == "gemma3":
         config.update(gemma3_settings(config))
     if arch == "phi3":
@@ -303,7 +366,7 @@ def gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:
     head_dim = config.get("head_dim", 256)
     scalar = head_dim
     if config.get("num_hidden_layers") == 62 and config.get("hidden_size") == 5376:  # 27B
-        scalar = config["hidden_size"] // config["num_attention_heads"]
+        scalar = config["hidden_size"] // (config.get("num_attention_heads") or 1)
     return {
         "sliding_window_pattern": 6,
         "rope_local_base_freq": 10000.0,
@@ -341,8 +404,10 @@ def moe_settings(
         settings["shared_expert_intermediate_size"] = shared
     if arch == "qwen2moe":
         settings["qkv_bias"] = "blk.0.attn_q.bias" in tensors
-    # Layers without a router are dense (Qwen's ``mlp_only_layers``).
-    layers = range(int(config.get("num_hidden_layers") or 0))
+    # Layers without a router are dense (Qwen's ``mlp_only_layers``). A valid file holds at least
+    # one tensor per layer; a larger count is refused later, naming the key.
+    count = config.get("num_hidden_layers") or 0
+    layers = range(count if count <= len(tensors) else 0)
     dense = [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
     if dense:
         settings["mlp_only_layers"] = dense
@@ -421,6 +486,19 @@ def _host_array(tensor: Any) -> np.ndarray:
     return gguf.quants.dequantize(tensor.data, qtype)
 
 
+def check_vocabulary(reader: gguf.GGUFReader, config: dict[str, Any], path: Path) -> None:
+    """Refuse an embedding with fewer rows than the tokenizer has tokens: ids past its end would
+    read memory that is not the model's (llama.cpp refuses such files too)."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    rows = config.get("vocab_size")
+    if tokens is not None and isinstance(rows, int) and len(tokens.data) > rows:
+        raise ModelLoadError(
+            f"{rows} rows for the {len(tokens.data)} tokens of tokenizer.ggml.tokens",
+            path=str(path),
+            tensor="token_embd.weight",
+        )
+
+
 class GGUFFormat:
     """llama.cpp's GGUF: one file holding metadata, tokenizer and (quantized) tensors."""
 
@@ -441,8 +519,11 @@ class GGUFFormat:
         tensors = {tensor.name: tensor for tensor in reader.tensors}
         try:
             config = read_config(reader, tensors)
+        except ModelLoadError as exc:
+            raise ModelLoadError(exc.detail, path=str(path), tensor=exc.tensor, key=exc.key) from exc
         except Exception as exc:
             raise ModelLoadError(f"unreadable model metadata: {exc}", path=str(path)) from exc
+        check_vocabulary(reader, config, path)
 
         # llama.cpp's architecture (a Mixtral file says ``llama``), which its tensor layout follows.
         arch = field_value(reader, "general.architecture")
@@ -499,6 +580,7 @@ class GGUFFormat:
             path=path,
             format=self.name,
             config=config,
+            config_keys=config_keys(arch),
             weights=weights,
             quantization=quantization,
             suggested_quantization=suggested,

@@ -197,6 +197,8 @@ def check_header(file: Path) -> None:
             header = json.loads(handle.read(length))
     except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError included
         raise ModelLoadError(f"unreadable safetensors header: {exc}", path=str(file)) from exc
+    except RecursionError:
+        raise ModelLoadError("the safetensors header nests too deeply", path=str(file)) from None
     if not isinstance(header, dict):
         raise ModelLoadError("the safetensors header is not a JSON object", path=str(file))
     data_bytes = size - 8 - length
@@ -366,7 +368,11 @@ class SafetensorsFormat:
                 f"no {CONFIG}: a safetensors model folder needs the config next to its weights",
                 path=str(folder),
             )
-        config = normalize_config(read_json(folder / CONFIG))
+        stored = read_json(folder / CONFIG)
+        config = normalize_config(stored)
+        # Errors about values moved out of rope_parameters name where the file holds them.
+        moved = {"rope_theta": "rope_parameters.rope_theta", "rope_scaling": "rope_parameters"}
+        keys = {key: at for key, at in moved.items() if key in config and key not in stored}
         generation = self._generation_config(folder)
 
         files = weight_files(folder, path)
@@ -389,6 +395,8 @@ class SafetensorsFormat:
             path=folder,
             format=self.name,
             config=config,
+            config_path=folder / CONFIG,
+            config_keys=keys,
             weights=weights,
             quantization=quantization,
             tokenizer=tokenizer,

@@ -19,6 +19,8 @@ def read_json(path: Path) -> dict[str, Any]:
         ) from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"unreadable: {exc}", path=str(path)) from exc
+    except RecursionError:
+        raise ModelLoadError("invalid JSON: nested too deeply", path=str(path)) from None
     if not isinstance(value, dict):
         raise ModelLoadError(
             f"expected a JSON object, found {type(value).__name__}", path=str(path)

@@ -142,6 +142,13 @@ class HFTokenizerBackend:
         except Exception as exc:
             raise ModelLoadError(f"unreadable tokenizer.json: {exc}", path=path) from exc
         config: dict[str, Any] = data.get("tokenizer_config") or {}
+        rows, words = data.get("vocab_size"), backend.get_vocab_size(with_added_tokens=False)
+        if isinstance(rows, int) and rows < words:
+            # Ids past the embedding's last row would read memory that is not the model's.
+            raise ModelLoadError(
+                f"{words} tokens, but config.json's vocab_size gives the embedding {rows} rows",
+                path=path,
+            )
 
         missing = [
             AddedToken(text, special=special, normalized=False)

@@ -195,3 +195,38 @@ def test_embedding_after_stop_is_refused(tiny_path):
     eng.stop()
     with pytest.raises(EngineStopped):
         eng.embed("tiny", [[1, 2]])
+
+
+@pytest.fixture(scope="module")
+def long_engine(tiny_path):
+    """The tiny model with a long context, a forward pass at most 8 tokens."""
+    config = Config(
+        models=[ModelConfig(path=str(tiny_path), name="tiny", context_length=4096)],
+        engine=EngineConfig(prefill_chunk=8),
+    )
+    engine = Engine(config, load_plugins())
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def test_a_long_embedding_is_interleaved_with_generation_and_stops_when_abandoned(long_engine):
+    """4,000 tokens are 500 forward passes: a 2-token reply asked meanwhile finishes first, and a
+    caller that stops waiting stops the job at its next pass."""
+
+    async def scenario() -> tuple[bool, bool]:
+        embedding = asyncio.ensure_future(long_engine.embed_async("tiny", [[5] * 4000]))
+        await asyncio.sleep(0.05)
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        handle = long_engine.submit(GenerationRequest(model="tiny", prompt_ids=[1, 2], params=params))
+        events = await asyncio.to_thread(list, handle)
+        reply_first = isinstance(events[-1], Finished) and not embedding.done()
+        embedding.cancel()
+        deadline = asyncio.get_running_loop().time() + 5
+        while long_engine.scheduler.running_jobs and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        return reply_first, not long_engine.scheduler.running_jobs
+
+    reply_first, job_ended = asyncio.run(scenario())
+    assert reply_first and job_ended
+    assert len(long_engine.embed("tiny", [[5] * 40], timeout=30).vectors) == 1  # the engine goes on

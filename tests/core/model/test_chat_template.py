@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import datetime
 from typing import Any
 
 import pytest
 
-from mlxr_core.errors import ModelLoadError, RequestError
+from mlxr_core.errors import EngineStopped, ModelLoadError, RequestError
 from mlxr_core.model import chat_template
 from mlxr_core.model.chat_template import render_chat_template
 
@@ -196,3 +198,49 @@ def test_reaching_python_internals_renders_nothing_or_fails() -> None:
     # Jinja's sandbox turns a forbidden attribute into an undefined value: printing it is empty,
     # using it raises (above). Either way nothing about the interpreter leaks.
     assert render_chat_template("{{ ''.__class__ }}{{ messages.__class__ }}", USER) == ""
+
+
+#: Templates whose work has no bound but time: nested loops, macros doubling their calls, and
+#: loops that print without end.
+ENDLESS_TEMPLATES = {
+    "nested_loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "doubling_macro": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    "loop_over_a_repeated_string": "{% for a in 'x' * 100000 %}{% for b in 'x' * 100000 %}{% endfor %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("template", list(ENDLESS_TEMPLATES))
+def test_endless_templates_stop_at_the_render_deadline(template: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(chat_template, "MAX_RENDER_SECONDS", 0.3)
+    started = time.monotonic()
+    with pytest.raises(RequestError, match=r"longer than 0\.3 s") as info:
+        render_chat_template(ENDLESS_TEMPLATES[template], USER)
+    assert info.value.param == "messages"
+    assert time.monotonic() - started < 2
+    # Rendering is bounded per render: the next one has its own time.
+    assert render_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}", USER) == "Hi"
+
+
+def test_output_is_capped() -> None:
+    template = "{% for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}"
+    with pytest.raises(RequestError, match="more than 16777216 characters"):
+        render_chat_template(template, USER)
+
+
+def test_a_shutdown_interrupts_renders_in_progress() -> None:
+    outcome: list[BaseException] = []
+
+    def render() -> None:
+        try:
+            render_chat_template(ENDLESS_TEMPLATES["nested_loops"], USER)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=render)
+    thread.start()
+    time.sleep(0.2)
+    chat_template.interrupt_renders()
+    thread.join(2)
+    assert not thread.is_alive()
+    assert isinstance(outcome[0], EngineStopped) and "shutting down" in str(outcome[0])
+    assert render_chat_template("{{ messages[0].content }}", USER) == "Hi"  # renders after it run

@@ -194,3 +194,34 @@ def test_anthropic_messages_by_name_and_alias(client: TestClient, model: str) ->
 def test_health_lists_both_models(client: TestClient) -> None:
     body = client.get("/health").json()
     assert body["models"] == ["first", "second"]
+
+
+def test_a_client_that_leaves_cancels_the_embedding_it_waits_for() -> None:
+    """What the embedding routes wait through: the work is cancelled when the client disconnects
+    (Engine.embed_async then stops its job before the next forward pass)."""
+    import asyncio
+
+    from mlxr_core.frontend import ClientDisconnected, unless_disconnected
+
+    class LeavingClient:
+        async def receive(self) -> dict[str, str]:
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+
+    cancelled = []
+
+    async def embedding() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+        return "vectors"
+
+    async def scenario() -> None:
+        with pytest.raises(ClientDisconnected):
+            await unless_disconnected(LeavingClient(), embedding())  # type: ignore[arg-type]
+        assert await unless_disconnected(LeavingClient(), asyncio.sleep(0, "done")) == "done"  # type: ignore[arg-type]
+
+    asyncio.run(asyncio.wait_for(scenario(), 5))
+    assert cancelled == [True]

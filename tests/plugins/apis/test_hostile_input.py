@@ -13,6 +13,7 @@ from litestar.testing import TestClient
 
 from mlxr_core.config.schema import Config, ModelConfig, ServerConfig
 from mlxr_core.engine.engine import Engine
+from mlxr_core.model import chat_template
 from mlxr_core.plugins import load_plugins
 from mlxr_core.server import ServerContext, build_app
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
@@ -28,7 +29,11 @@ EVIL_TEMPLATES = {
     "repeat": "{{ 'x' * 10**10 }}",
     "power": "{{ 2 ** 100000 }}",
     "nested_power": "{{ (10 ** 4000) ** 4000 }}",
+    # Bounded by the render deadline (shortened to RENDER_SECONDS here), not by any one operation.
+    "nested_loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "doubling_macro": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
 }
+RENDER_SECONDS = 0.5
 
 # Each API: its generating route, a valid body, where the messages and the stop strings go, and
 # whether a body is in its error shape.
@@ -76,7 +81,11 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     engine = Engine(config, host)
     engine.start()
     try:
-        with TestClient(build_app(ServerContext(config=config, host=host, engine=engine))) as test_client:
+        with (
+            pytest.MonkeyPatch.context() as patch,
+            TestClient(build_app(ServerContext(config=config, host=host, engine=engine))) as test_client,
+        ):
+            patch.setattr(chat_template, "MAX_RENDER_SECONDS", RENDER_SECONDS)
             yield test_client
     finally:
         engine.stop()
@@ -98,6 +107,9 @@ def hostile_bodies(api: dict[str, Any]) -> dict[str, bytes]:
     return {
         "oversized": encode({**body, "padding": "x" * (MAX_BODY + 1)}),
         "deeply_nested": b'{"model": "tiny", "messages": ' + b"[" * depth + b"]" * depth + b"}",
+        # Inside an object the decoder recurses instead of failing on the type first.
+        "nested_975_in_an_object": encode(body)[:-1] + b', "extra": ' + b"[" * 975 + b"]" * 975 + b"}",
+        "nested_objects": encode(body)[:-1] + b', "extra": ' + b'{"a": ' * depth + b"1" + b"}" * depth + b"}",
         "negative_max_tokens": encode(with_value(body, api["max_tokens"], -5)),
         "invalid_utf8": encode(body).replace(b'"hi"', b'"h\xff\xfei"'),
         "long_stop_string": encode(with_value(body, api["stop"], ["s" * 100_000])),
@@ -126,6 +138,57 @@ def test_hostile_bodies_are_4xx_in_the_apis_shape(client: TestClient, api_name: 
     assert api["shape"](response.json()), response.text[:300]
     assert "Traceback" not in response.text and ".py" not in response.text
     assert client.get("/health").status_code == 200
+
+
+def post_routes(client: TestClient) -> dict[str, dict[str, Any]]:
+    """Every POST route of the app -> the API whose error shape it answers in."""
+    paths = sorted({route.path for route in client.app.routes if "POST" in getattr(route, "methods", ())})
+    api = lambda path: "anthropic" if path.startswith("/v1/messages") else "ollama" if path.startswith("/api/") else "openai"  # noqa: E731
+    return {path: APIS[api(path)] for path in paths}
+
+
+def test_bodies_nested_deep_inside_an_object_are_4xx_on_every_post_route(client: TestClient) -> None:
+    routes = post_routes(client)
+    assert len(routes) >= 10, routes
+    for depth in (975, 5000):
+        body = b'{"model": "tiny", "input": "x", "extra": ' + b"[" * depth + b"]" * depth + b"}"
+        for path, api in routes.items():
+            response = client.post(path, content=body, headers={"content-type": "application/json"})
+            assert 400 <= response.status_code < 500, (path, response.status_code, response.text[:300])
+            assert api["shape"](response.json()), (path, response.text[:300])
+    assert client.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None],
+)
+def test_a_body_not_declared_as_json_is_a_415_on_every_post_route(client: TestClient, content_type: str | None) -> None:
+    """A web page can POST text/plain or a form across sites without a CORS preflight, never JSON."""
+    for path, api in post_routes(client).items():
+        body = json.dumps(api["body"]).encode()
+        headers = {"content-type": content_type} if content_type else {}
+        response = client.post(path, content=body, headers=headers)
+        assert response.status_code == 415, (path, response.status_code, response.text[:300])
+        assert api["shape"](response.json()) and "JSON" in response.text, (path, response.text[:300])
+    # JSON with parameters, and the +json types, are JSON.
+    api = APIS["openai"]
+    for declared in ("application/json; charset=utf-8", "Application/JSON"):
+        response = client.post(api["path"], content=json.dumps(api["body"]).encode(), headers={"content-type": declared})
+        assert response.status_code == 200, (declared, response.text[:300])
+
+
+@pytest.mark.parametrize("api_name", list(APIS))
+def test_a_prompt_the_context_cannot_hold_is_refused_before_tokenizing(client: TestClient, api_name: str) -> None:
+    """Half a megabyte of text for a 128-token context: refused by its length alone (the message
+    counts characters, not tokens), however the tokenizer would have fared with it."""
+    api = APIS[api_name]
+    body = {**api["body"], "messages": [{"role": "user", "content": "ab " * 160_000}]}
+    response = client.post(api["path"], json=body)
+    assert response.status_code == 400, response.text[:300]
+    assert api["shape"](response.json()) and "characters" in response.text, response.text[:300]
+    completion = client.post("/v1/completions", json={"model": "tiny", "prompt": "ab " * 160_000})
+    assert completion.status_code == 400 and "characters" in completion.text, completion.text[:300]
 
 
 @pytest.mark.parametrize("max_tokens", [10**9, 10**30])

@@ -20,7 +20,7 @@ from scripted import FakeEngine, make_ctx, wait_until
 
 from mlxr_core.access import ApiKeys, Unauthorized
 from mlxr_core.config.schema import ServerConfig
-from mlxr_core.server import ServerContext, build_app, drain
+from mlxr_core.server import ServerContext, build_app, drain, end_now
 
 KEY = "sk-test-0123456789"
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
@@ -228,7 +228,9 @@ class DrainingServer:
         from mlxr_core.cli.serve import _graceful_server_class
 
         config = uvicorn.Config(build_app(ctx), host="127.0.0.1", port=0, log_level="warning")
-        self.server = _graceful_server_class()(config, drain=lambda: drain(ctx, ctx.config.server.shutdown_timeout))
+        self.server = _graceful_server_class()(
+            config, drain=lambda: drain(ctx, ctx.config.server.shutdown_timeout), end_now=lambda: end_now(ctx)
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def start(self) -> str:

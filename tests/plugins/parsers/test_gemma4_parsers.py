@@ -170,7 +170,7 @@ def test_the_engine_keeps_the_markup_for_the_parsers() -> None:
     )  # fmt: skip
     weather = Tool("get_weather", "Weather of a city", {"type": "object", "properties": {"city": {"type": "string"}}})
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    info = SimpleNamespace(tokenizer=tokenizer)
+    info = SimpleNamespace(tokenizer=tokenizer, check_prompt_text=lambda text: None)
     chat = prepare_chat(None, info, ModelParsers(TOOLS, THINKING), messages, tools=[weather])  # type: ignore[arg-type]
     assert chat.keep_special == special_ids(tokenizer, MARKUP) and len(chat.keep_special) == len(MARKUP)
     reply = f"<|channel>thought\nAsk the tool 😀.<channel|><|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"

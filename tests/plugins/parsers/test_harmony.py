@@ -224,7 +224,7 @@ def test_a_chat_renders_in_harmony_and_asks_the_engine_to_keep_the_markup(tokeni
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "21"},
     ]  # fmt: skip
-    info = SimpleNamespace(tokenizer=tokenizer)
+    info = SimpleNamespace(tokenizer=tokenizer, check_prompt_text=lambda text: None)
     chat = prepare_chat(None, info, ModelParsers(parser, parser), messages, tools=[WEATHER])  # type: ignore[arg-type]
     assert chat.prompt.endswith(
         '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}'

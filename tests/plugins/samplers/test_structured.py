@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 
 from mlxr_core.engine.decoding import SamplerContext, make_sampler
-from mlxr_core.engine.request import Constraint, Delta, Finished, GenerationRequest, SamplingParams
+from mlxr_core.engine.request import (
+    Constraint,
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+)
 from mlxr_core.errors import RequestError
 from mlxr_plugins.samplers.structured import GrammarMask, structured
 
@@ -163,3 +170,14 @@ def test_max_tokens_before_the_document_ends_finishes_with_length(tiny_engine):
     text, reason = generate(tiny_engine, Constraint("json_schema", BOUNDED_SCHEMA), seed=0, max_tokens=4)
     assert reason == "length"
     assert text.startswith('{"')  # a truncated prefix of a valid document
+
+
+def test_a_schema_that_requires_itself_ends_the_request_with_an_error(tiny_engine):
+    """llguidance gives up on it (too complex) after the first token; the request must fail, not
+    go on with whatever the unconstrained model writes."""
+    schema = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    params = SamplingParams(temperature=1.0, seed=0, max_tokens=50, constraint=Constraint("json_schema", schema))
+    events = list(tiny_engine.submit(GenerationRequest(model="tiny", prompt_ids=[5, 6, 7], params=params)))
+    assert isinstance(events[-1], Failed), events[-1]
+    assert isinstance(events[-1].error, RequestError) and "can no longer be enforced" in str(events[-1].error)
+    assert generate(tiny_engine, Constraint("regex", "(yes|no)"), seed=1)[1] == "stop"  # the engine serves on
