@@ -22,7 +22,7 @@ hookspec = pluggy.HookspecMarker("mlxr")
 #: in its entry-point module (``MLXR_HOOK_API = "1"``); a different major version is refused at
 #: load time. Adding a hook, or an argument to one (pluggy lets an implementation take fewer),
 #: bumps the minor version; removing or changing one bumps the major version.
-HOOK_API_VERSION = "1.0"
+HOOK_API_VERSION = "1.1"
 
 
 class RegisterName(Protocol):
@@ -84,6 +84,28 @@ def mlxr_register_archs(register: RegisterName) -> None:
 
 
 @hookspec
+def mlxr_register_arch_fallbacks(register: RegisterName) -> None:
+    """Register architecture fallbacks: providers of model types no architecture is registered
+    under, resolved per checkpoint (the mlx-lm bridge serves every model type mlx-lm implements).
+
+    Called once per plugin manager, when the registries are assembled. The loader consults the
+    fallbacks only for a ``model_type`` (or ``models[].arch``) that no architecture plugin
+    registered, so a native architecture always wins; ``models[].arch`` naming a fallback sends
+    the checkpoint's own ``model_type`` to it.
+
+    :param register: ``register(name, target, *, override=False, **meta)``. ``name`` is what
+        ``models[].arch`` may name (``"mlx-lm"``); ``target`` implements
+        :class:`mlxr_core.model.arch.ArchitectureFallback` (``resolve(config)`` returns the
+        architecture and a one-line note for the startup log, or raises
+        :class:`mlxr_core.errors.ArchitectureUnavailable` saying why not). Registration must stay
+        cheap (no MLX import): describe what the fallback offers in ``meta`` for ``mlxr plugins``:
+        ``label`` (``"mlx-lm bridge"``), ``model_types`` (the list it serves, or ``None`` when it
+        cannot serve any) and ``unavailable`` (why not, with the install command).
+    :return: nothing.
+    """
+
+
+@hookspec
 def mlxr_register_kernels(register: RegisterKernel) -> None:
     """Register kernel backends for ops (attention, rms_norm, rope, ...).
 
@@ -133,7 +155,9 @@ def mlxr_register_apis(register: RegisterName) -> None:
 
     :param register: ``register(name, target, *, override=False)``. ``name`` is what ``apis:``
         lists (``"openai"``); ``target`` is a factory ``make(ctx: ServerContext) -> litestar.Router``
-        (see :class:`mlxr_core.server.ServerContext`) called once when the server starts.
+        (see :class:`mlxr_core.server.ServerContext`) called once when the server starts. Every
+        route is behind ``server.api_keys`` but GET routes whose ``opt`` marks them
+        :data:`mlxr_core.access.PUBLIC` (files that hold no data, such as a web page's own).
     :return: nothing.
     """
 

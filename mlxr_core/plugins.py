@@ -48,6 +48,7 @@ CAPABILITY_HOOKS = {
     "mlxr_register_formats": "formats",
     "mlxr_register_tokenizers": "tokenizers",
     "mlxr_register_archs": "archs",
+    "mlxr_register_arch_fallbacks": "arch_fallbacks",
     "mlxr_register_kernels": "kernels",
     "mlxr_register_samplers": "samplers",
     "mlxr_register_decoders": "decoders",
@@ -79,6 +80,7 @@ class Registries:
     formats: Registry = attrs.field(factory=lambda: Registry("format"))
     tokenizers: Registry = attrs.field(factory=lambda: Registry("tokenizer"))
     archs: Registry = attrs.field(factory=lambda: Registry("architecture"))
+    arch_fallbacks: Registry = attrs.field(factory=lambda: Registry("architecture fallback"))
     kernels: Registry = attrs.field(factory=lambda: Registry("kernel"))
     samplers: Registry = attrs.field(factory=lambda: Registry("sampler"))
     decoders: Registry = attrs.field(factory=lambda: Registry("decoder"))

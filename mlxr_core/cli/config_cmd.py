@@ -80,7 +80,10 @@ def run_check(args: argparse.Namespace) -> int:
         lines += config_error(config, problems).problems
     if lines:
         raise ConfigProblems(lines)
-    names = ", ".join(m.name or m.path for m in config.models)
+    from mlxr_core.model.paths import default_model_name, resolve_model_path
+
+    # The names clients use, unnamed models' defaults included (every path resolved above).
+    names = ", ".join(m.name or default_model_name(resolve_model_path(m.path, join=False)) for m in config.models)
     print(f"OK: {args.file} (models: {names}; apis: {', '.join(config.apis) or 'none'})")
     return 0
 
@@ -132,11 +135,17 @@ def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
         where = ("models", index)
         if model.format != "auto":
             check((*where, "format"), "format", model.format, registries.formats.names())
-        if model.arch != "auto":
-            check((*where, "arch"), "architecture", model.arch, registries.archs.names())
+        if model.arch != "auto" and model.arch not in fallback_model_types(host):
+            names = [*registries.archs.names(), *registries.arch_fallbacks.names()]
+            check((*where, "arch"), "architecture", model.arch, names)
         check((*where, "decoder"), "decoder", model.decoder, registries.decoders.names())
         check_kernels((*where, "kernels"), model.kernels)
     return problems
+
+
+def fallback_model_types(host: PluginHost) -> set[str]:
+    """The model types the architecture fallbacks say they serve (the mlx-lm bridge's)."""
+    return {name for entry in host.registries.arch_fallbacks for name in entry.meta.get("model_types") or ()}
 
 
 def missing_models(config: Config) -> list[Problem]:
@@ -148,7 +157,7 @@ def missing_models(config: Config) -> list[Problem]:
     problems = []
     for index, model in enumerate(config.models):
         try:
-            resolve_model_path(model.path)
+            resolve_model_path(model.path, join=False)  # a check writes nothing
         except ModelLoadError as exc:
             problems.append(Problem(("models", index, "path"), str(exc)))
     return problems

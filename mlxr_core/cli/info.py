@@ -65,21 +65,32 @@ def describe_model(
 
     from mlxr_core.kernels import bind_kernels
     from mlxr_core.model.layers.moe import active_share
-    from mlxr_core.model.loader import build_model, default_dtype, pick_arch, pick_format
+    from mlxr_core.model.loader import (
+        build_model,
+        check_config,
+        choose_arch,
+        default_dtype,
+        pick_format,
+    )
     from mlxr_core.model.paths import resolve_model_path
+    from mlxr_core.model.progress import step
     from mlxr_core.plugins import load_plugins
 
     registries = load_plugins().registries
     path = resolve_model_path(model)
     format_name, fmt = pick_format(path, registries)
     dtype = default_dtype() if dtype == "auto" else dtype
-    checkpoint = fmt.load(path, dtype=dtype)
-    arch = pick_arch(checkpoint, registries)
+    with step(f"loading {path.name}"):
+        checkpoint = fmt.load(path, dtype=dtype)
+    chosen = choose_arch(checkpoint, registries)
+    arch = chosen.arch
+    check_config(checkpoint, arch)
     config = checkpoint.config
     shapes = arch.kernel_context(config)
     kernels = bind_kernels(registries.kernels, dtype=dtype, shapes=shapes)
     report: Counter[str] = Counter()
-    built = build_model(checkpoint, arch, kernels, quantization, dtype, report)
+    with step(f"building the {config.get('model_type')} graph ({quantization} policy)"):
+        built = build_model(checkpoint, arch, kernels, quantization, dtype, report)
 
     flat: list[tuple[str, Any]] = tree_flatten(built.parameters())  # type: ignore[assignment]
     bits = {name: module.bits for name, module in built.named_modules() if hasattr(module, "bits")}
@@ -104,6 +115,8 @@ def describe_model(
         "path": str(path),
         "format": format_name,
         "architecture": config.get("model_type"),
+        "architecture_path": chosen.path,
+        "architecture_reason": chosen.reason,
         "name": checkpoint.metadata.get("name"),
         "parameters": int(parameters),
         "active_parameters": int(active),
@@ -129,6 +142,9 @@ def _size(n: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlxr_core.model.progress import enable
+
+    enable()  # a spinner on stderr while the model loads, on a terminal only
     facts = describe_model(
         args.model, dtype=args.dtype, quantization=args.quantization, context=args.context
     )
@@ -139,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     params = facts["parameters"]
     print(f"model:        {facts['path']}", file=out)
     print(f"format:       {facts['format']}    architecture: {facts['architecture']}", file=out)
+    print(f"served by:    {facts['architecture_reason']}", file=out)
     print(f"parameters:   {params:,} ({params / 1e6:.1f} M)    layers: {facts['layers']}", file=out)
     if facts["active_parameters"] != params:
         active = facts["active_parameters"]

@@ -107,6 +107,7 @@ def plugin_report(host: PluginHost) -> list[dict[str, Any]]:
                     f"plugins.config.{info.name} ({schema.__module__}.{schema.__qualname__})"
                     if schema is not None else None
                 ),
+                "notes": fallback_notes(host, info.name),
                 "overrides": overrides.get(info.name, []),
                 "overridden": overridden.get(info.name, []),
                 "error": info.error,
@@ -116,43 +117,38 @@ def plugin_report(host: PluginHost) -> list[dict[str, Any]]:
     return report
 
 
-def print_table(report: list[dict[str, Any]], *, verbose: bool = False) -> None:
-    """Print ``report`` as a rich table (tracebacks below it with ``verbose``)."""
+def fallback_notes(host: PluginHost, plugin: str) -> list[str]:
+    """What each architecture fallback ``plugin`` registered adds beyond the native architectures
+    (``mlx-lm bridge: 112 model types (14 more served natively)``), or why it serves none."""
+    native = set(host.registries.archs.names())
+    notes = []
+    for entry in host.registries.arch_fallbacks:
+        if entry.plugin != plugin:
+            continue
+        label = entry.meta.get("label", entry.name)
+        model_types = entry.meta.get("model_types")
+        if model_types is None:
+            notes.append(f"{label}: unavailable ({entry.meta.get('unavailable', 'no reason given')})")
+            continue
+        added = set(model_types) - native
+        shadowed = len(set(model_types)) - len(added)
+        more = f" ({shadowed} more served natively)" if shadowed else ""
+        notes.append(f"{label}: {len(added)} model types{more}")
+    return notes
+
+
+def print_table(report: list[dict[str, Any]], *, verbose: bool = False, console: Any = None) -> None:
+    """Print ``report``: a rich table on a terminal, whose cells wrap and never cut a name; one
+    block per plugin otherwise (a pipe, a log), at any width. Tracebacks follow with ``verbose``."""
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
-    console = Console(soft_wrap=False)
-    table = Table(title="mlxr plugins", title_justify="left")
-    table.add_column("plugin", style="bold", no_wrap=True)
-    table.add_column("distribution")
-    table.add_column("version", no_wrap=True)
-    table.add_column("state", no_wrap=True)
-    table.add_column("essential", no_wrap=True)
-    if verbose:
-        table.add_column("module")
-        table.add_column("hook API", no_wrap=True)
-    table.add_column("provides")
-    table.add_column("error", style="red")
-    for plugin in report:
-        lines = [f"{kind}: {', '.join(names)}" for kind, names in plugin["provides"].items()]
-        if plugin["config_section"]:
-            lines.append(f"config: plugins.config.{plugin['name']}")
-        lines += [f"overrides {item}" for item in plugin["overrides"]]
-        lines += [f"overridden: {item}" for item in plugin["overridden"]]
-        state = plugin["state"]
-        row = [
-            escape(plugin["name"]),
-            escape(plugin["distribution"] or "-"),
-            escape(plugin["version"] or "-"),
-            f"[{STATE_STYLES.get(state, '')}]{state}[/]",
-            "yes" if plugin["essential"] else "",
-        ]
-        if verbose:
-            row += [escape(plugin["module"] or "-"), escape(str(plugin["hook_api"] or "-"))]
-        row += [escape("\n".join(lines)), escape(plugin["error"] or "")]
-        table.add_row(*row)
-    console.print(table)
+    console = console or Console(soft_wrap=False)
+    if console.is_terminal:
+        console.print(_table(report, verbose=verbose))
+    else:
+        for plugin in report:
+            _print_block(console, plugin, verbose=verbose)
     console.print(f"mlxr hook API {HOOK_API_VERSION}", highlight=False)
     counts = {state: sum(p["state"] == state for p in report) for state in ("ok", "failed", "disabled")}
     console.print(
@@ -164,3 +160,59 @@ def print_table(report: list[dict[str, Any]], *, verbose: bool = False) -> None:
             if plugin["traceback"]:
                 console.rule(f"{escape(plugin['name'])}: traceback")
                 console.print(escape(plugin["traceback"]), highlight=False)
+
+
+def _provides(plugin: dict[str, Any]) -> list[str]:
+    lines = [f"{kind}: {', '.join(names)}" for kind, names in plugin["provides"].items()]
+    lines += plugin["notes"]
+    if plugin["config_section"]:
+        lines.append(f"config: plugins.config.{plugin['name']}")
+    lines += [f"overrides {item}" for item in plugin["overrides"]]
+    lines += [f"overridden: {item}" for item in plugin["overridden"]]
+    return lines
+
+
+def _table(report: list[dict[str, Any]], *, verbose: bool) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="mlxr plugins", title_justify="left")
+    # "fold": a name wider than its column breaks onto the next line instead of ending in "…".
+    table.add_column("plugin", style="bold", overflow="fold")
+    table.add_column("distribution", overflow="fold")
+    table.add_column("version", overflow="fold")
+    table.add_column("state", no_wrap=True)
+    table.add_column("essential", no_wrap=True)
+    if verbose:
+        table.add_column("module", overflow="fold")
+        table.add_column("hook API", overflow="fold")
+    table.add_column("provides", overflow="fold")
+    table.add_column("error", style="red", overflow="fold")
+    for plugin in report:
+        state = plugin["state"]
+        row = [
+            escape(plugin["name"]),
+            escape(plugin["distribution"] or "-"),
+            escape(plugin["version"] or "-"),
+            f"[{STATE_STYLES.get(state, '')}]{state}[/]",
+            "yes" if plugin["essential"] else "",
+        ]
+        if verbose:
+            row += [escape(plugin["module"] or "-"), escape(str(plugin["hook_api"] or "-"))]
+        row += [escape("\n".join(_provides(plugin))), escape(plugin["error"] or "")]
+        table.add_row(*row)
+    return table
+
+
+def _print_block(console: Any, plugin: dict[str, Any], *, verbose: bool) -> None:
+    """``NAME  DISTRIBUTION VERSION  STATE[, essential]``, then its details indented, one a line."""
+    head = [plugin["name"], f"{plugin['distribution'] or '-'} {plugin['version'] or '-'}", plugin["state"]]
+    if plugin["essential"]:
+        head[-1] += ", essential"
+    lines = [f"module: {plugin['module'] or '-'}", f"hook API: {plugin['hook_api'] or '-'}"] if verbose else []
+    lines += _provides(plugin)
+    if plugin["error"]:
+        lines.append(f"error: {plugin['error']}")
+    console.out("  ".join(head), highlight=False)
+    for line in lines:
+        console.out(f"    {line}", highlight=False)

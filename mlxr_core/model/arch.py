@@ -81,3 +81,28 @@ class RenamesModules(Protocol):
         """The module paths ``sanitize`` makes of checkpoint module ``module`` (``[module]`` when
         it keeps the name)."""
         ...
+
+
+class ArchitectureFallback(Protocol):
+    """A provider of architectures for model types no architecture plugin registers, through
+    ``mlxr_register_arch_fallbacks`` (the mlx-lm bridge). The loader asks it only after every
+    registered architecture name missed, so native architectures always win."""
+
+    def resolve(self, config: dict[str, Any]) -> tuple[Architecture, str]:
+        """The architecture serving ``config["model_type"]`` and a one-line note on the path it
+        takes (what builds the graph, what of mlxr does not apply), for the startup log and
+        ``mlxr info``. Raises :class:`~mlxr_core.errors.ArchitectureUnavailable` saying why when
+        this fallback has no such model type or cannot run at all (a library not installed)."""
+        ...
+
+
+@runtime_checkable
+class ChecksLoadedModel(Protocol):
+    """An optional capability of an :class:`Architecture`: a check of the built module with its
+    weights loaded, run once by the loader before the model serves (the mlx-lm bridge checks that
+    a row of a left-padded batch decodes as it does alone, which a graph it did not write might
+    not do)."""
+
+    def check_loaded(self, model: nn.Module) -> None:
+        """Raise :class:`~mlxr_core.errors.ModelLoadError` saying why ``model`` cannot serve."""
+        ...

@@ -6,10 +6,12 @@ Runs on the engine thread (it creates MLX arrays). Every step that can fail rais
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import re
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -18,13 +20,23 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxr_core.errors import ModelLoadError, UnknownArchitecture, UnsupportedFormat
+from mlxr_core.errors import (
+    ArchitectureUnavailable,
+    ModelLoadError,
+    UnknownArchitecture,
+    UnsupportedFormat,
+)
 from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
-from mlxr_core.model.arch import Architecture, DefaultChatTemplate, RenamesModules
+from mlxr_core.model.arch import (
+    Architecture,
+    ChecksLoadedModel,
+    DefaultChatTemplate,
+    RenamesModules,
+)
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
-from mlxr_core.model.paths import resolve_model_path
+from mlxr_core.model.paths import default_model_name, resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.tokenizer import Tokenizer
 
@@ -57,6 +69,8 @@ class LoadedModel:
     created: int = attrs.field(factory=lambda: int(time.time()))
     #: The decode step compiled between attentions (``models[].compile_decode``), or None.
     compiled_decode: CompiledDecode | None = None
+    #: How the architecture was chosen (:attr:`ArchChoice.reason`).
+    arch_reason: str = ""
 
     def make_cache(self) -> list[Any]:
         return self.arch.make_cache(self.model)
@@ -110,16 +124,108 @@ def pick_format(path: Path, registries: Registries, choice: str = "auto") -> tup
     )
 
 
-def pick_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "auto") -> Architecture:
-    name = checkpoint.config.get("model_type") if choice == "auto" else choice
+@attrs.frozen
+class ArchChoice:
+    """The architecture a checkpoint loads through, and why (the startup log, ``mlxr info``)."""
+
+    arch: Architecture
+    #: ``"native"``, or the name of the architecture fallback serving it (``"mlx-lm"``).
+    path: str
+    #: One line: the plugin providing it, or what the fallback builds and what does not apply.
+    reason: str
+
+
+def choose_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "auto") -> ArchChoice:
+    """The architecture registered under the checkpoint's ``model_type`` (or ``choice``); else the
+    first architecture fallback that serves that name (``mlxr_register_arch_fallbacks``), so a
+    native architecture always wins. A ``choice`` naming a fallback sends the checkpoint's own
+    ``model_type`` to it. Raises UnknownArchitecture listing the architectures and why each
+    fallback declined."""
+    model_type = checkpoint.config.get("model_type")
+    name = model_type if choice == "auto" else choice
     if not name:
         raise ModelLoadError(
             "the checkpoint names no model_type; set models[].arch", path=str(checkpoint.path)
         )
-    if name not in registries.archs:
-        raise UnknownArchitecture(name, registries.archs.names())
-    arch: Architecture = registries.archs.get(name)
-    return arch
+    if name in registries.archs:
+        entry = registries.archs.entry(name)
+        return ArchChoice(entry.load(), "native", f"native architecture {name!r} (plugin {entry.plugin})")
+    fallbacks = list(registries.arch_fallbacks)
+    why = f"no architecture plugin registers {name!r}"
+    if name in registries.arch_fallbacks:
+        fallbacks, why = [registries.arch_fallbacks.entry(name)], f"models[].arch is {name!r}"
+        name = model_type
+        if not name:
+            raise ModelLoadError("the checkpoint names no model_type", path=str(checkpoint.path))
+    declined = []
+    for entry in fallbacks:
+        label = entry.meta.get("label", entry.name)
+        try:
+            arch, note = entry.load().resolve({**checkpoint.config, "model_type": name})
+        except ArchitectureUnavailable as exc:
+            declined.append(f"{label}: {exc}")
+            continue
+        return ArchChoice(arch, entry.name, f"{label} ({why}): {note}")
+    raise UnknownArchitecture(name, registries.archs.names(), declined)
+
+
+def pick_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "auto") -> Architecture:
+    """The architecture of :func:`choose_arch`."""
+    return choose_arch(checkpoint, registries, choice).arch
+
+
+#: A layer's index in a weight name (``model.layers.12.mlp.up_proj.weight``).
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@contextlib.contextmanager
+def naming_config(checkpoint: Checkpoint) -> Iterator[None]:
+    """While an architecture reads ``checkpoint.config``: a ModelLoadError naming no file gets the
+    config's file and the key as that file spells it (``llama.block_count``), and any other
+    exception (a graph dividing by a value nothing checked) becomes a ModelLoadError naming the file."""
+    where = str(checkpoint.config_path or checkpoint.path)
+    try:
+        yield
+    except ModelLoadError as exc:
+        if exc.path is not None:
+            raise
+        key = _file_key(checkpoint, exc.key)
+        tensor = exc.tensor
+        if tensor is None and key is not None and key.endswith(".weight"):
+            key, tensor = None, key
+        raise ModelLoadError(exc.detail, path=where, tensor=tensor, key=key) from exc
+    except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
+        model_type = checkpoint.config.get("model_type")
+        raise ModelLoadError(
+            f"the {model_type} graph cannot be built from this config: {type(exc).__name__}: {exc}",
+            path=where,
+        ) from exc
+
+
+def _file_key(checkpoint: Checkpoint, key: str | None) -> str | None:
+    """``key`` (``rope_scaling.factor``, ``rope_freq_factors[3]``) as the checkpoint's file names it."""
+    keys = checkpoint.config_keys
+    if key is None or key in keys:
+        return keys.get(key) if key else None
+    root = re.split(r"[.\[]", key, maxsplit=1)[0]
+    return keys[root] + key[len(root) :] if root in keys else key
+
+
+def check_config(checkpoint: Checkpoint, arch: Architecture) -> None:
+    """Check a checkpoint's config before anything is built from it: the layers it declares have
+    weights, and the architecture reads it (its config class checks each value's type and range,
+    :mod:`mlxr_core.model.layers.args`). Raises ModelLoadError naming the file, key and value."""
+    config = checkpoint.config
+    with naming_config(checkpoint):
+        declared = config.get("num_hidden_layers")
+        stored = {int(m[1]) for name in checkpoint.weights if (m := LAYER_INDEX.search(name))}
+        if type(declared) is int and stored and declared > max(stored) + 1:
+            raise ModelLoadError(
+                f"{declared} layers declared, but the weights hold {max(stored) + 1}",
+                key="num_hidden_layers",
+            )
+        arch.kernel_context(config)
+        arch.context_length(config)
 
 
 def renamed_modules(arch: Architecture, table: Mapping[str, T]) -> Mapping[str, T]:
@@ -142,13 +248,14 @@ def build_model(
     (:mod:`mlxr_core.model.quantize`), evaluated and in eval mode. What the policy did per source
     type is logged at debug level and added to ``report`` when given."""
     config = checkpoint.config
-    model = arch.build(config, kernels)
+    with naming_config(checkpoint):
+        model = arch.build(config, kernels)
     try:
         sanitized = arch.sanitize(checkpoint.weights, config)
     except ModelLoadError as exc:
         if exc.path is not None:
             raise
-        raise ModelLoadError(str(exc), path=str(checkpoint.path), tensor=exc.tensor) from exc
+        raise ModelLoadError(exc.detail, path=str(checkpoint.path), tensor=exc.tensor) from exc
     result = apply_policy(
         quantization_policy,
         model,
@@ -199,7 +306,10 @@ def load_model(
     format_name, fmt = pick_format(path, registries, model_config.format)
     dtype = default_dtype() if model_config.dtype == "auto" else model_config.dtype
     checkpoint = fmt.load(path, dtype=dtype)
-    arch = pick_arch(checkpoint, registries, model_config.arch)
+    chosen = choose_arch(checkpoint, registries, model_config.arch)
+    arch = chosen.arch
+    log.info("%s: model type %r: %s", path.name, checkpoint.config.get("model_type"), chosen.reason)
+    check_config(checkpoint, arch)
     config = checkpoint.config
 
     if checkpoint.tokenizer is None:
@@ -218,6 +328,8 @@ def load_model(
         registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices
     )
     model = build_model(checkpoint, arch, kernels, model_config.quantization, dtype)
+    if isinstance(arch, ChecksLoadedModel):
+        arch.check_loaded(model)
     if model_config.fuse_projections:
         log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
     compiled = None
@@ -237,7 +349,7 @@ def load_model(
             log.info("%s: decoding eagerly, the decode step cannot be compiled: %s", path.name, reason)
 
     context_length = model_config.context_length or arch.context_length(config)
-    name = model_config.name or path.stem
+    name = model_config.name or default_model_name(path)
     loaded = LoadedModel(
         name=name,
         model=model,
@@ -252,6 +364,7 @@ def load_model(
         decoder=model_config.decoder,
         metadata=checkpoint.metadata,
         compiled_decode=compiled,
+        arch_reason=chosen.reason,
     )
     log.info(
         "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s, decode step %s",
