@@ -29,13 +29,16 @@ def check_api(
     Mounts the API alone (``apis: [name]``, one API key configured) over a real engine serving
     ``model_path`` as ``tiny`` (a tiny model: ``mlxr_core.testing.tiny.write_tiny_llama_gguf``),
     then checks: the factory returns a router with at least one route; every route answers 401
-    without the key, in the API's own JSON error shape (the same shape on every route, not
-    Litestar's default body); with the key, every GET route answers without a server error (path
-    parameters get the model's name) and every POST route answers a malformed JSON body with a
-    4xx (or 501, not implemented) in that same shape. Returns the ``"METHOD path"`` of the routes checked.
+    without the key (but a :data:`~mlxr_core.access.PUBLIC` one: a GET that answers without it, for
+    files that hold no data such as a web page's own), in the API's own JSON error shape (the same
+    shape on every route, not Litestar's default body); with the key, every GET route answers
+    without a server error (path parameters get the model's name) and every POST route answers a
+    malformed JSON body with a 4xx (or 501, not implemented) in that same shape. Returns the
+    ``"METHOD path"`` of the routes checked.
     """
     from litestar.testing import TestClient
 
+    from mlxr_core.access import PUBLIC
     from mlxr_core.config.loader import validate_plugin_sections
     from mlxr_core.config.schema import Config, ModelConfig, ServerConfig
     from mlxr_core.engine.engine import Engine
@@ -65,6 +68,13 @@ def check_api(
         if method not in ("OPTIONS", "HEAD")
     ]
     assert routes, f"API {name!r} mounts no routes"
+    public = {
+        (method, route.path)
+        for route in router.routes
+        for handler in getattr(route, "route_handlers", ())
+        if handler.opt.get(PUBLIC) is True
+        for method in handler.http_methods
+    }
     checked = []
     with TestClient(app) as client:
         _wait_ready(client)
@@ -74,6 +84,12 @@ def check_api(
             for param in params.values():
                 path = path.replace("{" + param.full + "}", MODEL_NAME)
             label = f"{method} {template}"
+            if (method, template) in public:
+                assert method == "GET", f"{label} is public: only GET routes may be served without a key"
+                reply = client.get(path, follow_redirects=False)
+                assert reply.status_code < 400, f"{label} (public) answered {reply.status_code}"
+                checked.append(f"{label} (public)")
+                continue
             reply = client.request(method, path)
             assert reply.status_code == 401, f"{label} without an API key answered {reply.status_code}"
             shapes[f"{label} (401)"] = _error_shape(label, reply)
@@ -96,7 +112,8 @@ def check_api(
                 )
                 shapes[f"{label} ({reply.status_code})"] = _error_shape(label, reply)
             checked.append(label)
-        first, *others = shapes.items()
+        # Every route of an API whose routes are all public answers no error: nothing to compare.
+        first, *others = shapes.items() if shapes else [("", None)]
         for where, shape in others:
             assert shape == first[1], (
                 f"API {name!r} answers errors in different shapes: {first[0]} {first[1]} "
