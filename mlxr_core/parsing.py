@@ -51,6 +51,47 @@ class Tool:
             function["description"] = self.description
         return {"type": "function", "function": function}
 
+    def forced_arguments_schema(self) -> dict[str, Any]:
+        """The schema a forced call's arguments are decoded under: :attr:`parameters` with every
+        object that lists ``properties`` closed to other keys (:func:`closed_objects`)."""
+        closed: dict[str, Any] = closed_objects(self.parameters or {"type": "object"})
+        return closed
+
+
+#: Keywords by which a schema says what keys beyond its ``properties`` may hold.
+_OPEN_KEYWORDS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+#: Keywords holding a mapping of names to subschemas, and those holding one subschema or a list.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_VALUES = ("items", "prefixItems", "additionalProperties", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object schema that lists
+    ``properties`` and is silent on other keys: where a forced tool call is concerned, a tool
+    takes the arguments it declares and no others (as OpenAI's strict mode), so constrained
+    decoding cannot add an empty or unknown key. A schema that says ``additionalProperties`` (or
+    ``patternProperties``) keeps its word; an object without ``properties`` stays free-form.
+
+    ``allOf`` and ``not`` subschemas are left as they are (closing each part of an ``allOf``
+    would forbid its siblings' keys), and so are ``anyOf``/``oneOf`` alternatives beside
+    ``properties`` of their own parent, for the same reason.
+    """
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_VALUES or (key in ("anyOf", "oneOf") and "properties" not in schema):
+            closed[key] = closed_objects(value)
+        else:
+            closed[key] = value
+    if isinstance(schema.get("properties"), dict) and not any(k in schema for k in _OPEN_KEYWORDS):
+        closed["additionalProperties"] = False
+    return closed
+
 
 @attrs.frozen
 class ToolCall:

@@ -230,11 +230,12 @@ class ForcedCall:
 
 
 def call_schema(tools: list[Tool]) -> dict[str, Any]:
-    """The JSON schema of one call to any of ``tools``."""
+    """The JSON schema of one call to any of ``tools``; arguments hold only the keys a tool
+    declares where its schema is silent on others (:meth:`Tool.forced_arguments_schema`)."""
     options = [
         {
             "type": "object",
-            "properties": {"name": {"const": tool.name}, "arguments": tool.parameters or {"type": "object"}},
+            "properties": {"name": {"const": tool.name}, "arguments": tool.forced_arguments_schema()},
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
@@ -300,6 +301,7 @@ def prepare_chat(
     else:
         messages = _inline_tools(messages, shown, parsers.tool)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) + prefill
+    info.check_prompt_text(prompt)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     bos = tokenizer.bos_token_id
     if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):

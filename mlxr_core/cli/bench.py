@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from mlxr_core.config.schema import DTYPES, QUANTIZATION_POLICIES, EngineConfig
+from mlxr_core.model.progress import step
 from mlxr_core.plugins import hookimpl
 
 if TYPE_CHECKING:
@@ -109,7 +110,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
-    """Handle ``mlxr bench``: print the report as JSON on stdout."""
+    """Handle ``mlxr bench``: print the report as JSON on stdout (progress on a terminal's stderr)."""
+    from mlxr_core.model.progress import enable
+
+    enable()
     report = bench(
         args.model,
         prompt_tokens=args.prompt_tokens,
@@ -377,7 +381,8 @@ def start_engine(
         engine=engine_config or EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
     )
     engine = Engine(config, load_plugins(extra=[("mlxr-bench", observer)]))
-    engine.start()
+    with step(f"loading {model}"):
+        engine.start()
     (summary,) = observer.models.values()
     return engine, summary
 
@@ -417,9 +422,14 @@ def bench(
         tokenizer = engine.model(summary.name).tokenizer
         prompt = synthetic_prompt(tokenizer, prompt_tokens)
         # Warm-up: the first run pays for allocations and lazy initialisation.
-        measure_stream(engine, summary.name, prompt, min(gen_tokens, 8))
+        with step("warming up"):
+            measure_stream(engine, summary.name, prompt, min(gen_tokens, 8))
         mx.reset_peak_memory()
-        runs = [measure_stream(engine, summary.name, prompt, gen_tokens) for _ in range(repeat)]
+        runs = []
+        with step(f"{prompt_tokens} prompt + {gen_tokens} generated tokens, run", total=repeat) as advance:
+            for _ in range(repeat):
+                runs.append(measure_stream(engine, summary.name, prompt, gen_tokens))
+                advance()
         report: dict[str, Any] = {
             "model": model,
             "path": summary.path,
@@ -446,9 +456,14 @@ def bench(
         if concurrency > 1:
             # Distinct prompts: no shared prefix even with the prefix cache on.
             prompts = [synthetic_prompt(tokenizer, prompt_tokens, offset=7 * i) for i in range(concurrency)]
-            measure_concurrent(engine, summary.name, prompts, min(gen_tokens, 8))  # warm-up
+            with step(f"warming up {concurrency} concurrent streams"):
+                measure_concurrent(engine, summary.name, prompts, min(gen_tokens, 8))
             mx.reset_peak_memory()
-            rounds = [measure_concurrent(engine, summary.name, prompts, gen_tokens) for _ in range(repeat)]
+            rounds = []
+            with step(f"{concurrency} concurrent streams, round", total=repeat) as advance:
+                for _ in range(repeat):
+                    rounds.append(measure_concurrent(engine, summary.name, prompts, gen_tokens))
+                    advance()
             report["concurrent"] = summarize_concurrent(
                 rounds, max_batch_size=engine_config.max_batch_size
             )

@@ -4,9 +4,13 @@ The model is read by its format plugin and built by its architecture exactly as 
 would, under ``--quantize`` (a ``models[].quantization`` policy: ``keep`` the file's exact packings,
 ``q8``/``q4``/``q4_g64``, or ``none`` for dense weights, which makes a plain Hugging Face folder).
 OUT gets ``model.safetensors`` with the module's own (Hugging Face) tensor names, ``config.json``
-with mlx-lm's ``quantization`` block (per-module overrides where packings differ), and the tokenizer:
-a folder's tokenizer files are copied; a GGUF's vocabulary is converted by transformers when it is
-installed (``pip install transformers``), otherwise the folder has no tokenizer and says so.
+with mlx-lm's ``quantization`` block (per-module overrides where packings differ) and the
+end-of-generation ids, and the tokenizer: a folder's tokenizer files are copied; a GGUF's
+vocabulary is written as ``tokenizer.json`` + ``tokenizer_config.json`` (chat template included)
+by mlxr's own GGUF tokenizer, through the ``tokenizers`` library: no transformers, no torch.
+
+The folder is written beside OUT under a temporary name and renamed to OUT when complete: a
+convert that fails or is interrupted leaves nothing half-written behind.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
 from mlxr_core.cli.commands import Subparsers
 from mlxr_core.errors import MlxrError
+from mlxr_core.model.tokenizer import Tokenizer, WritesHFFiles
 
 log = logging.getLogger(__name__)
 
@@ -66,36 +73,69 @@ def add_parser(subparsers: Subparsers) -> None:
 
 
 def convert(model: str, out: str | Path, *, quantize: str = "none", dtype: str = "float16") -> Path:
-    """Write ``model`` to the folder ``out``; return it."""
+    """Write ``model`` to the folder ``out``; return it. ``out`` appears only once complete."""
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise MlxrError(f"{target} exists and is not an empty folder; choose a new one")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}.partial"
+    staging.mkdir()
+    try:
+        config = _write_folder(model, staging, quantize=quantize, dtype=dtype)
+        if target.is_dir():
+            target.rmdir()  # empty, checked above; a rename does not replace a folder everywhere
+        os.rename(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("wrote %s (%s, %s)", target, config["model_type"], quantize)
+    return target
+
+
+def _write_folder(model: str, folder: Path, *, quantize: str, dtype: str) -> dict[str, Any]:
+    """Write the converted model into ``folder``; return its config.json."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     from mlxr_core.kernels import bind_kernels
+    from mlxr_core.model.arch import DefaultChatTemplate
     from mlxr_core.model.loader import build_model, pick_arch, pick_format
     from mlxr_core.model.paths import resolve_model_path
+    from mlxr_core.model.progress import step
     from mlxr_core.plugins import load_plugins
 
-    target = Path(out)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise MlxrError(f"{target} exists and is not an empty folder; choose a new one")
     registries = load_plugins().registries
     path = resolve_model_path(model)
-    format_name, fmt = pick_format(path, registries)
-    checkpoint = fmt.load(path, dtype=dtype)
+    _, fmt = pick_format(path, registries)
+    with step(f"loading {path.name}"):
+        checkpoint = fmt.load(path, dtype=dtype)
     arch = pick_arch(checkpoint, registries)
     kernels = bind_kernels(
         registries.kernels, dtype=dtype, shapes=arch.kernel_context(checkpoint.config)
     )
-    built = build_model(checkpoint, arch, kernels, POLICIES[quantize], dtype)
+    with step(f"building the {checkpoint.config.get('model_type')} graph ({quantize})"):
+        built = build_model(checkpoint, arch, kernels, POLICIES[quantize], dtype)
 
     flat: list[tuple[str, mx.array]] = tree_flatten(built.parameters())  # type: ignore[assignment]
-    target.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(target / "model.safetensors"), dict(flat), metadata={"format": "mlx"})
+    with step("writing model.safetensors"):
+        mx.save_safetensors(str(folder / "model.safetensors"), dict(flat), metadata={"format": "mlx"})
+    tokenizer = None
+    if checkpoint.tokenizer is not None:
+        chat_template = checkpoint.chat_template
+        if chat_template is None and isinstance(arch, DefaultChatTemplate):
+            chat_template = arch.default_chat_template(checkpoint.config)
+        backend = registries.tokenizers.get(checkpoint.tokenizer.kind)
+        tokenizer = backend.build(checkpoint.tokenizer.data, chat_template=chat_template)
     config = mlx_config(checkpoint.config, built)
-    (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_tokenizer(path, format_name, target, checkpoint.chat_template)
-    log.info("wrote %s (%s, %s)", target, config["model_type"], quantize)
-    return target
+    if tokenizer is not None:
+        # mlx-lm stops on config.json's eos_token_id: every id that ends a turn, not only EOS.
+        eos = sorted(tokenizer.eos_token_ids)
+        config.setdefault("eos_token_id", eos[0] if len(eos) == 1 else eos)
+        if tokenizer.bos_token_id is not None:
+            config.setdefault("bos_token_id", tokenizer.bos_token_id)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer(path, folder, tokenizer)
+    return config
 
 
 def mlx_config(config: dict[str, Any], model: Any) -> dict[str, Any]:
@@ -129,32 +169,28 @@ def mlx_config(config: dict[str, Any], model: Any) -> dict[str, Any]:
     return out
 
 
-def write_tokenizer(
-    source: Path, format_name: str, target: Path, chat_template: str | None
-) -> None:
-    """Copy a folder's tokenizer files, or convert a GGUF's vocabulary with transformers."""
+def write_tokenizer(source: Path, target: Path, tokenizer: Tokenizer | None) -> None:
+    """Write a tokenizer mlxr built from a vocabulary (a GGUF's) as Hugging Face files; else copy
+    the tokenizer files of the checkpoint's folder as they are."""
+    if isinstance(tokenizer, WritesHFFiles):
+        for name, text in tokenizer.hf_files().items():
+            (target / name).write_text(text, encoding="utf-8")
+        return
     folder = source if source.is_dir() else source.parent
-    if format_name != "gguf":
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
-                shutil.copy2(folder / name, target / name)
-        return
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        log.warning(
-            "%s: no tokenizer written (converting a GGUF vocabulary needs transformers: "
-            "pip install transformers)",
-            target,
+    copied = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    for name in copied:
+        shutil.copy2(folder / name, target / name)
+    if tokenizer is not None and not copied:
+        raise MlxrError(
+            f"{source}: no tokenizer files to copy, and its {type(tokenizer).__name__} cannot write "
+            "them: the folder would load nowhere"
         )
-        return
-    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=source.name)
-    if chat_template and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = chat_template
-    tokenizer.save_pretrained(str(target))
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlxr_core.model.progress import enable
+
+    enable()  # spinners on stderr, on a terminal only: stdout gets the folder's path alone
     out = convert(args.model, args.out, quantize=args.quantize, dtype=args.dtype)
     print(out)
     return 0

@@ -7,6 +7,7 @@ prints token counts and speed to stderr. The model is loaded exactly as ``mlxr s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable
@@ -73,8 +74,10 @@ def run(args: argparse.Namespace) -> int:
     from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, SamplingConfig
     from mlxr_core.engine.engine import Engine
     from mlxr_core.engine.request import Delta, Failed, Finished, GenerationRequest, SamplingParams
+    from mlxr_core.model.progress import enable, step
     from mlxr_core.plugins import load_plugins
 
+    enable()  # spinners on stderr until the first token, on a terminal only
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     config = Config(
         models=[ModelConfig(path=args.model, dtype=args.dtype)],
@@ -84,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
         ),
     )
     engine = Engine(config, load_plugins())
-    engine.start()
+    with step(f"loading {args.model}"):
+        engine.start()
+    waiting = contextlib.ExitStack()
     try:
         (name,) = engine.models
         prompt_ids = _encode(engine, name, prompt, chat=args.chat, system=args.system)
@@ -100,9 +105,11 @@ def run(args: argparse.Namespace) -> int:
         )
         started = time.perf_counter()
         handle = engine.submit(GenerationRequest(model=name, prompt_ids=prompt_ids, params=params))
+        waiting.enter_context(step(f"reading the prompt ({len(prompt_ids)} tokens)"))
         text_ended_with_newline = True
         try:
             for event in handle:
+                waiting.close()  # the spinner goes before the text comes
                 if isinstance(event, Delta) and event.text:
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
@@ -119,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
             handle.cancel()
             raise
     finally:
+        waiting.close()
         engine.stop()
     return 0
 

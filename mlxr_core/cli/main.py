@@ -86,9 +86,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:
         if debug:
             traceback.print_exc()
+        if isinstance(exc, ImportError) and (backend := missing_mlx_backend(exc)):
+            print(f"mlxr: error: {backend}", file=sys.stderr)
+            return EXIT_FAILURE
         hint = "" if debug else " (run with -v or MLXR_DEBUG=1 for the traceback)"
         print(f"mlxr: error: internal error: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def missing_mlx_backend(exc: ImportError) -> str | None:
+    """What to install when MLX cannot be imported: plain ``mlx`` on Linux has no backend library
+    (``libmlx.so``) until an extra brings one. None for any other import error."""
+    if "libmlx" not in str(exc) and exc.name not in ("mlx", "mlx.core"):
+        return None
+    return (
+        f"MLX cannot load ({exc}): it needs a backend on Linux: pip install 'mlxr[cpu]' for the "
+        "CPU, or MLX's CUDA build for an NVIDIA GPU (pip install 'mlx[cuda12]' or 'mlx[cuda13]')"
+    )
 
 
 def _needs_plugin_commands(argv: Sequence[str]) -> bool:

@@ -1,13 +1,16 @@
 """``mlxr serve``: load the config, the plugins and the models, and serve the APIs with uvicorn.
 
 Order matters: the config is loaded and validated first, so a bad config exits with status 2 and
-names the key before anything heavy happens; then plugins; then the app, whose startup starts the
-engine in the background (``/health`` answers 503 until the models are loaded). If a model fails
-to load, the server shuts down and exits with status 1.
+names the key before anything heavy happens; then the port is bound, so a port in use fails at
+once; then plugins; then the app, whose startup starts the engine in the background (``/health``
+answers 503 until the models are loaded). If a model fails to load, the server shuts down and
+exits with status 1. ``mlxr: serving ... at URL`` is printed once ``/health`` answers 200 there.
 
 SIGTERM and SIGINT shut down gracefully and exit 0: stop accepting connections, let running
 requests finish for ``server.shutdown_timeout`` seconds, end the rest with a final error event
-(:func:`mlxr_core.server.drain`), stop the engine. A second SIGINT forces the exit.
+(:func:`mlxr_core.server.drain`), stop the engine. A second SIGTERM or SIGINT during that forces the
+exit: every running request ends at once, still with its final error event
+(:func:`mlxr_core.server.end_now`), and the status is 130.
 """
 
 from __future__ import annotations
@@ -15,19 +18,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import math
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.config.schema import LOG_LEVELS
+from mlxr_core.errors import MlxrError
 
 if TYPE_CHECKING:
+    from mlxr_core.config.schema import ServerConfig
     from mlxr_core.engine.engine import Engine
     from mlxr_core.plugins import PluginHost
     from mlxr_core.server import ServerContext
@@ -39,6 +46,8 @@ ENV_API_KEY = "MLXR_API_KEY"
 #: Seconds uvicorn waits beyond ``server.shutdown_timeout`` before it cancels connections itself:
 #: a backstop, since the drain has already ended every request by then.
 UVICORN_GRACE_S = 10
+#: Seconds the app's own shutdown (stopping the engine) gets after a forced exit.
+FORCED_SHUTDOWN_S = 5.0
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -88,60 +97,93 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "debug", False) and parse_level(level) > logging.DEBUG:
         level = "debug"  # `mlxr -v serve`
     setup_logging(level)
+    listener = bind(config.server)
+    with listener:  # closed by uvicorn when it serves; here when anything before that fails
+        from mlxr_core.engine.engine import Engine
+        from mlxr_core.parsing import validate_parser_choices
+        from mlxr_core.plugins import load_plugins
+        from mlxr_core.server import ServerContext, build_app
 
-    from mlxr_core.engine.engine import Engine
-    from mlxr_core.parsing import validate_parser_choices
-    from mlxr_core.plugins import load_plugins
-    from mlxr_core.server import ServerContext, build_app
-
-    host = load_plugins(
-        disable=config.plugins.disable,
-        strict=True if config.plugins.strict else None,
-        require=config.plugins.require,
-    )
-    log_plugins(host)
-    sections = validate_plugin_sections(config, host.registries)
-    validate_parser_choices(config, host.registries)
-    engine = Engine(config, host)
-    ctx = ServerContext(config=config, host=host, engine=engine, plugin_config=sections)
-    serve(build_app(ctx), ctx, log_level=level)
-    return 0
+        host = load_plugins(
+            disable=config.plugins.disable,
+            strict=True if config.plugins.strict else None,
+            require=config.plugins.require,
+        )
+        log_plugins(host)
+        sections = validate_plugin_sections(config, host.registries)
+        validate_parser_choices(config, host.registries)
+        engine = Engine(config, host)
+        ctx = ServerContext(config=config, host=host, engine=engine, plugin_config=sections)
+        return serve(build_app(ctx), ctx, log_level=level, listener=listener)
 
 
-def serve(app: Any, ctx: ServerContext, *, log_level: str) -> None:
-    """Run ``app`` under uvicorn until SIGINT/SIGTERM (a graceful shutdown), or until the models
-    fail to load (raising the engine's error)."""
-    import uvicorn
+def bind(server_config: ServerConfig) -> socket.socket:
+    """A socket bound to ``server.host``:``server.port``, before anything loads: a port in use is
+    one error at once, not a traceback after the models have loaded."""
+    host, port = server_config.host, server_config.port
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        hint = ""
+        if exc.errno == errno.EADDRINUSE:
+            hint = " (another process is listening there: stop it, or choose --port / server.port)"
+        raise MlxrError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+    listener.set_inheritable(True)
+    return listener
 
-    from mlxr_core.server import drain
 
-    server_config = ctx.config.server
+def serve(app: Any, ctx: ServerContext, *, log_level: str, listener: socket.socket | None = None) -> int:
+    """Run ``app`` under uvicorn until SIGINT/SIGTERM (a graceful shutdown: returns 0; forced by a
+    second signal: 130), or until the models fail to load (raising the engine's error).
+
+    ``listener`` is the bound socket (:func:`bind`); None binds ``server.host``:``server.port`` now.
+    """
+    from mlxr_core.cli.main import EXIT_INTERRUPTED
+    from mlxr_core.server import drain, end_now
+
     engine = ctx.engine
-    timeout = server_config.shutdown_timeout
+    timeout = ctx.config.server.shutdown_timeout
     server = _graceful_server_class()(
-        uvicorn.Config(
-            app,
-            host=server_config.host,
-            port=server_config.port,
-            log_level=log_level,
-            log_config=None,  # setup_logging already configured uvicorn's loggers like ours
-            access_log=False,  # mlxr.access logs each request once, with its id
-            lifespan="on",
-            timeout_graceful_shutdown=math.ceil(timeout) + UVICORN_GRACE_S,
-        ),
+        uvicorn_config(app, ctx.config.server, log_level=log_level),
         drain=lambda: drain(ctx, timeout),
+        end_now=lambda: end_now(ctx),
     )
     apis = ", ".join(ctx.config.apis)
+    _hide_early_readiness()
     threading.Thread(
         target=_announce_when_ready, args=(server, engine, apis), name="mlxr-announce", daemon=True
     ).start()
     try:
-        server.run()
+        server.run(sockets=[listener if listener is not None else bind(ctx.config.server)])
     finally:
         # A no-op after the app's shutdown; after a forced exit, ends running requests at once.
         engine.stop(timeout=0.0 if server.force_exit else timeout)
     if engine.error is not None:
         raise engine.error
+    return EXIT_INTERRUPTED if server.force_exit else 0
+
+
+def uvicorn_config(app: Any, server_config: ServerConfig, *, log_level: str) -> Any:
+    """uvicorn's settings for ``app``: the bind address, mlxr's logging, the shutdown backstop and
+    the connections' read deadlines (:mod:`mlxr_core.connections`)."""
+    import uvicorn
+
+    from mlxr_core.connections import protocol_with_deadlines
+
+    return uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=log_level,
+        log_config=None,  # setup_logging already configured uvicorn's loggers like ours
+        access_log=False,  # mlxr.access logs each request once, with its id
+        lifespan="on",
+        timeout_graceful_shutdown=math.ceil(server_config.shutdown_timeout) + UVICORN_GRACE_S,
+        http=protocol_with_deadlines(server_config.header_timeout, server_config.body_timeout),
+    )
 
 
 @functools.cache
@@ -151,22 +193,40 @@ def _graceful_server_class() -> type[Any]:
 
     class Server(uvicorn.Server):
         """uvicorn's server, draining mlxr's requests before it waits for connections to close,
-        and treating SIGTERM/SIGINT as a normal end (exit 0) instead of re-raising them."""
+        and treating SIGTERM/SIGINT as a normal end (exit 0) instead of re-raising them; a second
+        signal of either kind ends the running requests at once."""
 
-        def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+        def __init__(
+            self,
+            config: uvicorn.Config,
+            drain: Callable[[], Awaitable[None]],
+            end_now: Callable[[], Awaitable[int]],
+        ):
             super().__init__(config)
             self._drain = drain
+            self._end_now = end_now
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.should_exit:
+                self.force_exit = True  # uvicorn forces only on a second SIGINT
+            self.should_exit = True
 
         async def shutdown(self, sockets: Any = None) -> None:
             for listener in self.servers:
                 listener.close()  # stop accepting before the drain, not after
             drain = asyncio.ensure_future(self._drain())
             while not drain.done():
-                if self.force_exit:  # a second SIGINT: stop waiting for requests
+                if self.force_exit:  # a second signal: stop waiting, end the requests now
                     drain.cancel()
+                    await self._end_now()
                     break
                 await asyncio.sleep(0.05)
             await super().shutdown(sockets)
+            if self.force_exit and self.config.lifespan != "off":
+                # uvicorn skips the app's shutdown when forced, leaving the lifespan task to be
+                # cancelled (a logged traceback); with no request left, it stops the engine at once.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.lifespan.shutdown(), FORCED_SHUTDOWN_S)
 
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
@@ -200,7 +260,46 @@ def _announce_when_ready(server: Any, engine: Engine, apis: str) -> None:
         return
     host, port = server.servers[0].sockets[0].getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    while not _answers(host, port):
+        if server.should_exit:
+            return
+        time.sleep(0.05)
     print(f"mlxr: serving {', '.join(sorted(engine.models))} at {url} (APIs: {apis})", flush=True)
+    if "webui" in apis.split(", "):
+        print(f"mlxr: web page at {url}/ui/", flush=True)
+
+
+def _answers(host: str, port: int) -> bool:
+    """Whether ``GET /health`` answers on the bound address with anything but 503 (loading); a 401
+    (``/health`` behind the API keys) is an answer too."""
+    import http.client
+
+    local = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    connection = http.client.HTTPConnection(local, port, timeout=5)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status != 503
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+class _EarlyReadiness(logging.Filter):
+    """Hides uvicorn's "Application startup complete.": the app's startup only starts loading the
+    models, and the "serving" line says when the server answers (kept at the debug level)."""
+
+    HIDDEN = frozenset({"Waiting for application startup.", "Application startup complete."})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        debug = logging.getLogger("uvicorn").isEnabledFor(logging.DEBUG)
+        return debug or record.getMessage() not in self.HIDDEN
+
+
+def _hide_early_readiness() -> None:
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _EarlyReadiness) for f in logger.filters):
+        logger.addFilter(_EarlyReadiness())
 
 
 def log_plugins(host: PluginHost) -> None:

@@ -360,7 +360,7 @@ def _structure(data: dict[str, Any], schema: type[Config], origins: _Origins) ->
 
 def model_name_problems(config: Config) -> list[Problem]:
     """Each ``models[].name`` or ``models[].aliases[]`` that names a model already named: a
-    request's ``model`` must pick one model. (A model without a name gets its file's stem when it
+    request's ``model`` must pick one model. (A model without a name gets its default name when it
     loads; the engine checks those.)"""
     seen: dict[str, KeyPath] = {}
     problems = []

@@ -61,6 +61,16 @@ class Tokenizer(Protocol):
         ...
 
 
+@runtime_checkable
+class WritesHFFiles(Protocol):
+    """An optional capability of a :class:`Tokenizer` whose checkpoint has no Hugging Face
+    tokenizer files (a GGUF vocabulary): itself as those files, for ``mlxr convert``."""
+
+    def hf_files(self) -> dict[str, str]:
+        """File name (``tokenizer.json``, ``tokenizer_config.json`` ...) -> its text."""
+        ...
+
+
 class TokenizerBackend(Protocol):
     """Builds tokenizers of one kind; registered through ``mlxr_register_tokenizers``."""
 

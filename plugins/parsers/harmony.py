@@ -216,8 +216,8 @@ class HarmonyParser:
     def forced_grammar(self, tools: list[Tool]) -> str:
         """Some reasoning, then a call to one of ``tools`` with arguments their schema allows:
         compact JSON (unless the schema's ``x-guidance`` says otherwise), and only the properties
-        the schema lists where it is silent on ``additionalProperties`` (the prompt shows the
-        model a TypeScript type with just those)."""
+        the schema lists where it is silent on ``additionalProperties``, nested objects too (the
+        prompt shows the model a TypeScript type with just those)."""
         calls = [f"call_{i}" for i in range(len(tools))]
         lines = [
             f"start: analysis ({' | '.join(calls)})",
@@ -226,9 +226,7 @@ class HarmonyParser:
         ]
         for rule, tool in zip(calls, tools, strict=True):
             header = json.dumps(f"commentary to={FUNCTIONS}{tool.name} ")
-            schema: dict[str, Any] = {"x-guidance": {"whitespace_flexible": False}, **tool.parameters}
-            if "properties" in schema:
-                schema.setdefault("additionalProperties", False)
+            schema: dict[str, Any] = {"x-guidance": {"whitespace_flexible": False}, **tool.forced_arguments_schema()}
             lines.append(f'{rule}: <|channel|> {header} <|constrain|> "json" <|message|> %json {json.dumps(schema)}')
         return "\n".join(lines) + "\n"
 

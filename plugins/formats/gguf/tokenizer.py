@@ -12,11 +12,16 @@ Two vocab kinds are supported, and both aim at llama.cpp's own ids byte for byte
 Control, user-defined and unknown tokens are split out of the raw text before the model runs (as
 llama.cpp does with ``parse_special``), so ``<|im_start|>`` encodes to its single id. Decoding goes
 through a per-id table of bytes, the same pieces llama.cpp's ``token_to_piece`` writes.
+
+:meth:`GGUFTokenizer.hf_files` writes the same tokenizer as a Hugging Face folder's
+``tokenizer.json`` and ``tokenizer_config.json`` (``mlxr convert``): mlxr, transformers and mlx-lm
+load it without the GGUF, and without transformers' own GGUF converter (or torch).
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import Sequence
 from functools import lru_cache
@@ -139,8 +144,10 @@ class GGUFTokenizer(ChatTemplating):
         add_eos: bool,
         strip_leading_space: bool,
         chat_template: str | None,
+        byte_level: bool = True,
     ):
         self._backend = backend
+        self._byte_level = byte_level
         self._types = types
         #: Decoded bytes of each id with special tokens skipped; ``_special`` holds their text.
         self._pieces = pieces
@@ -198,6 +205,44 @@ class GGUFTokenizer(ChatTemplating):
         """Each id's bytes: its decoded piece, or its text for a control/unknown token."""
         pieces = [self._special.get(i, piece) for i, piece in enumerate(self._pieces)]
         return TokenBytes(pieces=pieces, special=frozenset(self._special))
+
+    def hf_files(self) -> dict[str, str]:
+        """This tokenizer as a Hugging Face folder's files: ``tokenizer.json`` (the same model,
+        pre-tokenizer and special tokens, plus the decoder and the BOS/EOS post-processor a
+        Hugging Face tokenizer needs) and ``tokenizer_config.json`` (special tokens, chat template)."""
+        from tokenizers import Tokenizer, decoders, processors
+
+        backend = Tokenizer.from_str(self._backend.to_str())
+        if self._byte_level:
+            backend.decoder = decoders.ByteLevel()
+        else:  # SentencePiece-style, as Hugging Face writes it (and mlx-lm recognizes)
+            steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+            if self._strip_leading_space:
+                steps.append(decoders.Strip(" ", 1, 0))
+            backend.decoder = decoders.Sequence(steps)
+        bos = [self.bos_token] if self.add_bos and self.bos_token is not None else []
+        eos = [self.eos_token] if self._add_eos and self.eos_token is not None else []
+        if bos or eos:
+            ids = {self.bos_token: self.bos_token_id, self.eos_token: self._eos_token_id}
+            backend.post_processor = processors.TemplateProcessing(
+                single=" ".join([*bos, "$A", *eos]),
+                pair=" ".join([*bos, "$A", *eos, *bos, "$B:1", *eos]),
+                special_tokens=[(token, ids[token]) for token in dict.fromkeys([*bos, *eos])],
+            )
+        config: dict[str, Any] = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos,
+            "add_eos_token": self._add_eos,
+            "clean_up_tokenization_spaces": False,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        return {
+            "tokenizer.json": backend.to_str(pretty=True),
+            "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False) + "\n",
+        }
 
 
 
@@ -261,6 +306,7 @@ class GGUFTokenizerBackend:
             add_eos=add_eos,
             strip_leading_space=strip,
             chat_template=chat_template,
+            byte_level=kind == "gpt2",
         )
 
 

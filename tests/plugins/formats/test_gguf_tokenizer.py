@@ -409,3 +409,51 @@ def test_tokenizer_data_from_reader_reads_plain_values(tmp_path: Path) -> None:
     assert isinstance(read["tokenizer.ggml.add_space_prefix"], bool)
     assert "tokenizer.chat_template" not in read
     assert build(read).encode("hello world") == build(data).encode("hello world")
+
+
+# -- as Hugging Face files (mlxr convert) ------------------------------------------------------
+
+
+def as_hf_folder(tokenizer: GGUFTokenizer, folder: Path) -> Any:
+    """``tokenizer.hf_files()`` written to ``folder`` and loaded back by mlxr's ``hf`` backend."""
+    from mlxr_plugins.formats.safetensors.hf_tokenizer import HFTokenizerBackend
+
+    folder.mkdir(exist_ok=True)
+    for name, text in tokenizer.hf_files().items():
+        (folder / name).write_text(text, encoding="utf-8")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    data = {"file": folder / "tokenizer.json", "tokenizer_config": config}
+    return HFTokenizerBackend().build(data, chat_template=config.get("chat_template"))
+
+
+HF_TEXTS = [
+    "hello world", " hello  world ", "hello,world 123", "é 😀\t\n  x", "<|im_start|>hello<|im_end|>",
+    "<think>hello", "<start_of_turn>hello\n\n  world<end_of_turn>", "abc", "",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "data",
+    [tiny_gpt2(), tiny_gpt2(add_bos_token=True), tiny_spm(), tiny_spm(add_space_prefix=True)],
+    ids=["gpt2", "gpt2-bos", "spm", "spm-space-prefix"],
+)
+def test_hf_files_encode_and_decode_as_the_gguf_vocab_does(data: dict[str, Any], tmp_path: Path) -> None:
+    ours = build(data, chat_template="{{ messages[0]['content'] }}")
+    theirs = as_hf_folder(ours, tmp_path)
+    assert (theirs.bos_token_id, theirs.add_bos, theirs.eos_token) == (ours.bos_token_id, ours.add_bos, ours.eos_token)
+    assert theirs.chat_template == ours.chat_template
+    for text in HF_TEXTS:
+        ids = ours.encode(text)
+        assert theirs.encode(text) == ids, text
+        assert theirs.decode(ids) == ours.decode(ids), text
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))  # as mlx-lm loads a folder
+    for text in HF_TEXTS:
+        assert auto.encode(text) == ours.encode(text), text
+
+
+@pytest.mark.slow
+def test_hf_files_of_real_vocabs_match_llama_cpp(real: Real, tmp_path: Path) -> None:
+    theirs = as_hf_folder(real.tokenizer, tmp_path)
+    for case in real.reference["cases"]:
+        assert theirs.encode(case["text"]) == case["ids"], case["text"][:60]
