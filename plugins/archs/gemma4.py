@@ -39,10 +39,9 @@ from mlxr_core.model.layers import (
     Rotary,
     SwitchGLU,
     TransformerArgs,
-    base_freqs,
     geglu,
     make_rotary,
-    rope_type,
+    weighted_sum,
 )
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -135,18 +134,12 @@ class Gemma4Args(TransformerArgs):
         return sources[-1]
 
     def rotary(self, layer: int, kernels: KernelSet) -> Rotary:
-        """RoPE of ``layer``'s type; ``proportional`` rotates the first ``partial_rotary_factor`` of
-        the pairs ``(i, i + D/2)`` at the frequencies of the whole head size ``D``, the rest never."""
+        """RoPE of ``layer``'s type (``proportional`` on global layers: see :mod:`~mlxr_core.model.layers.rope`)."""
         assert self.rope_parameters is not None
         kind, dims = self.kind(layer), self.layer_shape(layer)[0]
         params = dict(self.rope_parameters.get(kind) or DEFAULT_ROPE[kind])
         theta = float(params.get("rope_theta", DEFAULT_ROPE[kind]["rope_theta"]))
-        if rope_type(params) != "proportional":
-            return make_rotary(kernels, dims, theta, params, types=("default",), family="gemma4")
-        rotated = int(params.get("partial_rotary_factor", 1.0) * dims // 2)
-        still = mx.full((dims // 2 - rotated,), math.inf)  # an infinite period: never rotated
-        freqs = mx.concatenate([base_freqs(dims, theta)[:rotated], still])
-        return Rotary(kernels, dims, freqs=freqs * float(params.get("factor", 1.0)))
+        return make_rotary(kernels, dims, theta, params, types=("default", "proportional"), family="gemma4")
 
 
 class SharedKV:
@@ -267,7 +260,7 @@ class Gemma4Block(AttentionBlock):
         if "experts" in self:
             indices, weights = self.router(h)
             chosen = self.experts(self.pre_feedforward_layernorm_2(h), indices)  # [..., k, hidden]
-            mixed = (chosen * weights[..., None].astype(chosen.dtype)).sum(axis=-2)
+            mixed = weighted_sum(chosen, weights)
             y = self.post_feedforward_layernorm_1(y) + self.post_feedforward_layernorm_2(mixed)
         out: mx.array = h + self.post_feedforward_layernorm(y)
         return out

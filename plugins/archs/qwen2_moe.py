@@ -30,11 +30,11 @@ from mlxr_core.model.layers import (
     stack_experts,
 )
 from mlxr_plugins.archs.qwen2 import ROPE_TYPES, Qwen2Args
-from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES
+from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES, SparseLayers
 
 
 @dataclasses.dataclass
-class Qwen2MoeArgs(Qwen2Args):
+class Qwen2MoeArgs(Qwen2Args, SparseLayers):
     """Qwen2's keys plus the experts' (defaults as in ``Qwen2MoeConfig``)."""
 
     family = "qwen2_moe"
@@ -46,14 +46,6 @@ class Qwen2MoeArgs(Qwen2Args):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether ``layer``'s feed-forward is the mixture of experts (else a dense MLP)."""
-        return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
 
 
 class Qwen2Moe(CausalLM):

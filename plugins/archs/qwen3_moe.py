@@ -37,8 +37,24 @@ from mlxr_plugins.archs.qwen3 import Qwen3Args, qwen3_attention
 EXPERT_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
 
+class SparseLayers:
+    """Qwen's rule for which layers are sparse, over the config keys its MoE families share."""
+
+    num_experts: int
+    decoder_sparse_step: int
+    mlp_only_layers: list[int]
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer``'s feed-forward is the mixture of experts (else a dense MLP)."""
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+
 @dataclasses.dataclass
-class Qwen3MoeArgs(Qwen3Args):
+class Qwen3MoeArgs(Qwen3Args, SparseLayers):
     """Qwen3's keys plus the experts' (defaults as in ``Qwen3MoeConfig``)."""
 
     family = "qwen3_moe"
@@ -49,14 +65,6 @@ class Qwen3MoeArgs(Qwen3Args):
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
-
-    def is_sparse(self, layer: int) -> bool:
-        """Whether ``layer``'s feed-forward is the mixture of experts (else a dense MLP)."""
-        return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
-        )
 
 
 class Qwen3Moe(CausalLM):

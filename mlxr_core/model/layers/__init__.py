@@ -11,7 +11,14 @@ from mlxr_core.model.layers.block import AttentionBlock, PreNormBlock, SandwichB
 from mlxr_core.model.layers.family import DecoderArchitecture
 from mlxr_core.model.layers.mlp import GATED_ACTIVATIONS, GatedMLP, geglu
 from mlxr_core.model.layers.model import CausalLM, DecoderModel
-from mlxr_core.model.layers.moe import SparseMoE, SwitchGLU, SwitchLinear, route, stack_experts
+from mlxr_core.model.layers.moe import (
+    SparseMoE,
+    SwitchGLU,
+    SwitchLinear,
+    route,
+    stack_experts,
+    weighted_sum,
+)
 from mlxr_core.model.layers.norms import RMSNorm
 from mlxr_core.model.layers.rope import Rotary, args_rotary, base_freqs, make_rotary, rope_type
 
@@ -39,4 +46,5 @@ __all__ = [
     "rope_type",
     "route",
     "stack_experts",
+    "weighted_sum",
 ]

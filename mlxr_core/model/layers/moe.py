@@ -50,6 +50,11 @@ def route(
     return indices.astype(mx.uint32), weights
 
 
+def weighted_sum(outputs: mx.array, weights: mx.array) -> mx.array:
+    """The chosen experts' outputs ``[..., k, hidden]`` summed with their router weights ``[..., k]``."""
+    return (outputs * weights[..., None].astype(outputs.dtype)).sum(axis=-2)
+
+
 class SwitchLinear(nn.Module):
     """``experts`` linear layers stacked: ``weight [experts, out, in]`` (and ``bias [experts,
     out]``); called with rows ``x [..., 1, in]`` and the expert of each ``indices [...]``."""
@@ -211,8 +216,7 @@ class SparseMoE(nn.Module):
         indices, weights = self._route(
             self.gate(x), top_k=self.top_k, scoring=self.scoring, normalize=self.normalize
         )
-        outputs = self.switch_mlp(x, indices)  # [..., k, hidden]
-        out = (outputs * weights[..., None].astype(outputs.dtype)).sum(axis=-2)
+        out = weighted_sum(self.switch_mlp(x, indices), weights)
         if "shared_expert" in self:
             shared = self.shared_expert(x)
             if "shared_expert_gate" in self:

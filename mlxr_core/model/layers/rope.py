@@ -14,6 +14,9 @@ the inverse of Hugging Face's ``inv_freq``), and optionally a factor on the rota
                 ramp between; rotated features scaled by ``0.1 ln(factor) + 1`` (or as configured)
 ``longrope``    the ``short_factor`` divisors (the context within ``original_max_position_embeddings``);
                 rotated features scaled by ``sqrt(1 + ln(factor) / ln(original))``
+``proportional`` the first ``partial_rotary_factor`` of the pairs ``(i, i + D/2)`` rotated at the
+                frequencies of the whole head size ``D`` (divided by ``factor``), the rest never
+                (an infinite period): Gemma 4's global layers
 ==============  ===============================================================================
 
 llama.cpp stores llama3 scaling as per-frequency divisors (GGUF ``rope_freqs.weight``): a config's
@@ -32,7 +35,7 @@ from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 
 #: Every ``rope_type`` :func:`make_rotary` builds (``su`` is LongRoPE's older name).
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su", "proportional")
 
 
 def base_freqs(dims: int, base: float) -> mx.array:
@@ -199,6 +202,11 @@ def make_rotary(
             scaling.get("original_max_position_embeddings") or original_max_positions or max_positions
         )
         freqs, factor = longrope(dims, base, scaling, max_positions, original)
+    elif kind == "proportional":
+        rotated = int(float(scaling.get("partial_rotary_factor", 1.0)) * dims // 2)
+        still = mx.full((dims // 2 - rotated,), math.inf)  # an infinite period: never rotated
+        freqs = mx.concatenate([base_freqs(dims, base)[:rotated], still])
+        freqs = freqs * float(scaling.get("factor", 1.0))
     if freq_factors is not None:
         own = freqs if freqs is not None else base_freqs(dims, base)
         freqs = own * mx.array(freq_factors, dtype=mx.float32)
