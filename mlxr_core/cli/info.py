@@ -64,6 +64,7 @@ def describe_model(
     from mlx.utils import tree_flatten
 
     from mlxr_core.kernels import bind_kernels
+    from mlxr_core.model.cache import reserve_bytes
     from mlxr_core.model.layers.moe import active_share
     from mlxr_core.model.loader import (
         build_model,
@@ -107,9 +108,12 @@ def describe_model(
         share = next((s for prefix, s in shares.items() if name.startswith(prefix)), 1.0)
         active += count * share
     resident = sum(array.nbytes for _, array in flat)
-    layers = len(arch.make_cache(built))
+    caches = arch.make_cache(built)
+    layers = len(caches)
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
-    kv_per_token = 2 * layers * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * itemsize
+    attention = sum(1 for cache in caches if cache.attends)
+    kv_per_token = 2 * attention * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * itemsize
+    state = reserve_bytes(caches, 0, 0, itemsize)  # recurrent layers' fixed state per sequence
     context = context or arch.context_length(config)
     return {
         "path": str(path),
@@ -128,8 +132,10 @@ def describe_model(
         "layers": layers,
         "kv_bytes_per_token": kv_per_token,
         "context_length": context,
-        "kv_bytes_at_context": kv_per_token * context,
-        "memory_at_context_bytes": int(resident) + kv_per_token * context,
+        "recurrent_layers": layers - attention,
+        "state_bytes_per_sequence": state,
+        "kv_bytes_at_context": kv_per_token * context + state,
+        "memory_at_context_bytes": int(resident) + kv_per_token * context + state,
     }
 
 
@@ -167,6 +173,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {outcome}: {count}", file=out)
     print(f"resident:     {_size(facts['resident_bytes'])}", file=out)
     print(f"KV cache:     {_size(facts['kv_bytes_per_token'])} per token", file=out)
+    if facts["recurrent_layers"]:
+        print(
+            f"recurrent:    {facts['recurrent_layers']} layers, "
+            f"{_size(facts['state_bytes_per_sequence'])} of state per sequence at any length",
+            file=out,
+        )
     print(
         f"at {facts['context_length']} tokens: {_size(facts['memory_at_context_bytes'])} "
         f"(weights + {_size(facts['kv_bytes_at_context'])} KV, one sequence)",

@@ -1,8 +1,9 @@
 """Continuous batching for one model: requests join at token boundaries, leave when done.
 
 A request is first prefilled on its own, one chunk per engine step so a long prompt never stalls
-the running streams; then its cache joins the batch (:class:`BatchKVCache`, rows right-aligned),
-and every step decodes one token for all rows in one forward pass. The step is double-buffered:
+the running streams; then its caches join the batch (each layer's
+:meth:`~mlxr_core.model.cache.LayerCache.to_batch`: attention rows right-aligned, recurrent states
+stacked), and every step decodes one token for all rows in one forward pass. The step is double-buffered:
 the graph of step n+1 is queued (``mx.async_eval``) before the tokens of step n are read back.
 A failure that belongs to one request (its prefill, its sampler, its detokenizing) ends that request
 alone; the scheduler fails the whole batch only for a failure of the batch's own forward pass.
@@ -22,7 +23,7 @@ from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle, TokenLogprob, Usage
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
-from mlxr_core.model.cache import BatchKVCache
+from mlxr_core.model.cache import BatchLayerCache, batch_mask, reserve_bytes
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import EngineConfig
@@ -111,10 +112,9 @@ class BatchRunner:
         self.samplers = samplers
         self.prefix_cache = prefix_cache
         self.kv_bytes_per_token = kv_bytes_per_token(model)
-        self.n_layers = len(model.make_cache())
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.caches: list[BatchKVCache] | None = None
+        self.caches: list[BatchLayerCache] | None = None
         self.tokens: mx.array | None = None  # [B]: each row's next input (and, unless fresh, output)
         self.fresh: list[bool] = []  # row's token is its last prompt token, not a generated one
         #: Per row, the (lazy) logprob arrays of its token in ``tokens``, for rows that asked.
@@ -124,7 +124,8 @@ class BatchRunner:
 
     def reserve_bytes(self, handle: RequestHandle) -> int:
         params = handle.request.params
-        return (len(handle.request.prompt_ids) + (params.max_tokens or 0)) * self.kv_bytes_per_token
+        tokens = len(handle.request.prompt_ids) + (params.max_tokens or 0)
+        return sequence_bytes(self.model, tokens, self.kv_bytes_per_token)
 
     @property
     def reserved_bytes(self) -> int:
@@ -208,7 +209,9 @@ class BatchRunner:
 
     def _start_cache(self, seq: Sequence) -> list[Any]:
         if self.prefix_cache is not None:
-            reused, caches = self.prefix_cache.lookup(seq.prompt, limit=len(seq.prompt) - 1)
+            reused, caches = self.prefix_cache.lookup(
+                seq.prompt, limit=len(seq.prompt) - 1, make_cache=self.model.make_cache
+            )
             if caches is not None:
                 seq.prefilled = reused
                 return caches
@@ -216,10 +219,7 @@ class BatchRunner:
 
     def _join(self, seq: Sequence) -> None:
         last = mx.array([seq.prompt[-1]], dtype=mx.int32)
-        if seq.prefilled == 0:  # a one-token prompt: an empty row
-            rows = [self._empty_row() for _ in range(self.n_layers)]
-        else:
-            rows = [BatchKVCache.from_cache(cache) for cache in seq.cache or []]
+        rows = [cache.to_batch() for cache in seq.cache or self.model.make_cache()]
         if self.caches is None or self.tokens is None:
             self.caches, self.tokens = rows, last
         else:
@@ -230,12 +230,6 @@ class BatchRunner:
         self.running.append(seq)
         self.fresh.append(True)
         self.logprobs.append(None)
-
-    def _empty_row(self) -> BatchKVCache:
-        shapes = self.model.arch.kernel_context(self.model.config)
-        shape = (1, int(shapes["n_kv_heads"]), 0, int(shapes["head_dim"]))
-        dtype = getattr(mx, self.model.dtype)
-        return BatchKVCache(mx.zeros(shape, dtype=dtype), mx.zeros(shape, dtype=dtype), [0], 0)
 
     def _decode(self) -> None:
         assert self.caches is not None and self.tokens is not None
@@ -255,7 +249,7 @@ class BatchRunner:
                         seq.sampler.accept(token)
                     except Exception as exc:
                         failed[row] = exc
-        mask = caches[0].mask() if caches[0].padded else None
+        mask = batch_mask(caches)
         logits = self.model.decode(tokens, caches, mask)
         following = self._sample(logits, failed)
         following_logprobs = self._logprobs(logits, following)
@@ -341,9 +335,18 @@ def fail_sequence(seq: Sequence, exc: BaseException) -> None:
     seq.handle._emit(Failed(error))
 
 
+def _itemsize(model: LoadedModel) -> int:
+    return {"float32": 4, "float16": 2, "bfloat16": 2}[model.dtype]
+
+
 def kv_bytes_per_token(model: LoadedModel) -> int:
-    """Bytes of keys and values one position costs across all layers."""
+    """Bytes of keys and values one position costs across the attention layers."""
     shapes = model.arch.kernel_context(model.config)
-    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[model.dtype]
-    layers = len(model.make_cache())
-    return 2 * layers * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * itemsize
+    layers = sum(1 for cache in model.make_cache() if cache.attends)
+    return 2 * layers * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * _itemsize(model)
+
+
+def sequence_bytes(model: LoadedModel, tokens: int, kv_per_token: int) -> int:
+    """Bytes a sequence of ``tokens`` positions holds in ``model``'s caches: keys and values per
+    position, plus the fixed state of its recurrent layers."""
+    return reserve_bytes(model.make_cache(), tokens, kv_per_token, _itemsize(model))

@@ -99,6 +99,8 @@ class Engine:
         self.started_at = time.time()
         self._loaded: dict[str, LoadedModel] = {}
         self._kv_bytes_per_token: dict[str, int] = {}
+        #: Per model, the fixed bytes of one sequence's recurrent layers (0 for attention only).
+        self._state_bytes: dict[str, int] = {}
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
         self._jobs: queue.Queue[EngineJob] = queue.Queue()
         self._jobs_lock = threading.Lock()
@@ -226,6 +228,7 @@ class Engine:
             raise ContextLengthExceeded(prompt_tokens, params.max_tokens, info.context_length)
         budget = self.config.engine.max_kv_bytes
         needed = (prompt_tokens + params.max_tokens) * self._kv_bytes_per_token.get(request.model, 0)
+        needed += self._state_bytes.get(request.model, 0)
         if budget and needed > budget:
             raise RequestError(
                 f"this request needs {needed} bytes of KV cache (prompt + max_tokens), more than "
@@ -352,7 +355,7 @@ class Engine:
     def _run(self) -> None:
         import mlx.core as mx
 
-        from mlxr_core.engine.batch import kv_bytes_per_token
+        from mlxr_core.engine.batch import kv_bytes_per_token, sequence_bytes
         from mlxr_core.engine.scheduler import Scheduler
         from mlxr_core.model.loader import load_model
 
@@ -396,6 +399,7 @@ class Engine:
             for name, m in self._loaded.items()
         }
         self._kv_bytes_per_token = {name: kv_bytes_per_token(m) for name, m in self._loaded.items()}
+        self._state_bytes = {name: sequence_bytes(m, 0, 0) for name, m in self._loaded.items()}
         scheduler = Scheduler(
             engine_config,
             self._loaded,

@@ -1,21 +1,26 @@
-"""Reuse of prompt KV state across requests that share a token prefix.
+"""Reuse of prompt cache state across requests that share a token prefix.
 
-After a prompt is prefilled, its per-layer keys and values are stored under its token ids. A new
-request takes the entry with the longest common prefix (a system prompt, the earlier turns of a
-conversation, the same document) and prefills only the rest. Entries are evicted least recently
-used first once their bytes exceed the budget.
+After a prompt is prefilled, each layer's cache snapshot (keys and values; a recurrent layer's
+state at the prompt's end) is stored under its token ids. A new request takes the entry with the
+longest common prefix (a system prompt, the earlier turns of a conversation, the same document)
+and prefills only the rest. Keys and values can be cut at any position, a recurrent state only
+where it was taken: for a model with recurrent layers an entry is reused only when all of it is a
+prefix of the new prompt, and a longer partial match it had to pass over is counted in
+``partial_unusable``. Entries are evicted least recently used first once their bytes exceed the
+budget.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
-from mlxr_core.model.cache import KVCache
+from mlxr_core.model.cache import LayerCache
 
 #: Prefixes shorter than this are not worth a lookup's copy.
 MIN_REUSE = 16
@@ -24,7 +29,7 @@ MIN_REUSE = 16
 @attrs.define
 class PrefixEntry:
     tokens: np.ndarray
-    layers: list[tuple[mx.array, mx.array]]
+    layers: list[tuple[mx.array, ...]]
     nbytes: int
 
 
@@ -34,6 +39,9 @@ class PrefixStats:
     misses: int = 0
     reused_tokens: int = 0
     evictions: int = 0
+    #: Lookups whose longest match ended part way into an entry that holds recurrent state (which
+    #: can be resumed only at its end): that match was not reused.
+    partial_unusable: int = 0
 
 
 class PrefixCache:
@@ -52,19 +60,29 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, tokens: Sequence[int], *, limit: int) -> tuple[int, list[KVCache] | None]:
-        """The longest stored prefix of ``tokens`` (at most ``limit`` tokens) as fresh caches."""
+    def lookup(
+        self, tokens: Sequence[int], *, limit: int, make_cache: Callable[[], list[Any]]
+    ) -> tuple[int, list[Any] | None]:
+        """The longest stored prefix of ``tokens`` (at most ``limit`` tokens) as fresh caches from
+        ``make_cache`` (the model's)."""
         if not self._entries or limit < MIN_REUSE:
             self.stats.misses += 1
             return 0, None
+        caches = make_cache()
+        partial = all(type(cache).partial_reuse for cache in caches)
         query = np.asarray(tokens[:limit], dtype=np.int64)
-        best_key, best = -1, 0
+        best_key, best, passed_over = -1, 0, 0
         for key, entry in self._entries.items():
             n = min(len(entry.tokens), len(query))
             differs = np.nonzero(entry.tokens[:n] != query[:n])[0]
             common = int(differs[0]) if differs.size else n
+            if not partial and common < len(entry.tokens):
+                passed_over = max(passed_over, common)
+                continue
             if common > best:
                 best_key, best = key, common
+        if passed_over >= MIN_REUSE and passed_over > best:
+            self.stats.partial_unusable += 1
         if best < MIN_REUSE:
             self.stats.misses += 1
             return 0, None
@@ -72,21 +90,16 @@ class PrefixCache:
         self._entries.move_to_end(best_key)
         self.stats.hits += 1
         self.stats.reused_tokens += best
-        caches = [KVCache.from_arrays(k[..., :best, :], v[..., :best, :]) for k, v in entry.layers]
+        for cache, arrays in zip(caches, entry.layers, strict=True):
+            cache.restore(arrays, best)
         return best, caches
 
-    def store(self, tokens: Sequence[int], caches: list[KVCache]) -> None:
-        """Keep a copy of ``caches`` (holding exactly ``tokens``) unless it exceeds the budget."""
+    def store(self, tokens: Sequence[int], caches: list[LayerCache]) -> None:
+        """Keep a snapshot of ``caches`` (holding exactly ``tokens``) unless it exceeds the budget."""
         if len(tokens) < MIN_REUSE or self.max_bytes <= 0:
             return
-        layers = []
-        for cache in caches:
-            assert cache.keys is not None and cache.values is not None
-            # Copies, so the running request's buffers stay unshared (and writable in place).
-            layers.append(
-                (mx.contiguous(cache.keys[..., : cache.offset, :]), mx.contiguous(cache.values[..., : cache.offset, :]))
-            )
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
+        layers = [cache.snapshot() for cache in caches]
+        nbytes = sum(array.nbytes for layer in layers for array in layer)
         if nbytes > self.max_bytes:
             return
         tokens_array = np.asarray(tokens, dtype=np.int64)
@@ -95,7 +108,7 @@ class PrefixCache:
                 entry.tokens, tokens_array[: len(entry.tokens)]
             ):
                 del self._entries[key]
-        mx.eval([array for pair in layers for array in pair])
+        mx.eval([array for layer in layers for array in layer])
         self._entries[self._next_key] = PrefixEntry(tokens_array, layers, nbytes)
         self._next_key += 1
         while self.nbytes > self.max_bytes:

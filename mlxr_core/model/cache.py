@@ -1,15 +1,124 @@
-"""Per-layer key/value caches.
+"""Per-layer caches, as a declared protocol the engine works through.
 
-One cache object per attention layer and sequence. The attention layer calls
-:meth:`KVCache.update_and_fetch` with the keys and values of the new positions and attends over what
-it returns; the decoder reads :attr:`KVCache.offset` (positions held) and evaluates
-:attr:`KVCache.state` after a prefill chunk. Sliding-window and batched caches subclass
-:class:`KVCache` and keep the same surface.
+A model's architecture makes one cache per layer for a sequence (``make_cache``): a
+:class:`LayerCache`. Attention layers take a :class:`KVCache` (keys and values by position; a
+sliding-window layer keeps every position and masks, see :mod:`mlxr_core.model.masks`), recurrent
+layers (Gated DeltaNet, Mamba-style, short convolutions) a :class:`RecurrentCache` (a convolution's
+last inputs and a fixed-size state, whatever the length). While a request is prefilled the engine
+holds its per-sequence caches; when it joins the running batch each becomes a
+:class:`BatchLayerCache` (:meth:`LayerCache.to_batch`) that rows join (``extend``) and leave
+(``filter``). The prefix cache stores :meth:`LayerCache.snapshot` and gives a fresh cache back
+with :meth:`LayerCache.restore`; a recurrent state holds exactly the positions it has seen, so it
+can be restored only at the end of the stored prefix, never part way (:attr:`partial_reuse`). The
+drafting decoders roll back rejected draft tokens with :meth:`LayerCache.trim`, which a recurrent
+state cannot do (:meth:`LayerCache.is_trimmable`). The KV budget reserves
+:func:`reserve_bytes` per request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from math import prod
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
 import mlx.core as mx
+
+
+@runtime_checkable
+class BatchLayerCache(Protocol):
+    """One layer's cache for the running batch: one row per request."""
+
+    #: Whether the layer attends over positions, so a left-padded row needs the batch's mask
+    #: (:meth:`BatchKVCache.mask`); a recurrent layer's rows have no padding.
+    attends: ClassVar[bool]
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def state(self) -> list[mx.array]: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only the rows in ``keep``, in that order."""
+        ...
+
+    def extend(self, other: Any) -> None:
+        """Append ``other``'s rows (a batch cache of the same kind)."""
+        ...
+
+    def extract(self, row: int) -> LayerCache:
+        """Row ``row`` as a single-sequence cache."""
+        ...
+
+
+@runtime_checkable
+class LayerCache(Protocol):
+    """One layer's cache for one sequence."""
+
+    #: See :attr:`BatchLayerCache.attends`.
+    attends: ClassVar[bool]
+    #: Whether :meth:`restore` can take fewer positions than a snapshot holds (keys and values
+    #: can be cut at any position; a recurrent state cannot).
+    partial_reuse: ClassVar[bool]
+    #: Positions seen.
+    offset: int
+
+    @property
+    def state(self) -> list[mx.array]:
+        """The arrays holding the cache (to evaluate after a prefill chunk); empty when unused."""
+        ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def is_trimmable(self) -> bool: ...
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` positions; return how many were dropped."""
+        ...
+
+    def to_batch(self) -> BatchLayerCache:
+        """This sequence as a one-row batch cache (its arrays, not copies)."""
+        ...
+
+    def snapshot(self) -> tuple[mx.array, ...]:
+        """Arrays holding the :attr:`offset` positions seen, unshared with this cache."""
+        ...
+
+    def restore(self, arrays: tuple[mx.array, ...], length: int) -> None:
+        """Take the first ``length`` positions of a :meth:`snapshot` (all of them unless
+        :attr:`partial_reuse`) as this (fresh) cache's content."""
+        ...
+
+    def reserve_bytes(self, tokens: int, itemsize: int) -> int:
+        """Bytes this layer needs for a sequence of ``tokens`` positions whose activations take
+        ``itemsize`` bytes each; 0 where the layer's shapes are known only once it runs (keys and
+        values: :func:`reserve_bytes` counts them from the model's head shapes)."""
+        ...
+
+
+def attending_layer(caches: Sequence[Any]) -> int | None:
+    """Index of the first cache whose layer attends (where a batch's padding mask comes from)."""
+    return next((i for i, cache in enumerate(caches) if getattr(cache, "attends", True)), None)
+
+
+def batch_mask(caches: Sequence[Any]) -> mx.array | None:
+    """The padding mask of a batch (from its first attention layer), None when no row is padded."""
+    index = attending_layer(caches)
+    if index is None or not caches[index].padded:
+        return None
+    mask: mx.array = caches[index].mask()
+    return mask
+
+
+def reserve_bytes(caches: Sequence[Any], tokens: int, kv_per_token: int, itemsize: int) -> int:
+    """Bytes one sequence of ``tokens`` positions needs in ``caches`` (a fresh ``make_cache()``):
+    ``kv_per_token`` per position for the attention layers, plus each other layer's own."""
+    fixed = sum(cache.reserve_bytes(tokens, itemsize) for cache in caches if not cache.attends)
+    return tokens * kv_per_token + fixed
 
 #: Positions a cache's buffers grow by. Not 256: MLX's CUDA backend sends one-position attention
 #: over a cache whose capacity is a multiple of 256 (mlx-lm's step) to cuDNN, whose per-call host
@@ -30,6 +139,8 @@ class KVCache:
     concatenating (which would copy the whole cache every token).
     """
 
+    attends: ClassVar[bool] = True
+    partial_reuse: ClassVar[bool] = True
     #: Positions added each time the buffers grow.
     step: int = CACHE_STEP
 
@@ -87,6 +198,31 @@ class KVCache:
     def __len__(self) -> int:
         return self.offset
 
+    def to_batch(self) -> BatchKVCache:
+        if self.keys is None or self.values is None or self.offset == 0:
+            return BatchKVCache.empty()
+        return BatchKVCache.from_cache(self)
+
+    def snapshot(self) -> tuple[mx.array, ...]:
+        # Copies: the running request goes on writing its buffers in place.
+        if self.keys is None or self.values is None:
+            return ()
+        return (
+            mx.contiguous(self.keys[..., : self.offset, :]),
+            mx.contiguous(self.values[..., : self.offset, :]),
+        )
+
+    def restore(self, arrays: tuple[mx.array, ...], length: int) -> None:
+        keys, values = arrays
+        self._grow(keys, values, length)
+        assert self.keys is not None and self.values is not None
+        self.offset = length
+        self.keys[..., :length, :] = keys[..., :length, :]
+        self.values[..., :length, :] = values[..., :length, :]
+
+    def reserve_bytes(self, tokens: int, itemsize: int) -> int:
+        return 0  # counted from the model's head shapes (see reserve_bytes)
+
     @classmethod
     def from_arrays(cls, keys: mx.array, values: mx.array) -> KVCache:
         """A cache holding ``keys``/``values`` (``[B, H, S, D]``) as its first ``S`` positions."""
@@ -108,6 +244,7 @@ class BatchKVCache:
     shorter side is padded on the left) and leave with :meth:`filter`.
     """
 
+    attends: ClassVar[bool] = True
     step: int = CACHE_STEP
 
     def __init__(self, keys: mx.array, values: mx.array, left_padding: list[int], length: int):
@@ -122,6 +259,13 @@ class BatchKVCache:
         """A one-row batch from a single-sequence cache (e.g. after its prefill)."""
         assert cache.keys is not None and cache.values is not None
         return cls(cache.keys, cache.values, [0] * cache.keys.shape[0], cache.offset)
+
+    @classmethod
+    def empty(cls) -> BatchKVCache:
+        """One row with no positions (a one-token prompt's): its heads and dtype are taken from
+        the first keys written to it or from the rows it joins."""
+        nothing = mx.zeros((1, 1, 0, 1))
+        return cls(nothing, nothing, [0], 0)
 
     @property
     def batch_size(self) -> int:
@@ -234,3 +378,139 @@ def _pad_positions(array: mx.array, *, left: int = 0, right: int = 0) -> mx.arra
     if left == 0 and right == 0:
         return array
     return mx.pad(array, [(0, 0), (0, 0), (left, right), (0, 0)])
+
+
+class RecurrentCache:
+    """A recurrent layer's state for one sequence: ``conv_state`` ``[B, *conv]`` (the last inputs
+    of its causal convolution) and ``recurrent_state`` ``[B, *recurrent]`` (float32), both None
+    until the layer runs. The layer reads them and writes new arrays back with :meth:`update`
+    (never in place), so snapshots share them safely. ``conv``/``recurrent`` are the shapes per
+    sequence, declared so the KV budget can reserve them before the layer runs."""
+
+    attends: ClassVar[bool] = False
+    partial_reuse: ClassVar[bool] = False
+
+    def __init__(self, conv: tuple[int, ...], recurrent: tuple[int, ...]):
+        self.conv, self.recurrent = conv, recurrent
+        self.conv_state: mx.array | None = None
+        self.recurrent_state: mx.array | None = None
+        self.offset = 0
+
+    def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None:
+        """The states after ``length`` more positions."""
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+        self.offset += length
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.conv_state, self.recurrent_state) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.state)
+
+    def is_trimmable(self) -> bool:
+        """False: the state after position n is gone once position n + 1 was added."""
+        return False
+
+    def trim(self, n: int) -> int:
+        if n > 0:
+            raise ValueError("a recurrent state cannot drop positions")
+        return 0
+
+    def to_batch(self) -> BatchRecurrentCache:
+        return BatchRecurrentCache(self.conv, self.recurrent, self.conv_state, self.recurrent_state, [self.offset])
+
+    def snapshot(self) -> tuple[mx.array, ...]:
+        return tuple(self.state)
+
+    def restore(self, arrays: tuple[mx.array, ...], length: int) -> None:
+        self.conv_state, self.recurrent_state = arrays
+        self.offset = length
+
+    def reserve_bytes(self, tokens: int, itemsize: int) -> int:
+        return prod(self.conv) * itemsize + prod(self.recurrent) * 4
+
+    def __len__(self) -> int:
+        return self.offset
+
+
+class BatchRecurrentCache:
+    """:class:`RecurrentCache` for a batch: row ``i`` of each state is request ``i``'s. Rows have
+    no padding (each decode step feeds every row one token), so joining is a concatenation; a
+    row that has seen nothing holds zeros (the initial state). States stay None while no row has
+    any (a batch of one-token prompts before its first step)."""
+
+    attends: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        conv: tuple[int, ...],
+        recurrent: tuple[int, ...],
+        conv_state: mx.array | None,
+        recurrent_state: mx.array | None,
+        lengths: list[int],
+    ):
+        self.conv, self.recurrent = conv, recurrent
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+        self.lengths = lengths
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def offset(self) -> int | mx.array:
+        first = self.lengths[0] if self.lengths else 0
+        if all(length == first for length in self.lengths):
+            return first
+        return mx.array(self.lengths)
+
+    def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None:
+        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+        self.lengths = [n + length for n in self.lengths]
+
+    def filter(self, keep: list[int]) -> None:
+        index = mx.array(keep)
+        self.lengths = [self.lengths[i] for i in keep]
+        if self.conv_state is not None and self.recurrent_state is not None:
+            self.conv_state, self.recurrent_state = self.conv_state[index], self.recurrent_state[index]
+
+    def extend(self, other: BatchRecurrentCache) -> None:
+        mine, theirs = self._states(), other._states()
+        if mine is None and theirs is not None:
+            mine = self._zeros_like(theirs)
+        elif theirs is None and mine is not None:
+            theirs = other._zeros_like(mine)
+        if mine is not None and theirs is not None:
+            self.conv_state = mx.concatenate([mine[0], theirs[0]], axis=0)
+            self.recurrent_state = mx.concatenate([mine[1], theirs[1]], axis=0)
+        self.lengths = self.lengths + other.lengths
+
+    def _states(self) -> tuple[mx.array, mx.array] | None:
+        if self.conv_state is None or self.recurrent_state is None:
+            return None
+        return self.conv_state, self.recurrent_state
+
+    def _zeros_like(self, states: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
+        rows = self.batch_size
+        return (
+            mx.zeros((rows, *states[0].shape[1:]), dtype=states[0].dtype),
+            mx.zeros((rows, *states[1].shape[1:]), dtype=states[1].dtype),
+        )
+
+    def extract(self, row: int) -> RecurrentCache:
+        cache = RecurrentCache(self.conv, self.recurrent)
+        if self.conv_state is not None and self.recurrent_state is not None:
+            cache.conv_state = self.conv_state[row : row + 1]
+            cache.recurrent_state = self.recurrent_state[row : row + 1]
+        cache.offset = self.lengths[row]
+        return cache
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [a for a in (self.conv_state, self.recurrent_state) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.state)

@@ -3,8 +3,9 @@
 An architecture is a contract with the engine (:class:`~mlxr_core.model.arch.Architecture`): the
 module maps ``[B, L]`` ids to ``[B, L, vocab]`` logits; decoding through :meth:`make_cache` one token
 at a time gives the logits of one full forward pass; and the engine's batch flow (each prompt
-prefilled alone, its cache joined into a right-aligned :class:`BatchKVCache`, every row decoded
-together under the batch's padding mask, rows leaving) gives each row what it would get alone;
+prefilled alone, its caches joined into the batch's (each layer's ``to_batch``: keys and values
+right-aligned, recurrent states stacked), every row decoded together under the batch's padding
+mask, rows leaving) gives each row what it would get alone;
 ``hidden_states`` (pooled for embeddings) is padding- and chunking-invariant; where the module
 offers the cut points of a compiled decode step (:mod:`mlxr_core.model.compiled`), decoding
 through :class:`~mlxr_core.model.compiled.CompiledDecode` gives the same logits in the same batch
@@ -30,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxr_core.model.cache import BatchKVCache
+from mlxr_core.model.cache import batch_mask
 from mlxr_core.model.compiled import CompiledDecode, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.testing.api_check import check_api
@@ -82,6 +83,12 @@ TINY_CONFIG: dict[str, Any] = {
     # Gemma 4's per-layer inputs: by default a 262144-row table of 256 features per layer.
     "vocab_size_per_layer_input": 97,
     "hidden_size_per_layer_input": 4,
+    # Hybrids (Qwen3-Next, Qwen3.5): a Gated DeltaNet layer, then an attention layer.
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "full_attention_interval": 2,
 }
 #: Prompt lengths of the two batch rows: different, and longer than the sliding window.
 LENGTHS = (11, 6)
@@ -179,13 +186,13 @@ def _check_batch(
     for n, prompt in zip(LENGTHS, prompts, strict=True):
         cache = arch.make_cache(model)
         model(mx.array([prompt[: n - 1]]), cache=cache)
-        rows.append([BatchKVCache.from_cache(layer) for layer in cache])
+        rows.append([layer.to_batch() for layer in cache])
     batch = rows[0]
     for layer, other in zip(batch, rows[1], strict=True):
         layer.extend(other)
     for step in range(DECODE_STEPS + 1):
         tokens = mx.array([p[n - 1 + step] for n, p in zip(LENGTHS, prompts, strict=True)])
-        out = np.array(decode(tokens, batch, batch[0].mask()))
+        out = np.array(decode(tokens, batch, batch_mask(batch)))
         for row, (n, expected) in enumerate(zip(LENGTHS, full, strict=True)):
             _close(out[row], expected[n - 1 + step], atol, f"batch row {row}, decode step {step}{how}")
     for layer in batch:

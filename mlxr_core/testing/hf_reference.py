@@ -119,7 +119,7 @@ def check_reference(
     logits of each prompt; prefill of half, then one token at a time; both prompts prefilled alone,
     joined in a left-padded batch and decoded together; a prefix-cache hit continued."""
     from mlxr_core.engine.prefix_cache import PrefixCache
-    from mlxr_core.model.cache import BatchKVCache
+    from mlxr_core.model.cache import batch_mask
 
     loaded = load_reference_model(reference, registries, backend)
     model, arch = loaded.model, loaded.arch
@@ -140,13 +140,13 @@ def check_reference(
     for ids, n in zip(prompts, prefill, strict=True):
         cache = arch.make_cache(model)
         model(mx.array([ids[:n]]), cache=cache)
-        rows.append([BatchKVCache.from_cache(layer) for layer in cache])
+        rows.append([layer.to_batch() for layer in cache])
     batch = rows[0]
     for layer, other in zip(batch, rows[1], strict=True):
         layer.extend(other)
     for step in range(6):
         tokens = mx.array([[ids[n + step]] for ids, n in zip(prompts, prefill, strict=True)])
-        out = np.array(model(tokens, cache=batch, mask=batch[0].mask())[:, -1])
+        out = np.array(model(tokens, cache=batch, mask=batch_mask(batch))[:, -1])
         for row, n in enumerate(prefill):
             _close(out[row], expected[row][n + step], atol, f"batched decoding, row {row}, step {step}")
 
@@ -155,7 +155,7 @@ def check_reference(
     cache = arch.make_cache(model)
     model(mx.array([ids[:16]]), cache=cache)
     prefix.store(ids[:16], cache)
-    reused, caches = prefix.lookup(ids, limit=len(ids) - 1)
+    reused, caches = prefix.lookup(ids, limit=len(ids) - 1, make_cache=lambda: arch.make_cache(model))
     assert reused == 16 and caches is not None, f"the prefix cache reused {reused} tokens, not 16"
     _close(np.array(model(mx.array([ids[16:]]), cache=caches)[0]), want[16:], atol, "a prefix-cache hit")
 

@@ -202,7 +202,7 @@ def test_a_prefix_cache_hit_continues_correctly(reference, registries):
     cache = arch.make_cache(model)
     model(mx.array([ids[:16]]), cache=cache)
     prefix.store(ids[:16], cache)
-    reused, caches = prefix.lookup(ids, limit=len(ids) - 1)
+    reused, caches = prefix.lookup(ids, limit=len(ids) - 1, make_cache=lambda: arch.make_cache(model))
     assert reused == 16 and caches is not None
     rest = np.array(model(mx.array([ids[16:]]), cache=caches)[0])
     np.testing.assert_allclose(rest, expected[16:], atol=ATOL)
