@@ -3,8 +3,9 @@
 A model's architecture makes one cache per layer for a sequence (``make_cache``): a
 :class:`LayerCache`. Attention layers take a :class:`KVCache` (keys and values by position; a
 sliding-window layer keeps every position and masks, see :mod:`mlxr_core.model.masks`), recurrent
-layers (Gated DeltaNet, Mamba-style, short convolutions) a :class:`RecurrentCache` (a convolution's
-last inputs and a fixed-size state, whatever the length). While a request is prefilled the engine
+layers (Gated DeltaNet, Mamba-style, short convolutions) a :class:`StateCache` (a few fixed-size
+arrays whatever the length: a convolution's last inputs, an SSM state; :class:`RecurrentCache`
+names them for mlxr's own layers). While a request is prefilled the engine
 holds its per-sequence caches; when it joins the running batch each becomes a
 :class:`BatchLayerCache` (:meth:`LayerCache.to_batch`) that rows join (``extend``) and leave
 (``filter``). The prefix cache stores :meth:`LayerCache.snapshot` and gives a fresh cache back
@@ -380,30 +381,44 @@ def _pad_positions(array: mx.array, *, left: int = 0, right: int = 0) -> mx.arra
     return mx.pad(array, [(0, 0), (0, 0), (left, right), (0, 0)])
 
 
-class RecurrentCache:
-    """A recurrent layer's state for one sequence: ``conv_state`` ``[B, *conv]`` (the last inputs
-    of its causal convolution) and ``recurrent_state`` ``[B, *recurrent]`` (float32), both None
-    until the layer runs. The layer reads them and writes new arrays back with :meth:`update`
-    (never in place), so snapshots share them safely. ``conv``/``recurrent`` are the shapes per
-    sequence, declared so the KV budget can reserve them before the layer runs."""
+class StateCache:
+    """A recurrent layer's state for one sequence: a few arrays ``[B, ...]`` (a convolution's last
+    inputs, an SSM or DeltaNet state), each None until the layer first runs. The layer reads
+    them by index and writes new arrays back (``cache[i] = ...``, never in place), so snapshots
+    share them safely: the surface of mlx-lm's ``ArraysCache``, whose layers the mlx-lm bridge
+    runs unchanged. ``nbytes_hint`` is what one sequence's state takes (for the KV budget before
+    the layer runs; 0 when unknown)."""
 
     attends: ClassVar[bool] = False
     partial_reuse: ClassVar[bool] = False
 
-    def __init__(self, conv: tuple[int, ...], recurrent: tuple[int, ...]):
-        self.conv, self.recurrent = conv, recurrent
-        self.conv_state: mx.array | None = None
-        self.recurrent_state: mx.array | None = None
+    def __init__(self, slots: int, nbytes_hint: int = 0):
+        self.arrays: list[mx.array | None] = [None] * slots
+        self.nbytes_hint = nbytes_hint
+        #: Positions seen (advanced by :meth:`advance`; set by :meth:`restore`).
         self.offset = 0
+        #: mlx-lm's layers mask a batched prefill's rows by ``lengths``: none here.
+        self.lengths = None
 
-    def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None:
-        """The states after ``length`` more positions."""
-        self.conv_state, self.recurrent_state = conv_state, recurrent_state
+    def __getitem__(self, index: int) -> mx.array | None:
+        return self.arrays[index]
+
+    # No ``__len__``: mlx-lm's layers test a cache with ``if cache:``, which must hold before the
+    # first position too.
+
+    def __setitem__(self, index: int, value: mx.array) -> None:
+        self.arrays[index] = value
+
+    def advance(self, length: int) -> None:
         self.offset += length
+
+    def make_mask(self, N: int, **_: Any) -> None:
+        """No mask: a sequence's own positions only (mlx-lm's layers ask)."""
+        return None
 
     @property
     def state(self) -> list[mx.array]:
-        return [a for a in (self.conv_state, self.recurrent_state) if a is not None]
+        return [a for a in self.arrays if a is not None]
 
     @property
     def nbytes(self) -> int:
@@ -418,99 +433,128 @@ class RecurrentCache:
             raise ValueError("a recurrent state cannot drop positions")
         return 0
 
-    def to_batch(self) -> BatchRecurrentCache:
-        return BatchRecurrentCache(self.conv, self.recurrent, self.conv_state, self.recurrent_state, [self.offset])
+    def empty_like(self) -> StateCache:
+        """A fresh cache of this kind and shapes."""
+        return StateCache(len(self.arrays), self.nbytes_hint)
+
+    def to_batch(self) -> BatchStateCache:
+        return BatchStateCache(list(self.arrays), [self.offset], self.empty_like())
 
     def snapshot(self) -> tuple[mx.array, ...]:
-        return tuple(self.state)
+        if any(a is None for a in self.arrays):
+            return ()
+        return tuple(a for a in self.arrays if a is not None)
 
     def restore(self, arrays: tuple[mx.array, ...], length: int) -> None:
-        self.conv_state, self.recurrent_state = arrays
+        if arrays:
+            self.arrays = list(arrays)
         self.offset = length
+
+    def reserve_bytes(self, tokens: int, itemsize: int) -> int:
+        return self.nbytes_hint
+
+
+class RecurrentCache(StateCache):
+    """:class:`StateCache` of a convolution then a recurrence, as mlxr's own layers use it:
+    ``conv_state`` ``[B, *conv]`` (activations' dtype) and ``recurrent_state``
+    ``[B, *recurrent]`` (float32), shapes per sequence declared so the KV budget can reserve
+    them before the layer runs."""
+
+    def __init__(self, conv: tuple[int, ...], recurrent: tuple[int, ...]):
+        super().__init__(2)
+        self.conv, self.recurrent = conv, recurrent
+
+    @property
+    def conv_state(self) -> mx.array | None:
+        return self.arrays[0]
+
+    @property
+    def recurrent_state(self) -> mx.array | None:
+        return self.arrays[1]
+
+    def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None:
+        """The states after ``length`` more positions."""
+        self.arrays = [conv_state, recurrent_state]
+        self.offset += length
+
+    def empty_like(self) -> RecurrentCache:
+        return RecurrentCache(self.conv, self.recurrent)
 
     def reserve_bytes(self, tokens: int, itemsize: int) -> int:
         return prod(self.conv) * itemsize + prod(self.recurrent) * 4
 
-    def __len__(self) -> int:
-        return self.offset
 
-
-class BatchRecurrentCache:
-    """:class:`RecurrentCache` for a batch: row ``i`` of each state is request ``i``'s. Rows have
-    no padding (each decode step feeds every row one token), so joining is a concatenation; a
-    row that has seen nothing holds zeros (the initial state). States stay None while no row has
-    any (a batch of one-token prompts before its first step)."""
+class BatchStateCache:
+    """:class:`StateCache` for a batch: row ``i`` of each array is request ``i``'s. Rows have no
+    padding (each decode step feeds every row one token), so joining is a concatenation; a row
+    that has seen nothing holds zeros (the initial state). An array stays None while no row has
+    it (a batch of one-token prompts before its first step). Same surface as the single
+    sequence's, so a layer runs unchanged on either."""
 
     attends: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        conv: tuple[int, ...],
-        recurrent: tuple[int, ...],
-        conv_state: mx.array | None,
-        recurrent_state: mx.array | None,
-        lengths: list[int],
-    ):
-        self.conv, self.recurrent = conv, recurrent
-        self.conv_state, self.recurrent_state = conv_state, recurrent_state
-        self.lengths = lengths
+    def __init__(self, arrays: list[mx.array | None], positions: list[int], template: StateCache):
+        self.arrays = arrays
+        self.positions = positions
+        #: mlx-lm's layers mask a batched prefill's rows by ``lengths``: none here.
+        self.lengths = None
+        #: An empty cache of the rows' kind and shapes (what :meth:`extract` fills).
+        self.template = template
+
+    __getitem__ = StateCache.__getitem__
+    __setitem__ = StateCache.__setitem__
+    make_mask = StateCache.make_mask
+    state = StateCache.state
+    nbytes = StateCache.nbytes
+
+    @property
+    def conv_state(self) -> mx.array | None:
+        return self.arrays[0]
+
+    @property
+    def recurrent_state(self) -> mx.array | None:
+        return self.arrays[1]
 
     @property
     def batch_size(self) -> int:
-        return len(self.lengths)
+        return len(self.positions)
 
     @property
     def offset(self) -> int | mx.array:
-        first = self.lengths[0] if self.lengths else 0
-        if all(length == first for length in self.lengths):
+        first = self.positions[0] if self.positions else 0
+        if all(length == first for length in self.positions):
             return first
-        return mx.array(self.lengths)
+        return mx.array(self.positions)
+
+    def advance(self, length: int) -> None:
+        self.positions = [n + length for n in self.positions]
 
     def update(self, conv_state: mx.array, recurrent_state: mx.array, length: int) -> None:
-        self.conv_state, self.recurrent_state = conv_state, recurrent_state
-        self.lengths = [n + length for n in self.lengths]
+        self.arrays = [conv_state, recurrent_state]
+        self.advance(length)
 
     def filter(self, keep: list[int]) -> None:
         index = mx.array(keep)
-        self.lengths = [self.lengths[i] for i in keep]
-        if self.conv_state is not None and self.recurrent_state is not None:
-            self.conv_state, self.recurrent_state = self.conv_state[index], self.recurrent_state[index]
+        self.positions = [self.positions[i] for i in keep]
+        self.arrays = [None if a is None else a[index] for a in self.arrays]
 
-    def extend(self, other: BatchRecurrentCache) -> None:
-        mine, theirs = self._states(), other._states()
-        if mine is None and theirs is not None:
-            mine = self._zeros_like(theirs)
-        elif theirs is None and mine is not None:
-            theirs = other._zeros_like(mine)
-        if mine is not None and theirs is not None:
-            self.conv_state = mx.concatenate([mine[0], theirs[0]], axis=0)
-            self.recurrent_state = mx.concatenate([mine[1], theirs[1]], axis=0)
-        self.lengths = self.lengths + other.lengths
+    def extend(self, other: BatchStateCache) -> None:
+        joined: list[mx.array | None] = []
+        for mine, theirs in zip(self.arrays, other.arrays, strict=True):
+            like = mine if mine is not None else theirs
+            if like is None:
+                joined.append(None)
+                continue
+            if mine is None:
+                mine = mx.zeros((self.batch_size, *like.shape[1:]), dtype=like.dtype)
+            if theirs is None:
+                theirs = mx.zeros((other.batch_size, *like.shape[1:]), dtype=like.dtype)
+            joined.append(mx.concatenate([mine, theirs], axis=0))
+        self.arrays = joined
+        self.positions = self.positions + other.positions
 
-    def _states(self) -> tuple[mx.array, mx.array] | None:
-        if self.conv_state is None or self.recurrent_state is None:
-            return None
-        return self.conv_state, self.recurrent_state
-
-    def _zeros_like(self, states: tuple[mx.array, mx.array]) -> tuple[mx.array, mx.array]:
-        rows = self.batch_size
-        return (
-            mx.zeros((rows, *states[0].shape[1:]), dtype=states[0].dtype),
-            mx.zeros((rows, *states[1].shape[1:]), dtype=states[1].dtype),
-        )
-
-    def extract(self, row: int) -> RecurrentCache:
-        cache = RecurrentCache(self.conv, self.recurrent)
-        if self.conv_state is not None and self.recurrent_state is not None:
-            cache.conv_state = self.conv_state[row : row + 1]
-            cache.recurrent_state = self.recurrent_state[row : row + 1]
-        cache.offset = self.lengths[row]
+    def extract(self, row: int) -> StateCache:
+        cache = self.template.empty_like()
+        cache.arrays = [None if a is None else a[row : row + 1] for a in self.arrays]
+        cache.offset = self.positions[row]
         return cache
-
-    @property
-    def state(self) -> list[mx.array]:
-        return [a for a in (self.conv_state, self.recurrent_state) if a is not None]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(array.nbytes for array in self.state)

@@ -4,7 +4,7 @@
 :class:`MlxLmArchitecture` builds its ``Model`` from the config with mlx-lm's ``ModelArgs`` and loads
 the checkpoint through the model's own ``sanitize``. What the engine needs from it:
 
-- Caches. Every layer gets mlxr's :class:`~mlxr_core.model.cache.KVCache`, which the engine batches
+- Caches. Every attention layer gets mlxr's :class:`~mlxr_core.model.cache.KVCache`, which the engine batches
   (:class:`~mlxr_core.model.cache.BatchKVCache`: rows right-aligned after left padding, an offset
   per row, which ``mx.fast.rope`` takes as it is) and the prefix cache copies. mlx-lm's models take
   no mask: they build one from the cache (``create_attention_mask`` calls ``cache.make_mask``), so
@@ -15,9 +15,12 @@ the checkpoint through the model's own ``sanitize``. What the engine needs from 
 - Sliding windows. A layer for which mlx-lm makes a ``RotatingKVCache`` keeps every position in a
   full cache and masks those outside its window, as mlxr's own window layers do
   (:mod:`mlxr_core.model.masks`): batching, the prefix cache and trimming then work unchanged.
-- Refusals. A model type whose caches hold anything but keys and values (recurrent state in an
-  ``ArraysCache``, chunked or quantized caches) is refused when built, naming the cache class:
-  the engine batches keys and values only.
+- Recurrent state. A layer for which mlx-lm makes an ``ArraysCache`` (LFM2's short convolutions,
+  Nemotron-H's and Falcon-H1's Mamba layers, Gated DeltaNet) gets mlxr's
+  :class:`~mlxr_core.model.cache.StateCache`, which mlx-lm's layers use as they use theirs and
+  which the engine batches, stores at a prefix's end and refuses to trim like mlxr's own.
+- Refusals. A model type with another kind of cache (a list of caches per layer, chunked or
+  quantized caches) is refused when built, naming the cache class.
 - Kernels. The graph is mlx-lm's: mlxr's kernel choices do not apply inside it (packed linear
   layers excepted, which the loader routes through the ``quantized_matmul`` kernel), and it decodes
   eagerly (a compiled decode step needs mlxr's block methods).
@@ -37,9 +40,8 @@ import mlx.nn as nn
 
 from mlxr_core.errors import ArchitectureUnavailable, MlxrError, ModelLoadError, close_matches
 from mlxr_core.kernels import KernelSet
-from mlxr_core.model.cache import KVCache
 from mlxr_plugins.archs.mlx_lm_bridge import INSTALL, mlx_lm_folder, model_types
-from mlxr_plugins.archs.mlx_lm_bridge.caches import batch_problem, cache_layout, views
+from mlxr_plugins.archs.mlx_lm_bridge.caches import batch_problem, cache_layout, make_caches, views
 
 #: What of mlxr does not apply on this path, said in the startup log and by ``mlxr info``.
 KERNELS_NOTE = (
@@ -129,15 +131,20 @@ class MlxLmArchitecture:
         return sanitized
 
     def make_cache(self, model: nn.Module) -> list[Any]:
-        """One mlxr :class:`KVCache` per cache mlx-lm would make (window layers included)."""
-        return [KVCache() for _ in model.cache_layout.windows]
+        """One mlxr cache per cache mlx-lm would make: keys and values (window layers included)
+        or a recurrent state."""
+        return make_caches(model.cache_layout, getattr(model, "state_bytes", None))
 
     def check_loaded(self, model: nn.Module) -> None:
         """Refuse a model whose graph does not batch as the engine batches (the engine serves
-        every model batched): see :func:`batch_problem`."""
+        every model batched): see :func:`batch_problem`. Then measure what each recurrent
+        layer's state takes per sequence (the KV budget reserves it)."""
         problem = batch_problem(model, lambda: self.make_cache(model))
         if problem is not None:
             raise ModelLoadError(f"mlx-lm's {self.model_type} {problem}")
+        cache = self.make_cache(model)
+        mx.eval(model(mx.array([[1]]), cache=cache))
+        model.state_bytes = tuple(0 if layer.attends else layer.nbytes for layer in cache)
 
     def context_length(self, config: dict[str, Any]) -> int:
         """``max_position_embeddings`` (or the family's name for it), else :data:`DEFAULT_CONTEXT`."""
@@ -157,12 +164,16 @@ class MlxLmArchitecture:
     def hidden_states(
         self, model: nn.Module, inputs: mx.array, cache: list[Any] | None = None
     ) -> mx.array:
-        """The backbone's output (mlx-lm's ``model.model``: after the final norm, before the LM
-        head); a model type without one gives no hidden states (nor embeddings)."""
-        backbone = getattr(model, "model", None)
-        if not isinstance(backbone, nn.Module):
+        """The backbone's output (mlx-lm's ``model.model``, or ``model.backbone`` in its Mamba
+        families: after the final norm, before the LM head); a model type without one gives no
+        hidden states (nor embeddings)."""
+        backbone = next(
+            (part for name in ("model", "backbone") if isinstance(part := getattr(model, name, None), nn.Module)),
+            None,
+        )
+        if backbone is None:
             raise MlxrError(
-                f"mlx-lm's {self.model_type} has no `model` backbone to read hidden states from, "
+                f"mlx-lm's {self.model_type} has no `model` or `backbone` to read hidden states from, "
                 "so the mlx-lm bridge cannot compute its embeddings"
             )
         hidden: mx.array = backbone(inputs, cache=views(model, cache))

@@ -1,11 +1,14 @@
 """mlxr's caches as mlx-lm's layers take them, and a check that a bridged graph batches.
 
 mlx-lm's models take no mask: they build one from the cache (``create_attention_mask`` calls
-``cache.make_mask``). :func:`views` hands mlx-lm each of mlxr's caches as a :class:`CacheView`, the
-same cache with mlx-lm's ``make_mask``, which hides a batch row's left padding and the keys outside
-a sliding window. :func:`cache_layout` reads which layers have windows from the caches mlx-lm
-would make, and refuses caches that hold anything but keys and values. :func:`batch_problem`
-decodes two prompts as the engine does, to catch a graph that ignores the padding mask.
+``cache.make_mask``). :func:`views` hands mlx-lm each of mlxr's key/value caches as a
+:class:`CacheView`, the same cache with mlx-lm's ``make_mask``, which hides a batch row's left
+padding and the keys outside a sliding window. A recurrent layer's state (mlx-lm's
+``ArraysCache``: a convolution's last inputs, an SSM state) is mlxr's
+:class:`~mlxr_core.model.cache.StateCache`, which has the surface mlx-lm's layers use. :func:`cache_layout` reads which layers have windows
+or recurrent state from the caches mlx-lm would make, and refuses the other kinds (a list of
+caches per layer, chunked or quantized caches). :func:`batch_problem` decodes two prompts as the
+engine does, to catch a graph that ignores the padding mask.
 """
 
 from __future__ import annotations
@@ -20,23 +23,26 @@ import mlx.nn as nn
 import numpy as np
 
 from mlxr_core.errors import ModelLoadError
-from mlxr_core.model.cache import BatchKVCache, KVCache
+from mlxr_core.model.cache import BatchKVCache, BatchStateCache, KVCache, StateCache, batch_mask
 
 
 @attrs.frozen
 class CacheLayout:
     """The caches an mlx-lm model takes: per entry, the attention window its layer masks to
-    (None: full attention)."""
+    (None: full attention), and for a recurrent layer the number of arrays its state holds
+    (0: keys and values)."""
 
     windows: tuple[int | None, ...]
+    slots: tuple[int, ...]
 
 
 def cache_layout(model: nn.Module, model_type: str) -> CacheLayout:
-    """The windows of the caches mlx-lm makes for ``model``; raises ModelLoadError when one holds
-    anything but keys and values (recurrent state, chunks, quantized keys)."""
+    """The windows and recurrent states of the caches mlx-lm makes for ``model``; raises
+    ModelLoadError when one is of another kind (several caches per layer, chunks, quantized keys)."""
     from mlx_lm.models import cache as mlx_cache
 
     windows: list[int | None] = []
+    slots: list[int] = []
     refused: Counter[str] = Counter()
     caches = mlx_cache.make_prompt_cache(model)
     for cache in caches:
@@ -44,17 +50,23 @@ def cache_layout(model: nn.Module, model_type: str) -> CacheLayout:
             windows.append(None)
         elif type(cache) is mlx_cache.RotatingKVCache and cache.keep == 0:
             windows.append(int(cache.max_size))
+        elif type(cache) is mlx_cache.ArraysCache:
+            windows.append(None)
+            slots.append(len(cache.cache))
+            continue
         else:
             refused[type(cache).__name__] += 1
+        slots.append(0)
     if refused:
         kinds = ", ".join(f"{count} {name}" for name, count in sorted(refused.items()))
         raise ModelLoadError(
-            f"mlx-lm's {model_type} keeps state other than keys and values in {sum(refused.values())} "
-            f"of its {len(caches)} layer caches ({kinds}: recurrent, chunked or quantized state); "
-            "mlxr's engine batches key/value caches only, so the mlx-lm bridge cannot serve this "
-            "model type (a native architecture would)"
+            f"mlx-lm's {model_type} keeps its state in {sum(refused.values())} of its "
+            f"{len(caches)} layer caches in a kind mlxr's engine cannot batch ({kinds}: several "
+            "caches per layer, chunked or quantized state; it batches keys and values and "
+            "recurrent arrays), so the mlx-lm bridge cannot serve this model type (a native "
+            "architecture would)"
         )
-    return CacheLayout(tuple(windows))
+    return CacheLayout(tuple(windows), tuple(slots))
 
 
 class CacheView:
@@ -105,15 +117,23 @@ class CacheView:
         return mask
 
 
-def views(model: nn.Module, cache: list[Any] | None) -> list[CacheView | None] | None:
-    """``cache`` (mlxr's, one per entry of ``model.cache_layout``) as mlx-lm's layers take it."""
+def views(model: nn.Module, cache: list[Any] | None) -> list[Any] | None:
+    """``cache`` (mlxr's, one per entry of ``model.cache_layout``) as mlx-lm's layers take it:
+    key/value caches viewed, recurrent states as they are."""
     if cache is None:
         return None
     windows = model.cache_layout.windows
     return [
-        None if layer is None else CacheView(layer, window)
+        layer if layer is None or not layer.attends else CacheView(layer, window)
         for layer, window in zip(cache, windows, strict=True)
     ]
+
+
+def make_caches(layout: CacheLayout, state_bytes: tuple[int, ...] | None = None) -> list[Any]:
+    """Fresh mlxr caches for ``layout``: a :class:`KVCache` per key/value entry, a
+    :class:`StateCache` per recurrent one (``state_bytes``: what each held after a token)."""
+    hints = state_bytes or (0,) * len(layout.slots)
+    return [StateCache(n, hint) if n else KVCache() for n, hint in zip(layout.slots, hints, strict=True)]
 
 
 #: How far a batched row's logits may stray, relative to their largest: from the same row with
@@ -139,7 +159,7 @@ def batch_problem(model: nn.Module, make_cache: Callable[[], list[Any]]) -> str 
         for ids in PROBE_PROMPTS:
             cache = make_cache()
             model(mx.array([ids[:-1]]), cache=cache)
-            rows.append([BatchKVCache.from_cache(layer) for layer in cache])
+            rows.append([layer.to_batch() for layer in cache])
             solo.append(model(mx.array([ids[-1:]]), cache=cache)[0, -1])
         mx.eval(solo, [layer.state for row in rows for layer in row])
     except Exception as exc:  # the dtype or device, say: nothing the bridge can help
@@ -148,7 +168,8 @@ def batch_problem(model: nn.Module, make_cache: Callable[[], list[Any]]) -> str 
         for layer, other in zip(rows[0], rows[1], strict=True):
             layer.extend(other)
         tokens = mx.array([ids[-1:] for ids in PROBE_PROMPTS])
-        batched = [model(tokens, cache=batch, mask=batch[0].mask())[:, -1] for batch in (rows[0], _noisy(rows[0]))]
+        noisy = _noisy(rows[0])  # before the first pass advances the recurrent states
+        batched = [model(tokens, cache=batch, mask=batch_mask(batch))[:, -1] for batch in (rows[0], noisy)]
         mx.eval(batched)
     except Exception as exc:
         return f"fails on a left-padded batch ({type(exc).__name__}: {exc}), {UNBATCHED}"
@@ -171,10 +192,15 @@ def batch_problem(model: nn.Module, make_cache: Callable[[], list[Any]]) -> str 
     return None
 
 
-def _noisy(batch: list[BatchKVCache]) -> list[BatchKVCache]:
-    """Copies of ``batch``'s caches whose padding positions hold random values instead of zeros."""
-    out = []
+def _noisy(batch: list[Any]) -> list[Any]:
+    """Copies of ``batch``'s caches, the key/value ones with random values instead of zeros in
+    their padding positions (recurrent states, which have no padding, copied as they are: the
+    first pass replaced the originals' arrays)."""
+    out: list[Any] = []
     for layer in batch:
+        if isinstance(layer, BatchStateCache):
+            out.append(BatchStateCache(list(layer.arrays), list(layer.positions), layer.template))
+            continue
         padding = mx.array(layer.left_padding)[:, None, None, None]
         hidden = mx.arange(layer.keys.shape[2])[None, None, :, None] < padding
         keys, values = (

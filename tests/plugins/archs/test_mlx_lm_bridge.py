@@ -8,8 +8,10 @@ then served by the engine with four concurrent greedy streams, each getting its 
 OLMoE (a mixture of experts with query/key norms), Granite-MoE (embedding, attention, residual and
 logit multipliers), DeepSeek-V3 (latent attention whose cache holds a latent and a rotary key of
 different widths, grouped routing, a shared expert), OLMo 3 (sliding-window layers, for which
-mlx-lm makes a rotating cache and the bridge a full one with a window mask) and Cohere 2 (tied
-embeddings, a window pattern, parallel blocks).
+mlx-lm makes a rotating cache and the bridge a full one with a window mask), Cohere 2 (tied
+embeddings, a window pattern, parallel blocks), and two hybrids whose recurrent layers keep their
+state in mlxr's ``StateCache`` as mlx-lm's layers use theirs: LFM2 (short convolutions beside
+attention) and Nemotron-H (Mamba-2 layers, attention and an MLP-only layer).
 """
 
 from __future__ import annotations
@@ -73,6 +75,20 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"tie_word_embeddings": True, "sliding_window": 12, "sliding_window_pattern": 2,
          "layer_types": ["sliding_attention", "full_attention"]},
     ),
+    "lfm2": (
+        "Lfm2ForCausalLM",
+        "Lfm2Config",
+        {"tie_word_embeddings": True, "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1], "conv_L_cache": 3,
+         "block_auto_adjust_ff_dim": False, "block_multiple_of": 32, "block_dim": 64, "block_ff_dim": 96},
+    ),
+    "nemotron_h": (
+        "NemotronHForCausalLM",
+        "NemotronHConfig",
+        {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "full_attention", "mlp"],
+         "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+         "ssm_state_size": 16, "conv_kernel": 4, "expand": 2, "chunk_size": 16,
+         "time_step_limit": [0.0, 1e9]},
+    ),
 }
 
 
@@ -108,7 +124,7 @@ def test_the_family_matches_transformers_through_the_bridge(reference, registrie
     facts = describe_model(str(reference.folder), dtype="float32")
     assert facts["architecture_path"] == "mlx-lm"
     assert facts["architecture_reason"] == loaded.arch_reason
-    assert facts["layers"] == BASE["num_hidden_layers"]
+    assert facts["layers"] == len(loaded.make_cache())  # layers that keep state (not Nemotron-H's MLPs)
 
 
 def test_the_engine_serves_it_batched_as_solo(reference):
@@ -197,18 +213,24 @@ def test_config_check_accepts_what_the_bridge_serves():
     assert [problem.path for problem in problems] == [("models", 3, "arch")]
 
 
-def test_a_recurrent_model_type_is_refused_with_the_reason(registries, tmp_path):
-    """LFM2's convolution layers keep state in an ArraysCache, which the engine cannot batch."""
+def test_a_cache_kind_the_engine_cannot_batch_is_refused_with_the_reason(registries, tmp_path, monkeypatch):
+    """Falcon-H1 keeps a Mamba state and keys and values in one list per layer (mlx-lm's
+    ``CacheList``): refused, naming the kind (recurrent ``ArraysCache`` layers are served)."""
+    from mlx_lm.models import cache as mlx_cache
+
+    from mlxr_plugins.archs.mlx_lm_bridge.caches import cache_layout
+
     config = {
-        "model_type": "lfm2", "vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3, "block_dim": 64,
-        "block_ff_dim": 96, "block_multiple_of": 32, "block_ffn_dim_multiplier": 1.0,
-        "block_auto_adjust_ff_dim": False, "full_attn_idxs": [1], "rope_theta": 10000.0,
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
     }
-    arch = choose_arch(checkpoint(tmp_path, **config), registries).arch
-    with pytest.raises(ModelLoadError, match=r"lfm2 keeps state other than keys and values in 2 of its 3 layer caches \(2 ArraysCache"):
-        arch.build(config, None)
+    arch = choose_arch(checkpoint(tmp_path, **config), registries, "mlx-lm").arch
+    model = arch.build(config, None)
+    listed = [mlx_cache.CacheList(mlx_cache.ArraysCache(size=2), mlx_cache.KVCache()), mlx_cache.ArraysCache(size=2)]
+    monkeypatch.setattr(type(model), "make_cache", lambda self: listed, raising=False)
+    with pytest.raises(ModelLoadError, match=r"falcon_h1 keeps its state in 1 of its 2 layer caches in a kind mlxr's engine cannot batch \(1 CacheList"):
+        cache_layout(model, "falcon_h1")
 
 
 def test_a_graph_that_batches_wrongly_is_refused_when_loaded(registries, tmp_path, monkeypatch):
