@@ -28,6 +28,18 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   router: ``logits`` ``[..., E]`` scored by ``softmax`` (over all experts) or ``sigmoid``, in
   float32, the ``top_k`` best experts ``[..., k]`` (uint32, in any order) and their scores
   (float32), rescaled to sum to 1 when ``normalize``.
+- ``gated_delta(q, k, v, g, beta, state) -> (out, state)``: the gated delta rule, the recurrence of
+  Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5). ``q``, ``k`` ``[B, L, Hk, Dk]``, already
+  L2-normalized per head by the caller, ``q`` also scaled by ``Dk**-0.5`` (the op normalizes
+  nothing); ``v`` ``[B, L, Hv, Dv]`` with ``Hv`` a multiple of ``Hk``: key/query head ``j`` serves
+  value heads ``j*r .. j*r + r - 1`` (``r = Hv // Hk``, torch's ``repeat_interleave``); ``g``
+  ``[B, L, Hv]`` the log decay (<= 0, float32), ``beta`` ``[B, L, Hv]`` in (0, 1); ``state``
+  ``[B, Hv, Dk, Dv]`` float32, or None for zeros. Per step ``t`` and value head:
+  ``S = exp(g_t) S``, ``delta = beta_t (v_t - S^T k_t)``, ``S = S + outer(k_t, delta)``,
+  ``out_t = S^T q_t``. Returns ``out`` ``[B, L, Hv, Dv]`` in ``v``'s dtype and the final state
+  ``[B, Hv, Dk, Dv]`` (float32), computed in float32. An architecture with such layers puts
+  ``linear_key_head_dim`` and ``linear_value_head_dim`` (its config's names) in the kernel context;
+  backends written for some head dims only refuse the others there.
 
 Selection happens once per model, never in the token loop: :func:`bind_kernels` resolves every op
 to a plain callable and returns a :class:`KernelSet`. An explicit choice that cannot run is a
@@ -52,7 +64,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
-OPS = ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul", "route")
+OPS = (
+    "attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul", "route",
+    "gated_delta",
+)
 
 
 @attrs.frozen
@@ -88,6 +103,7 @@ class KernelSet:
     quantized_matmul: Callable[..., Any]
     gather_matmul: Callable[..., Any]
     route: Callable[..., Any]
+    gated_delta: Callable[..., Any]
     #: op -> backend name, for logs and ``mlxr info``.
     chosen: Mapping[str, str] = attrs.field(factory=dict)
 

@@ -32,15 +32,17 @@ MLXR_ESSENTIAL = True
 #: MLX's CUDA backend only) below it, opt-in; ``cuda_qmm`` (4-bit packed matmul for a few rows with
 #: a split reduction, CUDA only; it hands wide layers and one-row calls to mx) above it: see their
 #: modules. ``cuda_moe`` (a mixture of experts' router in one kernel, CUDA only) sits above
-#: ``mlx_fast``.
+#: ``mlx_fast``, and so does ``cuda_delta`` (the gated delta rule's whole recurrence in one kernel,
+#: CUDA only). ``metal``'s gated delta kernel is untested (no Apple GPU here), so opt-in too.
 BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
     "cpu_blas": ("mlxr_plugins.kernels.cpu_blas", 20, ("quantized_matmul", "rope")),
     "cuda": ("mlxr_plugins.kernels.cuda", 15, ("attention",)),
     "cuda_dense": ("mlxr_plugins.kernels.cuda_dense", 5, ("quantized_matmul",)),
     "cuda_moe": ("mlxr_plugins.kernels.cuda_moe", 15, ("route",)),
+    "cuda_delta": ("mlxr_plugins.kernels.cuda_delta", 15, ("gated_delta",)),
     "cuda_qmm": ("mlxr_plugins.kernels.cuda_qmm", 15, ("quantized_matmul",)),
     "cuda_norm": ("mlxr_plugins.kernels.cuda_norm", 20, ("add_rms_norm",)),
-    "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm")),
+    "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm", "gated_delta")),
     "mlx_fast": ("mlxr_plugins.kernels.mlx_fast", 10, None),
     "reference": ("mlxr_plugins.kernels.reference", 0, None),
 }

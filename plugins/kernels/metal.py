@@ -22,6 +22,15 @@ too; this one exists as the Metal counterpart of the reference and to share the 
 Prefill, array masks and head dims other than 64/128/256 are delegated to ``mx.fast``, as in the
 CUDA twin. These kernels only run on Apple Silicon: here ``supports()`` says so and their tests
 skip with that reason.
+
+And ``mlxr_gated_delta``, the gated delta rule (``gated_delta`` op): the twin of
+:mod:`mlxr_plugins.kernels.cuda_delta`, line for line (one threadgroup per (batch row, value
+head), the state in registers through every position, ``simd_shuffle_xor`` for the per-column
+sums), for the same head dims; other shapes run the chunked ``mlx_fast`` form. UNTESTED: written
+without an Apple GPU, it has never been compiled or run (the CUDA twin passes its parity tests on
+an H100); its parity test skips without Metal. One thing to check first on a Mac: a pipeline's
+``maxTotalThreadsPerThreadgroup`` may be below the ``Dv * Dk / 32`` threads it asks for (up to 512;
+512 for 128 x 128) when the 32 state registers per thread press on the register file.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ from mlxr_plugins.kernels.cuda import (
     _float_bits,
     decode_plan,
 )
+from mlxr_plugins.kernels.cuda_delta import call_reason, context_reasons, launch
+from mlxr_plugins.kernels.delta_rule import gated_delta as chunked_gated_delta
 
 #: Query heads per threadgroup: the merge buffer (THREADS * 8 * heads floats) must fit in Apple
 #: GPUs' 32 KB of threadgroup memory.
@@ -294,6 +305,62 @@ _RMS_NORM_SOURCE = r"""
   }
 """
 
+# The CUDA twin's mlxr_gated_delta (cuda_delta.py; same template, layout and comments): T, DK, DV,
+# ROWS; q, k [B, L, Hk, DK]; v [B, L, Hv, DV]; g, beta [B, L, Hv] float32; s0 [B, Hv, DK, DV]
+# float32. Outputs: y [B, L, Hv, DV] in T, s [B, Hv, DK, DV] float32. One threadgroup of DV * P
+# threads per (batch row, value head).
+_GATED_DELTA_SOURCE = r"""
+  constexpr int P = DK / ROWS;
+  const int L = v_shape[1];
+  const int Hv = v_shape[2];
+  const int Hk = k_shape[2];
+  const int bh = threadgroup_position_in_grid.x;
+  const int b = bh / Hv;
+  const int h = bh % Hv;
+  const int hk = h / (Hv / Hk);
+  const int tid = thread_index_in_threadgroup;
+  const int dv = tid / P;
+  const int p = tid % P;
+
+  float st[ROWS];
+  const device float* s_in = s0 + int64_t(bh) * DK * DV + dv;
+  for (int i = 0; i < ROWS; ++i) st[i] = s_in[int64_t(i * P + p) * DV];
+
+  threadgroup float sk[2][DK];
+  threadgroup float sq[2][DK];
+  for (int t = 0; t < L; ++t) {
+    const int buf = t & 1;
+    const int64_t qk_row = ((int64_t(b) * L + t) * Hk + hk) * DK;
+    for (int i = tid; i < DK; i += DV * P) {
+      sk[buf][i] = static_cast<float>(k[qk_row + i]);
+      sq[buf][i] = static_cast<float>(q[qk_row + i]);
+    }
+    const int64_t gh = (int64_t(b) * L + t) * Hv + h;
+    const float decay = metal::precise::exp(g[gh]);
+    const float rate = beta[gh];
+    const float v_t = static_cast<float>(v[gh * DV + dv]);
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    float recalled = 0.f;
+    for (int i = 0; i < ROWS; ++i) {
+      st[i] *= decay;
+      recalled += st[i] * sk[buf][i * P + p];
+    }
+    for (ushort offset = P / 2; offset > 0; offset >>= 1)
+      recalled += simd_shuffle_xor(recalled, offset);
+    const float delta = rate * (v_t - recalled);
+    float o = 0.f;
+    for (int i = 0; i < ROWS; ++i) {
+      st[i] += sk[buf][i * P + p] * delta;
+      o += st[i] * sq[buf][i * P + p];
+    }
+    for (ushort offset = P / 2; offset > 0; offset >>= 1) o += simd_shuffle_xor(o, offset);
+    if (p == 0) y[gh * DV + dv] = static_cast<T>(o);
+  }
+  device float* s_out = s + int64_t(bh) * DK * DV + dv;
+  for (int i = 0; i < ROWS; ++i) s_out[int64_t(i * P + p) * DV] = st[i];
+"""
+
 
 @functools.cache
 def _split_kernel() -> Any:
@@ -326,6 +393,17 @@ def _rms_norm_kernel() -> Any:
         input_names=["x", "w"],
         output_names=["y"],
         source=_RMS_NORM_SOURCE,
+        ensure_row_contiguous=True,
+    )
+
+
+@functools.cache
+def _gated_delta_kernel() -> Any:
+    return mx.fast.metal_kernel(
+        name="mlxr_gated_delta",
+        input_names=["q", "k", "v", "g", "beta", "s0"],
+        output_names=["y", "s"],
+        source=_GATED_DELTA_SOURCE,
         ensure_row_contiguous=True,
     )
 
@@ -379,9 +457,28 @@ def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
     return y.reshape(x.shape)
 
 
+def gated_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The fused recurrence (untested, see the module docstring) for the shapes the CUDA twin
+    takes, else the chunked ``mlx_fast`` form."""
+    if call_reason(q, k, v) is not None:
+        return chunked_gated_delta(q, k, v, g, beta, state)
+    return launch(_gated_delta_kernel(), q, k, v, g, beta, state)
+
+
 def _metal_support(ctx: KernelContext) -> list[str]:
     reasons = device_reasons(ctx, "metal")
     return reasons
+
+
+def _gated_delta_support(ctx: KernelContext) -> list[str]:
+    return context_reasons(ctx, "metal")
 
 
 def _attention_support(ctx: KernelContext) -> list[str]:
@@ -403,3 +500,11 @@ attention_kernel = KernelImpl(
     ),
 )
 rms_norm_kernel = KernelImpl(rms_norm, _metal_support, summary="fused one-pass RMS norm")
+gated_delta_kernel = KernelImpl(
+    gated_delta,
+    _gated_delta_support,
+    summary=(
+        "UNTESTED (written without an Apple GPU): the CUDA twin's one threadgroup per "
+        "(batch row, value head), the state in registers"
+    ),
+)

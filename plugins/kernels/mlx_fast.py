@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
 from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl
+from mlxr_plugins.kernels.delta_rule import gated_delta
 from mlxr_plugins.kernels.reference import route
 
 
@@ -121,3 +122,9 @@ gather_matmul_kernel = KernelImpl(
 
 #: The router as plain mx ops (argpartition for the top-k): MLX has no fused router.
 route_kernel = KernelImpl(route, summary="mx.softmax / mx.sigmoid, mx.argpartition")
+
+#: MLX has no fused gated delta rule: one step of mx ops for decode, chunks of matmuls for a prompt
+#: (see :mod:`mlxr_plugins.kernels.delta_rule`).
+gated_delta_kernel = KernelImpl(
+    gated_delta, summary="decode as one step of mx ops; prompts by chunks of 64 in matmuls (WY form)"
+)

@@ -207,6 +207,46 @@ gather_matmul_kernel = KernelImpl(
 route_kernel = KernelImpl(route, summary="softmax or sigmoid, argpartition, take: the ground truth")
 
 
+def gated_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The gated delta rule one step at a time, in float32 (see ``mlxr_core.kernels``).
+
+    q, k ``[B, L, Hk, Dk]`` (normalized and scaled by the caller), v ``[B, L, Hv, Dv]``, g and beta
+    ``[B, L, Hv]``, state ``[B, Hv, Dk, Dv]`` or None. Key head ``j`` serves value heads
+    ``j*r .. j*r + r - 1``: q and k are repeated per value head, so every step below is one head's
+    formula, broadcast. Returns the outputs ``[B, L, Hv, Dv]`` in v's dtype and the final state.
+    """
+    B, L, Hk, Dk = k.shape
+    Hv, Dv = v.shape[-2:]
+    if Hv % Hk:
+        raise ValueError(f"{Hv} value heads are not a multiple of {Hk} key heads")
+    r = Hv // Hk
+    queries = mx.repeat(q.astype(mx.float32), r, axis=2)  # [B, L, Hv, Dk]
+    keys = mx.repeat(k.astype(mx.float32), r, axis=2)
+    values, decay, rate = v.astype(mx.float32), mx.exp(g.astype(mx.float32)), beta.astype(mx.float32)
+    S = mx.zeros((B, Hv, Dk, Dv), dtype=mx.float32) if state is None else state.astype(mx.float32)
+    outputs = []
+    for t in range(L):
+        S = S * decay[:, t, :, None, None]
+        k_t = keys[:, t, :, :, None]  # [B, Hv, Dk, 1]
+        remembered = (S * k_t).sum(axis=-2)  # S^T k: what the state recalls for k, [B, Hv, Dv]
+        delta = rate[:, t, :, None] * (values[:, t] - remembered)
+        S = S + k_t * delta[:, :, None, :]
+        outputs.append((S * queries[:, t, :, :, None]).sum(axis=-2))  # S^T q
+    return mx.stack(outputs, axis=1).astype(v.dtype), S
+
+
+gated_delta_kernel = KernelImpl(
+    gated_delta, summary="one step at a time in plain mx ops, float32: the ground truth"
+)
+
+
 def fused_below(min_rows: int, dense: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """A quantized matmul that runs ``mx.quantized_matmul`` for fewer than ``min_rows`` input rows
     (batch x positions) and ``dense`` (same arguments) from there on; affine packing with biases

@@ -283,7 +283,7 @@ def test_mlx_fast_says_why_it_cannot_run():
 
 def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
     registries = load_plugins().registries
-    for op in ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul"):
+    for op in ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gated_delta"):
         assert f"{op}:reference" in registries.kernels
         assert f"{op}:mlx_fast" in registries.kernels
     shapes = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
@@ -296,6 +296,7 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
         "quantized_matmul": "cpu_blas",
         "gather_matmul": "mlx_fast",
         "route": "mlx_fast",
+        "gated_delta": "mlx_fast",
     }
     chosen = bind_kernels(
         registries.kernels, dtype="float32", shapes=shapes, choices={"attention": "reference"}

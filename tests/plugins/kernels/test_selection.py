@@ -92,7 +92,7 @@ def test_on_this_cpu_auto_binds_mlx_fast_and_device_kernels_refuse_with_reasons(
     assert dict(kernels.chosen) == {"attention": "mlx_fast", "rms_norm": "mlx_fast",
                                     "add_rms_norm": "mlx_fast", "rope": "cpu_blas",
                                     "quantized_matmul": "cpu_blas", "gather_matmul": "mlx_fast",
-                                    "route": "mlx_fast"}
+                                    "route": "mlx_fast", "gated_delta": "mlx_fast"}
     assert kernels.attention is mlx_fast.attention
     with pytest.raises(KernelUnavailable, match="needs MLX's CUDA backend"):
         bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES,
@@ -110,7 +110,7 @@ def test_model_choices_override_global_ones_at_load(registries, tmp_path):
     assert dict(loaded.kernels.chosen) == {"attention": "reference", "rms_norm": "reference",
                                            "add_rms_norm": "mlx_fast", "rope": "cpu_blas",
                                            "quantized_matmul": "cpu_blas", "gather_matmul": "mlx_fast",
-                                    "route": "mlx_fast"}
+                                           "route": "mlx_fast", "gated_delta": "mlx_fast"}
     with pytest.raises(KernelUnavailable, match="cuda"):
         load_model(ModelConfig(path=str(path), dtype="float32"), registries,
                    kernel_choices={"attention": "cuda"})
@@ -121,13 +121,14 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
                          device="cpu", platform="cpu")
     by_key = {(row["op"], row["backend"]): row for row in rows}
     assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "add_rms_norm", "rope",
-                                              "quantized_matmul", "gather_matmul", "route")
+                                              "quantized_matmul", "gather_matmul", "route",
+                                              "gated_delta")
                            for b in ("mlx_fast", "reference")} | {
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
         ("add_rms_norm", "cuda_norm"), ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"),
         ("quantized_matmul", "cuda_dense"), ("quantized_matmul", "cuda_qmm"),
-        ("route", "cuda_moe")}
-    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3 + ["cpu_blas"] * 2 + ["mlx_fast"] * 2
+        ("route", "cuda_moe"), ("gated_delta", "cuda_delta"), ("gated_delta", "metal")}
+    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3 + ["cpu_blas"] * 2 + ["mlx_fast"] * 3
     assert "needs MLX's CUDA backend" in by_key[("add_rms_norm", "cuda_norm")]["reasons"][0]
     assert not by_key[("attention", "cuda")]["supported"]
     assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]
@@ -140,7 +141,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
     assert chosen == {"attention": "cuda", "rms_norm": "mlx_fast", "add_rms_norm": "cuda_norm",
                       "rope": "mlx_fast", "quantized_matmul": "cuda_qmm", "gather_matmul": "mlx_fast",
-                      "route": "cuda_moe"}
+                      "route": "cuda_moe", "gated_delta": "cuda_delta"}
     dense_row = next(r for r in cuda_rows if r["backend"] == "cuda_dense")
     assert dense_row["supported"] and not dense_row["auto"]  # opt-in too
     for blas_row in (r for r in cuda_rows if r["backend"] == "cpu_blas"):
