@@ -40,14 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def batch_caches(model: Any, rows: int, prompt: int, padded: bool) -> list[Any]:
     """The engine's batch cache of ``rows`` prefilled rows: ``prompt`` tokens each, or with
     ``padded``, row ``i`` ``prompt + i`` tokens (so every row but the longest is left-padded)."""
-    from mlxr_core.model.cache import BatchKVCache
 
     if not padded:  # one prefill of every row
         cache = model.make_cache()
         ids = mx.array([[(i * 37 + row) % 100 + 3 for i in range(prompt)] for row in range(rows)],
                        dtype=mx.int32)
         model.model(ids, cache=cache)
-        joined = [BatchKVCache.from_cache(layer) for layer in cache]
+        joined = [layer.to_batch() for layer in cache]
         mx.eval([array for layer in joined for array in layer.state])
         return joined
     caches: list[Any] | None = None
@@ -57,7 +56,7 @@ def batch_caches(model: Any, rows: int, prompt: int, padded: bool) -> list[Any]:
         ids = mx.array([[(i * 37 + row) % 100 + 3 for i in range(length)]], dtype=mx.int32)
         model.model(ids, cache=cache)
         mx.eval([array for layer in cache for array in layer.state])
-        joined = [BatchKVCache.from_cache(layer) for layer in cache]
+        joined = [layer.to_batch() for layer in cache]
         if caches is None:
             caches = joined
         else:

@@ -2,7 +2,8 @@
 
 Writes random weights in the Llama 3.2 1B shape (bf16, and mlx-lm's 4-bit quantization of them) as
 mlx-lm folders (``--shape qwen3-30b-a3b``: a Qwen3-30B-A3B-shaped mixture of experts, 4-bit only;
-``qwen3-moe-cpu``: a smaller one for a CPU), then for each folder measures back to back: mlx-lm's ``generate_step`` and mlxr's
+``qwen3-moe-cpu``: a smaller one for a CPU; ``qwen3.5-35b-a3b`` and ``qwen3.5-moe-cpu``: the
+Qwen3.5 hybrid, Gated DeltaNet and attention layers with experts), then for each folder measures back to back: mlx-lm's ``generate_step`` and mlxr's
 engine, single stream (prompt ``--prompt-tokens``, ``--gen-tokens`` generated), and mlxr's aggregate
 decode at several concurrent streams. Prints JSON with tokens/s, the ratios, and the
 memory-bandwidth limit (weight bytes per token / measured copy bandwidth).
@@ -32,7 +33,6 @@ import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
-from mlxr_core.model.cache import BatchKVCache
 from mlxr_core.plugins import load_plugins
 
 LLAMA_1B = {
@@ -95,6 +95,58 @@ QWEN3_MOE_CPU = {
     "vocab_size": 32000,
 }
 
+#: Qwen3.5-35B-A3B's text model (``Qwen3_5MoeTextConfig``'s defaults): 40 layers, three Gated
+#: DeltaNet layers to one gated-attention layer, 256 experts of width 512, 8 per token, a shared
+#: expert. Written as the released checkpoints nest it (``text_config``).
+QWEN3_5_35B_A3B = {
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "full_attention_interval": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "vocab_size": 248320,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000000.0,
+        "partial_rotary_factor": 0.25,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": False,
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+#: The same design at a size a 2-core CPU decodes in seconds (8 layers, 32 experts, 8 per token).
+QWEN3_5_MOE_CPU = {
+    **QWEN3_5_35B_A3B,
+    "text_config": {
+        **QWEN3_5_35B_A3B["text_config"],
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "head_dim": 128,
+        "linear_num_key_heads": 8,
+        "linear_num_value_heads": 16,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "num_experts": 32,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 256,
+        "vocab_size": 32000,
+    },
+}
+
 #: A tiny shape to check the script itself on a CPU (``--smoke``).
 SMOKE = {
     **LLAMA_1B,
@@ -113,6 +165,8 @@ SHAPES = {
     "llama-3.2-1b": LLAMA_1B,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "qwen3-moe-cpu": QWEN3_MOE_CPU,
+    "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+    "qwen3.5-moe-cpu": QWEN3_5_MOE_CPU,
 }
 
 
@@ -241,7 +295,7 @@ def mlxr_bare_decode(
         token = step(mx.array(prompt, dtype=mx.int32), cache)
         mx.async_eval(token)
         if batch_cache:
-            cache = [BatchKVCache.from_cache(layer) for layer in cache]
+            cache = [layer.to_batch() for layer in cache]
         first = end = start
         for i in range(count):
             stamps.append(time.perf_counter())

@@ -28,6 +28,11 @@ ARCHITECTURES = {
     "gpt_oss": "mlxr_plugins.archs.gpt_oss:GptOssArchitecture",
     "gemma4": "mlxr_plugins.archs.gemma4:Gemma4Architecture",
     "gemma4_text": "mlxr_plugins.archs.gemma4:Gemma4Architecture",
+    "qwen3_next": "mlxr_plugins.archs.qwen3_next:Qwen3NextArchitecture",
+    "qwen3_5": "mlxr_plugins.archs.qwen3_5:Qwen35Architecture",
+    "qwen3_5_text": "mlxr_plugins.archs.qwen3_5:Qwen35Architecture",
+    "qwen3_5_moe": "mlxr_plugins.archs.qwen3_5:Qwen35MoeArchitecture",
+    "qwen3_5_moe_text": "mlxr_plugins.archs.qwen3_5:Qwen35MoeArchitecture",
     # llama.cpp's names for the same families, as GGUF files carry them.
     "qwen3moe": "mlxr_plugins.archs.qwen3_moe:Qwen3MoeArchitecture",
     "qwen2moe": "mlxr_plugins.archs.qwen2_moe:Qwen2MoeArchitecture",

@@ -73,9 +73,10 @@ def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
     config = dict(config)
     rope = config.get("rope_parameters")
     if isinstance(rope, dict) and ("rope_type" in rope or "rope_theta" in rope):
-        if "rope_theta" in rope:
-            config.setdefault("rope_theta", rope["rope_theta"])
-        scaling = {key: value for key, value in rope.items() if key != "rope_theta"}
+        for key in ("rope_theta", "partial_rotary_factor"):
+            if key in rope:
+                config.setdefault(key, rope[key])
+        scaling = {key: value for key, value in rope.items() if key not in ("rope_theta", "partial_rotary_factor")}
         if scaling.get("rope_type", scaling.get("type", "default")) != "default":
             config.setdefault("rope_scaling", scaling)
     return config

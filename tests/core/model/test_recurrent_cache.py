@@ -9,7 +9,6 @@ import pytest
 
 from mlxr_core.model.cache import (
     BatchLayerCache,
-    BatchStateCache,
     KVCache,
     LayerCache,
     RecurrentCache,

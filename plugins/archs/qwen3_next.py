@@ -1,0 +1,217 @@
+"""Qwen3-Next (Qwen3-Next-80B-A3B): Gated DeltaNet layers and gated attention, sparse experts.
+
+Each layer's token mixer is either Gated DeltaNet linear attention (``layer_types`` entry
+``linear_attention``: a recurrent state, no keys and values) or softmax attention with an output
+gate (``full_attention``, every ``full_attention_interval``-th layer by default), from
+:mod:`mlxr_core.model.layers.linear_attention`. Attention rotates the first
+``partial_rotary_factor`` of each head (a quarter). Norms scale by ``1 + weight``. The
+feed-forward layers are Qwen's sparse experts with a shared expert behind a sigmoid gate (dense
+MLPs where :class:`~mlxr_plugins.archs.qwen3_moe.SparseLayers` says so).
+
+Caches: a :class:`~mlxr_core.model.cache.RecurrentCache` per DeltaNet layer, a
+:class:`~mlxr_core.model.cache.KVCache` per attention layer. Hugging Face's depthwise conv weight
+``[channels, 1, kernel]`` is stored as MLX's ``[channels, kernel, 1]``; per-expert tensors are
+stacked (:func:`~mlxr_core.model.layers.stack_experts`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.kernels import KernelSet
+from mlxr_core.model.layers import (
+    CausalLM,
+    DecoderArchitecture,
+    DecoderModel,
+    GatedMLP,
+    RMSNorm,
+    SparseMoE,
+    TransformerArgs,
+    args_rotary,
+    stack_experts,
+)
+from mlxr_core.model.layers.linear_attention import GatedAttention, GatedDeltaNet, MixerBlock
+from mlxr_plugins.archs.qwen2 import ROPE_TYPES
+from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES, SparseLayers
+
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclasses.dataclass
+class Qwen3NextArgs(TransformerArgs, SparseLayers):
+    """The keys of ``Qwen3NextConfig`` this graph reads (its defaults)."""
+
+    family = "qwen3_next"
+    limits = {
+        **TransformerArgs.limits,
+        "linear_conv_kernel_dim": (1, 64),
+        "linear_key_head_dim": (1, 1 << 12),
+        "linear_value_head_dim": (1, 1 << 12),
+        "linear_num_key_heads": (1, 1 << 12),
+        "linear_num_value_heads": (1, 1 << 12),
+        "full_attention_interval": (1, 1 << 12),
+    }
+    head_dim: int | None = 256
+    partial_rotary_factor: float = 0.25
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: list[str] | None = None
+    full_attention_interval: int = 4
+    num_experts: int = 512
+    num_experts_per_tok: int = 10
+    moe_intermediate_size: int = 512
+    shared_expert_intermediate_size: int = 512
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.layer_types is None:
+            every = self.full_attention_interval
+            self.layer_types = [LAYER_TYPES[(i + 1) % every == 0] for i in range(self.num_hidden_layers)]
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown or len(self.layer_types) != self.num_hidden_layers:
+            raise ModelLoadError(
+                f"layer_types must name {self.num_hidden_layers} layers, each one of "
+                f"{', '.join(LAYER_TYPES)} (got {len(self.layer_types)}: {', '.join(unknown) or 'ok'})",
+                key="layer_types",
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ModelLoadError(
+                f"linear_num_value_heads = {self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads = {self.linear_num_key_heads}",
+                key="linear_num_value_heads",
+            )
+
+    def kernel_shapes(self) -> dict[str, Any]:
+        """The attention shapes, and the DeltaNet head sizes the fused ``gated_delta`` kernels check."""
+        return {
+            **super().kernel_shapes(),
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+        }
+
+    def is_linear(self, layer: int) -> bool:
+        assert self.layer_types is not None
+        return self.layer_types[layer] == "linear_attention"
+
+
+def hybrid_layers(args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool, shared_expert: bool = True) -> list[MixerBlock]:
+    """The blocks of a Qwen hybrid: DeltaNet (``fused`` projections: Qwen3-Next's) or gated
+    attention per ``layer_types``, sparse experts or a dense MLP per :meth:`is_sparse`."""
+    rotary = args_rotary(args, kernels, types=ROPE_TYPES)
+    H, eps = args.hidden_size, args.rms_norm_eps
+
+    def mixer(layer: int) -> tuple[str, nn.Module]:
+        if args.is_linear(layer):
+            return "linear_attn", GatedDeltaNet(
+                H,
+                key_heads=args.linear_num_key_heads,
+                value_heads=args.linear_num_value_heads,
+                key_dim=args.linear_key_head_dim,
+                value_dim=args.linear_value_head_dim,
+                conv_kernel=args.linear_conv_kernel_dim,
+                eps=eps,
+                kernels=kernels,
+                fused=fused,
+            )
+        return "self_attn", GatedAttention(
+            H,
+            args.num_attention_heads,
+            args.kv_heads,
+            args.dims,
+            kernels=kernels,
+            rotary=rotary,
+            qkv_bias=args.attention_bias,
+            out_bias=args.attention_bias,
+            head_norm_eps=eps,
+            norm_offset=1.0,
+        )
+
+    def feed_forward(layer: int) -> nn.Module:
+        if not args.is_sparse(layer):
+            return GatedMLP(H, args.intermediate_size)
+        return SparseMoE(
+            H,
+            args.moe_intermediate_size,
+            args.num_experts,
+            args.num_experts_per_tok,
+            kernels=kernels,
+            normalize=args.norm_topk_prob,
+            shared_expert=GatedMLP(H, args.shared_expert_intermediate_size) if shared_expert else None,
+            shared_gate=shared_expert,
+        )
+
+    return [MixerBlock(*mixer(i), feed_forward(i), H, eps, kernels, norm_offset=1.0) for i in range(args.num_hidden_layers)]
+
+
+class Qwen3Next(CausalLM):
+    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
+
+    def __init__(self, args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool = True):
+        H = args.hidden_size
+        layers = hybrid_layers(args, kernels, fused=fused)
+        model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, args.rms_norm_eps, kernels, offset=1.0))
+        super().__init__(model, tied=args.tie_word_embeddings)
+        self.args = args
+
+
+#: The norms that scale by ``1 + weight`` (DeltaNet's gated norm scales by ``weight``).
+OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                ".q_norm.weight", ".k_norm.weight")
+
+
+def sanitize_hybrid(weights: dict[str, mx.array], count: int) -> dict[str, mx.array]:
+    """Conv weights in MLX's layout; experts stacked, whether per expert or, as Qwen3.5's
+    checkpoints hold them, as one ``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj``.
+
+    A folder mlx-lm wrote (conv weights already ``[C, K, 1]``) holds its norms as ``1 + weight``
+    (mlx-lm folds the offset in when it converts): they are unfolded, as the graph adds it."""
+    convs = [array for name, array in weights.items() if name.endswith("conv1d.weight")]
+    folded = bool(convs) and all(array.ndim == 3 and array.shape[-1] == 1 for array in convs)
+    out: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        if name.endswith("conv1d.weight") and array.ndim == 3 and array.shape[1] == 1 and array.shape[2] > 1:
+            array = array.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
+        if folded and array.ndim == 1 and name.endswith(OFFSET_NORMS):
+            array = array - 1.0
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = mx.split(array, 2, axis=1)
+            stem = name[: -len("experts.gate_up_proj")]
+            out[stem + "switch_mlp.gate_proj.weight"] = gate
+            out[stem + "switch_mlp.up_proj.weight"] = up
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            out[name[: -len("experts.down_proj")] + "switch_mlp.down_proj.weight"] = array
+            continue
+        out[name] = array
+    return stack_experts(out, "mlp.experts", "mlp.switch_mlp", EXPERT_NAMES, count)
+
+
+class Qwen3NextArchitecture(DecoderArchitecture):
+    """The :class:`mlxr_core.model.arch.Architecture` of ``qwen3_next``."""
+
+    args_class = Qwen3NextArgs
+
+    def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
+        """Build the graph from a tolerant config dict."""
+        return Qwen3Next(self.args(config), kernels)
+
+    def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """Conv weights in MLX's layout, experts stacked, multi-token-prediction heads dropped
+        (``mtp.*``: unused by decoding), rotary tables and a tied ``lm_head`` dropped."""
+        weights = {name: array for name, array in weights.items() if not name.startswith("mtp.")}
+        return super().sanitize(sanitize_hybrid(weights, self.args(config).num_experts), config)
+
+    def make_cache(self, model: nn.Module) -> list[Any]:
+        """A recurrent state per DeltaNet layer, keys and values per attention layer."""
+        return [layer.make_cache() for layer in model.layers]
