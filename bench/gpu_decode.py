@@ -127,6 +127,12 @@ QWEN3_5_35B_A3B = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
+#: Qwen3.5-35B-A3B's layers at a fifth of its depth (8 layers: 6 DeltaNet, 2 attention), every width
+#: as released: per-layer costs are the model's, and random weights are written in a minute.
+QWEN3_5_35B_A3B_8L = {
+    **QWEN3_5_35B_A3B,
+    "text_config": {**QWEN3_5_35B_A3B["text_config"], "num_hidden_layers": 8},
+}
 #: The same design at a size a 2-core CPU decodes in seconds (8 layers, 32 experts, 8 per token).
 QWEN3_5_MOE_CPU = {
     **QWEN3_5_35B_A3B,
@@ -166,6 +172,7 @@ SHAPES = {
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "qwen3-moe-cpu": QWEN3_MOE_CPU,
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+    "qwen3.5-35b-a3b-8l": QWEN3_5_35B_A3B_8L,
     "qwen3.5-moe-cpu": QWEN3_5_MOE_CPU,
 }
 

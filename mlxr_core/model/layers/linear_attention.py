@@ -17,6 +17,7 @@ over the attention's output channels.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +27,41 @@ from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import RecurrentCache
 from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.layers.norms import RMSNorm
+
+# The element-wise chains of a step as compiled functions: one fused kernel each instead of one
+# per op (a one-token step on a GPU is bound by the host's cost per kernel). Shapeless: one trace
+# serves every batch size and prompt length.
+
+
+@partial(mx.compile, shapeless=True)
+def _gated_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
+    """``rms_norm(x) * weight * silu(gate)``, the gate in float32."""
+    return (_rms(x, weight, eps) * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+
+
+def _rms(x: mx.array, weight: mx.array | None, eps: mx.array) -> mx.array:
+    """RMS norm with ``eps`` an array (a compiled function's arguments are arrays)."""
+    x32 = x.astype(mx.float32)
+    normed = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return normed.astype(x.dtype) * weight if weight is not None else normed
+
+
+@partial(mx.compile, shapeless=True)
+def _decay_and_beta(A_log: mx.array, a: mx.array, dt_bias: mx.array, b: mx.array) -> tuple[mx.array, mx.array]:
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` and ``beta = sigmoid(b)``, in float32."""
+    g = -mx.exp(A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + dt_bias)
+    return g, mx.sigmoid(b.astype(mx.float32))
+
+
+@partial(mx.compile, shapeless=True)
+def _unit_qk(
+    q: mx.array, k: mx.array, eps: mx.array, q_scale: mx.array, k_scale: mx.array
+) -> tuple[mx.array, mx.array]:
+    """q and k RMS-normalized in float32 and scaled: ``l2norm(x) = rms_norm(x, eps / D) / sqrt(D)``,
+    so with ``eps`` the l2 norm's over ``D``, ``q_scale = 1 / D`` gives ``l2norm(q) / sqrt(D)`` and
+    ``k_scale = 1 / sqrt(D)`` gives ``l2norm(k)`` (the scales are arrays: a shapeless trace must
+    not keep one model's ``D``)."""
+    return _rms(q, None, eps) * q_scale, _rms(k, None, eps) * k_scale
 
 
 class GatedRMSNorm(nn.Module):
@@ -37,8 +73,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        normed = mx.fast.rms_norm(x, self.weight, self.eps)
-        return (normed * nn.silu(gate.astype(mx.float32))).astype(x.dtype)
+        return _gated_norm(x, gate, self.weight, mx.array(self.eps, dtype=mx.float32))
 
 
 class GatedDeltaNet(nn.Module):
@@ -83,6 +118,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = nn.Linear(values, hidden, bias=False)
         self._gated_delta = kernels.gated_delta
+        # l2norm's epsilon over Dk (see _unit_qk), and the scales of q and k
+        self._qk_constants = tuple(mx.array(x, dtype=mx.float32) for x in (1e-6 / key_dim, 1.0 / key_dim, key_dim**-0.5))
 
     def make_cache(self) -> RecurrentCache:
         """This layer's state for one sequence: ``kernel - 1`` conv inputs and the delta state."""
@@ -117,10 +154,7 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = mx.zeros((B, K - 1, C), dtype=qkv.dtype)
         window = mx.concatenate([state.astype(qkv.dtype), qkv], axis=1)  # [B, K - 1 + L, C]
-        weight = self.conv1d.weight[:, :, 0]  # [C, K]
-        out = window[:, 0:L] * weight[:, 0]
-        for i in range(1, K):
-            out = out + window[:, i : i + L] * weight[:, i]
+        out = mx.conv1d(window, self.conv1d.weight, groups=C)  # [B, L, C]
         return nn.silu(out), window[:, L:]
 
     def __call__(self, x: mx.array, mask: Any, cache: RecurrentCache | None) -> mx.array:
@@ -132,13 +166,9 @@ class GatedDeltaNet(nn.Module):
         conv_state = cache.conv_state if cache is not None else None
         mixed, conv_state = self.convolve(qkv, conv_state)
         q, k, v = mx.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
-        # l2norm(x) = rms_norm(x, eps / D) / sqrt(D), in float32
-        eps = 1e-6 / Dk
-        q = mx.fast.rms_norm(q.reshape(B, L, Hk, Dk).astype(mx.float32), None, eps) * (1.0 / Dk)
-        k = mx.fast.rms_norm(k.reshape(B, L, Hk, Dk).astype(mx.float32), None, eps) * Dk**-0.5
+        q, k = _unit_qk(q.reshape(B, L, Hk, Dk), k.reshape(B, L, Hk, Dk), *self._qk_constants)
         v = v.reshape(B, L, Hv, Dv)
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a.astype(mx.float32) + self.dt_bias)
-        beta = mx.sigmoid(b.astype(mx.float32))
+        g, beta = _decay_and_beta(self.A_log, a, self.dt_bias, b)
         state = cache.recurrent_state if cache is not None else None
         out, state = self._gated_delta(q, k, v, g, beta, state)
         if cache is not None:
@@ -211,6 +241,7 @@ class MixerBlock(nn.Module):
         return self.mixer.make_cache() if isinstance(self.mixer, GatedDeltaNet) else KVCache()
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: Any) -> mx.array:
-        h = x + self.mixer(self.input_layernorm(x), mask, cache)
-        out: mx.array = h + self.mlp(self.post_attention_layernorm(h))
+        mixed = self.mixer(self.input_layernorm(x), mask, cache)
+        h, normed = self.post_attention_layernorm.add_and_norm(mixed, x)  # one add_rms_norm kernel
+        out: mx.array = h + self.mlp(normed)
         return out
