@@ -82,7 +82,7 @@ class Qwen35(CausalLM):
 
     def __init__(self, args: Qwen3NextArgs, kernels: KernelSet):
         H = args.hidden_size
-        layers = hybrid_layers(args, kernels, fused=False)
+        layers = hybrid_layers(args, kernels, fused=False)  # Qwen3.5's projections are split
         model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, args.rms_norm_eps, kernels, offset=1.0))
         super().__init__(model, tied=args.tie_word_embeddings)
         self.args = args
@@ -112,8 +112,9 @@ class Qwen35Architecture(Qwen3NextArchitecture):
                     name = stem + name[len(prefix) :]
                     break
             text[name] = array
-        tied = self.args(config).tie_word_embeddings
-        stacked = sanitize_hybrid(text, self.args(config).num_experts)
+        args = self.args(config)
+        tied = args.tie_word_embeddings
+        stacked = sanitize_hybrid(text, args.num_experts, args.num_hidden_layers)
         return {
             name: array
             for name, array in stacked.items()

@@ -11,7 +11,10 @@ MLPs where :class:`~mlxr_plugins.archs.qwen3_moe.SparseLayers` says so).
 Caches: a :class:`~mlxr_core.model.cache.RecurrentCache` per DeltaNet layer, a
 :class:`~mlxr_core.model.cache.KVCache` per attention layer. Hugging Face's depthwise conv weight
 ``[channels, 1, kernel]`` is stored as MLX's ``[channels, kernel, 1]``; per-expert tensors are
-stacked (:func:`~mlxr_core.model.layers.stack_experts`).
+stacked (:func:`~mlxr_core.model.layers.stack_experts`). llama.cpp's GGUF files (``qwen3next``,
+``qwen35``, ``qwen35moe``) arrive from the GGUF reader in Hugging Face's names with DeltaNet's
+projections split (``linear_attn_layout: split``) and, for Qwen3.5, the value heads in
+llama.cpp's tiled order (``linear_value_order: tiled``), which the layer follows.
 """
 
 from __future__ import annotations
@@ -72,9 +75,18 @@ class Qwen3NextArgs(TransformerArgs, SparseLayers):
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
+    #: DeltaNet's projections: Qwen3-Next's ``fused`` (qkvz and ba grouped per key head) or
+    #: ``split`` as Qwen3.5 has them (llama.cpp's files of either; set by the GGUF reader).
+    linear_attn_layout: str = "fused"
+    #: Order of the value heads: ``grouped`` (key head j serves value heads j*r .. j*r+r-1, as
+    #: Hugging Face's) or llama.cpp's ``tiled`` (key head j serves j, j + Hk, ...).
+    linear_value_order: str = "grouped"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for key, allowed in (("linear_attn_layout", ("fused", "split")), ("linear_value_order", ("grouped", "tiled"))):
+            if getattr(self, key) not in allowed:
+                raise ModelLoadError(f"{key} must be one of {', '.join(allowed)}, not {getattr(self, key)!r}", key=key)
         if self.layer_types is None:
             every = self.full_attention_interval
             self.layer_types = [LAYER_TYPES[(i + 1) % every == 0] for i in range(self.num_hidden_layers)]
@@ -123,6 +135,7 @@ def hybrid_layers(args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool, share
                 eps=eps,
                 kernels=kernels,
                 fused=fused,
+                tiled=args.linear_value_order == "tiled",
             )
         return "self_attn", GatedAttention(
             H,
@@ -157,9 +170,9 @@ def hybrid_layers(args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool, share
 class Qwen3Next(CausalLM):
     """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
 
-    def __init__(self, args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool = True):
+    def __init__(self, args: Qwen3NextArgs, kernels: KernelSet):
         H = args.hidden_size
-        layers = hybrid_layers(args, kernels, fused=fused)
+        layers = hybrid_layers(args, kernels, fused=args.linear_attn_layout == "fused")
         model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, args.rms_norm_eps, kernels, offset=1.0))
         super().__init__(model, tied=args.tie_word_embeddings)
         self.args = args
@@ -170,12 +183,14 @@ OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "
                 ".q_norm.weight", ".k_norm.weight")
 
 
-def sanitize_hybrid(weights: dict[str, mx.array], count: int) -> dict[str, mx.array]:
+def sanitize_hybrid(weights: dict[str, mx.array], count: int, layers: int | None = None) -> dict[str, mx.array]:
     """Conv weights in MLX's layout; experts stacked, whether per expert or, as Qwen3.5's
     checkpoints hold them, as one ``experts.gate_up_proj`` ``[E, 2I, H]`` and ``experts.down_proj``.
 
     A folder mlx-lm wrote (conv weights already ``[C, K, 1]``) holds its norms as ``1 + weight``
     (mlx-lm folds the offset in when it converts): they are unfolded, as the graph adds it."""
+    if layers is not None:  # multi-token-prediction blocks a GGUF file appends, under its own names
+        weights = {name: array for name, array in weights.items() if _layer(name) < layers}
     convs = [array for name, array in weights.items() if name.endswith("conv1d.weight")]
     folded = bool(convs) and all(array.ndim == 3 and array.shape[-1] == 1 for array in convs)
     out: dict[str, mx.array] = {}
@@ -184,9 +199,11 @@ def sanitize_hybrid(weights: dict[str, mx.array], count: int) -> dict[str, mx.ar
             array = array.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
         if folded and array.ndim == 1 and name.endswith(OFFSET_NORMS):
             array = array - 1.0
-        if name.endswith("mlp.experts.gate_up_proj"):
+        if name.endswith("shared_expert_gate.weight") and array.ndim == 1:
+            array = array[None]  # llama.cpp stores the shared expert's gate as a vector
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj.weight")):
             gate, up = mx.split(array, 2, axis=1)
-            stem = name[: -len("experts.gate_up_proj")]
+            stem = name[: name.index("experts.gate_up_proj")]
             out[stem + "switch_mlp.gate_proj.weight"] = gate
             out[stem + "switch_mlp.up_proj.weight"] = up
             continue
@@ -195,6 +212,14 @@ def sanitize_hybrid(weights: dict[str, mx.array], count: int) -> dict[str, mx.ar
             continue
         out[name] = array
     return stack_experts(out, "mlp.experts", "mlp.switch_mlp", EXPERT_NAMES, count)
+
+
+def _layer(name: str) -> int:
+    """The decoder layer a weight belongs to (-1 for the embedding, final norm and head); GGUF
+    names nothing maps (``blk.N.nextn.*``) count as past the last layer."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2])
+    return 1 << 30 if name.startswith("blk.") else -1
 
 
 class Qwen3NextArchitecture(DecoderArchitecture):
@@ -210,7 +235,8 @@ class Qwen3NextArchitecture(DecoderArchitecture):
         """Conv weights in MLX's layout, experts stacked, multi-token-prediction heads dropped
         (``mtp.*``: unused by decoding), rotary tables and a tied ``lm_head`` dropped."""
         weights = {name: array for name, array in weights.items() if not name.startswith("mtp.")}
-        return super().sanitize(sanitize_hybrid(weights, self.args(config).num_experts), config)
+        args = self.args(config)
+        return super().sanitize(sanitize_hybrid(weights, args.num_experts, args.num_hidden_layers), config)
 
     def make_cache(self, model: nn.Module) -> list[Any]:
         """A recurrent state per DeltaNet layer, keys and values per attention layer."""

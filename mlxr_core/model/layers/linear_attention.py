@@ -80,7 +80,9 @@ class GatedDeltaNet(nn.Module):
     """Gated DeltaNet with Hugging Face's module names. ``fused`` projections are Qwen3-Next's
     (``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head); otherwise Qwen3.5's
     (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). ``conv1d.weight`` is
-    ``[channels, kernel, 1]`` (MLX's depthwise layout)."""
+    ``[channels, kernel, 1]`` (MLX's depthwise layout). ``tiled``: the value heads are in
+    llama.cpp's order for Qwen3.5 files (key head j serves value heads j, j + Hk, ...), which
+    every value-head weight follows, so only the pairing of q/k heads with value heads changes."""
 
     def __init__(
         self,
@@ -94,6 +96,7 @@ class GatedDeltaNet(nn.Module):
         eps: float,
         kernels: KernelSet,
         fused: bool,
+        tiled: bool = False,
     ):
         super().__init__()
         if value_heads % key_heads:
@@ -104,6 +107,8 @@ class GatedDeltaNet(nn.Module):
         keys, values = key_heads * key_dim, value_heads * value_dim
         self.channels = 2 * keys + values
         self.fused = fused
+        #: Value heads in llama.cpp's tiled order: key head j serves value heads j, j + Hk, ...
+        self.tiled = tiled
         if fused:
             self.in_proj_qkvz = nn.Linear(hidden, 2 * keys + 2 * values, bias=False)
             self.in_proj_ba = nn.Linear(hidden, 2 * value_heads, bias=False)
@@ -178,6 +183,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = mx.split(mixed, [Hk * Dk, 2 * Hk * Dk], axis=-1)
         q, k = _unit_qk(q.reshape(B, L, Hk, Dk), k.reshape(B, L, Hk, Dk), *self._qk_constants)
         v = v.reshape(B, L, Hv, Dv)
+        if self.tiled and Hv != Hk:  # one q/k head per value head, in the heads' order
+            q, k = mx.tile(q, (1, 1, Hv // Hk, 1)), mx.tile(k, (1, 1, Hv // Hk, 1))
         g, beta = _decay_and_beta(self.A_log, a, self.dt_bias, b)
         state = cache.recurrent_state if cache is not None else None
         out, state = self._gated_delta(q, k, v, g, beta, state)

@@ -89,9 +89,30 @@ ARCH_BLOCK_NAMES = {
         "ffn_gate_up_exps": "mlp.switch_mlp.gate_up_proj",
     },
 }
+#: The Qwen hybrids (Gated DeltaNet and gated attention): ``attn_qkv``/``attn_gate`` are DeltaNet's
+#: q|k|v and z projections, ``ssm_*`` the rest of it; ``ssm_ba`` is Qwen3-Next's b|a projection
+#: (grouped by key head, split by :func:`hybrid_weights`), ``ssm_beta``/``ssm_alpha`` Qwen3.5's.
+HYBRID_BLOCK_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt": "linear_attn.dt_bias",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ffn_gate_up_exps": "mlp.experts.gate_up_proj",
+}
+#: llama.cpp architecture -> Hugging Face model_type of the Qwen hybrids.
+HYBRID_ARCHS = {"qwen3next": "qwen3_next", "qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+ARCH_BLOCK_NAMES.update(dict.fromkeys(HYBRID_ARCHS, HYBRID_BLOCK_NAMES))
 #: Architectures whose RMS norms scale by ``1 + w``: llama.cpp's converter stores ``w + 1`` in the
-#: file (so ggml multiplies by it directly); we subtract it back to the Hugging Face form.
-NORM_PLUS_ONE_ARCHS = frozenset({"gemma3"})
+#: file (so ggml multiplies by it directly); we subtract it back to the Hugging Face form. (Not the
+#: hybrids' DeltaNet output norm, which scales by ``w``: see :func:`shifted_norm`.)
+NORM_PLUS_ONE_ARCHS = frozenset({"gemma3", *HYBRID_ARCHS})
 
 #: Architectures whose Q/K rows llama.cpp permuted for its adjacent-pair ("NORM") RoPE. We restore
 #: the Hugging Face row order rather than switching the graph to traditional RoPE, so the arch never
@@ -108,8 +129,17 @@ NOT_WEIGHTS = (
 )
 
 
+def shifted_norm(name: str, arch: str) -> bool:
+    """Whether tensor ``name`` of an ``arch`` file holds a norm's ``1 + w``."""
+    return arch in NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight") and ".ssm_norm." not in name
+
+
 def hf_name(name: str, arch: str = "llama") -> str:
     """Map a llama.cpp tensor name to its Hugging Face name; unknown names pass through."""
+    if name.startswith("blk.") and name.count(".") == 2:  # a parameter without a suffix (ssm_a)
+        _, index, rest = name.split(".")
+        mapped = ARCH_BLOCK_NAMES.get(arch, {}).get(rest)
+        return f"model.layers.{index}.{mapped}" if mapped else name
     module, _, kind = name.rpartition(".")
     if module.startswith("blk."):
         _, index, rest = module.split(".", 2)
@@ -356,7 +386,70 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         config.update(moe_settings(arch, config, tensors, get))
     if arch == "gpt-oss":
         config.update(gpt_oss_settings(config, get))
+    if arch in HYBRID_ARCHS:
+        config.update(hybrid_settings(arch, config, get))
     return {key: value for key, value in config.items() if value is not None}
+
+
+def hybrid_settings(arch: str, config: dict[str, Any], get: Callable[..., Any]) -> dict[str, Any]:
+    """The Qwen hybrids' keys from llama.cpp's ``ssm.*`` metadata (``state_size`` is a key head's
+    size, ``group_count`` the key heads, ``time_step_rank`` the value heads, ``inner_size`` all
+    value heads' width), the layer pattern, and the file's layout of DeltaNet's projections:
+    Qwen3-Next's split like Qwen3.5's (``linear_attn_layout``), Qwen3.5's value heads in
+    llama.cpp's tiled order when key heads are fewer (``linear_value_order``). Multi-token
+    prediction blocks (``nextn_predict_layers``) are not part of the decoder."""
+    value_heads = get("ssm.time_step_rank")
+    inner = get("ssm.inner_size")
+    key_heads = get("ssm.group_count")
+    settings: dict[str, Any] = {
+        "model_type": HYBRID_ARCHS[arch],
+        "linear_conv_kernel_dim": get("ssm.conv_kernel"),
+        "linear_key_head_dim": get("ssm.state_size"),
+        "linear_num_key_heads": key_heads,
+        "linear_num_value_heads": value_heads,
+        "linear_value_head_dim": inner // value_heads if inner and value_heads else None,
+        "full_attention_interval": get("full_attention_interval"),
+        "linear_attn_layout": "split",
+        "norm_topk_prob": True,
+    }
+    if arch != "qwen3next" and key_heads and value_heads and key_heads != value_heads:
+        settings["linear_value_order"] = "tiled"
+    extra = get("nextn_predict_layers") or 0
+    if isinstance(extra, int) and 0 < extra < (config.get("num_hidden_layers") or 0):
+        settings["num_hidden_layers"] = config["num_hidden_layers"] - extra
+    if arch == "qwen35":
+        settings["num_experts"] = 0
+    return settings
+
+
+def hybrid_weights(
+    weights: dict[str, mx.array], quantization: dict[str, QuantSpec], config: dict[str, Any]
+) -> None:
+    """Undo, in place, what llama.cpp's converter did to the hybrids' DeltaNet tensors: ``ssm_a``
+    holds ``-exp(A_log)``, the conv weight lost its middle axis, and Qwen3-Next's b and a
+    projections are one matrix whose rows run ``[b (r rows), a (r rows)]`` per key head (split
+    here, packed or not, with the packing)."""
+    for name in [n for n in weights if n.endswith("linear_attn.A_log")]:
+        weights[name] = mx.log(-weights[name].astype(mx.float32))
+    for name in [n for n in weights if n.endswith("linear_attn.conv1d.weight")]:
+        if weights[name].ndim == 2:
+            weights[name] = weights[name][:, None, :]  # [C, K] -> Hugging Face's [C, 1, K]
+    for name in [n for n in weights if n.endswith("linear_attn.dt_bias.bias")]:
+        weights[name.removesuffix(".bias")] = weights.pop(name)
+    key_heads = int(config.get("linear_num_key_heads") or 1)
+    r = int(config.get("linear_num_value_heads") or key_heads) // key_heads
+    for module in [n.removesuffix(".weight") for n in weights if n.endswith("linear_attn.in_proj_ba.weight")]:
+        stem = module.removesuffix("in_proj_ba")
+        for part in ("weight", "scales", "biases"):
+            array = weights.pop(f"{module}.{part}", None)
+            if array is None:
+                continue
+            grouped = array.reshape(key_heads, 2 * r, *array.shape[1:])
+            weights[f"{stem}in_proj_b.{part}"] = grouped[:, :r].reshape(key_heads * r, *array.shape[1:])
+            weights[f"{stem}in_proj_a.{part}"] = grouped[:, r:].reshape(key_heads * r, *array.shape[1:])
+        spec = quantization.pop(module, None)
+        if spec is not None:
+            quantization[f"{stem}in_proj_b"] = quantization[f"{stem}in_proj_a"] = spec
 
 
 def gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -377,7 +470,13 @@ def gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:
 
 #: llama.cpp architecture -> (Hugging Face model_type, whether the router's top-k weights are
 #: renormalized: llama.cpp hard-codes it per architecture, the file does not say).
-MOE_ARCHS = {"qwen3moe": ("qwen3_moe", True), "qwen2moe": ("qwen2_moe", False), "llama": ("mixtral", True)}
+MOE_ARCHS = {
+    "qwen3moe": ("qwen3_moe", True),
+    "qwen2moe": ("qwen2_moe", False),
+    "llama": ("mixtral", True),
+    "qwen3next": ("qwen3_next", True),
+    "qwen35moe": ("qwen3_5_moe", True),
+}
 
 
 def moe_settings(
@@ -545,7 +644,7 @@ class GGUFFormat:
                 continue
             target = hf_name(name, arch)
             heads = permute.get(name.split(".")[2]) if name.startswith("blk.") else None
-            shift = 1.0 if arch in NORM_PLUS_ONE_ARCHS and name.endswith("norm.weight") else 0.0
+            shift = 1.0 if shifted_norm(name, arch) else 0.0
             try:
                 arrays = self._convert(tensor, target, DTYPES[dtype], heads, quantization, shift)
             except Exception as exc:
@@ -562,6 +661,9 @@ class GGUFFormat:
                 if tensor.tensor_type not in (*EXACT_BITS, *FLOAT_TYPES, QType.MXFP4):
                     bits = NEAREST_BITS.get(tensor.tensor_type, 8)
                     suggested[module] = QuantSpec(bits=bits, group_size=GROUP_SIZE)
+
+        if arch in HYBRID_ARCHS:
+            hybrid_weights(weights, quantization, config)
 
         tokenizer = None
         try:

@@ -9,8 +9,9 @@ batch of rows of different lengths and a prefix-cache hit
 ones. Then what is particular to recurrent state: the prefix cache reuses only a whole stored
 prefix and counts the partial match it passed over; the drafting decoders refuse the model; the
 engine serves concurrent streams as solo. And the layouts users have: the released checkpoints'
-(Qwen3.5's ``text_config``, ``model.language_model.*``, fused experts) and mlx-lm's converted
-folders (norms stored as ``1 + weight``).
+(Qwen3.5's ``text_config``, ``model.language_model.*``, fused experts), mlx-lm's converted
+folders (norms stored as ``1 + weight``) and llama.cpp's GGUF files (as its converter writes them:
+``ssm_*`` tensors, Qwen3.5's value heads tiled, F32 and Q8_0 kept packed).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlxr_core.engine.prefix_cache import PrefixCache
 from mlxr_core.errors import ConfigError
@@ -203,3 +205,135 @@ def test_released_and_mlx_lm_folders_load(reference, registries, tmp_path):
         np.testing.assert_allclose(got, reference.logits[1], atol=ATOL, err_msg=str(folder))
         if peer is not None:  # mlx-lm's own graph on the same folder agrees with transformers too
             np.testing.assert_allclose(peer, reference.logits[1], atol=ATOL)
+
+
+GGUF_ARCH = {"qwen3_next": "QWEN3NEXT", "qwen3_5_text": "QWEN35", "qwen3_5_moe_text": "QWEN35MOE"}
+
+
+def tiled(array: np.ndarray, axis: int, key_heads: int, per_key: int, size: int) -> np.ndarray:
+    """Value heads moved from Hugging Face's grouped order to llama.cpp's tiled one along
+    ``axis`` (its converter's reordering for Qwen3.5 when key heads are fewer)."""
+    shape = list(array.shape)
+    split = [*shape[:axis], key_heads, per_key, size, *shape[axis + 1:]]
+    return np.swapaxes(array.reshape(split), axis, axis + 1).reshape(shape)
+
+
+def write_hybrid_gguf(path: Any, reference: Any, quant: str = "f32") -> Any:
+    """The folder as llama.cpp's converter writes it (its tensor names from gguf's own map):
+    ``ssm_a = -exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, conv weights squeezed, norms but
+    DeltaNet's stored as ``1 + w``, Qwen3-Next's q|k|v|z projection split into ``attn_qkv`` and
+    ``attn_gate``, Qwen3.5's value heads tiled, experts stacked, the shared expert's gate a vector."""
+    import gguf
+
+    from mlxr_core.testing.tiny import write_gguf
+
+    config = reference.config
+    arch = getattr(gguf.MODEL_ARCH, GGUF_ARCH[config["model_type"]])
+    names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
+    from safetensors.numpy import load_file
+
+    weights = load_file(str(reference.folder / "model.safetensors"))
+    Hk, Hv = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    Dk, Dv, r = config["linear_key_head_dim"], config["linear_value_head_dim"], Hv // Hk
+    reorder = config["model_type"] != "qwen3_next" and Hk != Hv
+    tensors: dict[str, np.ndarray] = {}
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, data in weights.items():
+        if ".experts." in name:
+            layer, rest = name.split(".mlp.experts.")
+            expert, projection, _ = rest.split(".")
+            experts.setdefault((int(layer.split(".")[2]), projection), {})[int(expert)] = data
+            continue
+        if reorder and ".linear_attn." in name:
+            if "in_proj_qkv" in name:
+                data = np.concatenate([data[: 2 * Hk * Dk], tiled(data[2 * Hk * Dk:], 0, Hk, r, Dv)])
+            elif "in_proj_z" in name or "out_proj" in name:
+                data = tiled(data, 1 if "out_proj" in name else 0, Hk, r, Dv)
+            elif "in_proj_b" in name or "in_proj_a" in name or "A_log" in name or "dt_bias" in name:
+                data = tiled(data, 0, Hk, r, 1)
+            elif "conv1d" in name:
+                data = np.concatenate([data[: 2 * Hk * Dk], tiled(data[2 * Hk * Dk:], 0, Hk, r, Dv)])
+        if name.endswith("A_log"):
+            data = -np.exp(data)
+        if name.endswith("dt_bias"):
+            name = name.replace("dt_bias", "dt_proj.bias")
+        if "conv1d" in name:
+            data = data.reshape(data.shape[0], data.shape[-1])
+        if name.endswith("norm.weight") and "linear_attn.norm" not in name:
+            data = data + 1.0
+        if name.endswith("shared_expert_gate.weight"):
+            data = data[0]
+        if "in_proj_qkvz" in name:  # [q, k, v, z] per key head -> q|k|v of all heads, and z
+            grouped = data.reshape(Hk, 2 * Dk + 2 * r * Dv, -1)
+            q, k, v, z = np.split(grouped, [Dk, 2 * Dk, 2 * Dk + r * Dv], axis=1)
+            flat = [part.reshape(-1, data.shape[1]) for part in (q, k, v, z)]
+            layer = int(name.split(".")[2])
+            tensors[names.get_name(f"model.layers.{layer}.linear_attn.in_proj_qkv") + ".weight"] = np.concatenate(flat[:3])
+            tensors[names.get_name(f"model.layers.{layer}.linear_attn.in_proj_z") + ".weight"] = flat[3]
+            continue
+        target = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if target is None and ".mlp." in name:  # Qwen3-Next's dense layer of this test: llama.cpp's names
+            layer, projection = name.split(".")[2], name.split(".")[4]
+            target = f"blk.{layer}.ffn_{projection.removesuffix('_proj')}.weight"
+        assert target is not None, name
+        tensors[target] = data
+    for (layer, projection), rows in experts.items():
+        tensors[f"blk.{layer}.ffn_{projection.removesuffix('_proj')}_exps.weight"] = np.stack([rows[e] for e in sorted(rows)])
+    head_dim = config["head_dim"]
+    metadata: dict[str, Any] = {
+        "block_count": config["num_hidden_layers"],
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config.get("intermediate_size") or 1,
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "rope.freq_base": float(config["rope_parameters"]["rope_theta"]),
+        "rope.dimension_count": int(head_dim * config["rope_parameters"]["partial_rotary_factor"]),
+        "ssm.conv_kernel": config["linear_conv_kernel_dim"],
+        "ssm.state_size": Dk,
+        "ssm.group_count": Hk,
+        "ssm.time_step_rank": Hv,
+        "ssm.inner_size": Dv * Hv,
+        "full_attention_interval": 2,
+    }
+    if config.get("num_experts"):
+        metadata.update({"expert_count": config["num_experts"], "expert_used_count": config["num_experts_per_tok"],
+                         "expert_feed_forward_length": config["moe_intermediate_size"],
+                         "expert_shared_feed_forward_length": config["shared_expert_intermediate_size"]})
+    small = {name: "f32" for name, array in tensors.items() if array.shape[-1] % 32}  # conv weights: F32, as llama.cpp keeps them
+    return write_gguf(path, gguf.MODEL_ARCH_NAMES[arch], metadata, tensors, quant=quant, quants=small)
+
+
+def gguf_model(path: Any, registries: Any, policy: str) -> Any:
+    from mlxr_core.kernels import OPS, bind_kernels
+    from mlxr_core.model.loader import build_model
+    from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat
+
+    checkpoint = GGUFFormat().load(path)
+    arch = registries.archs.get(checkpoint.config["model_type"])
+    kernels = bind_kernels(registries.kernels, dtype="float32", shapes=arch.kernel_context(checkpoint.config),
+                           choices=dict.fromkeys(OPS, "mlx_fast"))
+    return checkpoint.config, build_model(checkpoint, arch, kernels, policy, "float32")
+
+
+def test_gguf_matches_transformers(reference, registries, tmp_path):
+    """llama.cpp's layout of the same weights (F32): transformers' logits within the tolerance."""
+    config, model = gguf_model(write_hybrid_gguf(tmp_path / "hybrid.gguf", reference), registries, "keep")
+    assert config["model_type"] == reference.config["model_type"].removesuffix("_text")
+    for ids, want in zip(reference.prompts, reference.logits, strict=True):
+        np.testing.assert_allclose(np.array(model(mx.array([ids]))[0]), want, atol=ATOL)
+
+
+def test_gguf_blocks_kept_packed_equal_them_dequantized(reference, registries, tmp_path):
+    """Q8_0 blocks kept packed (Qwen3-Next's b|a matrix split with its scales) give the logits of
+    the same blocks dequantized. (Against transformers 8-bit weights are far off on these O(1)
+    random weights: mlxr's own q8 of the folder moves Qwen3-Next's logits by up to 5.8.)"""
+    path = write_hybrid_gguf(tmp_path / "hybrid.gguf", reference, "q8_0")
+    _, packed = gguf_model(path, registries, "keep")
+    _, dense = gguf_model(path, registries, "dequantize")
+    assert any(name.endswith("scales") for name, _ in tree_flatten(packed.parameters()))
+    for ids in reference.prompts:
+        np.testing.assert_allclose(np.array(packed(mx.array([ids]))[0]), np.array(dense(mx.array([ids]))[0]), atol=ATOL)
