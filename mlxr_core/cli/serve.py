@@ -182,7 +182,9 @@ def uvicorn_config(app: Any, server_config: ServerConfig, *, log_level: str) -> 
         access_log=False,  # mlxr.access logs each request once, with its id
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(server_config.shutdown_timeout) + UVICORN_GRACE_S,
-        http=protocol_with_deadlines(server_config.header_timeout, server_config.body_timeout),
+        http=protocol_with_deadlines(
+            server_config.header_timeout, server_config.body_timeout, server_config.max_connections
+        ),
     )
 
 

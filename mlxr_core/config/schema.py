@@ -61,6 +61,9 @@ class ServerConfig:
     header_timeout: float = attrs.field(default=10.0, validator=v.gt(0.0))
     #: Seconds a request has to send its whole body once its head is in; then it is closed.
     body_timeout: float = attrs.field(default=60.0, validator=v.gt(0.0))
+    #: Open connections at most; beyond it the one idle longest is closed so new clients get in
+    #: (:mod:`mlxr_core.connections`). None: the process's file limit less 64.
+    max_connections: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
     #: Upper bound on any request's ``max_tokens`` (larger asks are lowered to it); None: no cap.
     max_tokens_cap: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
     #: One log line per request (method, path, status, duration, request id) on ``mlxr.access``.

@@ -321,6 +321,42 @@ def test_idle_slow_loris_and_slow_body_connections_are_closed_and_health_keeps_a
         sock.close()
 
 
+def test_past_the_connection_budget_the_longest_idle_connection_makes_room() -> None:
+    """Twenty idle sockets against a budget of eight (deadlines far off): each new connection
+    closes the one idle longest, so ``/health`` keeps answering and the newest idle ones stay."""
+    import uvicorn
+    from litestar import Litestar
+
+    from mlxr_core.config.schema import ServerConfig
+
+    @get("/health", sync_to_thread=False)
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    settings = ServerConfig(port=0, header_timeout=60.0, body_timeout=60.0, max_connections=8)
+    server = uvicorn.Server(serve.uvicorn_config(Litestar([health]), settings, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        port = server.servers[0].sockets[0].getsockname()[1]
+        idle = []
+        for _ in range(20):
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(0.02)  # an order the server sees
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:
+            assert client.get("/health").status_code == 200
+        closed = [closed_within(sock, 0.5) for sock in idle]
+        assert all(closed[:12]) and not any(closed[-6:]), closed
+        for sock in idle:
+            sock.close()
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 # -- a real server process on the tiny model --------------------------------------------------------
 
 
