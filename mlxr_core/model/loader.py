@@ -142,6 +142,8 @@ def choose_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "a
     ``model_type`` to it. Raises UnknownArchitecture listing the architectures and why each
     fallback declined."""
     model_type = checkpoint.config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ModelLoadError(f"{model_type!r} is not a string", path=str(checkpoint.path), key="model_type")
     name = model_type if choice == "auto" else choice
     if not name:
         raise ModelLoadError(
@@ -284,9 +286,12 @@ def build_model(
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
+        # mlx names the first parameter that does not fit ("... for parameter NAME")
+        named = re.search(r"parameters? (?:not in model: \s*)?([\w.]+)", str(exc))
         raise ModelLoadError(
             f"weights do not fit the {config.get('model_type')} graph: {exc}",
             path=str(checkpoint.path),
+            tensor=named.group(1) if named else None,
         ) from exc
     mx.eval(model.parameters())
     model.eval()
@@ -306,14 +311,21 @@ def load_model(
     format_name, fmt = pick_format(path, registries, model_config.format)
     dtype = default_dtype() if model_config.dtype == "auto" else model_config.dtype
     checkpoint = fmt.load(path, dtype=dtype)
-    chosen = choose_arch(checkpoint, registries, model_config.arch)
+    try:
+        chosen = choose_arch(checkpoint, registries, model_config.arch)
+    except UnknownArchitecture as exc:  # say which file names the model type
+        exc.message = f"{path}: {exc.message}"
+        exc.args = (exc.message,)
+        raise
     arch = chosen.arch
     log.info("%s: model type %r: %s", path.name, checkpoint.config.get("model_type"), chosen.reason)
     check_config(checkpoint, arch)
     config = checkpoint.config
 
     if checkpoint.tokenizer is None:
-        raise ModelLoadError("the checkpoint carries no tokenizer", path=str(path))
+        # A GGUF without a tokenizer model (or one the reader could not take) lacks this key.
+        key = "tokenizer.ggml.model" if checkpoint.format == "gguf" else None
+        raise ModelLoadError("the checkpoint carries no tokenizer", path=str(path), key=key)
     backend = registries.tokenizers.get(checkpoint.tokenizer.kind)
     chat_template = checkpoint.chat_template
     if chat_template is None and isinstance(arch, DefaultChatTemplate):
@@ -321,7 +333,12 @@ def load_model(
         if chat_template is not None:
             arch_name = config.get("model_type", "architecture's")
             log.info("%s has no chat template; using the %s default", path.name, arch_name)
-    tokenizer = backend.build(checkpoint.tokenizer.data, chat_template=chat_template)
+    try:
+        tokenizer = backend.build(checkpoint.tokenizer.data, chat_template=chat_template)
+    except ModelLoadError as exc:
+        if exc.path is not None:
+            raise
+        raise ModelLoadError(exc.detail, path=str(path), tensor=exc.tensor, key=exc.key) from exc
 
     choices = {**(kernel_choices or {}), **model_config.kernels}
     kernels = bind_kernels(

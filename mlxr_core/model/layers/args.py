@@ -70,7 +70,7 @@ class ConfigArgs:
             and field.name not in known
         ]
         if missing:
-            raise ModelLoadError(f"the {cls.family} config lacks {', '.join(missing)}")
+            raise ModelLoadError(f"the {cls.family} config lacks {', '.join(missing)}", key=missing[0])
         return cls(**known)
 
 

@@ -187,7 +187,8 @@ def make_rotary(
     kind = rope_type(scaling)
     if kind not in types:
         raise ModelLoadError(
-            f"rope_scaling type {kind!r} is not supported by the {family} graph ({', '.join(types)})"
+            f"rope_scaling type {kind!r} is not supported by the {family} graph ({', '.join(types)})",
+            key="rope_scaling",
         )
     freqs: mx.array | None = None
     scale, factor = 1.0, 1.0

@@ -279,7 +279,8 @@ class GGUFTokenizerBackend:
             strip = add_space_prefix
         else:
             raise ModelLoadError(
-                f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)"
+                f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)",
+                key="tokenizer.ggml.model",
             )
         for i, t in enumerate(types):
             if t == TokenType.BYTE:

@@ -148,6 +148,7 @@ class HFTokenizerBackend:
             raise ModelLoadError(
                 f"{words} tokens, but config.json's vocab_size gives the embedding {rows} rows",
                 path=path,
+                key="vocab_size",
             )
 
         missing = [

@@ -4,7 +4,8 @@ and the value, raised before the graph is built; ``mlxr info`` prints it as one 
 ``mlxr serve`` exits 1 with it.
 
 Loads run in one child process, through the whole loading pipeline (format, architecture,
-tokenizer, weights), which reports each outcome and how much its peak memory grew.
+tokenizer, weights), which reports each outcome and how much its peak memory grew
+(:mod:`mlxr_core.testing.loader_fuzz`, whose semantic fuzzer goes over every key).
 """
 
 from __future__ import annotations
@@ -12,9 +13,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -22,87 +20,17 @@ import numpy as np
 import pytest
 
 from mlxr_core.cli.main import main
+from mlxr_core.testing import loader_fuzz as fuzz
+from mlxr_core.testing.loader_fuzz import MEMORY_SLACK, rewrite_gguf
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
 
 HF_LLAMA = Path(__file__).parents[2] / "fixtures" / "tiny_hf" / "llama"
-#: Peak memory a load may add: twice the file, plus interpreter and allocator noise.
-MEMORY_SLACK = 64 * 2**20
-
-CHILD = textwrap.dedent(
-    """
-    import json, resource, sys, traceback
-    from mlxr_core.config.schema import ModelConfig
-    from mlxr_core.errors import ModelLoadError
-    from mlxr_core.model.loader import load_model
-    from mlxr_core.plugins import load_plugins
-
-    registries = load_plugins().registries
-
-    def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    def load(path):
-        before = peak()
-        try:
-            load_model(ModelConfig(path=path), registries)
-            outcome = {"result": "loaded"}
-        except ModelLoadError as exc:
-            outcome = {"result": "error", "message": str(exc), "key": exc.key, "tensor": exc.tensor}
-        except BaseException as exc:
-            outcome = {"result": "unexpected", "message": "".join(traceback.format_exception(exc))}
-        return {**outcome, "grew": peak() - before}
-
-    request = json.loads(sys.stdin.read())
-    load(request["warmup"])
-    for path in request["paths"]:
-        print(json.dumps({"path": path, **load(path)}), flush=True)
-    """
-)
 
 
 def load_in_child(warmup: Path, paths: list[Path]) -> dict[str, dict[str, Any]]:
-    request = {"warmup": str(warmup), "paths": [str(path) for path in paths]}
-    process = subprocess.run(
-        [sys.executable, "-c", CHILD], input=json.dumps(request), capture_output=True, text=True, timeout=300
-    )
-    assert process.returncode == 0, f"the loading process died ({process.returncode}):\n{process.stderr[-3000:]}"
-    return {json.loads(line)["path"]: json.loads(line) for line in process.stdout.splitlines()}
-
-
-def rewrite_gguf(
-    source: Path, target: Path, metadata: dict[str, Any] | None = None, tensors: dict[str, np.ndarray] | None = None
-) -> Path:
-    """``source`` with metadata keys set (a value, with its GGUF type picked from the Python type)
-    and float32 tensors added or replaced."""
-    import gguf
-
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(target, arch=None)  # type: ignore[arg-type]
-    changes = dict(metadata or {})
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key in changes:
-            continue
-        value, kind = field.contents(), field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, kind, sub_type=sub)
-    for key, value in changes.items():
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
-    replaced = dict(tensors or {})
-    for tensor in reader.tensors:
-        if tensor.name not in replaced:
-            writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
-    for name, array in replaced.items():
-        writer.add_tensor(name, np.asarray(array, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
+    outcomes, death = fuzz.load_in_child([warmup], paths)
+    assert death is None, death
+    return outcomes
 
 
 @pytest.fixture(scope="module")
