@@ -1,0 +1,178 @@
+"""A soak of ``mlxr serve``: many mixed streaming clients for minutes, some leaving mid-stream.
+
+Starts ``mlxr serve`` (the default model unless ``--model``) on a free port and runs ``--clients``
+concurrent clients for ``--seconds``. Each client loops over requests drawn at random: OpenAI
+chat completions, Anthropic messages and Ollama chat, all streamed, and OpenAI embeddings; a
+share of the streams (``--disconnect``) is dropped by the client after its first events. Counted:
+completed requests (a stream's final event, an embedding's 200), intended disconnects, and lost
+ones (any other status, a stream that ends without its final event, a transport error). After the
+run the server's gauges (``mlxr_requests_inflight``, ``_running``, ``mlxr_queue_depth``, KV bytes)
+must return to 0, and its resident memory is compared with its value after the warm-up.
+
+    python bench/soak.py --clients 64 --seconds 600 --out bench/results/soak_smollm2_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+GAUGES = ("mlxr_requests_inflight", "mlxr_requests_running", "mlxr_queue_depth", "mlxr_kv_cache_bytes")
+#: What ends each kind of stream (a line containing it).
+FINAL = {"openai": "[DONE]", "anthropic": "message_stop", "ollama": '"done":true'}
+
+
+def rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def start(model: str | None) -> tuple[subprocess.Popen[str], str]:
+    command = [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--port", "0", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"MLXR_MODEL": model} if model else {})}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert process.stdout is not None
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        if match := re.search(r"serving .* at (http://\S+)", line):
+            return process, match[1]
+    process.kill()
+    raise SystemExit("mlxr serve did not become ready")
+
+
+def request(kind: str, model: str, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
+    """(method path, stream kind, body) of one request of ``kind``."""
+    text = rng.choice(["Tell me a story.", "What is 2 + 2?", "Name three colours.", "Say hello in French."])
+    tokens = rng.randint(4, 48)
+    if kind == "openai":
+        return "/v1/chat/completions", kind, {"model": model, "messages": [{"role": "user", "content": text}],
+                                              "max_tokens": tokens, "stream": True}
+    if kind == "anthropic":
+        return "/v1/messages", kind, {"model": model, "max_tokens": tokens, "stream": True,
+                                      "messages": [{"role": "user", "content": text}]}
+    if kind == "ollama":
+        return "/api/chat", kind, {"model": model, "messages": [{"role": "user", "content": text}],
+                                   "stream": True, "options": {"num_predict": tokens}}
+    return "/v1/embeddings", kind, {"model": model, "input": [text] * rng.randint(1, 4)}
+
+
+async def client(index: int, url: str, model: str, until: float, disconnect: float, tally: dict[str, Any]) -> None:
+    rng = random.Random(index)
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        while time.monotonic() < until:
+            kind = rng.choice(["openai", "anthropic", "ollama", "embeddings"])
+            path, stream, body = request(kind, model, rng)
+            leave = kind != "embeddings" and rng.random() < disconnect
+            try:
+                if kind == "embeddings":
+                    reply = await http.post(path, json=body)
+                    ok = reply.status_code == 200 and len(reply.json()["data"]) == len(body["input"])
+                    tally["completed" if ok else "lost"] += 1
+                    if not ok:
+                        tally["lost_detail"].append(f"{kind} {reply.status_code} {reply.text[:200]}")
+                    continue
+                async with http.stream("POST", path, json=body) as reply:
+                    if reply.status_code != 200:
+                        tally["lost"] += 1
+                        tally["lost_detail"].append(f"{kind} {reply.status_code}")
+                        continue
+                    seen, final = 0, False
+                    async for line in reply.aiter_lines():
+                        seen += 1
+                        if FINAL[stream] in line.replace(" ", ""):
+                            final = True
+                        if leave and seen >= 3:
+                            break
+                    if leave:
+                        tally["disconnected"] += 1
+                    elif final:
+                        tally["completed"] += 1
+                    else:
+                        tally["lost"] += 1
+                        tally["lost_detail"].append(f"{kind}: no final event after {seen} lines")
+            except httpx.HTTPError as exc:
+                tally["lost"] += 1
+                tally["lost_detail"].append(f"{kind}: {type(exc).__name__}: {exc}")
+
+
+def gauges(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    values = {}
+    for name in GAUGES:
+        found = [float(m[1]) for m in re.finditer(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)]
+        values[name] = sum(found)
+    return values
+
+
+async def soak(url: str, model: str, clients: int, seconds: float, disconnect: float) -> dict[str, Any]:
+    tally: dict[str, Any] = {"completed": 0, "disconnected": 0, "lost": 0, "lost_detail": []}
+    until = time.monotonic() + seconds
+    await asyncio.gather(*(client(i, url, model, until, disconnect, tally) for i in range(clients)))
+    return tally
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model path, as MLXR_MODEL takes it (default: mlxr serve's default)")
+    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=600)
+    parser.add_argument("--warmup", type=float, default=60, help="seconds of load before the memory baseline")
+    parser.add_argument("--disconnect", type=float, default=0.2, help="share of streams the client drops")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    process, url = start(args.model)
+    try:
+        model = httpx.get(f"{url}/health").json()["models"][0]
+        warm = asyncio.run(soak(url, model, args.clients, args.warmup, args.disconnect))
+        baseline = rss(process.pid)
+        started = time.perf_counter()
+        tally = asyncio.run(soak(url, model, args.clients, args.seconds, args.disconnect))
+        elapsed = time.perf_counter() - started
+        deadline, after = time.monotonic() + 60, gauges(url)
+        while any(after.values()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            after = gauges(url)
+        final = rss(process.pid)
+        report = {
+            "model": model,
+            "clients": args.clients,
+            "seconds": round(elapsed, 1),
+            "disconnect_share": args.disconnect,
+            "warmup": {k: v for k, v in warm.items() if k != "lost_detail"},
+            **{k: v for k, v in tally.items() if k != "lost_detail"},
+            "lost_examples": tally["lost_detail"][:20],
+            "gauges_after": after,
+            "rss_after_warmup_bytes": baseline,
+            "rss_at_end_bytes": final,
+            "rss_change": (final - baseline) / baseline if baseline else None,
+        }
+    finally:
+        process.terminate()
+        process.wait(60)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    ok = report["lost"] == 0 and not any(report["gauges_after"].values()) and abs(report["rss_change"] or 0) <= 0.10
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
