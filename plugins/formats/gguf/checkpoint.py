@@ -89,6 +89,42 @@ ARCH_BLOCK_NAMES = {
         "ffn_gate_up_exps": "mlp.switch_mlp.gate_up_proj",
     },
 }
+#: Gemma 4: Gemma 3's four norms, the experts' own norms, the per-layer input's gate, projection
+#: and norm, the router (its ``.scale`` and the down experts' ``.scale`` are the router's scales:
+#: :data:`ARCH_PARAMETER_NAMES`), and the experts with gate and up in one tensor.
+ARCH_BLOCK_NAMES["gemma4"] = {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "ffn_gate_inp": "router.proj",
+    "ffn_gate_up_exps": "experts.gate_up_proj",
+    "ffn_gate_exps": "experts.gate_proj",
+    "ffn_up_exps": "experts.up_proj",
+    "ffn_down_exps": "experts.down_proj",
+}
+#: Per-architecture block tensors (``blk.N.<name>``) that are a module's parameter other than
+#: ``weight`` in Hugging Face naming: llama.cpp appended ``.weight`` or renamed the parameter.
+ARCH_PARAMETER_NAMES = {
+    "gemma4": {
+        "layer_output_scale.weight": "layer_scalar",
+        "ffn_gate_inp.scale": "router.scale",
+        "ffn_down_exps.scale": "router.per_expert_scale",
+    },
+}
+#: Per-architecture top-level tensors beside :data:`TOP_NAMES` (Gemma 4's per-layer inputs).
+ARCH_TOP_NAMES = {
+    "gemma4": {
+        "per_layer_token_embd": "model.embed_tokens_per_layer",
+        "per_layer_model_proj": "model.per_layer_model_projection",
+        "per_layer_proj_norm": "model.per_layer_projection_norm",
+    },
+}
 #: The Qwen hybrids (Gated DeltaNet and gated attention): ``attn_qkv``/``attn_gate`` are DeltaNet's
 #: q|k|v and z projections, ``ssm_*`` the rest of it; ``ssm_ba`` is Qwen3-Next's b|a projection
 #: (grouped by key head, split by :func:`hybrid_weights`), ``ssm_beta``/``ssm_alpha`` Qwen3.5's.
@@ -143,12 +179,15 @@ def hf_name(name: str, arch: str = "llama") -> str:
     module, _, kind = name.rpartition(".")
     if module.startswith("blk."):
         _, index, rest = module.split(".", 2)
+        parameter = ARCH_PARAMETER_NAMES.get(arch, {}).get(f"{rest}.{kind}")
+        if parameter:
+            return f"model.layers.{index}.{parameter}"
         base, _, expert = rest.partition(".")
         if expert.isdigit() and base in PER_EXPERT_NAMES:
             return f"model.layers.{index}.mlp.experts.{expert}.{PER_EXPERT_NAMES[base]}.{kind}"
         mapped = ARCH_BLOCK_NAMES.get(arch, {}).get(rest) or BLOCK_NAMES.get(rest)
         return f"model.layers.{index}.{mapped}.{kind}" if mapped else name
-    mapped = TOP_NAMES.get(module)
+    mapped = TOP_NAMES.get(module) or ARCH_TOP_NAMES.get(arch, {}).get(module)
     return f"{mapped}.{kind}" if mapped else name
 
 
@@ -298,6 +337,9 @@ def config_keys(arch: str) -> dict[str, str]:
     keys = {name: f"{arch}.{key}" for name, key in {**METADATA_KEYS, **OTHER_METADATA_KEYS}.items()}
     keys["vocab_size"] = "token_embd.weight"
     keys["rope_freq_factors"] = "rope_freqs.weight"
+    if arch == "gemma4":
+        keys.update({name: f"{arch}.{key}" for name, key in GEMMA4_KEYS.items()})
+        keys["vocab_size_per_layer_input"] = "per_layer_token_embd.weight"
     return keys
 
 
@@ -308,7 +350,7 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
     classes check them): a ModelLoadError names the metadata key and value."""
     arch = field_value(reader, "general.architecture")
     if not arch:
-        raise ValueError("general.architecture is missing")
+        raise ModelLoadError("general.architecture is missing", key="general.architecture")
     if not isinstance(arch, str):
         raise ModelLoadError(f"{arch!r} is not a string", key="general.architecture")
 
@@ -316,10 +358,12 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         return field_value(reader, f"{arch}.{key}", default)
 
     types, limits = field_types(TransformerArgs), TransformerArgs.limits
+    # Per-layer arrays (Gemma 4's key/value heads and MLP widths) are read by the arch's settings.
+    per_layer = PER_LAYER_KEYS.get(arch, ())
     values = {
         name: check_value(f"{arch}.{key}", get(key), types[name], limits.get(name))
         for name, key in METADATA_KEYS.items()
-        if get(key) is not None
+        if get(key) is not None and not (name in per_layer and isinstance(get(key), list))
     }
     heads = values.get("num_attention_heads")
     config: dict[str, Any] = {
@@ -388,6 +432,9 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         config.update(gpt_oss_settings(config, get))
     if arch in HYBRID_ARCHS:
         config.update(hybrid_settings(arch, config, get))
+    if arch == "gemma4":
+        config.update(gemma4_settings(config, tensors, get))
+        config.pop("rope_freq_factors", None)  # read into rope_parameters
     return {key: value for key, value in config.items() if value is not None}
 
 
@@ -466,6 +513,187 @@ def gemma3_settings(config: dict[str, Any]) -> dict[str, Any]:
         "query_pre_attn_scalar": scalar,
         "tie_word_embeddings": config.get("tie_word_embeddings", True),
     }
+
+
+#: Gemma 4's config keys -> the ``gemma4.*`` metadata key each comes from (overriding
+#: :data:`METADATA_KEYS` where llama.cpp stores them differently: ``key_length`` is the global
+#: layers' head size, ``key_length_swa`` the sliding ones').
+GEMMA4_KEYS = {
+    "head_dim": "attention.key_length_swa",
+    "global_head_dim": "attention.key_length",
+    "num_global_key_value_heads": "attention.head_count_kv",
+    "num_kv_shared_layers": "attention.shared_kv_layers",
+    "hidden_size_per_layer_input": "embedding_length_per_layer_input",
+    "layer_types": "attention.sliding_window_pattern",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "use_double_wide_mlp": "feed_forward_length",
+    "top_k_experts": "expert_used_count",
+}
+#: Metadata that may hold one value per layer, per architecture (read by its settings function).
+PER_LAYER_KEYS = {"gemma4": ("num_key_value_heads", "intermediate_size")}
+#: A ``rope_freqs`` factor at least this large stops its pair rotating (llama.cpp writes 1e30).
+UNROTATED = 1e20
+
+
+def gemma4_settings(
+    config: dict[str, Any], tensors: dict[str, Any], get: Callable[..., Any]
+) -> dict[str, Any]:
+    """Gemma 4's config in ``Gemma4TextConfig``'s hub form, from what ``convert_hf_to_gguf`` writes:
+    the layer kinds as a per-layer bool array (true: sliding), both head sizes, key/value heads
+    and MLP widths that may be per-layer arrays (global layers' heads, double-wide MLPs on the
+    shared layers), the shared layers and per-layer input width, both rope bases, and the global
+    layers' ``proportional`` RoPE as ``rope_freqs``: 1.0 for each rotated pair, 1e30 for the rest."""
+    limits = TransformerArgs.limits
+    layers = config.get("num_hidden_layers") or 0
+
+    def read(name: str, hint: Any, limit: Any = None, default: Any = None) -> Any:
+        value = get(name)
+        return default if value is None else check_value(f"gemma4.{name}", value, hint, limit)
+
+    def refuse(detail: str, name: str) -> ModelLoadError:
+        return ModelLoadError(detail, key=f"gemma4.{name}")
+
+    settings: dict[str, Any] = {"model_type": "gemma4"}
+    pattern = read("attention.sliding_window_pattern", list[bool])
+    if pattern is not None:
+        if len(pattern) != layers:
+            raise refuse(f"{len(pattern)} layer kinds for {layers} layers", "attention.sliding_window_pattern")
+        settings["layer_types"] = ["sliding_attention" if s else "full_attention" for s in pattern]
+        sliding = pattern
+    else:  # Hugging Face's default: every sixth layer global, and the last
+        sliding = [bool((i + 1) % 6) and i < layers - 1 for i in range(layers)]
+    shared = read("attention.shared_kv_layers", int, (0, layers), 0)
+    settings["num_kv_shared_layers"] = shared
+    first_shared = layers - shared
+
+    global_dim = config.get("head_dim")  # attention.key_length
+    settings["global_head_dim"] = global_dim
+    head_dim = read("attention.key_length_swa", int, limits["head_dim"], global_dim)
+    settings["head_dim"] = head_dim
+
+    heads = config.get("num_attention_heads")
+    kv = get("attention.head_count_kv")
+    if isinstance(kv, list):
+        kv = read("attention.head_count_kv", list[int], limits["num_key_value_heads"])
+        local = {n for n, s in zip(kv, sliding, strict=False) if s}
+        full = {n for n, s in zip(kv, sliding, strict=False) if not s}
+        if len(kv) != layers or len(local) > 1 or len(full) > 1:
+            raise refuse(
+                f"{kv}: expected {layers} key/value head counts, one for the sliding layers and "
+                "one for the global ones",
+                "attention.head_count_kv",
+            )
+        for count in kv:
+            if heads and heads % count:
+                raise refuse(
+                    f"{count} key/value heads do not divide the {heads} attention heads",
+                    "attention.head_count_kv",
+                )
+        settings["num_key_value_heads"] = min(local) if local else min(full)
+        if full:
+            settings["num_global_key_value_heads"] = min(full)
+
+    widths = get("feed_forward_length")
+    if isinstance(widths, list):
+        widths = read("feed_forward_length", list[int], limits["intermediate_size"])
+        width = widths[0] if widths else 0
+        doubled = [width if i < first_shared else 2 * width for i in range(layers)]
+        if widths not in (doubled, [width] * layers):
+            raise refuse(
+                f"{widths}: expected {layers} MLP widths, {width} before the shared layers and "
+                f"{width} or {2 * width} from layer {first_shared}",
+                "feed_forward_length",
+            )
+        settings["intermediate_size"] = width
+        settings["use_double_wide_mlp"] = widths == doubled and shared > 0
+
+    table = tensors.get("per_layer_token_embd.weight")
+    inferred = int(table.shape[0]) // layers if table is not None and layers else 0
+    settings["hidden_size_per_layer_input"] = read(
+        "embedding_length_per_layer_input", int, (0, 1 << 14), inferred
+    )
+    if table is not None:
+        settings["vocab_size_per_layer_input"] = int(table.shape[-1])  # ggml: [L * P, vocab]
+    settings["final_logit_softcapping"] = read(
+        "final_logit_softcapping", float, limits["final_logit_softcapping"]
+    )
+
+    swa_dims = read("rope.dimension_count_swa", int, (0, 1 << 14))
+    if swa_dims is not None and head_dim and swa_dims != head_dim:
+        raise refuse(
+            f"{swa_dims} rotary dimensions on sliding layers of head size {head_dim}: partial "
+            "RoPE on sliding layers is not supported by the gemma4 graph",
+            "rope.dimension_count_swa",
+        )
+    factor = 1.0
+    factors = tensors.get("rope_freqs.weight")
+    if factors is not None and global_dim:
+        stored = np.asarray(factors.data, dtype=np.float32).reshape(-1)
+        rotated = int((stored == 1.0).sum())
+        if (
+            stored.size != global_dim // 2
+            or not (stored[:rotated] == 1.0).all()
+            or not (stored[rotated:] >= UNROTATED).all()
+        ):
+            raise ModelLoadError(
+                f"expected {global_dim // 2} factors (the global head size's pairs): 1.0 for each "
+                "rotated pair, then 1e30 for each unrotated one",
+                tensor="rope_freqs.weight",
+            )
+        factor = 2 * rotated / global_dim
+    elif global_dim:
+        dims = read("rope.dimension_count", int, (0, 1 << 14), global_dim)
+        factor = dims / global_dim
+    theta = limits["rope_theta"]
+    settings["rope_parameters"] = {
+        "sliding_attention": {
+            "rope_type": "default",
+            "rope_theta": read("rope.freq_base_swa", float, theta, 10_000.0),
+        },
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": factor,
+            "rope_theta": read("rope.freq_base", float, theta, 1_000_000.0),
+        },
+    }
+
+    # Keys as values: a global layer with its own keys but no value projection.
+    settings["attention_k_eq_v"] = any(
+        f"blk.{i}.attn_k.weight" in tensors and f"blk.{i}.attn_v.weight" not in tensors
+        for i in range(min(first_shared, len(sliding)))
+        if not sliding[i]
+    )
+    experts = get("expert_count")
+    if experts:
+        settings.update(
+            enable_moe_block=True,
+            num_experts=experts,
+            top_k_experts=get("expert_used_count"),
+            moe_intermediate_size=get("expert_feed_forward_length"),
+        )
+    return settings
+
+
+def gemma4_weights(weights: dict[str, mx.array], *modules: dict[str, Any]) -> None:
+    """Split, in place, each ``experts.gate_up_proj`` (``ffn_gate_up_exps``: ``[E, 2I, H]``, gate
+    rows first) into the stacked gate and up projections, packed or not (``modules``: the dicts
+    keyed by module name that follow them: quantization, source types)."""
+    for module in [n.removesuffix(".weight") for n in weights if n.endswith(".experts.gate_up_proj.weight")]:
+        stem = module.removesuffix("gate_up_proj")
+        for part in ("weight", "scales", "biases"):
+            array = weights.pop(f"{module}.{part}", None)
+            if array is None:
+                continue
+            if array.ndim != 3 or array.shape[1] % 2:
+                raise ModelLoadError(
+                    f"shape {list(array.shape)}: expected [experts, 2 * width, ...]",
+                    tensor=f"blk.{module.split('.')[2]}.ffn_gate_up_exps.weight",
+                )
+            gate, up = mx.split(array, 2, axis=1)
+            weights[f"{stem}gate_proj.{part}"], weights[f"{stem}up_proj.{part}"] = gate, up
+        for table in modules:
+            if module in table:
+                table[f"{stem}gate_proj"] = table[f"{stem}up_proj"] = table.pop(module)
 
 
 #: llama.cpp architecture -> (Hugging Face model_type, whether the router's top-k weights are
@@ -626,11 +854,12 @@ class GGUFFormat:
 
         # llama.cpp's architecture (a Mixtral file says ``llama``), which its tensor layout follows.
         arch = field_value(reader, "general.architecture")
-        permute: dict[str, int] = {}
+        permute: dict[str, int | None] = {}
         if arch in PERMUTED_ARCHS:
+            # A file without head counts fails in the architecture, naming the key.
             permute = {
-                "attn_q": config["num_attention_heads"],
-                "attn_k": config["num_key_value_heads"],
+                "attn_q": config.get("num_attention_heads"),
+                "attn_k": config.get("num_key_value_heads"),
             }
 
         weights: dict[str, mx.array] = {}
@@ -664,6 +893,11 @@ class GGUFFormat:
 
         if arch in HYBRID_ARCHS:
             hybrid_weights(weights, quantization, config)
+        if arch == "gemma4":
+            try:
+                gemma4_weights(weights, quantization, suggested, source_types)
+            except ModelLoadError as exc:
+                raise ModelLoadError(exc.detail, path=str(path), tensor=exc.tensor) from exc
 
         tokenizer = None
         try:
