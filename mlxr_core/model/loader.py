@@ -147,7 +147,7 @@ def choose_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "a
     name = model_type if choice == "auto" else choice
     if not name:
         raise ModelLoadError(
-            "the checkpoint names no model_type; set models[].arch", path=str(checkpoint.path)
+            "the checkpoint names no model_type; set models[].arch", path=str(checkpoint.path), key="model_type"
         )
     if name in registries.archs:
         entry = registries.archs.entry(name)
@@ -286,8 +286,8 @@ def build_model(
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        # mlx names the first parameter that does not fit ("... for parameter NAME")
-        named = re.search(r"parameters? (?:not in model: \s*)?([\w.]+)", str(exc))
+        # mlx names the parameters that do not fit ("... for parameter NAME", "Missing 8 parameters: NAME, ...")
+        named = re.search(r"\b((?:\w+\.)+(?:weight|bias|scales|biases))\b", str(exc))
         raise ModelLoadError(
             f"weights do not fit the {config.get('model_type')} graph: {exc}",
             path=str(checkpoint.path),

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import numbers
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -265,7 +266,11 @@ class GGUFTokenizerBackend:
 
         def token_id(key: str) -> int | None:
             value = data.get(PREFIX + key)
-            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+            if value is None:
+                return None
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ModelLoadError(f"{value!r} is not a token id", key=PREFIX + key)
+            return int(value) if 0 <= int(value) < len(tokens) else None  # out of range: unused
 
         bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
         if kind == "gpt2":
