@@ -277,14 +277,15 @@ class GGUFTokenizerBackend:
             backend, add_bos = _build_gpt2(data, tokens)
             pieces = [_byte_level_piece(t) for t in tokens]
             strip = False
-        elif kind == "llama":
-            backend, add_space_prefix = _build_spm(data, tokens, types)
+        elif kind in ("llama", "gemma4"):
+            build = _build_spm if kind == "llama" else _build_merged_spm
+            backend, add_space_prefix = build(data, tokens, types)
             add_bos = True
             pieces = [t.replace("▁", " ").encode() for t in tokens]
             strip = add_space_prefix
         else:
             raise ModelLoadError(
-                f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)",
+                f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama, gemma4)",
                 key="tokenizer.ggml.model",
             )
         for i, t in enumerate(types):
@@ -408,6 +409,35 @@ def _build_spm(
     )
     backend = Tokenizer(model)
     add_space_prefix = bool(data.get(PREFIX + "add_space_prefix", True))
+    steps = [normalizers.Prepend("▁")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
+    return backend, add_space_prefix
+
+
+def _build_merged_spm(
+    data: dict[str, Any], tokens: list[str], types: list[int]
+) -> tuple[tokenizers.Tokenizer, bool]:
+    """A SentencePiece-style BPE (spaces as ``▁``, byte fallback) ranked by explicit merges, as
+    llama.cpp's ``gemma4`` tokenizer model stores Gemma 4's: its ``tokenizer.json`` BPE, no space
+    prefixed unless ``add_space_prefix`` says so. Returns it and whether it prefixes a space."""
+    from tokenizers import Tokenizer, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges: list[tuple[str, str]] = []
+    for merge in data.get(PREFIX + "merges") or []:
+        cut = merge.find(" ", 1)
+        left, right = merge[:cut], merge[cut + 1 :]
+        if cut > 0 and left in vocab and right in vocab and left + right in vocab:
+            merges.append((left, right))
+    if not merges:
+        raise ModelLoadError("the GGUF's gemma4 tokenizer has no usable tokenizer.ggml.merges",
+                             key=PREFIX + "merges")
+    unk = data.get(PREFIX + "unknown_token_id")
+    unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+    backend = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token=unk_token, byte_fallback=TokenType.BYTE in types)
+    )
+    add_space_prefix = bool(data.get(PREFIX + "add_space_prefix", False))
     steps = [normalizers.Prepend("▁")] if add_space_prefix else []
     backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
     return backend, add_space_prefix

@@ -457,3 +457,52 @@ def test_hf_files_of_real_vocabs_match_llama_cpp(real: Real, tmp_path: Path) -> 
     theirs = as_hf_folder(real.tokenizer, tmp_path)
     for case in real.reference["cases"]:
         assert theirs.encode(case["text"]) == case["ids"], case["text"][:60]
+
+
+# -- Gemma 4's kind: a SentencePiece-style BPE ranked by merges (gemma4) -----------------------
+
+
+def gemma_style_bpe() -> Any:
+    """A ``tokenizer.json`` BPE as Gemma 4's is made: spaces normalized to ``▁``, no prefix, byte
+    fallback over ``<0xNN>`` tokens, merges learned here from the test corpus."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, normalizers, trainers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=[*specials, *(f"<0x{b:02X}>" for b in range(256))])
+    learner = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    learner.normalizer = normalizers.Replace(" ", "▁")
+    corpus = Path(__file__).parents[2] / "data" / "tokenizer_corpus.txt"
+    learner.train([str(corpus)], trainer)
+    state = json.loads(learner.to_str())["model"]
+    vocab, merges = state["vocab"], [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in state["merges"]]
+    reference = HFTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
+    reference.normalizer = normalizers.Replace(" ", "▁")
+    return reference, vocab, merges, specials
+
+
+def test_gemma4_kind_encodes_and_decodes_as_its_tokenizer_json() -> None:
+    """The fields llama.cpp's converter writes for Gemma 4 (``tokenizer.ggml.model: gemma4``,
+    tokens in id order with byte and control types, merges) give the ids and texts of the BPE
+    they were written from, text with characters outside the vocabulary (byte fallback) included."""
+    reference, vocab, merges, specials = gemma_style_bpe()
+    assert len(merges) > 500  # words of the corpus are merged, not spelled out
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
+    types = [CONTROL if t in specials else BYTE if t.startswith("<0x") and len(t) == 6 else NORMAL for t in tokens]
+    ours = build({
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.scores": [0.0] * len(tokens),
+        "tokenizer.ggml.merges": [f"{a} {b}" for a, b in merges],
+        "tokenizer.ggml.bos_token_id": vocab["<bos>"],
+        "tokenizer.ggml.eos_token_id": vocab["<eos>"],
+        "tokenizer.ggml.add_space_prefix": False,
+        "tokenizer.ggml.add_bos_token": True,
+    })
+    corpus = (Path(__file__).parents[2] / "data" / "tokenizer_corpus.txt").read_text(encoding="utf-8")
+    for text in [*corpus.splitlines()[:40], "naïve café ✓ 🦙 — ok", "  two spaces\tand a tab\n"]:
+        want = reference.encode(text).ids
+        assert ours.encode(text, add_special_tokens=False) == want, text
+        assert ours.decode(want) == text
+    assert ours.encode("hi")[0] == vocab["<bos>"]
