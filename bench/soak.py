@@ -4,8 +4,9 @@ Starts ``mlxr serve`` (the default model unless ``--model``) on a free port and 
 concurrent clients for ``--seconds``. Each client loops over requests drawn at random: OpenAI
 chat completions, Anthropic messages and Ollama chat, all streamed, and OpenAI embeddings; a
 share of the streams (``--disconnect``) is dropped by the client after its first events. Counted:
-completed requests (a stream's final event, an embedding's 200), intended disconnects, and lost
-ones (any other status, a stream that ends without its final event, a transport error). After the
+completed requests (a stream's final event, an embedding's 200), intended disconnects, explicit
+rejections (429 or 503: the queue is full, in the API's error shape), and lost ones (any other
+status, a stream that ends without its final event, a transport error). After the
 run the server's gauges (``mlxr_requests_inflight``, ``_running``, ``mlxr_queue_depth``, KV bytes)
 must return to 0, and its resident memory is compared with its value after the warm-up.
 
@@ -83,12 +84,18 @@ async def client(index: int, url: str, model: str, until: float, disconnect: flo
             try:
                 if kind == "embeddings":
                     reply = await http.post(path, json=body)
+                    if reply.status_code in (429, 503):
+                        tally["rejected"] += 1
+                        continue
                     ok = reply.status_code == 200 and len(reply.json()["data"]) == len(body["input"])
                     tally["completed" if ok else "lost"] += 1
                     if not ok:
                         tally["lost_detail"].append(f"{kind} {reply.status_code} {reply.text[:200]}")
                     continue
                 async with http.stream("POST", path, json=body) as reply:
+                    if reply.status_code in (429, 503):
+                        tally["rejected"] += 1
+                        continue
                     if reply.status_code != 200:
                         tally["lost"] += 1
                         tally["lost_detail"].append(f"{kind} {reply.status_code}")
@@ -122,7 +129,7 @@ def gauges(url: str) -> dict[str, float]:
 
 
 async def soak(url: str, model: str, clients: int, seconds: float, disconnect: float) -> dict[str, Any]:
-    tally: dict[str, Any] = {"completed": 0, "disconnected": 0, "lost": 0, "lost_detail": []}
+    tally: dict[str, Any] = {"completed": 0, "disconnected": 0, "rejected": 0, "lost": 0, "lost_detail": []}
     until = time.monotonic() + seconds
     await asyncio.gather(*(client(i, url, model, until, disconnect, tally) for i in range(clients)))
     return tally

@@ -227,3 +227,20 @@ def test_bad_rope_freqs_are_refused_naming_the_tensor(reference, tmp_path, facto
     path = write_gemma4_gguf(tmp_path / "bad.gguf", shape, ref, rope_freqs=factors)
     with pytest.raises(ModelLoadError, match="rope_freqs"):
         GGUFFormat().load(path)
+
+
+@pytest.mark.parametrize("reference", ["moe"], indirect=True)
+def test_llama_cpp_reads_the_gguf_as_transformers_computes_it(reference, tmp_path):
+    """The F32 file through llama.cpp (llama-cpp-python, CPU, keys and values cached in F32):
+    transformers' logits, so the layout mlxr's reader undoes is the one llama.cpp reads. (The
+    dense model, with per-layer inputs and shared keys and values, ends llama-cpp-python 0.3.36's
+    process without a message when loaded: not compared.)"""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not a test dependency")
+    from test_hybrid_reference import with_spm_vocab
+
+    shape, ref = reference
+    path = with_spm_vocab(write_gemma4_gguf(tmp_path / "g.gguf", shape, ref), hub_config(shape, ref)["vocab_size"])
+    ids = ref.prompts[1]
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
+    llm.eval(ids)
+    np.testing.assert_allclose(np.array(llm.scores[: len(ids)]), ref.logits[1], atol=5e-3)

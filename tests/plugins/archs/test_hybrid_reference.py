@@ -299,6 +299,11 @@ def write_hybrid_gguf(path: Any, reference: Any, quant: str = "f32") -> Any:
         "ssm.inner_size": Dv * Hv,
         "full_attention_interval": 2,
     }
+    if config["model_type"] != "qwen3_next":
+        # M-RoPE's sections over the rotated pairs, interleaved t, h, w (Qwen3.5's [11, 11, 10] for
+        # 32 pairs): text has one position on all three, so only covering every pair matters.
+        pairs = metadata["rope.dimension_count"] // 2
+        metadata["rope.dimension_sections"] = [(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0]
     if config.get("num_experts"):
         metadata.update({"expert_count": config["num_experts"], "expert_used_count": config["num_experts_per_tok"],
                          "expert_feed_forward_length": config["moe_intermediate_size"],
@@ -337,3 +342,40 @@ def test_gguf_blocks_kept_packed_equal_them_dequantized(reference, registries, t
     assert any(name.endswith("scales") for name, _ in tree_flatten(packed.parameters()))
     for ids in reference.prompts:
         np.testing.assert_allclose(np.array(packed(mx.array([ids]))[0]), np.array(dense(mx.array([ids]))[0]), atol=ATOL)
+
+
+def with_spm_vocab(path: Any, vocab_size: int) -> Any:
+    """``path`` with a SentencePiece vocabulary of ``vocab_size`` tokens (``<unk>``, ``<s>``,
+    ``</s>``, then ``t3`` ...), the least llama.cpp needs to load a model."""
+    from mlxr_core.testing.loader_fuzz import rewrite_gguf
+
+    tokens = ["<unk>", "<s>", "</s>", *(f"t{i}" for i in range(3, vocab_size))]
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * vocab_size,
+        "tokenizer.ggml.token_type": [2, 3, 3, *([1] * (vocab_size - 3))],
+        "tokenizer.ggml.unknown_token_id": 0,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+    }
+    return rewrite_gguf(path, path.with_name(path.stem + "-vocab.gguf"), metadata)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_cpp_reads_the_gguf_as_transformers_computes_it(family, tmp_path):
+    """The file through llama.cpp (llama-cpp-python, CPU) gives transformers' logits, so the
+    layout the reader undoes is the one llama.cpp reads. llama.cpp's graphs take value heads as
+    wide as key heads and every Qwen3-Next layer sparse, as the released models have them: the
+    reference here is built so."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not a test dependency")
+    model_class, config_class, extra = FAMILIES[family]
+    shape = {**BASE, **extra, "linear_value_head_dim": BASE["linear_key_head_dim"], "mlp_only_layers": []}
+    reference = tiny_reference(model_class, config_class, shape, tmp_path / "hf")
+    path = with_spm_vocab(write_hybrid_gguf(tmp_path / "hybrid.gguf", reference), reference.config["vocab_size"])
+    ids = reference.prompts[1]
+    # Keys and values in F32 (llama.cpp caches them in F16 by default).
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
+    llm.eval(ids)
+    got = np.array(llm.scores[: len(ids)])
+    np.testing.assert_allclose(got, reference.logits[1], atol=ATOL * 5)

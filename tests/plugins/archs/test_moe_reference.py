@@ -260,3 +260,23 @@ def test_the_engine_serves_a_mixture_of_experts_batched_as_solo(reference, tmp_p
     assert compiled
     assert [len(out) for out in solo] == [8] * 4
     assert batched == solo
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_cpp_reads_the_gguf_as_transformers_computes_it(family, tmp_path):
+    """The stacked F32 file through llama.cpp (llama-cpp-python, CPU, keys and values cached in
+    F32): transformers' logits, so the layout mlxr's reader undoes is the one llama.cpp reads.
+    llama.cpp's graphs have no dense Qwen3-MoE layer and no Mixtral window, as the released
+    models have none: the reference here is built without them."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not a test dependency")
+    from test_hybrid_reference import with_spm_vocab
+
+    model_class, config_class, extra = FAMILIES[family]
+    shape = {**BASE, **{k: v for k, v in extra.items() if k not in ("mlp_only_layers", "sliding_window")}}
+    reference = tiny_reference(model_class, config_class, shape, tmp_path / "hf")
+
+    path = with_spm_vocab(write_moe_gguf(tmp_path / "moe.gguf", reference), reference.config["vocab_size"])
+    ids = reference.prompts[1]
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, type_k=0, type_v=0)
+    llm.eval(ids)
+    np.testing.assert_allclose(np.array(llm.scores[: len(ids)]), reference.logits[1], atol=5e-3)
