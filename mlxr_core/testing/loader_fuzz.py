@@ -95,11 +95,13 @@ def paired_cases(seed: int, count: int, arch: str = "llama") -> Iterator[Case]:
     """``count`` cases changing two keys at once (one file kind each), drawn with ``seed``."""
     rng = random.Random(seed)
     singles = [*gguf_cases(arch), *config_cases()]
-    for _ in range(count):
+    made = 0
+    while made < count:
         first = rng.choice(singles)
         second = rng.choice([case for case in singles if case.kind == first.kind])
         if first.changes[0][0] != second.changes[0][0]:
             yield Case(first.kind, first.changes + second.changes)
+            made += 1
 
 
 def all_cases(count: int, seed: int = 0) -> list[Case]:
