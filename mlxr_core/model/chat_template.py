@@ -189,15 +189,41 @@ def _environment() -> jinja2.Environment:
             next(parser.stream)
             return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
+    from jinja2.compiler import CodeGenerator
+
+    class BoundedConcat(CodeGenerator):
+        """Every ``~`` concatenation checked by :meth:`ChatTemplateEnvironment.bounded` (a string
+        doubled in a loop would reach gigabytes between two deadline checks)."""
+
+        def visit_Concat(self, node: nodes.Concat, frame: Any) -> None:
+            self.write("environment.bounded(")
+            super().visit_Concat(node, frame)
+            self.write(")")
+
     class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset({"*", "**"})
+        intercepted_binops = frozenset({"*", "**", "+"})
+        code_generator_class = BoundedConcat
+
+        @staticmethod
+        def bounded(value: Any) -> Any:
+            """``value`` (a concatenation's result), refused past :data:`MAX_REPEAT` characters."""
+            if isinstance(value, str) and len(value) > MAX_REPEAT:
+                raise jinja2.exceptions.SecurityError(f"a string longer than {MAX_REPEAT} characters")
+            return value
 
         def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
             _check_budget()  # macros calling macros loop without a {% for %}
             return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
-            if operator == "*":
+            if operator == "+":
+                if (
+                    isinstance(left, (str, list, tuple))
+                    and isinstance(right, (str, list, tuple))
+                    and len(left) + len(right) > MAX_REPEAT
+                ):
+                    raise jinja2.exceptions.SecurityError(f"a sequence longer than {MAX_REPEAT} items")
+            elif operator == "*":
                 for sequence, count in ((left, right), (right, left)):
                     if (
                         isinstance(sequence, (str, list, tuple))

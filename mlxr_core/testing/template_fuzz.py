@@ -25,6 +25,8 @@ HOSTILE = (
     "{{ messages * 10**8 }}",
     "{{ 2 ** 10**7 }}",
     "{% set s = namespace(v='ab') %}{% for i in range(64) %}{% set s.v = s.v ~ s.v %}{% endfor %}{{ s.v }}",
+    "{% set s = namespace(v='ab') %}{% for i in range(64) %}{% set s.v = s.v + s.v %}{% endfor %}{{ s.v }}",
+    "{% set s = namespace(v=[1]) %}{% for i in range(64) %}{% set s.v = s.v + s.v %}{% endfor %}{{ s.v | length }}",
     "{% macro r(n) %}{{ r(n + 1) }}{% endmacro %}{{ r(0) }}",
     "{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}",
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
