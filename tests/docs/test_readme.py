@@ -77,3 +77,42 @@ def test_gemma_from_its_package_serves_and_generates_as_the_readme_says(tmp_path
     result = subprocess.run(shlex.split(generate), env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+@pytest.mark.slow
+def test_the_readme_serve_command_works_as_written_on_a_fresh_clone(tmp_path):
+    """README.md's first command, run as it is written, in a fresh clone of this checkout: it
+    creates its own venv, installs, and ``mlxr serve`` answers a chat request (on the port
+    ``MLXR_PORT`` picks, the one thing set beside the command)."""
+    import shutil
+
+    import httpx
+
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs git and a git checkout to clone")
+    serve = next(block for block in shell_blocks(README) if block.rstrip().endswith("mlxr serve"))
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "--quiet", str(REPO), str(clone)], check=True, timeout=120)
+    env = {key: value for key, value in os.environ.items() if key not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    bin_dir = Path(os.environ["VIRTUAL_ENV"], "bin") if "VIRTUAL_ENV" in os.environ else None
+    if bin_dir is not None:  # the command makes and activates its own venv, from the base python3
+        env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if Path(p) != bin_dir)
+    env.update(MLXR_PORT="0", MLXR_HOST="127.0.0.1", PYTHONUNBUFFERED="1")
+    process = subprocess.Popen(
+        ["bash", "-c", serve.strip()], cwd=clone, env=env, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        url = wait_for_url(process, timeout=900)
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "Say hello."}],
+        })
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"]
+    finally:
+        os.killpg(process.pid, signal.SIGINT)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
