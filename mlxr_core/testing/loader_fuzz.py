@@ -30,6 +30,8 @@ from typing import Any
 import attrs
 import numpy as np
 
+from mlxr_core.testing.tiny import add_value
+
 #: Values no checkpoint should hold for a number, a name or a list the loaders read.
 ABSURD: tuple[Any, ...] = (
     0, -1, 1, 3, 2**31 - 1, 2**40, 10**12, 2.5, -2.5, 1e-30, 1e30, math.nan, math.inf, -math.inf,
@@ -155,20 +157,7 @@ def rewrite_gguf(
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key, value, kind, sub_type=sub)
     for key, value in changes.items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, list):
-            writer.add_array(key, value)
-        elif value < 0:
-            writer.add_int32(key, value) if value >= -(2**31) else writer.add_int64(key, value)
-        elif value >= 2**32:
-            writer.add_uint64(key, value)
-        else:
-            writer.add_uint32(key, value)
+        add_value(writer, key, value)
     replaced = dict(tensors or {})
     for tensor in reader.tensors:
         if tensor.name not in replaced:

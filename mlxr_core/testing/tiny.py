@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -187,6 +187,25 @@ def write_tiny_llama_gguf(
     return path
 
 
+def add_value(writer: Any, key: str, value: Any) -> None:
+    """Write one metadata value with the type the converter gives it: bools, strings, float32,
+    arrays, unsigned 32-bit ints (signed or 64-bit ones outside that range)."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
+    elif value < 0:
+        writer.add_int32(key, value) if value >= -(2**31) else writer.add_int64(key, value)
+    elif value >= 2**32:
+        writer.add_uint64(key, value)
+    else:
+        writer.add_uint32(key, value)
+
+
 def write_gguf(
     path: str | Path,
     arch: str,
@@ -211,17 +230,7 @@ def write_gguf(
     path = Path(path)
     writer = gguf.GGUFWriter(path, arch)
     for key, value in metadata.items():
-        name = f"{arch}.{key}"
-        if isinstance(value, bool):
-            writer.add_bool(name, value)
-        elif isinstance(value, int):
-            writer.add_uint32(name, value)
-        elif isinstance(value, float):
-            writer.add_float32(name, value)
-        elif isinstance(value, str):
-            writer.add_string(name, value)
-        else:
-            writer.add_array(name, value)
+        add_value(writer, f"{arch}.{key}", value)
     for name, array in tensors.items():
         array = np.asarray(array, dtype=np.float32)
         qtype = gguf.GGMLQuantizationType[(quants or {}).get(name, quant).upper()]

@@ -360,14 +360,7 @@ def _build_gpt2(data: dict[str, Any], tokens: list[str]) -> tuple[tokenizers.Tok
 
     # A duplicated text keeps its last id, as in llama.cpp.
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges: list[tuple[str, str]] = []
-    for merge in data.get(PREFIX + "merges") or []:
-        cut = merge.find(" ", 1)
-        left, right = merge[:cut], merge[cut + 1 :]
-        if cut > 0 and left in vocab and right in vocab and left + right in vocab:
-            merges.append((left, right))
-    if not merges:
-        raise ModelLoadError("the GGUF's gpt2 tokenizer has no usable tokenizer.ggml.merges")
+    merges = _usable_merges(data, vocab, "gpt2")
 
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
@@ -414,6 +407,20 @@ def _build_spm(
     return backend, add_space_prefix
 
 
+def _usable_merges(data: dict[str, Any], vocab: dict[str, int], kind: str) -> list[tuple[str, str]]:
+    """``tokenizer.ggml.merges`` as pairs, less those whose parts or result are not tokens; a
+    ModelLoadError when none is left."""
+    merges: list[tuple[str, str]] = []
+    for merge in data.get(PREFIX + "merges") or []:
+        cut = merge.find(" ", 1)
+        left, right = merge[:cut], merge[cut + 1 :]
+        if cut > 0 and left in vocab and right in vocab and left + right in vocab:
+            merges.append((left, right))
+    if not merges:
+        raise ModelLoadError(f"the GGUF's {kind} tokenizer has no usable tokenizer.ggml.merges", key=PREFIX + "merges")
+    return merges
+
+
 def _build_merged_spm(
     data: dict[str, Any], tokens: list[str], types: list[int]
 ) -> tuple[tokenizers.Tokenizer, bool]:
@@ -423,15 +430,7 @@ def _build_merged_spm(
     from tokenizers import Tokenizer, models, normalizers
 
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges: list[tuple[str, str]] = []
-    for merge in data.get(PREFIX + "merges") or []:
-        cut = merge.find(" ", 1)
-        left, right = merge[:cut], merge[cut + 1 :]
-        if cut > 0 and left in vocab and right in vocab and left + right in vocab:
-            merges.append((left, right))
-    if not merges:
-        raise ModelLoadError("the GGUF's gemma4 tokenizer has no usable tokenizer.ggml.merges",
-                             key=PREFIX + "merges")
+    merges = _usable_merges(data, vocab, "gemma4")
     unk = data.get(PREFIX + "unknown_token_id")
     unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
     backend = Tokenizer(
