@@ -65,12 +65,16 @@ class UnknownArchitecture(UnknownName):
     architectures and each fallback's reason (``mlx-lm bridge: mlx-lm 0.32.2 has no model type
     'foo'``, ``mlx-lm bridge: not installed (pip install 'mlxr[mlx-lm]')``)."""
 
-    def __init__(self, name: str, available: Iterable[str], fallbacks: Iterable[str] = ()):
+    def __init__(
+        self, name: str, available: Iterable[str], fallbacks: Iterable[str] = (), path: str | None = None
+    ):
         super().__init__("architecture", name, available)
         self.fallbacks = list(fallbacks)
         if self.fallbacks:
             self.message = f"{self.message}; {'; '.join(self.fallbacks)}"
-            self.args = (self.message,)
+        if path:  # the checkpoint that names the model type
+            self.message = f"{path}: {self.message}"
+        self.args = (self.message,)
 
 
 class ArchitectureUnavailable(MlxrError):

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 # isort: on
 from mlxr_core.kernels import current_platform
+from mlxr_core.testing.kernel_check import gated_delta_inputs
 from mlxr_plugins.kernels import reference
 from mlxr_plugins.kernels.delta_rule import gated_delta as chunked
 
@@ -32,20 +33,11 @@ Inputs = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, "mx.array | Non
 
 
 def inputs(B: int, L: int, Hk: int, Hv: int, D: int, dtype: mx.Dtype) -> Inputs:
-    """q, k normalized (q scaled), v, g <= 0, beta in (0, 1), evaluated; a state for a decode
-    step (L=1), None (zeros) for a prompt."""
-    keys = mx.random.split(mx.random.key(L), 6)
-    q = mx.random.normal((B, L, Hk, D), key=keys[0])
-    k = mx.random.normal((B, L, Hk, D), key=keys[1])
-    q = q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * D**-0.5
-    k = k * mx.rsqrt((k * k).sum(-1, keepdims=True))
-    v = mx.random.normal((B, L, Hv, D), key=keys[2])
-    g = -mx.random.uniform(0.0, 0.5, (B, L, Hv), key=keys[3])
-    beta = mx.sigmoid(mx.random.normal((B, L, Hv), key=keys[4]))
-    state = mx.random.normal((B, Hv, D, D), key=keys[5]) if L == 1 else None
-    arrays = (q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype), state)
+    """The op's arguments (:func:`~mlxr_core.testing.kernel_check.gated_delta_inputs`),
+    evaluated: a state for a decode step (L=1), None (zeros) for a prompt."""
+    arrays = gated_delta_inputs(B, L, Hk, Hv, D, D, with_state=L == 1, dtype=dtype, seed=L)
     mx.eval([a for a in arrays if a is not None])
-    return arrays
+    return arrays  # type: ignore[return-value]
 
 
 def timed(fn: Callable[..., Any], args: Inputs, repeats: int) -> float:

@@ -168,7 +168,7 @@ def choose_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "a
             declined.append(f"{label}: {exc}")
             continue
         return ArchChoice(arch, entry.name, f"{label} ({why}): {note}")
-    raise UnknownArchitecture(name, registries.archs.names(), declined)
+    raise UnknownArchitecture(name, registries.archs.names(), declined, path=str(checkpoint.path))
 
 
 def pick_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "auto") -> Architecture:
@@ -311,12 +311,7 @@ def load_model(
     format_name, fmt = pick_format(path, registries, model_config.format)
     dtype = default_dtype() if model_config.dtype == "auto" else model_config.dtype
     checkpoint = fmt.load(path, dtype=dtype)
-    try:
-        chosen = choose_arch(checkpoint, registries, model_config.arch)
-    except UnknownArchitecture as exc:  # say which file names the model type
-        exc.message = f"{path}: {exc.message}"
-        exc.args = (exc.message,)
-        raise
+    chosen = choose_arch(checkpoint, registries, model_config.arch)
     arch = chosen.arch
     log.info("%s: model type %r: %s", path.name, checkpoint.config.get("model_type"), chosen.reason)
     check_config(checkpoint, arch)

@@ -80,6 +80,20 @@ def tiny_reference(
     return Reference(folder, prompts, logits, config.to_dict())
 
 
+def family_reference(
+    families: dict[str, tuple[str, str, dict[str, Any]]], base: dict[str, Any], family: str, folder: Path
+) -> Reference:
+    """:func:`tiny_reference` of ``families[family]`` (model class, config class, keys over
+    ``base``): what a test module's parametrized ``reference`` fixture returns. Skips the test
+    where torch or transformers is not installed."""
+    import pytest
+
+    pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+    pytest.importorskip("transformers", reason="the reference needs transformers")
+    model_class, config_class, extra = families[family]
+    return tiny_reference(model_class, config_class, {**base, **extra}, folder)
+
+
 def write_tokenizer(folder: Path, vocab_size: int) -> None:
     """A word-level ``tokenizer.json`` of ``vocab_size`` tokens (``t0`` ... split on spaces, the
     first two ``<s>`` and ``</s>``) and a plain chat template, so the folder serves as it is."""

@@ -282,3 +282,33 @@ def _cases(op: str) -> Iterator[Case]:
             yield Case(name, shapes, make_delta)
     else:
         raise ValueError(f"no parity cases for op {op!r} (ops with cases: {', '.join(PARITY_OPS)})")
+
+
+def gated_delta_inputs(
+    B: int = 1,
+    L: int = 5,
+    Hk: int = 2,
+    Hv: int = 2,
+    Dk: int = 64,
+    Dv: int = 32,
+    *,
+    with_state: bool = True,
+    dtype: Any = None,
+    seed: int = 0,
+) -> tuple[Any, ...]:
+    """Arguments of ``gated_delta`` as a Gated DeltaNet layer hands them over: q and k
+    L2-normalized per head (q scaled by ``Dk ** -0.5``), v, ``g <= 0``, ``beta`` in (0, 1), and a
+    float32 state (or None, zeros) drawn from ``seed``; q, k, v and beta in ``dtype`` (float32)."""
+    import mlx.core as mx
+
+    dtype = dtype or mx.float32
+    keys = mx.random.split(mx.random.key(seed), 6)
+    q = mx.random.normal((B, L, Hk, Dk), key=keys[0])
+    k = mx.random.normal((B, L, Hk, Dk), key=keys[1])
+    q = q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5
+    k = k * mx.rsqrt((k * k).sum(-1, keepdims=True))
+    v = mx.random.normal((B, L, Hv, Dv), key=keys[2])
+    g = -mx.random.uniform(0.0, 0.5, (B, L, Hv), key=keys[3])
+    beta = mx.sigmoid(mx.random.normal((B, L, Hv), key=keys[4]))
+    state = mx.random.normal((B, Hv, Dk, Dv), key=keys[5]) if with_state else None
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype), state

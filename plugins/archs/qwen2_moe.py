@@ -22,15 +22,13 @@ from mlxr_core.model.layers import (
     CausalLM,
     DecoderArchitecture,
     DecoderModel,
-    GatedMLP,
     PreNormBlock,
     RMSNorm,
-    SparseMoE,
     args_rotary,
     stack_experts,
 )
 from mlxr_plugins.archs.qwen2 import ROPE_TYPES, Qwen2Args
-from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES, SparseLayers
+from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES, SparseLayers, qwen_feed_forward
 
 
 @dataclasses.dataclass
@@ -55,20 +53,6 @@ class Qwen2Moe(CausalLM):
         rotary = args_rotary(args, kernels, types=ROPE_TYPES)
         H, eps = args.hidden_size, args.rms_norm_eps
 
-        def feed_forward(layer: int) -> nn.Module:
-            if not args.is_sparse(layer):
-                return GatedMLP(H, args.intermediate_size)
-            return SparseMoE(
-                H,
-                args.moe_intermediate_size,
-                args.num_experts,
-                args.num_experts_per_tok,
-                kernels=kernels,
-                normalize=args.norm_topk_prob,
-                shared_expert=GatedMLP(H, args.shared_expert_intermediate_size),
-                shared_gate=True,
-            )
-
         def block(layer: int) -> PreNormBlock:
             attention = Attention(
                 H,
@@ -79,7 +63,8 @@ class Qwen2Moe(CausalLM):
                 rotary=rotary,
                 qkv_bias=args.qkv_bias,
             )
-            return PreNormBlock(attention, feed_forward(layer), H, eps, kernels)
+            shared = args.shared_expert_intermediate_size
+            return PreNormBlock(attention, qwen_feed_forward(args, layer, kernels, shared), H, eps, kernels)
 
         layers = [block(index) for index in range(args.num_hidden_layers)]
         model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, eps, kernels))

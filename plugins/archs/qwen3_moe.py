@@ -53,6 +53,26 @@ class SparseLayers:
         )
 
 
+def qwen_feed_forward(args: Any, layer: int, kernels: KernelSet, shared: int | None = None) -> nn.Module:
+    """The feed-forward of ``layer`` in Qwen's MoE families: a dense gated MLP where
+    :meth:`SparseLayers.is_sparse` says so, else ``num_experts`` SwiGLU experts (softmax router,
+    renormalized with ``norm_topk_prob``) and, with ``shared``, a shared expert of that width
+    behind a sigmoid gate."""
+    H = args.hidden_size
+    if not args.is_sparse(layer):
+        return GatedMLP(H, args.intermediate_size)
+    return SparseMoE(
+        H,
+        args.moe_intermediate_size,
+        args.num_experts,
+        args.num_experts_per_tok,
+        kernels=kernels,
+        normalize=args.norm_topk_prob,
+        shared_expert=GatedMLP(H, shared) if shared else None,
+        shared_gate=bool(shared),
+    )
+
+
 @dataclasses.dataclass
 class Qwen3MoeArgs(Qwen3Args, SparseLayers):
     """Qwen3's keys plus the experts' (defaults as in ``Qwen3MoeConfig``)."""
@@ -73,21 +93,8 @@ class Qwen3Moe(CausalLM):
     def __init__(self, args: Qwen3MoeArgs, kernels: KernelSet):
         rotary = args_rotary(args, kernels, types=ROPE_TYPES)
         H, eps = args.hidden_size, args.rms_norm_eps
-
-        def feed_forward(layer: int) -> nn.Module:
-            if not args.is_sparse(layer):
-                return GatedMLP(H, args.intermediate_size)
-            return SparseMoE(
-                H,
-                args.moe_intermediate_size,
-                args.num_experts,
-                args.num_experts_per_tok,
-                kernels=kernels,
-                normalize=args.norm_topk_prob,
-            )
-
         layers = [
-            PreNormBlock(qwen3_attention(args, kernels, rotary), feed_forward(index), H, eps, kernels)
+            PreNormBlock(qwen3_attention(args, kernels, rotary), qwen_feed_forward(args, index, kernels), H, eps, kernels)
             for index in range(args.num_hidden_layers)
         ]
         model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, eps, kernels))

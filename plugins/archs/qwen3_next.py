@@ -31,16 +31,14 @@ from mlxr_core.model.layers import (
     CausalLM,
     DecoderArchitecture,
     DecoderModel,
-    GatedMLP,
     RMSNorm,
-    SparseMoE,
     TransformerArgs,
     args_rotary,
     stack_experts,
 )
 from mlxr_core.model.layers.linear_attention import GatedAttention, GatedDeltaNet, MixerBlock
 from mlxr_plugins.archs.qwen2 import ROPE_TYPES
-from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES, SparseLayers
+from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES, SparseLayers, qwen_feed_forward
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -117,9 +115,10 @@ class Qwen3NextArgs(TransformerArgs, SparseLayers):
         return self.layer_types[layer] == "linear_attention"
 
 
-def hybrid_layers(args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool, shared_expert: bool = True) -> list[MixerBlock]:
+def hybrid_layers(args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool) -> list[MixerBlock]:
     """The blocks of a Qwen hybrid: DeltaNet (``fused`` projections: Qwen3-Next's) or gated
-    attention per ``layer_types``, sparse experts or a dense MLP per :meth:`is_sparse`."""
+    attention per ``layer_types``, then Qwen's feed-forward (sparse experts with a shared one, or a
+    dense MLP per :meth:`is_sparse`)."""
     rotary = args_rotary(args, kernels, types=ROPE_TYPES)
     H, eps = args.hidden_size, args.rms_norm_eps
 
@@ -150,21 +149,11 @@ def hybrid_layers(args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool, share
             norm_offset=1.0,
         )
 
-    def feed_forward(layer: int) -> nn.Module:
-        if not args.is_sparse(layer):
-            return GatedMLP(H, args.intermediate_size)
-        return SparseMoE(
-            H,
-            args.moe_intermediate_size,
-            args.num_experts,
-            args.num_experts_per_tok,
-            kernels=kernels,
-            normalize=args.norm_topk_prob,
-            shared_expert=GatedMLP(H, args.shared_expert_intermediate_size) if shared_expert else None,
-            shared_gate=shared_expert,
-        )
-
-    return [MixerBlock(*mixer(i), feed_forward(i), H, eps, kernels, norm_offset=1.0) for i in range(args.num_hidden_layers)]
+    shared = args.shared_expert_intermediate_size
+    return [
+        MixerBlock(*mixer(i), qwen_feed_forward(args, i, kernels, shared), H, eps, kernels, norm_offset=1.0)
+        for i in range(args.num_hidden_layers)
+    ]
 
 
 class Qwen3Next(CausalLM):

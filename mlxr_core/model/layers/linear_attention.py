@@ -71,9 +71,10 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = mx.ones((dims,))
         self.eps = eps
+        self._eps = mx.array(eps, dtype=mx.float32)  # the compiled function's argument, made once
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
-        return _gated_norm(x, gate, self.weight, mx.array(self.eps, dtype=mx.float32))
+        return _gated_norm(x, gate, self.weight, self._eps)
 
 
 class GatedDeltaNet(nn.Module):

@@ -28,7 +28,12 @@ from mlx.utils import tree_flatten
 from mlxr_core.engine.prefix_cache import PrefixCache
 from mlxr_core.errors import ConfigError
 from mlxr_core.model.cache import RecurrentCache
-from mlxr_core.testing.hf_reference import check_reference, load_reference_model, tiny_reference
+from mlxr_core.testing.hf_reference import (
+    check_reference,
+    family_reference,
+    load_reference_model,
+    tiny_reference,
+)
 
 BASE = {
     "vocab_size": 97,
@@ -69,11 +74,7 @@ def registries():
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def reference(request, tmp_path_factory):
-    pytest.importorskip("torch", reason="the reference needs torch (CPU)")
-    pytest.importorskip("transformers", reason="the reference needs transformers")
-    model_class, config_class, extra = FAMILIES[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    return tiny_reference(model_class, config_class, {**BASE, **extra}, folder)
+    return family_reference(FAMILIES, BASE, request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.parametrize("backend", ["mlx_fast", "reference"])

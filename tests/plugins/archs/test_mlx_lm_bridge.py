@@ -34,8 +34,8 @@ from mlxr_core.model.loader import choose_arch
 from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.hf_reference import (
     check_reference,
+    family_reference,
     load_reference_model,
-    tiny_reference,
 )
 
 BASE = {
@@ -99,11 +99,7 @@ def registries():
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def reference(request, tmp_path_factory):
-    pytest.importorskip("torch", reason="the reference needs torch (CPU)")
-    pytest.importorskip("transformers", reason="the reference needs transformers")
-    model_class, config_class, extra = FAMILIES[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    return tiny_reference(model_class, config_class, {**BASE, **extra}, folder)
+    return family_reference(FAMILIES, BASE, request.param, tmp_path_factory.mktemp(request.param))
 
 
 def test_the_family_matches_transformers_through_the_bridge(reference, registries):

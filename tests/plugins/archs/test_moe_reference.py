@@ -20,7 +20,7 @@ from mlxr_core.config.schema import ModelConfig
 from mlxr_core.model.layers.moe import QuantizedSwitchLinear
 from mlxr_core.model.loader import load_model
 from mlxr_core.plugins import load_plugins
-from mlxr_core.testing.hf_reference import check_reference, tiny_reference
+from mlxr_core.testing.hf_reference import check_reference, family_reference, tiny_reference
 
 BASE = {
     "vocab_size": 97,
@@ -57,11 +57,7 @@ def registries():
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def reference(request, tmp_path_factory):
-    pytest.importorskip("torch", reason="the reference needs torch (CPU)")
-    pytest.importorskip("transformers", reason="the reference needs transformers")
-    model_class, config_class, extra = FAMILIES[request.param]
-    folder = tmp_path_factory.mktemp(request.param)
-    return tiny_reference(model_class, config_class, {**BASE, **extra}, folder)
+    return family_reference(FAMILIES, BASE, request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.mark.parametrize("backend", ["mlx_fast", "reference"])

@@ -23,7 +23,7 @@ import pytest
 from mlxr_core.cli.main import main
 from mlxr_core.kernels import OPS, KernelContext, KernelSet, bind_kernels, current_platform
 from mlxr_core.plugins import load_plugins
-from mlxr_core.testing.kernel_check import TOLERANCES, check_kernel_parity
+from mlxr_core.testing.kernel_check import TOLERANCES, check_kernel_parity, gated_delta_inputs
 from mlxr_plugins.kernels import cuda_delta, delta_rule, metal, mlx_fast, reference
 
 DEVICE, PLATFORM = current_platform()
@@ -32,28 +32,7 @@ CHUNKED_TOL = {"atol": 2e-3, "rtol": 2e-3} if PLATFORM == "cuda" else {"atol": 1
 SHAPES = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
 
 
-def inputs(
-    B: int = 1,
-    L: int = 5,
-    Hk: int = 2,
-    Hv: int = 2,
-    Dk: int = 64,
-    Dv: int = 32,
-    *,
-    with_state: bool = True,
-    dtype: mx.Dtype = mx.float32,
-    seed: int = 0,
-) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array | None]:
-    keys = mx.random.split(mx.random.key(seed), 6)
-    q = mx.random.normal((B, L, Hk, Dk), key=keys[0])
-    k = mx.random.normal((B, L, Hk, Dk), key=keys[1])
-    q = q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5
-    k = k * mx.rsqrt((k * k).sum(-1, keepdims=True))
-    v = mx.random.normal((B, L, Hv, Dv), key=keys[2])
-    g = -mx.random.uniform(0.0, 0.5, (B, L, Hv), key=keys[3])
-    beta = mx.sigmoid(mx.random.normal((B, L, Hv), key=keys[4]))
-    state = mx.random.normal((B, Hv, Dk, Dv), key=keys[5]) if with_state else None
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype), state
+inputs = gated_delta_inputs
 
 
 def close(actual: mx.array, expected: mx.array, *, atol: float = 1e-5, rtol: float = 1e-4) -> None:
