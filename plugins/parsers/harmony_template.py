@@ -8,7 +8,9 @@ message, earlier calls as ``commentary`` messages ``to=functions.NAME``, and too
 Variables beyond ``messages``, ``tools`` and ``add_generation_prompt``: ``reasoning_effort``
 (``low``, ``medium``, the default, or ``high``), ``model_identity`` and ``current_date``
 (``YYYY-MM-DD``, today by default). An assistant turn's ``thinking`` (or ``reasoning_content``)
-is shown again only before the calls of the turn in progress, as the library does.
+is shown again only before the calls of the turn in progress, as the format's guide says (the
+library's ``auto_drop_analysis`` keeps more: every turn's reasoning when a chat ends on a tool
+result, and that after the first ``final`` otherwise).
 """
 
 from __future__ import annotations

