@@ -52,6 +52,8 @@ class Sequence:
         self.kv_bytes = kv_bytes  # reserved for prompt + max_tokens
         self.cache: list[Any] | None = None  # own cache while prefilling
         self.prefilled = 0
+        #: Prompt tokens the prefix cache gave (reported in the usage).
+        self.cached = 0
         self.generated = 0
         self.started = time.perf_counter()
         self.first_token_at = 0.0
@@ -87,7 +89,7 @@ class Sequence:
         self.handle._emit(
             Finished(
                 reason=reason,
-                usage=Usage(prompt_tokens=len(self.prompt), completion_tokens=self.generated),
+                usage=Usage(len(self.prompt), self.generated, cached_tokens=self.cached),
                 ttft_s=(self.first_token_at or now) - self.started,
                 total_s=now - self.started,
                 stop_sequence=self.stops.matched,
@@ -213,7 +215,7 @@ class BatchRunner:
                 seq.prompt, limit=len(seq.prompt) - 1, make_cache=self.model.make_cache
             )
             if caches is not None:
-                seq.prefilled = reused
+                seq.prefilled = seq.cached = reused
                 return caches
         return self.model.make_cache()
 

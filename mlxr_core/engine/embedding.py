@@ -93,21 +93,34 @@ def embed_parts(
             "provide hidden states, so it cannot compute embeddings"
         )
     out: list[list[float] | None] = [None] * len(inputs)
-    order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
+    for part, batch in enumerate(plan_batches([len(ids) for ids in inputs], chunk)):
+        if len(inputs[batch[0]]) > chunk:
+            out[batch[0]] = yield from _embed_long(loaded, inputs[batch[0]], chunk, pooling)
+            continue
+        if part:
+            yield
+        _embed_batch(loaded, inputs, batch, pooling, out)
+    return [vector for vector in out if vector is not None]
+
+
+def plan_batches(lengths: list[int], chunk: int) -> list[list[int]]:
+    """The forward passes for inputs of ``lengths``: batches of indices, shortest first, whose
+    rows times their longest row stay within ``chunk`` tokens; an input longer than ``chunk``
+    is a batch of its own (the caller runs it ``chunk`` tokens at a time)."""
+    batches: list[list[int]] = []
     batch: list[int] = []
-    for index in order:
-        if len(inputs[index]) > chunk:
-            out[index] = yield from _embed_long(loaded, inputs[index], chunk, pooling)
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if lengths[index] > chunk:
+            batches.append([index])
             continue
         # Sorted by length, so the row just added is the longest of its batch.
-        if batch and (len(batch) + 1) * len(inputs[index]) > chunk:
-            _embed_batch(loaded, inputs, batch, pooling, out)
-            yield
+        if batch and (len(batch) + 1) * lengths[index] > chunk:
+            batches.append(batch)
             batch = []
         batch.append(index)
     if batch:
-        _embed_batch(loaded, inputs, batch, pooling, out)
-    return [vector for vector in out if vector is not None]
+        batches.append(batch)
+    return batches
 
 
 def _embed_batch(

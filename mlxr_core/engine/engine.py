@@ -26,6 +26,7 @@ from mlxr_core.engine.request import (
     GenerationRequest,
     RequestHandle,
 )
+from mlxr_core.engine.scoring import Scores
 from mlxr_core.errors import (
     ConfigError,
     ContextLengthExceeded,
@@ -271,21 +272,60 @@ class Engine:
     ) -> Embeddings:
         """:meth:`embed` for an event loop: waits without blocking it; cancelling the wait (a
         client that left) stops the job before its next forward pass."""
-        job = self._embedding_job(model, inputs, pooling)
-        try:
-            return await asyncio.wrap_future(job.future)  # type: ignore[no-any-return]
-        except asyncio.CancelledError:
-            job.cancel()
-            raise
+        return await _wait(self._embedding_job(model, inputs, pooling))  # type: ignore[no-any-return]
+
+    def score(
+        self, model: str, inputs: Sequence[Sequence[int]], *, timeout: float | None = None
+    ) -> Scores:
+        """How much the model prefers ``yes`` to ``no`` as the next token after each token list
+        (see :mod:`mlxr_core.engine.scoring`), on the engine thread between batch steps.
+
+        :raises MlxrError: as :meth:`embed` does, and RequestError for a vocabulary in which
+            ``yes`` and ``no`` share their first token.
+        """
+        return self._scoring_job(model, inputs).future.result(timeout)  # type: ignore[no-any-return]
+
+    async def score_async(self, model: str, inputs: Sequence[Sequence[int]]) -> Scores:
+        """:meth:`score` for an event loop, cancelled with its wait as :meth:`embed_async` is."""
+        return await _wait(self._scoring_job(model, inputs))  # type: ignore[no-any-return]
 
     def _embedding_job(self, model: str, inputs: Sequence[Sequence[int]], pooling: str) -> EngineJob:
-        """Validate in the caller's thread, then queue the work for the engine thread."""
         from mlxr_core.engine.embedding import embed_parts
 
+        check_pooling(pooling)
+        info, token_lists = self._check_inputs(model, inputs)
+        chunk, name = self.config.engine.prefill_chunk, info.name
+
+        def work(models: Any) -> Generator[None, None, Embeddings]:
+            vectors = yield from embed_parts(models[name], token_lists, chunk=chunk, pooling=pooling)
+            return Embeddings(name, vectors, sum(len(ids) for ids in token_lists))
+
+        return self._queue_job(EngineJob(work, what=f"embedding with model {name}"))
+
+    def _scoring_job(self, model: str, inputs: Sequence[Sequence[int]]) -> EngineJob:
+        from mlxr_core.engine.scoring import answer_ids, probability, score_parts
+
+        info, token_lists = self._check_inputs(model, inputs)
+        try:
+            yes, no = answer_ids(info.tokenizer)
+        except ValueError as exc:
+            raise RequestError(f"model {info.name!r} cannot score relevance: {exc}", param="model") from None
+        chunk, name = self.config.engine.prefill_chunk, info.name
+
+        def work(models: Any) -> Generator[None, None, Scores]:
+            logits = yield from score_parts(models[name], token_lists, yes=yes, no=no, chunk=chunk)
+            scores = [probability(y, n) for y, n in logits]
+            return Scores(name, scores, logits, sum(len(ids) for ids in token_lists))
+
+        return self._queue_job(EngineJob(work, what=f"scoring with model {name}"))
+
+    def _check_inputs(
+        self, model: str, inputs: Sequence[Sequence[int]]
+    ) -> tuple[ModelInfo, list[list[int]]]:
+        """Validate a job's token lists in the caller's thread."""
         if self.state != "ready":
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
         info = self.model(model)
-        check_pooling(pooling)
         if not inputs:
             raise RequestError("input must hold at least one item", param="input")
         vocab = info.tokenizer.vocab_size
@@ -302,14 +342,10 @@ class Engine:
                     param="input",
                     code="context_length_exceeded",
                 )
-        chunk = self.config.engine.prefill_chunk
-        name = info.name
+        return info, token_lists
 
-        def work(models: Any) -> Generator[None, None, Embeddings]:
-            vectors = yield from embed_parts(models[name], token_lists, chunk=chunk, pooling=pooling)
-            return Embeddings(name, vectors, sum(len(ids) for ids in token_lists))
-
-        job = EngineJob(work, what=f"embedding with model {name}")
+    def _queue_job(self, job: EngineJob) -> EngineJob:
+        """Queue ``job`` for the engine thread, which runs it between batch steps."""
         with self._jobs_lock:
             if not self._jobs_open:
                 raise EngineStopped("the server is shutting down")
@@ -480,3 +516,12 @@ def _wait_for_os_thread_exit(thread: threading.Thread, timeout: float = 5.0) -> 
     deadline = time.monotonic() + timeout
     while os.path.exists(task) and time.monotonic() < deadline:
         time.sleep(0.005)
+
+
+async def _wait(job: EngineJob) -> Any:
+    """``job``'s result, awaited; a cancelled wait (a client that left) cancels the job."""
+    try:
+        return await asyncio.wrap_future(job.future)
+    except asyncio.CancelledError:
+        job.cancel()
+        raise

@@ -83,6 +83,8 @@ class GenerationRequest:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    #: Prompt tokens whose keys and values came from the prefix cache instead of a prefill.
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

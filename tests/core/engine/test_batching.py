@@ -134,12 +134,14 @@ def test_prefix_cache_reuses_a_shared_prompt_and_changes_nothing(tiny_path):
         cold.stop()
     warm = start(tiny_path)
     try:
-        got = [tokens_of(warm.submit(request(p, max_tokens=8))) for p in prompts]
+        events = [list(warm.submit(request(p, max_tokens=8))) for p in prompts]
         stats = warm.stats()["prefix_cache"]["tiny"]
     finally:
         warm.stop()
-    assert got == expected
+    assert [[t for e in ev if isinstance(e, Delta) for t in e.token_ids] for ev in events] == expected
     assert stats["hits"] == 1 and stats["reused_tokens"] == len(system)
+    # each request's usage says how much of its prompt came from the cache
+    assert [ev[-1].usage.cached_tokens for ev in events] == [0, len(system)]
 
 
 def test_kv_budget_refuses_what_can_never_fit_and_queues_what_can(tiny_path):

@@ -1,0 +1,102 @@
+"""Relevance scores from a causal LM: how much the model prefers ``yes`` to ``no`` as the next
+token after a templated (query, document) prompt, as Qwen3-Reranker scores (its card: the
+probability of "yes" against "no" at the end of the prompt). Any chat model can be asked the
+same question; a model trained for it answers it best.
+
+Runs on the engine thread (see :meth:`mlxr_core.engine.engine.Engine.score`), batched as the
+embeddings are (:func:`mlxr_core.engine.embedding.plan_batches`): right-padded rows, whose real
+positions never see their padding under a causal mask, and the logits read at each row's last
+real position; an input longer than a chunk runs alone through a KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator
+from typing import TYPE_CHECKING
+
+import attrs
+import mlx.core as mx
+
+from mlxr_core.engine.embedding import plan_batches
+
+if TYPE_CHECKING:
+    from mlxr_core.model.loader import LoadedModel
+    from mlxr_core.model.tokenizer import Tokenizer
+
+#: The question a reranking prompt asks (Qwen3-Reranker's system prompt).
+JUDGE = (
+    'Judge whether the Document meets the requirements based on the Query and the Instruct provided. '
+    'Note that the answer can only be "yes" or "no".'
+)
+#: The instruction when the client gives none (Qwen3-Reranker's default).
+DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+
+
+@attrs.frozen
+class Scores:
+    """Per input (in input order): P(yes) against P(no), and the two logits it came from."""
+
+    model: str
+    scores: list[float]
+    logits: list[tuple[float, float]]
+    prompt_tokens: int
+
+
+def relevance_messages(query: str, document: str, instruction: str | None = None) -> list[dict[str, str]]:
+    """The chat that asks whether ``document`` answers ``query``."""
+    user = f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
+    return [{"role": "system", "content": JUDGE}, {"role": "user", "content": user}]
+
+
+def answer_ids(tokenizer: Tokenizer) -> tuple[int, int]:
+    """The ids of ``yes`` and ``no`` as the first token of an answer (their first tokens where a
+    vocabulary splits them)."""
+    yes, no = (tokenizer.encode(word, add_special_tokens=False) for word in ("yes", "no"))
+    if not yes or not no or yes[0] == no[0]:
+        raise ValueError("this tokenizer cannot tell 'yes' from 'no' by their first tokens")
+    return yes[0], no[0]
+
+
+def probability(yes: float, no: float) -> float:
+    """P(yes) among {yes, no}: the logistic of the logits' difference."""
+    return 0.5 * (1.0 + math.tanh((yes - no) / 2))
+
+
+def score_parts(
+    loaded: LoadedModel, inputs: list[list[int]], *, yes: int, no: int, chunk: int
+) -> Generator[None, None, list[tuple[float, float]]]:
+    """The ``(yes, no)`` next-token logits after each token list, a forward pass at a time
+    (yields after each)."""
+    out: list[tuple[float, float] | None] = [None] * len(inputs)
+    pair = mx.array([yes, no])
+    for part, batch in enumerate(plan_batches([len(ids) for ids in inputs], chunk)):
+        if part:
+            yield
+        if len(inputs[batch[0]]) > chunk:
+            out[batch[0]] = yield from _score_long(loaded, inputs[batch[0]], pair, chunk)
+            continue
+        width = max(len(inputs[i]) for i in batch)
+        rows = mx.array([inputs[i] + [0] * (width - len(inputs[i])) for i in batch], dtype=mx.int32)
+        last = mx.array([len(inputs[i]) - 1 for i in batch])
+        logits = loaded.model(rows)
+        picked = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
+        values: list[list[float]] = picked[:, pair].astype(mx.float32).tolist()  # type: ignore[assignment]
+        for i, (y, n) in zip(batch, values, strict=True):
+            out[i] = (y, n)
+    return [value for value in out if value is not None]
+
+
+def _score_long(
+    loaded: LoadedModel, ids: list[int], pair: mx.array, chunk: int
+) -> Generator[None, None, tuple[float, float]]:
+    cache = loaded.make_cache()
+    logits = None
+    for start in range(0, len(ids), chunk):
+        if start:
+            yield
+        logits = loaded.model(mx.array([ids[start : start + chunk]], dtype=mx.int32), cache=cache)
+        mx.eval(logits)
+    assert logits is not None
+    y, n = logits[0, -1, pair].astype(mx.float32).tolist()  # type: ignore[misc]
+    return float(y), float(n)
