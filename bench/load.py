@@ -18,7 +18,7 @@ the warm-up (the first quarter of the run, at full concurrency) and at the end. 
 done, ``/metrics`` must show no running request and no KV bytes held. Loopback only, bounded in
 clients, time and per-request time. Prints p50/p99 time to first token and latency, and JSON.
 
-    python bench/load.py --clients 64 --duration 60 --out bench/results/load_smollm2_cpu_c64.json
+    python bench/load.py --clients 64 --duration 60 --out bench/results/load_smollm2_cpu.json
 
 ``--url URL --pid PID`` drive a server that is already running instead of starting one.
 """
