@@ -155,9 +155,9 @@ def mlxr_register_apis(register: RegisterName) -> None:
 
     :param register: ``register(name, target, *, override=False)``. ``name`` is what ``apis:``
         lists (``"openai"``); ``target`` is a factory ``make(ctx: ServerContext) -> litestar.Router``
-        (see :class:`mlxr_core.server.ServerContext`) called once when the server starts. Every
-        route is behind ``server.api_keys`` but GET routes whose ``opt`` marks them
-        :data:`mlxr_core.access.PUBLIC` (files that hold no data, such as a web page's own).
+        (see :class:`mlxr_core.http.context.ServerContext`) called once when the server starts.
+        Every route is behind ``server.api_keys`` but GET routes whose ``opt`` marks them
+        :data:`mlxr_core.http.access.PUBLIC` (files that hold no data, such as a web page's own).
     :return: nothing.
     """
 

@@ -32,8 +32,8 @@ from mlxr_core.parsing import (
 
 if TYPE_CHECKING:
     from mlxr_core.engine.engine import Engine, ModelInfo
+    from mlxr_core.http.context import ServerContext
     from mlxr_core.model.tokenizer import Tokenizer
-    from mlxr_core.server import ServerContext
 
 _TOOLS_VARIABLE = re.compile(r"\btools\b")
 

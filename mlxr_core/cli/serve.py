@@ -8,9 +8,9 @@ exits with status 1. ``mlxr: serving ... at URL`` is printed once ``/health`` an
 
 SIGTERM and SIGINT shut down gracefully and exit 0: stop accepting connections, let running
 requests finish for ``server.shutdown_timeout`` seconds, end the rest with a final error event
-(:func:`mlxr_core.server.drain`), stop the engine. A second SIGTERM or SIGINT during that forces the
-exit: every running request ends at once, still with its final error event
-(:func:`mlxr_core.server.end_now`), and the status is 130.
+(:func:`mlxr_core.http.server.drain`), stop the engine. A second SIGTERM or SIGINT during that
+forces the exit: every running request ends at once, still with its final error event
+(:func:`mlxr_core.http.server.end_now`), and the status is 130.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from mlxr_core.errors import MlxrError
 if TYPE_CHECKING:
     from mlxr_core.config.schema import ServerConfig
     from mlxr_core.engine.engine import Engine
+    from mlxr_core.http.context import ServerContext
     from mlxr_core.plugins import PluginHost
-    from mlxr_core.server import ServerContext
 
 log = logging.getLogger(__name__)
 
@@ -100,9 +100,10 @@ def run(args: argparse.Namespace) -> int:
     listener = bind(config.server)
     with listener:  # closed by uvicorn when it serves; here when anything before that fails
         from mlxr_core.engine.engine import Engine
+        from mlxr_core.http.context import ServerContext
+        from mlxr_core.http.server import build_app
         from mlxr_core.parsing import validate_parser_choices
         from mlxr_core.plugins import load_plugins
-        from mlxr_core.server import ServerContext, build_app
 
         host = load_plugins(
             disable=config.plugins.disable,
@@ -142,7 +143,7 @@ def serve(app: Any, ctx: ServerContext, *, log_level: str, listener: socket.sock
     ``listener`` is the bound socket (:func:`bind`); None binds ``server.host``:``server.port`` now.
     """
     from mlxr_core.cli.main import EXIT_INTERRUPTED
-    from mlxr_core.server import drain, end_now
+    from mlxr_core.http.server import drain, end_now
 
     engine = ctx.engine
     timeout = ctx.config.server.shutdown_timeout
@@ -168,10 +169,10 @@ def serve(app: Any, ctx: ServerContext, *, log_level: str, listener: socket.sock
 
 def uvicorn_config(app: Any, server_config: ServerConfig, *, log_level: str) -> Any:
     """uvicorn's settings for ``app``: the bind address, mlxr's logging, the shutdown backstop and
-    the connections' read deadlines (:mod:`mlxr_core.connections`)."""
+    the connections' read deadlines (:mod:`mlxr_core.http.connections`)."""
     import uvicorn
 
-    from mlxr_core.connections import protocol_with_deadlines
+    from mlxr_core.http.connections import protocol_with_deadlines
 
     return uvicorn.Config(
         app,

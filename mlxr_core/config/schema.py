@@ -57,12 +57,13 @@ class ServerConfig:
     #: Largest request body accepted, in bytes (413 beyond).
     max_body_bytes: int = attrs.field(default=10_000_000, validator=v.ge(1))
     #: Seconds a connection has to send a request's head, from connecting or from its previous
-    #: response; an idle or slow-loris connection is closed then (:mod:`mlxr_core.connections`).
+    #: response; an idle or slow-loris connection is closed then
+    #: (:mod:`mlxr_core.http.connections`).
     header_timeout: float = attrs.field(default=10.0, validator=v.gt(0.0))
     #: Seconds a request has to send its whole body once its head is in; then it is closed.
     body_timeout: float = attrs.field(default=60.0, validator=v.gt(0.0))
     #: Open connections at most; beyond it the one idle longest is closed so new clients get in
-    #: (:mod:`mlxr_core.connections`). None: the process's file limit less 64.
+    #: (:mod:`mlxr_core.http.connections`). None: the process's file limit less 64.
     max_connections: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
     #: Upper bound on any request's ``max_tokens`` (larger asks are lowered to it); None: no cap.
     max_tokens_cap: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))

@@ -29,21 +29,22 @@ def check_api(
     Mounts the API alone (``apis: [name]``, one API key configured) over a real engine serving
     ``model_path`` as ``tiny`` (a tiny model: ``mlxr_core.testing.tiny.write_tiny_llama_gguf``),
     then checks: the factory returns a router with at least one route; every route answers 401
-    without the key (but a :data:`~mlxr_core.access.PUBLIC` one: a GET that answers without it, for
-    files that hold no data such as a web page's own), in the API's own JSON error shape (the same
-    shape on every route, not Litestar's default body); with the key, every GET route answers
+    without the key (but a :data:`~mlxr_core.http.access.PUBLIC` one: a GET that answers without it,
+    for files that hold no data such as a web page's own), in the API's own JSON error shape (the
+    same shape on every route, not Litestar's default body); with the key, every GET route answers
     without a server error (path parameters get the model's name) and every POST route answers a
     malformed JSON body with a 4xx (or 501, not implemented) in that same shape. Returns the
     ``"METHOD path"`` of the routes checked.
     """
     from litestar.testing import TestClient
 
-    from mlxr_core.access import PUBLIC
     from mlxr_core.config.loader import validate_plugin_sections
     from mlxr_core.config.schema import Config, ModelConfig, ServerConfig
     from mlxr_core.engine.engine import Engine
+    from mlxr_core.http.access import PUBLIC
+    from mlxr_core.http.context import ServerContext
+    from mlxr_core.http.server import build_app
     from mlxr_core.plugins import load_plugins
-    from mlxr_core.server import ServerContext, build_app
 
     host = host if host is not None else load_plugins()
     assert name in host.registries.apis, (
@@ -142,7 +143,7 @@ def _error_shape(label: str, reply: Any) -> Any:
     assert isinstance(body, dict), f"{label}: error body is not a JSON object: {body!r}"
     assert not set(body) >= LITESTAR_ERROR_KEYS, (
         f"{label}: error body is Litestar's default {body!r}, not the API's own shape "
-        "(mount mlxr_core.api_errors.exception_handlers on the router)"
+        "(mount mlxr_core.http.errors.exception_handlers on the router)"
     )
     return _skeleton(body)
 

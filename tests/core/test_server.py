@@ -26,8 +26,9 @@ from mlxr_core.cli import serve
 from mlxr_core.cli.main import main
 from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.errors import ConfigError, PluginLoadError, RequestError
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
 from mlxr_core.plugins import hookimpl, load_plugins
-from mlxr_core.server import ServerContext, build_app
 
 
 class LifecycleEngine:

@@ -10,9 +10,9 @@ from typing import Any
 import msgspec
 from litestar import Router, get, post
 
-from mlxr_core.api_errors import exception_handlers
 from mlxr_core.errors import EngineStopped, MlxrError
-from mlxr_core.server import ServerContext
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.errors import exception_handlers
 from mlxr_hello_api import HelloConfig
 
 

@@ -10,8 +10,8 @@ and answered with a bare 500.
 
 from __future__ import annotations
 
-from mlxr_core.api_errors import exception_handlers
 from mlxr_core.errors import MlxrError
+from mlxr_core.http.errors import exception_handlers
 from mlxr_plugins.apis.anthropic.schemas import ErrorBody, ErrorDetail, encoder
 
 ERROR_TYPES = {

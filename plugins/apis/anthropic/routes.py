@@ -1,6 +1,6 @@
 """The Anthropic-compatible routes: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
-A handler decodes its body strictly (:func:`mlxr_core.frontend.decode_body`), renders the
+A handler decodes its body strictly (:func:`mlxr_core.http.frontend.decode_body`), renders the
 conversation with the model's chat template (``system`` first; consecutive turns of one role
 merged, as Anthropic does; a final assistant turn is a prefill the reply continues), submits to
 the engine and answers with one message or a stream of events
@@ -30,10 +30,17 @@ from litestar import Request, Response, Router, post
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.engine.request import GenerationRequest, SamplingParams
 from mlxr_core.errors import RequestError
-from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, room_for, submit
-from mlxr_core.openapi import documented
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import (
+    cap_max_tokens,
+    collect,
+    decode_body,
+    ready_engine,
+    room_for,
+    submit,
+)
+from mlxr_core.http.openapi import documented
 from mlxr_core.parsing import Tool
-from mlxr_core.server import ServerContext
 from mlxr_core.tool_calling import ChatSetup, ToolChoice, model_parsers, prepare_chat
 from mlxr_plugins.apis.anthropic import schemas as s
 from mlxr_plugins.apis.anthropic.errors import EXCEPTION_HANDLERS

@@ -6,7 +6,7 @@ its deltas, ``content_block_stop``): ``thinking`` (``thinking_delta``), ``text``
 ``message_delta`` (stop reason, output tokens) and ``message_stop``. A reply with no block at all
 still gets one empty text block. A request that fails mid-stream ends with an ``error``
 event instead, which Anthropic clients raise. A client that leaves cancels its request (see
-:func:`mlxr_core.frontend.tracked_events`).
+:func:`mlxr_core.http.frontend.tracked_events`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
-from mlxr_core.frontend import shutdown_cancelled, tracked_events
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import shutdown_cancelled, tracked_events
 from mlxr_core.parsing import Text, ToolCall, merge
-from mlxr_core.server import ServerContext
 from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.anthropic import schemas as s
 from mlxr_plugins.apis.anthropic.errors import error_body

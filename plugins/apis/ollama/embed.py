@@ -20,8 +20,8 @@ from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.errors import RequestError
-from mlxr_core.frontend import decode_body, ready_engine, unless_disconnected
-from mlxr_core.server import ServerContext
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import decode_body, ready_engine, unless_disconnected
 from mlxr_plugins.apis.ollama import schemas as s
 
 #: The router's model lookup (name, alias, ``NAME:latest``) -> the served model.

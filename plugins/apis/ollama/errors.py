@@ -7,8 +7,8 @@ bare 500.
 
 from __future__ import annotations
 
-from mlxr_core.api_errors import exception_handlers
 from mlxr_core.errors import MlxrError
+from mlxr_core.http.errors import exception_handlers
 from mlxr_plugins.apis.ollama.schemas import ErrorBody, encoder
 
 

@@ -1,6 +1,6 @@
 """The Ollama-compatible routes under ``/api``: chat, generate, embed, tags, show, ps, version.
 
-A handler decodes its body strictly (:func:`mlxr_core.frontend.decode_body`), maps Ollama's
+A handler decodes its body strictly (:func:`mlxr_core.http.frontend.decode_body`), maps Ollama's
 ``options`` onto :class:`~mlxr_core.engine.request.SamplingParams`, tokenizes in a worker thread,
 submits to the engine and answers with one JSON object or, as Ollama does by default, a stream of
 NDJSON lines (:mod:`mlxr_plugins.apis.ollama.streaming`).
@@ -27,9 +27,16 @@ from litestar import Request, Response, Router, get, post
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.engine.request import Constraint, GenerationRequest, SamplingParams
 from mlxr_core.errors import ModelNotFound, RequestError
-from mlxr_core.frontend import cap_max_tokens, collect, decode_body, ready_engine, room_for, submit
-from mlxr_core.openapi import documented
-from mlxr_core.server import ServerContext
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import (
+    cap_max_tokens,
+    collect,
+    decode_body,
+    ready_engine,
+    room_for,
+    submit,
+)
+from mlxr_core.http.openapi import documented
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.ollama import embed as embedding
 from mlxr_plugins.apis.ollama import models

@@ -3,7 +3,7 @@
 Each line is a chunk (``done: false``) with the new text; the last has ``done: true``, the
 ``done_reason`` and the counters (durations in nanoseconds). A request that fails mid-stream ends
 with an ``{"error": "..."}`` line, which Ollama clients raise. A client that leaves cancels its
-request (see :func:`mlxr_core.frontend.tracked_events`).
+request (see :func:`mlxr_core.http.frontend.tracked_events`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
-from mlxr_core.frontend import shutdown_cancelled, tracked_events
-from mlxr_core.server import ServerContext
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import shutdown_cancelled, tracked_events
 from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.ollama import schemas as s
 from mlxr_plugins.apis.ollama.errors import error_line

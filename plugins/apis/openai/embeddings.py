@@ -19,8 +19,8 @@ from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine
 from mlxr_core.errors import RequestError
-from mlxr_core.frontend import decode_body, ready_engine, unless_disconnected
-from mlxr_core.server import ServerContext
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import decode_body, ready_engine, unless_disconnected
 from mlxr_plugins.apis.openai.schemas import encoder
 
 #: OpenAI's limit on inputs per request.

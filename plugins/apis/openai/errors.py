@@ -7,9 +7,9 @@ answered with a bare 500, never with the traceback.
 
 from __future__ import annotations
 
-from mlxr_core.api_errors import exception_handlers
 from mlxr_core.errors import MlxrError
-from mlxr_core.frontend import decode_body
+from mlxr_core.http.errors import exception_handlers
+from mlxr_core.http.frontend import decode_body
 from mlxr_plugins.apis.openai.schemas import ErrorBody, ErrorDetail, encoder
 
 __all__ = ["EXCEPTION_HANDLERS", "decode_body", "error_body"]

@@ -19,9 +19,16 @@ from litestar import Request, Response, Router, get, post
 
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
 from mlxr_core.errors import ContextLengthExceeded, RequestError
-from mlxr_core.frontend import Reply, cap_max_tokens, collect, decode_body, ready_engine, submit
-from mlxr_core.openapi import documented
-from mlxr_core.server import ServerContext
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import (
+    Reply,
+    cap_max_tokens,
+    collect,
+    decode_body,
+    ready_engine,
+    submit,
+)
+from mlxr_core.http.openapi import documented
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings

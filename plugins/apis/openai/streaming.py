@@ -6,7 +6,7 @@ A client that goes away cancels its request, whichever way it leaves:
   client disconnects (litestar#3772), so the producer must stop its own work; the response's
   background task cancels again in case the generator was parked at a ``yield`` and is never
   resumed;
-- non-streaming: :func:`mlxr_core.frontend.collect` watches the connection while it waits.
+- non-streaming: :func:`mlxr_core.http.frontend.collect` watches the connection while it waits.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from litestar.response import Stream
 
 from mlxr_core.engine.request import Delta, Event, Failed, Finished, RequestHandle, TokenLogprob
 from mlxr_core.engine.request import Usage as EngineUsage
-from mlxr_core.frontend import shutdown_cancelled, tracked_events
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import shutdown_cancelled, tracked_events
 from mlxr_core.parsing import Text, ToolCall
-from mlxr_core.server import ServerContext
 from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.errors import error_body

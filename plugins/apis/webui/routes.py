@@ -3,8 +3,8 @@ redirecting to the page.
 
 The three files ship in this package (``static/``) and are read once, when the router is built.
 They hold no data and are the same for everyone, so they are served without an API key
-(:data:`mlxr_core.access.PUBLIC`): a browser cannot add a header to a page it navigates to. Every
-request the page then makes (``/v1/models``, ``/v1/chat/completions``, ``/metrics``) carries the
+(:data:`mlxr_core.http.access.PUBLIC`): a browser cannot add a header to a page it navigates to.
+Every request the page then makes (``/v1/models``, ``/v1/chat/completions``, ``/metrics``) carries the
 key the user typed into it and is checked like any other client's. A strict Content-Security-Policy
 keeps the page to its own script and style and its requests to this server.
 """
@@ -17,8 +17,8 @@ from importlib import resources
 from litestar import Response, Router, get
 from litestar.response import Redirect
 
-from mlxr_core.access import PUBLIC
-from mlxr_core.server import ServerContext
+from mlxr_core.http.access import PUBLIC
+from mlxr_core.http.context import ServerContext
 
 log = logging.getLogger(__name__)
 

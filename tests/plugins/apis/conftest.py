@@ -10,8 +10,9 @@ from litestar.testing import TestClient
 
 from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.engine.engine import Engine
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
 from mlxr_core.plugins import load_plugins
-from mlxr_core.server import ServerContext, build_app
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,8 @@ from mlxr_core.engine.request import (
     Usage,
 )
 from mlxr_core.errors import ContextLengthExceeded, MlxrError, ModelNotFound
+from mlxr_core.http.context import ServerContext
 from mlxr_core.plugins import PluginHost, load_plugins
-from mlxr_core.server import ServerContext
 
 
 class FakeTokenizer:

@@ -15,7 +15,7 @@ from scripted import FakeEngine, FakeTokenizer, ThreadedServer, make_ctx, wait_u
 
 from mlxr_core.config.schema import SamplingConfig, ServerConfig
 from mlxr_core.errors import EngineStopped, Overloaded
-from mlxr_core.server import build_app
+from mlxr_core.http.server import build_app
 
 MESSAGES = "/v1/messages"
 

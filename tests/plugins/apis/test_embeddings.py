@@ -16,9 +16,10 @@ from litestar.testing import TestClient
 from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.engine.embedding import embed_tokens
 from mlxr_core.engine.engine import Engine
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
 from mlxr_core.model.loader import load_model
 from mlxr_core.plugins import load_plugins
-from mlxr_core.server import ServerContext, build_app
 
 CONTEXT = 32
 NAMES = {"first": ["one", "uno"], "second": ["two"]}
@@ -201,7 +202,7 @@ def test_a_client_that_leaves_cancels_the_embedding_it_waits_for() -> None:
     (Engine.embed_async then stops its job before the next forward pass)."""
     import asyncio
 
-    from mlxr_core.frontend import ClientDisconnected, unless_disconnected
+    from mlxr_core.http.frontend import ClientDisconnected, unless_disconnected
 
     class LeavingClient:
         async def receive(self) -> dict[str, str]:

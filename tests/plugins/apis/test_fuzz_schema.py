@@ -30,8 +30,9 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 
 from mlxr_core.config.schema import Config, ModelConfig, ServerConfig  # noqa: E402
 from mlxr_core.engine.engine import Engine  # noqa: E402
+from mlxr_core.http.context import ServerContext  # noqa: E402
+from mlxr_core.http.server import build_app  # noqa: E402
 from mlxr_core.plugins import load_plugins  # noqa: E402
-from mlxr_core.server import ServerContext, build_app  # noqa: E402
 
 #: Generated cases per route and generation mode; the whole module stays within CI time.
 MAX_EXAMPLES = 20

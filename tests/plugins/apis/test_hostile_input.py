@@ -13,9 +13,10 @@ from litestar.testing import TestClient
 
 from mlxr_core.config.schema import Config, ModelConfig, ServerConfig
 from mlxr_core.engine.engine import Engine
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
 from mlxr_core.model import chat_template
 from mlxr_core.plugins import load_plugins
-from mlxr_core.server import ServerContext, build_app
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
 
 MAX_BODY = 1_000_000

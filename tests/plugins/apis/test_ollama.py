@@ -15,7 +15,7 @@ from scripted import FakeEngine, FakeTokenizer, ThreadedServer, make_ctx, wait_u
 
 from mlxr_core.config.schema import SamplingConfig, ServerConfig
 from mlxr_core.errors import EngineStopped, Overloaded
-from mlxr_core.server import build_app
+from mlxr_core.http.server import build_app
 
 RFC3339 = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z$")
 COUNTERS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration", "eval_count", "eval_duration")

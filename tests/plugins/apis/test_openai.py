@@ -16,8 +16,9 @@ from scripted import FakeEngine, FakeTokenizer, ThreadedServer, make_ctx, wait_u
 from mlxr_core.config.schema import Config, ModelConfig, SamplingConfig
 from mlxr_core.engine.request import GenerationRequest, RequestHandle
 from mlxr_core.errors import EngineStopped, Overloaded
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
 from mlxr_core.plugins import load_plugins
-from mlxr_core.server import ServerContext, build_app
 
 
 @pytest.fixture

@@ -18,9 +18,10 @@ from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from scripted import FakeEngine, make_ctx, wait_until
 
-from mlxr_core.access import ApiKeys, Unauthorized
 from mlxr_core.config.schema import ServerConfig
-from mlxr_core.server import ServerContext, build_app, drain, end_now
+from mlxr_core.http.access import ApiKeys, Unauthorized
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app, drain, end_now
 
 KEY = "sk-test-0123456789"
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}

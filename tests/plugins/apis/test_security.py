@@ -18,8 +18,9 @@ from litestar.testing import TestClient
 from mlxr_core.config.loader import load_config
 from mlxr_core.config.schema import Config, ModelConfig, ServerConfig
 from mlxr_core.engine.engine import Engine
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
 from mlxr_core.plugins import load_plugins
-from mlxr_core.server import ServerContext, build_app
 
 KEY = "sk-security-test-key"
 EXAMPLE_API = Path(__file__).resolve().parents[3] / "examples" / "mlxr-hello-api"

@@ -14,9 +14,9 @@ from scripted import FakeEngine, FakeTokenizer, ThreadedServer, make_ctx
 
 from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.errors import ConfigError
+from mlxr_core.http.server import build_app
 from mlxr_core.parsing import validate_parser_choices
 from mlxr_core.plugins import load_plugins
-from mlxr_core.server import build_app
 
 WEATHER = {
     "type": "function",

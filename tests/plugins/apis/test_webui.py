@@ -16,12 +16,13 @@ import pytest
 from litestar import Litestar, Router, get, post
 from litestar.testing import TestClient
 
-from mlxr_core.access import PUBLIC
 from mlxr_core.config.loader import load_config
 from mlxr_core.config.schema import Config, ModelConfig, ServerConfig
 from mlxr_core.engine.engine import Engine
+from mlxr_core.http.access import PUBLIC
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
 from mlxr_core.plugins import hookimpl, load_plugins
-from mlxr_core.server import ServerContext, build_app
 
 KEY = "sk-webui-test-key"
 FILES = {"/ui/": "text/html", "/ui/app.js": "text/javascript", "/ui/app.css": "text/css"}

@@ -241,7 +241,8 @@ def test_metrics_expose_draft_acceptance(engine):
     from litestar.testing import TestClient
     from prometheus_client.parser import text_string_to_metric_families
 
-    from mlxr_core.server import ServerContext, build_app
+    from mlxr_core.http.context import ServerContext
+    from mlxr_core.http.server import build_app
 
     tokens_of(engine.submit(request(PROMPTS[1], decoder="speculative", max_tokens=12)))
     ctx = ServerContext(config=engine.config, host=load_plugins(), engine=engine)

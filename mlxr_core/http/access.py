@@ -30,7 +30,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from mlxr_core.errors import MlxrError
 
 if TYPE_CHECKING:
-    from mlxr_core.metrics import Metrics
+    from mlxr_core.http.metrics import Metrics
 
 access_log = logging.getLogger("mlxr.access")
 

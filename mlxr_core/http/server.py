@@ -1,6 +1,7 @@
 """The HTTP server: one Litestar app that mounts the API plugins named in ``apis:``.
 
-:func:`build_app` is all ``mlxr serve`` needs besides uvicorn, and what embedders and tests call:
+:func:`build_app` is all ``mlxr serve`` needs besides uvicorn, and what embedders and tests call
+(:class:`~mlxr_core.http.context.ServerContext` is what every API factory receives):
 
     ctx = ServerContext(config=config, host=host, engine=Engine(config, host))
     app = build_app(ctx)
@@ -9,9 +10,9 @@ The app starts the engine in the background when it starts (so ``GET /health`` a
 models load) and stops it when it shuts down. Each API plugin's factory
 ``make(ctx) -> litestar.Router`` returns a router that carries its own exception handlers, so an
 error reaches the client in that API's wire format -- the 401 of a missing API key included, since
-the key check is a guard that runs inside each route (:mod:`mlxr_core.access`).
+the key check is a guard that runs inside each route (:mod:`mlxr_core.http.access`).
 
-Operations: ``GET /metrics`` (Prometheus, :mod:`mlxr_core.metrics`), one access-log line and an
+Operations: ``GET /metrics`` (Prometheus, :mod:`mlxr_core.http.metrics`), one access-log line and an
 ``x-request-id`` per request, a body size limit (``server.max_body_bytes``, 413), CORS only for
 ``server.cors_origins``, and :func:`drain` for graceful shutdown: refuse new requests, let the
 running ones finish for ``server.shutdown_timeout`` seconds, then end the rest with an error event.
@@ -23,25 +24,19 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
-import attrs
 from litestar import Litestar, MediaType, Response, Router, get
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from mlxr_core.access import ApiKeys, RequestLog, api_key_guard, json_body_guard
 from mlxr_core.errors import ConfigError, MlxrError, PluginLoadError, close_matches
-from mlxr_core.frontend import InflightRequests
-from mlxr_core.metrics import CONTENT_TYPE, Metrics
+from mlxr_core.http.access import ApiKeys, RequestLog, api_key_guard, json_body_guard
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.metrics import CONTENT_TYPE, mlx_memory
 from mlxr_core.model.chat_template import interrupt_renders
-
-if TYPE_CHECKING:
-    from mlxr_core.config.schema import Config
-    from mlxr_core.engine.engine import Engine
-    from mlxr_core.plugins import PluginHost
 
 log = logging.getLogger(__name__)
 
@@ -49,30 +44,6 @@ log = logging.getLogger(__name__)
 LOADING_RETRY_AFTER_S = 5
 #: Seconds cancelled requests get to send their final error event at the end of a drain.
 CANCEL_GRACE_S = 5.0
-
-
-@attrs.define
-class ServerContext:
-    """What every API factory receives: the config, the plugin host and the engine.
-
-    Factories close over it in their handlers; ``app.state["mlxr"]`` holds it for middleware.
-    """
-
-    config: Config
-    host: PluginHost
-    engine: Engine
-    #: ``time.time()`` when the server context was made; /health reports the uptime from it.
-    started_at: float = attrs.field(factory=time.time)
-    #: Plugin name -> its validated ``plugins.config.<name>`` section (an instance of its schema).
-    plugin_config: dict[str, Any] = attrs.field(factory=dict)
-    #: Generation requests being served (see :mod:`mlxr_core.frontend`); drained at shutdown.
-    inflight: InflightRequests = attrs.field(factory=InflightRequests)
-    #: This server's Prometheus metrics.
-    metrics: Metrics = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        inflight = self.inflight
-        self.metrics = Metrics(self.engine, inflight=lambda: len(inflight))
 
 
 def build_app(ctx: ServerContext) -> Litestar:
@@ -236,18 +207,3 @@ def health_response(ctx: ServerContext) -> Response[dict[str, Any]]:
     elif state in ("created", "loading"):
         headers["Retry-After"] = str(LOADING_RETRY_AFTER_S)
     return Response(body, status_code=HTTP_503_SERVICE_UNAVAILABLE, headers=headers)
-
-
-def mlx_memory() -> dict[str, int]:
-    """MLX allocator counters, in bytes.
-
-    Safe from any thread once the engine has loaded: each call reads a counter of the allocator
-    singleton (already built by the engine thread) and touches no stream, graph or device queue.
-    """
-    import mlx.core as mx
-
-    return {
-        "active_bytes": int(mx.get_active_memory()),
-        "peak_bytes": int(mx.get_peak_memory()),
-        "cache_bytes": int(mx.get_cache_memory()),
-    }

@@ -8,16 +8,15 @@ An API plugin (OpenAI, Ollama, Anthropic, a third party's) turns its wire format
     async for event in tracked_events(ctx, handle):    # metrics + in-flight tracking
         ...
 
-Every request submitted this way is known to :class:`InflightRequests`, which is what graceful
-shutdown waits on (:func:`mlxr_core.server.drain`) and what the metrics count.
+Every request submitted this way is known to the context's
+:class:`~mlxr_core.http.context.InflightRequests`, which is what graceful shutdown waits on
+(:func:`mlxr_core.http.server.drain`) and what the metrics count.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import time
-import weakref
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,13 +36,13 @@ from mlxr_core.engine.request import (
     TokenLogprob,
 )
 from mlxr_core.errors import EngineStopped, MlxrError, RequestError
-from mlxr_core.metrics import RequestTimer
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.metrics import RequestTimer
 
 if TYPE_CHECKING:
     from litestar import Request
 
     from mlxr_core.engine.engine import Engine
-    from mlxr_core.server import ServerContext
 
 T = TypeVar("T")
 
@@ -251,47 +250,3 @@ async def _cancel_on_disconnect(
     await _disconnected(request)
     handle.cancel()
     scope.cancel()
-
-
-class InflightRequests:
-    """The generation requests HTTP handlers are serving, for graceful shutdown and metrics.
-
-    Held weakly: a request whose stream never started (the client left before the first byte) is
-    forgotten once the engine has ended it and nothing refers to its handle any more. Only touched
-    from the server's event loop.
-    """
-
-    def __init__(self) -> None:
-        self._timers: weakref.WeakKeyDictionary[RequestHandle, RequestTimer | None] = (
-            weakref.WeakKeyDictionary()
-        )
-        #: Set by :func:`mlxr_core.server.drain`: new requests are refused with 503.
-        self.draining = False
-
-    def __len__(self) -> int:
-        return len(self._timers)
-
-    def add(self, handle: RequestHandle, timer: RequestTimer | None = None) -> None:
-        self._timers[handle] = timer
-
-    def timer(self, handle: RequestHandle) -> RequestTimer | None:
-        return self._timers.get(handle)
-
-    def discard(self, handle: RequestHandle) -> None:
-        self._timers.pop(handle, None)
-
-    def cancel_all(self) -> int:
-        """Cancel every tracked request; the engine ends each with a ``cancelled`` event."""
-        handles = list(self._timers)
-        for handle in handles:
-            handle.cancel()
-        return len(handles)
-
-    async def wait_empty(self, timeout: float, poll_s: float = 0.05) -> bool:
-        """Wait up to ``timeout`` seconds for every tracked request to end; True if they did."""
-        deadline = time.monotonic() + timeout
-        while self._timers:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(poll_s)
-        return True

@@ -1,8 +1,8 @@
 """OpenAPI documentation for routes that decode their own bodies.
 
 API plugins read a request's raw body and decode it strictly with msgspec
-(:func:`mlxr_core.frontend.decode_body`), so Litestar sees no ``data`` parameter and would document
-neither the body nor the replies. :func:`documented` returns an ``operation_class`` for a route
+(:func:`mlxr_core.http.frontend.decode_body`), so Litestar sees no ``data`` parameter and would
+document neither the body nor the replies. :func:`documented` returns an ``operation_class`` for a route
 decorator that writes the msgspec structs' JSON schemas into the app's OpenAPI document, so clients
 and property-based fuzzers see the real contract:
 

@@ -3,9 +3,9 @@
 Each :class:`Metrics` owns its own ``CollectorRegistry`` (no process-wide globals, so tests and
 embedders can build many apps). Two kinds of figures:
 
-- events, observed as they happen by the HTTP layer (:mod:`mlxr_core.access`) and by the request
-  tracker every API streams its events through (:mod:`mlxr_core.frontend`): requests by endpoint
-  and status, prompt and generated tokens, time to first token, inter-token latency;
+- events, observed as they happen by the HTTP layer (:mod:`mlxr_core.http.access`) and by the
+  request tracker every API streams its events through (:mod:`mlxr_core.http.frontend`): requests
+  by endpoint and status, prompt and generated tokens, time to first token, inter-token latency;
 - levels, read from the engine at scrape time (:class:`EngineCollector`): queue depth, running
   requests, KV-cache bytes, prefix-cache hits, draft tokens proposed and accepted (speculative
   acceptance), MLX memory, engine state.
@@ -156,8 +156,6 @@ class EngineCollector(Collector):
         yield from _prefix_cache_metrics(stats.get("prefix_cache") or {})
         yield from _draft_metrics(stats.get("decoders") or {})
         if engine.state == "ready":
-            from mlxr_core.server import mlx_memory
-
             memory = GaugeMetricFamily("mlxr_mlx_memory_bytes", "MLX allocator memory.", labels=["kind"])
             for kind, value in mlx_memory().items():
                 memory.add_metric([kind.removesuffix("_bytes")], float(value))
@@ -216,3 +214,18 @@ def _prefix_cache_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:
                 )
             families[name].add_metric([model], float(value))
     yield from families.values()
+
+
+def mlx_memory() -> dict[str, int]:
+    """MLX allocator counters, in bytes.
+
+    Safe from any thread once the engine has loaded: each call reads a counter of the allocator
+    singleton (already built by the engine thread) and touches no stream, graph or device queue.
+    """
+    import mlx.core as mx
+
+    return {
+        "active_bytes": int(mx.get_active_memory()),
+        "peak_bytes": int(mx.get_peak_memory()),
+        "cache_bytes": int(mx.get_cache_memory()),
+    }

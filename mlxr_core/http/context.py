@@ -1,0 +1,89 @@
+"""What every API factory and handler receives: :class:`ServerContext`, and the set of generation
+requests in flight it carries (:class:`InflightRequests`), which graceful shutdown waits on
+(:func:`mlxr_core.http.server.drain`) and the metrics count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from mlxr_core.http.metrics import Metrics, RequestTimer
+
+if TYPE_CHECKING:
+    from mlxr_core.config.schema import Config
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.request import RequestHandle
+    from mlxr_core.plugins import PluginHost
+
+
+class InflightRequests:
+    """The generation requests HTTP handlers are serving, for graceful shutdown and metrics.
+
+    Held weakly: a request whose stream never started (the client left before the first byte) is
+    forgotten once the engine has ended it and nothing refers to its handle any more. Only touched
+    from the server's event loop.
+    """
+
+    def __init__(self) -> None:
+        self._timers: weakref.WeakKeyDictionary[RequestHandle, RequestTimer | None] = (
+            weakref.WeakKeyDictionary()
+        )
+        #: Set by :func:`mlxr_core.http.server.drain`: new requests are refused with 503.
+        self.draining = False
+
+    def __len__(self) -> int:
+        return len(self._timers)
+
+    def add(self, handle: RequestHandle, timer: RequestTimer | None = None) -> None:
+        self._timers[handle] = timer
+
+    def timer(self, handle: RequestHandle) -> RequestTimer | None:
+        return self._timers.get(handle)
+
+    def discard(self, handle: RequestHandle) -> None:
+        self._timers.pop(handle, None)
+
+    def cancel_all(self) -> int:
+        """Cancel every tracked request; the engine ends each with a ``cancelled`` event."""
+        handles = list(self._timers)
+        for handle in handles:
+            handle.cancel()
+        return len(handles)
+
+    async def wait_empty(self, timeout: float, poll_s: float = 0.05) -> bool:
+        """Wait up to ``timeout`` seconds for every tracked request to end; True if they did."""
+        deadline = time.monotonic() + timeout
+        while self._timers:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+
+@attrs.define
+class ServerContext:
+    """What every API factory receives: the config, the plugin host and the engine.
+
+    Factories close over it in their handlers; ``app.state["mlxr"]`` holds it for middleware.
+    """
+
+    config: Config
+    host: PluginHost
+    engine: Engine
+    #: ``time.time()`` when the server context was made; /health reports the uptime from it.
+    started_at: float = attrs.field(factory=time.time)
+    #: Plugin name -> its validated ``plugins.config.<name>`` section (an instance of its schema).
+    plugin_config: dict[str, Any] = attrs.field(factory=dict)
+    #: Generation requests being served (see :mod:`mlxr_core.http.frontend`); drained at shutdown.
+    inflight: InflightRequests = attrs.field(factory=InflightRequests)
+    #: This server's Prometheus metrics.
+    metrics: Metrics = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        inflight = self.inflight
+        self.metrics = Metrics(self.engine, inflight=lambda: len(inflight))
