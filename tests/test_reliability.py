@@ -4,7 +4,7 @@ The load test is ``bench/load.py`` itself at CI size (16 clients for 20 s, short
 accepted request ends with its whole completion or an explicit error, none hangs or is cut short,
 ``/metrics`` shows nothing running and no KV held afterwards, and the server's memory after the run
 is not above what it held after warm-up beyond noise. The 64-client figures are in
-``bench/results/load_smollm2_cpu_c64.json``.
+``bench/results/load_smollm2_cpu.json``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Up to :data:`MAX_EXPERTS` experts and :data:`MAX_TOP_K` picks; other routers run
 
 The experts' packed matmuls stay on ``mx.gather_qmm``: a warp-per-output gather kernel written
 for them was slower (H100, one token's 8 experts x 3 projections: ~120 us per layer against ~90;
-8 tokens: ~680 against ~200; ``bench/results/README.md``).
+8 tokens: ~680 against ~200; ``git show 8982ff0:bench/results/README.md``).
 
 Written for and measured on MLX's CUDA backend; it cannot run elsewhere.
 """
