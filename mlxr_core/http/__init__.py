@@ -9,7 +9,10 @@ Modules, lowest first; a module imports only modules above it in this list:
 - :mod:`~mlxr_core.http.access`: API keys, the JSON body guard, request ids and the access log;
 - :mod:`~mlxr_core.http.context`: :class:`~mlxr_core.http.context.ServerContext`, what every API
   factory receives, with the requests in flight;
-- :mod:`~mlxr_core.http.frontend`: body decoding, submission, tracked event streams, whole replies;
+- :mod:`~mlxr_core.http.frontend`: body decoding, submission, tracked event streams, whole replies,
+  JSON replies;
+- :mod:`~mlxr_core.http.requests`: the one mapping of a request's sampling fields onto
+  ``SamplingParams`` that every API plugin calls with its own field names;
 - :mod:`~mlxr_core.http.server`: the app (:func:`~mlxr_core.http.server.build_app`), ``/health``
   and graceful shutdown.
 

@@ -1,5 +1,5 @@
-"""What every HTTP API plugin shares: strict body decoding, the engine's readiness, submission,
-tracked event streams, and waiting for a whole reply while watching the connection.
+"""What every HTTP API plugin shares: strict body decoding, JSON replies, the engine's readiness,
+submission, tracked event streams, and waiting for a whole reply while watching the connection.
 
 An API plugin (OpenAI, Ollama, Anthropic, a third party's) turns its wire format into a
 :class:`~mlxr_core.engine.request.GenerationRequest`, then:
@@ -25,6 +25,7 @@ import anyio
 import attrs
 import msgspec
 import numpy as np
+from litestar import Response
 
 from mlxr_core.engine.request import (
     Delta,
@@ -51,6 +52,7 @@ _MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
 #: How deep a request body may nest: far beyond any real request (a tool's JSON schema included),
 #: far inside the recursion limits of the decoder and of what later walks the values.
 MAX_BODY_DEPTH = 100
+_JSON = msgspec.json.Encoder()
 
 
 class ClientDisconnected(MlxrError):
@@ -105,6 +107,11 @@ def _param_of(message: str) -> str | None:
     if missing:
         path = f"{path}.{missing['field']}" if path else missing["field"]
     return path or None
+
+
+def json_response(value: Any) -> Response[bytes]:
+    """A 200 reply of ``value`` (msgspec structs, dicts, lists ...) encoded as JSON."""
+    return Response(_JSON.encode(value), media_type="application/json")
 
 
 def ready_engine(ctx: ServerContext) -> Engine:

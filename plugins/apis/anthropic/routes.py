@@ -28,18 +28,20 @@ import anyio
 from litestar import Request, Response, Router, post
 
 from mlxr_core.engine.engine import Engine, ModelInfo
-from mlxr_core.engine.request import GenerationRequest, SamplingParams
+from mlxr_core.engine.request import GenerationRequest
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     cap_max_tokens,
     collect,
     decode_body,
+    json_response,
     ready_engine,
     room_for,
     submit,
 )
 from mlxr_core.http.openapi import documented
+from mlxr_core.http.requests import sampling_params
 from mlxr_core.parsing import Tool
 from mlxr_core.tool_calling import ChatSetup, ToolChoice, model_parsers, prepare_chat
 from mlxr_plugins.apis.anthropic import schemas as s
@@ -47,8 +49,6 @@ from mlxr_plugins.apis.anthropic.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.anthropic.streaming import MessageMeta, message, sse_response
 
 ROLES = ("user", "assistant")
-MAX_STOP_SEQUENCES = 64
-MAX_STOP_CHARS = 256
 
 
 def make_router(ctx: ServerContext) -> Router:
@@ -67,7 +67,7 @@ def make_router(ctx: ServerContext) -> Router:
         engine = ready_engine(ctx)
         info = engine.model(body.model)
         setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body))
-        return _json(s.CountTokensResponse(len(setup.prompt_ids)))
+        return json_response(s.CountTokensResponse(len(setup.prompt_ids)))
 
     return Router(
         path="/v1",
@@ -80,7 +80,14 @@ def make_router(ctx: ServerContext) -> Router:
 async def create_message(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
     """``POST /v1/messages``."""
     body = decode_body(await request.body(), s.MessagesRequest)
-    params = sampling_params(ctx, body)
+    params = sampling_params(
+        ctx,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=body.stop_sequences,
+        stop_param="stop_sequences",
+    )
     engine = ready_engine(ctx)
     info = engine.model(body.model)  # an unknown model is a 404 before any templating
     setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body))
@@ -93,29 +100,10 @@ async def create_message(ctx: ServerContext, request: Request[Any, Any, Any]) ->
     if body.stream:
         return sse_response(ctx, handle, meta, setup.reader())
     reply = await collect(ctx, handle, request)
-    return _json(message(meta, setup.reader(), reply.text, reply.finished))
+    return json_response(message(meta, setup.reader(), reply.text, reply.finished))
 
 
 # -- request -> engine -----------------------------------------------------------------------
-
-
-def sampling_params(ctx: ServerContext, body: s.MessagesRequest) -> SamplingParams:
-    """Anthropic's sampling fields over the config's ``sampling:`` defaults."""
-    defaults = ctx.config.sampling
-    stops = list(body.stop_sequences or [])
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise RequestError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed", param="stop_sequences")
-    if any(not stop or len(stop) > MAX_STOP_CHARS for stop in stops):
-        raise RequestError(
-            f"stop sequences must be non-empty and at most {MAX_STOP_CHARS} characters", param="stop_sequences"
-        )
-    return SamplingParams(
-        temperature=defaults.temperature if body.temperature is None else body.temperature,
-        top_p=defaults.top_p if body.top_p is None else body.top_p,
-        top_k=defaults.top_k if body.top_k is None else body.top_k,
-        min_p=defaults.min_p,
-        stop=stops,
-    )
 
 
 def prepare(ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTokensRequest) -> ChatSetup:
@@ -251,7 +239,3 @@ def _check_thinking(body: s.CountTokensRequest) -> None:
         raise RequestError(
             f"thinking.type must be 'enabled' or 'disabled', got {body.thinking.type!r}", param="thinking.type"
         )
-
-
-def _json(value: Any) -> Response[bytes]:
-    return Response(s.encoder.encode(value), media_type="application/json")

@@ -21,7 +21,7 @@ from msgspec import Struct
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import decode_body, ready_engine, unless_disconnected
+from mlxr_core.http.frontend import decode_body, json_response, ready_engine, unless_disconnected
 from mlxr_plugins.apis.ollama import schemas as s
 
 #: The router's model lookup (name, alias, ``NAME:latest``) -> the served model.
@@ -75,13 +75,13 @@ async def create_embed(
         if any(not text for text in texts):
             raise RequestError("input must not hold empty strings", param="input")
     if not texts:
-        return _json(EmbedResponse(info.name, [], time.perf_counter_ns() - started, 0, 0))
+        return json_response(EmbedResponse(info.name, [], time.perf_counter_ns() - started, 0, 0))
     encode = functools.partial(_token_lists, engine, info, texts, truncate=body.truncate)
     token_lists = await anyio.to_thread.run_sync(encode)
     submitted = time.perf_counter_ns()
     result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
     total = time.perf_counter_ns() - started
-    return _json(EmbedResponse(info.name, result.vectors, total, submitted - started, result.prompt_tokens))
+    return json_response(EmbedResponse(info.name, result.vectors, total, submitted - started, result.prompt_tokens))
 
 
 async def create_embeddings(
@@ -92,11 +92,11 @@ async def create_embeddings(
     engine = ready_engine(ctx)
     info = resolve(engine, body.model)
     if not body.prompt:
-        return _json(EmbeddingsResponse([]))
+        return json_response(EmbeddingsResponse([]))
     encode = functools.partial(_token_lists, engine, info, [body.prompt], truncate=True)
     token_lists = await anyio.to_thread.run_sync(encode)
     result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
-    return _json(EmbeddingsResponse(result.vectors[0]))
+    return json_response(EmbeddingsResponse(result.vectors[0]))
 
 
 def _token_lists(engine: Engine, info: ModelInfo, texts: list[str], *, truncate: bool) -> list[list[int]]:
@@ -112,7 +112,3 @@ def _token_lists(engine: Engine, info: ModelInfo, texts: list[str], *, truncate:
                 param="input",
             )
     return token_lists
-
-
-def _json(value: Any) -> Response[bytes]:
-    return Response(s.encoder.encode(value), media_type="application/json")

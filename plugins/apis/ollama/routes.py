@@ -32,11 +32,13 @@ from mlxr_core.http.frontend import (
     cap_max_tokens,
     collect,
     decode_body,
+    json_response,
     ready_engine,
     room_for,
     submit,
 )
 from mlxr_core.http.openapi import documented
+from mlxr_core.http.requests import sampling_params
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.ollama import embed as embedding
 from mlxr_plugins.apis.ollama import models
@@ -57,8 +59,6 @@ log = logging.getLogger(__name__)
 OLLAMA_API_VERSION = "0.12.0"
 #: Roles a chat template may see.
 ROLES = ("system", "user", "assistant", "tool")
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 
 
 def make_router(ctx: ServerContext) -> Router:
@@ -78,25 +78,25 @@ def make_router(ctx: ServerContext) -> Router:
         response=dict[str, list[s.ListedModel]], error=s.ErrorBody))
     def tags() -> Response[Any]:
         engine = ready_engine(ctx)
-        return _json({"models": [models.listed(info) for _, info in sorted(engine.models.items())]})
+        return json_response({"models": [models.listed(info) for _, info in sorted(engine.models.items())]})
 
     @post("/show", status_code=200, operation_class=documented(
         request=s.ModelRequest, response=s.ShowResponse, error=s.ErrorBody))
     async def show(request: Request[Any, Any, Any]) -> Response[Any]:
         body = decode_body(await request.body(), s.ModelRequest)
         info = resolve_model(ready_engine(ctx), body.model or body.name)
-        return _json(models.shown(info))
+        return json_response(models.shown(info))
 
     @get("/ps", sync_to_thread=False, operation_class=documented(
         response=dict[str, list[s.RunningModel]], error=s.ErrorBody))
     def ps() -> Response[Any]:
         engine = ready_engine(ctx)
-        return _json({"models": [models.running(info) for _, info in sorted(engine.models.items())]})
+        return json_response({"models": [models.running(info) for _, info in sorted(engine.models.items())]})
 
     @get("/version", sync_to_thread=False, operation_class=documented(
         response=dict[str, str], error=s.ErrorBody))
     def version() -> Response[Any]:
-        return _json({"version": OLLAMA_API_VERSION})
+        return json_response({"version": OLLAMA_API_VERSION})
 
     @post("/embed", status_code=200, operation_class=documented(
         request=embedding.EmbedRequest, response=embedding.EmbedResponse, error=s.ErrorBody))
@@ -128,9 +128,9 @@ async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Re
     if body.think in (None, False):
         parsers = attrs.evolve(parsers, reasoning=None)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
-        return _json(s.ChatChunk(info.name, timer.created_at, s.AssistantMessage(""), True, "load"))
+        return json_response(s.ChatChunk(info.name, timer.created_at, s.AssistantMessage(""), True, "load"))
     messages = chat_messages(body.messages)
-    params = sampling_params(ctx, body.options)
+    params = options_params(ctx, body.options)
     params.constraint = format_constraint(ctx, body.format)
     tools = tools_of(body.tools)
     prepare = functools.partial(
@@ -147,7 +147,7 @@ async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Re
     if body.stream:
         return ndjson_response(ctx, handle, lines)
     reply = await collect(ctx, handle, request)
-    return _json(lines.whole(reply.text, reply.finished))
+    return json_response(lines.whole(reply.text, reply.finished))
 
 
 async def create_generation(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -161,8 +161,8 @@ async def create_generation(ctx: ServerContext, request: Request[Any, Any, Any])
     engine = ready_engine(ctx)
     info = resolve_model(engine, body.model)
     if not body.prompt and not body.context:
-        return _json(s.GenerateChunk(info.name, timer.created_at, "", True, "load"))
-    params = sampling_params(ctx, body.options)
+        return json_response(s.GenerateChunk(info.name, timer.created_at, "", True, "load"))
+    params = options_params(ctx, body.options)
     params.constraint = format_constraint(ctx, body.format)
     encode = functools.partial(_generate_prompt_ids, engine, info, body)
     prompt_ids = await anyio.to_thread.run_sync(encode)
@@ -173,7 +173,7 @@ async def create_generation(ctx: ServerContext, request: Request[Any, Any, Any])
     if body.stream:
         return ndjson_response(ctx, handle, lines)
     reply = await collect(ctx, handle, request)
-    return _json(lines.whole(reply.text, reply.token_ids, reply.finished))
+    return json_response(lines.whole(reply.text, reply.token_ids, reply.finished))
 
 
 # -- request -> engine -----------------------------------------------------------------------
@@ -209,26 +209,20 @@ def chat_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
     return rendered
 
 
-def sampling_params(ctx: ServerContext, options: s.Options | None) -> SamplingParams:
-    """Ollama ``options`` over the config's ``sampling:`` defaults."""
-    defaults = ctx.config.sampling
+def options_params(ctx: ServerContext, options: s.Options | None) -> SamplingParams:
+    """Ollama's ``options`` (:func:`~mlxr_core.http.requests.sampling_params`)."""
     o = options or s.Options()
-    stops = [o.stop] if isinstance(o.stop, str) else list(o.stop or [])
-    if len(stops) > MAX_STOP_STRINGS or any(not 0 < len(stop) <= MAX_STOP_CHARS for stop in stops):
-        raise RequestError(
-            f"stop must hold at most {MAX_STOP_STRINGS} non-empty strings of at most "
-            f"{MAX_STOP_CHARS} characters",
-            param="options.stop",
-        )
-    return SamplingParams(
-        temperature=defaults.temperature if o.temperature is None else o.temperature,
-        top_p=defaults.top_p if o.top_p is None else o.top_p,
-        top_k=defaults.top_k if o.top_k is None else max(o.top_k, 0),
-        min_p=defaults.min_p if o.min_p is None else o.min_p,
-        seed=None if o.seed is None or o.seed < 0 else o.seed % 2**64,
-        stop=stops,
+    return sampling_params(
+        ctx,
+        temperature=o.temperature,
+        top_p=o.top_p,
+        top_k=o.top_k,
+        min_p=o.min_p,
+        seed=None if o.seed is None or o.seed < 0 else o.seed,  # negative: a random seed
+        stop=o.stop,
+        stop_param="options.stop",
         # Ollama's repeat_penalty looks back repeat_last_n tokens; ours over prompt and output.
-        repetition_penalty=o.repeat_penalty if o.repeat_penalty and o.repeat_penalty > 0 else 1.0,
+        repetition_penalty=o.repeat_penalty,
         # Clients send their own defaults on every request: out-of-range values are clamped to
         # OpenAI's range, not refused.
         presence_penalty=_clamp(o.presence_penalty or 0.0, -2.0, 2.0),
@@ -285,8 +279,3 @@ def format_constraint(ctx: ServerContext, value: Any) -> Constraint | None:
 def _refuse_unsupported(body: s.BaseRequest) -> None:
     if body.think not in (None, False):
         raise RequestError(f"{body.model!r} does not support thinking", param="think")
-
-
-def _json(value: Any) -> Response[bytes]:
-    return Response(s.encoder.encode(value), media_type="application/json")
-

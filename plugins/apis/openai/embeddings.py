@@ -20,8 +20,7 @@ from msgspec import Struct
 from mlxr_core.engine.engine import Engine
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import decode_body, ready_engine, unless_disconnected
-from mlxr_plugins.apis.openai.schemas import encoder
+from mlxr_core.http.frontend import decode_body, json_response, ready_engine, unless_disconnected
 
 #: OpenAI's limit on inputs per request.
 MAX_INPUTS = 2048
@@ -76,7 +75,7 @@ async def create_embeddings(ctx: ServerContext, request: Request[Any, Any, Any])
         for i, vector in enumerate(result.vectors)
     ]
     usage = EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
-    return Response(encoder.encode(EmbeddingList(data, body.model, usage)), media_type="application/json")
+    return json_response(EmbeddingList(data, body.model, usage))
 
 
 def embedding_inputs(value: str | list[Any]) -> list[str | list[int]]:

@@ -22,13 +22,14 @@ from mlxr_core.errors import ContextLengthExceeded, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     Reply,
-    cap_max_tokens,
     collect,
     decode_body,
+    json_response,
     ready_engine,
     submit,
 )
 from mlxr_core.http.openapi import documented
+from mlxr_core.http.requests import sampling_params
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
@@ -44,9 +45,6 @@ from mlxr_plugins.apis.openai.streaming import (
 )
 from mlxr_plugins.apis.openai.tools import assistant_message, message_dict, tool_request
 
-#: Stop strings: OpenAI allows 4; more are accepted up to these limits.
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
 #: Chat roles a template may see; ``developer`` is OpenAI's new name for ``system``.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 #: Media type of a streamed reply.
@@ -69,7 +67,7 @@ def make_router(ctx: ServerContext) -> Router:
     @get("/models", sync_to_thread=False, operation_class=documented(response=s.ModelList, error=s.ErrorBody))
     def models() -> Response[Any]:
         engine = ready_engine(ctx)
-        return _json(s.ModelList([_card(info) for _, info in sorted(engine.models.items())]))
+        return json_response(s.ModelList([_card(info) for _, info in sorted(engine.models.items())]))
 
     @get(
         "/models/{model_id:path}",
@@ -79,7 +77,7 @@ def make_router(ctx: ServerContext) -> Router:
     def model(request: Request[Any, Any, Any]) -> Response[Any]:
         # Model names may contain slashes; a path parameter arrives with a leading one.
         name = str(request.path_params["model_id"]).lstrip("/")
-        return _json(_card(ready_engine(ctx).model(name)))
+        return json_response(_card(ready_engine(ctx).model(name)))
 
     @post("/embeddings", status_code=200, operation_class=documented(
         request=EmbeddingRequest, response=EmbeddingList, error=s.ErrorBody))
@@ -98,7 +96,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
     """``POST /v1/chat/completions``."""
     body = decode_body(await request.body(), s.ChatCompletionRequest)
     messages = chat_messages(body.messages)
-    params = sampling_params(body, ctx, max_tokens=body.max_completion_tokens or body.max_tokens)
+    params = request_params(body, ctx, max_tokens=body.max_completion_tokens or body.max_tokens)
     if body.logprobs:
         params.logprobs = body.top_logprobs or 0
     elif body.top_logprobs:
@@ -131,7 +129,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
         logprobs = formatter.chat(reply.logprobs) if formatter is not None else None
         choices.append(s.ChatChoice(i, message, reader.finish_reason(reply.finished.reason), logprobs))
     usage = usage_of(total_usage([reply.finished.usage for reply in replies]))
-    return _json(s.ChatCompletion(meta.id, meta.created, meta.model, choices, usage))
+    return json_response(s.ChatCompletion(meta.id, meta.created, meta.model, choices, usage))
 
 
 async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
@@ -139,7 +137,7 @@ async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any])
     body = decode_body(await request.body(), s.CompletionRequest)
     _refuse_unsupported_completion(body)
     prompt = completion_prompt(body.prompt)
-    params = sampling_params(body, ctx, max_tokens=body.max_tokens)
+    params = request_params(body, ctx, max_tokens=body.max_tokens)
     params.logprobs = body.logprobs
     engine = ready_engine(ctx)
     info = engine.model(body.model)
@@ -170,7 +168,7 @@ async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any])
         for i, reply in enumerate(replies)
     ]
     usage = usage_of(total_usage([reply.finished.usage for reply in replies]))
-    return _json(s.Completion(meta.id, meta.created, meta.model, choices, usage=usage))
+    return json_response(s.Completion(meta.id, meta.created, meta.model, choices, usage=usage))
 
 
 def submit_choices(ctx: ServerContext, request: GenerationRequest, n: int | None) -> list[RequestHandle]:
@@ -257,22 +255,20 @@ def completion_prompt(prompt: str | list[Any]) -> str | list[int]:
     )
 
 
-def sampling_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | None) -> SamplingParams:
-    """Validate what the schema cannot, and fill the request's gaps from ``sampling:``."""
-    defaults = ctx.config.sampling
-    top_k = defaults.top_k if body.top_k is None else max(body.top_k, 0)
-    return SamplingParams(
-        max_tokens=cap_max_tokens(ctx, max_tokens),
-        temperature=defaults.temperature if body.temperature is None else body.temperature,
-        top_p=defaults.top_p if body.top_p is None else body.top_p,
-        top_k=top_k,
-        min_p=defaults.min_p if body.min_p is None else body.min_p,
-        # OpenAI seeds are int64; MLX keys are uint64.
-        seed=None if body.seed is None else body.seed % 2**64,
-        stop=stop_strings(body.stop),
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        presence_penalty=body.presence_penalty or 0.0,
+def request_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | None) -> SamplingParams:
+    """The request's sampling fields (:func:`~mlxr_core.http.requests.sampling_params`)."""
+    return sampling_params(
+        ctx,
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        stop=body.stop,
+        repetition_penalty=body.repetition_penalty,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
         logit_bias=logit_bias(body.logit_bias),
         constraint=response_constraint(body.response_format, ctx),
         extra=_extra_params(body, ctx),
@@ -311,19 +307,6 @@ def response_constraint(response_format: s.ResponseFormat | None, ctx: ServerCon
     return Constraint(kind="json_schema", value=response_format.json_schema.schema)
 
 
-def stop_strings(stop: str | list[str] | None) -> list[str]:
-    """``stop`` as a list, refusing empty or oversized strings."""
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", param="stop")
-    for text in stops:
-        if not text:
-            raise RequestError("stop strings must not be empty", param="stop")
-        if len(text) > MAX_STOP_CHARS:
-            raise RequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param="stop")
-    return stops
-
-
 def _extra_params(body: s.Request, ctx: ServerContext) -> dict[str, Any]:
     return {"ignore_eos": True} if body.ignore_eos else {}
 
@@ -337,10 +320,5 @@ def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
         raise RequestError(f"only best_of=1 is supported, got {body.best_of}", param="best_of")
 
 
-def _json(value: Any) -> Response[bytes]:
-    return Response(s.encoder.encode(value), media_type="application/json")
-
-
 def _card(info: Any) -> s.ModelCard:
     return s.ModelCard(id=info.name, created=info.created, context_length=info.context_length)
-

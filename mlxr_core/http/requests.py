@@ -1,0 +1,81 @@
+"""The one mapping of a request's sampling fields onto
+:class:`~mlxr_core.engine.request.SamplingParams`, shared by every API plugin.
+
+An API plugin reads its own wire format (OpenAI's ``stop``, Anthropic's ``stop_sequences``,
+Ollama's ``options.stop``) and passes the values here by keyword; what it left out stays None and
+takes the config's ``sampling:`` default. Range checks live in each API's schema (the ranges
+differ: Anthropic's temperature stops at 1); what no schema can say is checked here, with the
+API's own field name in the error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mlxr_core.engine.request import Constraint, SamplingParams
+from mlxr_core.errors import RequestError
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import cap_max_tokens
+
+#: Stop strings a request may send, and characters per string (OpenAI allows 4 strings).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def sampling_params(
+    ctx: ServerContext,
+    *,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    min_p: float | None = None,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    stop_param: str = "stop",
+    repetition_penalty: float | None = None,
+    frequency_penalty: float | None = None,
+    presence_penalty: float | None = None,
+    logit_bias: dict[int, float] | None = None,
+    constraint: Constraint | None = None,
+    extra: dict[str, Any] | None = None,
+) -> SamplingParams:
+    """A request's sampling fields, each None where the request left it out, over ``sampling:``.
+
+    ``max_tokens`` is lowered to ``server.max_tokens_cap`` (:func:`cap_max_tokens`); an API whose
+    ``max_tokens`` is an upper bound sets it again once the prompt is known
+    (:func:`~mlxr_core.http.frontend.room_for`). ``top_k`` of 0 or less is off; ``seed`` is taken
+    modulo 2**64 (MLX keys are uint64, OpenAI's seeds int64). ``stop`` is one string or a list
+    (:func:`stop_strings`), ``stop_param`` the field the API reads it from, named in its errors.
+    """
+    defaults = ctx.config.sampling
+    return SamplingParams(
+        max_tokens=cap_max_tokens(ctx, max_tokens),
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=defaults.top_k if top_k is None else max(top_k, 0),
+        min_p=defaults.min_p if min_p is None else min_p,
+        seed=None if seed is None else seed % 2**64,
+        stop=stop_strings(stop, stop_param),
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        frequency_penalty=frequency_penalty or 0.0,
+        presence_penalty=presence_penalty or 0.0,
+        logit_bias=dict(logit_bias or {}),
+        constraint=constraint,
+        extra=dict(extra or {}),
+    )
+
+
+def stop_strings(stop: str | Sequence[str] | None, param: str = "stop") -> list[str]:
+    """``stop`` as a list, refusing more than :data:`MAX_STOP_STRINGS`, empty strings and strings
+    longer than :data:`MAX_STOP_CHARS` (a :class:`RequestError` naming ``param``)."""
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", param=param)
+    for text in stops:
+        if not text:
+            raise RequestError("stop strings must not be empty", param=param)
+        if len(text) > MAX_STOP_CHARS:
+            raise RequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param=param)
+    return stops
