@@ -83,11 +83,16 @@ def test_anthropic_client_messages(server: ServerProcess) -> None:
                               stop_sequences=[stop], extra_body=sampling)
     assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
     assert cut.content[0].text == text[: text.index(stop)]  # type: ignore[union-attr]
-    assert api.messages.count_tokens(model=MODEL, system=SYSTEM, messages=turn).input_tokens == reply.usage.input_tokens
+    # Anthropic's split of a prompt: neither cached nor stored, read from the cache, stored in it
+    u = reply.usage
+    whole = u.input_tokens + (u.cache_creation_input_tokens or 0) + (u.cache_read_input_tokens or 0)
+    assert api.messages.count_tokens(model=MODEL, system=SYSTEM, messages=turn).input_tokens == whole
+    again = api.messages.create(model=MODEL, max_tokens=2, system=SYSTEM, messages=turn, extra_body=sampling).usage
+    assert again.cache_read_input_tokens == whole - 1 and again.input_tokens == 1  # all but the last token reused
 
     after = scrape(url)
     key = ("mlxr_http_requests_total", frozenset({"method": "POST", "endpoint": "/v1/messages", "status": "200"}.items()))
-    assert after[key] - before.get(key, 0.0) == 3
+    assert after[key] - before.get(key, 0.0) == 4
     finished = ("mlxr_requests_finished_total", frozenset({"model": MODEL, "reason": "stop"}.items()))
     assert after.get(finished, 0.0) >= 1  # the stop-sequence reply
 

@@ -52,8 +52,8 @@ class Sequence:
         self.kv_bytes = kv_bytes  # reserved for prompt + max_tokens
         self.cache: list[Any] | None = None  # own cache while prefilling
         self.prefilled = 0
-        #: Prompt tokens the prefix cache gave (reported in the usage).
-        self.cached = 0
+        #: Prompt tokens the prefix cache gave, and that this request stored in it (the usage).
+        self.cached = self.written = 0
         self.generated = 0
         self.started = time.perf_counter()
         self.first_token_at = 0.0
@@ -89,7 +89,7 @@ class Sequence:
         self.handle._emit(
             Finished(
                 reason=reason,
-                usage=Usage(len(self.prompt), self.generated, cached_tokens=self.cached),
+                usage=Usage(len(self.prompt), self.generated, self.cached, self.written),
                 ttft_s=(self.first_token_at or now) - self.started,
                 total_s=now - self.started,
                 stop_sequence=self.stops.matched,
@@ -204,8 +204,9 @@ class BatchRunner:
             seq.prefilled += chunk
         if seq.pending_prompt == 0 and len(self.running) < self.config.max_batch_size:
             self.prefilling.popleft()
-            if self.prefix_cache is not None and seq.prefilled:
-                self.prefix_cache.store(seq.prompt[: seq.prefilled], seq.cache)
+            prefix = self.prefix_cache
+            if prefix is not None and seq.prefilled and prefix.store(seq.prompt[: seq.prefilled], seq.cache):
+                seq.written = seq.prefilled - seq.cached
             self._join(seq)
         return max(chunk, 1)
 

@@ -94,14 +94,15 @@ class PrefixCache:
             cache.restore(arrays, best)
         return best, caches
 
-    def store(self, tokens: Sequence[int], caches: list[LayerCache]) -> None:
-        """Keep a snapshot of ``caches`` (holding exactly ``tokens``) unless it exceeds the budget."""
+    def store(self, tokens: Sequence[int], caches: list[LayerCache]) -> bool:
+        """Keep a snapshot of ``caches`` (holding exactly ``tokens``) unless it is too short to
+        reuse or exceeds the budget; whether it was kept."""
         if len(tokens) < MIN_REUSE or self.max_bytes <= 0:
-            return
+            return False
         layers = [cache.snapshot() for cache in caches]
         nbytes = sum(array.nbytes for layer in layers for array in layer)
         if nbytes > self.max_bytes:
-            return
+            return False
         tokens_array = np.asarray(tokens, dtype=np.int64)
         for key, entry in list(self._entries.items()):  # a stored prefix of this one is redundant
             if len(entry.tokens) <= len(tokens_array) and np.array_equal(
@@ -114,3 +115,4 @@ class PrefixCache:
         while self.nbytes > self.max_bytes:
             self._entries.popitem(last=False)
             self.stats.evictions += 1
+        return True

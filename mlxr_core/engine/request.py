@@ -85,6 +85,8 @@ class Usage:
     completion_tokens: int
     #: Prompt tokens whose keys and values came from the prefix cache instead of a prefill.
     cached_tokens: int = 0
+    #: Prompt tokens this request prefilled and left in the prefix cache for later ones.
+    cache_written_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -6,10 +6,13 @@ read); known fields of the wrong type or out of range are a 400 naming them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
+
+if TYPE_CHECKING:
+    from mlxr_core.engine.request import Usage as EngineUsage
 
 PositiveInt = Annotated[int, Meta(ge=1)]
 #: Anthropic's temperature range is 0..1.
@@ -104,8 +107,19 @@ Block = TextBlock | ToolUseBlock | ThinkingBlock
 
 
 class Usage(Struct):
+    """Anthropic's split of the prompt: ``input_tokens`` neither read from nor written to the
+    prefix cache, ``cache_read_input_tokens`` read from it, ``cache_creation_input_tokens``
+    prefilled and stored in it for later requests; the three add up to the prompt."""
+
     input_tokens: int
     output_tokens: int
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+    @classmethod
+    def of(cls, usage: EngineUsage) -> Usage:
+        read, written = usage.cached_tokens, usage.cache_written_tokens
+        return cls(usage.prompt_tokens - read - written, usage.completion_tokens, written, read)
 
 
 class MessageResponse(Struct, tag_field="type", tag="message"):
@@ -165,7 +179,18 @@ class StopInfo(Struct):
 
 
 class OutputUsage(Struct):
+    """A ``message_delta``'s usage: cumulative totals, the prompt's split as :class:`Usage` has it
+    (``message_start`` could not know yet what the prefix cache would give)."""
+
     output_tokens: int
+    input_tokens: int | None = None
+    cache_creation_input_tokens: int | None = None
+    cache_read_input_tokens: int | None = None
+
+    @classmethod
+    def of(cls, usage: EngineUsage) -> OutputUsage:
+        whole = Usage.of(usage)
+        return cls(whole.output_tokens, whole.input_tokens, whole.cache_creation_input_tokens, whole.cache_read_input_tokens)
 
 
 class MessageDelta(Struct, tag_field="type", tag="message_delta"):

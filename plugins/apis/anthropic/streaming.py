@@ -71,7 +71,7 @@ def message(meta: MessageMeta, reader: ReplyReader, text: str, finished: Finishe
     if not blocks:
         blocks.append(s.TextBlock(""))
     reason, sequence = stop_reason(finished, reader.calls)
-    usage = s.Usage(finished.usage.prompt_tokens, finished.usage.completion_tokens)
+    usage = s.Usage.of(finished.usage)
     return s.MessageResponse(meta.id, meta.model, blocks, reason, sequence, usage)
 
 
@@ -153,7 +153,7 @@ async def _events(
                     break
                 yield blocks.pieces(reader.finish()) + blocks.finish()
                 reason, sequence = stop_reason(item, reader.calls)
-                usage = s.OutputUsage(item.usage.completion_tokens)
+                usage = s.OutputUsage.of(item.usage)
                 yield event("message_delta", s.MessageDelta(s.StopInfo(reason, sequence), usage))
                 yield event("message_stop", s.MessageStop())
             elif isinstance(item, Failed):

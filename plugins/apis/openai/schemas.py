@@ -8,6 +8,7 @@ know but cannot honour are declared here and refused by the routes when set.
 
 from __future__ import annotations
 
+from importlib.metadata import version as _version
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -26,6 +27,10 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 #: -1 and 0 both mean "off" (vLLM clients send -1).
 TopK = Annotated[int, Meta(ge=-1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+#: What OpenAI's ``system_fingerprint`` says: the serving software and its version.
+SYSTEM_FINGERPRINT = f"mlxr-{_version('mlxr')}"
 
 
 class Request(Struct, forbid_unknown_fields=False):
@@ -149,10 +154,16 @@ class CompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
 # -- responses -------------------------------------------------------------------------------
 
 
+class PromptTokensDetails(Struct):
+    #: Prompt tokens the prefix cache gave instead of a prefill.
+    cached_tokens: int = 0
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
 
 
 class ResponseFunction(Struct):
@@ -218,6 +229,7 @@ class ChatCompletion(Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: str = "chat.completion"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class DeltaFunction(Struct, omit_defaults=True):
@@ -254,6 +266,7 @@ class ChatCompletionChunk(Struct):
     model: str
     choices: list[ChatChunkChoice]
     object: str = "chat.completion.chunk"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     #: Present (null until the last chunk) only when ``stream_options.include_usage`` is set.
     usage: Usage | UnsetType | None = UNSET
 
@@ -271,6 +284,7 @@ class Completion(Struct):
     model: str
     choices: list[CompletionChoice]
     object: str = "text_completion"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
     usage: Usage | UnsetType | None = UNSET
 
 

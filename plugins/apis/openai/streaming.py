@@ -46,12 +46,15 @@ class ResponseMeta:
 
 
 def usage_of(usage: EngineUsage) -> s.Usage:
-    return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens)
+    details = s.PromptTokensDetails(usage.cached_tokens)
+    return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details)
 
 
 def total_usage(usages: list[EngineUsage]) -> EngineUsage:
-    """Several choices' usage: OpenAI counts the prompt once and every choice's completion tokens."""
-    return EngineUsage(usages[0].prompt_tokens, sum(u.completion_tokens for u in usages))
+    """Several choices' usage: OpenAI counts the prompt once (as much of it cached as the first
+    choice found) and every choice's completion tokens."""
+    first = usages[0]
+    return EngineUsage(first.prompt_tokens, sum(u.completion_tokens for u in usages), first.cached_tokens)
 
 
 class ChatChunks:

@@ -142,6 +142,7 @@ def test_prefix_cache_reuses_a_shared_prompt_and_changes_nothing(tiny_path):
     assert stats["hits"] == 1 and stats["reused_tokens"] == len(system)
     # each request's usage says how much of its prompt came from the cache
     assert [ev[-1].usage.cached_tokens for ev in events] == [0, len(system)]
+    assert [ev[-1].usage.cache_written_tokens for ev in events] == [len(prompts[0]) - 1, len(prompts[1]) - 1 - len(system)]
 
 
 def test_kv_budget_refuses_what_can_never_fit_and_queues_what_can(tiny_path):

@@ -61,7 +61,8 @@ def test_message(client: TestClient, fake: FakeEngine) -> None:
     assert body["id"].startswith("msg_") and body["type"] == "message" and body["role"] == "assistant"
     assert body["model"] == "fake" and body["content"] == [{"type": "text", "text": "Hello"}]
     assert body["stop_reason"] == "max_tokens" and body["stop_sequence"] is None
-    assert body["usage"] == {"input_tokens": len(fake.requests[0].prompt_ids), "output_tokens": 5}
+    assert body["usage"] == {"input_tokens": len(fake.requests[0].prompt_ids), "output_tokens": 5,
+                             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
     assert fake.requests[0].prompt_ids == prompt_of("<user>hi<assistant>")
 
 
@@ -120,12 +121,14 @@ def test_stream_events(client: TestClient, fake: FakeEngine) -> None:
     assert set(names[3:-3]) == {"content_block_delta"}
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["role"] == "assistant"
-    assert start["usage"] == {"input_tokens": len(fake.requests[0].prompt_ids), "output_tokens": 0}
+    assert start["usage"] == {"input_tokens": len(fake.requests[0].prompt_ids), "output_tokens": 0,
+                              "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
     assert events[2][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert "".join(data["delta"]["text"] for name, data in events if name == "content_block_delta") == "Hello"
     assert all(data["delta"]["type"] == "text_delta" for name, data in events if name == "content_block_delta")
     assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": ","}
-    assert events[-2][1]["usage"]["output_tokens"] == 6
+    assert events[-2][1]["usage"] == {"output_tokens": 6, "input_tokens": len(fake.requests[0].prompt_ids),
+                                      "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}  # fmt: skip
 
 
 def test_count_tokens(client: TestClient, fake: FakeEngine) -> None:

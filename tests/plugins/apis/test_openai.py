@@ -59,7 +59,9 @@ def test_chat_completion(client: TestClient, fake: FakeEngine) -> None:
         {"index": 0, "message": {"role": "assistant", "content": "Hello"}, "finish_reason": "length", "logprobs": None}
     ]
     prompt = len(fake.requests[0].prompt_ids)
-    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+    assert body["system_fingerprint"].startswith("mlxr-")
     assert fake.requests[0].prompt_ids == FakeTokenizer().encode("<user>hi<assistant>", add_special_tokens=False)
 
 
@@ -325,7 +327,11 @@ def test_tiny_greedy_chat_streamed_equals_whole(tiny: TestClient) -> None:
     events = sse_events(tiny.post(CHAT, json=tiny_chat(
         max_tokens=12, ignore_eos=True, stream=True, stream_options={"include_usage": True})).text)
     assert streamed_text(events, "chat") == text
-    assert events[-2]["usage"] == whole["usage"]
+    streamed = events[-2]["usage"]
+    # the same prompt again: all of it but the token that starts decoding came from the prefix cache
+    assert whole["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert streamed.pop("prompt_tokens_details") == {"cached_tokens": whole["usage"]["prompt_tokens"] - 1}
+    assert streamed == {k: v for k, v in whole["usage"].items() if k != "prompt_tokens_details"}
 
 
 def test_tiny_completion(tiny: TestClient) -> None:
