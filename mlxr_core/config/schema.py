@@ -40,6 +40,23 @@ def _absolute_paths(instance: Any, attribute: attrs.Attribute[Any], paths: list[
 
 
 @attrs.define
+class ResponsesStoreConfig:
+    """Where the Responses API keeps responses created with ``store: true`` (the default), for
+    ``previous_response_id`` and ``GET /v1/responses/{id}``: one SQLite file, bounded."""
+
+    enabled: bool = True
+    #: The SQLite file; None: ``responses.sqlite3`` in the data folder
+    #: (:func:`mlxr_core.model.paths.data_dir`).
+    path: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
+    #: Bytes of stored JSON, oldest responses evicted first beyond it.
+    max_bytes: int = attrs.field(default=256 * 2**20, validator=v.ge(1))
+    #: Seconds a response is kept.
+    max_age_s: float = attrs.field(default=30 * 86400.0, validator=v.gt(0.0))
+    #: Responses kept at most.
+    max_items: int = attrs.field(default=10_000, validator=v.ge(1))
+
+
+@attrs.define
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8000, validator=[v.ge(0), v.le(65535)])
@@ -69,6 +86,12 @@ class ServerConfig:
     max_tokens_cap: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
     #: One log line per request (method, path, status, duration, request id) on ``mlxr.access``.
     access_log: bool = True
+    #: The model a request without ``model`` goes to (clients written for single-model servers);
+    #: None: such a request is refused, unless ``model_optional`` is on and one model is served.
+    default_model: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
+    #: With exactly one model served, a request without ``model`` goes to it.
+    model_optional: bool = False
+    responses_store: ResponsesStoreConfig = attrs.field(factory=ResponsesStoreConfig)
 
 
 @attrs.define
@@ -101,6 +124,9 @@ class ModelConfig:
     tool_parser: str = attrs.field(default="auto", validator=v.min_len(1))
     #: Thinking format (``think``: ``<think>...</think>``), ``auto`` or ``none``.
     reasoning_parser: str = attrs.field(default="auto", validator=v.min_len(1))
+    #: Variables every chat of this model renders its template with (``enable_thinking: false``
+    #: for Qwen3-style templates); a request's ``chat_template_kwargs`` override them.
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
     #: Per-model kernel choices (op -> backend), over the global ``kernels:``.
     kernels: dict[str, str] = attrs.field(factory=dict)
     #: Join the layers that read the same input (query/key/value, gate/up projections) into one

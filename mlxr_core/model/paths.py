@@ -55,6 +55,15 @@ def cache_dir() -> Path:
     return Path(base).expanduser() / "mlxr"
 
 
+def data_dir() -> Path:
+    """mlxr's data folder (stored responses): ``MLXR_DATA_DIR``, else ``$XDG_DATA_HOME/mlxr``,
+    else ``~/.local/share/mlxr``."""
+    if os.environ.get("MLXR_DATA_DIR"):
+        return Path(os.environ["MLXR_DATA_DIR"]).expanduser()
+    base = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(base).expanduser() / "mlxr"
+
+
 def resolve_model_path(spec: str, *, join: bool = True) -> Path:
     """Resolve a model ``path`` from the config.
 

@@ -35,6 +35,7 @@ from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.logprobs import LogprobFormatter
+from mlxr_plugins.apis.openai.responses import response_routes
 from mlxr_plugins.apis.openai.streaming import (
     ChatChunks,
     CompletionChunks,
@@ -86,7 +87,7 @@ def make_router(ctx: ServerContext) -> Router:
 
     return Router(
         path="/v1",
-        route_handlers=[chat_completions, completions, models, model, embeddings],
+        route_handlers=[chat_completions, completions, models, model, embeddings, *response_routes(ctx)],
         exception_handlers=EXCEPTION_HANDLERS,
         tags=["openai"],
     )

@@ -1,0 +1,496 @@
+"""OpenAI's Responses API: ``POST /v1/responses`` (whole or streamed), ``GET`` and ``DELETE
+/v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
+
+A request's ``input`` (text, messages, earlier ``function_call`` / ``function_call_output`` and
+``reasoning`` items), after the stored conversation ``previous_response_id`` names and under its
+own ``instructions``, becomes the chat a model's template renders, exactly as a chat completion's
+messages do; the reply is read by the same parsers (reasoning, tool calls) and told as output
+items: ``reasoning``, ``message`` and ``function_call``. Streamed, it is the event sequence
+``response.created``, ``response.in_progress``, per item ``output_item.added``, its deltas and
+``output_item.done``, then ``response.completed`` (or ``incomplete`` / ``failed``), each numbered.
+With ``store`` (the default) the response, its input items and the conversation are kept in a
+bounded SQLite store (:mod:`mlxr_plugins.apis.openai.store`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import anyio
+import msgspec
+from litestar import Request, delete, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.params import FromPath
+from litestar.response import Stream
+
+from mlxr_core.engine.request import (
+    Constraint,
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestHandle,
+)
+from mlxr_core.engine.request import Usage as EngineUsage
+from mlxr_core.errors import MlxrError, RequestError
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import (
+    collect,
+    decode_body,
+    json_response,
+    ready_engine,
+    shutdown_cancelled,
+    submit,
+    tracked_events,
+)
+from mlxr_core.http.openapi import documented
+from mlxr_core.http.requests import sampling_params
+from mlxr_core.model.paths import data_dir
+from mlxr_core.parsing import Text, Tool, ToolCall
+from mlxr_core.tool_calling import (
+    ChatSetup,
+    ReplyReader,
+    ToolChoice,
+    constraints_supported,
+    model_parsers,
+    prepare_chat,
+)
+from mlxr_plugins.apis.openai import responses_schemas as r
+from mlxr_plugins.apis.openai.errors import error_body
+from mlxr_plugins.apis.openai.schemas import ErrorBody
+from mlxr_plugins.apis.openai.store import ResponseStore, Stored
+from mlxr_plugins.apis.openai.streaming import SSE_HEADERS
+
+#: Input roles a template may see; ``developer`` is OpenAI's new name for ``system``.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ResponseNotFound(RequestError):
+    status = 404
+
+    def __init__(self, response_id: str, param: str | None = None):
+        super().__init__(f"no stored response with id {response_id[:64]!r}", param=param)
+
+
+# -- input -> chat -------------------------------------------------------------------------------
+
+
+def _text_of(content: str | list[r.ContentPart] | None, param: str) -> str:
+    """A message's content as text: a string, or its text parts joined."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+            raise RequestError(f"content parts of type {part.type!r} are not supported; send text", param=f"{param}[{j}]")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def input_messages(items: str | list[r.InputItem]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``input`` as chat messages, and as the input items a stored response lists."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}], [_message_item("user", items)]
+    if not items:
+        raise RequestError("input must hold at least one item", param="input")
+    messages: list[dict[str, Any]] = []
+    listed: list[dict[str, Any]] = []
+    reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
+    names: dict[str, str] = {}
+    for i, item in enumerate(items):
+        param = f"input[{i}]"
+        if item.type == "message":
+            role = ROLES.get(item.role or "")
+            if role is None:
+                raise RequestError(f"unsupported role {item.role!r}; expected one of {', '.join(ROLES)}", param=f"{param}.role")
+            text = _text_of(item.content, f"{param}.content")
+            message: dict[str, Any] = {"role": role, "content": text}
+            if role == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = reasoning, ""
+            messages.append(message)
+            listed.append(_message_item(item.role or role, text))
+        elif item.type == "function_call":
+            if not item.call_id or not item.name:
+                raise RequestError("a function_call item needs call_id and name", param=param)
+            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            if reasoning:
+                messages[-1]["reasoning_content"], reasoning = reasoning, ""
+            names[item.call_id] = item.name
+            listed.append({"type": "function_call", "id": item.id or f"fc_{item.call_id}", "call_id": item.call_id,
+                           "name": item.name, "arguments": item.arguments or "{}", "status": "completed"})  # fmt: skip
+        elif item.type == "function_call_output":
+            if not item.call_id:
+                raise RequestError("a function_call_output item needs call_id", param=param)
+            output = _text_of(item.output, f"{param}.output")
+            tool: dict[str, Any] = {"role": "tool", "tool_call_id": item.call_id, "content": output}
+            if item.call_id in names:
+                tool["name"] = names[item.call_id]
+            messages.append(tool)
+            listed.append({"type": "function_call_output", "id": item.id or f"fco_{item.call_id}",
+                           "call_id": item.call_id, "output": output})  # fmt: skip
+        elif item.type == "reasoning":
+            reasoning += _text_of(item.content, f"{param}.content") or _text_of(item.summary, f"{param}.summary")
+        else:
+            raise RequestError(f"input items of type {item.type!r} are not supported", param=f"{param}.type")
+    return messages, listed
+
+
+def _message_item(role: str, text: str) -> dict[str, Any]:
+    kind = "output_text" if role == "assistant" else "input_text"
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": role, "content": [{"type": kind, "text": text}]}
+
+
+def tool_request(body: r.ResponsesRequest) -> tuple[list[Tool], ToolChoice, bool]:
+    """Function tools, the tool choice, and whether several calls may be made at once."""
+    tools = []
+    for i, tool in enumerate(body.tools or []):
+        if tool.type != "function":
+            raise RequestError(f"tools of type {tool.type!r} are not supported; send function tools", param=f"tools[{i}].type")
+        tools.append(Tool(tool.name, tool.description or "", tool.parameters or {"type": "object", "properties": {}}))
+    choice = body.tool_choice
+    if choice is None:
+        mode = ToolChoice("auto" if tools else "none")
+    elif isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}", param="tool_choice")
+        mode = ToolChoice(choice)
+    elif choice.type == "function" and choice.name:
+        mode = ToolChoice("function", choice.name)
+    else:
+        raise RequestError("tool_choice must name a function: {'type': 'function', 'name': ...}", param="tool_choice")
+    return tools, mode, body.parallel_tool_calls is not False
+
+
+def text_constraint(ctx: ServerContext, text: r.TextConfig | None) -> Constraint | None:
+    """``text.format`` as the constraint a sampler plugin enforces."""
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if not constraints_supported(ctx):
+        raise RequestError(f"text.format {fmt.type!r} needs a sampler plugin that enforces structured output", param="text.format")
+    if fmt.type == "json_object":
+        return Constraint("json_object")
+    if fmt.schema is None:
+        raise RequestError("text.format of type 'json_schema' needs schema", param="text.format.schema")
+    return Constraint("json_schema", fmt.schema)
+
+
+# -- reply -> output items -----------------------------------------------------------------------
+
+
+class OutputBuilder:
+    """A reply's pieces as output items, and the stream events that tell them as they come."""
+
+    def __init__(self, response: r.Response):
+        self.response = response
+        self.items: list[r.OutputItem] = response.output
+        self.sequence = 0
+        self._open: r.MessageItem | r.ReasoningItem | None = None
+        self._pending = ""  # blanks before any text of a message: dropped if no text follows
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + r.encoder.encode(data) + b"\n\n"
+
+    def feed(self, pieces: Sequence[Text | ToolCall]) -> bytes:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, ToolCall):
+                out.append(self._close())
+                out.append(self._call(piece))
+            elif piece.kind == "reasoning" and piece.text:
+                out.append(self._text(piece.text, r.ReasoningItem))
+            elif piece.kind == "content" and piece.text:
+                if not isinstance(self._open, r.MessageItem) and not piece.text.strip():
+                    self._pending += piece.text
+                    continue
+                out.append(self._text(self._pending + piece.text, r.MessageItem))
+                self._pending = ""
+        return b"".join(out)
+
+    def finish(self) -> bytes:
+        self._pending = ""
+        return self._close()
+
+    def _text(self, text: str, kind: type[r.MessageItem] | type[r.ReasoningItem]) -> bytes:
+        out = b""
+        if not isinstance(self._open, kind):
+            out = self._close()
+            if kind is r.MessageItem:
+                self._open = r.MessageItem(f"msg_{uuid.uuid4().hex}", [])
+            else:
+                self._open = r.ReasoningItem(f"rs_{uuid.uuid4().hex}", [])
+            index = len(self.items)
+            self.items.append(self._open)
+            out += self.event("response.output_item.added", output_index=index, item=self._open)
+            if isinstance(self._open, r.MessageItem):
+                self._open.content.append(r.OutputText(""))
+                out += self.event("response.content_part.added", item_id=self._open.id, output_index=index,
+                                  content_index=0, part=r.OutputText(""))  # fmt: skip
+            else:
+                self._open.content.append(r.ReasoningText(""))
+        index, item = len(self.items) - 1, self._open
+        item.content[0].text += text
+        delta = "response.output_text.delta" if isinstance(item, r.MessageItem) else "response.reasoning_text.delta"
+        extra: dict[str, Any] = {"logprobs": []} if isinstance(item, r.MessageItem) else {}
+        return out + self.event(delta, item_id=item.id, output_index=index, content_index=0, delta=text, **extra)
+
+    def _close(self) -> bytes:
+        item, self._open = self._open, None
+        if item is None:
+            return b""
+        index, part = self.items.index(item), item.content[0]
+        if isinstance(item, r.MessageItem):
+            out = self.event("response.output_text.done", item_id=item.id, output_index=index, content_index=0,
+                             text=part.text, logprobs=[])  # fmt: skip
+            out += self.event("response.content_part.done", item_id=item.id, output_index=index, content_index=0, part=part)
+        else:
+            out = self.event("response.reasoning_text.done", item_id=item.id, output_index=index, content_index=0, text=part.text)
+        return out + self.event("response.output_item.done", output_index=index, item=item)
+
+    def _call(self, call: ToolCall) -> bytes:
+        item = r.FunctionCallItem(f"fc_{uuid.uuid4().hex}", call.id, call.name, "")
+        index = len(self.items)
+        self.items.append(item)
+        out = self.event("response.output_item.added", output_index=index, item=item)
+        item.arguments = call.arguments
+        out += self.event("response.function_call_arguments.delta", item_id=item.id, output_index=index, delta=call.arguments)
+        out += self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                          name=call.name, arguments=call.arguments)  # fmt: skip
+        return out + self.event("response.output_item.done", output_index=index, item=item)
+
+
+def settle(response: r.Response, finished: Finished, reasoning_tokens: int) -> None:
+    """Fill in how ``response`` ended and what it used."""
+    usage: EngineUsage = finished.usage
+    response.usage = r.ResponseUsage(
+        usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
+        r.InputTokensDetails(usage.cached_tokens), r.OutputTokensDetails(min(reasoning_tokens, usage.completion_tokens)),
+    )  # fmt: skip
+    if finished.reason == "length":
+        response.status, response.incomplete_details = "incomplete", r.IncompleteDetails("max_output_tokens")
+    else:
+        response.status = "completed"
+
+
+def output_messages(items: list[r.OutputItem]) -> list[dict[str, Any]]:
+    """The output as the assistant turn a follow-up request renders."""
+    content = "".join(part.text for item in items if isinstance(item, r.MessageItem) for part in item.content)
+    reasoning = "".join(part.text for item in items if isinstance(item, r.ReasoningItem) for part in item.content)
+    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+             for item in items if isinstance(item, r.FunctionCallItem)]  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return [message]
+
+
+# -- the operations ------------------------------------------------------------------------------
+
+
+class Responses:
+    """The Responses API over a server context and its store (None: ``store`` is refused)."""
+
+    def __init__(self, ctx: ServerContext, store: ResponseStore | None):
+        self.ctx = ctx
+        self.store = store
+
+    async def create(self, body: r.ResponsesRequest, params: Any, request: Any) -> Any:
+        """Answer ``body`` (``params``: its SamplingParams, from the shared mapping)."""
+        ctx = self.ctx
+        previous = await self._previous(body.previous_response_id)
+        messages, listed = input_messages(body.input)
+        history = (previous.messages if previous else []) + messages
+        chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
+        engine = ready_engine(ctx)
+        info = engine.model(body.model)
+        tools, choice, parallel = tool_request(body)
+        params.constraint = text_constraint(ctx, body.text)
+        prepare = functools.partial(
+            prepare_chat, engine, info, model_parsers(ctx, info), chat, tools=tools, choice=choice, parallel=parallel
+        )
+        setup: ChatSetup = await anyio.to_thread.run_sync(prepare)
+        params.constraint = setup.constraint or params.constraint
+        generation = GenerationRequest(body.model, setup.prompt_ids, params, keep_special=setup.keep_special)
+        handle = submit(ctx, generation)
+        response = self._response(body, tools, choice)
+        if body.stream:
+            return self._stream(handle, setup.reader(), response, history, listed, info.tokenizer)
+        reply = await collect(ctx, handle, request)
+        builder = OutputBuilder(response)
+        reader = setup.reader()
+        builder.feed(reader.feed(reply.text) + reader.finish())
+        builder.finish()
+        settle(response, reply.finished, _count(info.tokenizer, response.output))
+        await self._keep(body, response, listed, history)
+        return response
+
+    async def get(self, response_id: str) -> r.Response:
+        stored = await self._load(response_id)
+        return msgspec.convert(stored.response, r.Response)
+
+    async def input_items(self, response_id: str) -> r.InputItemList:
+        items = (await self._load(response_id)).input_items
+        return r.InputItemList(items[::-1], items[-1]["id"] if items else None, items[0]["id"] if items else None)
+
+    async def delete(self, response_id: str) -> r.Deleted:
+        store = self._store()
+        if not await anyio.to_thread.run_sync(store.delete, response_id):
+            raise ResponseNotFound(response_id)
+        return r.Deleted(response_id)
+
+    # -- helpers --
+
+    def _store(self) -> ResponseStore:
+        if self.store is None:
+            raise RequestError("stored responses are off on this server (openai.responses_store)", param="store")
+        return self.store
+
+    async def _load(self, response_id: str, param: str | None = None) -> Stored:
+        stored = await anyio.to_thread.run_sync(self._store().get, response_id)
+        if stored is None:
+            raise ResponseNotFound(response_id, param)
+        return stored
+
+    async def _previous(self, response_id: str | None) -> Stored | None:
+        return None if response_id is None else await self._load(response_id, "previous_response_id")
+
+    async def _keep(
+        self, body: r.ResponsesRequest, response: r.Response, listed: list[dict[str, Any]], history: list[dict[str, Any]]
+    ) -> None:
+        if body.store and self.store is not None:
+            item = Stored(response.id, response.model, msgspec.to_builtins(response), listed,
+                          history + output_messages(response.output))  # fmt: skip
+            await anyio.to_thread.run_sync(self.store.put, item)
+
+    def _response(self, body: r.ResponsesRequest, tools: list[Tool], choice: ToolChoice) -> r.Response:
+        fmt = body.text.format if body.text and body.text.format else r.TextFormat()
+        tool_choice: Any = choice.mode if choice.mode != "function" else {"type": "function", "name": choice.name}
+        return r.Response(
+            id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), model=body.model, output=[],
+            status="in_progress", instructions=body.instructions, max_output_tokens=body.max_output_tokens,
+            parallel_tool_calls=body.parallel_tool_calls is not False, previous_response_id=body.previous_response_id,
+            reasoning={"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+            store=body.store and self.store is not None, temperature=body.temperature,
+            text={"format": msgspec.to_builtins(fmt)}, tool_choice=tool_choice,
+            tools=[{"type": "function", "name": t.name, "description": t.description, "parameters": t.parameters,
+                    "strict": False} for t in tools],
+            top_p=body.top_p, user=body.user, metadata=body.metadata or {},
+        )  # fmt: skip
+
+    def _stream(
+        self,
+        handle: RequestHandle,
+        reader: ReplyReader,
+        response: r.Response,
+        history: list[dict[str, Any]],
+        listed: list[dict[str, Any]],
+        tokenizer: Any,
+    ) -> Stream:
+        builder = OutputBuilder(response)
+        body_store = response.store
+
+        async def events() -> AsyncIterator[bytes]:
+            stream = tracked_events(self.ctx, handle)
+            try:
+                yield builder.event("response.created", response=response)
+                yield builder.event("response.in_progress", response=response)
+                async for event in stream:
+                    if isinstance(event, Delta):
+                        if event.text:
+                            data = builder.feed(reader.feed(event.text))
+                            if data:
+                                yield data
+                        continue
+                    if isinstance(event, Failed) or event.reason == "cancelled":
+                        error = event.error if isinstance(event, Failed) else shutdown_cancelled()
+                        yield self._failed(builder, response, error)
+                        break
+                    yield builder.feed(reader.finish()) + builder.finish()
+                    settle(response, event, _count(tokenizer, response.output))
+                    if body_store and self.store is not None:
+                        item = Stored(response.id, response.model, msgspec.to_builtins(response), listed,
+                                      history + output_messages(response.output))  # fmt: skip
+                        await anyio.to_thread.run_sync(self.store.put, item)
+                    kind = "response.completed" if response.status == "completed" else "response.incomplete"
+                    yield builder.event(kind, response=response)
+            finally:
+                await stream.aclose()
+
+        async def cancel() -> None:
+            handle.cancel()
+
+        return Stream(events(), media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(cancel))
+
+    @staticmethod
+    def _failed(builder: OutputBuilder, response: r.Response, error: MlxrError) -> bytes:
+        body = msgspec.json.decode(error_body(error))["error"]
+        response.status = "failed"
+        response.error = r.ResponseError(str(body.get("code") or body.get("type") or "server_error"), str(body["message"]))
+        return builder.event("error", code=response.error.code, message=response.error.message, param=body.get("param")) + (
+            builder.event("response.failed", response=response)
+        )
+
+
+def _count(tokenizer: Any, items: list[r.OutputItem]) -> int:
+    """Tokens of the reasoning in ``items`` (what ``output_tokens_details.reasoning_tokens`` says)."""
+    text = "".join(part.text for item in items if isinstance(item, r.ReasoningItem) for part in item.content)
+    return len(tokenizer.encode(text, add_special_tokens=False)) if text else 0
+
+
+def response_routes(ctx: ServerContext) -> list[Any]:
+    """The Responses API's route handlers (under the OpenAI router's ``/v1``). The store opens
+    at the first request that needs it."""
+    config = ctx.config.server.responses_store
+    opened: list[ResponseStore] = []
+
+    def store() -> ResponseStore | None:
+        if not config.enabled:
+            return None
+        if not opened:
+            path = config.path or data_dir() / "responses.sqlite3"
+            opened.append(ResponseStore(path, max_bytes=config.max_bytes, max_age_s=config.max_age_s,
+                                        max_items=config.max_items))  # fmt: skip
+        return opened[0]
+
+    def api() -> Responses:
+        return Responses(ctx, store())
+
+    @post("/responses", status_code=200, operation_class=documented(
+        request=r.ResponsesRequest, response=r.Response, error=ErrorBody, stream="text/event-stream"))  # fmt: skip
+    async def create(request: Request[Any, Any, Any]) -> Any:
+        body = decode_body(await request.body(), r.ResponsesRequest)
+        params = sampling_params(
+            ctx, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
+            top_k=body.top_k, seed=body.seed,
+        )  # fmt: skip
+        reply = await api().create(body, params, request)
+        return reply if isinstance(reply, Stream) else json_response(reply)
+
+    path = "/responses/{response_id:str}"
+
+    @get(path, operation_class=documented(response=r.Response, error=ErrorBody))
+    async def retrieve(response_id: FromPath[str]) -> Any:
+        return json_response(await api().get(response_id))
+
+    @delete(path, status_code=200, operation_class=documented(response=r.Deleted, error=ErrorBody))
+    async def remove(response_id: FromPath[str]) -> Any:
+        return json_response(await api().delete(response_id))
+
+    @get(path + "/input_items", operation_class=documented(response=r.InputItemList, error=ErrorBody))
+    async def input_items(response_id: FromPath[str]) -> Any:
+        return json_response(await api().input_items(response_id))
+
+    return [create, retrieve, remove, input_items]
