@@ -1,8 +1,10 @@
 """The one error tree of mlxr.
 
-Every error a user can cause or meet derives from :class:`MlxrError`. API plugins map them to their
-own wire format through :attr:`MlxrError.status` and :attr:`MlxrError.kind`; the CLI prints them
-without a traceback.
+Every error a user can cause or meet derives from :class:`MlxrError`. An error says what went wrong
+(its class and message), the HTTP status it answers with and, for a bad request, the field it is
+about; it carries no API's wire vocabulary. Each API plugin writes errors in its own shape (OpenAI's
+``type``/``code``/``param``, Anthropic's error types, Ollama's one string) from those; the CLI prints
+them without a traceback.
 """
 
 from __future__ import annotations
@@ -16,21 +18,19 @@ class MlxrError(Exception):
 
     #: HTTP status an API plugin should answer with.
     status: int = 500
-    #: A short machine-readable kind (OpenAI's ``error.type``).
-    kind: str = "server_error"
 
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, *, field: str | None = None, param: str | None = None):
         super().__init__(message)
         self.message = message
-        self.param = param
-        self.code = code
+        #: The request field (or config key) the error is about, as a path: ``messages[0].role``.
+        #: ``param`` is its former name, still accepted.
+        self.field = field if field is not None else param
 
 
 class ConfigError(MlxrError):
     """A server config (YAML, environment or flag) is invalid; names the key path."""
 
     status = 400
-    kind = "invalid_request_error"
 
 
 class PluginLoadError(MlxrError):
@@ -126,44 +126,48 @@ class KernelUnavailable(MlxrError):
 
 
 class RequestError(MlxrError):
-    """A request is invalid; ``param`` names the offending parameter."""
+    """A request is invalid; ``field`` names the offending field."""
 
     status = 400
-    kind = "invalid_request_error"
 
 
 class ModelNotFound(RequestError):
+    """A request names a model that is not served; lists those that are."""
+
     status = 404
-    kind = "invalid_request_error"
 
     def __init__(self, model: str, available: Iterable[str]):
         available = sorted(available)
         super().__init__(
             f"the model {model!r} does not exist (served: {', '.join(available) or 'none'})",
-            param="model",
-            code="model_not_found",
+            field="model",
         )
 
 
 class ContextLengthExceeded(RequestError):
-    def __init__(self, prompt_tokens: int, max_tokens: int, context_length: int):
-        super().__init__(
+    """A prompt (with the tokens asked for) does not fit the model's context."""
+
+    @classmethod
+    def tokens(cls, prompt_tokens: int, max_tokens: int, context_length: int) -> ContextLengthExceeded:
+        """The prompt's tokens and ``max_tokens`` more exceed ``context_length``."""
+        return cls(
             f"this model's maximum context length is {context_length} tokens; the prompt has "
             f"{prompt_tokens} tokens and {max_tokens} more were requested",
-            param="messages",
-            code="context_length_exceeded",
+            field="messages",
         )
+
+
+class KvBudgetExceeded(RequestError):
+    """A request would need more KV cache than ``engine.max_kv_bytes`` allows."""
 
 
 class Overloaded(MlxrError):
     """The engine's queue is full; retry later."""
 
     status = 429
-    kind = "rate_limit_error"
 
 
 class EngineStopped(MlxrError):
     """The engine is shutting down or has stopped."""
 
     status = 503
-    kind = "server_error"

@@ -323,12 +323,12 @@ def special_ids(tokenizer: Tokenizer, texts: tuple[str, ...]) -> frozenset[int]:
 
 def _check_choice(tools: list[Tool], choice: ToolChoice) -> None:
     if choice.forced and not tools:
-        raise RequestError("tool_choice forces a tool call but no tools are given", param="tool_choice")
+        raise RequestError("tool_choice forces a tool call but no tools are given", field="tool_choice")
     if choice.mode == "function" and all(tool.name != choice.name for tool in tools):
-        raise RequestError(f"tool_choice names {choice.name!r}, which is not among tools", param="tool_choice")
+        raise RequestError(f"tool_choice names {choice.name!r}, which is not among tools", field="tool_choice")
     names = [tool.name for tool in tools]
     if len(set(names)) != len(names):
-        raise RequestError("tools must have distinct names", param="tools")
+        raise RequestError("tools must have distinct names", field="tools")
 
 
 def _hf_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,7 @@ class Embeddings:
 def check_pooling(pooling: str) -> None:
     if pooling not in POOLINGS:
         raise RequestError(
-            f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}", param="pooling"
+            f"unknown pooling {pooling!r}; expected one of {', '.join(POOLINGS)}", field="pooling"
         )
 
 

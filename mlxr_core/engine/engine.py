@@ -31,6 +31,7 @@ from mlxr_core.errors import (
     ConfigError,
     ContextLengthExceeded,
     EngineStopped,
+    KvBudgetExceeded,
     ModelNotFound,
     Overloaded,
     RequestError,
@@ -76,12 +77,11 @@ class ModelInfo:
         tokenizing megabytes for nothing can take gigabytes)."""
         limit = self.context_length * self.longest_token_bytes
         if limit and len(text) > limit:
-            raise RequestError(
+            raise ContextLengthExceeded(
                 f"the text has {len(text)} characters, more than this model's context length "
                 f"({self.context_length} tokens of at most {self.longest_token_bytes} characters) "
                 "can hold; shorten it",
-                param=param,
-                code="context_length_exceeded",
+                field=param,
             )
 
 
@@ -212,30 +212,29 @@ class Engine:
         request.model = info.name  # an alias runs on the model it names
         prompt_tokens = len(request.prompt_ids)
         if prompt_tokens == 0:
-            raise RequestError("the prompt is empty", param="prompt")
+            raise RequestError("the prompt is empty", field="prompt")
         width = info.tokenizer.vocab_size
         if isinstance(request.prompt_ids, (str, bytes)) or not all(
             isinstance(token, numbers.Integral) and not isinstance(token, bool) and 0 <= token < width
             for token in request.prompt_ids
         ):
-            raise RequestError(f"prompt_ids must be token ids in [0, {width})", param="prompt")
+            raise RequestError(f"prompt_ids must be token ids in [0, {width})", field="prompt")
         params = request.params
         room = info.context_length - prompt_tokens
         if params.max_tokens is None:
             if room < 1:
-                raise ContextLengthExceeded(prompt_tokens, 1, info.context_length)
+                raise ContextLengthExceeded.tokens(prompt_tokens, 1, info.context_length)
             params.max_tokens = min(self.config.engine.default_max_tokens, room)
         elif params.max_tokens > room:
-            raise ContextLengthExceeded(prompt_tokens, params.max_tokens, info.context_length)
+            raise ContextLengthExceeded.tokens(prompt_tokens, params.max_tokens, info.context_length)
         budget = self.config.engine.max_kv_bytes
         needed = (prompt_tokens + params.max_tokens) * self._kv_bytes_per_token.get(request.model, 0)
         needed += self._state_bytes.get(request.model, 0)
         if budget and needed > budget:
-            raise RequestError(
+            raise KvBudgetExceeded(
                 f"this request needs {needed} bytes of KV cache (prompt + max_tokens), more than "
                 f"engine.max_kv_bytes ({budget}); shorten the prompt or lower max_tokens",
-                param="max_tokens",
-                code="kv_budget_exceeded",
+                field="max_tokens",
             )
         from mlxr_core.engine.decoding import SamplerContext, validate_sampling
 
@@ -309,7 +308,7 @@ class Engine:
         try:
             yes, no = answer_ids(info.tokenizer)
         except ValueError as exc:
-            raise RequestError(f"model {info.name!r} cannot score relevance: {exc}", param="model") from None
+            raise RequestError(f"model {info.name!r} cannot score relevance: {exc}", field="model") from None
         chunk, name = self.config.engine.prefill_chunk, info.name
 
         def work(models: Any) -> Generator[None, None, Scores]:
@@ -327,20 +326,19 @@ class Engine:
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
         info = self.model(model)
         if not inputs:
-            raise RequestError("input must hold at least one item", param="input")
+            raise RequestError("input must hold at least one item", field="input")
         vocab = info.tokenizer.vocab_size
         token_lists = [list(ids) for ids in inputs]
         for i, ids in enumerate(token_lists):
             if not ids:
-                raise RequestError(f"input[{i}] is empty", param="input")
+                raise RequestError(f"input[{i}] is empty", field="input")
             if any(not 0 <= token < vocab for token in ids):
-                raise RequestError(f"input[{i}]: token ids must be in [0, {vocab})", param="input")
+                raise RequestError(f"input[{i}]: token ids must be in [0, {vocab})", field="input")
             if len(ids) > info.context_length:
-                raise RequestError(
+                raise ContextLengthExceeded(
                     f"input[{i}] has {len(ids)} tokens, more than this model's context length "
                     f"({info.context_length}); shorten it",
-                    param="input",
-                    code="context_length_exceeded",
+                    field="input",
                 )
         return info, token_lists
 
@@ -494,7 +492,7 @@ class Engine:
                 raise ConfigError(
                     f"{key}: {value!r} already names the model {owner!r}; names and aliases must be "
                     "unique across models (set models[].name)",
-                    param=key,
+                    field=key,
                 )
             self.names[value] = name
 

@@ -44,7 +44,6 @@ class Unauthorized(MlxrError):
     """A request without a valid API key."""
 
     status = 401
-    kind = "invalid_request_error"
 
 
 class ApiKeys:
@@ -86,18 +85,16 @@ class ApiKeys:
             candidates.append(api_key.strip())
         if not candidates:
             raise Unauthorized(
-                "missing API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                code="invalid_api_key",
+                "missing API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
             )
         if not any(self.matches(candidate) for candidate in candidates):
-            raise Unauthorized("invalid API key", code="invalid_api_key")
+            raise Unauthorized("invalid API key")
 
 
 class UnsupportedMediaType(MlxrError):
     """A request body that is not declared as JSON, to a route that reads JSON."""
 
     status = 415
-    kind = "invalid_request_error"
 
 
 #: Methods whose body a route reads.
@@ -121,8 +118,7 @@ def json_body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: Bas
         return
     raise UnsupportedMediaType(
         f"the request body must be JSON (Content-Type: application/json), not "
-        f"{content_type or 'undeclared'}",
-        code="unsupported_media_type",
+        f"{content_type or 'undeclared'}"
     )
 
 

@@ -48,7 +48,6 @@ def exception_handlers(body: ErrorBody) -> ExceptionHandlersMap:
     def on_http_error(request: Request[Any, Any, Any], exc: HTTPException) -> Response[bytes]:
         error = MlxrError(str(exc.detail))
         error.status = exc.status_code
-        error.kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(error, body)
 
     def on_unexpected(request: Request[Any, Any, Any], exc: Exception) -> Response[bytes]:

@@ -59,7 +59,6 @@ class ClientDisconnected(MlxrError):
     """The client went away before its reply was ready; nobody reads the response."""
 
     status = 499
-    kind = "client_disconnected"
 
 
 def decode_body(body: bytes, schema: type[T]) -> T:
@@ -72,7 +71,7 @@ def decode_body(body: bytes, schema: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
-        raise RequestError(f"invalid request: {exc}", param=_param_of(str(exc))) from None
+        raise RequestError(f"invalid request: {exc}", field=_param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
     except UnicodeDecodeError as exc:

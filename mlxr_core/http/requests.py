@@ -72,10 +72,10 @@ def stop_strings(stop: str | Sequence[str] | None, param: str = "stop") -> list[
     longer than :data:`MAX_STOP_CHARS` (a :class:`RequestError` naming ``param``)."""
     stops = [stop] if isinstance(stop, str) else list(stop or [])
     if len(stops) > MAX_STOP_STRINGS:
-        raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", param=param)
+        raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}", field=param)
     for text in stops:
         if not text:
-            raise RequestError("stop strings must not be empty", param=param)
+            raise RequestError("stop strings must not be empty", field=param)
         if len(text) > MAX_STOP_CHARS:
-            raise RequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters", param=param)
+            raise RequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters", field=param)
     return stops

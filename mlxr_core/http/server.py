@@ -113,18 +113,18 @@ def _api_names(ctx: ServerContext) -> list[str]:
     registry = ctx.host.registries.apis
     names = list(ctx.config.apis)
     if not names:
-        raise ConfigError("apis: lists no API; the server would answer nothing but /health", param="apis")
+        raise ConfigError("apis: lists no API; the server would answer nothing but /health", field="apis")
     for name in names:
         if name not in registry:
             available = registry.names()
             raise ConfigError(
                 f"apis: unknown API {name!r} (available: {', '.join(available) or 'none'})"
                 f"{close_matches(name, available)}",
-                param="apis",
+                field="apis",
             )
     duplicates = sorted({name for name in names if names.count(name) > 1})
     if duplicates:
-        raise ConfigError(f"apis: {', '.join(duplicates)} listed more than once", param="apis")
+        raise ConfigError(f"apis: {', '.join(duplicates)} listed more than once", field="apis")
     return names
 
 

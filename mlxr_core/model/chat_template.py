@@ -95,7 +95,7 @@ def render_chat_template(
     ``tools`` and ``documents`` default to None as in ``transformers``. A token left as None is
     not defined at all, so ``{{ bos_token }}`` renders nothing rather than ``"None"``.
 
-    Raises :class:`RequestError` (``param="messages"``) when the template does not compile, calls
+    Raises :class:`RequestError` (``field="messages"``) when the template does not compile, calls
     ``raise_exception``, fails on these messages, or attempts something the sandbox forbids.
     """
     compiled = _compile(template)
@@ -121,7 +121,7 @@ def render_chat_template(
             if size > MAX_RENDER_CHARS:
                 raise RequestError(
                     f"the chat template rendered more than {MAX_RENDER_CHARS} characters",
-                    param="messages",
+                    field="messages",
                 )
             parts.append(part)
         return "".join(parts)
@@ -130,20 +130,20 @@ def render_chat_template(
             raise EngineStopped("the server is shutting down") from None
         raise RequestError(
             f"the chat template took longer than {MAX_RENDER_SECONDS:g} s to render",
-            param="messages",
+            field="messages",
         ) from None
     except (RequestError, EngineStopped):
         raise
     except SecurityError as exc:
         raise RequestError(
-            f"the chat template attempted an unsafe operation: {exc}", param="messages"
+            f"the chat template attempted an unsafe operation: {exc}", field="messages"
         ) from None
     except TemplateError as exc:
-        raise RequestError(f"the chat template failed: {exc}", param="messages") from None
+        raise RequestError(f"the chat template failed: {exc}", field="messages") from None
     except Exception as exc:  # a template indexing a missing key, adding None to a str ...
         raise RequestError(
             f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
-            param="messages",
+            field="messages",
         ) from None
     finally:
         _budget.reset(token)
@@ -164,7 +164,7 @@ def _compile(template: str) -> jinja2.Template:
     except TemplateSyntaxError as exc:
         raise RequestError(
             f"the model's chat template is invalid (line {exc.lineno}): {exc.message}",
-            param="messages",
+            field="messages",
         ) from None
 
 
@@ -269,7 +269,7 @@ def _tojson(
 
 
 def _raise_exception(message: str) -> None:
-    raise RequestError(str(message), param="messages")
+    raise RequestError(str(message), field="messages")
 
 
 def _strftime_now(format: str) -> str:

@@ -101,7 +101,7 @@ class ChatTemplating:
         if self.chat_template is None:
             raise RequestError(
                 "this model has no chat template; send a raw prompt to a completion endpoint",
-                param="messages",
+                field="messages",
             )
         return render_chat_template(
             self.chat_template,

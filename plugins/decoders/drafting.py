@@ -112,7 +112,7 @@ def check_trimmable(cache: list[Any], decoder: str, model: str) -> None:
         raise ConfigError(
             f"decoder {decoder} cannot serve model {model}: its caches ({', '.join(stuck)}) cannot "
             "drop positions, so rejected draft tokens could not be rolled back; use decoder: plain",
-            param="models[].decoder",
+            field="models[].decoder",
         )
 
 

@@ -55,7 +55,7 @@ def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
         raise ConfigError(
             f"speculative decoding for model {target.name}: the draft model {draft.path} does not "
             f"share its vocabulary: {'; '.join(problems)}",
-            param=DRAFT_KEY,
+            field=DRAFT_KEY,
         )
 
 
@@ -84,7 +84,7 @@ class SpeculativeDecoder:
             raise ConfigError(
                 f"model {model.name} uses decoder speculative but {DRAFT_KEY} names no draft "
                 "model; set it to a model path sharing this model's vocabulary",
-                param=DRAFT_KEY,
+                field=DRAFT_KEY,
             )
         check_trimmable(model.make_cache(), "speculative", model.name)
         try:
@@ -101,7 +101,7 @@ class SpeculativeDecoder:
         except MlxrError as exc:
             raise ConfigError(
                 f"speculative decoding for model {model.name}: the draft model did not load: {exc}",
-                param=DRAFT_KEY,
+                field=DRAFT_KEY,
             ) from exc
         check_same_vocabulary(model, draft)
         check_trimmable(draft.make_cache(), "speculative", f"{model.name}'s draft {draft.path}")

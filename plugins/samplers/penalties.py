@@ -33,12 +33,12 @@ def _validate_logit_bias(params: SamplingParams, context: SamplerContext) -> Non
         if token < 0 or (width and token >= width):
             raise RequestError(
                 f"logit_bias names token {token}, outside this model's vocabulary (0..{width - 1})",
-                param="logit_bias",
+                field="logit_bias",
             )
         if not -100.0 <= value <= 100.0:
             raise RequestError(
                 f"logit_bias values must be between -100 and 100, got {value} for token {token}",
-                param="logit_bias",
+                field="logit_bias",
             )
 
 
@@ -95,12 +95,12 @@ def _validate_penalties(params: SamplingParams, context: SamplerContext) -> None
     if params.repetition_penalty <= 0.0:
         raise RequestError(
             f"repetition_penalty must be positive, got {params.repetition_penalty}",
-            param="repetition_penalty",
+            field="repetition_penalty",
         )
     for name in ("frequency_penalty", "presence_penalty"):
         value = getattr(params, name)
         if not -2.0 <= value <= 2.0:
-            raise RequestError(f"{name} must be between -2 and 2, got {value}", param=name)
+            raise RequestError(f"{name} must be between -2 and 2, got {value}", field=name)
 
 
 penalties.validate = _validate_penalties  # type: ignore[attr-defined]

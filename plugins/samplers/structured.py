@@ -81,7 +81,7 @@ class Vocabulary:
         if not self.eos_ids:
             raise RequestError(
                 "structured output needs a model with an end-of-generation token; this one has none",
-                param="response_format",
+                field="response_format",
             )
         encoder = _Encoder(tokenizer, list(vocab.pieces), vocab.special)
         self.ll_tokenizer = llguidance.LLTokenizer(
@@ -105,10 +105,10 @@ class Vocabulary:
             grammar, self.ll_tokenizer
         )
         if is_error:
-            raise RequestError(_unsupported(constraint, messages), param="response_format")
+            raise RequestError(_unsupported(constraint, messages), field="response_format")
         compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if compiled.is_error():
-            raise RequestError(_unsupported(constraint, [compiled.get_error()]), param="response_format")
+            raise RequestError(_unsupported(constraint, [compiled.get_error()]), field="response_format")
         with self._lock:
             self._matchers[grammar] = compiled
             while len(self._matchers) > CACHE_SIZE:
@@ -134,16 +134,16 @@ def grammar_text(constraint: Constraint) -> str:
     elif constraint.kind == "json_schema":
         schema = constraint.value
         if not isinstance(schema, dict | bool):
-            raise RequestError("a JSON schema must be a JSON object", param="response_format")
+            raise RequestError("a JSON schema must be a JSON object", field="response_format")
     elif constraint.kind in ("regex", "lark"):
         if not isinstance(constraint.value, str):
-            raise RequestError(f"a {constraint.kind} constraint must be a string", param="response_format")
+            raise RequestError(f"a {constraint.kind} constraint must be a string", field="response_format")
         make = Matcher.grammar_from_regex if constraint.kind == "regex" else Matcher.grammar_from_lark
         return str(make(constraint.value))
     else:
         raise RequestError(
             f"unknown constraint kind {constraint.kind!r} (supported: {', '.join(KINDS)})",
-            param="response_format",
+            field="response_format",
         )
     try:
         return str(
@@ -152,7 +152,7 @@ def grammar_text(constraint: Constraint) -> str:
             )
         )
     except (ValueError, TypeError) as exc:
-        raise RequestError(f"invalid JSON schema: {exc}", param="response_format") from None
+        raise RequestError(f"invalid JSON schema: {exc}", field="response_format") from None
 
 
 def _unsupported(constraint: Constraint, messages: list[str]) -> str:
@@ -205,7 +205,7 @@ class GrammarMask:
         error = str(self.matcher.get_error()).strip().splitlines()
         return RequestError(
             f"the constraint can no longer be enforced: {error[0] if error else 'matcher error'}",
-            param="response_format",
+            field="response_format",
         )
 
 
@@ -225,7 +225,7 @@ def _validate_structured(params: SamplingParams, context: SamplerContext) -> Non
 
 def _tokenizer(context: SamplerContext) -> Any:
     if context.tokenizer is None:
-        raise RequestError("structured output needs the model's tokenizer", param="response_format")
+        raise RequestError("structured output needs the model's tokenizer", field="response_format")
     return context.tokenizer
 
 

@@ -62,7 +62,7 @@ class ToyApi:
 
 @get("/toy/fail", sync_to_thread=False)
 def toy_fail() -> dict[str, str]:
-    raise RequestError("bad toy", param="x")
+    raise RequestError("bad toy", field="x")
 
 
 def make_toy_router(ctx: ServerContext) -> Router:

@@ -46,7 +46,7 @@ def make_router(ctx: ServerContext) -> Router:
 
     def error_body(exc: MlxrError) -> bytes:
         # This API's own wire format; other APIs keep theirs.
-        return msgspec.json.encode({"error": exc.message, "param": exc.param})
+        return msgspec.json.encode({"error": exc.message, "field": exc.field})
 
     handlers = [hello, tokenize] if settings.tokenize else [hello]
     # mlxr's handlers around that body: statuses and Retry-After kept, Litestar's own errors

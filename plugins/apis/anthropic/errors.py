@@ -34,8 +34,8 @@ def error_type(status: int) -> str:
 def error_body(exc: MlxrError) -> bytes:
     """The JSON body of ``exc`` (also the data of a stream's ``error`` event)."""
     message = exc.message
-    if exc.param and exc.param not in message:
-        message = f"{exc.param}: {message}"  # Anthropic names the field the same way
+    if exc.field and exc.field not in message:
+        message = f"{exc.field}: {message}"  # Anthropic names the field the same way
     return encoder.encode(ErrorBody(ErrorDetail(type=error_type(exc.status), message=message)))
 
 

@@ -115,7 +115,7 @@ def prepare(ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTo
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         prefill = messages.pop()["content"]
         if not messages:
-            raise RequestError("messages: the conversation must start with a user turn", param="messages")
+            raise RequestError("messages: the conversation must start with a user turn", field="messages")
     tools, choice, parallel = tool_request(body)
     return prepare_chat(
         engine, info, model_parsers(ctx, info), messages,
@@ -131,7 +131,7 @@ def tool_request(body: s.CountTokensRequest) -> tuple[list[Tool], ToolChoice, bo
             raise RequestError(
                 f"server tools ({tool.type!r}) are not run by this server; define client tools "
                 "with an input_schema",
-                param=f"tools[{i}].type",
+                field=f"tools[{i}].type",
             )
         schema = tool.input_schema or {"type": "object", "properties": {}}
         tools.append(Tool(tool.name, tool.description or "", schema))
@@ -139,7 +139,7 @@ def tool_request(body: s.CountTokensRequest) -> tuple[list[Tool], ToolChoice, bo
     if choice is None:
         return tools, ToolChoice("auto" if tools else "none"), True
     if choice.type == "tool" and not choice.name:
-        raise RequestError("tool_choice of type 'tool' needs a name", param="tool_choice.name")
+        raise RequestError("tool_choice of type 'tool' needs a name", field="tool_choice.name")
     mode = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}[choice.type]
     return tools, ToolChoice(mode, choice.name if mode == "function" else None), not choice.disable_parallel_tool_use
 
@@ -149,7 +149,7 @@ def chat_messages(body: s.CountTokensRequest) -> list[dict[str, Any]]:
     same-role text turns merged, ``tool_use`` blocks as the assistant's ``tool_calls``,
     ``tool_result`` blocks as ``tool`` turns (before the user's text in the same turn)."""
     if not body.messages:
-        raise RequestError("messages: at least one message is required", param="messages")
+        raise RequestError("messages: at least one message is required", field="messages")
     rendered: list[dict[str, Any]] = []
     if body.system:
         rendered.append({"role": "system", "content": _text(body.system, "system")})
@@ -158,7 +158,7 @@ def chat_messages(body: s.CountTokensRequest) -> list[dict[str, Any]]:
             raise RequestError(
                 f"unexpected role {turn.role!r}; expected one of {', '.join(ROLES)} "
                 "(send the system prompt as the top-level system field)",
-                param=f"messages[{i}].role",
+                field=f"messages[{i}].role",
             )
         text, calls, results = _blocks(turn.role, turn.content, f"messages[{i}].content")
         rendered.extend(results)
@@ -202,7 +202,7 @@ def _blocks(
             raise RequestError(
                 f"content blocks of type {block.type!r} are not supported here; send text, "
                 "tool_use (assistant) or tool_result (user) blocks",
-                param=where,
+                field=where,
             )
     return "\n\n".join(texts), calls, results
 
@@ -213,7 +213,7 @@ def _result_text(content: str | list[Any] | None, param: str) -> str:
     texts = []
     for k, item in enumerate(content):
         if not isinstance(item, dict) or item.get("type") != "text" or not isinstance(item.get("text"), str):
-            raise RequestError("tool_result content must be text blocks", param=f"{param}.content[{k}]")
+            raise RequestError("tool_result content must be text blocks", field=f"{param}.content[{k}]")
         texts.append(item["text"])
     return "\n\n".join(texts)
 
@@ -226,7 +226,7 @@ def _text(content: str | list[s.ContentBlock], param: str) -> str:
         if block.type != "text" or block.text is None:
             raise RequestError(
                 f"content blocks of type {block.type!r} are not supported; send text blocks",
-                param=f"{param}[{j}]",
+                field=f"{param}[{j}]",
             )
         texts.append(block.text)
     return "\n\n".join(texts)
@@ -237,5 +237,5 @@ def _check_thinking(body: s.CountTokensRequest) -> None:
     thinking as ``thinking`` blocks either way (a model that does not think returns none)."""
     if body.thinking is not None and body.thinking.type not in ("enabled", "disabled"):
         raise RequestError(
-            f"thinking.type must be 'enabled' or 'disabled', got {body.thinking.type!r}", param="thinking.type"
+            f"thinking.type must be 'enabled' or 'disabled', got {body.thinking.type!r}", field="thinking.type"
         )

@@ -65,7 +65,7 @@ async def create_embed(
     started = time.perf_counter_ns()
     body = decode_body(await request.body(), EmbedRequest)
     if body.dimensions is not None:
-        raise RequestError("dimensions is not supported by this server", param="dimensions")
+        raise RequestError("dimensions is not supported by this server", field="dimensions")
     engine = ready_engine(ctx)
     info = resolve(engine, body.model)
     if isinstance(body.input, str):
@@ -73,7 +73,7 @@ async def create_embed(
     else:
         texts = list(body.input)
         if any(not text for text in texts):
-            raise RequestError("input must not hold empty strings", param="input")
+            raise RequestError("input must not hold empty strings", field="input")
     if not texts:
         return json_response(EmbedResponse(info.name, [], time.perf_counter_ns() - started, 0, 0))
     encode = functools.partial(_token_lists, engine, info, texts, truncate=body.truncate)
@@ -109,6 +109,6 @@ def _token_lists(engine: Engine, info: ModelInfo, texts: list[str], *, truncate:
             raise RequestError(
                 f"input[{i}] has {len(ids)} tokens, more than the context length "
                 f"({info.context_length}); shorten it or set truncate",
-                param="input",
+                field="input",
             )
     return token_lists

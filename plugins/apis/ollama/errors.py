@@ -14,8 +14,8 @@ from mlxr_plugins.apis.ollama.schemas import ErrorBody, encoder
 
 def error_message(exc: MlxrError) -> str:
     """The message, prefixed by the parameter it names when it does not say it already."""
-    if exc.param and exc.param not in exc.message:
-        return f"{exc.param}: {exc.message}"
+    if exc.field and exc.field not in exc.message:
+        return f"{exc.field}: {exc.message}"
     return exc.message
 
 

@@ -124,7 +124,7 @@ async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Re
     info = resolve_model(engine, body.model)
     parsers = model_parsers(ctx, info)
     if body.think not in (None, False) and parsers.reasoning is None:
-        raise RequestError(f"{body.model!r} does not support thinking", param="think")
+        raise RequestError(f"{body.model!r} does not support thinking", field="think")
     if body.think in (None, False):
         parsers = attrs.evolve(parsers, reasoning=None)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
@@ -157,7 +157,7 @@ async def create_generation(ctx: ServerContext, request: Request[Any, Any, Any])
     _refuse_unsupported(body)
     for name, value in (("suffix", body.suffix), ("template", body.template), ("images", body.images)):
         if value:
-            raise RequestError(f"{name} is not supported by this server", param=name)
+            raise RequestError(f"{name} is not supported by this server", field=name)
     engine = ready_engine(ctx)
     info = resolve_model(engine, body.model)
     if not body.prompt and not body.context:
@@ -183,7 +183,7 @@ def resolve_model(engine: Engine, name: str) -> ModelInfo:
     """The served model ``name`` (a name or an alias) names; Ollama's default tag ``:latest`` may
     be appended."""
     if not name:
-        raise RequestError("model is required", param="model")
+        raise RequestError("model is required", field="model")
     for candidate in dict.fromkeys((name, name.removesuffix(":latest"))):
         try:
             return engine.model(candidate)
@@ -201,10 +201,10 @@ def chat_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
         if message.role not in ROLES:
             raise RequestError(
                 f"unsupported role {message.role!r}; expected one of {', '.join(ROLES)}",
-                param=f"messages[{i}].role",
+                field=f"messages[{i}].role",
             )
         if message.images:
-            raise RequestError("images are not supported by this server", param=f"messages[{i}].images")
+            raise RequestError("images are not supported by this server", field=f"messages[{i}].images")
         rendered.append(message_dict(i, message))
     return rendered
 
@@ -251,7 +251,7 @@ def _generate_prompt_ids(engine: Engine, info: ModelInfo, body: s.GenerateReques
     tokenizer = info.tokenizer
     context = list(body.context or [])
     if any(not 0 <= token < tokenizer.vocab_size for token in context):
-        raise RequestError(f"context token ids must be in [0, {tokenizer.vocab_size})", param="context")
+        raise RequestError(f"context token ids must be in [0, {tokenizer.vocab_size})", field="context")
     prompt = body.prompt or ""
     if not prompt:
         return context
@@ -270,12 +270,12 @@ def format_constraint(ctx: ServerContext, value: Any) -> Constraint | None:
     if value in (None, ""):
         return None
     if value != "json" and not isinstance(value, dict):
-        raise RequestError('format must be "json" or a JSON schema object', param="format")
+        raise RequestError('format must be "json" or a JSON schema object', field="format")
     if not constraints_supported(ctx):
-        raise RequestError("format (structured output) is not supported by this server", param="format")
+        raise RequestError("format (structured output) is not supported by this server", field="format")
     return Constraint(kind="json_object") if value == "json" else Constraint(kind="json_schema", value=value)
 
 
 def _refuse_unsupported(body: s.BaseRequest) -> None:
     if body.think not in (None, False):
-        raise RequestError(f"{body.model!r} does not support thinking", param="think")
+        raise RequestError(f"{body.model!r} does not support thinking", field="think")

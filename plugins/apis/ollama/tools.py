@@ -22,10 +22,10 @@ def tools_of(tools: list[Any] | None) -> list[Tool]:
     for i, tool in enumerate(tools or []):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise RequestError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}", param=f"tools[{i}]")
+            raise RequestError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}", field=f"tools[{i}]")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
-            raise RequestError("parameters must be a JSON schema object", param=f"tools[{i}].function.parameters")
+            raise RequestError("parameters must be a JSON schema object", field=f"tools[{i}].function.parameters")
         out.append(Tool(function["name"], str(function.get("description") or ""), parameters))
     return out
 
@@ -40,7 +40,7 @@ def tool_choice(options: s.Options | None, tools: list[Tool]) -> ToolChoice:
     if all(tool.name != choice for tool in tools):
         raise RequestError(
             f"options.tool_choice must be 'auto', 'none', 'required' or an offered tool's name, got {choice!r}",
-            param="options.tool_choice",
+            field="options.tool_choice",
         )
     return ToolChoice("function", choice)
 
@@ -53,7 +53,7 @@ def message_dict(i: int, message: s.Message) -> dict[str, Any]:
         for j, call in enumerate(message.tool_calls):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-                raise RequestError("a tool call needs function.name", param=f"messages[{i}].tool_calls[{j}]")
+                raise RequestError("a tool call needs function.name", field=f"messages[{i}].tool_calls[{j}]")
             arguments = function.get("arguments") or {}
             text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
             calls.append({"id": f"call_{i}_{j}", "type": "function", "function": {"name": function["name"], "arguments": text}})

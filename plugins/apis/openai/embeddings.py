@@ -58,7 +58,7 @@ async def create_embeddings(ctx: ServerContext, request: Request[Any, Any, Any])
     if body.dimensions is not None:
         raise RequestError(
             "dimensions is not supported by this server: embeddings have the model's hidden size",
-            param="dimensions",
+            field="dimensions",
         )
     inputs = embedding_inputs(body.input)
     engine = ready_engine(ctx)
@@ -87,18 +87,18 @@ def embedding_inputs(value: str | list[Any]) -> list[str | list[int]]:
     else:
         items = list(value)
     if not items:
-        raise RequestError("input must not be empty", param="input")
+        raise RequestError("input must not be empty", field="input")
     if len(items) > MAX_INPUTS:
-        raise RequestError(f"input may hold at most {MAX_INPUTS} items, got {len(items)}", param="input")
+        raise RequestError(f"input may hold at most {MAX_INPUTS} items, got {len(items)}", field="input")
     for i, item in enumerate(items):
         if isinstance(item, str):
             if not item:
-                raise RequestError(f"input[{i}] is an empty string", param="input")
+                raise RequestError(f"input[{i}] is an empty string", field="input")
         elif not (isinstance(item, list) and item and all(_is_token(token) for token in item)):
             raise RequestError(
                 "input must be a string, a list of strings, a list of token ids or a list of "
                 "token-id lists",
-                param="input",
+                field="input",
             )
     return items
 

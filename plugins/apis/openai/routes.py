@@ -101,7 +101,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
     if body.logprobs:
         params.logprobs = body.top_logprobs or 0
     elif body.top_logprobs:
-        raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        raise RequestError("top_logprobs needs logprobs: true", field="top_logprobs")
     engine = ready_engine(ctx)
     info = engine.model(body.model)  # an unknown model is a 404 before any templating
     tools, tool_choice, parallel = tool_request(body)
@@ -147,12 +147,12 @@ async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any])
     else:
         vocab = info.tokenizer.vocab_size
         if any(not 0 <= token < vocab for token in prompt):
-            raise RequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+            raise RequestError(f"prompt token ids must be in [0, {vocab})", field="prompt")
         prompt_ids = prompt
     try:
         handles = submit_choices(ctx, GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params), body.n)
     except ContextLengthExceeded as exc:
-        exc.param = "prompt"
+        exc.field = "prompt"
         raise
     meta = ResponseMeta(f"cmpl-{uuid.uuid4().hex}", body.model)
     formatter = LogprobFormatter(info.tokenizer, params.logprobs) if params.logprobs is not None else None
@@ -211,14 +211,14 @@ async def collect_choices(
 def chat_messages(messages: list[s.ChatMessage]) -> list[dict[str, Any]]:
     """OpenAI messages as the plain dicts a chat template renders (text content only)."""
     if not messages:
-        raise RequestError("messages must hold at least one message", param="messages")
+        raise RequestError("messages must hold at least one message", field="messages")
     rendered = []
     for i, message in enumerate(messages):
         role = ROLES.get(message.role)
         if role is None:
             raise RequestError(
                 f"unsupported role {message.role!r}; expected one of {', '.join(ROLES)}",
-                param=f"messages[{i}].role",
+                field=f"messages[{i}].role",
             )
         content = message.content
         if content is None:
@@ -231,7 +231,7 @@ def chat_messages(messages: list[s.ChatMessage]) -> list[dict[str, Any]]:
                 if part.type != "text" or part.text is None:
                     raise RequestError(
                         f"content parts of type {part.type!r} are not supported; send text parts",
-                        param=f"messages[{i}].content[{j}]",
+                        field=f"messages[{i}].content[{j}]",
                     )
                 texts.append(part.text)
             text = "\n".join(texts)
@@ -250,9 +250,9 @@ def completion_prompt(prompt: str | list[Any]) -> str | list[int]:
     if prompt and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
         return list(prompt)
     if len(prompt) > 1 and all(isinstance(item, (str, list)) for item in prompt):
-        raise RequestError("batched prompts are not supported; send one prompt per request", param="prompt")
+        raise RequestError("batched prompts are not supported; send one prompt per request", field="prompt")
     raise RequestError(
-        "prompt must be a string, a list of one string, or a list of token ids", param="prompt"
+        "prompt must be a string, a list of one string, or a list of token ids", field="prompt"
     )
 
 
@@ -284,7 +284,7 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         try:
             token = int(key)
         except ValueError:
-            raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", param="logit_bias") from None
+            raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", field="logit_bias") from None
         parsed[token] = value
     return parsed
 
@@ -297,13 +297,13 @@ def response_constraint(response_format: s.ResponseFormat | None, ctx: ServerCon
         raise RequestError(
             f"response_format {response_format.type!r} is not supported by this server "
             "(no sampler plugin enforces structured output)",
-            param="response_format",
+            field="response_format",
         )
     if response_format.type == "json_object":
         return Constraint(kind="json_object")
     if response_format.json_schema is None or response_format.json_schema.schema is None:
         raise RequestError(
-            "response_format of type 'json_schema' needs json_schema.schema", param="response_format"
+            "response_format of type 'json_schema' needs json_schema.schema", field="response_format"
         )
     return Constraint(kind="json_schema", value=response_format.json_schema.schema)
 
@@ -314,11 +314,11 @@ def _extra_params(body: s.Request, ctx: ServerContext) -> dict[str, Any]:
 
 def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
     if body.echo:
-        raise RequestError("echo is not supported by this server", param="echo")
+        raise RequestError("echo is not supported by this server", field="echo")
     if body.suffix:
-        raise RequestError("suffix is not supported by this server", param="suffix")
+        raise RequestError("suffix is not supported by this server", field="suffix")
     if body.best_of is not None and body.best_of != 1:
-        raise RequestError(f"only best_of=1 is supported, got {body.best_of}", param="best_of")
+        raise RequestError(f"only best_of=1 is supported, got {body.best_of}", field="best_of")
 
 
 def _card(info: Any) -> s.ModelCard:

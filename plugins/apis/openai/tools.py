@@ -16,7 +16,7 @@ def tool_request(body: s.ChatCompletionRequest) -> tuple[list[Tool], ToolChoice,
     tools = []
     for i, tool in enumerate(body.tools or []):
         if tool.type != "function":
-            raise RequestError(f"tools of type {tool.type!r} are not supported", param=f"tools[{i}].type")
+            raise RequestError(f"tools of type {tool.type!r} are not supported", field=f"tools[{i}].type")
         function = tool.function
         tools.append(Tool(function.name, function.description or "", function.parameters or {"type": "object", "properties": {}}))
     choice = body.tool_choice
@@ -26,7 +26,7 @@ def tool_request(body: s.ChatCompletionRequest) -> tuple[list[Tool], ToolChoice,
         if choice not in ("none", "auto", "required"):
             raise RequestError(
                 f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
-                param="tool_choice",
+                field="tool_choice",
             )
         mode = ToolChoice(choice)
     else:

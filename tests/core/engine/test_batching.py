@@ -153,7 +153,7 @@ def test_kv_budget_refuses_what_can_never_fit_and_queues_what_can(tiny_path):
     try:
         with pytest.raises(RequestError) as info:
             eng.submit(request(PROMPTS[0], max_tokens=60))
-        assert info.value.param == "max_tokens"
+        assert info.value.field == "max_tokens"
         # Each needs 7 + 25 = 32 positions: only one fits at a time, both finish.
         first = eng.submit(request(PROMPTS[0], max_tokens=25))
         second = eng.submit(request(PROMPTS[0], max_tokens=25))

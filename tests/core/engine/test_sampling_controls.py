@@ -131,7 +131,7 @@ def test_seeded_sampling_with_penalties_is_reproducible(engine):
 def test_invalid_sampling_parameters_are_refused_at_submit(engine):
     with pytest.raises(RequestError, match="logit_bias") as info:
         run(engine, logit_bias={10**9: 1.0})
-    assert info.value.param == "logit_bias"
+    assert info.value.field == "logit_bias"
     with pytest.raises(RequestError, match="between -100 and 100"):
         run(engine, logit_bias={3: 500.0})
     with pytest.raises(RequestError, match="repetition_penalty"):

@@ -155,7 +155,7 @@ def test_raise_exception_is_a_request_error_with_the_template_message() -> None:
     )
     with pytest.raises(RequestError, match=r"^System first!$") as info:
         render_chat_template(template, USER)
-    assert info.value.param == "messages" and info.value.status == 400
+    assert info.value.field == "messages" and info.value.status == 400
 
 
 def test_each_template_is_compiled_once() -> None:
@@ -190,7 +190,7 @@ def test_failures_are_request_errors(template: str, message: str) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     with pytest.raises(RequestError, match=message) as info:
         render_chat_template(template, messages)
-    assert info.value.param == "messages"
+    assert info.value.field == "messages"
     assert messages == [{"role": "user", "content": "Hi"}]
 
 
@@ -215,7 +215,7 @@ def test_endless_templates_stop_at_the_render_deadline(template: str, monkeypatc
     started = time.monotonic()
     with pytest.raises(RequestError, match=r"longer than 0\.3 s") as info:
         render_chat_template(ENDLESS_TEMPLATES[template], USER)
-    assert info.value.param == "messages"
+    assert info.value.field == "messages"
     assert time.monotonic() - started < 2
     # Rendering is bounded per render: the next one has its own time.
     assert render_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}", USER) == "Hi"

@@ -86,7 +86,7 @@ class FakeEngine:
         if params.max_tokens is None:
             params.max_tokens = min(16, room)
         if params.max_tokens > room or room < 1:
-            raise ContextLengthExceeded(len(request.prompt_ids), params.max_tokens, info.context_length)
+            raise ContextLengthExceeded.tokens(len(request.prompt_ids), params.max_tokens, info.context_length)
         self.requests.append(request)
         handle = RequestHandle(request, loop=loop)
         self.handles.append(handle)

@@ -234,7 +234,7 @@ def test_a_draft_with_another_vocabulary_is_refused_with_what_differs(paths):
 def test_a_draft_that_does_not_load_is_a_config_error_naming_the_key(paths, tmp_path):
     with pytest.raises(ConfigError, match="the draft model did not load") as caught:
         start(paths["target"], tmp_path / "missing.gguf", decoder="speculative")
-    assert caught.value.param == "plugins.config.decoders.speculative.draft"
+    assert caught.value.field == "plugins.config.decoders.speculative.draft"
 
 
 def test_metrics_expose_draft_acceptance(engine):

@@ -118,7 +118,7 @@ def test_unsupported_schema_features_are_a_request_error_naming_them(toy_tokeniz
     params = SamplingParams(constraint=Constraint("json_schema", schema))
     with pytest.raises(RequestError, match=feature) as caught:
         structured.validate(params, SamplerContext(tokenizer=toy_tokenizer))  # type: ignore[attr-defined]
-    assert caught.value.param == "response_format"
+    assert caught.value.field == "response_format"
 
 
 @pytest.mark.parametrize(
