@@ -16,7 +16,7 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATION_POLICIES = ("auto", "keep", "dequantize", "q8", "q4", "q4_g64", "f16", "bf16")
 #: The wire APIs mounted when ``apis:`` is not set; the web page (``webui``) joins them on loopback.
-DEFAULT_APIS = ("openai", "ollama", "anthropic")
+DEFAULT_APIS = ("openai", "ollama", "anthropic", "rerank")
 
 
 def _lower(value: str) -> str:

@@ -1,7 +1,8 @@
 """Relevance scores from a causal LM: how much the model prefers ``yes`` to ``no`` as the next
 token after a templated (query, document) prompt, as Qwen3-Reranker scores (its card: the
-probability of "yes" against "no" at the end of the prompt). Any chat model can be asked the
-same question; a model trained for it answers it best.
+probability of "yes" against "no" at the end of the prompt); both spellings count (``Yes``,
+``No``), as a chat model may capitalize its answer. Any chat model can be asked the same
+question; a model trained for it answers it best.
 
 Runs on the engine thread (see :meth:`mlxr_core.engine.engine.Engine.score`), batched as the
 embeddings are (:func:`mlxr_core.engine.embedding.plan_batches`): right-padded rows, whose real
@@ -35,7 +36,8 @@ DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that
 
 @attrs.frozen
 class Scores:
-    """Per input (in input order): P(yes) against P(no), and the two logits it came from."""
+    """Per input (in input order): P(yes) against P(no), and the two log-probabilities it came
+    from (of the answer's first token being ``yes`` or ``Yes``, and ``no`` or ``No``)."""
 
     model: str
     scores: list[float]
@@ -49,54 +51,69 @@ def relevance_messages(query: str, document: str, instruction: str | None = None
     return [{"role": "system", "content": JUDGE}, {"role": "user", "content": user}]
 
 
-def answer_ids(tokenizer: Tokenizer) -> tuple[int, int]:
-    """The ids of ``yes`` and ``no`` as the first token of an answer (their first tokens where a
-    vocabulary splits them)."""
-    yes, no = (tokenizer.encode(word, add_special_tokens=False) for word in ("yes", "no"))
-    if not yes or not no or yes[0] == no[0]:
+def answer_ids(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """The first tokens of ``yes`` and of ``no`` as an answer starts, each in both spellings a
+    chat model writes (``yes``, ``Yes``), without repeats."""
+    def firsts(*words: str) -> list[int]:
+        ids = [tokenizer.encode(word, add_special_tokens=False)[:1] for word in words]
+        return list(dict.fromkeys(first[0] for first in ids if first))
+
+    yes, no = firsts("yes", "Yes"), firsts("no", "No")
+    if not yes or not no or set(yes) & set(no):
         raise ValueError("this tokenizer cannot tell 'yes' from 'no' by their first tokens")
-    return yes[0], no[0]
+    return yes, no
 
 
 def probability(yes: float, no: float) -> float:
-    """P(yes) among {yes, no}: the logistic of the logits' difference."""
+    """P(yes) among {yes, no}, from their log-probabilities (or logits): the logistic of the
+    difference."""
     return 0.5 * (1.0 + math.tanh((yes - no) / 2))
 
 
 def score_parts(
-    loaded: LoadedModel, inputs: list[list[int]], *, yes: int, no: int, chunk: int
+    loaded: LoadedModel, inputs: list[list[int]], *, yes: list[int], no: list[int], chunk: int
 ) -> Generator[None, None, list[tuple[float, float]]]:
-    """The ``(yes, no)`` next-token logits after each token list, a forward pass at a time
-    (yields after each)."""
+    """After each token list, the next token's log-probability of being one of ``yes``, and of
+    being one of ``no``: a forward pass at a time (yields after each)."""
     out: list[tuple[float, float] | None] = [None] * len(inputs)
-    pair = mx.array([yes, no])
+    ids = mx.array([*yes, *no])
+    split = len(yes)
     for part, batch in enumerate(plan_batches([len(ids) for ids in inputs], chunk)):
         if part:
             yield
         if len(inputs[batch[0]]) > chunk:
-            out[batch[0]] = yield from _score_long(loaded, inputs[batch[0]], pair, chunk)
+            out[batch[0]] = yield from _score_long(loaded, inputs[batch[0]], ids, split, chunk)
             continue
         width = max(len(inputs[i]) for i in batch)
         rows = mx.array([inputs[i] + [0] * (width - len(inputs[i])) for i in batch], dtype=mx.int32)
         last = mx.array([len(inputs[i]) - 1 for i in batch])
         logits = loaded.model(rows)
         picked = mx.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]
-        values: list[list[float]] = picked[:, pair].astype(mx.float32).tolist()  # type: ignore[assignment]
-        for i, (y, n) in zip(batch, values, strict=True):
-            out[i] = (y, n)
+        for i, pair in zip(batch, _answers(picked, ids, split), strict=True):
+            out[i] = pair
     return [value for value in out if value is not None]
 
 
+def _answers(logits: mx.array, ids: mx.array, split: int) -> list[tuple[float, float]]:
+    """``[B, V]`` next-token logits -> per row, log P(one of the first ``split`` of ``ids``) and
+    log P(one of the rest)."""
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    chosen = logprobs[:, ids]
+    yes = mx.logsumexp(chosen[:, :split], axis=-1)
+    no = mx.logsumexp(chosen[:, split:], axis=-1)
+    return list(zip(yes.tolist(), no.tolist(), strict=True))  # type: ignore[arg-type]
+
+
 def _score_long(
-    loaded: LoadedModel, ids: list[int], pair: mx.array, chunk: int
+    loaded: LoadedModel, tokens: list[int], ids: mx.array, split: int, chunk: int
 ) -> Generator[None, None, tuple[float, float]]:
     cache = loaded.make_cache()
     logits = None
-    for start in range(0, len(ids), chunk):
+    for start in range(0, len(tokens), chunk):
         if start:
             yield
-        logits = loaded.model(mx.array([ids[start : start + chunk]], dtype=mx.int32), cache=cache)
+        logits = loaded.model(mx.array([tokens[start : start + chunk]], dtype=mx.int32), cache=cache)
         mx.eval(logits)
     assert logits is not None
-    y, n = logits[0, -1, pair].astype(mx.float32).tolist()  # type: ignore[misc]
-    return float(y), float(n)
+    return _answers(logits[:, -1], ids, split)[0]

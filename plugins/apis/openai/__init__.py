@@ -14,3 +14,4 @@ from mlxr_core.plugins import hookimpl
 @hookimpl
 def mlxr_register_apis(register: RegisterName) -> None:
     register("openai", "mlxr_plugins.apis.openai.routes:make_router")
+    register("rerank", "mlxr_plugins.apis.openai.rerank:make_router")

@@ -124,7 +124,7 @@ def test_with_api_keys_the_files_load_and_every_request_the_page_makes_needs_the
 def test_the_config_default_follows_the_bind_address(tmp_path: Path) -> None:
     assert "webui" in load_config(None, environ={}).apis  # the embedded default binds 127.0.0.1
     for host in ("0.0.0.0", "::", "192.168.1.20", "example.com"):
-        assert load_config(None, environ={"MLXR_HOST": host}).apis == ["openai", "ollama", "anthropic"], host
+        assert load_config(None, environ={"MLXR_HOST": host}).apis == ["openai", "ollama", "anthropic", "rerank"], host
     for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
         assert "webui" in load_config(None, environ={"MLXR_HOST": host}).apis, host
     listed = tmp_path / "server.yaml"

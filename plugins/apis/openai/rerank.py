@@ -1,0 +1,199 @@
+"""Retrieval and token routes in the shapes retrieval stacks and vLLM's clients send: the
+``rerank`` entry of ``apis:`` (on by default), answering OpenAI-shaped errors.
+
+- ``POST /v1/rerank`` and ``/rerank`` (Jina's and Cohere's shape: ``query``, ``documents``,
+  ``top_n``, ``return_documents``): documents by relevance, best first.
+- ``POST /v1/score`` and ``/score`` (vLLM's: ``text_1`` against each of ``text_2``).
+- ``POST /tokenize`` and ``/detokenize`` (vLLM's: a prompt or chat messages to ids, ids to text).
+
+A relevance score is a causal LM's probability of ``yes`` against ``no`` as the next token after
+the chat that asks whether the document answers the query (the Qwen3-Reranker method,
+:mod:`mlxr_core.engine.scoring`); the prompts are rendered with the model's chat template and
+scored on the engine thread in batches, between generation steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from typing import Any
+
+import anyio
+from litestar import Request, Response, Router, post
+from msgspec import Struct
+
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.scoring import relevance_messages
+from mlxr_core.errors import RequestError
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import decode_body, json_response, ready_engine, unless_disconnected
+from mlxr_core.http.openapi import documented
+from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
+from mlxr_plugins.apis.openai.schemas import ErrorBody
+
+#: Documents (or ``text_2`` entries) one request may score.
+MAX_DOCUMENTS = 1024
+
+
+class Document(Struct, forbid_unknown_fields=False):
+    text: str
+
+
+class RerankRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str
+    query: str
+    documents: list[str | Document]
+    top_n: int | None = None
+    return_documents: bool = True
+    #: What relevance means here (Qwen3-Reranker's instruction); a default when left out.
+    instruction: str | None = None
+
+
+class RerankResult(Struct):
+    index: int
+    relevance_score: float
+    document: Document | None = None
+
+
+class RerankUsage(Struct):
+    total_tokens: int
+    prompt_tokens: int
+
+
+class RerankResponse(Struct):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+class ScoreRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str
+    text_1: str | list[str]
+    text_2: str | list[str]
+    instruction: str | None = None
+
+
+class ScoreData(Struct):
+    index: int
+    score: float
+    object: str = "score"
+
+
+class ScoreResponse(Struct):
+    id: str
+    model: str
+    data: list[ScoreData]
+    usage: RerankUsage
+    object: str = "list"
+
+
+class TokenizeRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(Struct):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    model: str
+    tokens: list[int]
+
+
+class DetokenizeResponse(Struct):
+    prompt: str
+
+
+def relevance_ids(engine: Engine, model: str, pairs: list[tuple[str, str]], instruction: str | None) -> list[list[int]]:
+    """Each (query, document) pair's scoring prompt, rendered and tokenized (a worker thread)."""
+    return [engine.encode_chat(model, relevance_messages(query, doc, instruction)) for query, doc in pairs]
+
+
+async def scores_of(
+    ctx: ServerContext, request: Request[Any, Any, Any], model: str, pairs: list[tuple[str, str]], instruction: str | None
+) -> tuple[list[float], int]:
+    """P(relevant) of each pair, and the prompt tokens read."""
+    if not pairs:
+        raise RequestError("nothing to score: send at least one document", param="documents")
+    if len(pairs) > MAX_DOCUMENTS:
+        raise RequestError(f"at most {MAX_DOCUMENTS} documents a request, got {len(pairs)}", param="documents")
+    engine = ready_engine(ctx)
+    engine.model(model)  # an unknown model is a 404 before any templating
+    ids = await anyio.to_thread.run_sync(functools.partial(relevance_ids, engine, model, pairs, instruction))
+    scored = await unless_disconnected(request, engine.score_async(model, ids))
+    return scored.scores, scored.prompt_tokens
+
+
+def make_router(ctx: ServerContext) -> Router:
+    """The rerank, score, tokenize and detokenize routes (the ``rerank`` entry of ``apis:``)."""
+
+    @post(["/v1/rerank", "/rerank"], status_code=200, operation_class=documented(
+        request=RerankRequest, response=RerankResponse, error=ErrorBody))  # fmt: skip
+    async def rerank(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = decode_body(await request.body(), RerankRequest)
+        texts = [doc if isinstance(doc, str) else doc.text for doc in body.documents]
+        if body.top_n is not None and body.top_n < 1:
+            raise RequestError("top_n must be at least 1", param="top_n")
+        scores, tokens = await scores_of(ctx, request, body.model, [(body.query, t) for t in texts], body.instruction)
+        ranked = sorted(range(len(texts)), key=lambda i: -scores[i])[: body.top_n or len(texts)]
+        results = [
+            RerankResult(i, scores[i], Document(texts[i]) if body.return_documents else None) for i in ranked
+        ]
+        return json_response(RerankResponse(f"rerank-{uuid.uuid4().hex}", body.model, results, RerankUsage(tokens, tokens)))
+
+    @post(["/v1/score", "/score"], status_code=200, operation_class=documented(
+        request=ScoreRequest, response=ScoreResponse, error=ErrorBody))  # fmt: skip
+    async def score(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = decode_body(await request.body(), ScoreRequest)
+        firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
+        seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
+        if len(firsts) == 1:
+            firsts = firsts * len(seconds)
+        if len(firsts) != len(seconds):
+            raise RequestError("text_1 must be one text or as many as text_2", param="text_1")
+        scores, tokens = await scores_of(ctx, request, body.model, list(zip(firsts, seconds, strict=True)), body.instruction)
+        data = [ScoreData(i, value) for i, value in enumerate(scores)]
+        return json_response(ScoreResponse(f"score-{uuid.uuid4().hex}", body.model, data, RerankUsage(tokens, tokens)))
+
+    @post("/tokenize", status_code=200, operation_class=documented(
+        request=TokenizeRequest, response=TokenizeResponse, error=ErrorBody))  # fmt: skip
+    async def tokenize(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = decode_body(await request.body(), TokenizeRequest)
+        engine = ready_engine(ctx)
+        info = engine.model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("send either prompt or messages", param="prompt")
+        if body.messages is not None:
+            render = functools.partial(info.tokenizer.apply_chat_template, body.messages,
+                                       add_generation_prompt=body.add_generation_prompt)  # fmt: skip
+            text, special = await anyio.to_thread.run_sync(render), False
+        else:
+            text, special = body.prompt or "", body.add_special_tokens
+        encode = functools.partial(engine.encode, body.model, text, add_special_tokens=special)
+        ids = await anyio.to_thread.run_sync(encode)
+        strs = [info.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
+        return json_response(TokenizeResponse(len(ids), info.context_length, ids, strs))
+
+    @post("/detokenize", status_code=200, operation_class=documented(
+        request=DetokenizeRequest, response=DetokenizeResponse, error=ErrorBody))  # fmt: skip
+    async def detokenize(request: Request[Any, Any, Any]) -> Response[Any]:
+        body = decode_body(await request.body(), DetokenizeRequest)
+        info = ready_engine(ctx).model(body.model)
+        vocab = info.tokenizer.vocab_size
+        if any(not 0 <= token < vocab for token in body.tokens):
+            raise RequestError(f"token ids must be in [0, {vocab})", param="tokens")
+        return json_response(DetokenizeResponse(info.tokenizer.decode(body.tokens, skip_special_tokens=False)))
+
+    return Router(
+        path="/", route_handlers=[rerank, score, tokenize, detokenize],
+        exception_handlers=EXCEPTION_HANDLERS, tags=["rerank"],
+    )  # fmt: skip
