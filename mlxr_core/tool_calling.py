@@ -52,10 +52,12 @@ class ToolChoice:
 
 @attrs.frozen
 class ModelParsers:
-    """The parsers one served model uses (None: off)."""
+    """The parsers one served model uses (None: off), and the variables its config gives every
+    chat's template (``models[].chat_template_kwargs``)."""
 
     tool: ToolParser | None = None
     reasoning: ReasoningParser | None = None
+    template_kwargs: dict[str, Any] = attrs.field(factory=dict)
 
     @property
     def channels(self) -> ChannelParser | None:
@@ -87,6 +89,7 @@ def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
     return ModelParsers(
         tool=registries.tool_parsers.get(tool) if tool else None,
         reasoning=registries.reasoning_parsers.get(reasoning) if reasoning else None,
+        template_kwargs=dict(model_config.chat_template_kwargs) if model_config else {},
     )
 
 
@@ -283,17 +286,24 @@ def prepare_chat(
     choice: ToolChoice | None = None,
     parallel: bool = True,
     prefill: str = "",
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatSetup:
     """Render and tokenize a conversation (call it in a worker thread: templating is slow).
 
     ``prefill`` is text the reply continues (Anthropic's final assistant turn).
+    ``template_kwargs`` are the request's template variables (``chat_template_kwargs``, e.g.
+    ``enable_thinking``), over the model's (``parsers.template_kwargs``); the names the
+    rendering sets itself (``messages``, ``tools``, ``add_generation_prompt``) are refused.
     """
     tools = list(tools or [])
     choice = choice or ToolChoice()
     _check_choice(tools, choice)
     tokenizer = info.tokenizer
     shown = tools if choice.mode != "none" else []
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {**parsers.template_kwargs, **(template_kwargs or {})}
+    reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt"})
+    if reserved:
+        raise RequestError(f"chat_template_kwargs must not set {reserved[0]!r}", field="chat_template_kwargs")
     if renders_tools(tokenizer.chat_template) or parsers.tool is None:
         messages = [_hf_message(message) for message in messages]
         if shown:

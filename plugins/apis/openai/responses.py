@@ -318,9 +318,13 @@ class Responses:
         info = engine.model(body.model)
         tools, choice, parallel = tool_request(body)
         params.constraint = text_constraint(ctx, body.text)
+        variables = dict(body.chat_template_kwargs or {})
+        if body.reasoning is not None and body.reasoning.effort is not None:
+            variables.setdefault("reasoning_effort", body.reasoning.effort)  # Harmony's templates read it
         prepare = functools.partial(
-            prepare_chat, engine, info, model_parsers(ctx, info), chat, tools=tools, choice=choice, parallel=parallel
-        )
+            prepare_chat, engine, info, model_parsers(ctx, info), chat, tools=tools, choice=choice,
+            parallel=parallel, template_kwargs=variables,
+        )  # fmt: skip
         setup: ChatSetup = await anyio.to_thread.run_sync(prepare)
         params.constraint = setup.constraint or params.constraint
         generation = GenerationRequest(body.model, setup.prompt_ids, params, keep_special=setup.keep_special)

@@ -92,6 +92,8 @@ class ResponsesRequest(Struct, forbid_unknown_fields=False):
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
+    #: Template variables for this request (vLLM's and llama.cpp's field), over the model's.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 # -- the response ------------------------------------------------------------------------------
