@@ -1,6 +1,12 @@
 """What every HTTP API plugin shares: strict body decoding, JSON replies, the engine's readiness,
 submission, tracked event streams, and waiting for a whole reply while watching the connection.
 
+A route takes its body typed, as Litestar hands it: ``data: JSONBody[ChatCompletionRequest]``. The
+app's request class (:class:`JsonRequest`) decodes it with :func:`decode_body`, so every body is
+bounded in depth before msgspec sees it, decoded with strict types (``"5"`` is not an integer) and
+refused with a :class:`~mlxr_core.errors.RequestError` naming the field, which the route's API
+writes in its own error shape.
+
 An API plugin (OpenAI, Ollama, Anthropic, a third party's) turns its wire format into a
 :class:`~mlxr_core.engine.request.GenerationRequest`, then:
 
@@ -25,7 +31,8 @@ import anyio
 import attrs
 import msgspec
 import numpy as np
-from litestar import Response
+from litestar import Request, Response
+from litestar.types import Empty
 
 from mlxr_core.engine.request import (
     Delta,
@@ -41,14 +48,12 @@ from mlxr_core.http.context import ServerContext
 from mlxr_core.http.metrics import RequestTimer
 
 if TYPE_CHECKING:
-    from litestar import Request
-
     from mlxr_core.engine.engine import Engine
 
 T = TypeVar("T")
 
 _PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_MISSING = re.compile(r"^Object missing required field `(?P<field>[^`]+)`")
+_NAMED = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<field>[^`]+)`")
 #: How deep a request body may nest: far beyond any real request (a tool's JSON schema included),
 #: far inside the recursion limits of the decoder and of what later walks the values.
 MAX_BODY_DEPTH = 100
@@ -82,6 +87,17 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         raise RequestError("the request body nests arrays and objects too deeply") from None
 
 
+class JsonRequest(Request[Any, Any, Any]):
+    """The app's request class: :meth:`json` decodes the body with :func:`decode_body` into the type
+    of the route's ``data`` parameter (any JSON value where it has none)."""
+
+    async def json(self) -> Any:
+        if self._json is Empty:
+            data = self.route_handler.parsed_data_field
+            self._json = decode_body(await self.body(), Any if data is None else data.annotation)
+        return self._json
+
+
 def body_depth(body: bytes) -> int:
     """How deep a JSON text's arrays and objects nest, brackets inside strings not counted: a few
     vectorized passes, in bounded time and memory, before anything recurses into it."""
@@ -99,12 +115,13 @@ def body_depth(body: bytes) -> int:
 
 
 def _param_of(message: str) -> str | None:
-    """``messages[0].role`` from msgspec's "... - at `$.messages[0]`" and "missing field `role`"."""
+    """``messages[0].role`` from msgspec's "... - at `$.messages[0]`" and "missing (or unknown)
+    field `role`"."""
     match = _PATH.search(message)
     path = match["path"] if match else ""
-    missing = _MISSING.match(message)
-    if missing:
-        path = f"{path}.{missing['field']}" if path else missing["field"]
+    named = _NAMED.match(message)
+    if named:
+        path = f"{path}.{named['field']}" if path else named["field"]
     return path or None
 
 

@@ -35,6 +35,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 from mlxr_core.errors import ConfigError, MlxrError, PluginLoadError, close_matches
 from mlxr_core.http.access import ApiKeys, RequestLog, api_key_guard, json_body_guard
 from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import JsonRequest
 from mlxr_core.http.metrics import CONTENT_TYPE, mlx_memory
 from mlxr_core.model.chat_template import interrupt_renders
 
@@ -65,6 +66,8 @@ def build_app(ctx: ServerContext) -> Litestar:
         # Routes outside the API routers (/health, /metrics) answer errors as {"error": "..."}.
         exception_handlers={MlxrError: _plain_error},
         request_max_body_size=server.max_body_bytes,
+        # Typed bodies (``data: JSONBody[Struct]``) decoded strictly, depth-bounded, errors naming the field.
+        request_class=JsonRequest,
         # mlxr configures its own and uvicorn's loggers; Litestar must not touch the root logger.
         logging_config=None,
         state=State({"mlxr": ctx}),

@@ -18,15 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
-from litestar import Response, Router, get
+from litestar import Response, Router, get, post
+from litestar.params import FromQuery, JSONBody
 from litestar.testing import TestClient
 
 from mlxr_core.cli import serve
 from mlxr_core.cli.main import main
 from mlxr_core.config.schema import Config, ModelConfig
-from mlxr_core.errors import ConfigError, PluginLoadError, RequestError
+from mlxr_core.errors import ConfigError, MlxrError, PluginLoadError, RequestError
 from mlxr_core.http.context import ServerContext
+from mlxr_core.http.errors import exception_handlers
 from mlxr_core.http.server import build_app
 from mlxr_core.plugins import hookimpl, load_plugins
 
@@ -56,6 +59,7 @@ class ToyApi:
     @hookimpl
     def mlxr_register_apis(self, register: Any) -> None:
         register("toy", make_toy_router)
+        register("typed", make_typed_router)
         register("broken", lambda ctx: "not a router")
         register("raises", lambda ctx: 1 / 0)
 
@@ -70,6 +74,28 @@ def make_toy_router(ctx: ServerContext) -> Router:
         return Response({"toy_error": exc.message}, status_code=exc.status)
 
     return Router(path="/", route_handlers=[toy_fail], exception_handlers={RequestError: on_error})
+
+
+class ToyBody(msgspec.Struct, forbid_unknown_fields=True):
+    count: int
+    tags: list[str] = []
+
+
+@post("/typed/echo", status_code=200, sync_to_thread=False)
+def typed_echo(data: JSONBody[ToyBody]) -> dict[str, Any]:
+    return {"count": data.count, "tags": data.tags}
+
+
+@get("/typed/items", sync_to_thread=False)
+def typed_items(limit: FromQuery[int]) -> dict[str, int]:
+    return {"limit": limit}
+
+
+def make_typed_router(ctx: ServerContext) -> Router:
+    def body(exc: MlxrError) -> bytes:
+        return msgspec.json.encode({"typed_error": exc.message, "field": exc.field})
+
+    return Router(path="/", route_handlers=[typed_echo, typed_items], exception_handlers=exception_handlers(body))
 
 
 def make_ctx(engine: Any, apis: list[str]) -> ServerContext:
@@ -99,6 +125,33 @@ def test_each_api_keeps_its_own_error_format() -> None:
         assert toy.status_code == 400 and toy.json() == {"toy_error": "bad toy"}
         openai = client.get("/v1/models")
         assert openai.status_code == 503 and openai.json()["error"]["type"] == "server_error"
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "message"),
+    [
+        (b'{"count": "5"}', "count", "Expected `int`, got `str`"),  # strict: no coercion
+        (b'{"count": true}', "count", "Expected `int`, got `bool`"),
+        (b'{"count": 1, "tags": [1]}', "tags[0]", "Expected `str`"),
+        (b'{"count": 1, "extra": 2}', "extra", "unknown field"),
+        (b'{"tags": []}', "count", "missing required field"),
+        (b"", None, "empty"),
+        (b"[1]", None, "Expected `object`"),
+        (b'{"count": 1, "tags": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, "deeper than"),
+        (b'{"count": ', None, "not valid JSON"),
+    ],
+)
+def test_a_typed_body_is_decoded_strictly_and_refused_naming_its_field(body: bytes, field: str | None, message: str) -> None:
+    """Any API's ``data: JSONBody[Struct]`` route: msgspec's strict rules, the depth bound before decoding,
+    and a 400 in that API's error shape naming the field."""
+    with TestClient(build_app(make_ctx(LifecycleEngine("ready"), ["typed"]))) as client:
+        assert client.post("/typed/echo", json={"count": 2, "tags": ["a"]}).json() == {"count": 2, "tags": ["a"]}
+        r = client.post("/typed/echo", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["field"] == field and message in r.json()["typed_error"], r.text
+        # Litestar's own validation of a parameter, in the same shape.
+        r = client.get("/typed/items", params={"limit": "many"})
+        assert r.status_code == 400 and r.json()["field"] == "limit" and "query parameter" in r.json()["typed_error"], r.text
 
 
 def test_lifespan_starts_the_engine_in_the_background_and_stops_it() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import msgspec
 from litestar import Router, get, post
+from litestar.params import JSONBody
 
 from mlxr_core.errors import EngineStopped, MlxrError
 from mlxr_core.http.context import ServerContext
@@ -38,7 +39,7 @@ def make_router(ctx: ServerContext) -> Router:
 
     # Tokenizing is CPU work: run it in a worker thread, not on the event loop.
     @post("/tokenize", sync_to_thread=True, status_code=200)
-    def tokenize(data: TokenizeRequest) -> TokenizeResponse:
+    def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
         if ctx.engine.state != "ready":
             raise EngineStopped(f"the engine is {ctx.engine.state}; retry shortly")
         tokens = ctx.engine.encode(data.model, data.text, add_special_tokens=data.add_special_tokens)

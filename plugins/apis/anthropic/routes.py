@@ -1,6 +1,6 @@
 """The Anthropic-compatible routes: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
 
-A handler decodes its body strictly (:func:`mlxr_core.http.frontend.decode_body`), renders the
+A handler takes its body typed (decoded strictly by :class:`mlxr_core.http.frontend.JsonRequest`), renders the
 conversation with the model's chat template (``system`` first; consecutive turns of one role
 merged, as Anthropic does; a final assistant turn is a prefill the reply continues), submits to
 the engine and answers with one message or a stream of events
@@ -26,6 +26,7 @@ from typing import Any
 
 import anyio
 from litestar import Request, Response, Router, post
+from litestar.params import JSONBody
 
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.engine.request import GenerationRequest
@@ -34,7 +35,6 @@ from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     cap_max_tokens,
     collect,
-    decode_body,
     json_response,
     ready_engine,
     room_for,
@@ -57,16 +57,15 @@ def make_router(ctx: ServerContext) -> Router:
     @post("/messages", status_code=200, operation_class=documented(
         request=s.MessagesRequest, response=s.MessageResponse, error=s.ErrorBody,
         stream="text/event-stream"))
-    async def messages(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await create_message(ctx, request)
+    async def messages(data: JSONBody[s.MessagesRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_message(ctx, data, request)
 
     @post("/messages/count_tokens", status_code=200, operation_class=documented(
         request=s.CountTokensRequest, response=s.CountTokensResponse, error=s.ErrorBody))
-    async def count_tokens(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = decode_body(await request.body(), s.CountTokensRequest)
+    async def count_tokens(data: JSONBody[s.CountTokensRequest]) -> Response[Any]:
         engine = ready_engine(ctx)
-        info = engine.model(body.model)
-        setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body))
+        info = engine.model(data.model)
+        setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, data))
         return json_response(s.CountTokensResponse(len(setup.prompt_ids)))
 
     return Router(
@@ -77,9 +76,8 @@ def make_router(ctx: ServerContext) -> Router:
     )
 
 
-async def create_message(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: Request[Any, Any, Any]) -> Response[Any]:
     """``POST /v1/messages``."""
-    body = decode_body(await request.body(), s.MessagesRequest)
     params = sampling_params(
         ctx,
         temperature=body.temperature,

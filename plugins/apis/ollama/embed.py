@@ -21,7 +21,7 @@ from msgspec import Struct
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import decode_body, json_response, ready_engine, unless_disconnected
+from mlxr_core.http.frontend import json_response, ready_engine, unless_disconnected
 from mlxr_plugins.apis.ollama import schemas as s
 
 #: The router's model lookup (name, alias, ``NAME:latest``) -> the served model.
@@ -59,11 +59,10 @@ class EmbeddingsResponse(Struct):
 
 
 async def create_embed(
-    ctx: ServerContext, request: Request[Any, Any, Any], resolve: Resolver
+    ctx: ServerContext, body: EmbedRequest, request: Request[Any, Any, Any], resolve: Resolver
 ) -> Response[Any]:
     """``POST /api/embed``; ``resolve(engine, name)`` is the router's model resolver."""
     started = time.perf_counter_ns()
-    body = decode_body(await request.body(), EmbedRequest)
     if body.dimensions is not None:
         raise RequestError("dimensions is not supported by this server", field="dimensions")
     engine = ready_engine(ctx)
@@ -85,10 +84,9 @@ async def create_embed(
 
 
 async def create_embeddings(
-    ctx: ServerContext, request: Request[Any, Any, Any], resolve: Resolver
+    ctx: ServerContext, body: EmbeddingsRequest, request: Request[Any, Any, Any], resolve: Resolver
 ) -> Response[Any]:
     """``POST /api/embeddings`` (legacy): one ``prompt`` -> one ``embedding``."""
-    body = decode_body(await request.body(), EmbeddingsRequest)
     engine = ready_engine(ctx)
     info = resolve(engine, body.model)
     if not body.prompt:

@@ -1,6 +1,6 @@
 """The Ollama-compatible routes under ``/api``: chat, generate, embed, tags, show, ps, version.
 
-A handler decodes its body strictly (:func:`mlxr_core.http.frontend.decode_body`), maps Ollama's
+A handler takes its body typed (decoded strictly by :class:`mlxr_core.http.frontend.JsonRequest`), maps Ollama's
 ``options`` onto :class:`~mlxr_core.engine.request.SamplingParams`, tokenizes in a worker thread,
 submits to the engine and answers with one JSON object or, as Ollama does by default, a stream of
 NDJSON lines (:mod:`mlxr_plugins.apis.ollama.streaming`).
@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import attrs
 from litestar import Request, Response, Router, get, post
+from litestar.params import JSONBody
 
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.engine.request import Constraint, GenerationRequest, SamplingParams
@@ -31,7 +32,6 @@ from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     cap_max_tokens,
     collect,
-    decode_body,
     json_response,
     ready_engine,
     room_for,
@@ -66,13 +66,13 @@ def make_router(ctx: ServerContext) -> Router:
 
     @post("/chat", status_code=200, operation_class=documented(
         request=s.ChatRequest, response=s.ChatChunk, error=s.ErrorBody, stream=NDJSON))
-    async def chat(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await create_chat(ctx, request)
+    async def chat(data: JSONBody[s.ChatRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_chat(ctx, data, request)
 
     @post("/generate", status_code=200, operation_class=documented(
         request=s.GenerateRequest, response=s.GenerateChunk, error=s.ErrorBody, stream=NDJSON))
-    async def generate(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await create_generation(ctx, request)
+    async def generate(data: JSONBody[s.GenerateRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_generation(ctx, data, request)
 
     @get("/tags", sync_to_thread=False, operation_class=documented(
         response=dict[str, list[s.ListedModel]], error=s.ErrorBody))
@@ -82,9 +82,8 @@ def make_router(ctx: ServerContext) -> Router:
 
     @post("/show", status_code=200, operation_class=documented(
         request=s.ModelRequest, response=s.ShowResponse, error=s.ErrorBody))
-    async def show(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = decode_body(await request.body(), s.ModelRequest)
-        info = resolve_model(ready_engine(ctx), body.model or body.name)
+    async def show(data: JSONBody[s.ModelRequest]) -> Response[Any]:
+        info = resolve_model(ready_engine(ctx), data.model or data.name)
         return json_response(models.shown(info))
 
     @get("/ps", sync_to_thread=False, operation_class=documented(
@@ -100,13 +99,15 @@ def make_router(ctx: ServerContext) -> Router:
 
     @post("/embed", status_code=200, operation_class=documented(
         request=embedding.EmbedRequest, response=embedding.EmbedResponse, error=s.ErrorBody))
-    async def embed(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await embedding.create_embed(ctx, request, resolve_model)
+    async def embed(data: JSONBody[embedding.EmbedRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+        return await embedding.create_embed(ctx, data, request, resolve_model)
 
     @post("/embeddings", status_code=200, operation_class=documented(
         request=embedding.EmbeddingsRequest, response=embedding.EmbeddingsResponse, error=s.ErrorBody))
-    async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await embedding.create_embeddings(ctx, request, resolve_model)
+    async def embeddings(
+        data: JSONBody[embedding.EmbeddingsRequest], request: Request[Any, Any, Any]
+    ) -> Response[Any]:
+        return await embedding.create_embeddings(ctx, data, request, resolve_model)
 
     return Router(
         path="/api",
@@ -116,10 +117,9 @@ def make_router(ctx: ServerContext) -> Router:
     )
 
 
-async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[Any, Any, Any]) -> Response[Any]:
     """``POST /api/chat``."""
     timer = Timer()
-    body = decode_body(await request.body(), s.ChatRequest)
     engine = ready_engine(ctx)
     info = resolve_model(engine, body.model)
     parsers = model_parsers(ctx, info)
@@ -150,10 +150,11 @@ async def create_chat(ctx: ServerContext, request: Request[Any, Any, Any]) -> Re
     return json_response(lines.whole(reply.text, reply.finished))
 
 
-async def create_generation(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_generation(
+    ctx: ServerContext, body: s.GenerateRequest, request: Request[Any, Any, Any]
+) -> Response[Any]:
     """``POST /api/generate``."""
     timer = Timer()
-    body = decode_body(await request.body(), s.GenerateRequest)
     _refuse_unsupported(body)
     for name, value in (("suffix", body.suffix), ("template", body.template), ("images", body.images)):
         if value:

@@ -20,7 +20,7 @@ from msgspec import Struct
 from mlxr_core.engine.engine import Engine
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import decode_body, json_response, ready_engine, unless_disconnected
+from mlxr_core.http.frontend import json_response, ready_engine, unless_disconnected
 
 #: OpenAI's limit on inputs per request.
 MAX_INPUTS = 2048
@@ -52,9 +52,10 @@ class EmbeddingList(Struct):
     object: str = "list"
 
 
-async def create_embeddings(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_embeddings(
+    ctx: ServerContext, body: EmbeddingRequest, request: Request[Any, Any, Any]
+) -> Response[Any]:
     """``POST /v1/embeddings``."""
-    body = decode_body(await request.body(), EmbeddingRequest)
     if body.dimensions is not None:
         raise RequestError(
             "dimensions is not supported by this server: embeddings have the model's hidden size",

@@ -1,6 +1,6 @@
 """The OpenAI-compatible routes: chat completions, completions, embeddings and models under ``/v1``.
 
-A handler decodes its body strictly (:func:`~mlxr_plugins.apis.openai.errors.decode_body`), turns
+A handler takes its body typed (decoded strictly by :class:`~mlxr_core.http.frontend.JsonRequest`), turns
 it into :class:`~mlxr_core.engine.request.SamplingParams`, tokenizes in a worker thread (chat
 templates and BPE are pure Python and must not stall the event loop), submits to the engine and
 answers from the request's events (:mod:`mlxr_plugins.apis.openai.streaming`).
@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import attrs
 from litestar import Request, Response, Router, get, post
+from litestar.params import JSONBody
 
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
 from mlxr_core.errors import ContextLengthExceeded, RequestError
@@ -23,7 +24,6 @@ from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     Reply,
     collect,
-    decode_body,
     json_response,
     ready_engine,
     submit,
@@ -57,13 +57,15 @@ def make_router(ctx: ServerContext) -> Router:
 
     @post("/chat/completions", status_code=200, operation_class=documented(
         request=s.ChatCompletionRequest, response=s.ChatCompletion, error=s.ErrorBody, stream=SSE))
-    async def chat_completions(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await create_chat_completion(ctx, request)
+    async def chat_completions(
+        data: JSONBody[s.ChatCompletionRequest], request: Request[Any, Any, Any]
+    ) -> Response[Any]:
+        return await create_chat_completion(ctx, data, request)
 
     @post("/completions", status_code=200, operation_class=documented(
         request=s.CompletionRequest, response=s.Completion, error=s.ErrorBody, stream=SSE))
-    async def completions(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await create_completion(ctx, request)
+    async def completions(data: JSONBody[s.CompletionRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_completion(ctx, data, request)
 
     @get("/models", sync_to_thread=False, operation_class=documented(response=s.ModelList, error=s.ErrorBody))
     def models() -> Response[Any]:
@@ -82,8 +84,8 @@ def make_router(ctx: ServerContext) -> Router:
 
     @post("/embeddings", status_code=200, operation_class=documented(
         request=EmbeddingRequest, response=EmbeddingList, error=s.ErrorBody))
-    async def embeddings(request: Request[Any, Any, Any]) -> Response[Any]:
-        return await create_embeddings(ctx, request)
+    async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+        return await create_embeddings(ctx, data, request)
 
     return Router(
         path="/v1",
@@ -93,9 +95,10 @@ def make_router(ctx: ServerContext) -> Router:
     )
 
 
-async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_chat_completion(
+    ctx: ServerContext, body: s.ChatCompletionRequest, request: Request[Any, Any, Any]
+) -> Response[Any]:
     """``POST /v1/chat/completions``."""
-    body = decode_body(await request.body(), s.ChatCompletionRequest)
     messages = chat_messages(body.messages)
     params = request_params(body, ctx, max_tokens=body.max_completion_tokens or body.max_tokens)
     if body.logprobs:
@@ -133,9 +136,10 @@ async def create_chat_completion(ctx: ServerContext, request: Request[Any, Any, 
     return json_response(s.ChatCompletion(meta.id, meta.created, meta.model, choices, usage))
 
 
-async def create_completion(ctx: ServerContext, request: Request[Any, Any, Any]) -> Response[Any]:
+async def create_completion(
+    ctx: ServerContext, body: s.CompletionRequest, request: Request[Any, Any, Any]
+) -> Response[Any]:
     """``POST /v1/completions``."""
-    body = decode_body(await request.body(), s.CompletionRequest)
     _refuse_unsupported_completion(body)
     prompt = completion_prompt(body.prompt)
     params = request_params(body, ctx, max_tokens=body.max_tokens)
