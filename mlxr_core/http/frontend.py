@@ -89,12 +89,13 @@ def decode_body(body: bytes, schema: type[T]) -> T:
 
 class JsonRequest(Request[Any, Any, Any]):
     """The app's request class: :meth:`json` decodes the body with :func:`decode_body` into the type
-    of the route's ``data`` parameter (any JSON value where it has none)."""
+    of the route's ``data`` parameter, as declared (``Annotated`` constraints included; any JSON
+    value where the route has none)."""
 
     async def json(self) -> Any:
         if self._json is Empty:
             data = self.route_handler.parsed_data_field
-            self._json = decode_body(await self.body(), Any if data is None else data.annotation)
+            self._json = decode_body(await self.body(), Any if data is None else data.raw)
         return self._json
 
 

@@ -1,22 +1,29 @@
-"""OpenAPI documentation for routes that decode their own bodies.
+"""The app's OpenAPI document, written from the msgspec structs that decode the requests.
 
-API plugins read a request's raw body and decode it strictly with msgspec
-(:func:`mlxr_core.http.frontend.decode_body`), so Litestar sees no ``data`` parameter and would
-document neither the body nor the replies. :func:`documented` returns an ``operation_class`` for a route
-decorator that writes the msgspec structs' JSON schemas into the app's OpenAPI document, so clients
-and property-based fuzzers see the real contract:
+A route takes its body typed (``data: JSONBody[ChatCompletionRequest]``) and returns a struct where
+its reply is plain JSON, so Litestar documents both from the annotations. :class:`StructSchemas`, a
+Litestar schema plugin on the app, has every msgspec struct written as msgspec's own JSON schema
+(:func:`json_schema`): the constraints the decoder enforces (``minLength``, ``minimum``,
+``additionalProperties: false``, tags, an ``extra_json_schema``) are the ones published, so a body
+the document allows is one the decoder accepts, and the other way round.
+
+What annotations cannot say, :func:`documented` adds as a route's ``operation_class``: the API's
+own error body for every 4xx and 5xx (Litestar would document its validation error, which these
+routes never send), a 200 that is either JSON or a stream (``text/event-stream``,
+``application/x-ndjson``) whose events are described, and the body of a route that reads its raw
+body itself:
 
     @post("/chat/completions", operation_class=documented(
-        request=s.ChatCompletionRequest, response=s.ChatCompletion, error=s.ErrorBody,
-        stream="text/event-stream"))
+        error=s.ErrorBody, response=s.ChatCompletion,
+        stream=Stream("text/event-stream", (s.ChatCompletionChunk, s.ErrorBody), end="data: [DONE]")))
 
 Schemas are inlined (no ``$ref``), which keeps each operation self-contained in the document.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from litestar.openapi.spec import (
@@ -28,13 +35,19 @@ from litestar.openapi.spec import (
     Schema,
 )
 from litestar.openapi.spec import OpenAPIResponse as ResponseSpec
+from litestar.plugins import OpenAPISchemaPlugin
+
+if TYPE_CHECKING:
+    from litestar._openapi.schema_generation import SchemaCreator
+    from litestar.typing import FieldDefinition
 
 JSON = "application/json"
 
 
-def json_schema(struct: Any) -> dict[str, Any]:
-    """The JSON schema of a msgspec type with every ``$ref`` replaced by its definition."""
-    schema = msgspec.json.schema(struct)
+def json_schema(annotation: Any) -> dict[str, Any]:
+    """The JSON schema msgspec writes for a type, with every ``$ref`` replaced by its definition
+    (keywords next to a ``$ref``, such as an ``extra_json_schema``, kept)."""
+    schema = msgspec.json.schema(annotation)
     definitions = schema.pop("$defs", {})
 
     def inline(node: Any, seen: tuple[str, ...]) -> Any:
@@ -42,53 +55,99 @@ def json_schema(struct: Any) -> dict[str, Any]:
             return [inline(item, seen) for item in node]
         if not isinstance(node, dict):
             return node
+        siblings = {key: inline(value, seen) for key, value in node.items() if key != "$ref"}
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#/$defs/"):
-            name = ref.removeprefix("#/$defs/")
-            if name in seen:  # a recursive type: leave it open rather than loop
-                return {}
-            return inline(definitions[name], (*seen, name))
-        return {key: inline(value, seen) for key, value in node.items()}
+        if not (isinstance(ref, str) and ref.startswith("#/$defs/")):
+            return siblings
+        name = ref.removeprefix("#/$defs/")
+        if name in seen:  # a recursive type: leave it open rather than loop
+            return siblings
+        return {**inline(definitions[name], (*seen, name)), **siblings}
 
     inlined: dict[str, Any] = inline(schema, ())
     return inlined
 
 
+@dataclass
+class JsonSchema(Schema):
+    """A schema given as a JSON schema document, written into the OpenAPI document as it is."""
+
+    document: dict[str, Any] = field(default_factory=dict)
+
+    def to_schema(self) -> dict[str, Any]:
+        return self.document
+
+
+class StructSchemas(OpenAPISchemaPlugin):
+    """Litestar schema plugin: a msgspec struct (with the ``Annotated`` metadata it was declared
+    with) documented by msgspec's JSON schema, the statement of what its decoder accepts."""
+
+    @staticmethod
+    def is_plugin_supported_type(value: Any) -> bool:
+        return isinstance(value, type) and issubclass(value, msgspec.Struct)
+
+    def to_openapi_schema(self, field_definition: FieldDefinition, schema_creator: SchemaCreator) -> Schema:
+        return JsonSchema(document=json_schema(field_definition.raw))
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A streamed 200 reply: its media type and the types an event's JSON may have (the ``data:``
+    of a server-sent event, one line of NDJSON)."""
+
+    media_type: str
+    events: tuple[Any, ...]
+    #: What ends the stream besides its last event (OpenAI's ``data: [DONE]``).
+    end: str = ""
+
+
+@dataclass
+class StreamMediaType(OpenAPIMediaType):
+    """A streamed media type with the schema of its items under ``x-item-schema`` (what OpenAPI
+    3.2 names ``itemSchema``; this document is 3.1)."""
+
+    item_schema: dict[str, Any] | None = field(default=None, metadata={"alias": "x-item-schema"})
+
+
 def documented(
     *,
-    request: Any = None,
-    response: Any = None,
     error: Any = None,
-    stream: str | None = None,
+    response: Any = None,
+    stream: Stream | str | None = None,
+    request: Any = None,
     path_strings: tuple[str, ...] = (),
 ) -> type[Operation]:
-    """An ``operation_class`` documenting a route's JSON body, its 200 reply and its error replies.
+    """An ``operation_class`` adding to a route's operation what its annotations cannot say.
 
-    :param request: the msgspec type the route decodes its body into (None: no body).
-    :param response: the msgspec type of a whole (non-streaming) 200 reply.
     :param error: the msgspec type of the API's error body, documented for every 4xx and 5xx.
-    :param stream: the media type of a streamed 200 reply (``text/event-stream``,
-        ``application/x-ndjson``), documented next to the JSON one.
+    :param response: the msgspec type of a whole 200 reply, for a route that may also stream (a
+        route that only answers JSON returns its struct, and Litestar documents it).
+    :param stream: the streamed 200 reply, documented next to the JSON one (a media type alone:
+        events of any shape).
+    :param request: the msgspec type of the body of a route that reads its raw body itself (a
+        route with a ``data`` parameter is documented from it).
     :param path_strings: path parameters documented as plain non-empty strings (Litestar writes a
         ``{name:path}`` parameter as a URI, which a model name with slashes is not).
     """
     request_schema = None if request is None else json_schema(request)
     response_schema = None if response is None else json_schema(response)
     error_schema = None if error is None else json_schema(error)
+    streamed = Stream(stream, (Any,)) if isinstance(stream, str) else stream
+    stream_content = None if streamed is None else _stream_content(streamed)
 
     @dataclass
     class DocumentedOperation(Operation):
         def __post_init__(self) -> None:
             if request_schema is not None:
-                self.request_body = RequestBody(
-                    content={JSON: OpenAPIMediaType(schema=request_schema)},  # type: ignore[arg-type]
-                    required=True,
-                )
+                schema = JsonSchema(document=request_schema)
+                self.request_body = RequestBody(content={JSON: OpenAPIMediaType(schema=schema)}, required=True)
             responses = dict(self.responses or {})
-            if response_schema is not None:
-                content = {JSON: OpenAPIMediaType(schema=response_schema)}  # type: ignore[arg-type]
-                if stream is not None:
-                    content[stream] = OpenAPIMediaType(schema={"type": "string"})  # type: ignore[arg-type]
+            if response_schema is not None or stream_content is not None:
+                content: dict[str, OpenAPIMediaType] = {}
+                if response_schema is not None:
+                    content[JSON] = OpenAPIMediaType(schema=JsonSchema(document=response_schema))
+                if streamed is not None and stream_content is not None:
+                    content[streamed.media_type] = stream_content
                 responses["200"] = ResponseSpec(description="Request fulfilled", content=content)
             if error_schema is not None:
                 # Litestar's own 400 (its validation error shape) never reaches these clients.
@@ -96,7 +155,7 @@ def documented(
                 for status, description in (("4XX", "Invalid request"), ("5XX", "Server error")):
                     responses[status] = ResponseSpec(
                         description=description,
-                        content={JSON: OpenAPIMediaType(schema=error_schema)},  # type: ignore[arg-type]
+                        content={JSON: OpenAPIMediaType(schema=JsonSchema(document=error_schema))},
                     )
             self.responses = responses
             for parameter in self.parameters or []:
@@ -104,3 +163,16 @@ def documented(
                     parameter.schema = Schema(type=OpenAPIType.STRING, min_length=1)
 
     return DocumentedOperation
+
+
+def _stream_content(stream: Stream) -> StreamMediaType:
+    if stream.media_type == "text/event-stream":
+        shape = "server-sent events, each event's data one JSON object as x-item-schema describes"
+    else:
+        shape = "one JSON object per line, each as x-item-schema describes"
+    ending = f", then {stream.end}" if stream.end else ""
+    description = f"The reply streamed (when the request asks for a stream): {shape}{ending}."
+    body = {"type": "string", "contentMediaType": stream.media_type, "description": description}
+    events = [json_schema(event) for event in stream.events]
+    item = events[0] if len(events) == 1 else {"anyOf": events}
+    return StreamMediaType(schema=JsonSchema(document=body), item_schema=item)

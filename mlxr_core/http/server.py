@@ -37,6 +37,7 @@ from mlxr_core.http.access import ApiKeys, RequestLog, api_key_guard, json_body_
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import JsonRequest
 from mlxr_core.http.metrics import CONTENT_TYPE, mlx_memory
+from mlxr_core.http.openapi import StructSchemas
 from mlxr_core.model.chat_template import interrupt_renders
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ def build_app(ctx: ServerContext) -> Litestar:
         request_max_body_size=server.max_body_bytes,
         # Typed bodies (``data: JSONBody[Struct]``) decoded strictly, depth-bounded, errors naming the field.
         request_class=JsonRequest,
+        # Structs documented by msgspec's own JSON schema: the published schema is the decoder's.
+        plugins=[StructSchemas()],
         # mlxr configures its own and uvicorn's loggers; Litestar must not touch the root logger.
         logging_config=None,
         state=State({"mlxr": ctx}),

@@ -40,7 +40,7 @@ from mlxr_core.http.frontend import (
     room_for,
     submit,
 )
-from mlxr_core.http.openapi import documented
+from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params
 from mlxr_core.parsing import Tool
 from mlxr_core.tool_calling import ChatSetup, ToolChoice, model_parsers, prepare_chat
@@ -55,18 +55,16 @@ def make_router(ctx: ServerContext) -> Router:
     """The Anthropic Messages API as a Litestar router (the ``anthropic`` entry of ``apis:``)."""
 
     @post("/messages", status_code=200, operation_class=documented(
-        request=s.MessagesRequest, response=s.MessageResponse, error=s.ErrorBody,
-        stream="text/event-stream"))
+        error=s.ErrorBody, response=s.MessageResponse, stream=Stream("text/event-stream", (s.StreamEvent,))))
     async def messages(data: JSONBody[s.MessagesRequest], request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_message(ctx, data, request)
 
-    @post("/messages/count_tokens", status_code=200, operation_class=documented(
-        request=s.CountTokensRequest, response=s.CountTokensResponse, error=s.ErrorBody))
-    async def count_tokens(data: JSONBody[s.CountTokensRequest]) -> Response[Any]:
+    @post("/messages/count_tokens", status_code=200, operation_class=documented(error=s.ErrorBody))
+    async def count_tokens(data: JSONBody[s.CountTokensRequest]) -> s.CountTokensResponse:
         engine = ready_engine(ctx)
         info = engine.model(data.model)
         setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, data))
-        return json_response(s.CountTokensResponse(len(setup.prompt_ids)))
+        return s.CountTokensResponse(len(setup.prompt_ids))
 
     return Router(
         path="/v1",

@@ -56,7 +56,8 @@ class ToolChoice(Struct, forbid_unknown_fields=False):
 
 
 class Message(Struct, forbid_unknown_fields=False):
-    role: str
+    #: The system prompt is the top-level ``system`` field.
+    role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
 
@@ -65,8 +66,8 @@ class Thinking(Struct, forbid_unknown_fields=False):
 
 
 class CountTokensRequest(Struct, forbid_unknown_fields=False, kw_only=True):
-    model: str
-    messages: list[Message]
+    model: Annotated[str, Meta(min_length=1)]
+    messages: Annotated[list[Message], Meta(min_length=1)]
     system: str | list[ContentBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
@@ -213,6 +214,12 @@ class ErrorDetail(Struct):
 
 class ErrorBody(Struct, tag_field="type", tag="error"):
     error: ErrorDetail
+
+
+#: The data of one event of a streamed message (its ``type`` is also the event's name).
+StreamEvent = (
+    MessageStart | ContentBlockStart | ContentBlockDelta | ContentBlockStop | MessageDelta | MessageStop | Ping | ErrorBody
+)
 
 
 encoder = msgspec.json.Encoder()

@@ -15,13 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-from litestar import Request, Response
+from litestar import Request
 from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import json_response, ready_engine, unless_disconnected
+from mlxr_core.http.frontend import ready_engine, unless_disconnected
 from mlxr_plugins.apis.ollama import schemas as s
 
 #: The router's model lookup (name, alias, ``NAME:latest``) -> the served model.
@@ -29,7 +29,7 @@ Resolver = Callable[[Engine, str], ModelInfo]
 
 
 class EmbedRequest(Struct, forbid_unknown_fields=False, kw_only=True):
-    model: str
+    model: s.ModelName
     input: str | list[str] = ""
     truncate: bool = True
     options: s.Options | None = None
@@ -48,7 +48,7 @@ class EmbedResponse(Struct):
 class EmbeddingsRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     """The legacy ``/api/embeddings`` body."""
 
-    model: str
+    model: s.ModelName
     prompt: str = ""
     options: s.Options | None = None
     keep_alive: str | int | float | None = None
@@ -60,7 +60,7 @@ class EmbeddingsResponse(Struct):
 
 async def create_embed(
     ctx: ServerContext, body: EmbedRequest, request: Request[Any, Any, Any], resolve: Resolver
-) -> Response[Any]:
+) -> EmbedResponse:
     """``POST /api/embed``; ``resolve(engine, name)`` is the router's model resolver."""
     started = time.perf_counter_ns()
     if body.dimensions is not None:
@@ -74,27 +74,27 @@ async def create_embed(
         if any(not text for text in texts):
             raise RequestError("input must not hold empty strings", field="input")
     if not texts:
-        return json_response(EmbedResponse(info.name, [], time.perf_counter_ns() - started, 0, 0))
+        return EmbedResponse(info.name, [], time.perf_counter_ns() - started, 0, 0)
     encode = functools.partial(_token_lists, engine, info, texts, truncate=body.truncate)
     token_lists = await anyio.to_thread.run_sync(encode)
     submitted = time.perf_counter_ns()
     result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
     total = time.perf_counter_ns() - started
-    return json_response(EmbedResponse(info.name, result.vectors, total, submitted - started, result.prompt_tokens))
+    return EmbedResponse(info.name, result.vectors, total, submitted - started, result.prompt_tokens)
 
 
 async def create_embeddings(
     ctx: ServerContext, body: EmbeddingsRequest, request: Request[Any, Any, Any], resolve: Resolver
-) -> Response[Any]:
+) -> EmbeddingsResponse:
     """``POST /api/embeddings`` (legacy): one ``prompt`` -> one ``embedding``."""
     engine = ready_engine(ctx)
     info = resolve(engine, body.model)
     if not body.prompt:
-        return json_response(EmbeddingsResponse([]))
+        return EmbeddingsResponse([])
     encode = functools.partial(_token_lists, engine, info, [body.prompt], truncate=True)
     token_lists = await anyio.to_thread.run_sync(encode)
     result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
-    return json_response(EmbeddingsResponse(result.vectors[0]))
+    return EmbeddingsResponse(result.vectors[0])
 
 
 def _token_lists(engine: Engine, info: ModelInfo, texts: list[str], *, truncate: bool) -> list[list[int]]:

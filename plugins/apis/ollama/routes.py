@@ -37,7 +37,7 @@ from mlxr_core.http.frontend import (
     room_for,
     submit,
 )
-from mlxr_core.http.openapi import documented
+from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.ollama import embed as embedding
@@ -61,52 +61,50 @@ OLLAMA_API_VERSION = "0.12.0"
 ROLES = ("system", "user", "assistant", "tool")
 
 
+#: What a route answers besides its annotations: errors in Ollama's shape.
+ERRORS = documented(error=s.ErrorBody)
+
+
 def make_router(ctx: ServerContext) -> Router:
     """The Ollama API as a Litestar router (the ``ollama`` entry of ``apis:``)."""
 
+    # Ollama streams unless told not to; a stream ends with an error line if the request fails.
     @post("/chat", status_code=200, operation_class=documented(
-        request=s.ChatRequest, response=s.ChatChunk, error=s.ErrorBody, stream=NDJSON))
+        error=s.ErrorBody, response=s.ChatChunk, stream=Stream(NDJSON, (s.ChatChunk, s.ErrorBody))))
     async def chat(data: JSONBody[s.ChatRequest], request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_chat(ctx, data, request)
 
     @post("/generate", status_code=200, operation_class=documented(
-        request=s.GenerateRequest, response=s.GenerateChunk, error=s.ErrorBody, stream=NDJSON))
+        error=s.ErrorBody, response=s.GenerateChunk, stream=Stream(NDJSON, (s.GenerateChunk, s.ErrorBody))))
     async def generate(data: JSONBody[s.GenerateRequest], request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_generation(ctx, data, request)
 
-    @get("/tags", sync_to_thread=False, operation_class=documented(
-        response=dict[str, list[s.ListedModel]], error=s.ErrorBody))
-    def tags() -> Response[Any]:
+    @get("/tags", sync_to_thread=False, operation_class=ERRORS)
+    def tags() -> s.ModelList:
         engine = ready_engine(ctx)
-        return json_response({"models": [models.listed(info) for _, info in sorted(engine.models.items())]})
+        return s.ModelList([models.listed(info) for _, info in sorted(engine.models.items())])
 
-    @post("/show", status_code=200, operation_class=documented(
-        request=s.ModelRequest, response=s.ShowResponse, error=s.ErrorBody))
-    async def show(data: JSONBody[s.ModelRequest]) -> Response[Any]:
-        info = resolve_model(ready_engine(ctx), data.model or data.name)
-        return json_response(models.shown(info))
+    @post("/show", status_code=200, operation_class=ERRORS)
+    async def show(data: JSONBody[s.ShowRequest]) -> s.ShowResponse:
+        return models.shown(resolve_model(ready_engine(ctx), data.model_name))
 
-    @get("/ps", sync_to_thread=False, operation_class=documented(
-        response=dict[str, list[s.RunningModel]], error=s.ErrorBody))
-    def ps() -> Response[Any]:
+    @get("/ps", sync_to_thread=False, operation_class=ERRORS)
+    def ps() -> s.RunningList:
         engine = ready_engine(ctx)
-        return json_response({"models": [models.running(info) for _, info in sorted(engine.models.items())]})
+        return s.RunningList([models.running(info) for _, info in sorted(engine.models.items())])
 
-    @get("/version", sync_to_thread=False, operation_class=documented(
-        response=dict[str, str], error=s.ErrorBody))
-    def version() -> Response[Any]:
-        return json_response({"version": OLLAMA_API_VERSION})
+    @get("/version", sync_to_thread=False, operation_class=ERRORS)
+    def version() -> s.Version:
+        return s.Version(OLLAMA_API_VERSION)
 
-    @post("/embed", status_code=200, operation_class=documented(
-        request=embedding.EmbedRequest, response=embedding.EmbedResponse, error=s.ErrorBody))
-    async def embed(data: JSONBody[embedding.EmbedRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+    @post("/embed", status_code=200, operation_class=ERRORS)
+    async def embed(data: JSONBody[embedding.EmbedRequest], request: Request[Any, Any, Any]) -> embedding.EmbedResponse:
         return await embedding.create_embed(ctx, data, request, resolve_model)
 
-    @post("/embeddings", status_code=200, operation_class=documented(
-        request=embedding.EmbeddingsRequest, response=embedding.EmbeddingsResponse, error=s.ErrorBody))
+    @post("/embeddings", status_code=200, operation_class=ERRORS)
     async def embeddings(
         data: JSONBody[embedding.EmbeddingsRequest], request: Request[Any, Any, Any]
-    ) -> Response[Any]:
+    ) -> embedding.EmbeddingsResponse:
         return await embedding.create_embeddings(ctx, data, request, resolve_model)
 
     return Router(

@@ -7,7 +7,7 @@ declared so the routes can refuse them by name.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
@@ -42,7 +42,7 @@ class Options(Struct, forbid_unknown_fields=False, omit_defaults=True):
 
 
 class Message(Struct, forbid_unknown_fields=False):
-    role: str
+    role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None
     tool_calls: list[Any] | None = None
@@ -50,8 +50,12 @@ class Message(Struct, forbid_unknown_fields=False):
     tool_name: str | None = None
 
 
+#: A model's name: never empty (which models exist, only the served list says).
+ModelName = Annotated[str, Meta(min_length=1)]
+
+
 class BaseRequest(Struct, forbid_unknown_fields=False, kw_only=True):
-    model: str = ""
+    model: ModelName
     #: Ollama streams unless told not to.
     stream: bool = True
     options: Options | None = None
@@ -77,11 +81,23 @@ class GenerateRequest(BaseRequest, forbid_unknown_fields=False, kw_only=True):
 
 
 class ModelRequest(Struct, forbid_unknown_fields=False):
-    """``/api/show`` and friends: ``model`` (``name`` in older clients)."""
+    """``/api/show`` and friends: ``model``, or ``name`` in older clients; one of them is required."""
 
-    model: str = ""
-    name: str = ""
+    model: ModelName | UnsetType = UNSET
+    name: ModelName | UnsetType = UNSET
     verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model is UNSET and self.name is UNSET:
+            raise ValueError("model is required")
+
+    @property
+    def model_name(self) -> str:
+        return self.name if isinstance(self.model, UnsetType) else self.model  # type: ignore[return-value]
+
+
+#: The body of ``/api/show``, its schema saying what ``__post_init__`` checks.
+ShowRequest = Annotated[ModelRequest, Meta(extra_json_schema={"anyOf": [{"required": ["model"]}, {"required": ["name"]}]})]
 
 
 # -- responses -------------------------------------------------------------------------------
@@ -142,6 +158,12 @@ class ListedModel(Struct):
     details: ModelDetails
 
 
+class ModelList(Struct):
+    """``/api/tags``."""
+
+    models: list[ListedModel]
+
+
 class RunningModel(Struct):
     name: str
     model: str
@@ -151,6 +173,16 @@ class RunningModel(Struct):
     expires_at: str
     size_vram: int
     context_length: int
+
+
+class RunningList(Struct):
+    """``/api/ps``."""
+
+    models: list[RunningModel]
+
+
+class Version(Struct):
+    version: str
 
 
 class ShowResponse(Struct):

@@ -14,20 +14,21 @@ import struct
 from typing import Any, Literal
 
 import anyio
-from litestar import Request, Response
+from litestar import Request
 from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import json_response, ready_engine, unless_disconnected
+from mlxr_core.http.frontend import ready_engine, unless_disconnected
+from mlxr_plugins.apis.openai.schemas import ModelName
 
 #: OpenAI's limit on inputs per request.
 MAX_INPUTS = 2048
 
 
 class EmbeddingRequest(Struct, forbid_unknown_fields=False, kw_only=True):
-    model: str
+    model: ModelName
     input: str | list[Any]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
@@ -54,7 +55,7 @@ class EmbeddingList(Struct):
 
 async def create_embeddings(
     ctx: ServerContext, body: EmbeddingRequest, request: Request[Any, Any, Any]
-) -> Response[Any]:
+) -> EmbeddingList:
     """``POST /v1/embeddings``."""
     if body.dimensions is not None:
         raise RequestError(
@@ -76,7 +77,7 @@ async def create_embeddings(
         for i, vector in enumerate(result.vectors)
     ]
     usage = EmbeddingUsage(prompt_tokens=result.prompt_tokens, total_tokens=result.prompt_tokens)
-    return json_response(EmbeddingList(data, body.model, usage))
+    return EmbeddingList(data, body.model, usage)
 
 
 def embedding_inputs(value: str | list[Any]) -> list[str | list[int]]:

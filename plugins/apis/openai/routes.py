@@ -28,7 +28,7 @@ from mlxr_core.http.frontend import (
     ready_engine,
     submit,
 )
-from mlxr_core.http.openapi import documented
+from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.openai import schemas as s
@@ -50,41 +50,43 @@ from mlxr_plugins.apis.openai.tools import assistant_message, message_dict, tool
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 #: Media type of a streamed reply.
 SSE = "text/event-stream"
+#: What a route answers besides its annotations: errors in OpenAI's shape, replies that may stream.
+ERRORS = documented(error=s.ErrorBody)
 
 
 def make_router(ctx: ServerContext) -> Router:
     """The OpenAI API as a Litestar router (the ``openai`` entry of ``apis:``)."""
 
     @post("/chat/completions", status_code=200, operation_class=documented(
-        request=s.ChatCompletionRequest, response=s.ChatCompletion, error=s.ErrorBody, stream=SSE))
+        error=s.ErrorBody, response=s.ChatCompletion,
+        stream=Stream(SSE, (s.ChatCompletionChunk, s.ErrorBody), end="data: [DONE]")))
     async def chat_completions(
         data: JSONBody[s.ChatCompletionRequest], request: Request[Any, Any, Any]
     ) -> Response[Any]:
         return await create_chat_completion(ctx, data, request)
 
     @post("/completions", status_code=200, operation_class=documented(
-        request=s.CompletionRequest, response=s.Completion, error=s.ErrorBody, stream=SSE))
+        error=s.ErrorBody, response=s.Completion, stream=Stream(SSE, (s.Completion, s.ErrorBody), end="data: [DONE]")))
     async def completions(data: JSONBody[s.CompletionRequest], request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_completion(ctx, data, request)
 
-    @get("/models", sync_to_thread=False, operation_class=documented(response=s.ModelList, error=s.ErrorBody))
-    def models() -> Response[Any]:
+    @get("/models", sync_to_thread=False, operation_class=ERRORS)
+    def models() -> s.ModelList:
         engine = ready_engine(ctx)
-        return json_response(s.ModelList([_card(info) for _, info in sorted(engine.models.items())]))
+        return s.ModelList([_card(info) for _, info in sorted(engine.models.items())])
 
     @get(
         "/models/{model_id:path}",
         sync_to_thread=False,
-        operation_class=documented(response=s.ModelCard, error=s.ErrorBody, path_strings=("model_id",)),
+        operation_class=documented(error=s.ErrorBody, path_strings=("model_id",)),
     )
-    def model(request: Request[Any, Any, Any]) -> Response[Any]:
+    def model(request: Request[Any, Any, Any]) -> s.ModelCard:
         # Model names may contain slashes; a path parameter arrives with a leading one.
         name = str(request.path_params["model_id"]).lstrip("/")
-        return json_response(_card(ready_engine(ctx).model(name)))
+        return _card(ready_engine(ctx).model(name))
 
-    @post("/embeddings", status_code=200, operation_class=documented(
-        request=EmbeddingRequest, response=EmbeddingList, error=s.ErrorBody))
-    async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+    @post("/embeddings", status_code=200, operation_class=ERRORS)
+    async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any]) -> EmbeddingList:
         return await create_embeddings(ctx, data, request)
 
     return Router(

@@ -33,10 +33,14 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 SYSTEM_FINGERPRINT = f"mlxr-{_version('mlxr')}"
 
 
+#: A model's name: never empty (which models exist, only the served list says).
+ModelName = Annotated[str, Meta(min_length=1)]
+
+
 class Request(Struct, forbid_unknown_fields=False):
     """Fields shared by chat completions and completions."""
 
-    model: str
+    model: ModelName
     max_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
@@ -86,7 +90,8 @@ class MessageToolCall(Struct, forbid_unknown_fields=False):
 
 
 class ChatMessage(Struct, forbid_unknown_fields=False):
-    role: str
+    #: ``developer`` is OpenAI's new name for ``system``.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
@@ -132,7 +137,7 @@ class ResponseFormat(Struct, forbid_unknown_fields=False):
 
 
 class ChatCompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None

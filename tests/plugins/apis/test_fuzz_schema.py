@@ -1,10 +1,12 @@
-"""Property-based fuzzing of every route the app's OpenAPI document lists, with schemathesis.
+"""Property-based fuzzing of every route the app's OpenAPI document lists, with schemathesis, and the
+document checked against the server.
 
 The app mounts every built-in API over the real engine serving a tiny random GGUF model, with
 ``server.max_tokens_cap`` keeping each generation to a few tokens. Schemathesis generates bodies
 both valid and invalid for each route's schema and checks every reply: never a 5xx, never a hang
 (each call has a read timeout), a status, content type and body that the document allows, and
-invalid bodies refused with a 4xx.
+invalid bodies refused with a 4xx. The document is the structs that decode the bodies (msgspec's
+own schema of each), so the bodies it allows and the ones the server serves agree.
 """
 
 from __future__ import annotations
@@ -13,7 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
+from jsonschema import Draft202012Validator
+from litestar import Litestar
+from litestar.handlers import HTTPRouteHandler
+from litestar.testing import TestClient
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -24,6 +31,7 @@ from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
     negative_data_rejection,
+    positive_data_acceptance,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -31,6 +39,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
 from mlxr_core.config.schema import Config, ModelConfig, ServerConfig  # noqa: E402
 from mlxr_core.engine.engine import Engine  # noqa: E402
 from mlxr_core.http.context import ServerContext  # noqa: E402
+from mlxr_core.http.openapi import json_schema  # noqa: E402
 from mlxr_core.http.server import build_app  # noqa: E402
 from mlxr_core.plugins import load_plugins  # noqa: E402
 
@@ -48,19 +57,39 @@ CHECKS = [
 
 
 @pytest.fixture(scope="module")
-def fuzzed_app(tiny_model_path: Path) -> Iterator[Any]:
+def app(tiny_model_path: Path) -> Iterator[Litestar]:
     config = Config(
         models=[ModelConfig(path=str(tiny_model_path), name="tiny", context_length=128)],
-        apis=["openai", "ollama", "anthropic"],
+        apis=["openai", "ollama", "anthropic", "rerank"],
         server=ServerConfig(max_tokens_cap=4, access_log=False),
     )
     host = load_plugins()
     engine = Engine(config, host)
     engine.start()
     try:
-        yield without_lifespan(build_app(ServerContext(config=config, host=host, engine=engine)))
+        yield build_app(ServerContext(config=config, host=host, engine=engine))
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def fuzzed_app(app: Litestar) -> Any:
+    return without_lifespan(app)
+
+
+@pytest.fixture(scope="module")
+def client(app: Litestar) -> TestClient:
+    """Requests to the app; its lifespan is not run (the engine is the fixture's)."""
+    return TestClient(app)
+
+
+@pytest.fixture(scope="module")
+def document(client: TestClient) -> dict[str, Any]:
+    """The OpenAPI document the server publishes."""
+    response = client.get("/schema/openapi.json")
+    assert response.status_code == 200
+    document: dict[str, Any] = response.json()
+    return document
 
 
 def without_lifespan(app: Any) -> Any:
@@ -88,8 +117,10 @@ def api_schema(fuzzed_app: Any) -> Any:
 
 
 def map_body(context: Any, body: Any) -> Any:
-    """Send half of the generated requests to the served model, so that they reach generation."""
-    if isinstance(body, dict) and isinstance(body.get("model"), str) and len(body["model"]) % 2 == 0:
+    """Send half of the generated requests to the served model, so that they reach generation (an
+    empty name, which the schema refuses, stays as it is)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str) and model and len(model) % 2 == 0:
         return {**body, "model": "tiny"}
     return body
 
@@ -122,7 +153,7 @@ def fuzz(operation: Any, mode: GenerationMode) -> None:
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=str)
 def test_every_route_survives_fuzzing(api_schema: Any, mode: GenerationMode) -> None:
     operations = [result.ok() for result in api_schema.get_all_operations()]
-    assert len(operations) >= 10  # every API's routes are in the document
+    assert len(operations) >= 20  # every API's routes are in the document
     failures = []
     for operation in operations:
         try:
@@ -130,3 +161,118 @@ def test_every_route_survives_fuzzing(api_schema: Any, mode: GenerationMode) -> 
         except Exception as exc:  # collect every route's failure, not just the first
             failures.append(f"{operation.label}: {exc}")
     assert not failures, "\n\n".join(failures)
+
+
+def typed_routes(app: Litestar) -> Iterator[tuple[str, str, HTTPRouteHandler]]:
+    """(method, path, handler) of every route whose handler takes a typed body."""
+    for route in app.routes:
+        for handler in getattr(route, "route_handlers", []):
+            if isinstance(handler, HTTPRouteHandler) and handler.parsed_data_field is not None:
+                for method in handler.http_methods:
+                    yield method.lower(), route.path, handler
+
+
+def test_the_document_states_the_structs_that_decode_each_body(app: Litestar, document: dict[str, Any]) -> None:
+    """A typed route's body and plain JSON reply are documented as msgspec's schema of the very types
+    its handler declares: what the document allows is what the decoder accepts."""
+    routes = list(typed_routes(app))
+    assert len(routes) >= 10, routes
+    for method, path, handler in routes:
+        operation = document["paths"][path][method]
+        body = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert body == json_schema(handler.parsed_data_field.raw), path  # type: ignore[union-attr]
+        returned = handler.parsed_fn_signature.return_type.annotation
+        if isinstance(returned, type) and issubclass(returned, msgspec.Struct):
+            assert operation["responses"]["200"]["content"]["application/json"]["schema"] == json_schema(returned), path
+
+
+# Bodies on each side of the document's line, for the routes the published schema got wrong: each
+# is valid or not by the document, and the server serves (200) or refuses (400) it accordingly.
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+AGREEMENT = [
+    ("/v1/chat/completions", {"messages": [], "model": ""}, False),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, False),
+    ("/v1/chat/completions", {**CHAT, "model": ""}, False),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, False),
+    ("/v1/chat/completions", {**CHAT, "temperature": -0.5}, False),
+    ("/v1/chat/completions", {**CHAT, "max_tokens": "5"}, False),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "developer", "content": "be brief"}, *CHAT["messages"]]}, True),
+    ("/v1/chat/completions", CHAT, True),
+    ("/v1/completions", {"model": "", "prompt": "hi"}, False),
+    ("/v1/embeddings", {"model": "", "input": "hi"}, False),
+    ("/v1/embeddings", {"model": "tiny", "input": "hi"}, True),
+    ("/v1/messages", {**CHAT, "max_tokens": 2, "messages": []}, False),
+    ("/v1/messages", {**CHAT, "max_tokens": 2, "messages": [{"role": "system", "content": "x"}]}, False),
+    ("/v1/messages", {**CHAT, "max_tokens": 0}, False),
+    ("/v1/messages", {**CHAT, "max_tokens": 2}, True),
+    ("/v1/messages/count_tokens", {"model": "", "messages": CHAT["messages"]}, False),
+    ("/api/show", {}, False),
+    ("/api/show", {"model": ""}, False),
+    ("/api/show", {"model": None}, False),
+    ("/api/show", {"model": 5}, False),
+    ("/api/show", {"verbose": True}, False),
+    ("/api/show", {"model": "tiny"}, True),
+    ("/api/show", {"name": "tiny"}, True),
+    ("/api/show", {"model": "tiny", "verbose": True, "extra": 1}, True),
+    ("/api/chat", {"messages": []}, False),
+    ("/api/chat", {"model": "", "messages": []}, False),
+    ("/api/chat", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}], "stream": False}, False),
+    ("/api/chat", {"model": "tiny", "messages": []}, True),  # Ollama's way to load a model
+    ("/api/chat", {**CHAT, "stream": False}, True),
+    ("/api/generate", {"prompt": "hi", "stream": False}, False),
+    ("/api/generate", {"model": "tiny", "prompt": "hi", "stream": False}, True),
+    ("/api/embed", {"model": "", "input": "hi"}, False),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "valid"), AGREEMENT)
+def test_the_document_and_the_server_agree_on_a_body(
+    client: TestClient, document: dict[str, Any], path: str, body: dict[str, Any], valid: bool
+) -> None:
+    schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    errors = [error.message for error in Draft202012Validator(schema).iter_errors(body)]
+    assert (not errors) == valid, errors
+    response = client.post(path, json=body)
+    assert response.status_code == (200 if valid else 400), response.text[:300]
+
+
+@pytest.mark.parametrize(
+    ("mode", "check"),
+    [(GenerationMode.POSITIVE, positive_data_acceptance), (GenerationMode.NEGATIVE, negative_data_rejection)],
+    ids=["valid-served", "invalid-refused"],
+)
+def test_show_serves_exactly_the_bodies_its_schema_allows(api_schema: Any, mode: GenerationMode, check: Any) -> None:
+    """``/api/show``, whose answer depends on nothing but the model it names: every generated valid
+    body is served (or a 404 for a model not served), every invalid one refused."""
+
+    @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+    @given(case=api_schema["/api/show"]["POST"].as_strategy(generation_mode=mode))
+    def served(case: Any) -> None:
+        case.validate_response(case.call(timeout=READ_TIMEOUT_S), checks=[check])
+
+    served()
+
+
+def test_streamed_replies_are_documented_with_their_events(document: dict[str, Any]) -> None:
+    """A route that may stream documents both replies: the JSON one, and the stream's media type
+    with the schema of each event (not a bare string)."""
+    streamed = {}
+    for path, operations in document["paths"].items():
+        for method, operation in operations.items():
+            content = operation["responses"].get("200", {}).get("content", {})
+            for media_type, described in content.items():
+                if media_type != "application/json":
+                    streamed[(method, path)] = (media_type, described)
+    expected = {
+        ("post", "/v1/chat/completions"): ("text/event-stream", "ChatCompletionChunk"),
+        ("post", "/v1/completions"): ("text/event-stream", "Completion"),
+        ("post", "/v1/messages"): ("text/event-stream", "ContentBlockDelta"),
+        ("post", "/api/chat"): ("application/x-ndjson", "ChatChunk"),
+        ("post", "/api/generate"): ("application/x-ndjson", "GenerateChunk"),
+    }
+    for route, (media_type, event) in expected.items():
+        documented_type, described = streamed[route]
+        assert documented_type == media_type, route
+        assert described["schema"]["contentMediaType"] == media_type and "x-item-schema" in described["schema"]["description"]
+        assert event in msgspec.json.encode(described["x-item-schema"]).decode(), route
+        assert "error" in msgspec.json.encode(described["x-item-schema"]).decode(), route  # a failure mid-stream

@@ -157,7 +157,8 @@ BAD_REQUESTS = [
     # (path, raw body, status, words the error must contain)
     ("/api/chat", b'{"model": "fake", "messages": [', 400, "not valid JSON"),
     ("/api/chat", b"", 400, "empty"),
-    ("/api/chat", json.dumps({"messages": []}).encode(), 400, "model is required"),
+    ("/api/chat", json.dumps({"messages": []}).encode(), 400, "missing required field `model`"),
+    ("/api/chat", json.dumps({"model": "", "messages": []}).encode(), 400, "model"),
     ("/api/chat", json.dumps(chat(model="nope")).encode(), 404, "not found"),
     ("/api/chat", json.dumps(chat(options={"temperature": "hot"})).encode(), 400, "options.temperature"),
     ("/api/chat", json.dumps(chat(options={"temperature": 3})).encode(), 400, "options.temperature"),
@@ -177,6 +178,7 @@ BAD_REQUESTS = [
     ("/api/generate", json.dumps({"model": "fake", "prompt": 5}).encode(), 400, "prompt"),
     ("/api/show", json.dumps({"model": "nope"}).encode(), 404, "not found"),
     ("/api/show", json.dumps({}).encode(), 400, "model is required"),
+    ("/api/show", json.dumps({"name": ""}).encode(), 400, "name"),
     ("/api/embed", json.dumps({"model": "nope", "input": "x"}).encode(), 404, "not found"),
     ("/api/embed", json.dumps({"model": "fake", "input": ["x", ""]}).encode(), 400, "empty strings"),
     ("/api/embed", json.dumps({"model": "fake", "input": 5}).encode(), 400, "input"),
