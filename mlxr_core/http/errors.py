@@ -5,17 +5,26 @@ its status (with ``Retry-After`` where waiting helps), Litestar's own validation
 parameter its handler's types refuse) becomes a :class:`RequestError` naming the field, its other
 HTTP errors (413, 405 ...) an ``MlxrError`` of that status, and anything unexpected is logged with
 its traceback and answered with a bare 500, never the traceback.
+
+A request no route matches never reaches a router's handlers: :func:`unmatched_route_handlers`, on
+the app, answers its 404 (or the 405 of a path that serves other methods) in the error shape of the
+API whose routes the path falls under.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
-from litestar.types import ExceptionHandlersMap
+from litestar import Request, Response, Router
+from litestar.exceptions import (
+    HTTPException,
+    MethodNotAllowedException,
+    NotFoundException,
+    ValidationException,
+)
+from litestar.types import ExceptionHandler, ExceptionHandlersMap
 
 from mlxr_core.errors import EngineStopped, MlxrError, Overloaded, RequestError
 
@@ -79,3 +88,74 @@ def validation_error(exc: ValidationException) -> RequestError:
     source = getattr(first.get("source"), "value", first.get("source"))  # ParamType.QUERY -> "query"
     where = f" ({source} parameter)" if source not in (None, "body") else ""
     return RequestError(f"invalid request: {message}{where}", field=key if isinstance(key, str) else None)
+
+
+class RouteNotFound(MlxrError):
+    """No route serves the path."""
+
+    status = 404
+
+
+class MethodNotAllowed(MlxrError):
+    """The path is served, not with this method."""
+
+    status = 405
+
+
+def unmatched_route_handlers(routers: Sequence[Router], fallback: ExceptionHandler) -> ExceptionHandlersMap:
+    """App-level handlers for a request no route matched (404) or whose path serves other methods
+    (405), answered by the router whose routes share the most leading path segments with it (one at
+    least: ``/v1/messages/x`` goes to the router of ``/v1/messages``, ``/v1/x`` to the first of
+    ``routers`` under ``/v1``), in that router's error shape; ``fallback`` answers the rest."""
+    prefixes = [(router, [_segments(route.path) for route in router.routes]) for router in routers]
+
+    def owner(path: str) -> Router | None:
+        segments = _segments(path)
+        best, best_shared = None, 0
+        for router, paths in prefixes:
+            shared = max((_shared(segments, route) for route in paths), default=0)
+            if shared > best_shared:  # ties go to the router listed first
+                best, best_shared = router, shared
+        return best
+
+    def answer(request: Request[Any, Any, Any], exc: HTTPException, error: MlxrError) -> Response[Any]:
+        if "route_handler" in request.scope:  # a matched route raised it: what its layers say
+            merged = request.route_handler.resolve_exception_handlers()
+            mine = {NotFoundException, MethodNotAllowedException}
+            handler = _handler_for({k: v for k, v in merged.items() if k not in mine}, exc)
+            error.message = str(exc.detail)
+            return handler(request, exc) if handler is not None else fallback(request, error)
+        router = owner(request.url.path)
+        handler = None if router is None else _handler_for(router.exception_handlers, error)
+        response: Response[Any] = (handler or fallback)(request, error)
+        for name, value in (exc.headers or {}).items():  # a 405's Allow
+            response.headers.setdefault(name, value)
+        return response
+
+    def on_not_found(request: Request[Any, Any, Any], exc: NotFoundException) -> Response[Any]:
+        return answer(request, exc, RouteNotFound(f"no route {request.method} {request.url.path}"))
+
+    def on_method_not_allowed(request: Request[Any, Any, Any], exc: MethodNotAllowedException) -> Response[Any]:
+        allowed = (exc.headers or {}).get("allow", "")
+        message = f"{request.url.path} does not answer {request.method}" + (f"; it answers {allowed}" if allowed else "")
+        return answer(request, exc, MethodNotAllowed(message))
+
+    return {NotFoundException: on_not_found, MethodNotAllowedException: on_method_not_allowed}
+
+
+def _segments(path: str) -> list[str]:
+    return [segment for segment in path.split("/") if segment]
+
+
+def _shared(path: list[str], route: list[str]) -> int:
+    """How many leading segments two paths share."""
+    differ = (i for i, (ours, theirs) in enumerate(zip(path, route, strict=False)) if ours != theirs)
+    return next(differ, min(len(path), len(route)))
+
+
+def _handler_for(handlers: ExceptionHandlersMap, exc: Exception) -> ExceptionHandler | None:
+    """The handler Litestar would pick for ``exc`` from ``handlers``: by status, then by class."""
+    status = getattr(exc, "status_code", getattr(exc, "status", None))
+    if isinstance(status, int) and status in handlers:
+        return handlers[status]
+    return next((handlers[kind] for kind in type(exc).__mro__ if kind in handlers), None)

@@ -10,7 +10,9 @@ The app starts the engine in the background when it starts (so ``GET /health`` a
 models load) and stops it when it shuts down. Each API plugin's factory
 ``make(ctx) -> litestar.Router`` returns a router that carries its own exception handlers, so an
 error reaches the client in that API's wire format -- the 401 of a missing API key included, since
-the key check is a guard that runs inside each route (:mod:`mlxr_core.http.access`).
+the key check is a guard that runs inside each route (:mod:`mlxr_core.http.access`), and the 404 of
+a path no route serves under the API's prefix (``/v1/nope``, ``/api/nope``; the 405 of a method the
+path does not answer likewise).
 
 Operations: ``GET /metrics`` (Prometheus, :mod:`mlxr_core.http.metrics`), one access-log line and an
 ``x-request-id`` per request, a body size limit (``server.max_body_bytes``, 413), CORS only for
@@ -35,6 +37,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 from mlxr_core.errors import ConfigError, MlxrError, PluginLoadError, close_matches
 from mlxr_core.http.access import ApiKeys, RequestLog, api_key_guard, json_body_guard
 from mlxr_core.http.context import ServerContext
+from mlxr_core.http.errors import unmatched_route_handlers
 from mlxr_core.http.frontend import JsonRequest
 from mlxr_core.http.metrics import CONTENT_TYPE, mlx_memory
 from mlxr_core.http.openapi import StructSchemas
@@ -64,8 +67,9 @@ def build_app(ctx: ServerContext) -> Litestar:
         lifespan=[_engine_lifespan(ctx)],
         cors_config=cors,
         guards=[api_key_guard(ApiKeys(server.api_keys, exempt=server.auth_exempt)), json_body_guard],
-        # Routes outside the API routers (/health, /metrics) answer errors as {"error": "..."}.
-        exception_handlers={MlxrError: _plain_error},
+        # Routes outside the API routers (/health, /metrics) answer errors as {"error": "..."}; a
+        # path no route serves, in the shape of the API it falls under (/v1/..., /api/...).
+        exception_handlers={MlxrError: _plain_error, **unmatched_route_handlers(routers, _plain_error)},
         request_max_body_size=server.max_body_bytes,
         # Typed bodies (``data: JSONBody[Struct]``) decoded strictly, depth-bounded, errors naming the field.
         request_class=JsonRequest,

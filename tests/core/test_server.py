@@ -154,6 +154,16 @@ def test_a_typed_body_is_decoded_strictly_and_refused_naming_its_field(body: byt
         assert r.status_code == 400 and r.json()["field"] == "limit" and "query parameter" in r.json()["typed_error"], r.text
 
 
+def test_an_unknown_path_under_an_api_answers_in_that_apis_shape() -> None:
+    with TestClient(build_app(make_ctx(LifecycleEngine("ready"), ["openai", "typed"]))) as client:
+        typed = client.get("/typed/nope")
+        assert typed.status_code == 404 and typed.json() == {"typed_error": "no route GET /typed/nope", "field": None}
+        wrong = client.put("/typed/echo", json={})
+        assert wrong.status_code == 405 and "does not answer PUT; it answers" in wrong.json()["typed_error"]
+        openai = client.get("/v1/nope")
+        assert openai.status_code == 404 and openai.json()["error"]["message"] == "no route GET /v1/nope"
+
+
 def test_lifespan_starts_the_engine_in_the_background_and_stops_it() -> None:
     engine = LifecycleEngine()
     with TestClient(build_app(make_ctx(engine, ["openai"]))) as client:

@@ -216,3 +216,50 @@ def test_hostile_chat_templates_fail_the_request_not_the_server(
     assert client.get("/health").status_code == 200
     # The same server still serves a model with a sound template.
     assert client.post(api["path"], json=api["body"]).status_code == 200
+
+
+#: Which API a path falls under, by the shape its error body has (OpenAI's and Anthropic's both
+#: hold ``error.message`` and ``error.type``: only OpenAI's has ``param``, only Anthropic's ``type``).
+SHAPES: dict[str, Callable[[Any], bool]] = {
+    "openai": lambda b: set(b) == {"error"} and set(b["error"]) == {"message", "type", "param", "code"},
+    "ollama": lambda b: set(b) == {"error"} and isinstance(b["error"], str),
+    "anthropic": lambda b: b["type"] == "error" and set(b["error"]) == {"type", "message"},
+}
+
+
+@pytest.mark.parametrize(
+    ("api_name", "method", "path"),
+    [
+        ("openai", "POST", "/v1/nope"),
+        ("openai", "GET", "/v1/chat/completions/nope"),
+        ("openai", "GET", "/v1"),
+        ("ollama", "GET", "/api/nope"),
+        ("ollama", "POST", "/api/chat/nope"),
+        ("ollama", "GET", "/api"),
+        ("anthropic", "POST", "/v1/messages/nope"),
+        ("anthropic", "GET", "/v1/messages/count_tokens/nope"),
+    ],
+)
+def test_an_unknown_path_under_an_apis_prefix_is_a_404_in_that_apis_shape(
+    client: TestClient, api_name: str, method: str, path: str
+) -> None:
+    response = client.request(method, path, json={"model": "tiny"})
+    assert response.status_code == 404, response.text[:300]
+    assert SHAPES[api_name](response.json()) and path in response.text, response.text[:300]
+
+
+@pytest.mark.parametrize(
+    ("api_name", "method", "path"),
+    [("openai", "GET", "/v1/chat/completions"), ("ollama", "GET", "/api/chat"), ("anthropic", "GET", "/v1/messages")],
+)
+def test_a_method_a_path_does_not_answer_is_a_405_in_that_apis_shape(
+    client: TestClient, api_name: str, method: str, path: str
+) -> None:
+    response = client.request(method, path)
+    assert response.status_code == 405 and "POST" in response.headers["allow"], response.text[:300]
+    assert SHAPES[api_name](response.json()) and "POST" in response.text, response.text[:300]
+
+
+def test_a_path_under_no_api_is_a_plain_404(client: TestClient) -> None:
+    response = client.get("/nope")
+    assert response.status_code == 404 and response.json() == {"error": "no route GET /nope"}
