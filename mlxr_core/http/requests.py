@@ -79,3 +79,20 @@ def stop_strings(stop: str | Sequence[str] | None, param: str = "stop") -> list[
         if len(text) > MAX_STOP_CHARS:
             raise RequestError(f"stop strings must be at most {MAX_STOP_CHARS} characters", field=param)
     return stops
+
+
+def template_variables(
+    requested: dict[str, Any] | None = None, *, thinking: bool | None = None, effort: str | None = None
+) -> dict[str, Any]:
+    """A request's chat template variables: its ``chat_template_kwargs`` (vLLM's and llama.cpp's
+    field), over the switches an API has its own field for: ``thinking`` as ``enable_thinking``
+    (Qwen3-style templates; Ollama's ``think``, Anthropic's ``thinking.type``) and ``effort`` as
+    ``reasoning_effort`` (Harmony's templates; OpenAI's ``reasoning_effort``, Ollama's
+    ``think: "high"``). The model's ``models[].chat_template_kwargs`` lie under all of them
+    (:func:`mlxr_core.tool_calling.prepare_chat`)."""
+    variables: dict[str, Any] = {}
+    if thinking is not None:
+        variables["enable_thinking"] = thinking
+    if effort is not None:
+        variables["reasoning_effort"] = effort
+    return {**variables, **(requested or {})}

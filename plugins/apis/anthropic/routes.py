@@ -41,7 +41,7 @@ from mlxr_core.http.frontend import (
     submit,
 )
 from mlxr_core.http.openapi import Stream, documented
-from mlxr_core.http.requests import sampling_params
+from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.parsing import Tool
 from mlxr_core.tool_calling import ChatSetup, ToolChoice, model_parsers, prepare_chat
 from mlxr_plugins.apis.anthropic import schemas as s
@@ -113,9 +113,11 @@ def prepare(ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTo
         if not messages:
             raise RequestError("messages: the conversation must start with a user turn", field="messages")
     tools, choice, parallel = tool_request(body)
+    thinking = None if body.thinking is None else body.thinking.type == "enabled"
+    variables = template_variables(body.chat_template_kwargs, thinking=thinking)
     return prepare_chat(
         engine, info, model_parsers(ctx, info), messages,
-        tools=tools, choice=choice, parallel=parallel, prefill=prefill,
+        tools=tools, choice=choice, parallel=parallel, prefill=prefill, template_kwargs=variables,
     )
 
 

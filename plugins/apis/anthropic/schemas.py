@@ -72,6 +72,8 @@ class CountTokensRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    #: Chat template variables for this request (vLLM's field, an extension here), over the model's.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class MessagesRequest(CountTokensRequest, forbid_unknown_fields=False, kw_only=True):

@@ -38,7 +38,7 @@ from mlxr_core.http.frontend import (
     submit,
 )
 from mlxr_core.http.openapi import Stream, documented
-from mlxr_core.http.requests import sampling_params
+from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.ollama import embed as embedding
 from mlxr_plugins.apis.ollama import models
@@ -132,7 +132,8 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
     params.constraint = format_constraint(ctx, body.format)
     tools = tools_of(body.tools)
     prepare = functools.partial(
-        prepare_chat, engine, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools)
+        prepare_chat, engine, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools),
+        template_kwargs=think_variables(body),
     )
     setup = await anyio.to_thread.run_sync(prepare)
     params.constraint = setup.constraint or params.constraint
@@ -278,3 +279,11 @@ def format_constraint(ctx: ServerContext, value: Any) -> Constraint | None:
 def _refuse_unsupported(body: s.BaseRequest) -> None:
     if body.think not in (None, False):
         raise RequestError(f"{body.model!r} does not support thinking", field="think")
+
+
+def think_variables(body: s.BaseRequest) -> dict[str, Any]:
+    """``think`` as the template's switches: ``false`` turns thinking off (``enable_thinking``),
+    ``"low"``/``"medium"``/``"high"`` set the effort (gpt-oss), ``true`` turns it on."""
+    if isinstance(body.think, str):
+        return template_variables(body.chat_template_kwargs, effort=body.think)
+    return template_variables(body.chat_template_kwargs, thinking=body.think)

@@ -62,6 +62,8 @@ class BaseRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     format: Any = None
     keep_alive: float | str | None = None
     think: bool | str | None = None
+    #: Chat template variables for this request (vLLM's field, an extension here), over the model's.
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class ChatRequest(BaseRequest, forbid_unknown_fields=False, kw_only=True):

@@ -48,7 +48,7 @@ from mlxr_core.http.frontend import (
     tracked_events,
 )
 from mlxr_core.http.openapi import documented
-from mlxr_core.http.requests import sampling_params
+from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.model.paths import data_dir
 from mlxr_core.parsing import Text, Tool, ToolCall
 from mlxr_core.tool_calling import (
@@ -318,9 +318,8 @@ class Responses:
         info = engine.model(body.model)
         tools, choice, parallel = tool_request(body)
         params.constraint = text_constraint(ctx, body.text)
-        variables = dict(body.chat_template_kwargs or {})
-        if body.reasoning is not None and body.reasoning.effort is not None:
-            variables.setdefault("reasoning_effort", body.reasoning.effort)  # Harmony's templates read it
+        effort = body.reasoning.effort if body.reasoning is not None else None
+        variables = template_variables(body.chat_template_kwargs, effort=effort)
         prepare = functools.partial(
             prepare_chat, engine, info, model_parsers(ctx, info), chat, tools=tools, choice=choice,
             parallel=parallel, template_kwargs=variables,

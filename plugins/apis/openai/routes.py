@@ -29,7 +29,7 @@ from mlxr_core.http.frontend import (
     submit,
 )
 from mlxr_core.http.openapi import Stream, documented
-from mlxr_core.http.requests import sampling_params
+from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
@@ -110,9 +110,10 @@ async def create_chat_completion(
     engine = ready_engine(ctx)
     info = engine.model(body.model)  # an unknown model is a 404 before any templating
     tools, tool_choice, parallel = tool_request(body)
+    variables = template_variables(body.chat_template_kwargs, effort=body.reasoning_effort)
     prepare = functools.partial(
         prepare_chat, engine, info, model_parsers(ctx, info), messages,
-        tools=tools, choice=tool_choice, parallel=parallel,
+        tools=tools, choice=tool_choice, parallel=parallel, template_kwargs=variables,
     )
     setup = await anyio.to_thread.run_sync(prepare)
     params.constraint = setup.constraint or params.constraint

@@ -145,6 +145,10 @@ class ChatCompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
     #: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    #: Chat template variables for this request (vLLM's and llama.cpp's field), over the model's.
+    chat_template_kwargs: dict[str, Any] | None = None
+    #: OpenAI's reasoning effort, given to the template as ``reasoning_effort``.
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
 class CompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):

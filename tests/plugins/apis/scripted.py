@@ -36,7 +36,10 @@ class FakeTokenizer:
         return ([1] if add_special_tokens else []) + [b for b in text.encode()]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        """Each turn as ``<role>content``, then the template variables a request or the model
+        set (``[enable_thinking=False]``), then ``<assistant>``."""
+        variables = "".join(f"[{k}={v}]" for k, v in sorted(kwargs.items()) if k not in ("tools", "add_generation_prompt"))
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + variables + "<assistant>"
 
 
 class FakeEngine:
