@@ -90,6 +90,18 @@ class ServerConfig:
 
 
 @attrs.define
+class KVCacheConfig:
+    """Keys and values stored quantized (:mod:`mlxr_core.model.quantized_cache`)."""
+
+    #: Bits per stored element: 8 (close to full precision) or 4.
+    bits: int = attrs.field(validator=v.in_((8, 4)))
+    #: Elements of a head sharing one scale and bias; the model's head size must be a multiple.
+    group_size: int = attrs.field(default=64, validator=v.in_((32, 64, 128)))
+    #: A sequence stays full precision until it holds this many tokens, then is quantized.
+    start_after: int = attrs.field(default=0, validator=v.ge(0))
+
+
+@attrs.define
 class ModelConfig:
     #: A file, a folder, or ``pkg:DISTRIBUTION[/relative/path]``.
     path: str = attrs.field(validator=v.min_len(1))
@@ -132,6 +144,8 @@ class ModelConfig:
     #: layers' caches: less Python and fewer kernel launches per token, same logits. Architectures
     #: that do not offer the cut points decode eagerly. See :mod:`mlxr_core.model.compiled`.
     compile_decode: bool = True
+    #: Quantized keys and values (``{bits: 8 | 4, group_size, start_after}``); None: full precision.
+    kv_cache: KVCacheConfig | None = None
 
 
 @attrs.define

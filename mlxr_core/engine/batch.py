@@ -342,14 +342,22 @@ def _itemsize(model: LoadedModel) -> int:
     return {"float32": 4, "float16": 2, "bfloat16": 2}[model.dtype]
 
 
-def kv_bytes_per_token(model: LoadedModel) -> int:
-    """Bytes of keys and values one position costs across the attention layers."""
+def kv_bytes_per_token(model: LoadedModel, *, full_precision: bool = False) -> int:
+    """Bytes of keys and values one position costs across the attention layers: packed under
+    ``models[].kv_cache`` (unless ``full_precision``)."""
     shapes = model.arch.kernel_context(model.config)
     layers = sum(1 for cache in model.make_cache() if cache.attends)
-    return 2 * layers * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * _itemsize(model)
+    heads, head_dim, itemsize = int(shapes["n_kv_heads"]), int(shapes["head_dim"]), _itemsize(model)
+    if model.kv_cache is not None and not full_precision:
+        return layers * model.kv_cache.bytes_per_position(heads, head_dim, itemsize)
+    return 2 * layers * heads * head_dim * itemsize
 
 
 def sequence_bytes(model: LoadedModel, tokens: int, kv_per_token: int) -> int:
     """Bytes a sequence of ``tokens`` positions holds in ``model``'s caches: keys and values per
-    position, plus the fixed state of its recurrent layers."""
-    return reserve_bytes(model.make_cache(), tokens, kv_per_token, _itemsize(model))
+    position, plus the fixed state of its recurrent layers, plus under a quantized cache's
+    ``start_after`` the full-precision copy it keeps of a sequence's first positions."""
+    held = reserve_bytes(model.make_cache(), tokens, kv_per_token, _itemsize(model))
+    if model.kv_cache is not None and model.kv_cache.start_after > 0:
+        held += min(tokens, model.kv_cache.start_after) * kv_bytes_per_token(model, full_precision=True)
+    return held

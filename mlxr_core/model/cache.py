@@ -236,7 +236,43 @@ class KVCache:
         return cache
 
 
-class BatchKVCache:
+class RightAlignedRows:
+    """Rows of a batch cache ending together at position :attr:`length`, row ``i`` starting after
+    ``left_padding[i]`` unused positions: each row's rotary position and the padding mask."""
+
+    left_padding: list[int]
+    length: int
+    _offset: mx.array | None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.left_padding)
+
+    @property
+    def offset(self) -> int | mx.array:
+        """Each row's number of positions: where its next token's rotary position is. An int when
+        every row has the same length (no per-row offsets to upload), else an ``[B]`` array."""
+        first = self.left_padding[0] if self.left_padding else 0
+        if all(pad == first for pad in self.left_padding):
+            return self.length - first
+        if self._offset is None:
+            self._offset = mx.array([self.length - pad for pad in self.left_padding])
+        return self._offset
+
+    @property
+    def padded(self) -> bool:
+        """Whether some row starts after padding (only then does attention need a mask)."""
+        return any(pad > 0 for pad in self.left_padding)
+
+    def mask(self, extra: int = 1) -> mx.array:
+        """Boolean ``[B, 1, 1, length + extra]`` mask letting each row see only its own positions
+        (for a decode step that adds ``extra`` positions)."""
+        positions = mx.arange(self.length + extra)
+        pads = mx.array(self.left_padding)
+        return (positions[None, :] >= pads[:, None])[:, None, None, :]
+
+
+class BatchKVCache(RightAlignedRows):
     """Keys and values of one layer for a batch of sequences of different lengths.
 
     Rows are right-aligned: every row ends at position :attr:`length`, and row ``i`` starts after
@@ -267,33 +303,6 @@ class BatchKVCache:
         the first keys written to it or from the rows it joins."""
         nothing = mx.zeros((1, 1, 0, 1))
         return cls(nothing, nothing, [0], 0)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.left_padding)
-
-    @property
-    def offset(self) -> int | mx.array:
-        """Each row's number of positions: where its next token's rotary position is. An int when
-        every row has the same length (no per-row offsets to upload), else an ``[B]`` array."""
-        first = self.left_padding[0] if self.left_padding else 0
-        if all(pad == first for pad in self.left_padding):
-            return self.length - first
-        if self._offset is None:
-            self._offset = mx.array([self.length - pad for pad in self.left_padding])
-        return self._offset
-
-    @property
-    def padded(self) -> bool:
-        """Whether some row starts after padding (only then does attention need a mask)."""
-        return any(pad > 0 for pad in self.left_padding)
-
-    def mask(self, extra: int = 1) -> mx.array:
-        """Boolean ``[B, 1, 1, length + extra]`` mask letting each row see only its own positions
-        (for a decode step that adds ``extra`` positions)."""
-        positions = mx.arange(self.length + extra)
-        pads = mx.array(self.left_padding)
-        return (positions[None, :] >= pads[:, None])[:, None, None, :]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start, length = self.length, keys.shape[2]

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from mlxr_core.errors import (
     ArchitectureUnavailable,
+    ConfigError,
     ModelLoadError,
     UnknownArchitecture,
     UnsupportedFormat,
@@ -36,8 +37,10 @@ from mlxr_core.model.arch import (
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
+from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.paths import default_model_name, resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
+from mlxr_core.model.quantized_cache import KVQuantization, quantize_caches
 from mlxr_core.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -71,9 +74,12 @@ class LoadedModel:
     compiled_decode: CompiledDecode | None = None
     #: How the architecture was chosen (:attr:`ArchChoice.reason`).
     arch_reason: str = ""
+    #: Keys and values stored quantized (``models[].kv_cache``), or None for full precision.
+    kv_cache: KVQuantization | None = None
 
     def make_cache(self) -> list[Any]:
-        return self.arch.make_cache(self.model)
+        caches = self.arch.make_cache(self.model)
+        return caches if self.kv_cache is None else quantize_caches(caches, self.kv_cache)
 
     def decode(self, tokens: mx.array, caches: list[Any], mask: mx.array | None = None) -> mx.array:
         """One decode step: ``[B]`` tokens, each the next of its row in ``caches`` (advanced in
@@ -298,6 +304,34 @@ def build_model(
     return model
 
 
+def kv_quantization(
+    model_config: ModelConfig, model: nn.Module, chosen: ArchChoice, name: str
+) -> KVQuantization | None:
+    """``models[].kv_cache`` for a built model, or None when unset. Raises ConfigError, naming the
+    key, where the model cannot attend over a quantized cache: an architecture fallback's layers
+    (mlx-lm's own attention), attention layers that read their cache themselves (Gemma 4's shared
+    keys), a head size that is not a multiple of ``group_size``."""
+    setting = model_config.kv_cache
+    if setting is None:
+        return None
+    why = None
+    layers = [module for _, module in model.named_modules() if isinstance(module, Attention)]
+    if chosen.path != "native":
+        why = f"it runs through the {chosen.path} architecture fallback, whose attention is not mlxr's"
+    elif not layers or any(type(layer).attention is not Attention.attention for layer in layers):
+        why = f"the {chosen.arch.__class__.__name__} architecture's attention reads its cache itself"
+    if why is not None:
+        raise ConfigError(f"model {name}: models[].kv_cache cannot apply: {why}; remove it", field="models[].kv_cache")
+    head_dims = sorted({layer.head_dim for layer in layers})
+    if any(dim % setting.group_size for dim in head_dims):
+        raise ConfigError(
+            f"model {name}: models[].kv_cache.group_size {setting.group_size} does not divide the "
+            f"head size {', '.join(map(str, head_dims))}; pick one of 32, 64, 128 that does",
+            field="models[].kv_cache.group_size",
+        )
+    return KVQuantization(setting.bits, setting.group_size, setting.start_after)
+
+
 def load_model(
     model_config: ModelConfig,
     registries: Registries,
@@ -362,6 +396,7 @@ def load_model(
 
     context_length = model_config.context_length or arch.context_length(config)
     name = model_config.name or default_model_name(path)
+    kv_cache = kv_quantization(model_config, model, chosen, name)
     loaded = LoadedModel(
         name=name,
         model=model,
@@ -377,6 +412,7 @@ def load_model(
         metadata=checkpoint.metadata,
         compiled_decode=compiled,
         arch_reason=chosen.reason,
+        kv_cache=kv_cache,
     )
     log.info(
         "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s, decode step %s",

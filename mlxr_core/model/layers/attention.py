@@ -20,6 +20,7 @@ from mlxr_core.model.fuse import fuse_into
 from mlxr_core.model.layers.norms import RMSNorm
 from mlxr_core.model.layers.rope import Rotary
 from mlxr_core.model.masks import window_mask
+from mlxr_core.model.quantized_cache import QUANTIZED_CACHES
 
 
 class Attention(nn.Module):
@@ -137,12 +138,18 @@ class Attention(nn.Module):
     ) -> mx.array:
         """The new positions' keys and values into ``cache``, then attention over all of it:
         ``[B, heads, L, D]`` -> ``[B, heads, L, D]`` (heads not yet merged, so that a compiled
-        step does the merge inside its graph)."""
+        step does the merge inside its graph). A quantized cache
+        (:mod:`mlxr_core.model.quantized_cache`) attends over its packed keys and values itself."""
+        extra: dict[str, Any] = {"sinks": self["sinks"]} if "sinks" in self else {}
+        if isinstance(cache, QUANTIZED_CACHES):
+            return cache.update_and_attend(
+                queries, keys, values, scale=self.scale, mask=mask, window=self.window,
+                attention=self._attention, **extra,
+            )  # fmt: skip
         if cache is not None:
             keys, values = cache.update_and_fetch(keys, values)
         if self.window is not None:
             mask = window_mask(mask, queries.shape[2], keys.shape[2], self.window)
-        extra: dict[str, Any] = {"sinks": self["sinks"]} if "sinks" in self else {}
         out: mx.array = self._attention(queries, keys, values, scale=self.scale, mask=mask, **extra)
         return out
 

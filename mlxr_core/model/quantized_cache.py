@@ -1,0 +1,364 @@
+"""Keys and values stored quantized (``models[].kv_cache``), attended to without unpacking them.
+
+Each position's key and value heads are ``mx.quantize``'d along the head dimension in groups of
+``group_size`` (a packed ``uint32`` array, one scale and one bias per group, in the activations'
+dtype), so a position is quantized on its own and the same wherever and whenever it is written:
+a row's packed keys are the same alone, in a batch, after a prefix-cache hit or a chunked prefill.
+Attention runs over the packed arrays through ``mx.quantized_matmul`` (:func:`quantized_attention`:
+queries against the keys, probabilities against the values, grouped-query heads broadcast).
+
+``start_after`` (N) keeps short sequences exact: the query at position ``p`` attends over the
+full-precision keys and values when ``p < N`` and over the packed cache from ``p = N`` on, so a
+sequence stays full precision until it holds N tokens and is quantized after. To that end the cache
+keeps a full-precision copy beside the packed arrays while some row holds fewer than N positions
+(a chunk that crosses N computes both attentions and takes each query's own), and drops it once
+every row holds N. A full-precision copy that is needed again and was dropped (a prefix-cache hit
+of fewer than N positions from a longer entry, a draft rollback below N) is rebuilt by dequantizing
+the packed positions: the one place where a sequence under N sees quantized values.
+
+:class:`QuantizedKVCache` (one sequence) and :class:`BatchQuantizedKVCache` (the running batch,
+rows right-aligned after left padding as in :class:`~mlxr_core.model.cache.BatchKVCache`) follow
+the cache protocol of :mod:`mlxr_core.model.cache`. Attention layers find them by
+:data:`QUANTIZED_CACHES` and call :meth:`BatchQuantizedKVCache.update_and_attend` instead of
+``update_and_fetch`` and the attention kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import mlx.core as mx
+
+from mlxr_core.model.cache import CACHE_STEP, KVCache, RightAlignedRows
+from mlxr_core.model.masks import window_mask
+
+#: Packed arrays per position: keys' (words, scales, biases), then values'.
+PACKED = 6
+
+
+@attrs.frozen
+class KVQuantization:
+    """How keys and values are stored: ``bits`` per element in groups of ``group_size`` along the
+    head dimension, full precision for the first ``start_after`` positions (see the module)."""
+
+    bits: int
+    group_size: int = 64
+    start_after: int = 0
+
+    def bytes_per_position(self, heads: int, head_dim: int, itemsize: int) -> int:
+        """Bytes one position's keys and values take in one layer: packed words plus a scale and
+        a bias (``itemsize`` each) per group."""
+        per_head = head_dim * self.bits // 8 + 2 * (head_dim // self.group_size) * itemsize
+        return 2 * heads * per_head
+
+
+def quantized_attention(
+    queries: mx.array,
+    keys: Sequence[mx.array],
+    values: Sequence[mx.array],
+    *,
+    scale: float,
+    mask: str | mx.array | None,
+    group_size: int,
+    bits: int,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """The attention kernel's contract (:mod:`mlxr_core.kernels`) over packed keys and values:
+    ``queries`` ``[B, Hq, L, D]``; ``keys``, ``values`` each ``(words, scales, biases)`` of
+    ``[B, Hkv, S, D]`` quantized along ``D``. Scores and the softmax in the queries' dtype (the
+    softmax precise), as mlx-lm's ``quantized_scaled_dot_product_attention``."""
+    B, Hq, L, D = queries.shape
+    Hkv = keys[0].shape[1]
+    R = Hq // Hkv
+    # Grouped-query heads: [B, Hkv, R, L, D] queries against [B, Hkv, 1, S, *] keys.
+    q = (queries * scale).reshape(B, Hkv, R, L, D)
+    k_words, k_scales, k_biases = (part[:, :, None] for part in keys)
+    v_words, v_scales, v_biases = (part[:, :, None] for part in values)
+    scores = mx.quantized_matmul(q, k_words, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits)
+    S = scores.shape[-1]
+    if isinstance(mask, str):
+        mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None, :]  # bottom-right causal
+    if mask is not None:
+        if mask.ndim == 4:  # [B | 1, Hq | 1, L | 1, S] -> [B | 1, Hkv | 1, R | 1, L | 1, S]
+            mask = mask.reshape(mask.shape[0], Hkv, R, *mask.shape[2:]) if mask.shape[1] == Hq else mask[:, :, None]
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-math.inf, dtype=scores.dtype))
+        else:
+            scores = scores + mask
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, Hkv, R, 1, 1), (*scores.shape[:-1], 1))
+        probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+    else:
+        probs = mx.softmax(scores, axis=-1, precise=True)
+    out = mx.quantized_matmul(probs, v_words, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(B, Hq, L, -1)
+
+
+class BatchQuantizedKVCache(RightAlignedRows):
+    """Packed keys and values of one layer for a batch: ``arrays`` holds the keys' words, scales
+    and biases, then the values', each ``[B, H, capacity, *]``; ``full`` the full-precision keys
+    and values ``[B, H, capacity, D]`` while some row holds fewer than ``start_after`` positions.
+    Rows are right-aligned as in :class:`~mlxr_core.model.cache.BatchKVCache`. A cache with no
+    positions yet has no arrays (their shapes come with the first keys, or the rows it joins)."""
+
+    attends: ClassVar[bool] = True
+    step: int = CACHE_STEP
+
+    def __init__(
+        self,
+        spec: KVQuantization,
+        arrays: list[mx.array],
+        full: list[mx.array] | None,
+        left_padding: list[int],
+        length: int,
+    ):
+        self.spec = spec
+        self.arrays = arrays
+        self.full = full
+        self.left_padding = left_padding
+        self.length = length
+        self._offset: mx.array | None = None
+
+    @classmethod
+    def empty(cls, spec: KVQuantization, rows: int = 1) -> BatchQuantizedKVCache:
+        return cls(spec, [], None, [0] * rows, 0)
+
+    @property
+    def capacity(self) -> int:
+        return self.arrays[0].shape[2] if self.arrays else 0
+
+    @property
+    def state(self) -> list[mx.array]:
+        return [*self.arrays, *(self.full or [])]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.state)
+
+    def row_lengths(self) -> list[int]:
+        return [self.length - pad for pad in self.left_padding]
+
+    def update_and_attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        *,
+        scale: float,
+        mask: str | mx.array | None,
+        window: int | None,
+        attention: Callable[..., mx.array],
+        **extra: Any,
+    ) -> mx.array:
+        """Write ``keys``/``values`` (``[B, H, L, D]``, the next ``L`` positions of every row) and
+        attend ``queries`` over every position: the packed cache, or for queries before
+        ``start_after`` the full-precision copy through ``attention`` (the layer's kernel).
+        ``extra`` goes to both (``sinks``)."""
+        N, L = self.spec.start_after, keys.shape[2]
+        before = self.row_lengths()
+        if not self.arrays:
+            self._allocate(keys, values)
+        if self.length + L > self.capacity:
+            self._reserve(self.length + L)
+        if N > 0 and min(before) < N and self.full is None:
+            self._rebuild_full()
+        start = self.length
+        self.length += L
+        self._offset = None
+        new = [*self._quantize(keys), *self._quantize(values)]
+        for array, part in zip(self.arrays, new, strict=True):
+            array[:, :, start : self.length] = part
+        if self.full is not None:
+            self.full[0][:, :, start : self.length] = keys
+            self.full[1][:, :, start : self.length] = values
+
+        S = self.length
+        if window is not None:
+            mask = window_mask(mask, L, S, window)
+        use_full = [n < N for n in before] if self.full is not None else [False] * len(before)
+        last_full = [n + L <= N for n in before]
+        out: mx.array | None = None
+        if any(use_full):
+            assert self.full is not None
+            out = attention(queries, self.full[0][:, :, :S], self.full[1][:, :, :S], scale=scale, mask=mask, **extra)
+        if not all(last_full):
+            packed = quantized_attention(
+                queries,
+                [a[:, :, :S] for a in self.arrays[:3]],
+                [a[:, :, :S] for a in self.arrays[3:]],
+                scale=scale,
+                mask=mask,
+                group_size=self.spec.group_size,
+                bits=self.spec.bits,
+                sinks=extra.get("sinks"),
+            )
+            if out is not None:  # each query its own: full precision before position N
+                positions = mx.array(before)[:, None] + mx.arange(L)[None, :]
+                out = mx.where((positions < N)[:, None, :, None], out, packed)
+            else:
+                out = packed
+        if self.full is not None and min(self.row_lengths()) >= N:
+            self.full = None
+        assert out is not None
+        return out
+
+    def _quantize(self, x: mx.array) -> list[mx.array]:
+        return list(mx.quantize(x, group_size=self.spec.group_size, bits=self.spec.bits))
+
+    def _allocate(self, keys: mx.array, values: mx.array) -> None:
+        """Zero-length arrays shaped for ``keys``/``values`` (a cache that had none)."""
+        B = keys.shape[0]
+        if self.length == 0 and len(self.left_padding) != B:
+            self.left_padding = [0] * B
+        empty = [*self._quantize(keys[:, :, :0]), *self._quantize(values[:, :, :0])]
+        self.arrays = [mx.zeros((B, *a.shape[1:]), dtype=a.dtype) for a in empty]
+
+    def _reserve(self, needed: int) -> None:
+        grow = -(-needed // self.step) * self.step - self.capacity
+        if grow > 0:
+            self.arrays = [_pad_positions(a, right=grow) for a in self.arrays]
+            if self.full is not None:
+                self.full = [_pad_positions(a, right=grow) for a in self.full]
+
+    def _rebuild_full(self) -> None:
+        """The full-precision copy from the packed positions (see the module: only where it was
+        dropped and is needed again)."""
+        group_size, bits = self.spec.group_size, self.spec.bits
+        self.full = [
+            mx.dequantize(words, scales, biases, group_size=group_size, bits=bits)
+            if words.size  # MLX cannot dequantize an empty array
+            else mx.zeros((*words.shape[:-1], words.shape[-1] * 32 // bits), dtype=scales.dtype)
+            for words, scales, biases in (self.arrays[:3], self.arrays[3:])
+        ]
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only the rows in ``keep`` (in that order), dropping padding no row needs."""
+        index = mx.array(keep)
+        self.left_padding = [self.left_padding[i] for i in keep]
+        shift = min(self.left_padding) if self.left_padding else 0
+        self.arrays = [a[index, :, shift:] for a in self.arrays]
+        if self.full is not None:
+            self.full = [a[index, :, shift:] for a in self.full]
+            if min(self.row_lengths(), default=0) >= self.spec.start_after:
+                self.full = None
+        self.left_padding = [pad - shift for pad in self.left_padding]
+        self.length -= shift
+        self._offset = None
+
+    def extend(self, other: BatchQuantizedKVCache) -> None:
+        """Append ``other``'s rows, aligning both sides' ends."""
+        for empty, shaped in ((self, other), (other, self)):
+            if not empty.arrays and shaped.arrays:
+                empty.arrays = [mx.zeros((empty.batch_size, *a.shape[1:2], 0, *a.shape[3:]), a.dtype) for a in shaped.arrays]
+        if (self.full is None) != (other.full is None) and self.arrays:
+            for side in (self, other):  # rows that hold N positions need no copy: zeros
+                if side.full is None:
+                    side._rebuild_full()
+        length = max(self.length, other.length)
+        capacity = max(self.capacity + length - self.length, other.capacity + length - other.length)
+        sides = []
+        for cache in (self, other):
+            before = length - cache.length
+            after = capacity - before - cache.capacity
+            sides.append([_pad_positions(a, left=before, right=after) for a in cache.state])
+        state = [mx.concatenate([mine, theirs], axis=0) for mine, theirs in zip(*sides, strict=True)]
+        self.arrays, self.full = state[:PACKED], state[PACKED:] or None
+        self.left_padding = [pad + length - self.length for pad in self.left_padding] + [
+            pad + length - other.length for pad in other.left_padding
+        ]
+        self.length = length
+        self._offset = None
+
+    def extract(self, row: int) -> QuantizedKVCache:
+        """Row ``row`` as a single-sequence cache without its padding."""
+        start = self.left_padding[row]
+        cache = QuantizedKVCache(self.spec)
+        arrays = [a[row : row + 1, :, start : self.length] for a in self.state]
+        if arrays:
+            cache.restore(tuple(arrays), self.length - start)
+        return cache
+
+
+class QuantizedKVCache:
+    """One sequence's packed keys and values: a one-row :class:`BatchQuantizedKVCache` (no
+    padding), which :meth:`to_batch` hands over as is. See the module for ``start_after``."""
+
+    attends: ClassVar[bool] = True
+    partial_reuse: ClassVar[bool] = True
+
+    def __init__(self, spec: KVQuantization):
+        self.spec = spec
+        self.rows = BatchQuantizedKVCache.empty(spec)
+
+    @property
+    def offset(self) -> int:
+        return self.rows.length
+
+    def __len__(self) -> int:
+        return self.rows.length
+
+    def update_and_attend(self, queries: mx.array, keys: mx.array, values: mx.array, **kwargs: Any) -> mx.array:
+        """See :meth:`BatchQuantizedKVCache.update_and_attend`."""
+        return self.rows.update_and_attend(queries, keys, values, **kwargs)
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.rows.state
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` positions (rejected draft tokens); return how many were dropped."""
+        n = max(0, min(self.rows.length, n))
+        self.rows.length -= n
+        return n
+
+    def to_batch(self) -> BatchQuantizedKVCache:
+        return self.rows
+
+    def snapshot(self) -> tuple[mx.array, ...]:
+        # Copies: the running request goes on writing its arrays in place.
+        return tuple(mx.contiguous(a[:, :, : self.rows.length]) for a in self.rows.state)
+
+    def restore(self, arrays: tuple[mx.array, ...], length: int) -> None:
+        """The first ``length`` positions of a :meth:`snapshot`; under ``start_after`` positions
+        from a snapshot that no longer held the full-precision copy, it is dequantized."""
+        rows = self.rows
+        rows.left_padding = [0] * arrays[0].shape[0]
+        rows.arrays = [a[:, :, :length] for a in arrays[:PACKED]]
+        rows.full = [a[:, :, :length] for a in arrays[PACKED:]] or None
+        rows.length = length
+        if length >= self.spec.start_after:
+            rows.full = None
+        elif rows.full is None:
+            rows._rebuild_full()
+        rows._reserve(length)
+        rows._offset = None
+
+    def reserve_bytes(self, tokens: int, itemsize: int) -> int:
+        return 0  # counted from the model's head shapes (see kv_bytes_per_token)
+
+
+#: The caches an attention layer calls ``update_and_attend`` on (an ``isinstance`` target).
+QUANTIZED_CACHES = (QuantizedKVCache, BatchQuantizedKVCache)
+
+
+def quantize_caches(caches: list[Any], spec: KVQuantization) -> list[Any]:
+    """``caches`` (a fresh ``make_cache()``) with each full-attention :class:`KVCache` replaced by a
+    :class:`QuantizedKVCache`; recurrent states and other kinds are kept."""
+    return [QuantizedKVCache(spec) if type(cache) is KVCache else cache for cache in caches]
+
+
+def _pad_positions(array: mx.array, *, left: int = 0, right: int = 0) -> mx.array:
+    """Zero-pad the position axis (2) of a ``[B, H, S, *]`` array."""
+    if left == 0 and right == 0:
+        return array
+    return mx.pad(array, [(0, 0), (0, 0), (left, right), (0, 0)])
