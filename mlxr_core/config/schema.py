@@ -86,6 +86,11 @@ class ServerConfig:
     max_tokens_cap: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
     #: One log line per request (method, path, status, duration, request id) on ``mlxr.access``.
     access_log: bool = True
+    #: The model a request without ``model`` goes to (clients written for single-model servers,
+    #: as llama.cpp's); None: such a request is a 400, unless ``model_optional`` applies.
+    default_model: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
+    #: With exactly one model served, a request without ``model`` goes to it.
+    model_optional: bool = False
     responses_store: ResponsesStoreConfig = attrs.field(factory=ResponsesStoreConfig)
 
 

@@ -95,8 +95,39 @@ class JsonRequest(Request[Any, Any, Any]):
     async def json(self) -> Any:
         if self._json is Empty:
             data = self.route_handler.parsed_data_field
-            self._json = decode_body(await self.body(), Any if data is None else data.raw)
+            schema = Any if data is None else data.raw
+            body = await self.body()
+            try:
+                self._json = decode_body(body, schema)
+            except RequestError as exc:
+                model = default_model(self.app.state["mlxr"]) if _missing_model(exc) else None
+                if model is None:
+                    raise
+                self._json = decode_body(with_model(body, model), schema)
         return self._json
+
+
+def default_model(ctx: ServerContext) -> str | None:
+    """The model a request that names none goes to: ``server.default_model``, or with
+    ``server.model_optional`` the one model served; None: such a request is refused."""
+    server = ctx.config.server
+    if server.default_model:
+        return server.default_model
+    models = getattr(ctx.engine, "models", {})
+    return next(iter(models)) if server.model_optional and len(models) == 1 else None
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """A JSON object ``body`` with ``"model": model`` added (a body that is no object as it is)."""
+    text = body.lstrip()
+    if not text.startswith(b"{"):
+        return body
+    rest = text[1:].lstrip()
+    return b'{"model":' + _JSON.encode(model) + (b"" if rest.startswith(b"}") else b",") + rest
+
+
+def _missing_model(exc: RequestError) -> bool:
+    return exc.field == "model" and "missing required field" in exc.message
 
 
 def body_depth(body: bytes) -> int:

@@ -19,14 +19,15 @@ import uuid
 from typing import Any
 
 import anyio
-from litestar import Request, Response, Router, post
+from litestar import Request, Router, post
+from litestar.params import JSONBody
 from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.scoring import relevance_messages
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import decode_body, json_response, ready_engine, unless_disconnected
+from mlxr_core.http.frontend import ready_engine, unless_disconnected
 from mlxr_core.http.openapi import documented
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.schemas import ErrorBody
@@ -123,9 +124,9 @@ async def scores_of(
 ) -> tuple[list[float], int]:
     """P(relevant) of each pair, and the prompt tokens read."""
     if not pairs:
-        raise RequestError("nothing to score: send at least one document", param="documents")
+        raise RequestError("nothing to score: send at least one document", field="documents")
     if len(pairs) > MAX_DOCUMENTS:
-        raise RequestError(f"at most {MAX_DOCUMENTS} documents a request, got {len(pairs)}", param="documents")
+        raise RequestError(f"at most {MAX_DOCUMENTS} documents a request, got {len(pairs)}", field="documents")
     engine = ready_engine(ctx)
     engine.model(model)  # an unknown model is a 404 before any templating
     ids = await anyio.to_thread.run_sync(functools.partial(relevance_ids, engine, model, pairs, instruction))
@@ -133,45 +134,45 @@ async def scores_of(
     return scored.scores, scored.prompt_tokens
 
 
+ERRORS = documented(error=ErrorBody)
+
+
 def make_router(ctx: ServerContext) -> Router:
     """The rerank, score, tokenize and detokenize routes (the ``rerank`` entry of ``apis:``)."""
 
-    @post(["/v1/rerank", "/rerank"], status_code=200, operation_class=documented(
-        request=RerankRequest, response=RerankResponse, error=ErrorBody))  # fmt: skip
-    async def rerank(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = decode_body(await request.body(), RerankRequest)
+    @post(["/v1/rerank", "/rerank"], status_code=200, operation_class=ERRORS)
+    async def rerank(data: JSONBody[RerankRequest], request: Request[Any, Any, Any]) -> RerankResponse:
+        body = data
         texts = [doc if isinstance(doc, str) else doc.text for doc in body.documents]
         if body.top_n is not None and body.top_n < 1:
-            raise RequestError("top_n must be at least 1", param="top_n")
+            raise RequestError("top_n must be at least 1", field="top_n")
         scores, tokens = await scores_of(ctx, request, body.model, [(body.query, t) for t in texts], body.instruction)
         ranked = sorted(range(len(texts)), key=lambda i: -scores[i])[: body.top_n or len(texts)]
         results = [
             RerankResult(i, scores[i], Document(texts[i]) if body.return_documents else None) for i in ranked
         ]
-        return json_response(RerankResponse(f"rerank-{uuid.uuid4().hex}", body.model, results, RerankUsage(tokens, tokens)))
+        return RerankResponse(f"rerank-{uuid.uuid4().hex}", body.model, results, RerankUsage(tokens, tokens))
 
-    @post(["/v1/score", "/score"], status_code=200, operation_class=documented(
-        request=ScoreRequest, response=ScoreResponse, error=ErrorBody))  # fmt: skip
-    async def score(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = decode_body(await request.body(), ScoreRequest)
+    @post(["/v1/score", "/score"], status_code=200, operation_class=ERRORS)
+    async def score(data: JSONBody[ScoreRequest], request: Request[Any, Any, Any]) -> ScoreResponse:
+        body = data
         firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
         seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
         if len(firsts) == 1:
             firsts = firsts * len(seconds)
         if len(firsts) != len(seconds):
-            raise RequestError("text_1 must be one text or as many as text_2", param="text_1")
+            raise RequestError("text_1 must be one text or as many as text_2", field="text_1")
         scores, tokens = await scores_of(ctx, request, body.model, list(zip(firsts, seconds, strict=True)), body.instruction)
-        data = [ScoreData(i, value) for i, value in enumerate(scores)]
-        return json_response(ScoreResponse(f"score-{uuid.uuid4().hex}", body.model, data, RerankUsage(tokens, tokens)))
+        items = [ScoreData(i, value) for i, value in enumerate(scores)]
+        return ScoreResponse(f"score-{uuid.uuid4().hex}", body.model, items, RerankUsage(tokens, tokens))
 
-    @post("/tokenize", status_code=200, operation_class=documented(
-        request=TokenizeRequest, response=TokenizeResponse, error=ErrorBody))  # fmt: skip
-    async def tokenize(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = decode_body(await request.body(), TokenizeRequest)
+    @post("/tokenize", status_code=200, operation_class=ERRORS)
+    async def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
+        body = data
         engine = ready_engine(ctx)
         info = engine.model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise RequestError("send either prompt or messages", param="prompt")
+            raise RequestError("send either prompt or messages", field="prompt")
         if body.messages is not None:
             render = functools.partial(info.tokenizer.apply_chat_template, body.messages,
                                        add_generation_prompt=body.add_generation_prompt)  # fmt: skip
@@ -181,17 +182,16 @@ def make_router(ctx: ServerContext) -> Router:
         encode = functools.partial(engine.encode, body.model, text, add_special_tokens=special)
         ids = await anyio.to_thread.run_sync(encode)
         strs = [info.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
-        return json_response(TokenizeResponse(len(ids), info.context_length, ids, strs))
+        return TokenizeResponse(len(ids), info.context_length, ids, strs)
 
-    @post("/detokenize", status_code=200, operation_class=documented(
-        request=DetokenizeRequest, response=DetokenizeResponse, error=ErrorBody))  # fmt: skip
-    async def detokenize(request: Request[Any, Any, Any]) -> Response[Any]:
-        body = decode_body(await request.body(), DetokenizeRequest)
+    @post("/detokenize", status_code=200, operation_class=ERRORS)
+    async def detokenize(data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
+        body = data
         info = ready_engine(ctx).model(body.model)
         vocab = info.tokenizer.vocab_size
         if any(not 0 <= token < vocab for token in body.tokens):
-            raise RequestError(f"token ids must be in [0, {vocab})", param="tokens")
-        return json_response(DetokenizeResponse(info.tokenizer.decode(body.tokens, skip_special_tokens=False)))
+            raise RequestError(f"token ids must be in [0, {vocab})", field="tokens")
+        return DetokenizeResponse(info.tokenizer.decode(body.tokens, skip_special_tokens=False))
 
     return Router(
         path="/", route_handlers=[rerank, score, tokenize, detokenize],

@@ -24,7 +24,7 @@ import anyio
 import msgspec
 from litestar import Request, delete, get, post
 from litestar.background_tasks import BackgroundTask
-from litestar.params import FromPath
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from mlxr_core.engine.request import (
@@ -40,13 +40,13 @@ from mlxr_core.errors import MlxrError, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     collect,
-    decode_body,
     json_response,
     ready_engine,
     shutdown_cancelled,
     submit,
     tracked_events,
 )
+from mlxr_core.http.openapi import Stream as EventStream
 from mlxr_core.http.openapi import documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.model.paths import data_dir
@@ -73,7 +73,7 @@ class ResponseNotFound(RequestError):
     status = 404
 
     def __init__(self, response_id: str, param: str | None = None):
-        super().__init__(f"no stored response with id {response_id[:64]!r}", param=param)
+        super().__init__(f"no stored response with id {response_id[:64]!r}", field=param)
 
 
 # -- input -> chat -------------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def _text_of(content: str | list[r.ContentPart] | None, param: str) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.type not in ("input_text", "output_text", "text") or part.text is None:
-            raise RequestError(f"content parts of type {part.type!r} are not supported; send text", param=f"{param}[{j}]")
+            raise RequestError(f"content parts of type {part.type!r} are not supported; send text", field=f"{param}[{j}]")
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -96,7 +96,7 @@ def input_messages(items: str | list[r.InputItem]) -> tuple[list[dict[str, Any]]
     if isinstance(items, str):
         return [{"role": "user", "content": items}], [_message_item("user", items)]
     if not items:
-        raise RequestError("input must hold at least one item", param="input")
+        raise RequestError("input must hold at least one item", field="input")
     messages: list[dict[str, Any]] = []
     listed: list[dict[str, Any]] = []
     reasoning = ""  # a reasoning item's text, for the assistant turn that follows it
@@ -106,7 +106,7 @@ def input_messages(items: str | list[r.InputItem]) -> tuple[list[dict[str, Any]]
         if item.type == "message":
             role = ROLES.get(item.role or "")
             if role is None:
-                raise RequestError(f"unsupported role {item.role!r}; expected one of {', '.join(ROLES)}", param=f"{param}.role")
+                raise RequestError(f"unsupported role {item.role!r}; expected one of {', '.join(ROLES)}", field=f"{param}.role")
             text = _text_of(item.content, f"{param}.content")
             message: dict[str, Any] = {"role": role, "content": text}
             if role == "assistant" and reasoning:
@@ -115,7 +115,7 @@ def input_messages(items: str | list[r.InputItem]) -> tuple[list[dict[str, Any]]
             listed.append(_message_item(item.role or role, text))
         elif item.type == "function_call":
             if not item.call_id or not item.name:
-                raise RequestError("a function_call item needs call_id and name", param=param)
+                raise RequestError("a function_call item needs call_id and name", field=param)
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments or "{}"}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and (last.get("tool_calls") or not last["content"]):
@@ -129,7 +129,7 @@ def input_messages(items: str | list[r.InputItem]) -> tuple[list[dict[str, Any]]
                            "name": item.name, "arguments": item.arguments or "{}", "status": "completed"})  # fmt: skip
         elif item.type == "function_call_output":
             if not item.call_id:
-                raise RequestError("a function_call_output item needs call_id", param=param)
+                raise RequestError("a function_call_output item needs call_id", field=param)
             output = _text_of(item.output, f"{param}.output")
             tool: dict[str, Any] = {"role": "tool", "tool_call_id": item.call_id, "content": output}
             if item.call_id in names:
@@ -140,7 +140,7 @@ def input_messages(items: str | list[r.InputItem]) -> tuple[list[dict[str, Any]]
         elif item.type == "reasoning":
             reasoning += _text_of(item.content, f"{param}.content") or _text_of(item.summary, f"{param}.summary")
         else:
-            raise RequestError(f"input items of type {item.type!r} are not supported", param=f"{param}.type")
+            raise RequestError(f"input items of type {item.type!r} are not supported", field=f"{param}.type")
     return messages, listed
 
 
@@ -154,19 +154,19 @@ def tool_request(body: r.ResponsesRequest) -> tuple[list[Tool], ToolChoice, bool
     tools = []
     for i, tool in enumerate(body.tools or []):
         if tool.type != "function":
-            raise RequestError(f"tools of type {tool.type!r} are not supported; send function tools", param=f"tools[{i}].type")
+            raise RequestError(f"tools of type {tool.type!r} are not supported; send function tools", field=f"tools[{i}].type")
         tools.append(Tool(tool.name, tool.description or "", tool.parameters or {"type": "object", "properties": {}}))
     choice = body.tool_choice
     if choice is None:
         mode = ToolChoice("auto" if tools else "none")
     elif isinstance(choice, str):
         if choice not in ("none", "auto", "required"):
-            raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}", param="tool_choice")
+            raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}", field="tool_choice")
         mode = ToolChoice(choice)
     elif choice.type == "function" and choice.name:
         mode = ToolChoice("function", choice.name)
     else:
-        raise RequestError("tool_choice must name a function: {'type': 'function', 'name': ...}", param="tool_choice")
+        raise RequestError("tool_choice must name a function: {'type': 'function', 'name': ...}", field="tool_choice")
     return tools, mode, body.parallel_tool_calls is not False
 
 
@@ -176,11 +176,11 @@ def text_constraint(ctx: ServerContext, text: r.TextConfig | None) -> Constraint
     if fmt is None or fmt.type == "text":
         return None
     if not constraints_supported(ctx):
-        raise RequestError(f"text.format {fmt.type!r} needs a sampler plugin that enforces structured output", param="text.format")
+        raise RequestError(f"text.format {fmt.type!r} needs a sampler plugin that enforces structured output", field="text.format")
     if fmt.type == "json_object":
         return Constraint("json_object")
     if fmt.schema is None:
-        raise RequestError("text.format of type 'json_schema' needs schema", param="text.format.schema")
+        raise RequestError("text.format of type 'json_schema' needs schema", field="text.format.schema")
     return Constraint("json_schema", fmt.schema)
 
 
@@ -358,7 +358,7 @@ class Responses:
 
     def _store(self) -> ResponseStore:
         if self.store is None:
-            raise RequestError("stored responses are off on this server (openai.responses_store)", param="store")
+            raise RequestError("stored responses are off on this server (openai.responses_store)", field="store")
         return self.store
 
     async def _load(self, response_id: str, param: str | None = None) -> Stored:
@@ -442,7 +442,7 @@ class Responses:
         body = msgspec.json.decode(error_body(error))["error"]
         response.status = "failed"
         response.error = r.ResponseError(str(body.get("code") or body.get("type") or "server_error"), str(body["message"]))
-        return builder.event("error", code=response.error.code, message=response.error.message, param=body.get("param")) + (
+        return builder.event("error", code=response.error.code, message=response.error.message, field=body.get("param")) + (
             builder.event("response.failed", response=response)
         )
 
@@ -454,8 +454,9 @@ def _count(tokenizer: Any, items: list[r.OutputItem]) -> int:
 
 
 def response_routes(ctx: ServerContext) -> list[Any]:
-    """The Responses API's route handlers (under the OpenAI router's ``/v1``). The store opens
-    at the first request that needs it."""
+    """The Responses API's route handlers (under ``/v1`` and unprefixed, as the OpenAI router's
+    others). The store opens at the first request that needs it."""
+    from mlxr_plugins.apis.openai.routes import paths
     config = ctx.config.server.responses_store
     opened: list[ResponseStore] = []
 
@@ -471,10 +472,10 @@ def response_routes(ctx: ServerContext) -> list[Any]:
     def api() -> Responses:
         return Responses(ctx, store())
 
-    @post("/responses", status_code=200, operation_class=documented(
-        request=r.ResponsesRequest, response=r.Response, error=ErrorBody, stream="text/event-stream"))  # fmt: skip
-    async def create(request: Request[Any, Any, Any]) -> Any:
-        body = decode_body(await request.body(), r.ResponsesRequest)
+    @post(paths("/responses"), status_code=200, operation_class=documented(
+        response=r.Response, error=ErrorBody, stream=EventStream("text/event-stream", (r.StreamEvent,))))  # fmt: skip
+    async def create(data: JSONBody[r.ResponsesRequest], request: Request[Any, Any, Any]) -> Any:
+        body = data
         params = sampling_params(
             ctx, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
             top_k=body.top_k, seed=body.seed,
@@ -484,16 +485,18 @@ def response_routes(ctx: ServerContext) -> list[Any]:
 
     path = "/responses/{response_id:str}"
 
-    @get(path, operation_class=documented(response=r.Response, error=ErrorBody))
-    async def retrieve(response_id: FromPath[str]) -> Any:
-        return json_response(await api().get(response_id))
+    errors = documented(error=ErrorBody)
 
-    @delete(path, status_code=200, operation_class=documented(response=r.Deleted, error=ErrorBody))
-    async def remove(response_id: FromPath[str]) -> Any:
-        return json_response(await api().delete(response_id))
+    @get(paths(path), operation_class=errors)
+    async def retrieve(response_id: FromPath[str]) -> r.Response:
+        return await api().get(response_id)
 
-    @get(path + "/input_items", operation_class=documented(response=r.InputItemList, error=ErrorBody))
-    async def input_items(response_id: FromPath[str]) -> Any:
-        return json_response(await api().input_items(response_id))
+    @delete(paths(path), status_code=200, operation_class=errors)
+    async def remove(response_id: FromPath[str]) -> r.Deleted:
+        return await api().delete(response_id)
+
+    @get(paths(path + "/input_items"), operation_class=errors)
+    async def input_items(response_id: FromPath[str]) -> r.InputItemList:
+        return await api().input_items(response_id)
 
     return [create, retrieve, remove, input_items]

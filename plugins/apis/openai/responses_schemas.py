@@ -200,4 +200,12 @@ class Deleted(Struct, omit_defaults=False):
     deleted: bool = True
 
 
+class StreamEvent(Struct, forbid_unknown_fields=False):
+    """One streamed event (``response.created``, ``response.output_text.delta``, ...): its type,
+    its number in the stream, and the fields its type carries (OpenAI's reference lists them)."""
+
+    type: str
+    sequence_number: int
+
+
 encoder = msgspec.json.Encoder()

@@ -54,10 +54,17 @@ SSE = "text/event-stream"
 ERRORS = documented(error=s.ErrorBody)
 
 
-def make_router(ctx: ServerContext) -> Router:
-    """The OpenAI API as a Litestar router (the ``openai`` entry of ``apis:``)."""
+def paths(path: str) -> list[str]:
+    """A route under ``/v1`` and, as mlx-lm's and llama.cpp's servers have them, without it
+    (``/chat/completions``, ``/models``, ...), for clients configured with the bare host."""
+    return [f"/v1{path}", path]
 
-    @post("/chat/completions", status_code=200, operation_class=documented(
+
+def make_router(ctx: ServerContext) -> Router:
+    """The OpenAI API as a Litestar router (the ``openai`` entry of ``apis:``): every route under
+    ``/v1`` and unprefixed (:func:`paths`)."""
+
+    @post(paths("/chat/completions"), status_code=200, operation_class=documented(
         error=s.ErrorBody, response=s.ChatCompletion,
         stream=Stream(SSE, (s.ChatCompletionChunk, s.ErrorBody), end="data: [DONE]")))
     async def chat_completions(
@@ -65,18 +72,18 @@ def make_router(ctx: ServerContext) -> Router:
     ) -> Response[Any]:
         return await create_chat_completion(ctx, data, request)
 
-    @post("/completions", status_code=200, operation_class=documented(
+    @post(paths("/completions"), status_code=200, operation_class=documented(
         error=s.ErrorBody, response=s.Completion, stream=Stream(SSE, (s.Completion, s.ErrorBody), end="data: [DONE]")))
     async def completions(data: JSONBody[s.CompletionRequest], request: Request[Any, Any, Any]) -> Response[Any]:
         return await create_completion(ctx, data, request)
 
-    @get("/models", sync_to_thread=False, operation_class=ERRORS)
+    @get(paths("/models"), sync_to_thread=False, operation_class=ERRORS)
     def models() -> s.ModelList:
         engine = ready_engine(ctx)
         return s.ModelList([_card(info) for _, info in sorted(engine.models.items())])
 
     @get(
-        "/models/{model_id:path}",
+        paths("/models/{model_id:path}"),
         sync_to_thread=False,
         operation_class=documented(error=s.ErrorBody, path_strings=("model_id",)),
     )
@@ -85,12 +92,12 @@ def make_router(ctx: ServerContext) -> Router:
         name = str(request.path_params["model_id"]).lstrip("/")
         return _card(ready_engine(ctx).model(name))
 
-    @post("/embeddings", status_code=200, operation_class=ERRORS)
+    @post(paths("/embeddings"), status_code=200, operation_class=ERRORS)
     async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any]) -> EmbeddingList:
         return await create_embeddings(ctx, data, request)
 
     return Router(
-        path="/v1",
+        path="/",
         route_handlers=[chat_completions, completions, models, model, embeddings, *response_routes(ctx)],
         exception_handlers=EXCEPTION_HANDLERS,
         tags=["openai"],
