@@ -110,9 +110,13 @@ def _model_config(ctx: ServerContext, info: ModelInfo) -> Any:
     return None
 
 
-def constraints_supported(ctx: ServerContext) -> bool:
-    """Whether a sampler plugin enforces :attr:`SamplingParams.constraint` (meta ``constraints``)."""
-    return any(entry.meta.get("constraints") for entry in ctx.host.registries.samplers)
+def constraints_supported(ctx: ServerContext, kind: str | None = None) -> bool:
+    """Whether a sampler plugin enforces :attr:`SamplingParams.constraint` (meta ``constraints``,
+    the kinds it enforces), of ``kind`` when given."""
+    return any(
+        kinds and (kind is None or kind in kinds)
+        for kinds in (entry.meta.get("constraints") for entry in ctx.host.registries.samplers)
+    )
 
 
 @attrs.define

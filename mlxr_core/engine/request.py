@@ -18,12 +18,15 @@ class Constraint:
     """Structured output the sampler must enforce while decoding.
 
     ``kind`` is ``"json_object"`` (any JSON object; ``value`` unused), ``"json_schema"`` (``value``:
-    the JSON Schema as a dict), ``"regex"`` (``value``: the pattern) or ``"lark"`` (``value``: a
-    Lark grammar as the constrained-decoding plugin documents it).
+    the JSON Schema as a dict), ``"regex"`` (``value``: the pattern), ``"lark"`` (``value``: a
+    Lark grammar as the constrained-decoding plugin documents it), ``"gbnf"`` (``value``: a
+    llama.cpp GBNF grammar, or a Lark one) or ``"choice"`` (``value``: the strings the whole output
+    must be one of). ``field`` is the request field it came from, named when it is refused.
     """
 
     kind: str
     value: Any = None
+    field: str | None = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

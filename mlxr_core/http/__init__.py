@@ -12,6 +12,8 @@ Modules, lowest first; a module imports only modules above it in this list:
   factory receives, with the requests in flight;
 - :mod:`~mlxr_core.http.frontend`: typed bodies decoded strictly (the app's request class),
   submission, tracked event streams, whole replies, JSON replies;
+- :mod:`~mlxr_core.http.constraints`: the grammar fields clients send (vLLM's, llama.cpp's) and
+  the one constraint a request's fields make;
 - :mod:`~mlxr_core.http.requests`: the one mapping of a request's sampling fields onto
   ``SamplingParams`` that every API plugin calls with its own field names;
 - :mod:`~mlxr_core.http.server`: the app (:func:`~mlxr_core.http.server.build_app`), ``/health``

@@ -23,7 +23,7 @@ def mlxr_register_samplers(register):  # type: ignore[no-untyped-def]
         "structured",
         "mlxr_plugins.samplers.structured:structured",
         order=8,
-        constraints=("json_object", "json_schema", "regex", "lark"),
+        constraints=("json_object", "json_schema", "regex", "lark", "gbnf", "choice"),
     )
     module = "mlxr_plugins.samplers.basic"
     register("temperature", f"{module}:temperature", order=10)

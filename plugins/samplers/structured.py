@@ -1,16 +1,18 @@
 """Structured output: a logits processor that keeps a request inside a grammar (llguidance).
 
 A request's :attr:`~mlxr_core.engine.request.SamplingParams.constraint` (JSON mode, a JSON Schema, a
-regular expression or a Lark grammar) is compiled by llguidance against the model's vocabulary; each
-step the matcher's token bitmask masks the disallowed logits to ``-inf`` and every emitted token
-advances the matcher. Once the grammar is complete only an end-of-generation token is allowed, so
-the request ends cleanly with EOS. A request that reaches ``max_tokens`` first ends with reason
-``"length"`` and its output is a truncated prefix of a valid document.
+regular expression, a Lark or GBNF grammar, a list of choices) is compiled by llguidance against
+the model's vocabulary; each step the matcher's token bitmask masks the disallowed logits to
+``-inf`` and every emitted token advances the matcher. Once the grammar is complete only an
+end-of-generation token is allowed, so the request ends cleanly with EOS. A request that reaches
+``max_tokens`` first ends with reason ``"length"`` and its output is a truncated prefix of a valid
+document.
 
 JSON schemas compile strictly: a keyword llguidance does not implement (``uniqueItems``, ``if``,
 ``dependentRequired``, an unknown ``format`` ...) is a :class:`~mlxr_core.errors.RequestError`,
 never silently ignored. JSON is generated compact (no whitespace between tokens); a schema's own
-``x-guidance`` options may ask for other separators or whitespace.
+``x-guidance`` options may ask for other separators or whitespace. Every refusal names the
+constraint's :attr:`~mlxr_core.engine.request.Constraint.field`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from mlxr_core.errors import MissingDependency, RequestError
 log = logging.getLogger(__name__)
 
 #: The constraint kinds this plugin enforces (its registry meta ``constraints``).
-KINDS = ("json_object", "json_schema", "regex", "lark")
+KINDS = ("json_object", "json_schema", "regex", "lark", "gbnf", "choice")
+#: How a refusal names a constraint of each kind (a kind not listed: by its name).
+_KIND_NAMES = {"json_schema": "JSON schema", "json_object": "JSON schema", "gbnf": "grammar"}
 #: Compiled grammars kept per tokenizer (least recently used dropped first).
 CACHE_SIZE = 64
 
@@ -49,7 +53,7 @@ def _llguidance() -> Any:
     try:
         import llguidance
     except ImportError:
-        raise MissingDependency("llguidance", "structured output (response_format, format)") from None
+        raise MissingDependency("llguidance", "structured output (response_format, grammars, format)") from None
     return llguidance
 
 
@@ -80,8 +84,7 @@ class Vocabulary:
         self.eos_ids = sorted(tokenizer.eos_token_ids)
         if not self.eos_ids:
             raise RequestError(
-                "structured output needs a model with an end-of-generation token; this one has none",
-                field="response_format",
+                "structured output needs a model with an end-of-generation token; this one has none"
             )
         encoder = _Encoder(tokenizer, list(vocab.pieces), vocab.special)
         self.ll_tokenizer = llguidance.LLTokenizer(
@@ -105,10 +108,10 @@ class Vocabulary:
             grammar, self.ll_tokenizer
         )
         if is_error:
-            raise RequestError(_unsupported(constraint, messages), field="response_format")
+            raise RequestError(_unsupported(constraint, messages), field=constraint.field)
         compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
         if compiled.is_error():
-            raise RequestError(_unsupported(constraint, [compiled.get_error()]), field="response_format")
+            raise RequestError(_unsupported(constraint, [compiled.get_error()]), field=constraint.field)
         with self._lock:
             self._matchers[grammar] = compiled
             while len(self._matchers) > CACHE_SIZE:
@@ -127,24 +130,27 @@ def vocabulary(tokenizer: Any) -> Vocabulary:
 
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of a constraint (raises RequestError for a malformed one)."""
-    llguidance = _llguidance()
-    Matcher = llguidance.LLMatcher
-    if constraint.kind == "json_object":
+    Matcher = _llguidance().LLMatcher
+    kind, value, field = constraint.kind, constraint.value, constraint.field
+    if kind == "json_object":
         schema: Any = {"type": "object"}
-    elif constraint.kind == "json_schema":
-        schema = constraint.value
+    elif kind == "json_schema":
+        schema = value
         if not isinstance(schema, dict | bool):
-            raise RequestError("a JSON schema must be a JSON object", field="response_format")
-    elif constraint.kind in ("regex", "lark"):
-        if not isinstance(constraint.value, str):
-            raise RequestError(f"a {constraint.kind} constraint must be a string", field="response_format")
-        make = Matcher.grammar_from_regex if constraint.kind == "regex" else Matcher.grammar_from_lark
-        return str(make(constraint.value))
+            raise RequestError("a JSON schema must be a JSON object", field=field)
+    elif kind == "choice":
+        if not isinstance(value, list | tuple) or not value or not all(isinstance(v, str) for v in value):
+            raise RequestError("choices must be a non-empty list of strings", field=field)
+        # Lark's string literals are JSON's (llguidance's own choice grammar is written so).
+        return str(Matcher.grammar_from_lark("start: " + " | ".join(json.dumps(v) for v in value)))
+    elif kind in ("regex", "lark", "gbnf"):
+        if not isinstance(value, str):
+            raise RequestError(f"a {kind} constraint must be a string", field=field)
+        if kind == "regex":
+            return str(Matcher.grammar_from_regex(value))
+        return str(Matcher.grammar_from_lark(value if kind == "lark" else _gbnf_as_lark(value, field)))
     else:
-        raise RequestError(
-            f"unknown constraint kind {constraint.kind!r} (supported: {', '.join(KINDS)})",
-            field="response_format",
-        )
+        raise RequestError(f"unknown constraint kind {kind!r} (supported: {', '.join(KINDS)})", field=field)
     try:
         return str(
             Matcher.grammar_from_json_schema(
@@ -152,11 +158,22 @@ def grammar_text(constraint: Constraint) -> str:
             )
         )
     except (ValueError, TypeError) as exc:
-        raise RequestError(f"invalid JSON schema: {exc}", field="response_format") from None
+        raise RequestError(f"invalid JSON schema: {exc}", field=field) from None
+
+
+def _gbnf_as_lark(grammar: str, field: str | None) -> str:
+    """A GBNF grammar in Lark (llguidance's converter); one already in Lark (a ``start`` rule or
+    ``%llguidance``, as llama.cpp passes such grammars to llguidance) as it is."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(grammar)
+    except Exception as exc:  # the converter raises bare Exception, IndexError ... on bad input
+        raise RequestError(f"this GBNF grammar does not parse: {exc}", field=field) from None
 
 
 def _unsupported(constraint: Constraint, messages: list[str]) -> str:
-    what = "JSON schema" if constraint.kind in ("json_schema", "json_object") else constraint.kind
+    what = _KIND_NAMES.get(constraint.kind, constraint.kind)
     detail = "; ".join(message.strip() for message in messages) or "rejected"
     return f"this {what} cannot be enforced: {detail}"
 
@@ -164,9 +181,10 @@ def _unsupported(constraint: Constraint, messages: list[str]) -> str:
 class GrammarMask:
     """Masks every token the grammar does not allow next; only EOS once the grammar is done."""
 
-    def __init__(self, matcher: Any, eos_ids: list[int]):
+    def __init__(self, matcher: Any, eos_ids: list[int], field: str | None = None):
         self.matcher = matcher
         self.eos_ids = eos_ids
+        self.field = field
 
     def allowed(self, width: int) -> np.ndarray:
         """``[width]`` bools: the tokens the grammar allows next. RequestError when the matcher
@@ -205,7 +223,7 @@ class GrammarMask:
         error = str(self.matcher.get_error()).strip().splitlines()
         return RequestError(
             f"the constraint can no longer be enforced: {error[0] if error else 'matcher error'}",
-            field="response_format",
+            field=self.field,
         )
 
 
@@ -213,20 +231,20 @@ def structured(params: SamplingParams, context: SamplerContext) -> GrammarMask |
     """The grammar mask of a request with a ``constraint``; None for free text."""
     if params.constraint is None:
         return None
-    vocab = vocabulary(_tokenizer(context))
-    return GrammarMask(vocab.matcher(params.constraint), vocab.eos_ids)
+    vocab = _vocabulary(params.constraint, context)
+    return GrammarMask(vocab.matcher(params.constraint), vocab.eos_ids, params.constraint.field)
 
 
 def _validate_structured(params: SamplingParams, context: SamplerContext) -> None:
-    """Compile the request's grammar now, so an unsupported schema is a 400 at submit."""
+    """Compile the request's grammar now, so one that cannot be enforced is a 400 at submit."""
     if params.constraint is not None:
-        vocabulary(_tokenizer(context)).matcher(params.constraint)
+        _vocabulary(params.constraint, context).matcher(params.constraint)
 
 
-def _tokenizer(context: SamplerContext) -> Any:
+def _vocabulary(constraint: Constraint, context: SamplerContext) -> Vocabulary:
     if context.tokenizer is None:
-        raise RequestError("structured output needs the model's tokenizer", field="response_format")
-    return context.tokenizer
+        raise RequestError("structured output needs the model's tokenizer", field=constraint.field)
+    return vocabulary(context.tokenizer)
 
 
 structured.validate = _validate_structured  # type: ignore[attr-defined]

@@ -273,7 +273,9 @@ def format_constraint(ctx: ServerContext, value: Any) -> Constraint | None:
         raise RequestError('format must be "json" or a JSON schema object', field="format")
     if not constraints_supported(ctx):
         raise RequestError("format (structured output) is not supported by this server", field="format")
-    return Constraint(kind="json_object") if value == "json" else Constraint(kind="json_schema", value=value)
+    if value == "json":
+        return Constraint(kind="json_object", field="format")
+    return Constraint(kind="json_schema", value=value, field="format")
 
 
 def _refuse_unsupported(body: s.BaseRequest) -> None:

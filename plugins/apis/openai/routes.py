@@ -20,6 +20,7 @@ from litestar.params import JSONBody
 
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
 from mlxr_core.errors import ContextLengthExceeded, RequestError
+from mlxr_core.http.constraints import request_constraint
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     Reply,
@@ -30,7 +31,7 @@ from mlxr_core.http.frontend import (
 )
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
-from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
+from mlxr_core.tool_calling import model_parsers, prepare_chat
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
@@ -271,7 +272,8 @@ def completion_prompt(prompt: str | list[Any]) -> str | list[int]:
 
 
 def request_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | None) -> SamplingParams:
-    """The request's sampling fields (:func:`~mlxr_core.http.requests.sampling_params`)."""
+    """The request's sampling fields (:func:`~mlxr_core.http.requests.sampling_params`) and its
+    one constraint: ``response_format`` or a grammar field (:func:`request_constraint`)."""
     return sampling_params(
         ctx,
         max_tokens=max_tokens,
@@ -285,7 +287,7 @@ def request_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | Non
         frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty,
         logit_bias=logit_bias(body.logit_bias),
-        constraint=response_constraint(body.response_format, ctx),
+        constraint=request_constraint(ctx, body, response_constraint(body.response_format)),
         extra=_extra_params(body, ctx),
     )
 
@@ -303,23 +305,17 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     return parsed
 
 
-def response_constraint(response_format: s.ResponseFormat | None, ctx: ServerContext) -> Constraint | None:
+def response_constraint(response_format: s.ResponseFormat | None) -> Constraint | None:
     """``response_format`` as the constraint a sampler plugin enforces while decoding."""
     if response_format is None or response_format.type == "text":
         return None
-    if not constraints_supported(ctx):
-        raise RequestError(
-            f"response_format {response_format.type!r} is not supported by this server "
-            "(no sampler plugin enforces structured output)",
-            field="response_format",
-        )
     if response_format.type == "json_object":
-        return Constraint(kind="json_object")
+        return Constraint(kind="json_object", field="response_format")
     if response_format.json_schema is None or response_format.json_schema.schema is None:
         raise RequestError(
             "response_format of type 'json_schema' needs json_schema.schema", field="response_format"
         )
-    return Constraint(kind="json_schema", value=response_format.json_schema.schema)
+    return Constraint(kind="json_schema", value=response_format.json_schema.schema, field="response_format")
 
 
 def _extra_params(body: s.Request, ctx: ServerContext) -> dict[str, Any]:

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from mlxr_core.http.constraints import GrammarFields
+
 #: OpenAI's seed is an int64; MLX keys take a uint64, and the routes map one onto the other.
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -37,8 +39,9 @@ SYSTEM_FINGERPRINT = f"mlxr-{_version('mlxr')}"
 ModelName = Annotated[str, Meta(min_length=1)]
 
 
-class Request(Struct, forbid_unknown_fields=False):
-    """Fields shared by chat completions and completions."""
+class Request(GrammarFields, forbid_unknown_fields=False):
+    """Fields shared by chat completions and completions (vLLM's and llama.cpp's grammar fields
+    among them)."""
 
     model: ModelName
     max_tokens: PositiveInt | None = None

@@ -25,6 +25,7 @@ from litestar.testing import TestClient
 schemathesis = pytest.importorskip("schemathesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
@@ -222,6 +223,13 @@ AGREEMENT = [
     ("/api/generate", {"prompt": "hi", "stream": False}, False),
     ("/api/generate", {"model": "tiny", "prompt": "hi", "stream": False}, True),
     ("/api/embed", {"model": "", "input": "hi"}, False),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"choice": ["a", "b"]}}, True),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"choice": []}}, False),
+    ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regx": "a"}}, False),
+    ("/v1/chat/completions", {**CHAT, "guided_regex": 5}, False),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "grammar": 'root ::= "a" | "b"'}, True),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "json_schema": {"type": "string"}}, True),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "json_schema": "x"}, False),
 ]
 
 
@@ -276,3 +284,30 @@ def test_streamed_replies_are_documented_with_their_events(document: dict[str, A
         assert described["schema"]["contentMediaType"] == media_type and "x-item-schema" in described["schema"]["description"]
         assert event in msgspec.json.encode(described["x-item-schema"]).decode(), route
         assert "error" in msgspec.json.encode(described["x-item-schema"]).decode(), route  # a failure mid-stream
+
+
+#: Pieces of grammars, regexes and schemas, spliced at random with a little arbitrary text between.
+GRAMMAR_PIECES = ['root ::= ', 'start: ', '%llguidance {}\n', '"a"', '"', "'", "[a-z]", "[", "]", "(", ")", "|",
+                  "*", "+", "?", "{2,3}", "{", "}", "\\", "\n", "/", "x ::= root", "::=", ":", "%ignore", "."]  # fmt: skip
+grammar_text = st.lists(st.sampled_from(GRAMMAR_PIECES) | st.text(max_size=3), max_size=12).map("".join)
+grammar_fields = st.one_of(
+    st.fixed_dictionaries({"grammar": grammar_text}),
+    st.fixed_dictionaries({"guided_grammar": grammar_text}),
+    st.fixed_dictionaries({"guided_regex": grammar_text}),
+    st.fixed_dictionaries({"structured_outputs": st.fixed_dictionaries({"grammar": grammar_text})}),
+    st.fixed_dictionaries({"structured_outputs": st.fixed_dictionaries({"regex": grammar_text})}),
+    st.fixed_dictionaries({"structured_outputs": st.fixed_dictionaries({"choice": st.lists(st.text(), min_size=1, max_size=4)})}),
+    st.fixed_dictionaries({"guided_json": grammar_text}),
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
+@given(fields=grammar_fields)
+def test_grammar_fields_of_any_text_are_served_or_refused_naming_the_field(client: TestClient, fields: dict[str, Any]) -> None:
+    """Grammars, regexes and schemas of hostile text: a 200, or a 400 naming the field; never a 5xx."""
+    response = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", **fields})
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 400:
+        (name,) = fields
+        param = response.json()["error"]["param"]
+        assert param == name or param.startswith(f"{name}."), (param, fields)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import attrs
 import jsonschema
 import mlx.core as mx
 import numpy as np
@@ -115,25 +116,47 @@ def test_the_sampler_chain_draws_only_allowed_tokens(toy_tokenizer, plugin_host)
     ],
 )
 def test_unsupported_schema_features_are_a_request_error_naming_them(toy_tokenizer, schema, feature):
-    params = SamplingParams(constraint=Constraint("json_schema", schema))
+    params = SamplingParams(constraint=Constraint("json_schema", schema, field="response_format"))
     with pytest.raises(RequestError, match=feature) as caught:
         structured.validate(params, SamplerContext(tokenizer=toy_tokenizer))  # type: ignore[attr-defined]
-    assert caught.value.field == "response_format"
+    assert caught.value.field == "response_format"  # the constraint's field, whatever the API
 
 
 @pytest.mark.parametrize(
     "constraint",
     [Constraint("json_schema", ["not", "a", "schema"]), Constraint("regex", "(unclosed"),
-     Constraint("lark", "start: ("), Constraint("yaml", "x")],
+     Constraint("lark", "start: ("), Constraint("yaml", "x"),
+     # GBNF the converter refuses (bare Exception, IndexError ... inside), and one llguidance does
+     Constraint("gbnf", "root ::= ("), Constraint("gbnf", 'root ::= "\\'), Constraint("gbnf", "root ::= other"),
+     Constraint("gbnf", ""), Constraint("gbnf", 'root ::= [a-'), Constraint("gbnf", 5),
+     Constraint("choice", []), Constraint("choice", ["a", 1]), Constraint("choice", "a")],
 )  # fmt: skip
-def test_malformed_constraints_are_request_errors(toy_tokenizer, constraint):
-    with pytest.raises(RequestError):
+def test_malformed_constraints_are_request_errors_naming_the_field(toy_tokenizer, constraint):
+    constraint = attrs.evolve(constraint, field="the_field")
+    with pytest.raises(RequestError) as caught:
         structured.validate(SamplingParams(constraint=constraint), SamplerContext(tokenizer=toy_tokenizer))  # type: ignore[attr-defined]
+    assert caught.value.field == "the_field"
 
 
 def test_the_sampler_plugin_declares_the_kinds_it_enforces(plugin_host):
     entry = plugin_host.registries.samplers.entry("structured")
-    assert set(entry.meta["constraints"]) == {"json_object", "json_schema", "regex", "lark"}
+    assert set(entry.meta["constraints"]) == {"json_object", "json_schema", "regex", "lark", "gbnf", "choice"}
+
+
+def test_a_choice_allows_exactly_its_strings(toy_tokenizer):
+    choices = ["yes", "no", 'a "quoted"\nline', ""]
+    mask = mask_for(toy_tokenizer, Constraint("choice", choices))
+    assert set(np.nonzero(mask.allowed(toy_tokenizer.vocab_size))[0]) >= set(toy_tokenizer.eos_token_ids)  # ""
+    for token in toy_tokenizer.encode(choices[2], add_special_tokens=False):
+        assert toy_tokenizer.token_bytes().pieces[token] in allowed_pieces(mask, toy_tokenizer)
+        mask.accept(token)
+    assert set(np.nonzero(mask.allowed(toy_tokenizer.vocab_size))[0]) == set(toy_tokenizer.eos_token_ids)
+
+
+def test_a_gbnf_grammar_is_read_as_gbnf_and_a_lark_one_as_lark(toy_tokenizer):
+    for grammar in ('root ::= ("yes" | "no") [0-9]', 'start: ("yes" | "no") /[0-9]/'):
+        mask = mask_for(toy_tokenizer, Constraint("gbnf", grammar))
+        assert {b"y", b"n"} <= allowed_pieces(mask, toy_tokenizer) <= {b"y", b"ye", b"yes", b"n", b"no"}
 
 
 # -- through the engine --------------------------------------------------------------------------
