@@ -24,7 +24,8 @@ class Architecture(Protocol):
     (:mod:`mlxr_core.model.fuse`), and a module with ``embed`` / ``final_norm`` / ``lm_logits`` and
     layers with ``attention_inputs`` / ``attention`` / ``after_attention`` decodes through a
     compiled step (:mod:`mlxr_core.model.compiled`). The built-in graphs offer both; the
-    conformance check covers both.
+    conformance check covers both. A multimodal family adds its vision side through
+    :class:`mlxr_core.model.vision.ProvidesVision`.
     """
 
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:

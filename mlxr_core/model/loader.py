@@ -42,6 +42,7 @@ from mlxr_core.model.paths import default_model_name, resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.quantized_cache import KVQuantization, quantize_caches
 from mlxr_core.model.tokenizer import Tokenizer
+from mlxr_core.model.vision import Vision, load_vision
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import ModelConfig
@@ -76,6 +77,8 @@ class LoadedModel:
     arch_reason: str = ""
     #: Keys and values stored quantized (``models[].kv_cache``), or None for full precision.
     kv_cache: KVQuantization | None = None
+    #: The image processor, vision module and image tokens of a multimodal model, or None.
+    vision: Vision | None = None
 
     def make_cache(self) -> list[Any]:
         caches = self.arch.make_cache(self.model)
@@ -394,6 +397,7 @@ def load_model(
         else:
             log.info("%s: decoding eagerly, the decode step cannot be compiled: %s", path.name, reason)
 
+    vision = load_vision(checkpoint, arch, DTYPES[dtype])
     context_length = model_config.context_length or arch.context_length(config)
     name = model_config.name or default_model_name(path)
     kv_cache = kv_quantization(model_config, model, chosen, name)
@@ -413,6 +417,7 @@ def load_model(
         compiled_decode=compiled,
         arch_reason=chosen.reason,
         kv_cache=kv_cache,
+        vision=vision,
     )
     log.info(
         "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s, decode step %s",

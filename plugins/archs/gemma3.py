@@ -30,6 +30,7 @@ from mlxr_core.model.layers import (
     args_rotary,
     geglu,
 )
+from mlxr_core.model.vision import VisionArchitecture
 
 #: Hugging Face's default ``sliding_window_pattern``: every 6th layer attends globally.
 GLOBAL_EVERY = 6
@@ -160,12 +161,13 @@ MULTIMODAL_PREFIXES = {
     "language_model.lm_head.": "lm_head.",
     "model.language_model.": "model.",
 }
-#: The image tower and projector of multimodal checkpoints: this graph is text-only.
+#: The image tower and projector of multimodal checkpoints, loaded apart (see ``vision``).
 VISION_PARTS = ("vision_tower", "multi_modal_projector")
 
 
 class Gemma3Architecture(DecoderArchitecture):
-    """The :class:`mlxr_core.model.arch.Architecture` of ``gemma3_text`` and (text only) ``gemma3``."""
+    """The :class:`mlxr_core.model.arch.Architecture` of ``gemma3_text`` and ``gemma3``, whose
+    vision side :meth:`vision` gives (:class:`mlxr_core.model.vision.ProvidesVision`)."""
 
     args_class = Gemma3Args
 
@@ -189,6 +191,14 @@ class Gemma3Architecture(DecoderArchitecture):
                 continue
             out[name] = array
         return out
+
+    def vision(self, config: dict[str, Any]) -> VisionArchitecture | None:
+        """The SigLIP tower and projector of a multimodal ``gemma3`` checkpoint; None for text."""
+        if not config.get("vision_config"):
+            return None
+        from mlxr_plugins.archs.gemma3_vision import Gemma3VisionArchitecture
+
+        return Gemma3VisionArchitecture()
 
     def default_chat_template(self, config: dict[str, Any]) -> str | None:
         """Gemma's turn format, for checkpoints without a template (the 270M GGUF's base model)."""

@@ -14,7 +14,9 @@ from mlxr_core.model.layers.norms import RMSNorm
 class DecoderModel(nn.Module):
     """``embed_tokens``, ``layers`` and the final ``norm`` (Hugging Face's ``model.*``):
     ``[B, L]`` ids -> final normed hidden states ``[B, L, hidden]``, under a causal mask unless
-    one is given. ``embed_scale`` multiplies the embeddings (Gemma: ``sqrt(hidden)``)."""
+    one is given. ``embed_scale`` multiplies the embeddings (Gemma: ``sqrt(hidden)``). Given
+    ``embeddings [B, L, hidden]`` (image embeddings merged in, :mod:`mlxr_core.model.vision`),
+    it runs from those instead of embedding ``inputs``."""
 
     def __init__(
         self,
@@ -38,9 +40,13 @@ class DecoderModel(nn.Module):
         return h
 
     def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        mask: str | mx.array | None = None,
+        embeddings: mx.array | None = None,
     ) -> mx.array:
-        h = self.embed(inputs)
+        h = self.embed(inputs) if embeddings is None else embeddings
         if mask is None and h.shape[1] > 1:
             mask = "causal"
         layer_caches = cache if cache is not None else [None] * len(self.layers)
@@ -67,9 +73,13 @@ class CausalLM(nn.Module):
             self.lm_head = nn.Linear(hidden, model.embed_tokens.weight.shape[0], bias=False)
 
     def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, mask: str | mx.array | None = None
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        mask: str | mx.array | None = None,
+        embeddings: mx.array | None = None,
     ) -> mx.array:
-        return self.lm_logits(self.model(inputs, cache, mask))
+        return self.lm_logits(self.model(inputs, cache, mask, embeddings))
 
     def embed(self, inputs: mx.array) -> mx.array:
         return self.model.embed(inputs)

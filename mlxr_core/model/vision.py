@@ -1,0 +1,265 @@
+"""The vision contract: how an architecture turns images into embeddings at its image tokens.
+
+An :class:`~mlxr_core.model.arch.Architecture` of a multimodal family implements
+:class:`ProvidesVision`: ``vision(config)`` returns a :class:`VisionArchitecture` (or None for a
+text-only checkpoint of that family). The vision side is a module of its own, built and loaded
+beside the text model from the same checkpoint, so the text graph (its compiled decode step,
+fusing, quantization) stays as it is. One image goes through three steps:
+
+1. ``processor(pil_image) -> [C, H, W]`` float32 pixels (Pillow and numpy: no MLX, no torch), on
+   any thread;
+2. ``module(pixels [N, H, W, C]) -> [N, tokens_per_image, hidden]`` (tower and projector), on the
+   engine thread;
+3. :func:`merge_embeddings` puts those rows at the prompt's image tokens (:class:`ImageTokens`),
+   and the text model runs from the merged embeddings under :func:`image_prefill_mask`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from mlxr_core.errors import ModelLoadError, RequestError
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+    import mlx.nn as nn
+    from PIL import Image
+
+    from mlxr_core.model.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
+
+
+class ImageProcessor(Protocol):
+    """One image -> the pixel values its vision tower takes."""
+
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        """``[C, H, W]`` float32, resized, rescaled and normalized as the family does."""
+        ...
+
+
+@attrs.frozen
+class ImageTokens:
+    """Where one image's embeddings go in a prompt.
+
+    A chat template writes :attr:`marker` once per image; before tokenizing, each marker becomes
+    :attr:`prompt_text` (:meth:`expand`), which holds :attr:`tokens_per_image` copies of the token
+    :attr:`image_token_id`; the image's embeddings replace those positions' embeddings, in order.
+    """
+
+    image_token_id: int
+    tokens_per_image: int
+    #: What a chat template writes per image (Gemma 3: ``<start_of_image>``).
+    marker: str
+    #: What a marker becomes (Gemma 3: ``\\n\\n<start_of_image>`` + 256 soft tokens + ``<end_of_image>\\n\\n``).
+    prompt_text: str
+    #: Whether an image's tokens attend to each other both ways during prefill (Gemma 3: yes).
+    bidirectional: bool = False
+
+    def expand(self, text: str) -> str:
+        """``text`` with every :attr:`marker` replaced by :attr:`prompt_text`."""
+        return text.replace(self.marker, self.prompt_text)
+
+    def count(self, ids: Sequence[int]) -> int:
+        """Images a tokenized prompt holds room for; raises RequestError when a run of image
+        tokens is not a whole number of images."""
+        positions = int(np.sum(np.asarray(ids) == self.image_token_id))
+        if positions % self.tokens_per_image:
+            raise RequestError(
+                f"the prompt holds {positions} image tokens, not a multiple of {self.tokens_per_image} per image"
+            )
+        return positions // self.tokens_per_image
+
+
+class VisionArchitecture(Protocol):
+    """The vision side of a multimodal family: an image processor, a module (tower and projector)
+    and the tokens its output replaces. Returned by :meth:`ProvidesVision.vision`."""
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        """The tower and projector: ``module(pixels [N, H, W, C]) -> [N, tokens, text hidden]``."""
+        ...
+
+    def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """The checkpoint's vision tensors under the module's names (the text model's dropped)."""
+        ...
+
+    def processor(self, config: dict[str, Any], preprocessor: dict[str, Any] | None) -> ImageProcessor:
+        """The image processor; ``preprocessor`` is the checkpoint's ``preprocessor_config.json``
+        when it has one (it wins over the family's defaults)."""
+        ...
+
+    def image_tokens(self, config: dict[str, Any]) -> ImageTokens:
+        """Where an image's embeddings go in a prompt."""
+        ...
+
+
+@runtime_checkable
+class ProvidesVision(Protocol):
+    """An optional capability of an :class:`~mlxr_core.model.arch.Architecture`: image input."""
+
+    def vision(self, config: dict[str, Any]) -> VisionArchitecture | None:
+        """The vision side for ``config``, or None when this checkpoint is text only."""
+        ...
+
+
+@attrs.frozen
+class Vision:
+    """A loaded model's vision side (``LoadedModel.vision``): the module with its weights, the
+    image processor and the prompt's image tokens."""
+
+    module: nn.Module
+    processor: ImageProcessor
+    tokens: ImageTokens
+
+    def encode(self, pixels: Sequence[np.ndarray]) -> mx.array:
+        """Images as the processor gave them (``[C, H, W]`` each) -> ``[N, tokens, hidden]``."""
+        import mlx.core as mx
+
+        batch = mx.array(np.stack([image.transpose(1, 2, 0) for image in pixels]))
+        embeddings: mx.array = self.module(batch)
+        return embeddings
+
+
+def load_vision(checkpoint: Checkpoint, arch: object, dtype: mx.Dtype) -> Vision | None:
+    """The vision side of ``checkpoint`` when ``arch`` provides one for its config (else None):
+    built, its tensors loaded strictly in ``dtype``, the processor reading the folder's
+    ``preprocessor_config.json`` where there is one. Raises ModelLoadError naming the tensor."""
+    import json
+
+    import mlx.core as mx
+
+    if not isinstance(arch, ProvidesVision):
+        return None
+    config = checkpoint.config
+    vision = arch.vision(config)
+    if vision is None:
+        return None
+    weights = vision.sanitize(checkpoint.weights, config)
+    if not weights or any(name.endswith(".scales") for name in weights):
+        why = "holds no vision tensors" if not weights else "holds its vision tower quantized, not yet supported"
+        log.warning("%s %s: serving text only", checkpoint.path.name, why)
+        return None
+    module = vision.build(config)
+    try:
+        module.load_weights([(name, array.astype(dtype)) for name, array in weights.items()], strict=True)
+    except ValueError as exc:
+        raise ModelLoadError(f"the vision weights do not fit the {config.get('model_type')} vision graph: {exc}",
+                             path=str(checkpoint.path)) from exc
+    mx.eval(module.parameters())
+    module.eval()
+    found = checkpoint.path / "preprocessor_config.json"
+    preprocessor = json.loads(found.read_text(encoding="utf-8")) if found.is_file() else None
+    return Vision(module, vision.processor(config, preprocessor), vision.image_tokens(config))
+
+
+@attrs.frozen
+class ResizeNormalize:
+    """The plain ViT preprocessing (SigLIP, CLIP): RGB, resized to ``size`` (height, width) with
+    Pillow's ``resample`` filter, times ``rescale``, minus ``mean``, over ``std``, channels first.
+    Computed as transformers' Pillow backend does (uint8 resize, float64 rescale, float32 after)."""
+
+    size: tuple[int, int]
+    mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    rescale: float = 1 / 255
+    resample: int = 2  # PIL.Image.Resampling.BILINEAR
+
+    @classmethod
+    def from_config(cls, preprocessor: dict[str, Any] | None, size: int) -> ResizeNormalize:
+        """From a ``preprocessor_config.json`` (tolerant: missing keys take the defaults, a square
+        ``size`` side when it names none)."""
+        settings = preprocessor or {}
+        side = settings.get("size") or {}
+        height, width = side.get("height", size), side.get("width", size)
+        defaults = cls((height, width))
+        return cls(
+            (int(height), int(width)),
+            tuple(float(v) for v in settings.get("image_mean", defaults.mean)),
+            tuple(float(v) for v in settings.get("image_std", defaults.std)),
+            float(settings.get("rescale_factor", defaults.rescale)),
+            int(settings.get("resample", defaults.resample)),
+        )
+
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        height, width = self.size
+        resized = image.convert("RGB").resize((width, height), resample=self.resample)
+        pixels = (np.asarray(resized).astype(np.float64) * self.rescale).astype(np.float32)
+        mean, std = np.array(self.mean, np.float32), np.array(self.std, np.float32)
+        return ((pixels - mean) / std).transpose(2, 0, 1)
+
+
+class EmbeddingsModel(Protocol):
+    """A text model that runs from given embeddings (:class:`~mlxr_core.model.layers.CausalLM`)."""
+
+    def embed(self, inputs: mx.array) -> mx.array: ...
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        mask: str | mx.array | None = None,
+        embeddings: mx.array | None = None,
+    ) -> mx.array: ...
+
+
+def logits_with_images(
+    model: EmbeddingsModel,
+    inputs: mx.array,
+    images: mx.array,
+    tokens: ImageTokens,
+    cache: list[Any] | None = None,
+    offset: int = 0,
+) -> mx.array:
+    """A prefill's logits ``[B, L, vocab]`` with image embeddings ``images [N, T, D]`` (the vision
+    module's output) at the image tokens of ``inputs [B, L]``, which follow ``offset`` positions of
+    ``cache``; bidirectional within each image where :attr:`ImageTokens.bidirectional`."""
+    import mlx.core as mx
+
+    is_image = inputs == tokens.image_token_id
+    # The image token may lie outside the embedding table; its positions' rows are replaced anyway.
+    text = model.embed(mx.where(is_image, 0, inputs))
+    embeddings = merge_embeddings(text, inputs, images, tokens.image_token_id)
+    mask = image_prefill_mask(inputs, tokens.image_token_id, offset) if tokens.bidirectional else None
+    return model(inputs, cache, mask, embeddings=embeddings)
+
+
+def merge_embeddings(
+    embeddings: mx.array, inputs: mx.array, images: mx.array, image_token_id: int
+) -> mx.array:
+    """``embeddings [B, L, D]`` with the positions where ``inputs [B, L]`` is ``image_token_id``
+    replaced, in row-major order, by the rows of ``images [N, T, D]`` (Hugging Face's
+    ``masked_scatter``). Raises RequestError when the counts differ."""
+    import mlx.core as mx
+
+    is_image = inputs == image_token_id
+    positions, rows = int(np.array(is_image).sum()), images.shape[0] * images.shape[1]
+    if positions != rows:
+        raise RequestError(f"the prompt has {positions} image token positions for {rows} image embeddings")
+    if rows == 0:
+        return embeddings
+    flat = images.reshape(rows, images.shape[-1]).astype(embeddings.dtype)
+    index = mx.maximum(mx.cumsum(is_image.reshape(-1).astype(mx.int32)) - 1, 0).reshape(inputs.shape)
+    return mx.where(is_image[..., None], flat[index], embeddings)
+
+
+def image_prefill_mask(inputs: mx.array, image_token_id: int, offset: int = 0) -> mx.array:
+    """The boolean ``[B, 1, L, offset + L]`` prefill mask of ``inputs [B, L]`` that follow
+    ``offset`` cached positions: causal, and each run of image tokens also sees itself whole
+    (Gemma 3's bidirectional attention within an image). An image must lie within one chunk."""
+    import mlx.core as mx
+
+    B, L = inputs.shape
+    is_image = inputs == image_token_id
+    starts = is_image & ~mx.concatenate([mx.zeros((B, 1), mx.bool_), is_image[:, :-1]], axis=1)
+    block = mx.where(is_image, mx.cumsum(starts.astype(mx.int32), axis=1), 0)  # 0: text
+    same = (block[:, :, None] == block[:, None, :]) & (block[:, :, None] > 0)
+    causal = mx.arange(L)[:, None] >= mx.arange(L)[None, :]
+    local = same | causal
+    if offset:
+        local = mx.concatenate([mx.ones((B, L, offset), mx.bool_), local], axis=2)
+    return local[:, None]

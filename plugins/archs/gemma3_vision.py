@@ -1,0 +1,116 @@
+"""Gemma 3's vision side: a SigLIP tower, then the multimodal projector (average pooling of the
+patch grid to ``mm_tokens_per_image`` tokens, Gemma's ``1 + w`` RMS norm, one matrix into the
+text model's width). Each image is 896x896 pixels in the released checkpoints, 256 tokens.
+
+Checkpoint names, all accepted: ``model.vision_tower.vision_model.*`` and
+``model.multi_modal_projector.*`` (transformers >= 4.52), ``vision_tower.vision_model.*`` and
+``multi_modal_projector.*`` (earlier), ``vision_tower.*`` without ``vision_model`` (transformers 5's
+saving). Pan-and-scan (extra crops of a wide image) is not applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.model.vision import ImageProcessor, ImageTokens, ResizeNormalize
+from mlxr_plugins.archs.siglip import SiglipVisionArgs, SiglipVisionTower, sanitize_tower
+
+#: ``Gemma3Config`` defaults: 256 tokens per image, Gemma's image token ids.
+TOKENS_PER_IMAGE = 256
+IMAGE_TOKEN_ID = 262_144
+#: The processor's text for one image (transformers' ``Gemma3Processor.full_image_sequence``).
+BEGIN, SOFT_TOKEN, END = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
+PARTS = {"vision_tower.": "vision_tower.", "multi_modal_projector.": "multi_modal_projector."}
+
+
+class GemmaNorm(nn.Module):
+    """RMS norm scaling by ``1 + weight`` (Gemma's checkpoints store ``scale - 1``)."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.zeros((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, 1.0 + self.weight, self.eps)
+
+
+class Gemma3Projector(nn.Module):
+    """``[N, patches, vision hidden] -> [N, tokens, text hidden]``: the patch grid average-pooled
+    to ``tokens_per_side`` squared tokens (row-major), normed, projected."""
+
+    def __init__(self, args: SiglipVisionArgs, text_hidden: int, tokens_per_image: int):
+        super().__init__()
+        side = round(tokens_per_image**0.5)
+        if side * side != tokens_per_image or args.patches_per_side % side:
+            raise ModelLoadError(
+                f"mm_tokens_per_image {tokens_per_image} must be a square whose side divides the "
+                f"{args.patches_per_side} patches per side", key="mm_tokens_per_image",
+            )  # fmt: skip
+        self.mm_input_projection_weight = mx.zeros((args.hidden_size, text_hidden))
+        self.mm_soft_emb_norm = GemmaNorm(args.hidden_size, args.layer_norm_eps)
+        self.patches_per_side, self.tokens_per_side = args.patches_per_side, side
+
+    def __call__(self, patches: mx.array) -> mx.array:
+        N, _, D = patches.shape
+        P, S = self.patches_per_side, self.tokens_per_side
+        pooled = patches.reshape(N, S, P // S, S, P // S, D).mean(axis=(2, 4)).reshape(N, S * S, D)
+        return self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight
+
+
+class Gemma3Vision(nn.Module):
+    """``module(pixels [N, H, W, C]) -> [N, mm_tokens_per_image, text hidden]``."""
+
+    def __init__(self, args: SiglipVisionArgs, text_hidden: int, tokens_per_image: int):
+        super().__init__()
+        self.vision_tower = SiglipVisionTower(args)
+        self.multi_modal_projector = Gemma3Projector(args, text_hidden, tokens_per_image)
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        return self.multi_modal_projector(self.vision_tower(pixels))
+
+
+def _tokens_per_image(config: dict[str, Any]) -> int:
+    return int(config.get("mm_tokens_per_image") or TOKENS_PER_IMAGE)
+
+
+class Gemma3VisionArchitecture:
+    """The :class:`mlxr_core.model.vision.VisionArchitecture` of ``gemma3`` checkpoints."""
+
+    def args(self, config: dict[str, Any]) -> SiglipVisionArgs:
+        return SiglipVisionArgs.from_config(config.get("vision_config") or {})
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        from mlxr_plugins.archs.gemma3 import Gemma3Args
+
+        text_hidden = Gemma3Args.from_config(config).hidden_size
+        return Gemma3Vision(self.args(config), text_hidden, _tokens_per_image(config))
+
+    def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """The tower's and projector's tensors, under any of the layouts above."""
+        out = {}
+        for name, array in weights.items():
+            name = name.removeprefix("model.")
+            if name.startswith("vision_tower."):
+                kept = sanitize_tower(name.removeprefix("vision_tower."), array)
+                if kept is not None:
+                    out["vision_tower." + kept[0]] = kept[1]
+            elif name.startswith("multi_modal_projector."):
+                out[name] = array
+        return out
+
+    def processor(self, config: dict[str, Any], preprocessor: dict[str, Any] | None) -> ImageProcessor:
+        """Resize to the tower's size (bilinear), rescale by 1/255, normalize with mean and std 0.5,
+        or as ``preprocessor_config.json`` says."""
+        return ResizeNormalize.from_config(preprocessor, self.args(config).image_size)
+
+    def image_tokens(self, config: dict[str, Any]) -> ImageTokens:
+        """``<start_of_image>`` in a prompt becomes the processor's sequence of soft tokens."""
+        count = _tokens_per_image(config)
+        token_id = config.get("image_token_index", config.get("image_token_id", IMAGE_TOKEN_ID))
+        text = f"\n\n{BEGIN}{SOFT_TOKEN * count}{END}\n\n"
+        return ImageTokens(int(token_id), count, BEGIN, text, bidirectional=True)

@@ -1,0 +1,192 @@
+"""Gemma 3's vision side against transformers' Gemma3ForConditionalGeneration (CPU, float32):
+a tiny random model with a tiny SigLIP tower (32x32 pixels, 8x8 patches, 4 tokens per image),
+saved by transformers and loaded through mlxr's loader.
+
+The merged sequence's logits match transformers' with the image's tokens attending to each other
+both ways (transformers' ``token_type_ids``); the prompt stays within the sliding window, where
+the window layers keep that bidirectional attention (past it they attend causally, see
+:func:`mlxr_core.model.vision.image_prefill_mask`).
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxr_core.errors import RequestError
+from mlxr_core.model.vision import (
+    ImageTokens,
+    image_prefill_mask,
+    logits_with_images,
+    merge_embeddings,
+)
+from mlxr_core.plugins import load_plugins
+from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
+
+VOCAB, IMAGE, BEGIN, END = 64, 60, 61, 62
+TEXT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "sliding_window": 32,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+    "max_position_embeddings": 128,
+    "query_pre_attn_scalar": 16,
+}
+VISION = {
+    "hidden_size": 24,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 32,
+    "patch_size": 8,
+    "vision_use_head": False,
+}
+#: Text, ``<start_of_image>``, four soft tokens, ``<end_of_image>``, text.
+PROMPT = [2, 17, 5, BEGIN, *[IMAGE] * 4, END, 9, 33, 12, 40]
+
+
+@attrs.frozen
+class Reference:
+    folder: object
+    pixels: np.ndarray  # [1, C, H, W]
+    tower: np.ndarray
+    projected: np.ndarray
+    logits: np.ndarray
+    text_logits: np.ndarray  # the same prompt without the image (token type ids off)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Reference:
+    torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+    transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
+    folder = tmp_path_factory.mktemp("gemma3_vision")
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(
+        text_config=TEXT,
+        vision_config=VISION,
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE,
+        boi_token_index=BEGIN,
+        eoi_token_index=END,
+        attn_implementation="eager",
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    o1_init(model, torch)
+    model.save_pretrained(folder)
+    write_tokenizer(folder, VOCAB)
+    pixels = torch.randn(1, 3, 32, 32)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        tower = model.model.vision_tower(pixel_values=pixels).last_hidden_state
+        projected = model.model.multi_modal_projector(tower)
+        logits = model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits
+        text_logits = model(input_ids=ids, pixel_values=pixels).logits
+    return Reference(
+        folder, pixels.numpy(), tower.numpy(), projected.numpy(), logits[0].numpy(), text_logits[0].numpy()
+    )
+
+
+@pytest.fixture(scope="module")
+def loaded(reference):
+    from mlxr_core.testing.hf_reference import load_reference_model
+
+    return load_reference_model(reference, load_plugins().registries)  # type: ignore[arg-type]
+
+
+def worst(got: mx.array | np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(np.array(got) - want).max())
+
+
+def test_vision_tower_and_projector_match_transformers(reference, loaded):
+    vision = loaded.vision
+    assert vision is not None and vision.tokens.tokens_per_image == 4
+    pixels = mx.array(reference.pixels.transpose(0, 2, 3, 1))
+    tower = vision.module.vision_tower(pixels)
+    assert tower.shape == reference.tower.shape
+    assert worst(tower, reference.tower) <= 1e-4
+    projected = vision.module.multi_modal_projector(tower)
+    assert projected.shape == (1, 4, TEXT["hidden_size"])
+    assert worst(projected, reference.projected) <= 1e-4
+    assert worst(vision.encode(list(reference.pixels)), reference.projected) <= 1e-4
+
+
+def test_logits_with_one_image_match_transformers(reference, loaded):
+    vision = loaded.vision
+    images = vision.encode(list(reference.pixels))
+    logits = logits_with_images(loaded.model, mx.array([PROMPT]), images, vision.tokens)[0]
+    assert worst(logits, reference.logits) <= 1e-4
+    # Bidirectional attention among the image's tokens changes the logits from there on.
+    assert worst(reference.logits, reference.text_logits) > 1e-3
+    causal = attrs.evolve(vision.tokens, bidirectional=False)
+    causal_logits = logits_with_images(loaded.model, mx.array([PROMPT]), images, causal)[0]
+    assert worst(causal_logits, reference.text_logits) <= 1e-4
+
+
+def test_cached_decoding_after_an_image_matches_one_pass(reference, loaded):
+    vision = loaded.vision
+    images = vision.encode(list(reference.pixels))
+    cache = loaded.make_cache()
+    split = PROMPT.index(END) + 1
+    first = logits_with_images(loaded.model, mx.array([PROMPT[:split]]), images, vision.tokens, cache)
+    steps = [first] + [loaded.model(mx.array([[token]]), cache=cache) for token in PROMPT[split:]]
+    assert worst(mx.concatenate(steps, axis=1)[0], reference.logits) <= 1e-4
+
+
+def test_image_processor_matches_transformers(reference, loaded, tmp_path):
+    transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
+    image_module = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
+    rng = np.random.default_rng(3)
+    png = tmp_path / "image.png"
+    image_module.fromarray(rng.integers(0, 256, (45, 71, 3), dtype=np.uint8)).save(png)
+    theirs = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=False)
+    with image_module.open(png) as image:
+        want = theirs(image, return_tensors="np")["pixel_values"][0]
+        ours = loaded.vision.processor(image)
+    assert ours.dtype == np.float32 and ours.shape == want.shape == (3, 32, 32)
+    assert worst(ours, want) <= 1e-6
+    # The same from the preprocessor config transformers writes.
+    theirs.save_pretrained(tmp_path)
+    settings = json.loads((tmp_path / "preprocessor_config.json").read_text())
+    arch = loaded.arch.vision(loaded.config)
+    with image_module.open(png) as image:
+        assert worst(arch.processor(loaded.config, settings)(image), want) <= 1e-6
+
+
+def test_image_tokens_expand_the_marker(loaded):
+    tokens = loaded.arch.vision({**loaded.config, "mm_tokens_per_image": 256}).image_tokens(loaded.config)
+    text = tokens.expand("<start_of_turn>user\n<start_of_image>What is it?")
+    assert text.count("<image_soft_token>") == 4 and "\n\n<start_of_image><image_soft_token>" in text
+    assert text.endswith("<end_of_image>\n\nWhat is it?")
+    assert tokens.count(PROMPT) == 1
+    with pytest.raises(RequestError, match="multiple of 4"):
+        tokens.count(PROMPT[:-7])
+
+
+def test_merge_refuses_a_count_mismatch_and_masks_images_both_ways():
+    tokens = ImageTokens(IMAGE, 4, "<m>", "", bidirectional=True)
+    embeddings = mx.zeros((1, len(PROMPT), 8))
+    with pytest.raises(RequestError, match="4 image token positions for 8"):
+        merge_embeddings(embeddings, mx.array([PROMPT]), mx.ones((2, 4, 8)), tokens.image_token_id)
+    merged = merge_embeddings(embeddings, mx.array([PROMPT]), mx.arange(32.0).reshape(1, 4, 8), IMAGE)
+    rows = np.array(merged[0, :, 0])
+    assert rows.tolist() == [0] * 4 + [0, 8, 16, 24] + [0] * 5
+    mask = np.array(image_prefill_mask(mx.array([PROMPT]), IMAGE, offset=2))[0, 0]
+    assert mask.shape == (len(PROMPT), len(PROMPT) + 2)
+    first, last = PROMPT.index(IMAGE), PROMPT.index(IMAGE) + 3
+    assert mask[first, last + 2]  # the image's first token sees its last
+    assert not mask[first - 1, first + 2]  # the text before it does not
+    assert not mask[last + 1, last + 4]  # nor does any token see a later text token
+    assert mask[:, :2].all()  # cached positions are all earlier
+
+
+def test_text_only_checkpoints_have_no_vision(loaded):
+    assert loaded.arch.vision({k: v for k, v in loaded.config.items() if k != "vision_config"}) is None
