@@ -24,13 +24,19 @@ def window_mask(
     bottom-right ``"causal"`` mask assumes. Query ``i`` sits at index ``keys - queries + i`` and
     sees key ``j`` when ``0 <= (keys - queries + i) - j < window`` (Hugging Face's and llama.cpp's
     rule). The distance between indices is the same in a right-aligned batch cache, whatever a
-    row's left padding, so a batch's boolean ``[B, 1, 1, S]`` padding mask combines with it.
+    row's left padding, so a batch's boolean ``[B, 1, 1, S]`` padding mask combines with it. A
+    mask with a row per query (``[..., L, S]``, L > 1) keeps the keys it lets a query see ahead of
+    it (Gemma 3's image tokens, :func:`mlxr_core.model.vision.image_prefill_mask`).
     """
     if keys <= window:
         return mask  # every key is within the window of every query
     rows = mx.arange(keys - queries, keys)[:, None]
     cols = mx.arange(keys)[None, :]
-    visible = (cols <= rows) & (rows - cols < window)  # [L, S], causal too
+    near = rows - cols < window
+    # A mask with a row per query says itself which earlier or later keys each one sees (an
+    # image's tokens see each other both ways): the window only bounds how far back.
+    own_rows = isinstance(mask, mx.array) and queries > 1 and mask.ndim >= 2 and mask.shape[-2] == queries
+    visible = near if own_rows else (cols <= rows) & near  # [L, S]
     if isinstance(mask, mx.array):
         if mask.dtype == mx.bool_:
             return mask & visible

@@ -3,9 +3,8 @@ a tiny random model with a tiny SigLIP tower (32x32 pixels, 8x8 patches, 4 token
 saved by transformers and loaded through mlxr's loader.
 
 The merged sequence's logits match transformers' with the image's tokens attending to each other
-both ways (transformers' ``token_type_ids``); the prompt stays within the sliding window, where
-the window layers keep that bidirectional attention (past it they attend causally, see
-:func:`mlxr_core.model.vision.image_prefill_mask`).
+both ways (transformers' ``token_type_ids``), in a prompt within the sliding window and in one
+longer than it.
 """
 
 from __future__ import annotations
@@ -52,6 +51,8 @@ VISION = {
 }
 #: Text, ``<start_of_image>``, four soft tokens, ``<end_of_image>``, text.
 PROMPT = [2, 17, 5, BEGIN, *[IMAGE] * 4, END, 9, 33, 12, 40]
+#: Longer than the 32-position sliding window, the image at its end.
+LONG_PROMPT = [3 + i % 50 for i in range(30)] + PROMPT
 
 
 @attrs.frozen
@@ -62,6 +63,7 @@ class Reference:
     projected: np.ndarray
     logits: np.ndarray
     text_logits: np.ndarray  # the same prompt without the image (token type ids off)
+    long_logits: np.ndarray
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +92,16 @@ def reference(tmp_path_factory) -> Reference:
         projected = model.model.multi_modal_projector(tower)
         logits = model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits
         text_logits = model(input_ids=ids, pixel_values=pixels).logits
+        long = torch.tensor([LONG_PROMPT])
+        long_logits = model(input_ids=long, pixel_values=pixels, token_type_ids=(long == IMAGE).long()).logits
     return Reference(
-        folder, pixels.numpy(), tower.numpy(), projected.numpy(), logits[0].numpy(), text_logits[0].numpy()
+        folder,
+        pixels.numpy(),
+        tower.numpy(),
+        projected.numpy(),
+        logits[0].numpy(),
+        text_logits[0].numpy(),
+        long_logits[0].numpy(),
     )
 
 
@@ -129,6 +139,14 @@ def test_logits_with_one_image_match_transformers(reference, loaded):
     causal = attrs.evolve(vision.tokens, bidirectional=False)
     causal_logits = logits_with_images(loaded.model, mx.array([PROMPT]), images, causal)[0]
     assert worst(causal_logits, reference.text_logits) <= 1e-4
+
+
+def test_logits_past_the_sliding_window_match_transformers(reference, loaded):
+    vision = loaded.vision
+    images = vision.encode(list(reference.pixels))
+    assert len(LONG_PROMPT) > TEXT["sliding_window"]
+    logits = logits_with_images(loaded.model, mx.array([LONG_PROMPT]), images, vision.tokens)[0]
+    assert worst(logits, reference.long_logits) <= 1e-4
 
 
 def test_cached_decoding_after_an_image_matches_one_pass(reference, loaded):
