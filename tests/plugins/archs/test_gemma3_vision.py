@@ -208,3 +208,28 @@ def test_merge_refuses_a_count_mismatch_and_masks_images_both_ways():
 
 def test_text_only_checkpoints_have_no_vision(loaded):
     assert loaded.arch.vision({k: v for k, v in loaded.config.items() if k != "vision_config"}) is None
+
+
+@pytest.mark.parametrize(
+    "tower, projector",
+    [
+        ("model.vision_tower.vision_model.", "model.multi_modal_projector."),  # transformers >= 4.52
+        ("vision_tower.vision_model.", "multi_modal_projector."),  # earlier
+        ("vision_tower.", "multi_modal_projector."),  # transformers 5's saving
+    ],
+)
+def test_every_weight_layout_maps_onto_the_module(loaded, tower, projector):
+    from mlx.utils import tree_flatten
+
+    arch = loaded.arch.vision(loaded.config)
+    params = dict(tree_flatten(loaded.vision.module.parameters()))
+    checkpoint = {"model.language_model.norm.weight": mx.zeros((32,))}  # text tensors are left out
+    for name, array in params.items():
+        if name == "vision_tower.embeddings.patch_embedding.weight":
+            array = array.transpose(0, 3, 1, 2)  # torch's [D, C, P, P]
+        part, rest = name.split(".", 1)
+        checkpoint[(tower if part == "vision_tower" else projector) + rest] = array
+    checkpoint[tower + "head.probe"] = mx.zeros((1, 1, 24))  # the pooling head is not built
+    sanitized = arch.sanitize(checkpoint, loaded.config)
+    assert sorted(sanitized) == sorted(params)
+    assert all(mx.array_equal(sanitized[name], params[name]) for name in params)
