@@ -233,18 +233,16 @@ def _collect(handle: Any, submitted: float, prompt_tokens: int, gen_tokens: int)
 
 
 def measure_concurrent(
-    engine: Engine, model: str, prompts: Sequence[list[int]], gen_tokens: int
+    engine: Engine, model: str, prompts: Sequence[list[int]], gen_tokens: int, *, logprobs: int | None = None
 ) -> list[StreamTiming]:
-    """Submit one request per prompt at once and time each from its own consumer thread."""
+    """Submit one request per prompt at once and time each from its own consumer thread
+    (``logprobs``: each token's log-probability asked too, as an HTTP client may ask it)."""
     from mlxr_core.engine.request import GenerationRequest, SamplingParams
 
     handles = []
     for prompt_ids in prompts:
-        request = GenerationRequest(
-            model=model,
-            prompt_ids=list(prompt_ids),
-            params=SamplingParams(max_tokens=gen_tokens, temperature=0.0, extra={"ignore_eos": True}),
-        )
+        params = SamplingParams(max_tokens=gen_tokens, temperature=0.0, logprobs=logprobs, extra={"ignore_eos": True})
+        request = GenerationRequest(model=model, prompt_ids=list(prompt_ids), params=params)
         handles.append((time.perf_counter(), engine.submit(request)))
     results: list[StreamTiming | BaseException | None] = [None] * len(handles)
 
