@@ -20,10 +20,12 @@ import mlx.core as mx
 
 from mlxr_core.engine.decoding import SamplerContext, make_sampler, to_token_logprob, token_logprobs
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
+from mlxr_core.engine.images import PromptImages
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle, TokenLogprob, Usage
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
 from mlxr_core.model.cache import BatchLayerCache, batch_mask, reserve_bytes
+from mlxr_core.model.vision import logits_with_images
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import EngineConfig
@@ -47,6 +49,8 @@ class Sequence:
         self.sampler = make_sampler(params, samplers, context)
         self.detokenizer = StreamingDetokenizer(model.tokenizer, handle.request.keep_special)
         self.stops = StopMatcher(params.stop)
+        images, vision = handle.request.images, model.vision
+        self.images = PromptImages(self.prompt, images, vision.tokens) if images and vision else None
         # Benchmarks generate a fixed number of tokens whatever the model says.
         self.eos = frozenset() if params.extra.get("ignore_eos") else model.tokenizer.eos_token_ids
         self.kv_bytes = kv_bytes  # reserved for prompt + max_tokens
@@ -198,14 +202,24 @@ class BatchRunner:
         room = max(1, self.config.max_batch_tokens - len(self.running))
         chunk = max(0, min(budget, room, seq.pending_prompt))
         if chunk > 0:
-            ids = mx.array(seq.prompt[seq.prefilled : seq.prefilled + chunk], dtype=mx.int32)
-            self.model.model(ids[None], cache=seq.cache)
+            start, stop = seq.prefilled, seq.prefilled + chunk
+            images = seq.images
+            if images is not None:  # an image is prefilled whole, in the chunk that reaches it
+                stop = images.chunk_end(start, stop)
+            ids = mx.array(seq.prompt[start:stop], dtype=mx.int32)[None]
+            pixels = images.within(start, stop) if images is not None else []
+            if pixels and self.model.vision is not None:
+                vision = self.model.vision
+                logits_with_images(self.model.model, ids, vision.encode(pixels), vision.tokens, seq.cache, start)
+            else:
+                self.model.model(ids, cache=seq.cache)
             mx.eval([array for cache in seq.cache for array in cache.state])
+            chunk = stop - start
             seq.prefilled += chunk
         if seq.pending_prompt == 0 and len(self.running) < self.config.max_batch_size:
             self.prefilling.popleft()
             prefix = self.prefix_cache
-            if prefix is not None and seq.prefilled and prefix.store(seq.prompt[: seq.prefilled], seq.cache):
+            if prefix is not None and seq.prefilled and prefix.store(self._cache_key(seq)[: seq.prefilled], seq.cache):
                 seq.written = seq.prefilled - seq.cached
             self._join(seq)
         return max(chunk, 1)
@@ -213,12 +227,17 @@ class BatchRunner:
     def _start_cache(self, seq: Sequence) -> list[Any]:
         if self.prefix_cache is not None:
             reused, caches = self.prefix_cache.lookup(
-                seq.prompt, limit=len(seq.prompt) - 1, make_cache=self.model.make_cache
+                self._cache_key(seq), limit=len(seq.prompt) - 1, make_cache=self.model.make_cache
             )
-            if caches is not None:
+            if caches is not None and not (seq.images is not None and seq.images.inside(reused)):
                 seq.prefilled = seq.cached = reused
                 return caches
         return self.model.make_cache()
+
+    @staticmethod
+    def _cache_key(seq: Sequence) -> Any:
+        """The prompt as the prefix cache keys it: images by their content hash."""
+        return seq.prompt if seq.images is None else seq.images.cache_key(seq.prompt)
 
     def _join(self, seq: Sequence) -> None:
         last = mx.array([seq.prompt[-1]], dtype=mx.int32)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from mlxr_core.engine.scheduler import Scheduler
     from mlxr_core.model.loader import LoadedModel
     from mlxr_core.model.tokenizer import Tokenizer
+    from mlxr_core.model.vision import ImageProcessor, ImageTokens
     from mlxr_core.plugins import PluginHost
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,10 @@ class ModelInfo:
     compiled_decode: bool = False
     #: The most bytes one token stands for (0: unknown); bounds a prompt's text before tokenizing.
     longest_token_bytes: int = 0
+    #: A vision model's image processor (Pillow and numpy: any thread) and the prompt's image
+    #: tokens; None for a text-only model.
+    image_processor: ImageProcessor | None = None
+    image_tokens: ImageTokens | None = None
 
     def check_prompt_text(self, text: str, param: str | None = "messages") -> None:
         """Refuse, before tokenizing it, a text the context cannot hold whatever its tokens: no
@@ -219,6 +224,7 @@ class Engine:
             for token in request.prompt_ids
         ):
             raise RequestError(f"prompt_ids must be token ids in [0, {width})", field="prompt")
+        self._check_images(info, request)
         params = request.params
         room = info.context_length - prompt_tokens
         if params.max_tokens is None:
@@ -247,6 +253,20 @@ class Engine:
         handle = RequestHandle(request, loop=loop)
         self._queue.put(handle)
         return handle
+
+    @staticmethod
+    def _check_images(info: ModelInfo, request: GenerationRequest) -> None:
+        """A request's images fit its model and prompt (one run of image tokens per image)."""
+        from mlxr_core.engine.images import PromptImages
+
+        if info.image_tokens is None:
+            if request.images:
+                raise RequestError(
+                    f"the model {info.name!r} takes no images (it has no vision tower); send text only, "
+                    "or the image to a vision model", field="messages",
+                )  # fmt: skip
+            return
+        PromptImages(request.prompt_ids, request.images, info.image_tokens)
 
     def embed(
         self,
@@ -429,6 +449,8 @@ class Engine:
                 aliases=tuple(alias for alias, target in self.names.items() if target == name and alias != name),
                 compiled_decode=m.compiled_decode is not None,
                 longest_token_bytes=max(map(len, m.tokenizer.token_bytes().pieces), default=0),
+                image_processor=m.vision.processor if m.vision else None,
+                image_tokens=m.vision.tokens if m.vision else None,
             )
             for name, m in self._loaded.items()
         }

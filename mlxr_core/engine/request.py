@@ -67,6 +67,16 @@ class SamplingParams:
     extra: dict[str, Any] = attrs.field(factory=dict)
 
 
+@attrs.frozen
+class PromptImage:
+    """One image of a prompt, preprocessed by the model's image processor off the engine thread:
+    ``pixels`` ``[C, H, W]`` float32, and ``digest``, the SHA-256 (hex) of the image's bytes, which
+    keys its tokens in the prefix cache."""
+
+    pixels: Any = attrs.field(eq=False, repr=False)  # np.ndarray
+    digest: str
+
+
 @attrs.define
 class GenerationRequest:
     """A prompt to continue. ``prompt_ids`` are final: chat templating and tokenization happen
@@ -80,6 +90,8 @@ class GenerationRequest:
     #: Special tokens to keep in the streamed text (markup a reply parser reads, which it removes);
     #: every other special token is left out of the text.
     keep_special: frozenset[int] = frozenset()
+    #: The images of the prompt, in the order of their image tokens (a vision model only).
+    images: list[PromptImage] = attrs.field(factory=list)
 
 
 @attrs.frozen

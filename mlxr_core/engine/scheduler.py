@@ -263,6 +263,8 @@ class Scheduler:
 def plain_fallback_reason(seq: Sequence) -> str | None:
     """Why a request cannot use a non-batched decoder (which draws tokens several at a time from
     stateless samplers), or None when it can."""
+    if seq.handle.request.images:
+        return "has images (merged in by the batch's prefill)"
     if seq.handle.request.params.logprobs is not None:
         return "asks for logprobs"
     if seq.sampler.stateful:

@@ -1,6 +1,6 @@
 """Gemma 3's vision side against transformers' Gemma3ForConditionalGeneration (CPU, float32):
 a tiny random model with a tiny SigLIP tower (32x32 pixels, 8x8 patches, 4 tokens per image),
-saved by transformers and loaded through mlxr's loader.
+saved by transformers (:mod:`mlxr_core.testing.tiny_vision`) and loaded through mlxr's loader.
 
 The merged sequence's logits match transformers' with the image's tokens attending to each other
 both ways (transformers' ``token_type_ids``), in a prompt within the sliding window and in one
@@ -24,31 +24,8 @@ from mlxr_core.model.vision import (
     merge_embeddings,
 )
 from mlxr_core.plugins import load_plugins
-from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
+from mlxr_core.testing.tiny_vision import BEGIN, END, IMAGE, TEXT, gemma3_vision_model
 
-VOCAB, IMAGE, BEGIN, END = 64, 60, 61, 62
-TEXT = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 16,
-    "sliding_window": 32,
-    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
-    "max_position_embeddings": 128,
-    "query_pre_attn_scalar": 16,
-}
-VISION = {
-    "hidden_size": 24,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "image_size": 32,
-    "patch_size": 8,
-    "vision_use_head": False,
-}
 #: Text, ``<start_of_image>``, four soft tokens, ``<end_of_image>``, text.
 PROMPT = [2, 17, 5, BEGIN, *[IMAGE] * 4, END, 9, 33, 12, 40]
 #: Longer than the 32-position sliding window, the image at its end.
@@ -71,20 +48,7 @@ def reference(tmp_path_factory) -> Reference:
     torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
     transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
     folder = tmp_path_factory.mktemp("gemma3_vision")
-    torch.manual_seed(0)
-    config = transformers.Gemma3Config(
-        text_config=TEXT,
-        vision_config=VISION,
-        mm_tokens_per_image=4,
-        image_token_index=IMAGE,
-        boi_token_index=BEGIN,
-        eoi_token_index=END,
-        attn_implementation="eager",
-    )
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    o1_init(model, torch)
-    model.save_pretrained(folder)
-    write_tokenizer(folder, VOCAB)
+    model = gemma3_vision_model(folder, torch, transformers)
     pixels = torch.randn(1, 3, 32, 32)
     ids = torch.tensor([PROMPT])
     with torch.no_grad():
