@@ -7,19 +7,21 @@ and prefills only the rest. Keys and values can be cut at any position, a recurr
 where it was taken: for a model with recurrent layers an entry is reused only when all of it is a
 prefix of the new prompt, and a longer partial match it had to pass over is counted in
 ``partial_unusable``. Entries are evicted least recently used first once their bytes exceed the
-budget.
+budget; with a disk tier (:mod:`mlxr_core.engine.prefix_disk`) they spill to it instead of being
+lost, and a lookup whose longest match is on disk loads it back.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
 import mlx.core as mx
 import numpy as np
 
+from mlxr_core.engine.prefix_disk import DiskPrefixStore
 from mlxr_core.model.cache import LayerCache
 
 #: Prefixes shorter than this are not worth a lookup's copy.
@@ -31,6 +33,8 @@ class PrefixEntry:
     tokens: np.ndarray
     layers: list[tuple[mx.array, ...]]
     nbytes: int
+    #: The disk tier's file holding the same entry (it came from there), or None.
+    disk_file: str | None = None
 
 
 @attrs.define
@@ -42,16 +46,35 @@ class PrefixStats:
     #: Lookups whose longest match ended part way into an entry that holds recurrent state (which
     #: can be resumed only at its end): that match was not reused.
     partial_unusable: int = 0
+    #: The disk tier: lookups served from it, entries written, entries not written (queue full or
+    #: larger than its budget), files that failed their check, entries evicted, bytes held.
+    disk_hits: int = 0
+    disk_writes: int = 0
+    disk_drops: int = 0
+    disk_quarantined: int = 0
+    disk_evictions: int = 0
+    disk_bytes: int = 0
 
 
 class PrefixCache:
-    """Token-prefix -> per-layer KV arrays, LRU under ``max_bytes``."""
+    """Token-prefix -> per-layer KV arrays, LRU under ``max_bytes``, evicted entries spilling to
+    ``disk`` where given."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, disk: DiskPrefixStore | None = None):
         self.max_bytes = max_bytes
-        self.stats = PrefixStats()
+        self.disk = disk
+        self._stats = PrefixStats()
         self._entries: OrderedDict[int, PrefixEntry] = OrderedDict()
         self._next_key = 0
+
+    @property
+    def stats(self) -> PrefixStats:
+        if self.disk is not None:
+            counters = self.disk.counters
+            self._stats.disk_writes, self._stats.disk_drops = counters.writes, counters.drops
+            self._stats.disk_quarantined, self._stats.disk_evictions = counters.quarantined, counters.evictions
+            self._stats.disk_bytes = counters.nbytes
+        return self._stats
 
     @property
     def nbytes(self) -> int:
@@ -64,33 +87,39 @@ class PrefixCache:
         self, tokens: Sequence[int], *, limit: int, make_cache: Callable[[], list[Any]]
     ) -> tuple[int, list[Any] | None]:
         """The longest stored prefix of ``tokens`` (at most ``limit`` tokens) as fresh caches from
-        ``make_cache`` (the model's)."""
-        if not self._entries or limit < MIN_REUSE:
-            self.stats.misses += 1
+        ``make_cache`` (the model's), from memory or else from the disk tier."""
+        disk_entries = self.disk.entries() if self.disk is not None else []
+        if (not self._entries and not disk_entries) or limit < MIN_REUSE:
+            self._stats.misses += 1
             return 0, None
         caches = make_cache()
         partial = all(type(cache).partial_reuse for cache in caches)
         query = np.asarray(tokens[:limit], dtype=np.int64)
-        best_key, best, passed_over = -1, 0, 0
-        for key, entry in self._entries.items():
-            n = min(len(entry.tokens), len(query))
-            differs = np.nonzero(entry.tokens[:n] != query[:n])[0]
-            common = int(differs[0]) if differs.size else n
-            if not partial and common < len(entry.tokens):
-                passed_over = max(passed_over, common)
-                continue
-            if common > best:
-                best_key, best = key, common
+        best_key, best, passed_over = longest_match(
+            ((key, entry.tokens) for key, entry in self._entries.items()), query, partial
+        )
+        disk_key, on_disk, disk_passed = longest_match(
+            ((entry.file, entry.tokens) for entry in disk_entries), query, partial
+        )
+        passed_over = max(passed_over, disk_passed)
+        layers = self._entries[best_key].layers if best_key is not None else None
+        if on_disk > best and on_disk >= MIN_REUSE and self.disk is not None:
+            found = next(entry for entry in disk_entries if entry.file == disk_key)
+            loaded = self.disk.load(found)
+            if loaded is not None:
+                self._stats.disk_hits += 1
+                self._insert(found.tokens, loaded, found.nbytes, disk_file=found.file)
+                layers, best, best_key = loaded, on_disk, None
         if passed_over >= MIN_REUSE and passed_over > best:
-            self.stats.partial_unusable += 1
-        if best < MIN_REUSE:
-            self.stats.misses += 1
+            self._stats.partial_unusable += 1
+        if best < MIN_REUSE or layers is None:
+            self._stats.misses += 1
             return 0, None
-        entry = self._entries[best_key]
-        self._entries.move_to_end(best_key)
-        self.stats.hits += 1
-        self.stats.reused_tokens += best
-        for cache, arrays in zip(caches, entry.layers, strict=True):
+        if best_key in self._entries:
+            self._entries.move_to_end(best_key)
+        self._stats.hits += 1
+        self._stats.reused_tokens += best
+        for cache, arrays in zip(caches, layers, strict=True):
             cache.restore(arrays, best)
         return best, caches
 
@@ -110,9 +139,55 @@ class PrefixCache:
             ):
                 del self._entries[key]
         mx.eval([array for layer in layers for array in layer])
-        self._entries[self._next_key] = PrefixEntry(tokens_array, layers, nbytes)
+        self._insert(tokens_array, layers, nbytes)
+        return True
+
+    def _insert(
+        self, tokens: np.ndarray, layers: list[tuple[mx.array, ...]], nbytes: int, disk_file: str | None = None
+    ) -> None:
+        """Keep an entry (the newest), evicting (and spilling) the least recently used past the
+        budget, unless it alone exceeds the budget."""
+        if nbytes > self.max_bytes:
+            return
+        self._entries[self._next_key] = PrefixEntry(tokens, layers, nbytes, disk_file)
         self._next_key += 1
         while self.nbytes > self.max_bytes:
-            self._entries.popitem(last=False)
-            self.stats.evictions += 1
-        return True
+            _, evicted = self._entries.popitem(last=False)
+            self._stats.evictions += 1
+            self._spill(evicted)
+
+    def _spill(self, entry: PrefixEntry, *, block: bool = False) -> None:
+        if self.disk is None:
+            return
+        if entry.disk_file is not None:  # already there
+            self.disk.touch(entry.disk_file)
+        else:
+            self.disk.put(entry.tokens, entry.layers, block=block)
+
+    def close(self) -> None:
+        """At shutdown, on the engine thread: write the entries still in memory to the disk tier
+        (waiting for room in its queue) and stop its writer."""
+        if self.disk is None:
+            return
+        for entry in reversed(self._entries.values()):  # most recently used first
+            self._spill(entry, block=True)
+        self._entries.clear()
+        self.disk.close()
+
+
+def longest_match(
+    entries: Iterable[tuple[Any, np.ndarray]], query: np.ndarray, partial: bool
+) -> tuple[Any, int, int]:
+    """(key, length) of the entry sharing the longest prefix with ``query`` (``partial``: an
+    entry may be cut; else only whole entries count), and the longest match passed over."""
+    best_key, best, passed_over = None, 0, 0
+    for key, tokens in entries:
+        n = min(len(tokens), len(query))
+        differs = np.nonzero(tokens[:n] != query[:n])[0]
+        common = int(differs[0]) if differs.size else n
+        if not partial and common < len(tokens):
+            passed_over = max(passed_over, common)
+            continue
+        if common > best:
+            best_key, best = key, common
+    return best_key, best, passed_over

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from mlxr_core.engine.batch import BatchRunner, Sequence
 from mlxr_core.engine.jobs import EngineJob, run_jobs
 from mlxr_core.engine.prefix_cache import PrefixCache
+from mlxr_core.engine.prefix_disk import DiskPrefixStore, model_identity
 from mlxr_core.engine.request import Failed, Finished, RequestHandle, Usage
 from mlxr_core.errors import EngineStopped, MlxrError
 
@@ -59,7 +60,7 @@ class Scheduler:
                 model,
                 config,
                 registries.samplers,
-                PrefixCache(budget) if budget > 0 else None,
+                PrefixCache(budget, open_disk_tier(config, model)) if budget > 0 else None,
             )
             for name, model in models.items()
         }
@@ -137,7 +138,22 @@ class Scheduler:
 
     # -- the loop ---------------------------------------------------------------------------
 
+    def close_prefix_caches(self) -> None:
+        """At shutdown, on the engine thread: the disk tiers take what the memory tiers hold."""
+        for runner in self.runners.values():
+            if runner.prefix_cache is not None:
+                try:
+                    runner.prefix_cache.close()
+                except Exception:  # the entries are lost, the shutdown goes on
+                    log.exception("prefix cache of %s: could not be written to disk", runner.model.name)
+
     def run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self.close_prefix_caches()
+
+    def _loop(self) -> None:
         while True:
             busy = any(runner.busy for runner in self.runners.values())
             if self.abort.is_set():
@@ -270,3 +286,17 @@ def plain_fallback_reason(seq: Sequence) -> str | None:
     if seq.sampler.stateful:
         return "uses stateful logits processors (penalties or structured output)"
     return None
+
+
+def open_disk_tier(config: EngineConfig, model: LoadedModel) -> DiskPrefixStore | None:
+    """The prefix cache's disk tier for ``model`` (``engine.prefix_cache.disk``), or None where it
+    is unset or cannot be opened (logged: the memory tier serves alone)."""
+    disk = config.prefix_cache.disk
+    if disk is None:
+        return None
+    try:
+        return DiskPrefixStore(disk.path, disk.max_bytes, model_identity(model))
+    except Exception as exc:
+        log.error("engine.prefix_cache.disk.path %s cannot hold the prefix cache of %s (%s); "
+                  "keeping it in memory only", disk.path, model.name, exc)
+        return None
