@@ -154,11 +154,6 @@ class ModelConfig:
 
 
 @attrs.define
-class PrefixCacheConfig:
-    """Reuse of prompt KV state across requests sharing a token prefix."""
-
-    enabled: bool = True
-@attrs.define
 class PrefixDiskConfig:
     """The prefix cache's disk tier (:mod:`mlxr_core.engine.prefix_disk`): entries evicted from
     memory (or held at shutdown) are kept here and found again after a restart."""
@@ -169,15 +164,20 @@ class PrefixDiskConfig:
     max_bytes: int = attrs.field(default=8 * 2**30, validator=v.ge(1))
 
 
+@attrs.define
+class PrefixCacheConfig:
+    """Reuse of prompt KV state across requests sharing a token prefix."""
+
+    enabled: bool = True
     #: Bytes of stored KV state, least recently used evicted first.
     max_bytes: int = attrs.field(default=256 * 2**20, validator=v.ge(0))
+    #: Keep evicted entries on disk across restarts (``{path, max_bytes}``); None: memory only.
+    disk: PrefixDiskConfig | None = None
 
 
 @attrs.define
 class EngineConfig:
     #: Requests waiting beyond this many are refused with 429.
-    #: Keep evicted entries on disk across restarts (``{path, max_bytes}``); None: memory only.
-    disk: PrefixDiskConfig | None = None
     max_queue: int = attrs.field(default=64, validator=v.ge(1))
     #: Prompt tokens per prefill step; long prompts are prefilled in chunks of this size,
     #: interleaved with the decode steps of running requests.
