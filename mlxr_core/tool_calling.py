@@ -291,6 +291,7 @@ def prepare_chat(
     parallel: bool = True,
     prefill: str = "",
     template_kwargs: dict[str, Any] | None = None,
+    images: bool = False,
 ) -> ChatSetup:
     """Render and tokenize a conversation (call it in a worker thread: templating is slow).
 
@@ -298,6 +299,8 @@ def prepare_chat(
     ``template_kwargs`` are the request's template variables (``chat_template_kwargs``, e.g.
     ``enable_thinking``), over the model's (``parsers.template_kwargs``); the names the
     rendering sets itself (``messages``, ``tools``, ``add_generation_prompt``) are refused.
+    With ``images`` (messages hold ``{"type": "image"}`` parts), each image marker the template
+    writes becomes the model's image tokens (:meth:`~mlxr_core.model.vision.ImageTokens.expand`).
     """
     tools = list(tools or [])
     choice = choice or ToolChoice()
@@ -315,6 +318,8 @@ def prepare_chat(
     else:
         messages = _inline_tools(messages, shown, parsers.tool)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) + prefill
+    if images and info.image_tokens is not None:
+        prompt = info.image_tokens.expand(prompt)
     info.check_prompt_text(prompt)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     bos = tokenizer.bos_token_id

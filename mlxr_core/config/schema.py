@@ -91,6 +91,11 @@ class ServerConfig:
     default_model: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
     #: With exactly one model served, a request without ``model`` goes to it.
     model_optional: bool = False
+    #: Images one request may hold, the bytes of one (decoded), and its pixels (read from the
+    #: header before decoding, so a decompression bomb is refused unexpanded); 400 beyond them.
+    max_images_per_request: int = attrs.field(default=8, validator=v.ge(1))
+    max_image_bytes: int = attrs.field(default=10_000_000, validator=v.ge(1))
+    max_image_pixels: int = attrs.field(default=40_000_000, validator=v.ge(1))
     responses_store: ResponsesStoreConfig = attrs.field(factory=ResponsesStoreConfig)
 
 

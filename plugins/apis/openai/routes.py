@@ -29,6 +29,7 @@ from mlxr_core.http.frontend import (
     ready_engine,
     submit,
 )
+from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.tool_calling import model_parsers, prepare_chat
@@ -109,7 +110,8 @@ async def create_chat_completion(
     ctx: ServerContext, body: s.ChatCompletionRequest, request: Request[Any, Any, Any]
 ) -> Response[Any]:
     """``POST /v1/chat/completions``."""
-    messages = chat_messages(body.messages)
+    inputs: list[ImageInput] = []
+    messages = chat_messages(body.messages, inputs)
     params = request_params(body, ctx, max_tokens=body.max_completion_tokens or body.max_tokens)
     if body.logprobs:
         params.logprobs = body.top_logprobs or 0
@@ -121,11 +123,14 @@ async def create_chat_completion(
     variables = template_variables(body.chat_template_kwargs, effort=body.reasoning_effort)
     prepare = functools.partial(
         prepare_chat, engine, info, model_parsers(ctx, info), messages,
-        tools=tools, choice=tool_choice, parallel=parallel, template_kwargs=variables,
+        tools=tools, choice=tool_choice, parallel=parallel, template_kwargs=variables, images=bool(inputs),
     )
+    images = await load_images(ctx.config.server, info, inputs)
     setup = await anyio.to_thread.run_sync(prepare)
     params.constraint = setup.constraint or params.constraint
-    generation = GenerationRequest(body.model, setup.prompt_ids, params, keep_special=setup.keep_special)
+    generation = GenerationRequest(
+        body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images
+    )
     handles = submit_choices(ctx, generation, body.n)
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
     formatter = LogprobFormatter(info.tokenizer, params.logprobs) if params.logprobs is not None else None
@@ -223,8 +228,10 @@ async def collect_choices(
 # -- request -> engine -----------------------------------------------------------------------
 
 
-def chat_messages(messages: list[s.ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages as the plain dicts a chat template renders (text content only)."""
+def chat_messages(messages: list[s.ChatMessage], images: list[ImageInput] | None = None) -> list[dict[str, Any]]:
+    """OpenAI messages as the plain dicts a chat template renders. ``image_url`` parts become
+    ``{"type": "image"}`` parts (Hugging Face's form) with their data appended to ``images``;
+    without ``images`` they are refused."""
     if not messages:
         raise RequestError("messages must hold at least one message", field="messages")
     rendered = []
@@ -241,16 +248,22 @@ def chat_messages(messages: list[s.ChatMessage]) -> list[dict[str, Any]]:
         elif isinstance(content, str):
             text = content
         else:
-            texts = []
+            texts, parts = [], []
             for j, part in enumerate(content):
+                if part.type == "image_url" and part.image_url is not None and images is not None:
+                    images.append(ImageInput.from_url(part.image_url.url, f"messages[{i}].content[{j}].image_url"))
+                    parts.append({"type": "image"})
+                    continue
                 if part.type != "text" or part.text is None:
                     raise RequestError(
-                        f"content parts of type {part.type!r} are not supported; send text parts",
+                        f"content parts of type {part.type!r} are not supported; send text or image_url parts",
                         field=f"messages[{i}].content[{j}]",
                     )
                 texts.append(part.text)
+                parts.append({"type": "text", "text": part.text})
             text = "\n".join(texts)
-        rendered.append(message_dict(message, {"role": role, "content": text}))
+        has_image = isinstance(content, list) and len(texts) < len(content)
+        rendered.append(message_dict(message, {"role": role, "content": parts if has_image else text}))
     return rendered
 
 

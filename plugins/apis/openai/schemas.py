@@ -71,11 +71,19 @@ class StreamOptions(Struct, forbid_unknown_fields=False):
     include_usage: bool = False
 
 
+class ImageURL(Struct, forbid_unknown_fields=False):
+    #: A ``data:image/...;base64,...`` URI (remote URLs are refused).
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(Struct, forbid_unknown_fields=False):
-    """One part of a message's list content; only ``{"type": "text", "text": ...}`` is served."""
+    """One part of a message's list content: ``{"type": "text", "text": ...}``, or
+    ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` for a vision model."""
 
     type: str
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class FunctionCall(Struct, forbid_unknown_fields=False):

@@ -178,7 +178,7 @@ BAD_REQUESTS = [
     (CHAT, json.dumps({"model": "fake", "messages": []}).encode(), 400, "messages"),
     (CHAT, json.dumps({"model": "fake", "messages": [{"role": "wizard", "content": "x"}]}).encode(), 400, "messages[0].role"),
     (CHAT, json.dumps({"model": "fake", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}).encode(), 400, "messages[0].content[0]"),
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}).encode(), 400, "messages[0].content[0].image_url"),
     (CHAT, json.dumps(chat(stop=["a"] * 17)).encode(), 400, "stop"),
     (CHAT, json.dumps(chat(stop=[""])).encode(), 400, "stop"),
     (CHAT, json.dumps(chat(stop="x" * 300)).encode(), 400, "stop"),

@@ -1,0 +1,133 @@
+"""Images through the APIs: the official clients send a PNG made here to a live server with a tiny
+random Gemma 3 vision model, and hostile images get a clean 4xx in each API's error shape while
+the server goes on serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from scripted import ThreadedServer
+
+from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
+from mlxr_core.plugins import load_plugins
+from mlxr_core.testing.tiny_vision import gemma3_vision_model
+
+Image = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
+
+#: The tiny model's image tokens per image.
+TOKENS_PER_IMAGE = 4
+
+
+def png(width: int = 40, height: int = 30) -> bytes:
+    pixels = np.random.default_rng(width * height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_uri(raw: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    torch = pytest.importorskip("torch", reason="the tiny vision model is written by transformers")
+    transformers = pytest.importorskip("transformers", reason="the tiny vision model is written by transformers")
+    folder = tmp_path_factory.mktemp("vision-api")
+    gemma3_vision_model(folder, torch, transformers)
+    config = Config(
+        models=[
+            ModelConfig(path=str(folder), name="vision", dtype="float32", compile_decode=False),
+            ModelConfig(path=str(tiny_model_path), name="tiny", context_length=256),
+        ],
+        engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
+    )
+    config.server.max_image_pixels = 1_000_000
+    host = load_plugins()
+    engine = Engine(config, host)
+    engine.start()
+    try:
+        with ThreadedServer(build_app(ServerContext(config=config, host=host, engine=engine))) as url:
+            yield url
+    finally:
+        engine.stop()
+
+
+def text_prompt_tokens(url: str) -> int:
+    """The prompt tokens of the same request with no image."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    reply = client.chat.completions.create(
+        model="vision", max_tokens=2, messages=[{"role": "user", "content": [{"type": "text", "text": "t5 t6"}]}]
+    )
+    assert reply.usage is not None
+    return reply.usage.prompt_tokens
+
+
+def test_the_openai_client_sends_an_image(server: str) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+    content: Any = [{"type": "text", "text": "t5 t6"}, {"type": "image_url", "image_url": {"url": data_uri(png())}}]
+    reply = client.chat.completions.create(
+        model="vision", max_tokens=3, temperature=0, messages=[{"role": "user", "content": content}]
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    # The image's tokens: <start_of_image>, 4 soft tokens, <end_of_image> (the newlines are unknown words).
+    assert reply.usage.prompt_tokens >= text_prompt_tokens(server) + TOKENS_PER_IMAGE + 1
+
+
+def bomb() -> bytes:
+    """A PNG whose header claims 20000x20000 pixels (a few hundred bytes compressed)."""
+    out = io.BytesIO()
+    Image.new("1", (20_000, 20_000)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def thin() -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (100_000, 1)).save(out, format="PNG")
+    return out.getvalue()
+
+
+HOSTILE = {
+    "truncated": (data_uri(png()[:200]), "cannot be read"),
+    "bomb": (data_uri(bomb()), "max_image_pixels"),
+    "thin": (data_uri(thin()), "more than 200 times"),
+    "base64": ("data:image/png;base64,@@not base64@@", "not valid base64"),
+    "url": ("https://example.com/cat.png", "not fetched"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_images_are_a_400_in_openai_shape(server: str, case: str) -> None:
+    url, why = HOSTILE[case]
+    content = [{"type": "text", "text": "t5"}, {"type": "image_url", "image_url": {"url": url}}]
+    body = {"model": "vision", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert why in error["message"] and error["param"] == "messages[0].content[1].image_url"
+    assert text_prompt_tokens(server) > 0  # still serving
+
+
+def test_an_image_to_a_text_only_model_is_a_400_naming_it(server: str) -> None:
+    content = [{"type": "image_url", "image_url": {"url": data_uri(png())}}]
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "'tiny' takes no images" in reply.json()["error"]["message"]
+
+
+def test_too_many_images_are_a_400(server: str) -> None:
+    content = [{"type": "image_url", "image_url": {"url": data_uri(png())}}] * 9
+    body = {"model": "vision", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "max_images_per_request" in reply.json()["error"]["message"]
