@@ -190,14 +190,17 @@ class Engine:
         return info.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(
-        self, model: str, messages: list[dict[str, Any]], **template_kwargs: Any
+        self, model: str, messages: list[dict[str, Any]], *, images: bool = False, **template_kwargs: Any
     ) -> list[int]:
-        """Render ``messages`` with the model's chat template and tokenize the result."""
+        """Render ``messages`` with the model's chat template and tokenize the result; with
+        ``images``, the image markers the template writes become the model's image tokens."""
         info = self.model(model)
         tokenizer = info.tokenizer
         prompt = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **template_kwargs
         )
+        if images and info.image_tokens is not None:
+            prompt = info.image_tokens.expand(prompt)
         info.check_prompt_text(prompt)
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         # Most templates write BOS themselves; add it for a model that wants one when they don't.

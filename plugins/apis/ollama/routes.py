@@ -9,7 +9,8 @@ NDJSON lines (:mod:`mlxr_plugins.apis.ollama.streaming`).
 splits the reasoning into ``message.thinking`` for a model with a reasoning parser, and ``format``
 (``"json"`` or a JSON schema) is enforced while decoding. An mlxr extension, ``options.tool_choice``,
 forces a call (Ollama has none). Differences from Ollama, each answered with a 400 naming the field
-rather than silently ignored: ``images``, ``suffix`` and ``template`` are not supported. ``keep_alive`` is accepted and ignored
+rather than silently ignored: ``suffix`` and ``template`` are not supported (``images``, base64,
+go to a vision model). ``keep_alive`` is accepted and ignored
 (models stay loaded while the server runs). ``/api/embed`` and ``/api/embeddings`` are in
 :mod:`mlxr_plugins.apis.ollama.embed`.
 """
@@ -37,6 +38,7 @@ from mlxr_core.http.frontend import (
     room_for,
     submit,
 )
+from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
@@ -127,19 +129,21 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
         parsers = attrs.evolve(parsers, reasoning=None)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
         return json_response(s.ChatChunk(info.name, timer.created_at, s.AssistantMessage(""), True, "load"))
-    messages = chat_messages(body.messages)
+    inputs: list[ImageInput] = []
+    messages = chat_messages(body.messages, inputs)
+    images = await load_images(ctx.config.server, info, inputs)
     params = options_params(ctx, body.options)
     params.constraint = format_constraint(ctx, body.format)
     tools = tools_of(body.tools)
     prepare = functools.partial(
         prepare_chat, engine, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools),
-        template_kwargs=think_variables(body),
+        template_kwargs=think_variables(body), images=bool(images),
     )
     setup = await anyio.to_thread.run_sync(prepare)
     params.constraint = setup.constraint or params.constraint
     prompt_ids = setup.prompt_ids
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
-    generation = GenerationRequest(info.name, prompt_ids, params, keep_special=setup.keep_special)
+    generation = GenerationRequest(info.name, prompt_ids, params, keep_special=setup.keep_special, images=images)
     handle = submit(ctx, generation)
     timer.submitted()
     lines = ChatLines(info.name, timer, setup.reader())
@@ -155,7 +159,7 @@ async def create_generation(
     """``POST /api/generate``."""
     timer = Timer()
     _refuse_unsupported(body)
-    for name, value in (("suffix", body.suffix), ("template", body.template), ("images", body.images)):
+    for name, value in (("suffix", body.suffix), ("template", body.template)):
         if value:
             raise RequestError(f"{name} is not supported by this server", field=name)
     engine = ready_engine(ctx)
@@ -164,10 +168,12 @@ async def create_generation(
         return json_response(s.GenerateChunk(info.name, timer.created_at, "", True, "load"))
     params = options_params(ctx, body.options)
     params.constraint = format_constraint(ctx, body.format)
+    inputs = [ImageInput(data, f"images[{k}]") for k, data in enumerate(body.images or [])]
+    images = await load_images(ctx.config.server, info, inputs)
     encode = functools.partial(_generate_prompt_ids, engine, info, body)
     prompt_ids = await anyio.to_thread.run_sync(encode)
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
-    handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params))
+    handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params, images=images))
     timer.submitted()
     lines = GenerateLines(info.name, timer, prompt_ids)
     if body.stream:
@@ -194,8 +200,9 @@ def resolve_model(engine: Engine, name: str) -> ModelInfo:
     raise error
 
 
-def chat_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
-    """Ollama messages as the dicts a chat template renders (text only)."""
+def chat_messages(messages: list[s.Message], images: list[ImageInput]) -> list[dict[str, Any]]:
+    """Ollama messages as the dicts a chat template renders; a message's ``images`` (base64) are
+    appended to ``images`` and come before its text as ``{"type": "image"}`` parts."""
     rendered = []
     for i, message in enumerate(messages):
         if message.role not in ROLES:
@@ -203,9 +210,11 @@ def chat_messages(messages: list[s.Message]) -> list[dict[str, Any]]:
                 f"unsupported role {message.role!r}; expected one of {', '.join(ROLES)}",
                 field=f"messages[{i}].role",
             )
-        if message.images:
-            raise RequestError("images are not supported by this server", field=f"messages[{i}].images")
         rendered.append(message_dict(i, message))
+        if message.images:
+            images.extend(ImageInput(data, f"messages[{i}].images[{k}]") for k, data in enumerate(message.images))
+            text = {"type": "text", "text": rendered[-1].get("content") or ""}
+            rendered[-1]["content"] = [{"type": "image"} for _ in message.images] + [text]
     return rendered
 
 
@@ -255,11 +264,15 @@ def _generate_prompt_ids(engine: Engine, info: ModelInfo, body: s.GenerateReques
     prompt = body.prompt or ""
     if not prompt:
         return context
+    images = [{"type": "image"} for _ in body.images or []]
     if body.raw or tokenizer.chat_template is None:
+        if images:
+            raise RequestError("images need the model's chat template (raw: false)", field="images")
         ids = engine.encode(info.name, prompt, add_special_tokens=not context)
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
-        ids = engine.encode_chat(info.name, [*messages, {"role": "user", "content": prompt}])
+        content: Any = [*images, {"type": "text", "text": prompt}] if images else prompt
+        ids = engine.encode_chat(info.name, [*messages, {"role": "user", "content": content}], images=bool(images))
         if context and ids and ids[0] == tokenizer.bos_token_id:
             ids = ids[1:]  # one BOS, at the start of the conversation
     return context + ids

@@ -131,3 +131,24 @@ def test_too_many_images_are_a_400(server: str) -> None:
     body = {"model": "vision", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
     reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400 and "max_images_per_request" in reply.json()["error"]["message"]
+
+
+def test_the_ollama_client_sends_an_image(server: str) -> None:
+    ollama = pytest.importorskip("ollama")
+    client = ollama.Client(host=server, timeout=60)
+    message = {"role": "user", "content": "t5 t6", "images": [png()]}
+    reply = client.chat(model="vision", messages=[message], options={"num_predict": 3, "temperature": 0})
+    assert reply.eval_count == 3 and reply.prompt_eval_count >= TOKENS_PER_IMAGE + 3
+    generated = client.generate(model="vision", prompt="t5 t6", images=[png()], options={"num_predict": 2})
+    assert generated.eval_count == 2 and generated.prompt_eval_count >= TOKENS_PER_IMAGE + 3
+
+
+@pytest.mark.parametrize("case", ["truncated", "bomb", "thin"])
+def test_hostile_images_are_a_400_in_ollama_shape(server: str, case: str) -> None:
+    data = HOSTILE[case][0].removeprefix("data:image/png;base64,")
+    body = {"model": "vision", "stream": False, "messages": [{"role": "user", "content": "t5", "images": [data]}]}
+    reply = httpx.post(f"{server}/api/chat", json=body, timeout=60)
+    assert reply.status_code == 400 and HOSTILE[case][1] in reply.json()["error"], reply.text
+    body = {"model": "tiny", "stream": False, "prompt": "t5", "images": [data]}
+    reply = httpx.post(f"{server}/api/generate", json=body, timeout=60)
+    assert reply.status_code == 400 and "'tiny' takes no images" in reply.json()["error"], reply.text
