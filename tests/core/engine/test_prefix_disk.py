@@ -66,7 +66,7 @@ def test_an_evicted_entry_is_found_by_a_new_instance(tmp_path):
     first.close()  # writes the second too
 
     restarted = PrefixCache(ENTRY_BYTES, open_store(tmp_path))
-    reused, caches = lookup(restarted, tokens(1) + [9, 9, 9])
+    reused, caches = lookup(restarted, [*tokens(1), 9, 9, 9])
     assert reused == 40 and caches is not None
     assert restarted.stats.disk_hits == 1
     assert mx.array_equal(caches[1].keys[..., :40, :], mx.full((1, HEADS, 40, HEAD_DIM), 2.0))
@@ -92,7 +92,7 @@ def test_a_damaged_entry_is_quarantined_and_never_served(tmp_path, caplog, damag
 
     restarted = PrefixCache(ENTRY_BYTES, open_store(tmp_path))
     with caplog.at_level(logging.WARNING, logger="mlxr_core.engine.prefix_disk"):
-        assert lookup(restarted, tokens(1) + [5]) == (0, None)
+        assert lookup(restarted, [*tokens(1), 5]) == (0, None)
     assert file.name in caplog.text and "checksum" in caplog.text
     assert not file.exists() and (tmp_path / QUARANTINE / file.name).exists()
     assert restarted.stats.disk_quarantined == 1 and restarted.stats.disk_hits == 0
@@ -109,7 +109,7 @@ def test_a_row_whose_file_is_gone_is_dropped_and_a_hand_written_file_is_ignored(
     (tmp_path / "stray.safetensors").write_bytes(b"not ours")
     store = open_store(tmp_path)
     assert len(store) == 0
-    assert lookup(PrefixCache(ENTRY_BYTES, store), tokens(1) + [5]) == (0, None)
+    assert lookup(PrefixCache(ENTRY_BYTES, store), [*tokens(1), 5]) == (0, None)
     store.close()
 
 
@@ -118,7 +118,7 @@ def test_another_identity_never_reads_the_entries(tmp_path):
     cache.store(tokens(1), caches_for(1))
     cache.close()
     other = PrefixCache(ENTRY_BYTES, open_store(tmp_path, identity="model-b"))
-    assert lookup(other, tokens(1) + [5]) == (0, None)
+    assert lookup(other, [*tokens(1), 5]) == (0, None)
     assert other.disk is not None and len(other.disk) == 0
     other.close()
     assert (tmp_path / INDEX).exists() and len(open_store(tmp_path, identity="model-a")) == 1
@@ -204,9 +204,9 @@ def run_engine(tiny_path, folder, prompt, *, dtype="float32", kv_cache=None, ena
 
 
 def test_a_restarted_engine_answers_from_the_disk_tier_as_a_cold_one_does(tiny_path, tmp_path):
-    run_engine(tiny_path, tmp_path, PREFIX + [7, 8, 9])  # its entry reaches disk at shutdown
+    run_engine(tiny_path, tmp_path, [*PREFIX, 7, 8, 9])  # its entry reaches disk at shutdown
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
-    prompt = PREFIX + [200, 201]
+    prompt = [*PREFIX, 200, 201]
     warm, stats = run_engine(tiny_path, tmp_path, prompt)
     assert stats["disk_hits"] == 1 and stats["reused_tokens"] == len(PREFIX)
     cold, _ = run_engine(tiny_path, tmp_path, prompt, enabled=False)
@@ -217,9 +217,9 @@ def test_a_restarted_engine_answers_from_the_disk_tier_as_a_cold_one_does(tiny_p
     ("dtype", "kv_cache"), [("float16", None), ("float32", KVCacheConfig(bits=8, group_size=32))], ids=["dtype", "kv_cache"]
 )
 def test_a_model_loaded_otherwise_never_reads_the_entries(tiny_path, tmp_path, dtype, kv_cache):
-    run_engine(tiny_path, tmp_path, PREFIX + [7, 8, 9])
-    _, stats = run_engine(tiny_path, tmp_path, PREFIX + [200, 201], dtype=dtype, kv_cache=kv_cache)
+    run_engine(tiny_path, tmp_path, [*PREFIX, 7, 8, 9])
+    _, stats = run_engine(tiny_path, tmp_path, [*PREFIX, 200, 201], dtype=dtype, kv_cache=kv_cache)
     assert stats["disk_hits"] == 0 and stats["hits"] == 0 and stats["disk_quarantined"] == 0
     # Both models' entries share the folder; the first model still finds its own.
-    _, stats = run_engine(tiny_path, tmp_path, PREFIX + [200, 201])
+    _, stats = run_engine(tiny_path, tmp_path, [*PREFIX, 200, 201])
     assert stats["disk_hits"] == 1
