@@ -56,12 +56,9 @@ async def load_images(server: ServerConfig, info: ModelInfo, inputs: list[ImageI
     RequestError for a text-only model, too many images, or any image refused (see the module)."""
     if not inputs:
         return []
+    check_takes_images(info, inputs)
     processor = info.image_processor
-    if processor is None:
-        raise RequestError(
-            f"the model {info.name!r} takes no images (it has no vision tower); send text only, "
-            "or the image to a vision model", field=inputs[0].field,
-        )  # fmt: skip
+    assert processor is not None
     if len(inputs) > server.max_images_per_request:
         raise RequestError(
             f"the request holds {len(inputs)} images, more than server.max_images_per_request "
@@ -75,6 +72,16 @@ async def load_images(server: ServerConfig, info: ModelInfo, inputs: list[ImageI
             )  # fmt: skip
     work = functools.partial(_decode_all, inputs, processor, server.max_image_bytes, server.max_image_pixels)
     return await anyio.to_thread.run_sync(work)
+
+
+def check_takes_images(info: ModelInfo, inputs: list[ImageInput]) -> None:
+    """RequestError naming the model when images go to a model without a vision tower (before
+    its chat template is asked to render them)."""
+    if inputs and info.image_processor is None:
+        raise RequestError(
+            f"the model {info.name!r} takes no images (it has no vision tower); send text only, "
+            "or the image to a vision model", field=inputs[0].field,
+        )  # fmt: skip
 
 
 def _decode_all(

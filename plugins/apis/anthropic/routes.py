@@ -40,6 +40,7 @@ from mlxr_core.http.frontend import (
     room_for,
     submit,
 )
+from mlxr_core.http.images import ImageInput, check_takes_images, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.parsing import Tool
@@ -86,11 +87,14 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
     )
     engine = ready_engine(ctx)
     info = engine.model(body.model)  # an unknown model is a 404 before any templating
-    setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body))
+    inputs: list[ImageInput] = []
+    setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body, inputs))
+    images = await load_images(ctx.config.server, info, inputs)
     params.max_tokens = cap_max_tokens(ctx, room_for(engine, body.model, setup.prompt_ids, body.max_tokens))
     params.constraint = setup.constraint
     handle = submit(ctx, GenerationRequest(
-        model=body.model, prompt_ids=setup.prompt_ids, params=params, keep_special=setup.keep_special
+        model=body.model, prompt_ids=setup.prompt_ids, params=params, keep_special=setup.keep_special,
+        images=images,
     ))
     meta = MessageMeta(f"msg_{uuid.uuid4().hex}", body.model, len(setup.prompt_ids))
     if body.stream:
@@ -102,11 +106,17 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
 # -- request -> engine -----------------------------------------------------------------------
 
 
-def prepare(ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTokensRequest) -> ChatSetup:
+def prepare(
+    ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTokensRequest,
+    images: list[ImageInput] | None = None,
+) -> ChatSetup:
     """The conversation, with its tools, rendered with the model's chat template and tokenized
-    (in a worker thread). A final assistant turn of text is a prefill the reply continues."""
+    (in a worker thread). A final assistant turn of text is a prefill the reply continues. The
+    ``image`` blocks' data lands in ``images`` (their markers are rendered and counted either way)."""
     _check_thinking(body)
-    messages = chat_messages(body)
+    images = [] if images is None else images
+    messages = chat_messages(body, images)
+    check_takes_images(info, images)
     prefill = ""
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         prefill = messages.pop()["content"]
@@ -118,6 +128,7 @@ def prepare(ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTo
     return prepare_chat(
         engine, info, model_parsers(ctx, info), messages,
         tools=tools, choice=choice, parallel=parallel, prefill=prefill, template_kwargs=variables,
+        images=bool(images),
     )
 
 
@@ -142,10 +153,13 @@ def tool_request(body: s.CountTokensRequest) -> tuple[list[Tool], ToolChoice, bo
     return tools, ToolChoice(mode, choice.name if mode == "function" else None), not choice.disable_parallel_tool_use
 
 
-def chat_messages(body: s.CountTokensRequest) -> list[dict[str, Any]]:
+def chat_messages(body: s.CountTokensRequest, images: list[ImageInput] | None = None) -> list[dict[str, Any]]:
     """``system`` then the turns, as the dicts :func:`~mlxr_core.tool_calling.prepare_chat` takes:
     same-role text turns merged, ``tool_use`` blocks as the assistant's ``tool_calls``,
-    ``tool_result`` blocks as ``tool`` turns (before the user's text in the same turn)."""
+    ``tool_result`` blocks as ``tool`` turns (before the user's text in the same turn), a user
+    turn with ``image`` blocks as text and ``{"type": "image"}`` parts in their order (Hugging
+    Face's form), the images' data appended to ``images``."""
+    images = [] if images is None else images
     if not body.messages:
         raise RequestError("messages: at least one message is required", field="messages")
     rendered: list[dict[str, Any]] = []
@@ -158,15 +172,17 @@ def chat_messages(body: s.CountTokensRequest) -> list[dict[str, Any]]:
                 "(send the system prompt as the top-level system field)",
                 field=f"messages[{i}].role",
             )
-        text, calls, results = _blocks(turn.role, turn.content, f"messages[{i}].content")
+        before = len(images)
+        text, calls, results, parts = _blocks(turn.role, turn.content, f"messages[{i}].content", images)
         rendered.extend(results)
-        if not text and not calls and results:
+        if not text and not calls and results and len(images) == before:
             continue
         last = rendered[-1] if rendered else None
-        if last is not None and last["role"] == turn.role and not last.get("tool_calls") and not calls:
-            last["content"] += "\n\n" + text
+        merge = last is not None and last["role"] == turn.role and not last.get("tool_calls") and not calls
+        if merge and parts is None and isinstance(last["content"], str):  # type: ignore[index]
+            last["content"] += "\n\n" + text  # type: ignore[index]
             continue
-        entry: dict[str, Any] = {"role": turn.role, "content": text}
+        entry: dict[str, Any] = {"role": turn.role, "content": text if parts is None else parts}
         if calls:
             entry["tool_calls"] = calls
         rendered.append(entry)
@@ -174,18 +190,24 @@ def chat_messages(body: s.CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def _blocks(
-    role: str, content: str | list[s.ContentBlock], param: str
-) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
-    """A turn's text, the calls it makes (assistant) and the results it carries (user)."""
+    role: str, content: str | list[s.ContentBlock], param: str, images: list[ImageInput]
+) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A turn's text, the calls it makes (assistant), the results it carries (user), and, for a
+    turn with images, its text and image parts in order (None without)."""
     if isinstance(content, str):
-        return content, [], []
+        return content, [], [], None
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
+    parts: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         where = f"{param}[{j}]"
         if block.type == "text" and block.text is not None:
             texts.append(block.text)
+            parts.append({"type": "text", "text": block.text})
+        elif block.type == "image" and role == "user":
+            images.append(_image(block.source, f"{where}.source"))
+            parts.append({"type": "image"})
         elif block.type == "tool_use" and role == "assistant" and block.id and block.name:
             arguments = block.input if isinstance(block.input, dict) else {}
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
@@ -199,10 +221,20 @@ def _blocks(
         else:
             raise RequestError(
                 f"content blocks of type {block.type!r} are not supported here; send text, "
-                "tool_use (assistant) or tool_result (user) blocks",
+                "image (user), tool_use (assistant) or tool_result (user) blocks",
                 field=where,
             )
-    return "\n\n".join(texts), calls, results
+    with_images = any(part["type"] == "image" for part in parts)
+    return "\n\n".join(texts), calls, results, parts if with_images else None
+
+
+def _image(source: s.ImageSource | None, field: str) -> ImageInput:
+    """An ``image`` block's source: base64 data, or a URL (which the image loader refuses)."""
+    if source is not None and source.type == "base64" and source.data is not None:
+        return ImageInput(source.data, field)
+    if source is not None and source.type == "url" and source.url is not None:
+        return ImageInput(source.url, field, url=True)
+    raise RequestError("an image block needs a base64 source (type, media_type, data) or a url", field=field)
 
 
 def _result_text(content: str | list[Any] | None, param: str) -> str:

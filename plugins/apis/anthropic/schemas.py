@@ -21,9 +21,19 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=0)]
 
 
+class ImageSource(Struct, forbid_unknown_fields=False):
+    """An ``image`` block's source: ``base64`` (``media_type``, ``data``) or a ``url``."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
 class ContentBlock(Struct, forbid_unknown_fields=False):
-    """A content block of a request: ``text``, ``tool_use`` (an assistant turn's call),
-    ``tool_result`` (a user turn's answer to one), ``thinking`` (an earlier reply's, ignored)."""
+    """A content block of a request: ``text``, ``image`` (a user turn's picture), ``tool_use``
+    (an assistant turn's call), ``tool_result`` (a user turn's answer to one), ``thinking`` (an
+    earlier reply's, ignored)."""
 
     type: str
     text: str | None = None
@@ -37,6 +47,8 @@ class ContentBlock(Struct, forbid_unknown_fields=False):
     is_error: bool | None = None
     thinking: str | None = None
     signature: str | None = None
+    #: ``image``: where its bytes are.
+    source: ImageSource | None = None
 
 
 class ToolDefinition(Struct, forbid_unknown_fields=False):

@@ -152,3 +152,39 @@ def test_hostile_images_are_a_400_in_ollama_shape(server: str, case: str) -> Non
     body = {"model": "tiny", "stream": False, "prompt": "t5", "images": [data]}
     reply = httpx.post(f"{server}/api/generate", json=body, timeout=60)
     assert reply.status_code == 400 and "'tiny' takes no images" in reply.json()["error"], reply.text
+
+
+def anthropic_image(raw_b64: str) -> dict[str, Any]:
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": raw_b64}}
+
+
+def test_the_anthropic_client_sends_an_image(server: str) -> None:
+    anthropic = pytest.importorskip("anthropic")
+    client = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=60)
+    image = anthropic_image(base64.b64encode(png()).decode())
+    content: Any = [image, {"type": "text", "text": "t5 t6"}]
+    reply = client.messages.create(model="vision", max_tokens=3, messages=[{"role": "user", "content": content}])
+    assert reply.usage.output_tokens == 3
+    counted = client.messages.count_tokens(model="vision", messages=[{"role": "user", "content": content}]).input_tokens
+    text_only = client.messages.count_tokens(model="vision", messages=[{"role": "user", "content": "t5 t6"}]).input_tokens
+    assert counted >= text_only + TOKENS_PER_IMAGE + 1  # the image's tokens are in the prompt
+    u = reply.usage
+    assert u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0) == counted
+
+
+@pytest.mark.parametrize("case", ["truncated", "bomb", "thin", "base64", "url"])
+def test_hostile_images_are_a_400_in_anthropic_shape(server: str, case: str) -> None:
+    if case == "url":
+        block: dict[str, Any] = {"type": "image", "source": {"type": "url", "url": HOSTILE["url"][0]}}
+    else:
+        block = anthropic_image(HOSTILE[case][0].removeprefix("data:image/png;base64,"))
+    body = {"model": "vision", "max_tokens": 2, "messages": [{"role": "user", "content": [block, {"type": "text", "text": "t5"}]}]}
+    reply = httpx.post(f"{server}/v1/messages", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()
+    assert error["type"] == "error" and HOSTILE[case][1] in error["error"]["message"], error
+    body["model"] = "tiny"
+    block = anthropic_image(base64.b64encode(png()).decode())
+    body["messages"] = [{"role": "user", "content": [block]}]
+    reply = httpx.post(f"{server}/v1/messages", json=body, timeout=60)
+    assert reply.status_code == 400 and "'tiny' takes no images" in reply.json()["error"]["message"]
