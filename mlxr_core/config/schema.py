@@ -96,6 +96,10 @@ class ServerConfig:
     max_images_per_request: int = attrs.field(default=8, validator=v.ge(1))
     max_image_bytes: int = attrs.field(default=10_000_000, validator=v.ge(1))
     max_image_pixels: int = attrs.field(default=40_000_000, validator=v.ge(1))
+    #: Fetch ``http(s)`` image URLs (under ``max_image_bytes``, ``remote_image_timeout_s`` for the
+    #: whole fetch, at most 3 redirects); off, an image URL is a 400 asking for the image inline.
+    allow_remote_images: bool = False
+    remote_image_timeout_s: float = attrs.field(default=10.0, validator=v.gt(0.0))
     responses_store: ResponsesStoreConfig = attrs.field(factory=ResponsesStoreConfig)
 
 

@@ -6,6 +6,10 @@ A hostile image is a :class:`~mlxr_core.errors.RequestError` (400) naming its fi
 ``server.max_image_bytes``, more than ``server.max_image_pixels`` pixels (read from the header,
 before decoding: a decompression bomb never expands), a side more than :data:`MAX_ASPECT` times
 the other, text that is not base64, a file Pillow cannot read or that ends early.
+
+An ``http(s)`` URL is refused unless ``server.allow_remote_images`` is on; then it is fetched in
+the same worker thread (:func:`fetch_image`) under the same byte limit and
+``server.remote_image_timeout_s``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import binascii
 import functools
 import hashlib
 import io
+import time
+import urllib.parse
 from typing import TYPE_CHECKING
 
 import anyio
@@ -30,6 +36,8 @@ if TYPE_CHECKING:
 
 #: The most one side of an image may exceed the other (Qwen2-VL's processor refuses beyond 200).
 MAX_ASPECT = 200
+#: Redirects followed at most when fetching an image URL.
+MAX_REDIRECTS = 3
 
 
 @attrs.frozen
@@ -65,13 +73,12 @@ async def load_images(server: ServerConfig, info: ModelInfo, inputs: list[ImageI
             f"({server.max_images_per_request})", field=inputs[server.max_images_per_request].field,
         )  # fmt: skip
     for image in inputs:
-        if image.url:
+        if image.url and not server.allow_remote_images:
             raise RequestError(
-                "image URLs are not fetched by this server; send the image inline as a data URI "
-                "(data:image/png;base64,...)", field=image.field,
+                "image URLs are not fetched by this server (server.allow_remote_images is off); send "
+                "the image inline as a data URI (data:image/png;base64,...)", field=image.field,
             )  # fmt: skip
-    work = functools.partial(_decode_all, inputs, processor, server.max_image_bytes, server.max_image_pixels)
-    return await anyio.to_thread.run_sync(work)
+    return await anyio.to_thread.run_sync(functools.partial(_decode_all, inputs, processor, server))
 
 
 def check_takes_images(info: ModelInfo, inputs: list[ImageInput]) -> None:
@@ -84,24 +91,85 @@ def check_takes_images(info: ModelInfo, inputs: list[ImageInput]) -> None:
         )  # fmt: skip
 
 
-def _decode_all(
-    inputs: list[ImageInput], processor: ImageProcessor, max_bytes: int, max_pixels: int
-) -> list[PromptImage]:
-    return [decode_image(image.data, image.field, processor, max_bytes, max_pixels) for image in inputs]
+def _decode_all(inputs: list[ImageInput], processor: ImageProcessor, server: ServerConfig) -> list[PromptImage]:
+    images = []
+    for image in inputs:
+        if image.url:
+            raw = fetch_image(image.data, image.field, server.max_image_bytes, server.remote_image_timeout_s)
+        else:
+            raw = decode_base64(image.data, image.field, server.max_image_bytes)
+        images.append(decode_image(raw, image.field, processor, server.max_image_pixels))
+    return images
 
 
-def decode_image(data: str, field: str, processor: ImageProcessor, max_bytes: int, max_pixels: int) -> PromptImage:
-    """Base64 ``data`` -> the processor's pixels and the SHA-256 of the image's bytes."""
-    from PIL import Image
+def _too_large(max_bytes: int, field: str) -> RequestError:
+    return RequestError(f"the image is larger than server.max_image_bytes ({max_bytes} bytes)", field=field)
 
+
+def decode_base64(data: str, field: str, max_bytes: int) -> bytes:
+    """The image's bytes from base64 ``data``, refused past ``max_bytes`` before decoding."""
     if len(data) * 3 // 4 > max_bytes + 3:
-        raise RequestError(f"the image is larger than server.max_image_bytes ({max_bytes} bytes)", field=field)
+        raise _too_large(max_bytes, field)
     try:
         raw = base64.b64decode(data.strip(), validate=True)
     except (binascii.Error, ValueError) as exc:
         raise RequestError(f"the image is not valid base64 ({exc})", field=field) from None
     if len(raw) > max_bytes:
-        raise RequestError(f"the image is larger than server.max_image_bytes ({max_bytes} bytes)", field=field)
+        raise _too_large(max_bytes, field)
+    return raw
+
+
+def fetch_image(url: str, field: str, max_bytes: int, timeout: float) -> bytes:
+    """The bytes at an ``http(s)`` ``url``: at most :data:`MAX_REDIRECTS` redirects (each to
+    http or https), a 2xx answer, at most ``max_bytes`` read (a larger body is refused without
+    reading the rest), and the fetch ended once ``timeout`` seconds have passed (checked between
+    reads; one read waits at most what was left when its request was sent). Blocking: call it in a
+    worker thread. Any failure is a RequestError naming ``field``."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    headers = {"accept": "image/*", "accept-encoding": "identity"}  # raw bytes: no decompression bomb
+    try:
+        with httpx.Client(headers=headers, follow_redirects=False) as client:
+            for _ in range(MAX_REDIRECTS + 1):
+                _check_scheme(url, field)
+                left = max(deadline - time.monotonic(), 0.001)
+                with client.stream("GET", url, timeout=left) as response:
+                    if response.is_redirect:
+                        url = str(response.url.join(response.headers["location"]))
+                        continue
+                    if not response.is_success:
+                        raise RequestError(f"fetching the image URL got HTTP {response.status_code}", field=field)
+                    length = response.headers.get("content-length", "")
+                    if length.isdigit() and int(length) > max_bytes:
+                        raise _too_large(max_bytes, field)
+                    body = bytearray()
+                    # Each read's bytes as they come (no chunk_size), so a trickling body meets the deadline.
+                    for chunk in response.iter_raw():
+                        body += chunk
+                        if len(body) > max_bytes:
+                            raise _too_large(max_bytes, field)
+                        if time.monotonic() > deadline:
+                            raise httpx.ReadTimeout("the body did not arrive in time")
+                    return bytes(body)
+    except httpx.TimeoutException:
+        raise RequestError(
+            f"fetching the image URL took longer than server.remote_image_timeout_s ({timeout} s)", field=field
+        ) from None
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise RequestError(f"fetching the image URL failed: {exc}", field=field) from None
+    raise RequestError(f"the image URL redirects more than {MAX_REDIRECTS} times", field=field)
+
+
+def _check_scheme(url: str, field: str) -> None:
+    if urllib.parse.urlsplit(url).scheme.lower() not in ("http", "https"):
+        raise RequestError(f"only http and https image URLs are fetched, not {url[:100]!r}", field=field)
+
+
+def decode_image(raw: bytes, field: str, processor: ImageProcessor, max_pixels: int) -> PromptImage:
+    """The image's bytes -> the processor's pixels and the SHA-256 of the bytes."""
+    from PIL import Image
+
     # Pillow refuses a header claiming more than twice this many pixels itself (before decoding).
     Image.MAX_IMAGE_PIXELS = max_pixels
     try:

@@ -229,7 +229,7 @@ def _blocks(
 
 
 def _image(source: s.ImageSource | None, field: str) -> ImageInput:
-    """An ``image`` block's source: base64 data, or a URL (which the image loader refuses)."""
+    """An ``image`` block's source: base64 data, or a URL (fetched only when server.allow_remote_images is on)."""
     if source is not None and source.type == "base64" and source.data is not None:
         return ImageInput(source.data, field)
     if source is not None and source.type == "url" and source.url is not None:

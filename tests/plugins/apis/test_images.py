@@ -5,7 +5,11 @@ the server goes on serving."""
 from __future__ import annotations
 
 import base64
+import contextlib
+import http.server
 import io
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +45,7 @@ def data_uri(raw: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def vision_config(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Config:
     torch = pytest.importorskip("torch", reason="the tiny vision model is written by transformers")
     transformers = pytest.importorskip("transformers", reason="the tiny vision model is written by transformers")
     folder = tmp_path_factory.mktemp("vision-api")
@@ -54,11 +58,16 @@ def server(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
     )
     config.server.max_image_pixels = 1_000_000
+    return config
+
+
+@pytest.fixture(scope="module")
+def server(vision_config: Config) -> Iterator[str]:
     host = load_plugins()
-    engine = Engine(config, host)
+    engine = Engine(vision_config, host)
     engine.start()
     try:
-        with ThreadedServer(build_app(ServerContext(config=config, host=host, engine=engine))) as url:
+        with ThreadedServer(build_app(ServerContext(config=vision_config, host=host, engine=engine))) as url:
             yield url
     finally:
         engine.stop()
@@ -152,6 +161,120 @@ def test_hostile_images_are_a_400_in_ollama_shape(server: str, case: str) -> Non
     body = {"model": "tiny", "stream": False, "prompt": "t5", "images": [data]}
     reply = httpx.post(f"{server}/api/generate", json=body, timeout=60)
     assert reply.status_code == 400 and "'tiny' takes no images" in reply.json()["error"], reply.text
+
+
+class ImageHost(http.server.BaseHTTPRequestHandler):
+    """Image URLs on loopback: a PNG, bodies past the byte limit, slow answers, redirects."""
+
+    protocol_version = "HTTP/1.0"  # a body without content-length runs until the connection closes
+
+    def do_GET(self) -> None:
+        name, _, arg = self.path.strip("/").partition("/")
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client stopped reading
+            getattr(self, f"serve_{name}")(arg)
+
+    def head(self, status: int = 200, **headers: str) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key.replace("_", "-"), value)
+        self.end_headers()
+
+    def serve_cat(self, arg: str) -> None:
+        raw = png()
+        self.head(content_type="image/png", content_length=str(len(raw)))
+        self.wfile.write(raw)
+
+    def serve_declared(self, arg: str) -> None:  # says it is too large up front
+        self.head(content_type="image/png", content_length=str(10**9))
+        self.wfile.write(b"\0" * 65536)
+
+    def serve_endless(self, arg: str) -> None:  # no length, never ends: only the byte cap stops it
+        self.head(content_type="image/png")
+        while True:
+            self.wfile.write(b"\0" * 65536)
+
+    def serve_slow(self, arg: str) -> None:
+        time.sleep(3)
+        self.serve_cat(arg)
+
+    def serve_trickle(self, arg: str) -> None:  # a byte at a time, each read well within the limit
+        self.head(content_type="image/png")
+        for _ in range(200):
+            self.wfile.write(b"\0")
+            self.wfile.flush()
+            time.sleep(0.02)
+
+    def serve_hop(self, arg: str) -> None:
+        left = int(arg)
+        self.head(302, location=f"/hop/{left - 1}" if left > 1 else "/cat/")  # left redirects in all
+
+    def serve_file(self, arg: str) -> None:
+        self.head(302, location="file:///etc/passwd")
+
+    def serve_missing(self, arg: str) -> None:
+        self.head(404, content_length="0")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[str]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ImageHost)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture
+def remote_images(vision_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vision_config.server, "allow_remote_images", True)
+    monkeypatch.setattr(vision_config.server, "remote_image_timeout_s", 1.0)
+    monkeypatch.setattr(vision_config.server, "max_image_bytes", 100_000)
+
+
+def image_url_request(url: str) -> dict[str, Any]:
+    content = [{"type": "text", "text": "t5 t6"}, {"type": "image_url", "image_url": {"url": url}}]
+    return {"model": "vision", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+
+
+@pytest.mark.usefixtures("remote_images")
+@pytest.mark.parametrize("path", ["/cat/", "/hop/3"])
+def test_remote_images_are_fetched_when_allowed(server: str, image_host: str, path: str) -> None:
+    reply = httpx.post(f"{server}/v1/chat/completions", json=image_url_request(image_host + path), timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["prompt_tokens"] >= text_prompt_tokens(server) + TOKENS_PER_IMAGE + 1
+
+
+REMOTE_REFUSALS = {
+    "/declared/": "max_image_bytes (100000 bytes)",
+    "/endless/": "max_image_bytes (100000 bytes)",
+    "/slow/": "remote_image_timeout_s (1.0 s)",
+    "/trickle/": "remote_image_timeout_s (1.0 s)",
+    "/hop/4": "redirects more than 3 times",
+    "/file/": "only http and https",
+    "/missing/": "HTTP 404",
+}
+
+
+@pytest.mark.usefixtures("remote_images")
+@pytest.mark.parametrize("path", sorted(REMOTE_REFUSALS))
+def test_remote_image_failures_are_a_400_naming_the_field(server: str, image_host: str, path: str) -> None:
+    started = time.monotonic()
+    reply = httpx.post(f"{server}/v1/chat/completions", json=image_url_request(image_host + path), timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert REMOTE_REFUSALS[path] in error["message"] and error["param"] == "messages[0].content[1].image_url"
+    assert time.monotonic() - started < 2.5  # the slow answers are cut at the limit, not waited for
+
+
+@pytest.mark.usefixtures("remote_images")
+def test_only_http_urls_are_fetched(server: str) -> None:
+    reply = httpx.post(f"{server}/v1/chat/completions", json=image_url_request("ftp://127.0.0.1/cat.png"), timeout=60)
+    assert reply.status_code == 400 and "only http and https" in reply.json()["error"]["message"]
 
 
 def anthropic_image(raw_b64: str) -> dict[str, Any]:
