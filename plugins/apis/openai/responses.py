@@ -1,13 +1,15 @@
 """OpenAI's Responses API: ``POST /v1/responses`` (whole or streamed), ``GET`` and ``DELETE
 /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``.
 
-A request's ``input`` (text, messages, earlier ``function_call`` / ``function_call_output`` and
-``reasoning`` items), after the stored conversation ``previous_response_id`` names and under its
-own ``instructions``, becomes the chat a model's template renders, exactly as a chat completion's
-messages do; the reply is read by the same parsers (reasoning, tool calls) and told as output
-items: ``reasoning``, ``message`` and ``function_call``. Streamed, it is the event sequence
-``response.created``, ``response.in_progress``, per item ``output_item.added``, its deltas and
-``output_item.done``, then ``response.completed`` (or ``incomplete`` / ``failed``), each numbered.
+A request's ``input`` (text, messages with text and ``input_image`` parts, earlier
+``function_call`` / ``function_call_output`` and ``reasoning`` items), after the stored
+conversation ``previous_response_id`` names and under its own ``instructions``, becomes the chat a
+model's template renders, exactly as a chat completion's messages do (images loaded by
+:mod:`mlxr_core.http.images`, a stored turn's again for a follow-up); the reply is read by the same
+parsers (reasoning, tool calls) and told as output items: ``reasoning``, ``message`` and
+``function_call``. Streamed, it is the event sequence ``response.created``,
+``response.in_progress``, per item ``output_item.added``, its deltas and ``output_item.done``, then
+``response.completed`` (or ``incomplete`` / ``failed``), each numbered.
 With ``store`` (the default) the response, its input items and the conversation are kept in a
 bounded SQLite store (:mod:`mlxr_plugins.apis.openai.store`).
 """
@@ -46,6 +48,7 @@ from mlxr_core.http.frontend import (
     submit,
     tracked_events,
 )
+from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream as EventStream
 from mlxr_core.http.openapi import documented
 from mlxr_core.http.requests import sampling_params, template_variables
@@ -67,6 +70,8 @@ from mlxr_plugins.apis.openai.streaming import SSE_HEADERS
 
 #: Input roles a template may see; ``developer`` is OpenAI's new name for ``system``.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+#: Content parts that are text.
+TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 class ResponseNotFound(RequestError):
@@ -85,14 +90,57 @@ def _text_of(content: str | list[r.ContentPart] | None, param: str) -> str:
         return content or ""
     texts = []
     for j, part in enumerate(content):
-        if part.type not in ("input_text", "output_text", "text") or part.text is None:
+        if part.type not in TEXT_PARTS or part.text is None:
             raise RequestError(f"content parts of type {part.type!r} are not supported; send text", field=f"{param}[{j}]")
         texts.append(part.text)
     return "\n".join(texts)
 
 
-def input_messages(items: str | list[r.InputItem]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """``input`` as chat messages, and as the input items a stored response lists."""
+def _message_content(
+    content: str | list[r.ContentPart] | None, param: str, images: list[ImageInput]
+) -> tuple[str | list[dict[str, Any]], list[dict[str, Any]]]:
+    """A message's content for the template: text, or with images Hugging Face's parts (text and
+    ``{"type": "image", "image_url": ...}`` in order, each image's data appended to ``images``)
+    with the parts a stored input item lists (none for text)."""
+    if not isinstance(content, list) or not any(part.type == "input_image" for part in content):
+        return _text_of(content, param), []
+    parts: list[dict[str, Any]] = []
+    listed: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        if part.type != "input_image":
+            if part.type not in TEXT_PARTS or part.text is None:
+                raise RequestError(f"content parts of type {part.type!r} are not supported; send text or input_image",
+                                   field=f"{param}[{j}]")  # fmt: skip
+            parts.append({"type": "text", "text": part.text})
+            listed.append({"type": "input_text", "text": part.text})
+        elif part.image_url is None:
+            raise RequestError("an input_image part needs image_url (a data URI or a URL); file_id is not supported",
+                               field=f"{param}[{j}]")  # fmt: skip
+        else:
+            images.append(ImageInput.from_url(part.image_url, f"{param}[{j}].image_url"))
+            parts.append({"type": "image", "image_url": part.image_url})
+            listed.append({"type": "input_image", "image_url": part.image_url, "detail": part.detail or "auto"})
+    return parts, listed
+
+
+def _history_images(messages: list[dict[str, Any]]) -> list[ImageInput]:
+    """The images of a stored conversation's turns, loaded again for the follow-up."""
+    return [ImageInput.from_url(part["image_url"], "previous_response_id")
+            for message in messages if isinstance(message["content"], list)
+            for part in message["content"] if part.get("type") == "image"]  # fmt: skip
+
+
+def _without_image_data(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The chat as the template sees it: image parts as plain ``{"type": "image"}``."""
+    return [{**message, "content": [{"type": "image"} if part.get("type") == "image" else part for part in message["content"]]}
+            if isinstance(message["content"], list) else message for message in messages]  # fmt: skip
+
+
+def input_messages(
+    items: str | list[r.InputItem], images: list[ImageInput]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``input`` as chat messages, and as the input items a stored response lists; ``input_image``
+    parts' data is appended to ``images``."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}], [_message_item("user", items)]
     if not items:
@@ -107,12 +155,13 @@ def input_messages(items: str | list[r.InputItem]) -> tuple[list[dict[str, Any]]
             role = ROLES.get(item.role or "")
             if role is None:
                 raise RequestError(f"unsupported role {item.role!r}; expected one of {', '.join(ROLES)}", field=f"{param}.role")
-            text = _text_of(item.content, f"{param}.content")
-            message: dict[str, Any] = {"role": role, "content": text}
+            content, parts = _message_content(item.content, f"{param}.content", images)
+            message: dict[str, Any] = {"role": role, "content": content}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = reasoning, ""
             messages.append(message)
-            listed.append(_message_item(item.role or role, text))
+            listed.append(_message_item(item.role or role, content) if isinstance(content, str)
+                          else {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "role": item.role or role, "content": parts})  # fmt: skip
         elif item.type == "function_call":
             if not item.call_id or not item.name:
                 raise RequestError("a function_call item needs call_id and name", field=param)
@@ -311,22 +360,26 @@ class Responses:
         """Answer ``body`` (``params``: its SamplingParams, from the shared mapping)."""
         ctx = self.ctx
         previous = await self._previous(body.previous_response_id)
-        messages, listed = input_messages(body.input)
+        inputs = _history_images(previous.messages) if previous else []
+        messages, listed = input_messages(body.input, inputs)
         history = (previous.messages if previous else []) + messages
         chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
         engine = ready_engine(ctx)
         info = engine.model(body.model)
+        images = await load_images(ctx.config.server, info, inputs)
         tools, choice, parallel = tool_request(body)
         params.constraint = text_constraint(ctx, body.text)
         effort = body.reasoning.effort if body.reasoning is not None else None
         variables = template_variables(body.chat_template_kwargs, effort=effort)
         prepare = functools.partial(
-            prepare_chat, engine, info, model_parsers(ctx, info), chat, tools=tools, choice=choice,
-            parallel=parallel, template_kwargs=variables,
+            prepare_chat, engine, info, model_parsers(ctx, info), _without_image_data(chat), tools=tools,
+            choice=choice, parallel=parallel, template_kwargs=variables, images=bool(images),
         )  # fmt: skip
         setup: ChatSetup = await anyio.to_thread.run_sync(prepare)
         params.constraint = setup.constraint or params.constraint
-        generation = GenerationRequest(body.model, setup.prompt_ids, params, keep_special=setup.keep_special)
+        generation = GenerationRequest(
+            body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images
+        )
         handle = submit(ctx, generation)
         response = self._response(body, tools, choice)
         if body.stream:

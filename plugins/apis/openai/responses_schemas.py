@@ -13,11 +13,16 @@ from mlxr_plugins.apis.openai.schemas import PositiveInt, Seed, Temperature, Top
 
 
 class ContentPart(Struct, forbid_unknown_fields=False):
-    """A part of an input message's content: ``input_text`` / ``output_text`` (``text``), or an
-    ``input_image`` / ``input_file`` this server refuses."""
+    """A part of an input message's content: ``input_text`` / ``output_text`` (``text``), an
+    ``input_image`` (``image_url``: a data URI, or an ``http(s)`` URL fetched only when
+    ``server.allow_remote_images`` is on; ``detail`` is accepted and ignored), or an
+    ``input_file`` this server refuses."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
 
 
 class InputItem(Struct, forbid_unknown_fields=False):

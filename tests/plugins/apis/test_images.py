@@ -58,6 +58,7 @@ def vision_config(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactor
         engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
     )
     config.server.max_image_pixels = 1_000_000
+    config.server.responses_store.path = str(folder / "responses.sqlite3")
     return config
 
 
@@ -92,6 +93,42 @@ def test_the_openai_client_sends_an_image(server: str) -> None:
     assert reply.usage is not None and reply.usage.completion_tokens == 3
     # The image's tokens: <start_of_image>, 4 soft tokens, <end_of_image> (the newlines are unknown words).
     assert reply.usage.prompt_tokens >= text_prompt_tokens(server) + TOKENS_PER_IMAGE + 1
+
+
+def responses_input(image_url: str, text: str = "t5 t6") -> Any:
+    content = [{"type": "input_text", "text": text}, {"type": "input_image", "image_url": image_url, "detail": "auto"}]
+    return [{"role": "user", "content": content}]
+
+
+def test_the_openai_client_sends_an_image_to_the_responses_api(server: str) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+    text_only = client.responses.create(model="vision", input="t5 t6", max_output_tokens=2, store=False)
+    reply = client.responses.create(model="vision", input=responses_input(data_uri(png())), max_output_tokens=3, temperature=0)
+    assert reply.status == "incomplete" and reply.usage is not None and reply.usage.output_tokens == 3
+    assert text_only.usage is not None and reply.usage.input_tokens >= text_only.usage.input_tokens + TOKENS_PER_IMAGE + 1
+    listed = client.responses.input_items.list(reply.id).data[0]
+    assert [part.type for part in listed.content] == ["input_text", "input_image"]  # type: ignore[union-attr]
+    # A follow-up renders the stored turn with its image again: that prompt and its reply, then more.
+    follow = client.responses.create(model="vision", input="t7", previous_response_id=reply.id, max_output_tokens=2)
+    assert follow.usage is not None and follow.usage.input_tokens > reply.usage.input_tokens + reply.usage.output_tokens
+
+
+@pytest.mark.parametrize("case", ["truncated", "url"])
+def test_hostile_images_are_a_400_in_the_responses_api(server: str, case: str) -> None:
+    body = {"model": "vision", "max_output_tokens": 2, "input": responses_input(HOSTILE[case][0])}
+    reply = httpx.post(f"{server}/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert HOSTILE[case][1] in error["message"] and error["param"] == "input[0].content[1].image_url"
+    body["input"] = [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]
+    reply = httpx.post(f"{server}/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input[0].content[0]"
+
+
+def test_an_image_to_a_text_only_model_in_the_responses_api_is_a_400_naming_it(server: str) -> None:
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.BadRequestError, match="'tiny' takes no images"):
+        client.responses.create(model="tiny", input=responses_input(data_uri(png())), max_output_tokens=2)
 
 
 def bomb() -> bytes:

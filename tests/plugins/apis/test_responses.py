@@ -119,7 +119,9 @@ def test_a_reply_cut_by_max_output_tokens_is_incomplete(client: openai.OpenAI) -
     [
         ({"input": [{"type": "input_image_call"}]}, "input[0].type"),
         ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
+        # the scripted model takes no images
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0].image_url"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
         ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0]"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
         ({"input": "hi", "tool_choice": "sometimes"}, "tool_choice"),
