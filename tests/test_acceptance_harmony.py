@@ -39,6 +39,7 @@ PARAMETERS = {
 }
 OPENAI_TOOLS: Any = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city", "parameters": PARAMETERS}}]
 QUESTION = "What is the weather in Paris right now?"
+DATE = "2026-11-25"
 RESULT = json.dumps({"temperature": 21, "sky": "sunny"})
 
 
@@ -121,7 +122,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         folder / "tiny-harmony.gguf", special_tokens=HARMONY_SPECIAL_TOKENS, eos_token="<|return|>",
         chat_template=HARMONY_CHAT_TEMPLATE,
     )
+    # The template writes today's date into the system message: pinned, so the random models'
+    # greedy replies are the same whatever day the tests run.
     models = "".join(f"  - path: {path}\n    name: {name}\n    context_length: 2048\n"
+                     f"    chat_template_kwargs: {{current_date: '{DATE}'}}\n"
                      for path, name in zip((gpt_oss, llama), MODELS, strict=True))
     config = folder / "server.yaml"
     config.write_text(f"models:\n{models}apis: [openai, anthropic, ollama]\n")
