@@ -294,14 +294,23 @@ def test_the_serving_line_comes_when_the_server_answers(tiny_config: Path, tmp_p
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert process.stdout is not None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
     try:
-        lines = []
-        while not lines or "mlxr: serving" not in lines[-1]:
-            lines.append(process.stdout.readline())
-            assert lines[-1], "".join(lines)
-        assert httpx.get(re.search(r"at (http://\S+)", lines[-1])[1] + "/health").status_code == 200  # type: ignore[index]
-        assert not [line for line in lines if "startup complete" in line or "Uvicorn running" in line], lines
-        assert any("GET /health 200" in line for line in lines)  # the check that preceded the line
+        deadline = time.monotonic() + 120
+        while not (serving := [line for line in lines if "mlxr: serving" in line]):
+            assert reader.is_alive() and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.05)
+        before = lines[: lines.index(serving[0])]
+        assert not [line for line in before if "startup complete" in line or "Uvicorn running" in line], before
+        # The server's own check that preceded the line (its access-log line is written once the
+        # reply is sent, so it may come just after "serving"), before this test asks /health itself.
+        deadline = time.monotonic() + 10
+        while not any("GET /health 200" in line for line in lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any("GET /health 200" in line for line in lines), lines
+        assert httpx.get(re.search(r"at (http://\S+)", serving[0])[1] + "/health").status_code == 200  # type: ignore[index]
     finally:
         process.kill()
         process.communicate()
