@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 import msgspec
-from litestar import Request, delete, get, post
+from litestar import Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
@@ -527,7 +527,7 @@ def response_routes(ctx: ServerContext) -> list[Any]:
 
     @post(paths("/responses"), status_code=200, operation_class=documented(
         response=r.Response, error=ErrorBody, stream=EventStream("text/event-stream", (r.StreamEvent,))))  # fmt: skip
-    async def create(data: JSONBody[r.ResponsesRequest], request: Request[Any, Any, Any]) -> Any:
+    async def create(data: JSONBody[r.ResponsesRequest], request: Request[Any, Any, Any]) -> Response[Any]:
         body = data
         params = sampling_params(
             ctx, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,

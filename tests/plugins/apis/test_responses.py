@@ -199,3 +199,12 @@ def test_a_json_schema_text_format_is_enforced(tiny: openai.OpenAI) -> None:
         text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER}},
     )  # fmt: skip
     jsonschema.validate(json.loads(response.output_text), WEATHER)
+
+
+def test_a_streamed_response_is_an_event_stream(client: openai.OpenAI) -> None:
+    import httpx
+
+    body = {"model": "fake", "input": "hi", "stream": True, "max_output_tokens": 3}
+    reply = httpx.post(f"{client.base_url}responses", json=body, timeout=30)
+    assert reply.headers["content-type"].startswith("text/event-stream")
+    assert reply.text.startswith("event: response.created\ndata: ")
