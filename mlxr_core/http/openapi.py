@@ -172,7 +172,9 @@ def _stream_content(stream: Stream) -> StreamMediaType:
         shape = "one JSON object per line, each as x-item-schema describes"
     ending = f", then {stream.end}" if stream.end else ""
     description = f"The reply streamed (when the request asks for a stream): {shape}{ending}."
-    body = {"type": "string", "contentMediaType": stream.media_type, "description": description}
+    # No type: a validator that reads the stream event by event (an SSE event is an object of
+    # its fields) finds each one valid; x-item-schema says what an event's data holds.
+    body = {"contentMediaType": stream.media_type, "description": description}
     events = [json_schema(event) for event in stream.events]
     item = events[0] if len(events) == 1 else {"anyOf": events}
     return StreamMediaType(schema=JsonSchema(document=body), item_schema=item)
