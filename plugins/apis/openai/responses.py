@@ -67,6 +67,7 @@ from mlxr_plugins.apis.openai.errors import error_body
 from mlxr_plugins.apis.openai.schemas import ErrorBody
 from mlxr_plugins.apis.openai.store import ResponseStore, Stored
 from mlxr_plugins.apis.openai.streaming import SSE_HEADERS
+from mlxr_plugins.apis.openai.tools import choice_mode
 
 #: Input roles a template may see; ``developer`` is OpenAI's new name for ``system``.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -206,12 +207,8 @@ def tool_request(body: r.ResponsesRequest) -> tuple[list[Tool], ToolChoice, bool
             raise RequestError(f"tools of type {tool.type!r} are not supported; send function tools", field=f"tools[{i}].type")
         tools.append(Tool(tool.name, tool.description or "", tool.parameters or {"type": "object", "properties": {}}))
     choice = body.tool_choice
-    if choice is None:
-        mode = ToolChoice("auto" if tools else "none")
-    elif isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}", field="tool_choice")
-        mode = ToolChoice(choice)
+    if choice is None or isinstance(choice, str):
+        mode = choice_mode(choice, tools)
     elif choice.type == "function" and choice.name:
         mode = ToolChoice("function", choice.name)
     else:

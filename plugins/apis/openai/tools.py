@@ -20,18 +20,23 @@ def tool_request(body: s.ChatCompletionRequest) -> tuple[list[Tool], ToolChoice,
         function = tool.function
         tools.append(Tool(function.name, function.description or "", function.parameters or {"type": "object", "properties": {}}))
     choice = body.tool_choice
-    if choice is None:
-        mode = ToolChoice("auto" if tools else "none")
-    elif isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
-            raise RequestError(
-                f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
-                field="tool_choice",
-            )
-        mode = ToolChoice(choice)
+    if choice is None or isinstance(choice, str):
+        mode = choice_mode(choice, tools)
     else:
         mode = ToolChoice("function", choice.function.name)
     return tools, mode, body.parallel_tool_calls is not False
+
+
+def choice_mode(choice: str | None, tools: list[Tool]) -> ToolChoice:
+    """A ``tool_choice`` given as a word, or left out (``auto`` with tools, else ``none``)."""
+    if choice is None:
+        return ToolChoice("auto" if tools else "none")
+    if choice not in ("none", "auto", "required"):
+        raise RequestError(
+            f"tool_choice must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+            field="tool_choice",
+        )
+    return ToolChoice(choice)
 
 
 def message_dict(message: s.ChatMessage, rendered: dict[str, Any]) -> dict[str, Any]:
