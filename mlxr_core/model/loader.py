@@ -340,9 +340,11 @@ def load_model(
     registries: Registries,
     *,
     kernel_choices: Mapping[str, str] | None = None,
+    tensor_group: Any = None,
 ) -> LoadedModel:
     """Load one configured model. ``kernel_choices`` are the global ``kernels:``; the model's
-    own ``kernels:`` take precedence."""
+    own ``kernels:`` take precedence. With ``tensor_group`` (an ``mx.distributed.Group``), this
+    rank keeps its share of the weights (:mod:`mlxr_core.model.tensor_parallel`)."""
     started = time.perf_counter()
     path = resolve_model_path(model_config.path)
     format_name, fmt = pick_format(path, registries, model_config.format)
@@ -379,6 +381,13 @@ def load_model(
     model = build_model(checkpoint, arch, kernels, model_config.quantization, dtype)
     if isinstance(arch, ChecksLoadedModel):
         arch.check_loaded(model)
+    if tensor_group is not None:
+        from mlxr_core.model.tensor_parallel import shard_model
+
+        try:
+            shard_model(model, tensor_group, name=model_config.name or default_model_name(path))
+        except ModelLoadError as exc:
+            raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
     if model_config.fuse_projections:
         log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
     compiled = None

@@ -30,6 +30,10 @@ class Attention(nn.Module):
     and key head before RoPE (``q_norm``, ``k_norm``). ``window`` limits every query to its last
     ``window`` positions; ``sinks`` adds one learned logit per head to the softmax (gpt-oss)."""
 
+    #: Under tensor parallelism (:mod:`mlxr_core.model.tensor_parallel`), the ranks this layer's
+    #: heads are split across: the output projection's partial sums are added up over them.
+    tensor_group: Any = None
+
     def __init__(
         self,
         hidden: int,
@@ -159,6 +163,8 @@ class Attention(nn.Module):
         # One position: merging the heads is a reshape (see attention_inputs).
         merged = out.reshape(B, 1, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         result: mx.array = self.o_proj(merged)
+        if self.tensor_group is not None:
+            result = mx.distributed.all_sum(result, group=self.tensor_group)
         return result
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,6 +32,9 @@ class GatedMLP(nn.Module):
     """``gate_proj`` and ``up_proj`` (or one ``gate_up_proj``, gate first: built so with
     ``fused``, or joined after loading by :meth:`fuse_projections`), then ``down_proj``."""
 
+    #: Under tensor parallelism, the ranks the columns are split across (see :class:`Attention`).
+    tensor_group: Any = None
+
     def __init__(
         self,
         hidden: int,
@@ -51,6 +55,8 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         out: mx.array = self.down_proj(self._activation(*gate_and_up(self, x)))
+        if self.tensor_group is not None:
+            out = mx.distributed.all_sum(out, group=self.tensor_group)
         return out
 
     def fuse_projections(self) -> bool:

@@ -1,0 +1,36 @@
+"""Starting ranks of the ring backend on loopback for tests and benchmarks."""
+
+from __future__ import annotations
+
+import random
+import socket
+import sys
+from pathlib import Path
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive TCP ports free on 127.0.0.1 now (the ring backend
+    listens on one per rank, counting up from ``--starting-port``)."""
+    for _ in range(200):
+        first = random.randrange(20000, 60000 - count)
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                listener = socket.socket()
+                sockets.append(listener)
+                listener.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for listener in sockets:
+                listener.close()
+    raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
+
+
+def mlx_launch(ranks: int, port: int) -> list[str]:
+    """``mlx.launch`` starting ``ranks`` processes of the ring backend on 127.0.0.1; append the
+    command each rank runs."""
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    return [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
+            "--starting-port", str(port), "--"]  # fmt: skip
