@@ -22,7 +22,7 @@ hookspec = pluggy.HookspecMarker("mlxr")
 #: in its entry-point module (``MLXR_HOOK_API = "1"``); a different major version is refused at
 #: load time. Adding a hook, or an argument to one (pluggy lets an implementation take fewer),
 #: bumps the minor version; removing or changing one bumps the major version.
-HOOK_API_VERSION = "1.1"
+HOOK_API_VERSION = "1.2"
 
 
 class RegisterName(Protocol):
@@ -188,6 +188,24 @@ def mlxr_register_reasoning_parsers(register: RegisterName) -> None:
         ``models[].reasoning_parser`` names (``"think"``); ``target`` implements
         :class:`mlxr_core.parsing.ReasoningParser`: ``detect(template)`` for ``auto`` selection and
         ``stream(prompt)`` making one request's splitter of reasoning and content.
+    :return: nothing.
+    """
+
+
+@hookspec
+def mlxr_register_kv_caches(register: RegisterName) -> None:
+    """Register KV cache methods: ways of storing a model's keys and values (quantized, rotated
+    and sketched ...) that attention runs over.
+
+    Called once per plugin manager, when the registries are assembled. Hook API 1.2.
+
+    :param register: ``register(name, target, *, override=False)``. ``name`` is what
+        ``models[].kv_cache.method`` names (``"affine"``, ``"turboquant"``); ``target`` implements
+        :class:`mlxr_core.model.kv_storage.KVCacheMethod`: ``problems(setting)`` says what is wrong
+        with a ``kv_cache`` setting before any model loads, ``configure(setting, head_dims)``
+        returns the model's :class:`~mlxr_core.model.kv_storage.KVStorage`, which makes each
+        attention layer's cache (a :class:`~mlxr_core.model.quantized_cache.PackedCache`: it
+        attends over what it stores itself) and counts the bytes a position takes.
     :return: nothing.
     """
 

@@ -55,6 +55,7 @@ CAPABILITY_HOOKS = {
     "mlxr_register_apis": "apis",
     "mlxr_register_tool_parsers": "tool_parsers",
     "mlxr_register_reasoning_parsers": "reasoning_parsers",
+    "mlxr_register_kv_caches": "kv_caches",
 }
 
 
@@ -87,6 +88,7 @@ class Registries:
     apis: Registry = attrs.field(factory=lambda: Registry("api"))
     tool_parsers: Registry = attrs.field(factory=lambda: Registry("tool parser"))
     reasoning_parsers: Registry = attrs.field(factory=lambda: Registry("reasoning parser"))
+    kv_caches: Registry = attrs.field(factory=lambda: Registry("KV cache method"))
     #: plugin name -> attrs class of its ``plugins.config.<name>`` section.
     config_sections: dict[str, type] = attrs.field(factory=dict)
 

@@ -108,6 +108,7 @@ def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
     """Names in ``config`` that no loaded plugin registered, with what is available."""
     from mlxr_core.config.structure import Problem
     from mlxr_core.errors import UnknownName
+    from mlxr_core.model.kv_storage import kv_cache_problems
 
     registries = host.registries
     problems = []
@@ -140,7 +141,7 @@ def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
             check((*where, "arch"), "architecture", model.arch, names)
         check((*where, "decoder"), "decoder", model.decoder, registries.decoders.names())
         check_kernels((*where, "kernels"), model.kernels)
-    return problems
+    return [*problems, *kv_cache_problems(config, registries)]
 
 
 def fallback_model_types(host: PluginHost) -> set[str]:

@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         from mlxr_core.engine.engine import Engine
         from mlxr_core.http.context import ServerContext
         from mlxr_core.http.server import build_app
+        from mlxr_core.model.kv_storage import validate_kv_cache_choices
         from mlxr_core.parsing import validate_parser_choices
         from mlxr_core.plugins import load_plugins
 
@@ -113,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         log_plugins(host)
         sections = validate_plugin_sections(config, host.registries)
         validate_parser_choices(config, host.registries)
+        validate_kv_cache_choices(config, host.registries)
         engine = Engine(config, host)
         ctx = ServerContext(config=config, host=host, engine=engine, plugin_config=sections)
         return serve(build_app(ctx), ctx, log_level=level, listener=listener)

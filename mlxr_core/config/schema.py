@@ -105,14 +105,21 @@ class ServerConfig:
 
 @attrs.define
 class KVCacheConfig:
-    """Keys and values stored quantized (:mod:`mlxr_core.model.quantized_cache`)."""
+    """How keys and values are stored (:mod:`mlxr_core.model.kv_storage`): a KV cache method's
+    name and its settings; each method checks the keys it takes before any model loads."""
 
-    #: Bits per stored element: 8 (close to full precision) or 4.
-    bits: int = attrs.field(validator=v.in_((8, 4)))
-    #: Elements of a head sharing one scale and bias; the model's head size must be a multiple.
+    #: Bits per stored element: ``affine`` 8 (close to full precision) or 4; ``turboquant`` 4, 3
+    #: or 2 (keys: bits - 1 per element and a 1-bit sign sketch).
+    bits: int = attrs.field(validator=v.in_((8, 4, 3, 2)))
+    #: A KV cache method's name: ``affine`` (:mod:`mlxr_core.model.quantized_cache`) or
+    #: ``turboquant`` (:mod:`mlxr_plugins.kv_caches.turboquant`), or one a plugin registers.
+    method: str = attrs.field(default="affine", validator=v.min_len(1))
+    #: ``affine``: elements of a head sharing one scale and bias; the head size must be a multiple.
     group_size: int = attrs.field(default=64, validator=v.in_((32, 64, 128)))
-    #: A sequence stays full precision until it holds this many tokens, then is quantized.
+    #: ``affine``: a sequence stays full precision until it holds this many tokens.
     start_after: int = attrs.field(default=0, validator=v.ge(0))
+    #: ``turboquant``: each query sees its most recent ``window`` positions in full precision.
+    window: int = attrs.field(default=0, validator=v.ge(0))
 
 
 @attrs.define
@@ -158,7 +165,8 @@ class ModelConfig:
     #: layers' caches: less Python and fewer kernel launches per token, same logits. Architectures
     #: that do not offer the cut points decode eagerly. See :mod:`mlxr_core.model.compiled`.
     compile_decode: bool = True
-    #: Quantized keys and values (``{bits: 8 | 4, group_size, start_after}``); None: full precision.
+    #: Quantized keys and values (``{method: affine, bits: 8 | 4, group_size, start_after}`` or
+    #: ``{method: turboquant, bits: 4 | 3 | 2, window}``); None: full precision.
     kv_cache: KVCacheConfig | None = None
 
 

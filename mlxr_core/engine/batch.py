@@ -374,9 +374,10 @@ def kv_bytes_per_token(model: LoadedModel, *, full_precision: bool = False) -> i
 
 def sequence_bytes(model: LoadedModel, tokens: int, kv_per_token: int) -> int:
     """Bytes a sequence of ``tokens`` positions holds in ``model``'s caches: keys and values per
-    position, plus the fixed state of its recurrent layers, plus under a quantized cache's
-    ``start_after`` the full-precision copy it keeps of a sequence's first positions."""
+    position, plus the fixed state of its recurrent layers, plus the full-precision copy a
+    quantized cache keeps of some positions (``start_after``'s first, ``window``'s last)."""
     held = reserve_bytes(model.make_cache(), tokens, kv_per_token, _itemsize(model))
-    if model.kv_cache is not None and model.kv_cache.start_after > 0:
-        held += min(tokens, model.kv_cache.start_after) * kv_bytes_per_token(model, full_precision=True)
+    kept = model.kv_cache.full_precision_positions(tokens) if model.kv_cache is not None else 0
+    if kept > 0:
+        held += kept * kv_bytes_per_token(model, full_precision=True)
     return held

@@ -37,10 +37,11 @@ from mlxr_core.model.arch import (
 from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
+from mlxr_core.model.kv_storage import KVStorage, configure_kv_storage
 from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.paths import default_model_name, resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
-from mlxr_core.model.quantized_cache import KVQuantization, quantize_caches
+from mlxr_core.model.quantized_cache import quantize_caches
 from mlxr_core.model.tokenizer import Tokenizer
 from mlxr_core.model.vision import Vision, load_vision
 
@@ -76,7 +77,7 @@ class LoadedModel:
     #: How the architecture was chosen (:attr:`ArchChoice.reason`).
     arch_reason: str = ""
     #: Keys and values stored quantized (``models[].kv_cache``), or None for full precision.
-    kv_cache: KVQuantization | None = None
+    kv_cache: KVStorage | None = None
     #: The image processor, vision module and image tokens of a multimodal model, or None.
     vision: Vision | None = None
 
@@ -308,12 +309,13 @@ def build_model(
 
 
 def kv_quantization(
-    model_config: ModelConfig, model: nn.Module, chosen: ArchChoice, name: str
-) -> KVQuantization | None:
-    """``models[].kv_cache`` for a built model, or None when unset. Raises ConfigError, naming the
-    key, where the model cannot attend over a quantized cache: an architecture fallback's layers
-    (mlx-lm's own attention), attention layers that read their cache themselves (Gemma 4's shared
-    keys), a head size that is not a multiple of ``group_size``."""
+    model_config: ModelConfig, model: nn.Module, chosen: ArchChoice, name: str, registries: Registries
+) -> KVStorage | None:
+    """``models[].kv_cache`` for a built model (its method's storage), or None when unset. Raises
+    ConfigError, naming the key, where the model cannot attend over a cache stored otherwise: an
+    architecture fallback's layers (mlx-lm's own attention), attention layers that read their
+    cache themselves (Gemma 4's shared keys), a setting the method refuses for this model (a head
+    size that is not a multiple of ``group_size``)."""
     setting = model_config.kv_cache
     if setting is None:
         return None
@@ -325,14 +327,7 @@ def kv_quantization(
         why = f"the {chosen.arch.__class__.__name__} architecture's attention reads its cache itself"
     if why is not None:
         raise ConfigError(f"model {name}: models[].kv_cache cannot apply: {why}; remove it", field="models[].kv_cache")
-    head_dims = sorted({layer.head_dim for layer in layers})
-    if any(dim % setting.group_size for dim in head_dims):
-        raise ConfigError(
-            f"model {name}: models[].kv_cache.group_size {setting.group_size} does not divide the "
-            f"head size {', '.join(map(str, head_dims))}; pick one of 32, 64, 128 that does",
-            field="models[].kv_cache.group_size",
-        )
-    return KVQuantization(setting.bits, setting.group_size, setting.start_after)
+    return configure_kv_storage(setting, sorted({layer.head_dim for layer in layers}), registries, name)
 
 
 def load_model(
@@ -409,7 +404,7 @@ def load_model(
     vision = load_vision(checkpoint, arch, DTYPES[dtype])
     context_length = model_config.context_length or arch.context_length(config)
     name = model_config.name or default_model_name(path)
-    kv_cache = kv_quantization(model_config, model, chosen, name)
+    kv_cache = kv_quantization(model_config, model, chosen, name, registries)
     loaded = LoadedModel(
         name=name,
         model=model,

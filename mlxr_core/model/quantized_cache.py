@@ -21,19 +21,30 @@ rows right-aligned after left padding as in :class:`~mlxr_core.model.cache.Batch
 the cache protocol of :mod:`mlxr_core.model.cache`. Attention layers find them by
 :data:`QUANTIZED_CACHES` and call :meth:`BatchQuantizedKVCache.update_and_attend` instead of
 ``update_and_fetch`` and the attention kernel.
+
+This is the ``affine`` KV cache method (``models[].kv_cache.method``, registered by the
+``kv_caches`` plugin, see :mod:`mlxr_core.model.kv_storage`). :class:`PackedRows` is the part any
+per-position packed storage shares (rows of packed arrays joining, leaving, growing); other
+methods (``turboquant``) build on it.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from functools import partial
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import mlx.core as mx
 
+from mlxr_core.errors import ConfigError
 from mlxr_core.model.cache import CACHE_STEP, KVCache, RightAlignedRows
 from mlxr_core.model.masks import window_mask
+
+if TYPE_CHECKING:
+    from mlxr_core.config.schema import KVCacheConfig
+    from mlxr_core.model.kv_storage import KVStorage
 
 #: Packed arrays per position: keys' (words, scales, biases), then values'.
 PACKED = 6
@@ -53,6 +64,14 @@ class KVQuantization:
         a bias (``itemsize`` each) per group."""
         per_head = head_dim * self.bits // 8 + 2 * (head_dim // self.group_size) * itemsize
         return 2 * heads * per_head
+
+    def full_precision_positions(self, tokens: int) -> int:
+        """Positions of a ``tokens``-long sequence also held in full precision (``start_after``)."""
+        return min(tokens, self.start_after)
+
+    def make_cache(self, layer: int) -> QuantizedKVCache:
+        """A fresh cache for one sequence in attention layer ``layer`` (any: all are alike)."""
+        return QuantizedKVCache(self)
 
 
 def quantized_attention(
@@ -78,7 +97,17 @@ def quantized_attention(
     k_words, k_scales, k_biases = (part[:, :, None] for part in keys)
     v_words, v_scales, v_biases = (part[:, :, None] for part in values)
     scores = mx.quantized_matmul(q, k_words, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits)
-    S = scores.shape[-1]
+    probs = grouped_softmax(scores, mask, sinks)
+    out = mx.quantized_matmul(probs, v_words, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(B, Hq, L, -1)
+
+
+def grouped_softmax(scores: mx.array, mask: str | mx.array | None, sinks: mx.array | None) -> mx.array:
+    """Attention probabilities from grouped-query ``scores`` ``[B, Hkv, R, L, S]``: the kernel
+    contract's ``mask`` (``"causal"``, boolean or additive, ``[B | 1, Hq | 1, L | 1, S]``) and
+    ``sinks`` (one logit per query head), the softmax precise."""
+    _, Hkv, R, L, S = scores.shape
+    Hq = Hkv * R
     if isinstance(mask, str):
         mask = mx.arange(S - L, S)[:, None] >= mx.arange(S)[None, :]  # bottom-right causal
     if mask is not None:
@@ -93,19 +122,155 @@ def quantized_attention(
         probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
     else:
         probs = mx.softmax(scores, axis=-1, precise=True)
-    out = mx.quantized_matmul(probs, v_words, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits)
-    return out.reshape(B, Hq, L, -1)
+    return probs
 
 
-class BatchQuantizedKVCache(RightAlignedRows):
-    """Packed keys and values of one layer for a batch: ``arrays`` holds the keys' words, scales
-    and biases, then the values', each ``[B, H, capacity, *]``; ``full`` the full-precision keys
-    and values ``[B, H, capacity, D]`` while some row holds fewer than ``start_after`` positions.
+class PackedCache:
+    """A cache that stores keys and values its own way and attends over them itself: attention
+    layers call its ``update_and_attend(queries, keys, values, *, scale, mask, window, attention,
+    **extra)`` instead of ``update_and_fetch`` and their kernel (see :data:`QUANTIZED_CACHES`)."""
+
+    attends: ClassVar[bool] = True
+
+
+class PackedRows(PackedCache, RightAlignedRows):
+    """One layer's keys and values for a batch, stored per position: ``arrays`` (what
+    :meth:`encode` makes of the positions' keys and values) each ``[B, H, capacity, *]``, and
+    ``full``, full-precision keys and values in the same positions while a method keeps them.
     Rows are right-aligned as in :class:`~mlxr_core.model.cache.BatchKVCache`. A cache with no
     positions yet has no arrays (their shapes come with the first keys, or the rows it joins)."""
 
-    attends: ClassVar[bool] = True
     step: int = CACHE_STEP
+
+    def __init__(self, arrays: list[mx.array], full: list[mx.array] | None, left_padding: list[int], length: int):
+        self.arrays = arrays
+        self.full = full
+        self.left_padding = left_padding
+        self.length = length
+        self._offset: mx.array | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.arrays[0].shape[2] if self.arrays else 0
+
+    @property
+    def aligned(self) -> list[mx.array]:
+        """The arrays indexed by position (capacity long): ``arrays``, then ``full`` if kept."""
+        return [*self.arrays, *(self.full or [])]
+
+    @property
+    def state(self) -> list[mx.array]:
+        return self.aligned
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.state)
+
+    def row_lengths(self) -> list[int]:
+        return [self.length - pad for pad in self.left_padding]
+
+    def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
+        """The packed arrays of ``[B, H, L, D]`` keys and values, each ``[B, H, L, *]``."""
+        raise NotImplementedError
+
+    def single(self) -> Any:
+        """An empty single-sequence cache of this kind (what :meth:`extract` fills)."""
+        raise NotImplementedError
+
+    def keeps_full(self) -> bool:
+        """Whether the rows still need their full-precision copy (``full``)."""
+        return False
+
+    def _rebuild_full(self) -> None:
+        raise NotImplementedError
+
+    def write(self, keys: mx.array, values: mx.array) -> int:
+        """Encode ``keys``/``values`` (``[B, H, L, D]``, the next ``L`` positions of every row)
+        into the arrays (and ``full`` while kept); returns the first new position."""
+        L = keys.shape[2]
+        if not self.arrays:
+            self._allocate(keys, values)
+        if self.length + L > self.capacity:
+            self._reserve(self.length + L)
+        start = self.length
+        self.length += L
+        self._offset = None
+        for array, part in zip(self.arrays, self.encode(keys, values), strict=True):
+            array[:, :, start : self.length] = part
+        if self.full is not None:
+            self.full[0][:, :, start : self.length] = keys
+            self.full[1][:, :, start : self.length] = values
+        return start
+
+    def _allocate(self, keys: mx.array, values: mx.array) -> None:
+        """Zero-length arrays shaped for ``keys``/``values`` (a cache that had none)."""
+        B = keys.shape[0]
+        if self.length == 0 and len(self.left_padding) != B:
+            self.left_padding = [0] * B
+        empty = self.encode(keys[:, :, :0], values[:, :, :0])
+        self.arrays = [mx.zeros((B, *a.shape[1:]), dtype=a.dtype) for a in empty]
+
+    def _reserve(self, needed: int) -> None:
+        grow = -(-needed // self.step) * self.step - self.capacity
+        if grow > 0:
+            self.arrays = [_pad_positions(a, right=grow) for a in self.arrays]
+            if self.full is not None:
+                self.full = [_pad_positions(a, right=grow) for a in self.full]
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only the rows in ``keep`` (in that order), dropping padding no row needs."""
+        index = mx.array(keep)
+        self.left_padding = [self.left_padding[i] for i in keep]
+        shift = min(self.left_padding) if self.left_padding else 0
+        self.arrays = [a[index, :, shift:] for a in self.arrays]
+        if self.full is not None:
+            self.full = [a[index, :, shift:] for a in self.full]
+            if not self.keeps_full():
+                self.full = None
+        self.left_padding = [pad - shift for pad in self.left_padding]
+        self.length -= shift
+        self._offset = None
+
+    def extend(self, other: PackedRows) -> None:
+        """Append ``other``'s rows, aligning both sides' ends."""
+        for empty, shaped in ((self, other), (other, self)):
+            if not empty.arrays and shaped.arrays:
+                empty.arrays = [mx.zeros((empty.batch_size, *a.shape[1:2], 0, *a.shape[3:]), a.dtype) for a in shaped.arrays]
+        if (self.full is None) != (other.full is None) and self.arrays:
+            for side in (self, other):  # rows that hold N positions need no copy: zeros
+                if side.full is None:
+                    side._rebuild_full()
+        length = max(self.length, other.length)
+        capacity = max(self.capacity + length - self.length, other.capacity + length - other.length)
+        sides = []
+        for cache in (self, other):
+            before = length - cache.length
+            after = capacity - before - cache.capacity
+            sides.append([_pad_positions(a, left=before, right=after) for a in cache.aligned])
+        state = [mx.concatenate([mine, theirs], axis=0) for mine, theirs in zip(*sides, strict=True)]
+        packed = len(self.arrays)
+        self.arrays, self.full = state[:packed], state[packed:] or None
+        self.left_padding = [pad + length - self.length for pad in self.left_padding] + [
+            pad + length - other.length for pad in other.left_padding
+        ]
+        self.length = length
+        self._offset = None
+
+    def extract(self, row: int) -> Any:
+        """Row ``row`` as a single-sequence cache without its padding."""
+        start = self.left_padding[row]
+        cache = self.single()
+        arrays = [a[row : row + 1, :, start : self.length] for a in self.aligned]
+        if arrays:
+            cache.restore(tuple(arrays), self.length - start)
+        return cache
+
+
+class BatchQuantizedKVCache(PackedRows):
+    """Affine-quantized keys and values of one layer for a batch: ``arrays`` holds the keys'
+    words, scales and biases, then the values', each ``[B, H, capacity, *]``; ``full`` the
+    full-precision keys and values ``[B, H, capacity, D]`` while some row holds fewer than
+    ``start_after`` positions (see :class:`PackedRows`)."""
 
     def __init__(
         self,
@@ -115,31 +280,22 @@ class BatchQuantizedKVCache(RightAlignedRows):
         left_padding: list[int],
         length: int,
     ):
+        super().__init__(arrays, full, left_padding, length)
         self.spec = spec
-        self.arrays = arrays
-        self.full = full
-        self.left_padding = left_padding
-        self.length = length
-        self._offset: mx.array | None = None
 
     @classmethod
     def empty(cls, spec: KVQuantization, rows: int = 1) -> BatchQuantizedKVCache:
         return cls(spec, [], None, [0] * rows, 0)
 
-    @property
-    def capacity(self) -> int:
-        return self.arrays[0].shape[2] if self.arrays else 0
+    def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
+        quantize = partial(mx.quantize, group_size=self.spec.group_size, bits=self.spec.bits)
+        return [*quantize(keys), *quantize(values)]
 
-    @property
-    def state(self) -> list[mx.array]:
-        return [*self.arrays, *(self.full or [])]
+    def single(self) -> QuantizedKVCache:
+        return QuantizedKVCache(self.spec)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(array.nbytes for array in self.state)
-
-    def row_lengths(self) -> list[int]:
-        return [self.length - pad for pad in self.left_padding]
+    def keeps_full(self) -> bool:
+        return min(self.row_lengths(), default=0) < self.spec.start_after
 
     def update_and_attend(
         self,
@@ -165,15 +321,7 @@ class BatchQuantizedKVCache(RightAlignedRows):
             self._reserve(self.length + L)
         if N > 0 and min(before) < N and self.full is None:
             self._rebuild_full()
-        start = self.length
-        self.length += L
-        self._offset = None
-        new = [*self._quantize(keys), *self._quantize(values)]
-        for array, part in zip(self.arrays, new, strict=True):
-            array[:, :, start : self.length] = part
-        if self.full is not None:
-            self.full[0][:, :, start : self.length] = keys
-            self.full[1][:, :, start : self.length] = values
+        self.write(keys, values)
 
         S = self.length
         if window is not None:
@@ -205,24 +353,6 @@ class BatchQuantizedKVCache(RightAlignedRows):
         assert out is not None
         return out
 
-    def _quantize(self, x: mx.array) -> list[mx.array]:
-        return list(mx.quantize(x, group_size=self.spec.group_size, bits=self.spec.bits))
-
-    def _allocate(self, keys: mx.array, values: mx.array) -> None:
-        """Zero-length arrays shaped for ``keys``/``values`` (a cache that had none)."""
-        B = keys.shape[0]
-        if self.length == 0 and len(self.left_padding) != B:
-            self.left_padding = [0] * B
-        empty = [*self._quantize(keys[:, :, :0]), *self._quantize(values[:, :, :0])]
-        self.arrays = [mx.zeros((B, *a.shape[1:]), dtype=a.dtype) for a in empty]
-
-    def _reserve(self, needed: int) -> None:
-        grow = -(-needed // self.step) * self.step - self.capacity
-        if grow > 0:
-            self.arrays = [_pad_positions(a, right=grow) for a in self.arrays]
-            if self.full is not None:
-                self.full = [_pad_positions(a, right=grow) for a in self.full]
-
     def _rebuild_full(self) -> None:
         """The full-precision copy from the packed positions (see the module: only where it was
         dropped and is needed again)."""
@@ -234,64 +364,14 @@ class BatchQuantizedKVCache(RightAlignedRows):
             for words, scales, biases in (self.arrays[:3], self.arrays[3:])
         ]
 
-    def filter(self, keep: list[int]) -> None:
-        """Keep only the rows in ``keep`` (in that order), dropping padding no row needs."""
-        index = mx.array(keep)
-        self.left_padding = [self.left_padding[i] for i in keep]
-        shift = min(self.left_padding) if self.left_padding else 0
-        self.arrays = [a[index, :, shift:] for a in self.arrays]
-        if self.full is not None:
-            self.full = [a[index, :, shift:] for a in self.full]
-            if min(self.row_lengths(), default=0) >= self.spec.start_after:
-                self.full = None
-        self.left_padding = [pad - shift for pad in self.left_padding]
-        self.length -= shift
-        self._offset = None
+class PackedSequence(PackedCache):
+    """One sequence's cache over a one-row :class:`PackedRows` (no padding), which
+    :meth:`to_batch` hands over as is; a method's class adds ``snapshot`` and ``restore``."""
 
-    def extend(self, other: BatchQuantizedKVCache) -> None:
-        """Append ``other``'s rows, aligning both sides' ends."""
-        for empty, shaped in ((self, other), (other, self)):
-            if not empty.arrays and shaped.arrays:
-                empty.arrays = [mx.zeros((empty.batch_size, *a.shape[1:2], 0, *a.shape[3:]), a.dtype) for a in shaped.arrays]
-        if (self.full is None) != (other.full is None) and self.arrays:
-            for side in (self, other):  # rows that hold N positions need no copy: zeros
-                if side.full is None:
-                    side._rebuild_full()
-        length = max(self.length, other.length)
-        capacity = max(self.capacity + length - self.length, other.capacity + length - other.length)
-        sides = []
-        for cache in (self, other):
-            before = length - cache.length
-            after = capacity - before - cache.capacity
-            sides.append([_pad_positions(a, left=before, right=after) for a in cache.state])
-        state = [mx.concatenate([mine, theirs], axis=0) for mine, theirs in zip(*sides, strict=True)]
-        self.arrays, self.full = state[:PACKED], state[PACKED:] or None
-        self.left_padding = [pad + length - self.length for pad in self.left_padding] + [
-            pad + length - other.length for pad in other.left_padding
-        ]
-        self.length = length
-        self._offset = None
-
-    def extract(self, row: int) -> QuantizedKVCache:
-        """Row ``row`` as a single-sequence cache without its padding."""
-        start = self.left_padding[row]
-        cache = QuantizedKVCache(self.spec)
-        arrays = [a[row : row + 1, :, start : self.length] for a in self.state]
-        if arrays:
-            cache.restore(tuple(arrays), self.length - start)
-        return cache
-
-
-class QuantizedKVCache:
-    """One sequence's packed keys and values: a one-row :class:`BatchQuantizedKVCache` (no
-    padding), which :meth:`to_batch` hands over as is. See the module for ``start_after``."""
-
-    attends: ClassVar[bool] = True
     partial_reuse: ClassVar[bool] = True
 
-    def __init__(self, spec: KVQuantization):
-        self.spec = spec
-        self.rows = BatchQuantizedKVCache.empty(spec)
+    def __init__(self, rows: PackedRows):
+        self.rows = rows
 
     @property
     def offset(self) -> int:
@@ -301,8 +381,9 @@ class QuantizedKVCache:
         return self.rows.length
 
     def update_and_attend(self, queries: mx.array, keys: mx.array, values: mx.array, **kwargs: Any) -> mx.array:
-        """See :meth:`BatchQuantizedKVCache.update_and_attend`."""
-        return self.rows.update_and_attend(queries, keys, values, **kwargs)
+        """See the rows' ``update_and_attend``."""
+        out: mx.array = self.rows.update_and_attend(queries, keys, values, **kwargs)  # type: ignore[attr-defined]
+        return out
 
     @property
     def state(self) -> list[mx.array]:
@@ -321,8 +402,22 @@ class QuantizedKVCache:
         self.rows.length -= n
         return n
 
-    def to_batch(self) -> BatchQuantizedKVCache:
+    def to_batch(self) -> PackedRows:
         return self.rows
+
+    def reserve_bytes(self, tokens: int, itemsize: int) -> int:
+        return 0  # counted from the model's head shapes (see kv_bytes_per_token)
+
+
+class QuantizedKVCache(PackedSequence):
+    """One sequence's packed keys and values: a one-row :class:`BatchQuantizedKVCache` (no
+    padding), which :meth:`to_batch` hands over as is. See the module for ``start_after``."""
+
+    rows: BatchQuantizedKVCache
+
+    def __init__(self, spec: KVQuantization):
+        super().__init__(BatchQuantizedKVCache.empty(spec))
+        self.spec = spec
 
     def snapshot(self) -> tuple[mx.array, ...]:
         # Copies: the running request goes on writing its arrays in place.
@@ -343,18 +438,36 @@ class QuantizedKVCache:
         rows._reserve(length)
         rows._offset = None
 
-    def reserve_bytes(self, tokens: int, itemsize: int) -> int:
-        return 0  # counted from the model's head shapes (see kv_bytes_per_token)
-
 
 #: The caches an attention layer calls ``update_and_attend`` on (an ``isinstance`` target).
-QUANTIZED_CACHES = (QuantizedKVCache, BatchQuantizedKVCache)
+QUANTIZED_CACHES = (PackedCache,)
 
 
-def quantize_caches(caches: list[Any], spec: KVQuantization) -> list[Any]:
-    """``caches`` (a fresh ``make_cache()``) with each full-attention :class:`KVCache` replaced by a
-    :class:`QuantizedKVCache`; recurrent states and other kinds are kept."""
-    return [QuantizedKVCache(spec) if type(cache) is KVCache else cache for cache in caches]
+def quantize_caches(caches: list[Any], storage: KVStorage) -> list[Any]:
+    """``caches`` (a fresh ``make_cache()``) with each full-attention :class:`KVCache` replaced by
+    ``storage``'s cache for that layer (:class:`QuantizedKVCache` for a :class:`KVQuantization`);
+    recurrent states and other kinds are kept."""
+    return [storage.make_cache(layer) if type(cache) is KVCache else cache for layer, cache in enumerate(caches)]
+
+
+class AffineMethod:
+    """The ``affine`` KV cache method (:mod:`mlxr_core.model.kv_storage`): this module's caches."""
+
+    def problems(self, setting: KVCacheConfig) -> list[tuple[str, str]]:
+        if setting.bits not in (8, 4):
+            return [("bits", f"the affine method takes 8 or 4, got {setting.bits}")]
+        if setting.window:
+            return [("window", "the affine method keeps no recent-token window; use start_after, or remove it")]
+        return []
+
+    def configure(self, setting: KVCacheConfig, head_dims: list[int]) -> KVQuantization:
+        if any(dim % setting.group_size for dim in head_dims):
+            raise ConfigError(
+                f"models[].kv_cache.group_size {setting.group_size} does not divide the head size "
+                f"{', '.join(map(str, head_dims))}; pick one of 32, 64, 128 that does",
+                field="models[].kv_cache.group_size",
+            )
+        return KVQuantization(setting.bits, setting.group_size, setting.start_after)
 
 
 def _pad_positions(array: mx.array, *, left: int = 0, right: int = 0) -> mx.array:

@@ -25,7 +25,12 @@ PROMPTS = [
     [7],
 ]
 SYSTEM = [(i * 13) % 250 + 3 for i in range(40)]
-SETTINGS = [KVCacheConfig(bits=8, group_size=32), KVCacheConfig(bits=4, group_size=32, start_after=10)]
+SETTINGS = [
+    KVCacheConfig(bits=8, group_size=32),
+    KVCacheConfig(bits=4, group_size=32, start_after=10),
+    KVCacheConfig(method="turboquant", bits=3, window=4),
+]
+IDS = ["8bit", "4bit-start10", "turboquant3-window4"]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +71,7 @@ def solo_runs(tiny_path, kv_cache, prompts):
         eng.stop()
 
 
-@pytest.mark.parametrize("kv_cache", SETTINGS, ids=["8bit", "4bit-start10"])
+@pytest.mark.parametrize("kv_cache", SETTINGS, ids=IDS)
 def test_concurrent_streams_equal_solo_streams_with_the_same_kv_cache(tiny_path, kv_cache):
     expected = solo_runs(tiny_path, kv_cache, PROMPTS)
     assert expected != solo_runs(tiny_path, None, PROMPTS) or kv_cache.bits == 8  # 4-bit does change tokens
@@ -77,7 +82,7 @@ def test_concurrent_streams_equal_solo_streams_with_the_same_kv_cache(tiny_path,
         eng.stop()
 
 
-@pytest.mark.parametrize("kv_cache", SETTINGS, ids=["8bit", "4bit-start10"])
+@pytest.mark.parametrize("kv_cache", SETTINGS, ids=IDS)
 def test_a_prefix_cache_hit_changes_nothing(tiny_path, kv_cache):
     prompts = [[*SYSTEM, 5, 6, 7], [*SYSTEM, 9, 9, 9, 9]]
     expected = solo_runs(tiny_path, kv_cache, prompts)
@@ -90,8 +95,8 @@ def test_a_prefix_cache_hit_changes_nothing(tiny_path, kv_cache):
     assert stats["hits"] == 1 and stats["reused_tokens"] == len(SYSTEM)
 
 
-def test_a_drafting_decoder_over_a_quantized_cache_gives_plain_greedy_tokens(tiny_path):
-    kv_cache = SETTINGS[1]
+@pytest.mark.parametrize("kv_cache", SETTINGS[1:], ids=IDS[1:])
+def test_a_drafting_decoder_over_a_quantized_cache_gives_plain_greedy_tokens(tiny_path, kv_cache):
     prompt = [*SYSTEM[:12], *SYSTEM[:12], *SYSTEM[:6]]  # repeats for prompt lookup to draft from
     expected = solo_runs(tiny_path, kv_cache, [prompt])
     eng = start(tiny_path, kv_cache, decoder="prompt_lookup", prefix_cache=PrefixCacheConfig(enabled=False))
@@ -104,7 +109,8 @@ def test_a_drafting_decoder_over_a_quantized_cache_gives_plain_greedy_tokens(tin
 def test_the_kv_budget_counts_packed_bytes(tiny_path):
     per_token = {}
     for name, kv_cache in [("full", None), ("8", KVCacheConfig(bits=8, group_size=32)),
-                           ("4", KVCacheConfig(bits=4, group_size=32))]:  # fmt: skip
+                           ("4", KVCacheConfig(bits=4, group_size=32)),
+                           ("turboquant3", KVCacheConfig(method="turboquant", bits=3))]:  # fmt: skip
         eng = start(tiny_path, kv_cache)
         try:
             per_token[name] = eng._kv_bytes_per_token["tiny"]
@@ -114,6 +120,9 @@ def test_the_kv_budget_counts_packed_bytes(tiny_path):
     # precision; 8-bit: 32 + a 4-byte scale and bias; 4-bit: 16 + 8
     assert per_token["8"] / per_token["full"] == pytest.approx(40 / 128)
     assert per_token["4"] / per_token["full"] == pytest.approx(24 / 128)
+    # turboquant 3 bits, a key and a value together against 256 bytes: 2-bit key codes (8 bytes),
+    # sign bits (4), two float16 norms; 3-bit value codes (12) and a norm
+    assert per_token["turboquant3"] / per_token["full"] == pytest.approx(30 / 256)
 
 
 def test_a_group_size_that_does_not_divide_the_head_size_is_refused(tiny_path):
