@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mlxr_core.engine.request import Constraint
+from mlxr_core.engine.request import Constraint, PromptImage
 from mlxr_core.errors import RequestError
 from mlxr_core.parsing import (
     ChannelParser,
@@ -291,7 +292,7 @@ def prepare_chat(
     parallel: bool = True,
     prefill: str = "",
     template_kwargs: dict[str, Any] | None = None,
-    images: bool = False,
+    images: Sequence[PromptImage] = (),
 ) -> ChatSetup:
     """Render and tokenize a conversation (call it in a worker thread: templating is slow).
 
@@ -299,8 +300,9 @@ def prepare_chat(
     ``template_kwargs`` are the request's template variables (``chat_template_kwargs``, e.g.
     ``enable_thinking``), over the model's (``parsers.template_kwargs``); the names the
     rendering sets itself (``messages``, ``tools``, ``add_generation_prompt``) are refused.
-    With ``images`` (messages hold ``{"type": "image"}`` parts), each image marker the template
-    writes becomes the model's image tokens (:meth:`~mlxr_core.model.vision.ImageTokens.expand`).
+    With ``images`` (the request's, loaded, in the order of the messages' ``{"type": "image"}``
+    parts), each image marker the template writes becomes that image's tokens
+    (:meth:`~mlxr_core.model.vision.ImageTokens.expand`).
     """
     tools = list(tools or [])
     choice = choice or ToolChoice()
@@ -319,7 +321,7 @@ def prepare_chat(
         messages = _inline_tools(messages, shown, parsers.tool)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) + prefill
     if images and info.image_tokens is not None:
-        prompt = info.image_tokens.expand(prompt)
+        prompt = info.image_tokens.expand(prompt, [info.image_tokens.tokens_for(image.pixels) for image in images])
     info.check_prompt_text(prompt)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     bos = tokenizer.bos_token_id

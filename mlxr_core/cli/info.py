@@ -67,6 +67,7 @@ def describe_model(
     from mlxr_core.model.cache import reserve_bytes
     from mlxr_core.model.layers.moe import active_share
     from mlxr_core.model.loader import (
+        DTYPES,
         build_model,
         check_config,
         choose_arch,
@@ -116,6 +117,7 @@ def describe_model(
     state = reserve_bytes(caches, 0, 0, itemsize)  # recurrent layers' fixed state per sequence
     context = context or arch.context_length(config)
     return {
+        **_vision_facts(checkpoint, arch, DTYPES[dtype]),
         "path": str(path),
         "format": format_name,
         "architecture": config.get("model_type"),
@@ -137,6 +139,26 @@ def describe_model(
         "kv_bytes_at_context": kv_per_token * context + state,
         "memory_at_context_bytes": int(resident) + kv_per_token * context + state,
     }
+
+
+def _vision_facts(checkpoint: Any, arch: Any, dtype: Any) -> dict[str, Any]:
+    """The vision side's parameters and bytes and how many tokens an image takes (None: it
+    follows the image's size), under ``vision``; nothing for a text-only model."""
+    from mlx.utils import tree_flatten
+
+    from mlxr_core.model.vision import load_vision
+
+    vision = load_vision(checkpoint, arch, dtype)
+    if vision is None:
+        return {}
+    flat: list[tuple[str, Any]] = tree_flatten(vision.module.parameters())  # type: ignore[assignment]
+    tokens = vision.tokens
+    return {"vision": {
+        "parameters": sum(array.size for _, array in flat),
+        "resident_bytes": sum(array.nbytes for _, array in flat),
+        "tokens_per_image": tokens.tokens_per_image if tokens.grid is None else None,
+        "image_token_id": tokens.image_token_id,
+    }}  # fmt: skip
 
 
 def _size(n: float) -> str:
@@ -172,6 +194,12 @@ def run(args: argparse.Namespace) -> int:
     for outcome, count in facts["quantization"].items():
         print(f"  {outcome}: {count}", file=out)
     print(f"resident:     {_size(facts['resident_bytes'])}", file=out)
+    if "vision" in facts:
+        vision = facts["vision"]
+        per_image = vision["tokens_per_image"]
+        tokens = f"{per_image} tokens per image" if per_image else "tokens per image from its size"
+        print(f"vision:       {vision['parameters']:,} parameters ({_size(vision['resident_bytes'])}), {tokens}",
+              file=out)  # fmt: skip
     print(f"KV cache:     {_size(facts['kv_bytes_per_token'])} per token", file=out)
     if facts["recurrent_layers"]:
         print(

@@ -123,6 +123,8 @@ class BatchRunner:
         self.caches: list[BatchLayerCache] | None = None
         self.tokens: mx.array | None = None  # [B]: each row's next input (and, unless fresh, output)
         self.fresh: list[bool] = []  # row's token is its last prompt token, not a generated one
+        #: Per row, what its rotary position adds to its cache position (M-RoPE after images).
+        self.shifts: list[int] = []
         #: Per row, the (lazy) logprob arrays of its token in ``tokens``, for rows that asked.
         self.logprobs: list[tuple[mx.array, ...] | None] = []
 
@@ -186,7 +188,7 @@ class BatchRunner:
         for seq in (*self.prefilling, *self.running):
             seq.handle._emit(Failed(error))
         self.prefilling.clear()
-        self.running, self.fresh, self.logprobs = [], [], []
+        self.running, self.fresh, self.logprobs, self.shifts = [], [], [], []
         self.caches, self.tokens = None, None
 
     def _drop_cancelled_prefills(self) -> None:
@@ -208,9 +210,12 @@ class BatchRunner:
                 stop = images.chunk_end(start, stop)
             ids = mx.array(seq.prompt[start:stop], dtype=mx.int32)[None]
             pixels = images.within(start, stop) if images is not None else []
-            if pixels and self.model.vision is not None:
+            rotary = images.positions if images is not None else None
+            if (pixels or rotary is not None) and self.model.vision is not None:
                 vision = self.model.vision
-                logits_with_images(self.model.model, ids, vision.encode(pixels), vision.tokens, seq.cache, start)
+                encoded = vision.encode(pixels) if pixels else None
+                positions = mx.array(rotary[:, None, start:stop]) if rotary is not None else None
+                logits_with_images(self.model.model, ids, encoded, vision.tokens, seq.cache, start, positions)
             else:
                 self.model.model(ids, cache=seq.cache)
             mx.eval([array for cache in seq.cache for array in cache.state])
@@ -252,6 +257,7 @@ class BatchRunner:
         self.running.append(seq)
         self.fresh.append(True)
         self.logprobs.append(None)
+        self.shifts.append(seq.images.shift if seq.images is not None else 0)
 
     def _decode(self) -> None:
         assert self.caches is not None and self.tokens is not None
@@ -272,7 +278,8 @@ class BatchRunner:
                     except Exception as exc:
                         failed[row] = exc
         mask = batch_mask(caches)
-        logits = self.model.decode(tokens, caches, mask)
+        shift = mx.array(self.shifts) if any(self.shifts) else None
+        logits = self.model.decode(tokens, caches, mask, shift)
         following = self._sample(logits, failed)
         following_logprobs = self._logprobs(logits, following)
         mx.async_eval(following, *[a for lp in following_logprobs if lp is not None for a in lp])
@@ -311,10 +318,11 @@ class BatchRunner:
             return
         if not keep:
             self.running, self.fresh, self.caches, self.tokens = [], [], None, None
-            self.logprobs = []
+            self.logprobs, self.shifts = [], []
             return
         self.running = [self.running[i] for i in keep]
         self.fresh = [self.fresh[i] for i in keep]
+        self.shifts = [self.shifts[i] for i in keep]
         self.logprobs = [following_logprobs[i] for i in keep]
         for cache in caches:
             cache.filter(keep)

@@ -24,6 +24,7 @@ from mlxr_core.engine.embedding import Embeddings, check_pooling
 from mlxr_core.engine.jobs import EngineJob, refuse_jobs
 from mlxr_core.engine.request import (
     GenerationRequest,
+    PromptImage,
     RequestHandle,
 )
 from mlxr_core.engine.scoring import Scores
@@ -190,17 +191,18 @@ class Engine:
         return info.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def encode_chat(
-        self, model: str, messages: list[dict[str, Any]], *, images: bool = False, **template_kwargs: Any
+        self, model: str, messages: list[dict[str, Any]], *, images: Sequence[PromptImage] = (), **template_kwargs: Any
     ) -> list[int]:
         """Render ``messages`` with the model's chat template and tokenize the result; with
-        ``images``, the image markers the template writes become the model's image tokens."""
+        ``images`` (the request's, loaded, in order), the image markers the template writes
+        become those images' tokens."""
         info = self.model(model)
         tokenizer = info.tokenizer
         prompt = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, **template_kwargs
         )
         if images and info.image_tokens is not None:
-            prompt = info.image_tokens.expand(prompt)
+            prompt = info.image_tokens.expand(prompt, [info.image_tokens.tokens_for(image.pixels) for image in images])
         info.check_prompt_text(prompt)
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         # Most templates write BOS themselves; add it for a model that wants one when they don't.

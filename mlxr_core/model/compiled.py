@@ -114,9 +114,14 @@ class ResidualFusingModel(DecodeModel, Protocol):
         ...
 
 
-def eager_step(model: nn.Module, tokens: mx.array, caches: list[Any], mask: mx.array | None = None) -> mx.array:
-    """One decode step through the module's forward pass: ``[B]`` tokens -> ``[B, vocab]`` logits."""
-    logits: mx.array = model(tokens[:, None], cache=caches, mask=mask)[:, -1, :]
+def eager_step(
+    model: nn.Module, tokens: mx.array, caches: list[Any], mask: mx.array | None = None, shift: mx.array | None = None
+) -> mx.array:
+    """One decode step through the module's forward pass: ``[B]`` tokens -> ``[B, vocab]`` logits.
+    ``shift`` (``[B]``) moves each row's rotary position from its cache position (M-RoPE's
+    delta after images, :mod:`mlxr_core.model.layers.mrope`)."""
+    at = {} if shift is None else {"positions": caches[0].offset + shift}
+    logits: mx.array = model(tokens[:, None], cache=caches, mask=mask, **at)[:, -1, :]
     return logits
 
 
@@ -204,8 +209,10 @@ class CompiledDecode:
         self._between = [mx.compile(between(a, b)) for a, b in itertools.pairwise(self.layers)]
         self._leave = mx.compile(leave)
 
-    def __call__(self, tokens: mx.array, caches: list[Any], mask: mx.array | None = None) -> mx.array:
-        offset = caches[0].offset
+    def __call__(
+        self, tokens: mx.array, caches: list[Any], mask: mx.array | None = None, shift: mx.array | None = None
+    ) -> mx.array:
+        offset = caches[0].offset if shift is None else caches[0].offset + shift
         if not isinstance(offset, mx.array):
             offset = mx.array(offset, dtype=mx.int32)
         h, queries, keys, values = self._enter(tokens, offset)

@@ -85,12 +85,16 @@ class LoadedModel:
         caches = self.arch.make_cache(self.model)
         return caches if self.kv_cache is None else quantize_caches(caches, self.kv_cache)
 
-    def decode(self, tokens: mx.array, caches: list[Any], mask: mx.array | None = None) -> mx.array:
+    def decode(
+        self, tokens: mx.array, caches: list[Any], mask: mx.array | None = None, shift: mx.array | None = None
+    ) -> mx.array:
         """One decode step: ``[B]`` tokens, each the next of its row in ``caches`` (advanced in
-        place) -> ``[B, vocab]`` logits; compiled when :attr:`compiled_decode` is set."""
+        place) -> ``[B, vocab]`` logits; compiled when :attr:`compiled_decode` is set. ``shift``
+        (``[B]``, or None for none) is what each row's rotary position adds to its cache position
+        (M-RoPE's delta after images)."""
         if self.compiled_decode is not None:
-            return self.compiled_decode(tokens, caches, mask)
-        return eager_step(self.model, tokens, caches, mask)
+            return self.compiled_decode(tokens, caches, mask, shift)
+        return eager_step(self.model, tokens, caches, mask, shift)
 
     @property
     def nbytes(self) -> int:

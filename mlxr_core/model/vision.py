@@ -6,18 +6,24 @@ text-only checkpoint of that family). The vision side is a module of its own, bu
 beside the text model from the same checkpoint, so the text graph (its compiled decode step,
 fusing, quantization) stays as it is. One image goes through three steps:
 
-1. ``processor(pil_image) -> [C, H, W]`` float32 pixels (Pillow and numpy: no MLX, no torch), on
-   any thread;
-2. ``module(pixels [N, H, W, C]) -> [N, tokens_per_image, hidden]`` (tower and projector), on the
-   engine thread;
+1. ``processor(pil_image) -> pixels``, a float32 array in the family's layout (Gemma 3:
+   ``[C, H, W]``; Qwen2.5-VL: its patches grouped by grid, whose shape gives the image's size),
+   with Pillow and numpy only (no MLX, no torch), on any thread;
+2. ``module(pixels [N, *shape]) -> [N, tokens, hidden]`` (tower and projector; images of one
+   shape together), on the engine thread;
 3. :func:`merge_embeddings` puts those rows at the prompt's image tokens (:class:`ImageTokens`),
    and the text model runs from the merged embeddings under :func:`image_prefill_mask`.
+
+An image's number of tokens is fixed (Gemma 3: 256) or follows from its size
+(:attr:`ImageTokens.grid`: Qwen2.5-VL's dynamic resolution); in the second case the language
+model also places the image's tokens on a grid of rotary positions (M-RoPE,
+:mod:`mlxr_core.model.layers.mrope`).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
@@ -39,7 +45,7 @@ class ImageProcessor(Protocol):
     """One image -> the pixel values its vision tower takes."""
 
     def __call__(self, image: Image.Image) -> np.ndarray:
-        """``[C, H, W]`` float32, resized, rescaled and normalized as the family does."""
+        """float32 pixels in the family's layout, resized, rescaled and normalized as it does."""
         ...
 
 
@@ -48,26 +54,54 @@ class ImageTokens:
     """Where one image's embeddings go in a prompt.
 
     A chat template writes :attr:`marker` once per image; before tokenizing, each marker becomes
-    :attr:`prompt_text` (:meth:`expand`), which holds :attr:`tokens_per_image` copies of the token
-    :attr:`image_token_id`; the image's embeddings replace those positions' embeddings, in order.
+    :attr:`before`, the image's run of :attr:`token_text` (one :attr:`image_token_id` each), then
+    :attr:`after` (:meth:`expand`); the image's embeddings replace those positions' embeddings,
+    in order. A run is :attr:`tokens_per_image` long, or where :attr:`grid` is set, as long as
+    the image's grid of tokens.
     """
 
     image_token_id: int
     tokens_per_image: int
     #: What a chat template writes per image (Gemma 3: ``<start_of_image>``).
     marker: str
-    #: What a marker becomes (Gemma 3: ``\\n\\n<start_of_image>`` + 256 soft tokens + ``<end_of_image>\\n\\n``).
-    prompt_text: str
+    #: The text of one image token (Gemma 3: ``<image_soft_token>``).
+    token_text: str
+    #: What comes before and after an image's tokens (Gemma 3: ``\n\n<start_of_image>`` and
+    #: ``<end_of_image>\n\n``).
+    before: str = ""
+    after: str = ""
     #: Whether an image's tokens attend to each other both ways during prefill (Gemma 3: yes).
     bidirectional: bool = False
+    #: A processed image's ``(t, h, w)`` grid of tokens, where their count follows from the
+    #: image's size and the language model takes M-RoPE positions (Qwen2.5-VL); None: a fixed
+    #: :attr:`tokens_per_image` and ordinary positions.
+    grid: Callable[[np.ndarray], tuple[int, int, int]] | None = None
 
-    def expand(self, text: str) -> str:
-        """``text`` with every :attr:`marker` replaced by :attr:`prompt_text`."""
-        return text.replace(self.marker, self.prompt_text)
+    def tokens_for(self, pixels: np.ndarray) -> int:
+        """The image tokens of one processed image."""
+        if self.grid is None:
+            return self.tokens_per_image
+        t, h, w = self.grid(pixels)
+        return t * h * w
+
+    def expand(self, text: str, counts: Sequence[int] | None = None) -> str:
+        """``text`` with every :attr:`marker` replaced by its image's tokens: ``counts[k]`` for
+        the ``k``-th (RequestError when the markers and counts differ in number), or
+        :attr:`tokens_per_image` each without ``counts``."""
+        parts = text.split(self.marker)
+        if counts is None:
+            counts = [self.tokens_per_image] * (len(parts) - 1)
+        if len(counts) != len(parts) - 1:
+            raise RequestError(
+                f"the prompt renders {len(parts) - 1} images for the {len(counts)} images sent; write "
+                "each image once, as an image part of a message", field="messages",
+            )  # fmt: skip
+        runs = [self.before + self.token_text * count + self.after for count in counts]
+        return "".join(part + run for part, run in zip(parts, [*runs, ""], strict=True))
 
     def count(self, ids: Sequence[int]) -> int:
-        """Images a tokenized prompt holds room for; raises RequestError when a run of image
-        tokens is not a whole number of images."""
+        """Images a tokenized prompt holds room for, at :attr:`tokens_per_image` each; raises
+        RequestError when a run of image tokens is not a whole number of images."""
         positions = int(np.sum(np.asarray(ids) == self.image_token_id))
         if positions % self.tokens_per_image:
             raise RequestError(
@@ -81,7 +115,8 @@ class VisionArchitecture(Protocol):
     and the tokens its output replaces. Returned by :meth:`ProvidesVision.vision`."""
 
     def build(self, config: dict[str, Any]) -> nn.Module:
-        """The tower and projector: ``module(pixels [N, H, W, C]) -> [N, tokens, text hidden]``."""
+        """The tower and projector: ``module(pixels [N, *processor's shape]) -> [N, tokens, text
+        hidden]``."""
         ...
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
@@ -117,12 +152,19 @@ class Vision:
     tokens: ImageTokens
 
     def encode(self, pixels: Sequence[np.ndarray]) -> mx.array:
-        """Images as the processor gave them (``[C, H, W]`` each) -> ``[N, tokens, hidden]``."""
+        """Images as the processor gave them -> every image's token embeddings, in order,
+        ``[tokens, hidden]``; consecutive images of one shape go through the module together."""
         import mlx.core as mx
 
-        batch = mx.array(np.stack([image.transpose(1, 2, 0) for image in pixels]))
-        embeddings: mx.array = self.module(batch)
-        return embeddings
+        parts, start = [], 0
+        while start < len(pixels):
+            stop = start + 1
+            while stop < len(pixels) and pixels[stop].shape == pixels[start].shape:
+                stop += 1
+            out = self.module(mx.array(np.stack(pixels[start:stop])))
+            parts.append(out.reshape(-1, out.shape[-1]))
+            start = stop
+        return mx.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def load_vision(checkpoint: Checkpoint, arch: object, dtype: mx.Dtype) -> Vision | None:
@@ -204,40 +246,46 @@ class EmbeddingsModel(Protocol):
         cache: list[Any] | None = None,
         mask: str | mx.array | None = None,
         embeddings: mx.array | None = None,
+        **positions: mx.array,
     ) -> mx.array: ...
 
 
 def logits_with_images(
     model: EmbeddingsModel,
     inputs: mx.array,
-    images: mx.array,
+    images: mx.array | None,
     tokens: ImageTokens,
     cache: list[Any] | None = None,
     offset: int = 0,
+    positions: mx.array | None = None,
 ) -> mx.array:
-    """A prefill's logits ``[B, L, vocab]`` with image embeddings ``images [N, T, D]`` (the vision
-    module's output) at the image tokens of ``inputs [B, L]``, which follow ``offset`` positions of
-    ``cache``; bidirectional within each image where :attr:`ImageTokens.bidirectional`."""
+    """A prefill's logits ``[B, L, vocab]`` with image embeddings ``images`` (:meth:`Vision.encode`'s
+    ``[tokens, D]``, or the module's ``[N, T, D]``; None: no image in these inputs) at the image
+    tokens of ``inputs [B, L]``, which follow ``offset`` positions of ``cache``; bidirectional
+    within each image where :attr:`ImageTokens.bidirectional`; at rotary ``positions`` (M-RoPE's
+    ``[3, B, L]``) where given."""
     import mlx.core as mx
 
     is_image = inputs == tokens.image_token_id
     # The image token may lie outside the embedding table; its positions' rows are replaced anyway.
-    text = model.embed(mx.where(is_image, 0, inputs))
-    embeddings = merge_embeddings(text, inputs, images, tokens.image_token_id)
+    embeddings = model.embed(mx.where(is_image, 0, inputs))
+    if images is not None:
+        embeddings = merge_embeddings(embeddings, inputs, images, tokens.image_token_id)
     mask = image_prefill_mask(inputs, tokens.image_token_id, offset) if tokens.bidirectional else None
-    return model(inputs, cache, mask, embeddings=embeddings)
+    at = {} if positions is None else {"positions": positions}
+    return model(inputs, cache, mask, embeddings=embeddings, **at)
 
 
 def merge_embeddings(
     embeddings: mx.array, inputs: mx.array, images: mx.array, image_token_id: int
 ) -> mx.array:
     """``embeddings [B, L, D]`` with the positions where ``inputs [B, L]`` is ``image_token_id``
-    replaced, in row-major order, by the rows of ``images [N, T, D]`` (Hugging Face's
-    ``masked_scatter``). Raises RequestError when the counts differ."""
+    replaced, in row-major order, by the rows of ``images`` (``[N, T, D]`` or ``[rows, D]``;
+    Hugging Face's ``masked_scatter``). Raises RequestError when the counts differ."""
     import mlx.core as mx
 
     is_image = inputs == image_token_id
-    positions, rows = int(np.array(is_image).sum()), images.shape[0] * images.shape[1]
+    positions, rows = int(np.array(is_image).sum()), images.size // images.shape[-1]
     if positions != rows:
         raise RequestError(f"the prompt has {positions} image token positions for {rows} image embeddings")
     if rows == 0:

@@ -89,6 +89,8 @@ TINY_CONFIG: dict[str, Any] = {
     "linear_key_head_dim": 8,
     "linear_value_head_dim": 8,
     "full_attention_interval": 2,
+    # M-RoPE (Qwen2.5-VL): how many of a head's 4 frequencies read the temporal, height and width positions.
+    "mrope_section": [1, 1, 2],
 }
 #: Prompt lengths of the two batch rows: different, and longer than the sliding window.
 LENGTHS = (11, 6)

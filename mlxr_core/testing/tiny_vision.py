@@ -1,8 +1,13 @@
-"""A tiny random Gemma 3 vision model written by transformers (CPU, float32), for tests of the
-vision side, the engine and the APIs: a 32x32-pixel SigLIP tower of 8x8 patches, 4 tokens per
-image, and a word-level tokenizer whose ids 60, 61, 62 are ``<image_soft_token>``,
-``<start_of_image>`` and ``<end_of_image>``, with a chat template that writes
-``<start_of_image>`` for each image part of a message, as Gemma 3's does.
+"""Tiny random vision models written by transformers (CPU, float32), for tests of the vision side,
+the engine and the APIs, each with a word-level tokenizer and a chat template that writes the
+family's image marker for each image part of a message:
+
+- :func:`gemma3_vision_model`: a 32x32-pixel SigLIP tower of 8x8 patches, 4 tokens per image;
+  ids 60, 61, 62 are ``<image_soft_token>``, ``<start_of_image>`` and ``<end_of_image>``;
+- :func:`qwen2_5_vl_model`: Qwen2.5-VL with 4x4-pixel patches merged 2x2 (one token per 8x8
+  pixels), windows of 2x2 tokens, M-RoPE sections (2, 3, 3); an image is resized to between
+  :data:`QWEN_MIN_PIXELS` and :data:`QWEN_MAX_PIXELS` pixels; ids 60, 61, 62 are
+  ``<|image_pad|>``, ``<|vision_start|>`` and ``<|vision_end|>``.
 """
 
 from __future__ import annotations
@@ -64,14 +69,71 @@ def gemma3_vision_model(folder: Path, torch: Any, transformers: Any) -> Any:
     return model
 
 
-def _add_image_tokens(folder: Path) -> None:
-    """Ids 60-62 become Gemma's image tokens (special, so a template's markup splits off them)."""
+QWEN_TEXT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+}
+QWEN_VISION = {
+    "depth": 2,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "window_size": 16,
+    "out_hidden_size": 32,
+    "fullatt_block_indexes": [1],
+}
+QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 8 * 8 * 2, 8 * 8 * 24
+#: Qwen2.5-VL's way of writing a message's parts (its template, trimmed to what the tests send).
+QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def qwen2_5_vl_model(folder: Path, torch: Any, transformers: Any) -> Any:
+    """Write the tiny Qwen2.5-VL model, its tokenizer and its image processor's settings to
+    ``folder``; returns transformers' model (eval) and image processor."""
+    from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=QWEN_TEXT,
+        vision_config=QWEN_VISION,
+        image_token_id=IMAGE,
+        vision_start_token_id=BEGIN,
+        vision_end_token_id=END,
+        video_token_id=VOCAB - 1,
+        attn_implementation="eager",
+    )
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    o1_init(model, torch)
+    model.save_pretrained(folder)
+    processor = transformers.Qwen2VLImageProcessorPil(
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS
+    )
+    processor.save_pretrained(folder)
+    write_tokenizer(folder, VOCAB)
+    names = {IMAGE: "<|image_pad|>", BEGIN: "<|vision_start|>", END: "<|vision_end|>"}
+    _add_image_tokens(folder, names, QWEN_CHAT_TEMPLATE)
+    return model, processor
+
+
+def _add_image_tokens(folder: Path, names: dict[int, str] | None = None, template: str = CHAT_TEMPLATE) -> None:
+    """Ids 60-62 become the family's image tokens (special, so a template's markup splits off
+    them; Gemma's by default), and ``template`` the chat template."""
     from tokenizers import AddedToken, Tokenizer
 
     path = folder / "tokenizer.json"
     data = json.loads(path.read_text(encoding="utf-8"))
     vocab = data["model"]["vocab"]
-    names = {IMAGE: "<image_soft_token>", BEGIN: "<start_of_image>", END: "<end_of_image>"}
+    names = names or {IMAGE: "<image_soft_token>", BEGIN: "<start_of_image>", END: "<end_of_image>"}
     for token_id, name in names.items():
         del vocab[f"t{token_id}"]
         vocab[name] = token_id
@@ -81,5 +143,5 @@ def _add_image_tokens(folder: Path) -> None:
     tokenizer.save(str(path))
     settings_path = folder / "tokenizer_config.json"
     settings = json.loads(settings_path.read_text(encoding="utf-8"))
-    settings["chat_template"] = CHAT_TEMPLATE
+    settings["chat_template"] = template
     settings_path.write_text(json.dumps(settings), encoding="utf-8")

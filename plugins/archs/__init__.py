@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "llama": "mlxr_plugins.archs.llama:LlamaArchitecture",
     "mistral": "mlxr_plugins.archs.llama:LlamaArchitecture",
     "qwen2": "mlxr_plugins.archs.qwen2:Qwen2Architecture",
+    "qwen2_5_vl": "mlxr_plugins.archs.qwen2_5_vl:Qwen25VLArchitecture",
     "qwen3": "mlxr_plugins.archs.qwen3:Qwen3Architecture",
     "gemma3": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
     "gemma3_text": "mlxr_plugins.archs.gemma3:Gemma3Architecture",

@@ -63,7 +63,7 @@ class Gemma3Projector(nn.Module):
 
 
 class Gemma3Vision(nn.Module):
-    """``module(pixels [N, H, W, C]) -> [N, mm_tokens_per_image, text hidden]``."""
+    """``module(pixels [N, C, H, W]) -> [N, mm_tokens_per_image, text hidden]``."""
 
     def __init__(self, args: SiglipVisionArgs, text_hidden: int, tokens_per_image: int):
         super().__init__()
@@ -71,7 +71,7 @@ class Gemma3Vision(nn.Module):
         self.multi_modal_projector = Gemma3Projector(args, text_hidden, tokens_per_image)
 
     def __call__(self, pixels: mx.array) -> mx.array:
-        return self.multi_modal_projector(self.vision_tower(pixels))
+        return self.multi_modal_projector(self.vision_tower(pixels.transpose(0, 2, 3, 1)))
 
 
 def _tokens_per_image(config: dict[str, Any]) -> int:
@@ -112,5 +112,6 @@ class Gemma3VisionArchitecture:
         """``<start_of_image>`` in a prompt becomes the processor's sequence of soft tokens."""
         count = _tokens_per_image(config)
         token_id = config.get("image_token_index", config.get("image_token_id", IMAGE_TOKEN_ID))
-        text = f"\n\n{BEGIN}{SOFT_TOKEN * count}{END}\n\n"
-        return ImageTokens(int(token_id), count, BEGIN, text, bidirectional=True)
+        return ImageTokens(
+            int(token_id), count, BEGIN, SOFT_TOKEN, f"\n\n{BEGIN}", f"{END}\n\n", bidirectional=True
+        )

@@ -57,10 +57,11 @@ class Qwen2Args(TransformerArgs):
 
 
 class Qwen2(CausalLM):
-    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
+    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``; ``rotary`` replaces the
+    config's RoPE (Qwen2.5-VL's M-RoPE)."""
 
-    def __init__(self, args: Qwen2Args, kernels: KernelSet):
-        rotary = args_rotary(args, kernels, types=ROPE_TYPES)
+    def __init__(self, args: Qwen2Args, kernels: KernelSet, rotary: Any = None):
+        rotary = rotary or args_rotary(args, kernels, types=ROPE_TYPES)
         H, eps = args.hidden_size, args.rms_norm_eps
 
         def block() -> PreNormBlock:

@@ -77,6 +77,11 @@ PREFIXES = (
 )
 
 
+def text_name(name: str) -> str:
+    """A language-model weight's (or packed module's) name under ``model.`` and ``lm_head``."""
+    return next((stem + name[len(prefix) :] for prefix, stem in PREFIXES if name.startswith(prefix)), name)
+
+
 class Qwen35(CausalLM):
     """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
 
@@ -107,11 +112,7 @@ class Qwen35Architecture(Qwen3NextArchitecture):
         for name, array in weights.items():
             if name.startswith(("model.visual.", "visual.", "vision_tower.", "mtp.", "language_model.mtp.")):
                 continue
-            for prefix, stem in PREFIXES:
-                if name.startswith(prefix):
-                    name = stem + name[len(prefix) :]
-                    break
-            text[name] = array
+            text[text_name(name)] = array
         args = self.args(config)
         tied = args.tie_word_embeddings
         stacked = sanitize_hybrid(text, args.num_experts, args.num_hidden_layers)
@@ -124,7 +125,7 @@ class Qwen35Architecture(Qwen3NextArchitecture):
 
     def sanitized_modules(self, module: str) -> list[str]:
         """A packed module of the language model under the name :meth:`sanitize` gives it."""
-        return [next((stem + module[len(prefix) :] for prefix, stem in PREFIXES if module.startswith(prefix)), module)]
+        return [text_name(module)]
 
 
 class Qwen35MoeArchitecture(Qwen35Architecture):

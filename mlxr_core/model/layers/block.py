@@ -52,8 +52,11 @@ class AttentionBlock(nn.Module):
         result: mx.array = residual + delta
         return result
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
-        offset = cache.offset if cache is not None else 0
+    def __call__(
+        self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None, positions: mx.array | None = None
+    ) -> mx.array:
+        """The block; ``positions`` (M-RoPE's ``[3, B, L]``) rotate instead of the cache's offset."""
+        offset = positions if positions is not None else cache.offset if cache is not None else 0
         return self.after_attention(x, self.attention(*self.attention_inputs(x, offset), mask, cache))
 
 

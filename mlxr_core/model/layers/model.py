@@ -16,7 +16,9 @@ class DecoderModel(nn.Module):
     ``[B, L]`` ids -> final normed hidden states ``[B, L, hidden]``, under a causal mask unless
     one is given. ``embed_scale`` multiplies the embeddings (Gemma: ``sqrt(hidden)``). Given
     ``embeddings [B, L, hidden]`` (image embeddings merged in, :mod:`mlxr_core.model.vision`),
-    it runs from those instead of embedding ``inputs``."""
+    it runs from those instead of embedding ``inputs``; given ``positions`` (M-RoPE's
+    ``[3, B, L]``, :mod:`mlxr_core.model.layers.mrope`), every layer rotates by those instead of
+    its cache's next positions."""
 
     def __init__(
         self,
@@ -45,13 +47,15 @@ class DecoderModel(nn.Module):
         cache: list[Any] | None = None,
         mask: str | mx.array | None = None,
         embeddings: mx.array | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
         h = self.embed(inputs) if embeddings is None else embeddings
         if mask is None and h.shape[1] > 1:
             mask = "causal"
         layer_caches = cache if cache is not None else [None] * len(self.layers)
+        at = {} if positions is None else {"positions": positions}
         for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
-            h = layer(h, mask, layer_cache)
+            h = layer(h, mask, layer_cache, **at)
         normed: mx.array = self.norm(h)
         return normed
 
@@ -78,8 +82,10 @@ class CausalLM(nn.Module):
         cache: list[Any] | None = None,
         mask: str | mx.array | None = None,
         embeddings: mx.array | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
-        return self.lm_logits(self.model(inputs, cache, mask, embeddings))
+        at = {} if positions is None else {"positions": positions}
+        return self.lm_logits(self.model(inputs, cache, mask, embeddings, **at))
 
     def embed(self, inputs: mx.array) -> mx.array:
         return self.model.embed(inputs)

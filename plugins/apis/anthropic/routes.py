@@ -29,7 +29,7 @@ from litestar import Request, Response, Router, post
 from litestar.params import JSONBody
 
 from mlxr_core.engine.engine import Engine, ModelInfo
-from mlxr_core.engine.request import GenerationRequest
+from mlxr_core.engine.request import GenerationRequest, PromptImage
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
@@ -40,7 +40,7 @@ from mlxr_core.http.frontend import (
     room_for,
     submit,
 )
-from mlxr_core.http.images import ImageInput, check_takes_images, load_images
+from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.parsing import Tool
@@ -64,7 +64,7 @@ def make_router(ctx: ServerContext) -> Router:
     async def count_tokens(data: JSONBody[s.CountTokensRequest]) -> s.CountTokensResponse:
         engine = ready_engine(ctx)
         info = engine.model(data.model)
-        setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, data))
+        setup, _ = await prepare(ctx, engine, info, data)
         return s.CountTokensResponse(len(setup.prompt_ids))
 
     return Router(
@@ -87,9 +87,7 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
     )
     engine = ready_engine(ctx)
     info = engine.model(body.model)  # an unknown model is a 404 before any templating
-    inputs: list[ImageInput] = []
-    setup = await anyio.to_thread.run_sync(functools.partial(prepare, ctx, engine, info, body, inputs))
-    images = await load_images(ctx.config.server, info, inputs)
+    setup, images = await prepare(ctx, engine, info, body)
     params.max_tokens = cap_max_tokens(ctx, room_for(engine, body.model, setup.prompt_ids, body.max_tokens))
     params.constraint = setup.constraint
     handle = submit(ctx, GenerationRequest(
@@ -106,17 +104,17 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
 # -- request -> engine -----------------------------------------------------------------------
 
 
-def prepare(
-    ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTokensRequest,
-    images: list[ImageInput] | None = None,
-) -> ChatSetup:
+async def prepare(
+    ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTokensRequest
+) -> tuple[ChatSetup, list[PromptImage]]:
     """The conversation, with its tools, rendered with the model's chat template and tokenized
-    (in a worker thread). A final assistant turn of text is a prefill the reply continues. The
-    ``image`` blocks' data lands in ``images`` (their markers are rendered and counted either way)."""
+    (in a worker thread), and its ``image`` blocks loaded (decoded and preprocessed under the
+    server's limits: an image's tokens are counted from its size). A final assistant turn of
+    text is a prefill the reply continues."""
     _check_thinking(body)
-    images = [] if images is None else images
-    messages = chat_messages(body, images)
-    check_takes_images(info, images)
+    inputs: list[ImageInput] = []
+    messages = chat_messages(body, inputs)
+    images = await load_images(ctx.config.server, info, inputs)
     prefill = ""
     if messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         prefill = messages.pop()["content"]
@@ -125,11 +123,11 @@ def prepare(
     tools, choice, parallel = tool_request(body)
     thinking = None if body.thinking is None else body.thinking.type == "enabled"
     variables = template_variables(body.chat_template_kwargs, thinking=thinking)
-    return prepare_chat(
-        engine, info, model_parsers(ctx, info), messages,
-        tools=tools, choice=choice, parallel=parallel, prefill=prefill, template_kwargs=variables,
-        images=bool(images),
-    )
+    render = functools.partial(
+        prepare_chat, engine, info, model_parsers(ctx, info), messages,
+        tools=tools, choice=choice, parallel=parallel, prefill=prefill, template_kwargs=variables, images=images,
+    )  # fmt: skip
+    return await anyio.to_thread.run_sync(render), images
 
 
 def tool_request(body: s.CountTokensRequest) -> tuple[list[Tool], ToolChoice, bool]:

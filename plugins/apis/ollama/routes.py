@@ -27,7 +27,7 @@ from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
 
 from mlxr_core.engine.engine import Engine, ModelInfo
-from mlxr_core.engine.request import Constraint, GenerationRequest, SamplingParams
+from mlxr_core.engine.request import Constraint, GenerationRequest, PromptImage, SamplingParams
 from mlxr_core.errors import ModelNotFound, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
@@ -137,7 +137,7 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
     tools = tools_of(body.tools)
     prepare = functools.partial(
         prepare_chat, engine, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools),
-        template_kwargs=think_variables(body), images=bool(images),
+        template_kwargs=think_variables(body), images=images,
     )
     setup = await anyio.to_thread.run_sync(prepare)
     params.constraint = setup.constraint or params.constraint
@@ -170,7 +170,7 @@ async def create_generation(
     params.constraint = format_constraint(ctx, body.format)
     inputs = [ImageInput(data, f"images[{k}]") for k, data in enumerate(body.images or [])]
     images = await load_images(ctx.config.server, info, inputs)
-    encode = functools.partial(_generate_prompt_ids, engine, info, body)
+    encode = functools.partial(_generate_prompt_ids, engine, info, body, images)
     prompt_ids = await anyio.to_thread.run_sync(encode)
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
     handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params, images=images))
@@ -254,9 +254,12 @@ def _max_tokens(
     return cap_max_tokens(ctx, room_for(engine, info.name, prompt_ids, requested or None))
 
 
-def _generate_prompt_ids(engine: Engine, info: ModelInfo, body: s.GenerateRequest) -> list[int]:
+def _generate_prompt_ids(
+    engine: Engine, info: ModelInfo, body: s.GenerateRequest, loaded: list[PromptImage] | None = None
+) -> list[int]:
     """The prompt's ids: ``context`` from an earlier reply, then the prompt, templated as one user
-    turn (after ``system``) unless ``raw`` or the model has no chat template."""
+    turn (after ``system``) unless ``raw`` or the model has no chat template; ``loaded``: the
+    request's images, loaded."""
     tokenizer = info.tokenizer
     context = list(body.context or [])
     if any(not 0 <= token < tokenizer.vocab_size for token in context):
@@ -272,7 +275,7 @@ def _generate_prompt_ids(engine: Engine, info: ModelInfo, body: s.GenerateReques
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         content: Any = [*images, {"type": "text", "text": prompt}] if images else prompt
-        ids = engine.encode_chat(info.name, [*messages, {"role": "user", "content": content}], images=bool(images))
+        ids = engine.encode_chat(info.name, [*messages, {"role": "user", "content": content}], images=loaded or ())
         if context and ids and ids[0] == tokenizer.bos_token_id:
             ids = ids[1:]  # one BOS, at the start of the conversation
     return context + ids

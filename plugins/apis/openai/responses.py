@@ -370,7 +370,7 @@ class Responses:
         variables = template_variables(body.chat_template_kwargs, effort=effort)
         prepare = functools.partial(
             prepare_chat, engine, info, model_parsers(ctx, info), _without_image_data(chat), tools=tools,
-            choice=choice, parallel=parallel, template_kwargs=variables, images=bool(images),
+            choice=choice, parallel=parallel, template_kwargs=variables, images=images,
         )  # fmt: skip
         setup: ChatSetup = await anyio.to_thread.run_sync(prepare)
         params.constraint = setup.constraint or params.constraint

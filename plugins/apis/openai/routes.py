@@ -121,11 +121,11 @@ async def create_chat_completion(
     info = engine.model(body.model)  # an unknown model is a 404 before any templating
     tools, tool_choice, parallel = tool_request(body)
     variables = template_variables(body.chat_template_kwargs, effort=body.reasoning_effort)
+    images = await load_images(ctx.config.server, info, inputs)
     prepare = functools.partial(
         prepare_chat, engine, info, model_parsers(ctx, info), messages,
-        tools=tools, choice=tool_choice, parallel=parallel, template_kwargs=variables, images=bool(inputs),
+        tools=tools, choice=tool_choice, parallel=parallel, template_kwargs=variables, images=images,
     )
-    images = await load_images(ctx.config.server, info, inputs)
     setup = await anyio.to_thread.run_sync(prepare)
     params.constraint = setup.constraint or params.constraint
     generation = GenerationRequest(

@@ -76,7 +76,7 @@ class FakeEngine:
     def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.model(model).tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def encode_chat(self, model: str, messages: list[dict[str, Any]], *, images: bool = False) -> list[int]:
+    def encode_chat(self, model: str, messages: list[dict[str, Any]], *, images: Any = ()) -> list[int]:
         tokenizer = self.model(model).tokenizer
         return tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
 

@@ -154,7 +154,7 @@ def test_image_tokens_expand_the_marker(loaded):
 
 
 def test_merge_refuses_a_count_mismatch_and_masks_images_both_ways():
-    tokens = ImageTokens(IMAGE, 4, "<m>", "", bidirectional=True)
+    tokens = ImageTokens(IMAGE, 4, "<m>", "<t>", bidirectional=True)
     embeddings = mx.zeros((1, len(PROMPT), 8))
     with pytest.raises(RequestError, match="4 image token positions for 8"):
         merge_embeddings(embeddings, mx.array([PROMPT]), mx.ones((2, 4, 8)), tokens.image_token_id)

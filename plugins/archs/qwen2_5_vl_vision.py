@@ -1,0 +1,291 @@
+"""Qwen2.5-VL's vision side: dynamic-resolution patches, a ViT with 2D rotary positions and window
+attention, and the patch merger into the language model's width.
+
+An image is resized to multiples of ``patch_size * spatial_merge_size`` pixels (28) within
+``min_pixels`` and ``max_pixels`` (:func:`smart_resize`), normalized with CLIP's mean and std, and
+cut into 14x14 patches, each copied ``temporal_patch_size`` times (a still image is a video of
+two equal frames). The processor gives them as transformers' ``pixel_values`` rows are laid out,
+grouped ``[t, h / m, w / m, m, m, features]`` (``m`` the merge size): every 2x2 block of patches
+becomes one token, so the shape's first three axes are the image's grid of tokens.
+
+The tower: the patch embedding (a Conv3d whose kernel equals its stride, so a linear map of
+each flattened patch), blocks of RMS norm, attention with 2D RoPE (half of each head's
+frequencies rotate by the patch's row, half by its column) and a SwiGLU MLP; attention stays
+within windows of ``window_size`` pixels except in the ``fullatt_block_indexes`` blocks; the
+merger (RMS norm, four patches' features side by side, an MLP with GELU) gives one token per 2x2
+block, in row-major order. Checkpoint names: ``visual.*`` (as transformers saves them) or
+``model.visual.*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.model.layers import ConfigArgs
+from mlxr_core.model.vision import ImageProcessor, ImageTokens, ResizeNormalize
+
+#: transformers' OPENAI_CLIP_MEAN and OPENAI_CLIP_STD, Qwen2-VL's processor defaults.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_pytorch_tanh": nn.gelu_approx}
+#: ``Qwen2_5_VLConfig`` defaults: the token ids of an image and the text around it.
+IMAGE_TOKEN_ID, IMAGE_TEXT = 151_655, "<|image_pad|>"
+PREFIXES = ("model.visual.", "visual.")
+
+
+@dataclasses.dataclass
+class VisionArgs(ConfigArgs):
+    """A ``qwen2_5_vl`` checkpoint's ``vision_config`` (Hugging Face names and defaults)."""
+
+    family = "qwen2_5_vl vision"
+    limits = {name: (1, 1 << 16) for name in (
+        "depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+        "spatial_merge_size", "temporal_patch_size", "window_size", "out_hidden_size",
+    )}  # fmt: skip
+    depth: int = 32
+    hidden_size: int = 1280
+    hidden_act: str = "silu"
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 112
+    out_hidden_size: int = 3584
+    fullatt_block_indexes: list[int] = dataclasses.field(default_factory=lambda: [7, 15, 23, 31])
+    rope_theta: float = 10000.0
+
+    @classmethod
+    def read(cls, config: dict[str, Any]) -> VisionArgs:
+        vision = dict(config.get("vision_config") or {})
+        rope = vision.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_theta" in rope:
+            vision.setdefault("rope_theta", rope["rope_theta"])
+        return cls.from_config(vision)
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"hidden_act {self.hidden_act!r} is not one of {sorted(ACTIVATIONS)}",
+                                 key="vision_config.hidden_act")
+        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
+            raise ModelLoadError(
+                f"hidden_size {self.hidden_size} must split into num_heads {self.num_heads} heads of a "
+                "multiple of 4 features (2D rotary positions)", key="vision_config.hidden_size",
+            )  # fmt: skip
+
+    @property
+    def window_blocks(self) -> int:
+        """A window's side in merged blocks (tokens)."""
+        return max(1, self.window_size // self.spatial_merge_size // self.patch_size)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's target size: both sides multiples of ``factor``, the area within
+    ``[min_pixels, max_pixels]``, the aspect ratio kept as nearly as that allows."""
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenImageProcessor:
+    """Pillow image -> ``[1, h / m, w / m, m, m, C * T * P * P]`` float32 patches (see the module)."""
+
+    patch: int
+    merge: int
+    temporal: int
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    mean: tuple[float, ...] = CLIP_MEAN
+    std: tuple[float, ...] = CLIP_STD
+    rescale: float = 1 / 255
+    resample: int = 3  # PIL.Image.Resampling.BICUBIC
+
+    @classmethod
+    def from_config(cls, args: VisionArgs, preprocessor: dict[str, Any] | None) -> QwenImageProcessor:
+        """From the vision config and a ``preprocessor_config.json`` (which wins where it speaks)."""
+        settings = preprocessor or {}
+        size = settings.get("size") or {}
+        return cls(
+            int(settings.get("patch_size", args.patch_size)),
+            int(settings.get("merge_size", args.spatial_merge_size)),
+            int(settings.get("temporal_patch_size", args.temporal_patch_size)),
+            int(settings.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
+            int(settings.get("max_pixels") or size.get("longest_edge") or cls.max_pixels),
+            tuple(float(v) for v in settings.get("image_mean", CLIP_MEAN)),
+            tuple(float(v) for v in settings.get("image_std", CLIP_STD)),
+            float(settings.get("rescale_factor", cls.rescale)),
+            int(settings.get("resample", cls.resample)),
+        )
+
+    def __call__(self, image: Any) -> np.ndarray:
+        P, m, T = self.patch, self.merge, self.temporal
+        height, width = smart_resize(image.height, image.width, P * m, self.min_pixels, self.max_pixels)
+        pixels = ResizeNormalize((height, width), self.mean, self.std, self.rescale, self.resample)(image)
+        C = pixels.shape[0]
+        blocks = pixels.reshape(C, height // (P * m), m, P, width // (P * m), m, P).transpose(1, 4, 2, 5, 0, 3, 6)
+        frames = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], T, P, P))
+        return np.ascontiguousarray(frames.reshape(1, *blocks.shape[:4], C * T * P * P))
+
+
+def token_grid(pixels: np.ndarray) -> tuple[int, int, int]:
+    """A processed image's ``(t, h, w)`` grid of tokens."""
+    t, h, w = pixels.shape[:3]
+    return int(t), int(h), int(w)
+
+
+def rotate_half(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    half = x.shape[-1] // 2
+    return x * cos + mx.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        D = args.hidden_size
+        self.heads = args.num_heads
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None) -> mx.array:
+        N, L, D = x.shape
+        qkv = self.qkv(x).reshape(N, L, 3, self.heads, -1).transpose(2, 0, 3, 1, 4)
+        queries, keys, values = rotate_half(qkv[0], cos, sin), rotate_half(qkv[1], cos, sin), qkv[2]
+        scale = (D // self.heads) ** -0.5
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        result: mx.array = self.proj(out.transpose(0, 2, 1, 3).reshape(N, L, D))
+        return result
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        D, F = args.hidden_size, args.intermediate_size
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(D, F), nn.Linear(D, F), nn.Linear(F, D)
+        self.activation = ACTIVATIONS[args.hidden_act]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        result: mx.array = self.down_proj(self.activation(self.gate_proj(x)) * self.up_proj(x))
+        return result
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.norm1 = nn.RMSNorm(args.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(args)
+        self.norm2 = nn.RMSNorm(args.hidden_size, eps=1e-6)
+        self.mlp = VisionMLP(args)
+
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None) -> mx.array:
+        x = x + self.attn(self.norm1(x), cos, sin, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        features = args.in_channels * args.temporal_patch_size * args.patch_size**2
+        self.proj = nn.Linear(features, args.hidden_size, bias=False)
+
+
+class PatchMerger(nn.Module):
+    """``[N, patches, hidden] -> [N, patches / m^2, out]``: each block's patches side by side."""
+
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.width = args.hidden_size * args.spatial_merge_size**2
+        self.ln_q = nn.RMSNorm(args.hidden_size, eps=1e-6)
+        self.mlp = [nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, args.out_hidden_size)]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self.ln_q(x).reshape(x.shape[0], -1, self.width)
+        for layer in self.mlp:
+            h = layer(h)
+        return h
+
+
+class Qwen25Vision(nn.Module):
+    """``module(pixels [N, t, h, w, m, m, features]) -> [N, t * h * w, text hidden]``."""
+
+    def __init__(self, args: VisionArgs):
+        super().__init__()
+        self.args = args
+        self.patch_embed = PatchEmbed(args)
+        self.blocks = [VisionBlock(args) for _ in range(args.depth)]
+        self.merger = PatchMerger(args)
+        dims = args.hidden_size // args.num_heads // 2
+        self._inv_freq = 1.0 / args.rope_theta ** (np.arange(0, dims, 2, dtype=np.float32) / dims)
+
+    def rotary(self, shape: tuple[int, ...]) -> tuple[mx.array, mx.array]:
+        """cos and sin ``[patches, head_dim]`` of each patch: its row, then its column."""
+        t, h, w, m = shape[0], shape[1], shape[2], shape[3]
+        _, rows, cols, block_rows, block_cols = np.indices((t, h, w, m, m)).reshape(5, -1)
+        angles = np.concatenate([np.outer(rows * m + block_rows, self._inv_freq),
+                                 np.outer(cols * m + block_cols, self._inv_freq)], axis=1)  # fmt: skip
+        angles = np.concatenate([angles, angles], axis=1)
+        return mx.array(np.cos(angles)), mx.array(np.sin(angles))
+
+    def window_mask(self, shape: tuple[int, ...]) -> mx.array:
+        """Patches attend within their window of ``window_blocks`` square blocks (per frame)."""
+        t, h, w, m = shape[0], shape[1], shape[2], shape[3]
+        frames, rows, cols = np.indices((t, h, w)).reshape(3, -1)
+        side = self.args.window_blocks
+        windows = -(-w // side)
+        window = np.repeat((frames * -(-h // side) + rows // side) * windows + cols // side, m * m)
+        return mx.array(window[:, None] == window[None, :])
+
+    def __call__(self, pixels: mx.array) -> mx.array:
+        shape = tuple(pixels.shape[1:])
+        N = pixels.shape[0]
+        x = self.patch_embed.proj(pixels.reshape(N, -1, pixels.shape[-1]))
+        cos, sin = self.rotary(shape)
+        windowed = self.window_mask(shape)
+        full = set(self.args.fullatt_block_indexes)
+        for index, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None if index in full else windowed)
+        return self.merger(x)
+
+
+class Qwen25VisionArchitecture:
+    """The :class:`mlxr_core.model.vision.VisionArchitecture` of ``qwen2_5_vl`` checkpoints."""
+
+    def build(self, config: dict[str, Any]) -> nn.Module:
+        return Qwen25Vision(VisionArgs.read(config))
+
+    def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """The tower's tensors without their prefix; the patch convolution's
+        ``[D, C, T, P, P]`` as the linear map of a flattened patch."""
+        out = {}
+        for name, array in weights.items():
+            prefix = next((p for p in PREFIXES if name.startswith(p)), None)
+            if prefix is None:
+                continue
+            name = name[len(prefix) :]
+            if name == "patch_embed.proj.weight" and array.ndim == 5:
+                array = array.reshape(array.shape[0], -1)
+            out[name] = array
+        return out
+
+    def processor(self, config: dict[str, Any], preprocessor: dict[str, Any] | None) -> ImageProcessor:
+        return QwenImageProcessor.from_config(VisionArgs.read(config), preprocessor)
+
+    def image_tokens(self, config: dict[str, Any]) -> ImageTokens:
+        """``<|image_pad|>`` (which Qwen's template writes between ``<|vision_start|>`` and
+        ``<|vision_end|>``) becomes one ``<|image_pad|>`` per token of the image's grid."""
+        token_id = int(config.get("image_token_id", IMAGE_TOKEN_ID))
+        return ImageTokens(token_id, 0, IMAGE_TEXT, IMAGE_TEXT, grid=token_grid)

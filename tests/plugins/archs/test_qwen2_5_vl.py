@@ -1,0 +1,229 @@
+"""Qwen2.5-VL against transformers' Qwen2_5_VLForConditionalGeneration (CPU, float32): a tiny
+random model (:func:`mlxr_core.testing.tiny_vision.qwen2_5_vl_model`: 4x4 patches merged 2x2,
+windows of 2x2 tokens, one full-attention block, M-RoPE) saved by transformers and loaded
+through mlxr's loader, with two images of different sizes (3x5 and 2x2 tokens).
+
+Shown: the image processor's patches and grids, the vision tower's output for both images, the
+merged sequence's logits with one image and with two, and cached decoding after the prompt
+(greedy tokens and each step's logits) through the batched decode step and its M-RoPE shift.
+"""
+
+from __future__ import annotations
+
+import attrs
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxr_core.engine.images import PromptImages
+from mlxr_core.engine.request import PromptImage
+from mlxr_core.errors import RequestError
+from mlxr_core.model.layers.mrope import mrope_positions
+from mlxr_core.model.vision import logits_with_images
+from mlxr_core.plugins import load_plugins
+from mlxr_core.testing.tiny_vision import BEGIN, END, IMAGE, qwen2_5_vl_model
+
+STEPS = 5
+#: (height, width) in pixels: 3x5 and 2x2 tokens of 8x8 pixels after resizing.
+SIZES = [(23, 41), (16, 15)]
+
+
+def prompt_for(*counts: int) -> list[int]:
+    """Text, then each image's run of tokens between its start and end tokens, then text."""
+    ids = [2, 17, 5]
+    for count in counts:
+        ids += [BEGIN, *[IMAGE] * count, END, 9, 33]
+    return [*ids, 12, 40]
+
+
+@attrs.frozen
+class Reference:
+    folder: object
+    images: list  # PIL images
+    hf_pixels: list[np.ndarray]  # per image, transformers' pixel_values rows
+    grids: list[tuple[int, int, int]]
+    tower: list[np.ndarray]  # per image, the merged tokens
+    one_logits: np.ndarray
+    two_logits: np.ndarray
+    greedy: list[int]
+    step_logits: np.ndarray  # [STEPS, vocab]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Reference:
+    torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+    transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
+    image_module = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
+    folder = tmp_path_factory.mktemp("qwen2_5_vl")
+    model, processor = qwen2_5_vl_model(folder, torch, transformers)
+    rng = np.random.default_rng(3)
+    images = [image_module.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+    processed = [processor(image, return_tensors="pt") for image in images]
+    pixels = [p["pixel_values"] for p in processed]
+    grids = [p["image_grid_thw"] for p in processed]
+    counts = [int(g.prod()) // 4 for g in grids]
+
+    def forward(ids: list[int], which: list[int], **extra):
+        tensor = torch.tensor([ids])
+        return dict(
+            input_ids=tensor,
+            pixel_values=torch.cat([pixels[k] for k in which]),
+            image_grid_thw=torch.cat([grids[k] for k in which]),
+            mm_token_type_ids=(tensor == IMAGE).int(),
+            **extra,
+        )
+
+    with torch.no_grad():
+        tower = [model.model.visual(pixels[k], grid_thw=grids[k]).pooler_output.numpy() for k in range(2)]
+        one = model(**forward(prompt_for(counts[0]), [0])).logits[0].numpy()
+        two_prompt = prompt_for(*counts)
+        two = model(**forward(two_prompt, [0, 1])).logits[0].numpy()
+        out = model.generate(**forward(two_prompt, [0, 1]), max_new_tokens=STEPS, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    greedy = out.sequences[0, len(two_prompt):].tolist()
+    step_logits = torch.cat(out.logits).numpy()
+    return Reference(
+        folder, images, [p.numpy() for p in pixels], [tuple(int(v) // d for v, d in zip(g[0].tolist(), (1, 2, 2), strict=True)) for g in grids],
+        tower, one, two, greedy, step_logits,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def loaded(reference):
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.model.loader import load_model
+
+    config = ModelConfig(path=str(reference.folder), dtype="float32", compile_decode=False)
+    return load_model(config, load_plugins().registries)
+
+
+def worst(got: mx.array | np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(np.array(got) - want).max())
+
+
+def processed(loaded, reference) -> list[np.ndarray]:
+    return [loaded.vision.processor(image) for image in reference.images]
+
+
+def test_image_processor_matches_transformers(reference, loaded):
+    for pixels, want, grid in zip(processed(loaded, reference), reference.hf_pixels, reference.grids, strict=True):
+        assert pixels.dtype == np.float32
+        assert loaded.vision.tokens.grid(pixels) == grid
+        assert worst(pixels.reshape(want.shape), want) <= 1e-6
+    assert [g[1:] for g in reference.grids] == [(3, 5), (2, 2)]
+
+
+def test_vision_tower_matches_transformers(reference, loaded):
+    pixels = processed(loaded, reference)
+    for image, want in zip(pixels, reference.tower, strict=True):
+        got = loaded.vision.module(mx.array(image[None]))
+        assert got.shape == (1, *want.shape)
+        assert worst(got[0], want) <= 1e-4
+    # Two images of different sizes in one call: each image's tokens, in order.
+    assert worst(loaded.vision.encode(pixels), np.concatenate(reference.tower)) <= 1e-4
+
+
+def rotary_positions(prompt: list[int], pixels: list[np.ndarray], loaded) -> PromptImages:
+    images = [PromptImage(p, str(k)) for k, p in enumerate(pixels)]
+    return PromptImages(prompt, images, loaded.vision.tokens)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_logits_with_images_match_transformers(reference, loaded, count):
+    pixels = processed(loaded, reference)[:count]
+    vision = loaded.vision
+    prompt = prompt_for(*(vision.tokens.tokens_for(p) for p in pixels))
+    placed = rotary_positions(prompt, pixels, loaded)
+    assert placed.positions is not None
+    logits = logits_with_images(loaded.model, mx.array([prompt]), vision.encode(pixels), vision.tokens,
+                                positions=mx.array(placed.positions[:, None]))[0]  # fmt: skip
+    want = reference.one_logits if count == 1 else reference.two_logits
+    assert logits.shape == want.shape
+    assert worst(logits, want) <= 1e-4
+    # Without M-RoPE's positions the same embeddings give other logits: the positions matter.
+    plain = logits_with_images(loaded.model, mx.array([prompt]), vision.encode(pixels), vision.tokens)[0]
+    assert worst(plain, want) > 1e-2
+
+
+def test_cached_decoding_after_two_images_matches_transformers(reference, loaded):
+    pixels = processed(loaded, reference)
+    vision = loaded.vision
+    prompt = prompt_for(*(vision.tokens.tokens_for(p) for p in pixels))
+    placed = rotary_positions(prompt, pixels, loaded)
+    assert placed.shift < 0  # the images take fewer positions than tokens
+    cache = loaded.make_cache()
+    # Prefill in two chunks (the second starts inside the text between the images), as the engine does.
+    split = prompt.index(END) + 2
+    for start, stop in ((0, split), (split, len(prompt) - 1)):
+        chunk = pixels[:1] if start == 0 else pixels[1:]
+        logits_with_images(loaded.model, mx.array([prompt[start:stop]]), vision.encode(chunk), vision.tokens,
+                           cache, start, mx.array(placed.positions[:, None, start:stop]))  # fmt: skip
+    rows = [layer.to_batch() for layer in cache]
+    token, tokens, steps = prompt[-1], [], []
+    for _ in range(STEPS):
+        logits = loaded.decode(mx.array([token]), rows, None, mx.array([placed.shift]))
+        token = int(mx.argmax(logits[0]).item())
+        steps.append(np.array(logits[0]))
+        tokens.append(token)
+    # The first step feeds the last prompt token: its logits are the prompt's last.
+    assert worst(steps[0], reference.two_logits[-1]) <= 1e-4
+    assert tokens == reference.greedy
+    assert worst(np.stack(steps), reference.step_logits) <= 1e-4
+    # Decoded at the cache's own positions instead, the steps after the prompt go wrong.
+    rows = [layer.to_batch() for layer in cache]
+    unshifted = loaded.decode(mx.array([prompt[-1]]), rows, None)
+    assert worst(unshifted[0], reference.step_logits[0]) > 1e-2
+
+
+def test_mrope_positions_follow_the_grids():
+    # Text, a 1x2x3 image, text: the image's rows and columns count from where it starts, and
+    # the text after it from the largest position before it plus one.
+    positions = mrope_positions(10, [(2, 8)], [(1, 2, 3)])
+    assert positions.tolist() == [
+        [0, 1, 2, 2, 2, 2, 2, 2, 5, 6],
+        [0, 1, 2, 2, 2, 3, 3, 3, 5, 6],
+        [0, 1, 2, 3, 4, 2, 3, 4, 5, 6],
+    ]
+
+
+def test_image_tokens_expand_each_marker_by_its_image(reference, loaded):
+    tokens = loaded.vision.tokens
+    pixels = processed(loaded, reference)
+    counts = [tokens.tokens_for(p) for p in pixels]
+    assert counts == [15, 4]
+    text = tokens.expand("a<|vision_start|><|image_pad|><|vision_end|>b<|image_pad|>", counts)
+    assert text == "a<|vision_start|>" + "<|image_pad|>" * 15 + "<|vision_end|>b" + "<|image_pad|>" * 4
+    with pytest.raises(RequestError, match="renders 2 images for the 1 images"):
+        tokens.expand("a<|image_pad|>b<|image_pad|>", counts[:1])
+    with pytest.raises(RequestError, match="of 15, 4 tokens"):
+        rotary_positions(prompt_for(15, 3), pixels, loaded)
+
+
+def test_every_weight_layout_maps_onto_the_module(loaded):
+    from mlx.utils import tree_flatten
+
+    arch = loaded.arch.vision(loaded.config)
+    params = dict(tree_flatten(loaded.vision.module.parameters()))
+    for prefix in ("visual.", "model.visual."):
+        checkpoint = {"model.language_model.norm.weight": mx.zeros((32,)), "lm_head.weight": mx.zeros((64, 32))}
+        for name, array in params.items():
+            if name == "patch_embed.proj.weight":
+                array = array.reshape(array.shape[0], 3, 2, 4, 4)  # torch's Conv3d [D, C, T, P, P]
+            checkpoint[prefix + name] = array
+        sanitized = arch.sanitize(checkpoint, loaded.config)
+        assert sorted(sanitized) == sorted(params)
+        assert all(mx.array_equal(sanitized[name], params[name]) for name in params)
+    assert loaded.arch.vision({k: v for k, v in loaded.config.items() if k != "vision_config"}) is None
+
+
+def test_mlxr_info_reports_the_vision_side(reference, loaded):
+    from mlx.utils import tree_flatten
+
+    from mlxr_core.cli.info import describe_model
+
+    facts = describe_model(str(reference.folder), dtype="float32")
+    assert facts["architecture"] == "qwen2_5_vl"
+    params = sum(array.size for _, array in tree_flatten(loaded.vision.module.parameters()))
+    assert facts["vision"] == {
+        "parameters": params, "resident_bytes": params * 4, "tokens_per_image": None, "image_token_id": IMAGE,
+    }
