@@ -153,6 +153,39 @@ def rotate_half(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return x * cos + mx.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
 
 
+class Windows:
+    """Window attention's regrouping of one image shape's patches: the grid of tokens padded to
+    whole windows of ``side`` x ``side`` tokens, each window's patches one row of a batch
+    (:meth:`split`), and back (:meth:`join`); :attr:`mask` hides the padding's keys."""
+
+    def __init__(self, shape: tuple[int, ...], side: int):
+        t, h, w, m = shape[0], shape[1], shape[2], shape[3]
+        self.grid, self.side, self.block = (t, h, w), side, m * m
+        self.padded = (-(-h // side) * side, -(-w // side) * side)
+        H, W = self.padded
+        valid = np.zeros((t, H, W), dtype=bool)
+        valid[:, :h, :w] = True
+        windows = valid.reshape(t, H // side, side, W // side, side).transpose(0, 1, 3, 2, 4)
+        self.mask = mx.array(np.repeat(windows.reshape(-1, side * side), self.block, axis=1))[:, None, None, :]
+
+    def split(self, x: mx.array) -> mx.array:
+        """``[N, heads, patches, d]`` -> ``[N * windows, heads, patches per window, d]``."""
+        N, heads, _, d = x.shape
+        (t, h, w), s, (H, W) = self.grid, self.side, self.padded
+        x = x.reshape(N, heads, t, h, w, self.block, d)
+        x = mx.pad(x, [(0, 0), (0, 0), (0, 0), (0, H - h), (0, W - w), (0, 0), (0, 0)])
+        x = x.reshape(N, heads, t, H // s, s, W // s, s, self.block, d).transpose(0, 2, 3, 5, 1, 4, 6, 7, 8)
+        return x.reshape(-1, heads, s * s * self.block, d)
+
+    def join(self, y: mx.array, N: int) -> mx.array:
+        """:meth:`split`'s inverse, the padding dropped."""
+        _, heads, _, d = y.shape
+        (t, h, w), s, (H, W) = self.grid, self.side, self.padded
+        y = y.reshape(N, t, H // s, W // s, heads, s, s, self.block, d).transpose(0, 4, 1, 2, 5, 3, 6, 7, 8)
+        y = y.reshape(N, heads, t, H, W, self.block, d)[:, :, :, :h, :w]
+        return y.reshape(N, heads, t * h * w * self.block, d)
+
+
 class VisionAttention(nn.Module):
     def __init__(self, args: VisionArgs):
         super().__init__()
@@ -161,12 +194,19 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(D, 3 * D)
         self.proj = nn.Linear(D, D)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None) -> mx.array:
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, windows: Windows | None) -> mx.array:
+        """Attention over the whole image, or within each of ``windows``."""
         N, L, D = x.shape
         qkv = self.qkv(x).reshape(N, L, 3, self.heads, -1).transpose(2, 0, 3, 1, 4)
         queries, keys, values = rotate_half(qkv[0], cos, sin), rotate_half(qkv[1], cos, sin), qkv[2]
         scale = (D // self.heads) ** -0.5
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        if windows is None:
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale)
+        else:
+            mask = mx.tile(windows.mask, (N, 1, 1, 1))
+            queries, keys, values = windows.split(queries), windows.split(keys), windows.split(values)
+            out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+            out = windows.join(out, N)
         result: mx.array = self.proj(out.transpose(0, 2, 1, 3).reshape(N, L, D))
         return result
 
@@ -191,8 +231,8 @@ class VisionBlock(nn.Module):
         self.norm2 = nn.RMSNorm(args.hidden_size, eps=1e-6)
         self.mlp = VisionMLP(args)
 
-    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, mask: mx.array | None) -> mx.array:
-        x = x + self.attn(self.norm1(x), cos, sin, mask)
+    def __call__(self, x: mx.array, cos: mx.array, sin: mx.array, windows: Windows | None) -> mx.array:
+        x = x + self.attn(self.norm1(x), cos, sin, windows)
         return x + self.mlp(self.norm2(x))
 
 
@@ -240,21 +280,12 @@ class Qwen25Vision(nn.Module):
         angles = np.concatenate([angles, angles], axis=1)
         return mx.array(np.cos(angles)), mx.array(np.sin(angles))
 
-    def window_mask(self, shape: tuple[int, ...]) -> mx.array:
-        """Patches attend within their window of ``window_blocks`` square blocks (per frame)."""
-        t, h, w, m = shape[0], shape[1], shape[2], shape[3]
-        frames, rows, cols = np.indices((t, h, w)).reshape(3, -1)
-        side = self.args.window_blocks
-        windows = -(-w // side)
-        window = np.repeat((frames * -(-h // side) + rows // side) * windows + cols // side, m * m)
-        return mx.array(window[:, None] == window[None, :])
-
     def __call__(self, pixels: mx.array) -> mx.array:
         shape = tuple(pixels.shape[1:])
         N = pixels.shape[0]
         x = self.patch_embed.proj(pixels.reshape(N, -1, pixels.shape[-1]))
         cos, sin = self.rotary(shape)
-        windowed = self.window_mask(shape)
+        windowed = Windows(shape, self.args.window_blocks)
         full = set(self.args.fullatt_block_indexes)
         for index, block in enumerate(self.blocks):
             x = block(x, cos, sin, None if index in full else windowed)
