@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Any
 
 from mlxr_core.cli.commands import Subparsers
-from mlxr_core.config.schema import DTYPES, QUANTIZATION_POLICIES
+from mlxr_core.config.schema import DTYPES, QUANTIZATION_POLICIES, KVCacheConfig, ModelConfig
 
 
 def _positive(text: str) -> int:
@@ -26,6 +26,20 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _kv_cache(text: str) -> KVCacheConfig:
+    """``--kv-cache``: a ``models[].kv_cache`` mapping in YAML's inline form."""
+    import yaml
+
+    from mlxr_core.config.loader import structure_strict
+    from mlxr_core.errors import ConfigError
+
+    try:
+        setting: KVCacheConfig = structure_strict(yaml.safe_load(text), KVCacheConfig, where=("kv_cache",))
+    except (ConfigError, yaml.YAMLError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return setting
 
 
 def add_parser(subparsers: Subparsers) -> None:
@@ -53,14 +67,26 @@ def add_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument("--quantization", choices=QUANTIZATION_POLICIES, default="auto",
                         help="weight policy (as models[].quantization; default auto)")  # fmt: skip
+    parser.add_argument(
+        "--kv-cache", type=_kv_cache, metavar="SETTING",
+        help="size keys and values stored as models[].kv_cache, e.g. '{method: turboquant, bits: 3}' "
+        "(default: full precision)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
 
 def describe_model(
-    model: str, *, dtype: str = "auto", quantization: str = "auto", context: int | None = None
+    model: str,
+    *,
+    dtype: str = "auto",
+    quantization: str = "auto",
+    context: int | None = None,
+    kv_cache: KVCacheConfig | None = None,
 ) -> dict[str, Any]:
-    """The facts ``mlxr info`` prints, as a dict."""
+    """The facts ``mlxr info`` prints, as a dict; KV bytes as ``kv_cache`` stores them (the
+    checks of ``mlxr serve``: a setting the model cannot take is a ConfigError naming the key)."""
+    import attrs
     from mlx.utils import tree_flatten
 
     from mlxr_core.kernels import bind_kernels
@@ -72,6 +98,7 @@ def describe_model(
         check_config,
         choose_arch,
         default_dtype,
+        kv_quantization,
         pick_format,
     )
     from mlxr_core.model.paths import resolve_model_path
@@ -113,9 +140,16 @@ def describe_model(
     layers = len(caches)
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
     attention = sum(1 for cache in caches if cache.attends)
-    kv_per_token = 2 * attention * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * itemsize
+    full_per_token = 2 * attention * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * itemsize
     state = reserve_bytes(caches, 0, 0, itemsize)  # recurrent layers' fixed state per sequence
     context = context or arch.context_length(config)
+    kv_per_token, kept = full_per_token, 0
+    storage = kv_quantization(ModelConfig(path=model, kv_cache=kv_cache), built, chosen, path.name, registries)
+    if storage is not None:
+        heads, head_dim = int(shapes["n_kv_heads"]), int(shapes["head_dim"])
+        kv_per_token = attention * storage.bytes_per_position(heads, head_dim, itemsize)
+        kept = storage.full_precision_positions(context) * full_per_token  # a window's copy, say
+    kv_at_context = kv_per_token * context + kept + state
     return {
         **_vision_facts(checkpoint, arch, DTYPES[dtype]),
         "path": str(path),
@@ -132,12 +166,14 @@ def describe_model(
         "quantization": dict(sorted(report.items())),
         "resident_bytes": int(resident),
         "layers": layers,
+        "kv_cache": attrs.asdict(storage) if storage is not None else None,
         "kv_bytes_per_token": kv_per_token,
+        "kv_bytes_per_token_full_precision": full_per_token,
         "context_length": context,
         "recurrent_layers": layers - attention,
         "state_bytes_per_sequence": state,
-        "kv_bytes_at_context": kv_per_token * context + state,
-        "memory_at_context_bytes": int(resident) + kv_per_token * context + state,
+        "kv_bytes_at_context": kv_at_context,
+        "memory_at_context_bytes": int(resident) + kv_at_context,
     }
 
 
@@ -174,8 +210,9 @@ def run(args: argparse.Namespace) -> int:
 
     enable()  # a spinner on stderr while the model loads, on a terminal only
     facts = describe_model(
-        args.model, dtype=args.dtype, quantization=args.quantization, context=args.context
-    )
+        args.model, dtype=args.dtype, quantization=args.quantization, context=args.context,
+        kv_cache=args.kv_cache,
+    )  # fmt: skip
     if args.json:
         print(json.dumps(facts, indent=2))
         return 0
@@ -200,7 +237,9 @@ def run(args: argparse.Namespace) -> int:
         tokens = f"{per_image} tokens per image" if per_image else "tokens per image from its size"
         print(f"vision:       {vision['parameters']:,} parameters ({_size(vision['resident_bytes'])}), {tokens}",
               file=out)  # fmt: skip
-    print(f"KV cache:     {_size(facts['kv_bytes_per_token'])} per token", file=out)
+    stored = facts["kv_cache"]
+    how = "" if stored is None else f" ({stored.get('method', 'affine')} {stored['bits']}-bit; full precision {_size(facts['kv_bytes_per_token_full_precision'])})"
+    print(f"KV cache:     {_size(facts['kv_bytes_per_token'])} per token{how}", file=out)
     if facts["recurrent_layers"]:
         print(
             f"recurrent:    {facts['recurrent_layers']} layers, "

@@ -99,3 +99,18 @@ def test_a_mixture_of_experts_reports_its_active_parameters(tmp_path, capsys):
     assert facts["parameters"] - facts["active_parameters"] == experts * 3 // 4
     assert main(["info", str(tmp_path)]) == 0
     assert "per token (mixture of experts)" in capsys.readouterr().out
+
+
+def test_kv_bytes_per_token_under_a_kv_cache_setting(files, capsys):
+    args = [str(files["f32"]), "--json", "--dtype", "float32", "--context", "1000"]
+    turbo = json.loads(info(capsys, *args, "--kv-cache", "{method: turboquant, bits: 3, window: 16}"))
+    # per head: 2-bit key codes (4 bytes), sign bits (2), two float16 norms; 3-bit values (6), a norm
+    assert turbo["kv_bytes_per_token"] == LAYERS * KV_HEADS * (4 + 2 + 4 + 6 + 2)
+    assert turbo["kv_bytes_per_token_full_precision"] == 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
+    window_copy = (16 + 64) * turbo["kv_bytes_per_token_full_precision"]  # the window and its slack
+    assert turbo["kv_bytes_at_context"] == 1000 * turbo["kv_bytes_per_token"] + window_copy
+    assert turbo["kv_cache"] == {"bits": 3, "window": 16, "method": "turboquant"}
+    printed = info(capsys, str(files["f32"]), "--kv-cache", "{method: turboquant, bits: 3}")
+    assert "KV cache:     72 B per token (turboquant 3-bit; full precision 512 B)" in printed
+    assert main(["info", str(files["f32"]), "--kv-cache", "{bits: 8, group_size: 32}"]) == 2
+    assert "models[].kv_cache.group_size 32 does not divide the head size 16" in capsys.readouterr().err
