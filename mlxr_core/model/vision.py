@@ -100,9 +100,13 @@ class ImageTokens:
         return "".join(part + run for part, run in zip(parts, [*runs, ""], strict=True))
 
     def count(self, ids: Sequence[int]) -> int:
-        """Images a tokenized prompt holds room for, at :attr:`tokens_per_image` each; raises
-        RequestError when a run of image tokens is not a whole number of images."""
-        positions = int(np.sum(np.asarray(ids) == self.image_token_id))
+        """Images a tokenized prompt holds room for: at :attr:`tokens_per_image` each (RequestError
+        when a run of image tokens is not a whole number of images), or where the count varies
+        with the image (:attr:`grid`), one per run of image tokens."""
+        is_image = np.asarray(ids) == self.image_token_id
+        if self.grid is not None:
+            return int(np.sum(is_image[1:] & ~is_image[:-1]) + (len(ids) > 0 and is_image[0]))
+        positions = int(np.sum(is_image))
         if positions % self.tokens_per_image:
             raise RequestError(
                 f"the prompt holds {positions} image tokens, not a multiple of {self.tokens_per_image} per image"

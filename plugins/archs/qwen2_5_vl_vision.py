@@ -45,6 +45,8 @@ class VisionArgs(ConfigArgs):
     """A ``qwen2_5_vl`` checkpoint's ``vision_config`` (Hugging Face names and defaults)."""
 
     family = "qwen2_5_vl vision"
+    #: The released checkpoints' configs say ``in_chans``.
+    aliases = {"in_channels": ("in_chans",)}
     limits = {name: (1, 1 << 16) for name in (
         "depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
         "spatial_merge_size", "temporal_patch_size", "window_size", "out_hidden_size",

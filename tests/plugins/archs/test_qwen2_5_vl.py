@@ -197,6 +197,28 @@ def test_image_tokens_expand_each_marker_by_its_image(reference, loaded):
         tokens.expand("a<|image_pad|>b<|image_pad|>", counts[:1])
     with pytest.raises(RequestError, match="of 15, 4 tokens"):
         rotary_positions(prompt_for(15, 3), pixels, loaded)
+    assert tokens.count(prompt_for(15, 4)) == 2 and tokens.count(prompt_for()) == 0
+
+
+def test_configs_the_graph_cannot_follow_are_refused_naming_the_key(loaded):
+    from mlxr_core.errors import ModelLoadError
+    from mlxr_core.kernels import bind_kernels
+
+    registries = load_plugins().registries
+    kernels = bind_kernels(registries.kernels, dtype="float32", shapes=loaded.arch.kernel_context(loaded.config))
+    text = dict(loaded.config["text_config"])
+    cases = {
+        "rope_scaling.mrope_section": {**text, "rope_parameters": {**text["rope_parameters"], "mrope_section": [2, 3, 4]}},
+        "rope_scaling": {**text, "rope_parameters": {"rope_type": "yarn", "factor": 2.0}},
+    }
+    for key, broken in cases.items():
+        with pytest.raises(ModelLoadError) as caught:
+            loaded.arch.build({**loaded.config, "text_config": broken}, kernels)
+        assert caught.value.key == key
+    vision = {**loaded.config["vision_config"], "num_heads": 3}
+    with pytest.raises(ModelLoadError, match="num_heads 3") as caught:
+        loaded.arch.vision(loaded.config).build({**loaded.config, "vision_config": vision})
+    assert caught.value.key == "vision_config.hidden_size"
 
 
 def test_every_weight_layout_maps_onto_the_module(loaded):
