@@ -203,13 +203,16 @@ def run_engine(tiny_path, folder, prompt, *, dtype="float32", kv_cache=None, ena
     return [t for e in events if isinstance(e, Delta) for t in e.token_ids], stats
 
 
-def test_a_restarted_engine_answers_from_the_disk_tier_as_a_cold_one_does(tiny_path, tmp_path):
-    run_engine(tiny_path, tmp_path, [*PREFIX, 7, 8, 9])  # its entry reaches disk at shutdown
+@pytest.mark.parametrize(
+    "kv_cache", [None, KVCacheConfig(method="turboquant", bits=3, window=4)], ids=["full", "turboquant"]
+)
+def test_a_restarted_engine_answers_from_the_disk_tier_as_a_cold_one_does(tiny_path, tmp_path, kv_cache):
+    run_engine(tiny_path, tmp_path, [*PREFIX, 7, 8, 9], kv_cache=kv_cache)  # its entry reaches disk at shutdown
     assert len(list(tmp_path.glob("*.safetensors"))) == 1
     prompt = [*PREFIX, 200, 201]
-    warm, stats = run_engine(tiny_path, tmp_path, prompt)
+    warm, stats = run_engine(tiny_path, tmp_path, prompt, kv_cache=kv_cache)
     assert stats["disk_hits"] == 1 and stats["reused_tokens"] == len(PREFIX)
-    cold, _ = run_engine(tiny_path, tmp_path, prompt, enabled=False)
+    cold, _ = run_engine(tiny_path, tmp_path, prompt, enabled=False, kv_cache=kv_cache)
     assert warm == cold
 
 
