@@ -100,6 +100,9 @@ class ServerConfig:
     #: whole fetch, at most 3 redirects); off, an image URL is a 400 asking for the image inline.
     allow_remote_images: bool = False
     remote_image_timeout_s: float = attrs.field(default=10.0, validator=v.gt(0.0))
+    #: With remote images on, also fetch from hosts at loopback, private, link-local and other
+    #: non-public addresses (a trusted network); off, such a host is a 400 at every redirect.
+    remote_image_private_hosts: bool = False
     responses_store: ResponsesStoreConfig = attrs.field(factory=ResponsesStoreConfig)
 
 

@@ -9,7 +9,11 @@ the other, text that is not base64, a file Pillow cannot read or that ends early
 
 An ``http(s)`` URL is refused unless ``server.allow_remote_images`` is on; then it is fetched in
 the same worker thread (:func:`fetch_image`) under the same byte limit and
-``server.remote_image_timeout_s``.
+``server.remote_image_timeout_s``. A host that resolves to an address off the public internet
+(loopback, private, link-local such as a cloud metadata service, carrier-grade NAT, reserved) is
+refused unless ``server.remote_image_private_hosts`` is on, at every redirect; the connection goes
+to the address that was checked (the URL's host kept for ``Host`` and TLS), so a name that
+resolves again to another address between check and connect is not followed there.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import binascii
 import functools
 import hashlib
 import io
+import ipaddress
+import socket
 import time
 import urllib.parse
 from typing import TYPE_CHECKING
@@ -95,7 +101,13 @@ def _decode_all(inputs: list[ImageInput], processor: ImageProcessor, server: Ser
     images = []
     for image in inputs:
         if image.url:
-            raw = fetch_image(image.data, image.field, server.max_image_bytes, server.remote_image_timeout_s)
+            raw = fetch_image(
+                image.data,
+                image.field,
+                server.max_image_bytes,
+                server.remote_image_timeout_s,
+                private_hosts=server.remote_image_private_hosts,
+            )
         else:
             raw = decode_base64(image.data, image.field, server.max_image_bytes)
         images.append(decode_image(raw, image.field, processor, server.max_image_pixels))
@@ -119,9 +131,10 @@ def decode_base64(data: str, field: str, max_bytes: int) -> bytes:
     return raw
 
 
-def fetch_image(url: str, field: str, max_bytes: int, timeout: float) -> bytes:
+def fetch_image(url: str, field: str, max_bytes: int, timeout: float, *, private_hosts: bool = False) -> bytes:
     """The bytes at an ``http(s)`` ``url``: at most :data:`MAX_REDIRECTS` redirects (each to
-    http or https), a 2xx answer, at most ``max_bytes`` read (a larger body is refused without
+    http or https, each host on a public address unless ``private_hosts``: :func:`pin_host`), a
+    2xx answer, at most ``max_bytes`` read (a larger body is refused without
     reading the rest), and the fetch ended once ``timeout`` seconds have passed (checked between
     reads; one read waits at most what was left when its request was sent). Blocking: call it in a
     worker thread. Any failure is a RequestError naming ``field``."""
@@ -133,10 +146,12 @@ def fetch_image(url: str, field: str, max_bytes: int, timeout: float) -> bytes:
         with httpx.Client(headers=headers, follow_redirects=False) as client:
             for _ in range(MAX_REDIRECTS + 1):
                 _check_scheme(url, field)
+                pinned, host, sni = pin_host(url, field, private_hosts=private_hosts)
                 left = max(deadline - time.monotonic(), 0.001)
-                with client.stream("GET", url, timeout=left) as response:
+                extensions = {"sni_hostname": sni} if sni else None
+                with client.stream("GET", pinned, headers={"host": host}, timeout=left, extensions=extensions) as response:
                     if response.is_redirect:
-                        url = str(response.url.join(response.headers["location"]))
+                        url = urllib.parse.urljoin(url, response.headers["location"])
                         continue
                     if not response.is_success:
                         raise RequestError(f"fetching the image URL got HTTP {response.status_code}", field=field)
@@ -159,6 +174,41 @@ def fetch_image(url: str, field: str, max_bytes: int, timeout: float) -> bytes:
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
         raise RequestError(f"fetching the image URL failed: {exc}", field=field) from None
     raise RequestError(f"the image URL redirects more than {MAX_REDIRECTS} times", field=field)
+
+
+def pin_host(url: str, field: str, *, private_hosts: bool = False) -> tuple[str, str, str | None]:
+    """``url`` with its host replaced by the address it resolves to, the ``Host`` header to send,
+    and the TLS server name (https only). The host's addresses must all be public (``is_global``,
+    an IPv4-mapped IPv6 address judged as its IPv4 one) unless ``private_hosts``; otherwise a
+    RequestError naming ``field``."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname
+    if not host:
+        raise RequestError(f"the image URL names no host: {url[:100]!r}", field=field)
+    https = parts.scheme.lower() == "https"
+    try:
+        port = parts.port or (443 if https else 80)
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, ValueError) as exc:
+        raise RequestError(f"the image URL's host {host!r} does not resolve: {exc}", field=field) from None
+    addresses = [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in found]
+    if not private_hosts:
+        for address in addresses:
+            judged = getattr(address, "ipv4_mapped", None) or address
+            if not judged.is_global:
+                raise RequestError(
+                    f"the image URL's host {host!r} is at {address}, not a public address; this server "
+                    "fetches images from public addresses only (server.remote_image_private_hosts is off)",
+                    field=field,
+                )
+    first = addresses[0]
+    literal = f"[{first}]" if first.version == 6 else str(first)
+    netloc = f"{literal}:{port}"
+    pinned = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
+    header = host if parts.port is None else f"{host}:{parts.port}"
+    if ":" in host:
+        header = f"[{host}]" if parts.port is None else f"[{host}]:{parts.port}"
+    return pinned, header, host if https else None
 
 
 def _check_scheme(url: str, field: str) -> None:

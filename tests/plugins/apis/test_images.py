@@ -22,6 +22,7 @@ from scripted import ThreadedServer
 
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
 from mlxr_core.engine.engine import Engine
+from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.server import build_app
 from mlxr_core.plugins import load_plugins
@@ -269,6 +270,7 @@ def image_host() -> Iterator[str]:
 @pytest.fixture
 def remote_images(vision_config: Config, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(vision_config.server, "allow_remote_images", True)
+    monkeypatch.setattr(vision_config.server, "remote_image_private_hosts", True)  # the host is on loopback
     monkeypatch.setattr(vision_config.server, "remote_image_timeout_s", 1.0)
     monkeypatch.setattr(vision_config.server, "max_image_bytes", 100_000)
 
@@ -312,6 +314,38 @@ def test_remote_image_failures_are_a_400_naming_the_field(server: str, image_hos
 def test_only_http_urls_are_fetched(server: str) -> None:
     reply = httpx.post(f"{server}/v1/chat/completions", json=image_url_request("ftp://127.0.0.1/cat.png"), timeout=60)
     assert reply.status_code == 400 and "only http and https" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "[::1]", "169.254.169.254", "10.1.2.3", "[::ffff:127.0.0.1]"])
+def test_private_hosts_are_refused_unless_allowed(
+    server: str, image_host: str, vision_config: Config, monkeypatch: pytest.MonkeyPatch, host: str
+) -> None:
+    monkeypatch.setattr(vision_config.server, "allow_remote_images", True)
+    monkeypatch.setattr(vision_config.server, "remote_image_timeout_s", 1.0)
+    port = image_host.rpartition(":")[2]
+    reply = httpx.post(f"{server}/v1/chat/completions", json=image_url_request(f"http://{host}:{port}/cat/"), timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert "not a public address" in error["message"] and "remote_image_private_hosts" in error["message"]
+    assert error["param"] == "messages[0].content[1].image_url"
+
+
+def test_a_fetch_connects_to_the_address_it_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxr_core.http import images
+
+    answers = {"cdn.example": "93.184.215.14", "inside.example": "192.168.1.7", "v6.example": "2606:4700::6810:84e5"}
+
+    def resolve(host: str, port: int, **_: Any) -> list[tuple[Any, ...]]:
+        return [(None, None, None, "", (answers[host], port))]
+
+    monkeypatch.setattr(images.socket, "getaddrinfo", resolve)
+    assert images.pin_host("https://cdn.example/a.png?x=1", "f") == (
+        "https://93.184.215.14:443/a.png?x=1", "cdn.example", "cdn.example")
+    assert images.pin_host("http://v6.example:8080/a.png", "f") == (
+        "http://[2606:4700::6810:84e5]:8080/a.png", "v6.example:8080", None)
+    with pytest.raises(RequestError, match=r"192\.168\.1\.7, not a public address"):
+        images.pin_host("http://inside.example/a.png", "f")
+    assert images.pin_host("http://inside.example/a.png", "f", private_hosts=True)[0] == "http://192.168.1.7:80/a.png"
 
 
 def anthropic_image(raw_b64: str) -> dict[str, Any]:
