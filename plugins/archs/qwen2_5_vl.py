@@ -8,8 +8,9 @@ processor are in :mod:`mlxr_plugins.archs.qwen2_5_vl_vision`.
 
 Configs: the text keys at the top level with ``rope_scaling: {type: mrope, mrope_section}`` (the
 released checkpoints), or under ``text_config`` with ``rope_parameters`` (transformers 5).
-Weights: the text model under ``model.`` (or ``model.language_model.``), ``lm_head``, the tower
-under ``visual.`` (or ``model.visual.``).
+Weights: the text model under ``model.`` (or ``model.language_model.``, or mlx-vlm's
+``language_model.model.``), ``lm_head``, the tower under ``visual.`` (or ``model.visual.``, or
+mlx-vlm's ``vision_tower.``).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Qwen25VLArchitecture(Qwen2Architecture):
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
         """The language model's weights under ``model.`` and ``lm_head``; the tower dropped."""
-        text = {text_name(name): array for name, array in weights.items() if not name.startswith(("visual.", "model.visual."))}
+        tower = ("visual.", "model.visual.", "vision_tower.")
+        text = {text_name(name): array for name, array in weights.items() if not name.startswith(tower)}
         return super().sanitize(text, config)
 
     def sanitized_modules(self, module: str) -> list[str]:

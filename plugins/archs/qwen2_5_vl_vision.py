@@ -13,8 +13,9 @@ each flattened patch), blocks of RMS norm, attention with 2D RoPE (half of each 
 frequencies rotate by the patch's row, half by its column) and a SwiGLU MLP; attention stays
 within windows of ``window_size`` pixels except in the ``fullatt_block_indexes`` blocks; the
 merger (RMS norm, four patches' features side by side, an MLP with GELU) gives one token per 2x2
-block, in row-major order. Checkpoint names: ``visual.*`` (as transformers saves them) or
-``model.visual.*``.
+block, in row-major order. Checkpoint names: ``visual.*`` (as transformers saves them),
+``model.visual.*``, or ``vision_tower.*`` with the patch convolution channels last (folders
+mlx-vlm wrote).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 ACTIVATIONS = {"silu": nn.silu, "gelu": nn.gelu, "gelu_pytorch_tanh": nn.gelu_approx}
 #: ``Qwen2_5_VLConfig`` defaults: the token ids of an image and the text around it.
 IMAGE_TOKEN_ID, IMAGE_TEXT = 151_655, "<|image_pad|>"
-PREFIXES = ("model.visual.", "visual.")
+#: Where the tower's tensors sit, and whether the patch convolution's channels come last there.
+PREFIXES = {"model.visual.": False, "visual.": False, "vision_tower.": True}
 
 
 @dataclasses.dataclass
@@ -301,8 +303,8 @@ class Qwen25VisionArchitecture:
         return Qwen25Vision(VisionArgs.read(config))
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
-        """The tower's tensors without their prefix; the patch convolution's
-        ``[D, C, T, P, P]`` as the linear map of a flattened patch."""
+        """The tower's tensors without their prefix; the patch convolution's ``[D, C, T, P, P]``
+        (``[D, T, P, P, C]`` from mlx-vlm) as the linear map of a flattened ``[C, T, P, P]`` patch."""
         out = {}
         for name, array in weights.items():
             prefix = next((p for p in PREFIXES if name.startswith(p)), None)
@@ -310,6 +312,8 @@ class Qwen25VisionArchitecture:
                 continue
             name = name[len(prefix) :]
             if name == "patch_embed.proj.weight" and array.ndim == 5:
+                if PREFIXES[prefix]:
+                    array = array.transpose(0, 4, 1, 2, 3)
                 array = array.reshape(array.shape[0], -1)
             out[name] = array
         return out

@@ -226,15 +226,18 @@ def test_every_weight_layout_maps_onto_the_module(loaded):
 
     arch = loaded.arch.vision(loaded.config)
     params = dict(tree_flatten(loaded.vision.module.parameters()))
-    for prefix in ("visual.", "model.visual."):
+    for prefix in ("visual.", "model.visual.", "vision_tower."):
         checkpoint = {"model.language_model.norm.weight": mx.zeros((32,)), "lm_head.weight": mx.zeros((64, 32))}
         for name, array in params.items():
             if name == "patch_embed.proj.weight":
                 array = array.reshape(array.shape[0], 3, 2, 4, 4)  # torch's Conv3d [D, C, T, P, P]
+                if prefix == "vision_tower.":
+                    array = array.transpose(0, 2, 3, 4, 1)  # mlx-vlm's channels last
             checkpoint[prefix + name] = array
         sanitized = arch.sanitize(checkpoint, loaded.config)
         assert sorted(sanitized) == sorted(params)
         assert all(mx.array_equal(sanitized[name], params[name]) for name in params)
+        assert sorted(loaded.arch.sanitize(checkpoint, loaded.config)) == ["lm_head.weight", "model.norm.weight"]
     assert loaded.arch.vision({k: v for k, v in loaded.config.items() if k != "vision_config"}) is None
 
 
