@@ -171,3 +171,13 @@ class EngineStopped(MlxrError):
     """The engine is shutting down or has stopped."""
 
     status = 503
+
+
+class Unsupported(MlxrError):
+    """The server cannot do this in its configuration; the message says which setting keeps it."""
+
+    status = 501
+
+
+class RankLost(EngineStopped):
+    """A server running across processes (``distributed:``) lost one of them; it is going down."""

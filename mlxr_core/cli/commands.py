@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 #: Built-in command -> module with ``add_parser(subparsers)``, in ``mlxr --help`` order.
 BUILTIN_COMMANDS = {
     "serve": "mlxr_core.cli.serve",
+    "launch": "mlxr_core.cli.launch",
     "generate": "mlxr_core.cli.generate",
     "bench": "mlxr_core.cli.bench",
     "info": "mlxr_core.cli.info",

@@ -34,7 +34,8 @@ from mlxr_core.config.schema import LOG_LEVELS
 from mlxr_core.errors import MlxrError
 
 if TYPE_CHECKING:
-    from mlxr_core.config.schema import ServerConfig
+    from mlxr_core.config.schema import Config, ServerConfig
+    from mlxr_core.distributed import World
     from mlxr_core.engine.engine import Engine
     from mlxr_core.http.context import ServerContext
     from mlxr_core.plugins import PluginHost
@@ -97,6 +98,12 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "debug", False) and parse_level(level) > logging.DEBUG:
         level = "debug"  # `mlxr -v serve`
     setup_logging(level)
+    from mlxr_core.distributed import check_distributed, join_world
+
+    check_distributed(config)
+    world = join_world(config.distributed)  # under mlx.launch: waits for every rank
+    if world is not None and not world.leader:
+        return follow(config, world)
     listener = bind(config.server)
     with listener:  # closed by uvicorn when it serves; here when anything before that fails
         from mlxr_core.engine.engine import Engine
@@ -115,9 +122,28 @@ def run(args: argparse.Namespace) -> int:
         sections = validate_plugin_sections(config, host.registries)
         validate_parser_choices(config, host.registries)
         validate_kv_cache_choices(config, host.registries)
-        engine = Engine(config, host)
+        engine = Engine(config, host, world=world)
         ctx = ServerContext(config=config, host=host, engine=engine, plugin_config=sections)
         return serve(build_app(ctx), ctx, log_level=level, listener=listener)
+
+
+def follow(config: Config, world: World) -> int:
+    """A rank other than 0 (``distributed:``): no HTTP; the engine runs rank 0's steps in lockstep
+    and stops when rank 0's does (0), or exits the process when a rank is lost."""
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.plugins import load_plugins
+
+    host = load_plugins(
+        disable=config.plugins.disable,
+        strict=True if config.plugins.strict else None,
+        require=config.plugins.require,
+    )
+    engine = Engine(config, host, world=world)
+    engine.start(wait=True)  # a model that fails to load raises here; rank 0 fails the same way
+    log.info("rank %d of %d: serving rank 0's requests in lockstep", world.rank, world.size)
+    engine.join()
+    engine.stop()
+    return 0
 
 
 def bind(server_config: ServerConfig) -> socket.socket:

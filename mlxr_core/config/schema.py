@@ -217,6 +217,44 @@ class EngineConfig:
     mlx_memory_limit_bytes: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))
 
 
+#: ``mx.distributed`` backends ``mlx.launch`` starts; ``auto``: NCCL with CUDA, else ring.
+DISTRIBUTED_BACKENDS = ("auto", "ring", "mpi", "nccl", "jaccl")
+
+
+def _one_host_source(instance: Any, attribute: attrs.Attribute[Any], hostfile: str | None) -> None:
+    if hostfile is not None and instance.hosts:
+        raise ValueError("set 'hosts' or 'hostfile', not both")
+
+
+@attrs.define
+class DistributedConfig:
+    """Serving one model across processes on ``mx.distributed`` (see :mod:`mlxr_core.distributed`):
+    ``mlxr launch`` starts ``tensor_parallel`` x ``pipeline_parallel`` ranks through ``mlx.launch``;
+    rank 0 serves HTTP, every rank runs the engine in lockstep. Both sizes 1: one process."""
+
+    backend: str = attrs.field(default="auto", converter=_lower, validator=v.in_(DISTRIBUTED_BACKENDS))
+    #: Hosts (IP addresses for the ring backend), one rank each in order, rank 0 first; empty:
+    #: every rank on 127.0.0.1. Passed to ``mlx.launch --hosts``.
+    hosts: list[str] = attrs.field(factory=list, validator=_no_empty_name)
+    #: An ``mlx.launch`` hostfile (JSON, see ``mlx.distributed_config``) instead of ``hosts``.
+    hostfile: str | None = attrs.field(default=None, validator=[v.optional(v.min_len(1)), _one_host_source])
+    #: Ranks each layer's attention heads and MLP columns are split across (one all-reduce per
+    #: attention and per MLP).
+    tensor_parallel: int = attrs.field(default=1, validator=[v.ge(1), v.le(64)])
+    #: Ranks the layers are split across in order (activations passed on with send/recv; not
+    #: on NCCL, which has no send/recv in MLX).
+    pipeline_parallel: int = attrs.field(default=1, validator=[v.ge(1), v.le(64)])
+    #: Seconds one engine step (its collectives included) may take on any rank before that rank
+    #: declares a peer dead: rank 0 ends its requests with an error and every rank exits non-zero.
+    step_timeout_s: float = attrs.field(default=30.0, validator=v.gt(0.0))
+    #: First TCP port of the ring backend (one per rank; ``mlx.launch --starting-port``).
+    port: int = attrs.field(default=32323, validator=[v.ge(1), v.le(65535)])
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel
+
+
 @attrs.define
 class SamplingConfig:
     """Defaults for requests that leave a parameter out."""
@@ -252,6 +290,8 @@ class Config:
         default=attrs.Factory(lambda self: default_apis(self.server.host), takes_self=True)
     )
     plugins: PluginsConfig = attrs.field(factory=PluginsConfig)
+    #: Several processes serving each model together (tensor / pipeline parallel); see ``mlxr launch``.
+    distributed: DistributedConfig = attrs.field(factory=DistributedConfig)
 
 
 def is_loopback(host: str) -> bool:

@@ -36,10 +36,13 @@ from mlxr_core.errors import (
     ModelNotFound,
     Overloaded,
     RequestError,
+    Unsupported,
 )
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
+    from mlxr_core.distributed import World
+    from mlxr_core.engine.lockstep import Lockstep
     from mlxr_core.engine.scheduler import Scheduler
     from mlxr_core.model.loader import LoadedModel
     from mlxr_core.model.tokenizer import Tokenizer
@@ -95,8 +98,10 @@ class Engine:
     """Owns MLX. States: ``created`` -> ``loading`` -> ``ready`` -> ``stopping`` -> ``stopped``
     (or ``failed`` when a model does not load)."""
 
-    def __init__(self, config: Config, host: PluginHost):
+    def __init__(self, config: Config, host: PluginHost, world: World | None = None):
         self.config = config
+        #: This process's rank among several serving together (``distributed:``), or None.
+        self.world = world
         self.host = host
         self.state = "created"
         self.error: BaseException | None = None
@@ -132,6 +137,12 @@ class Engine:
         self._thread.start()
         if wait:
             self.wait_ready(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the engine thread to end: on a rank other than 0 (``distributed:``), when rank
+        0's engine stops."""
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def wait_ready(self, timeout: float | None = None) -> None:
         if not self._ready.wait(timeout):
@@ -369,6 +380,8 @@ class Engine:
 
     def _queue_job(self, job: EngineJob) -> EngineJob:
         """Queue ``job`` for the engine thread, which runs it between batch steps."""
+        if self.world is not None:
+            raise Unsupported(f"{job.what} is not served across several processes (distributed:) yet")
         with self._jobs_lock:
             if not self._jobs_open:
                 raise EngineStopped("the server is shutting down")
@@ -428,8 +441,9 @@ class Engine:
             with mx.stream(stream):
                 for index, model_config in enumerate(self.config.models):
                     loaded = load_model(
-                        model_config, self.host.registries, kernel_choices=self.config.kernels
-                    )
+                        model_config, self.host.registries, kernel_choices=self.config.kernels,
+                        tensor_group=self.world.group if self.world is not None else None,
+                    )  # fmt: skip
                     self._add_names(index, loaded.name, model_config.aliases)
                     self._loaded[loaded.name] = loaded
                     self.host.notify("mlxr_model_loaded", name=loaded.name, model=loaded)
@@ -469,6 +483,7 @@ class Engine:
             self._stop,
             self._abort,
             jobs=self._jobs,
+            lockstep=self._lockstep(),
         )
         try:  # decoders' preconditions (a draft model's vocabulary, trimmable caches)
             with mx.stream(stream):
@@ -506,6 +521,14 @@ class Engine:
         gc.collect()
         mx.clear_cache()
 
+
+    def _lockstep(self) -> Lockstep | None:
+        """The ranks' lockstep (:mod:`mlxr_core.engine.lockstep`) when several serve together."""
+        from mlxr_core.engine.lockstep import Lockstep
+
+        if self.world is None:
+            return None
+        return Lockstep(self.world, self._queue, self._stop, self._abort)
 
     def _add_names(self, index: int, name: str, aliases: Sequence[str]) -> None:
         """Record model ``index``'s name (the configured one or its default name) and aliases; a name

@@ -24,6 +24,7 @@ from mlxr_core.errors import EngineStopped, MlxrError
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import EngineConfig
+    from mlxr_core.engine.lockstep import Lockstep
     from mlxr_core.model.loader import LoadedModel
     from mlxr_core.plugins import Registries
 
@@ -42,6 +43,7 @@ class Scheduler:
         stop: threading.Event,
         abort: threading.Event,
         jobs: queue.Queue[EngineJob] | None = None,
+        lockstep: Lockstep | None = None,
     ):
         self.config = config
         self.models = models
@@ -51,6 +53,11 @@ class Scheduler:
         self.abort = abort
         #: Non-generation work (embeddings) run between steps; see :mod:`mlxr_core.engine.jobs`.
         self.jobs: queue.Queue[EngineJob] = jobs if jobs is not None else queue.Queue()
+        #: Under ``distributed:``, the exchange keeping every rank's loop taking the same inputs:
+        #: requests, cancellations and shutdown come from it (see :mod:`mlxr_core.engine.lockstep`).
+        self.lockstep = lockstep
+        if lockstep is not None:
+            self.requests, self.stop, self.abort = lockstep.requests, lockstep.stop, lockstep.abort
         #: Jobs started and not yet ended, a part of each run per loop.
         self.running_jobs: list[EngineJob] = []
         self.waiting: deque[RequestHandle] = deque()
@@ -152,10 +159,15 @@ class Scheduler:
             self._loop()
         finally:
             self.close_prefix_caches()
+            if self.lockstep is not None:
+                self.lockstep.close()
 
     def _loop(self) -> None:
         while True:
             busy = any(runner.busy for runner in self.runners.values())
+            idle = not busy and self.jobs.empty() and not self.running_jobs
+            if self.lockstep is not None:
+                self.lockstep.exchange(block=idle and not self.waiting)
             if self.abort.is_set():
                 for runner in self.runners.values():
                     runner.fail_all(EngineStopped("the server shut down before this request finished"))
@@ -165,7 +177,7 @@ class Scheduler:
                 self._end_jobs()
                 return
             if not self.stop.is_set():
-                self._admit(block=not busy and self.jobs.empty() and not self.running_jobs)
+                self._admit(block=idle and self.lockstep is None)
             run_jobs(self.jobs, self.models, self.running_jobs)
             for name, runner in self.runners.items():
                 if runner.busy:

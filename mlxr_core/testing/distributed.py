@@ -34,3 +34,19 @@ def mlx_launch(ranks: int, port: int) -> list[str]:
     launcher = Path(sys.executable).parent / "mlx.launch"
     return [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
             "--starting-port", str(port), "--"]  # fmt: skip
+
+
+def rank_pids(launcher_pid: int) -> dict[int, int]:
+    """``{rank: pid}`` of the processes ``mlx.launch`` (process ``launcher_pid``) started on this
+    machine, read from ``/proc`` (Linux)."""
+    found = {}
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for entry in environ:
+                if entry.startswith(b"MLX_RANK="):
+                    found[int(entry[len(b"MLX_RANK=") :])] = int(child)
+    return found

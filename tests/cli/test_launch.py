@@ -1,0 +1,77 @@
+"""``mlxr launch`` (the mlx.launch command it runs) and the ``distributed:`` section's checks."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxr_core.cli.main import main
+
+
+def write(tmp_path: Path, distributed: str, extra: str = "") -> Path:
+    config = tmp_path / "server.yaml"
+    config.write_text(f"models:\n  - path: /models/m.gguf\n{extra}distributed:\n{distributed}")
+    return config
+
+
+def dry_run(capsys: pytest.CaptureFixture[str], config: Path, *flags: str) -> list[str]:
+    assert main(["launch", "--config", str(config), "--dry-run", *flags]) == 0
+    return shlex.split(capsys.readouterr().out)
+
+
+def test_a_dry_run_prints_the_mlx_launch_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = write(tmp_path, "  tensor_parallel: 2\n  port: 40100\n")
+    command = dry_run(capsys, config, "--port", "9000")
+    assert Path(command[0]).name == "mlx.launch"
+    assert "--backend" not in command  # auto: mlx.launch picks NCCL with CUDA, else ring
+    hosts = command.index("--hosts")
+    assert command[hosts + 1 : hosts + 4] == ["127.0.0.1", "-n", "2"]
+    assert command[command.index("--starting-port") + 1] == "40100"
+    rank = command[command.index("--") + 1 :]
+    assert rank == [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--config", str(config.resolve()), "--port", "9000"]
+
+
+def test_hosts_hostfile_and_backend_reach_mlx_launch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    command = dry_run(capsys, write(tmp_path, "  backend: RING\n  hosts: [10.0.0.1, 10.0.0.2]\n  tensor_parallel: 2\n"))
+    assert command[command.index("--backend") + 1] == "ring"
+    assert command[command.index("--hosts") + 1] == "10.0.0.1,10.0.0.2" and "-n" not in command
+    command = dry_run(capsys, write(tmp_path, "  backend: mpi\n  hostfile: hosts.json\n  pipeline_parallel: 2\n"))
+    assert command[command.index("--hostfile") + 1] == str(Path("hosts.json").resolve())
+
+
+@pytest.mark.parametrize(
+    ("distributed", "extra", "key"),
+    [
+        ("  tensor_parallel: 1\n", "", "distributed.tensor_parallel"),  # one process: nothing to launch
+        ("  tensor_parallel: 0\n", "", "distributed.tensor_parallel"),
+        ("  backend: tcp\n  tensor_parallel: 2\n", "", "distributed.backend"),
+        ("  hosts: [a]\n  hostfile: h.json\n  tensor_parallel: 2\n", "", "distributed.hostfile"),
+        ("  hosts: [10.0.0.1]\n  tensor_parallel: 2\n", "", "distributed.hosts"),
+        ("  step_timeout_s: 0\n", "", "distributed.step_timeout_s"),
+    ],
+)
+def test_bad_values_exit_2_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], distributed: str, extra: str, key: str
+) -> None:
+    assert main(["launch", "--config", str(write(tmp_path, distributed, extra)), "--dry-run"]) == 2
+    assert key in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("distributed", "extra", "key", "words"),
+    [
+        ("  tensor_parallel: 2\n", "", "distributed.tensor_parallel", "mlxr launch"),
+        ("  tensor_parallel: 2\n", "engine:\n  prefix_cache:\n    disk: {path: /tmp/p}\n", "engine.prefix_cache.disk", "null"),
+        ("  backend: nccl\n  pipeline_parallel: 2\n", "", "distributed.pipeline_parallel", "send/recv"),
+    ],
+)
+def test_serve_refuses_before_loading_what_cannot_run_across_ranks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], distributed: str, extra: str, key: str, words: str
+) -> None:
+    config = write(tmp_path, distributed, extra)  # the model path does not exist: nothing loads
+    assert main(["serve", "--config", str(config), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert key in err and words in err, err

@@ -1,0 +1,150 @@
+"""The ranks' lockstep (:mod:`mlxr_core.engine.lockstep`) in one process, on MLX's one-rank group.
+
+An all_sum over one rank returns its input, so the exchange's framing, the mirrored handles, the
+seeds, the latched cancellations and shutdown, the watchdog and a failing collective are all
+exercised here without a second process; ``test_distributed_serving.py`` runs two.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from mlxr_core.config.schema import Config, ModelConfig
+from mlxr_core.distributed import World
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.lockstep import FRAME_BYTES, Lockstep, MirroredHandle
+from mlxr_core.engine.request import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestHandle,
+    SamplingParams,
+    Usage,
+)
+from mlxr_core.errors import RankLost, Unsupported
+from mlxr_core.plugins import load_plugins
+
+
+def one_rank(step_timeout_s: float = 60.0) -> World:
+    group = mx.distributed.init()
+    assert group.size() == 1
+    return World(group, 0, 1, "ring", 1, 1, step_timeout_s)
+
+
+def make_lockstep(step_timeout_s: float = 60.0) -> tuple[Lockstep, queue.Queue[RequestHandle | None], threading.Event]:
+    submitted: queue.Queue[RequestHandle | None] = queue.Queue()
+    stop = threading.Event()
+    lockstep = Lockstep(one_rank(step_timeout_s), submitted, stop, threading.Event(), exit_on_loss=False)
+    return lockstep, submitted, stop
+
+
+def taken(lockstep: Lockstep) -> list[MirroredHandle]:
+    out = []
+    while not lockstep.requests.empty():
+        handle = lockstep.requests.get_nowait()
+        assert isinstance(handle, MirroredHandle)
+        out.append(handle)
+    return out
+
+
+def test_requests_cross_in_one_or_two_collectives_with_a_seed_each() -> None:
+    lockstep, submitted, _ = make_lockstep()
+    long_prompt = list(range(5000))  # several frames' worth of pickled ids
+    seeded = RequestHandle(GenerationRequest("m", long_prompt, SamplingParams(seed=7, temperature=0.5)))
+    unseeded = RequestHandle(GenerationRequest("m", [1, 2], SamplingParams(temperature=0.9)))
+    submitted.put(seeded)
+    submitted.put(None)  # a wake-up, not a request
+    submitted.put(unseeded)
+    lockstep.exchange(block=False)
+    first, second = taken(lockstep)
+    assert first.request.prompt_ids == long_prompt and first.request.params.seed == 7
+    assert len(long_prompt) * 2 > FRAME_BYTES
+    assert second.request.params.seed is not None and unseeded.request.params.seed is None
+    assert first.caller is seeded and lockstep.exchanges == 1
+    lockstep.exchange(block=False)
+    assert taken(lockstep) == []
+    lockstep.close()
+
+
+def test_events_reach_the_caller_and_cancellation_lands_only_at_an_exchange() -> None:
+    lockstep, submitted, stop = make_lockstep()
+    caller = RequestHandle(GenerationRequest("m", [1, 2, 3]))
+    submitted.put(caller)
+    lockstep.exchange(block=False)
+    (mirror,) = taken(lockstep)
+    mirror._emit(Delta("hi", (4,)))
+    caller.cancel()
+    assert not mirror.cancelled  # the scheduler sees it when every rank does
+    lockstep.exchange(block=False)
+    assert mirror.cancelled
+    mirror._emit(Finished("cancelled", usage=Usage(3, 1)))
+    events = []
+    while not caller._sync_queue.empty():
+        events.append(caller._sync_queue.get_nowait())
+    assert [type(event) for event in events] == [Delta, Finished]
+    stop.set()
+    assert not lockstep.stop.is_set()
+    lockstep.exchange(block=False)
+    assert lockstep.stop.is_set() and not lockstep.abort.is_set()
+    lockstep.close()
+
+
+def test_a_failed_collective_ends_every_request_with_rank_lost(monkeypatch: pytest.MonkeyPatch) -> None:
+    lockstep, submitted, _ = make_lockstep()
+    running = RequestHandle(GenerationRequest("m", [1]))
+    submitted.put(running)
+    lockstep.exchange(block=False)
+    queued = RequestHandle(GenerationRequest("m", [2]))
+    submitted.put(queued)
+
+    def lost(data: bytes, size: int) -> bytes:
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    monkeypatch.setattr(lockstep, "_all_sum", lost)
+    lockstep.exchange(block=False)
+    for handle in (running, queued):
+        (event,) = list(handle)
+        assert isinstance(event, Failed) and isinstance(event.error, RankLost)
+        assert event.error.status == 503 and "connection to a peer was lost" in str(event.error)
+    assert lockstep.abort.is_set()
+
+
+def test_the_watchdog_ends_requests_when_no_step_completes_in_time() -> None:
+    lockstep, submitted, _ = make_lockstep(step_timeout_s=0.3)
+    caller = RequestHandle(GenerationRequest("m", [1]))
+    submitted.put(caller)
+    lockstep.exchange(block=False)
+    started = time.monotonic()
+    (event,) = list(caller)  # no further exchange: a peer that hangs
+    assert isinstance(event, Failed) and isinstance(event.error, RankLost)
+    assert "distributed.step_timeout_s" in str(event.error)
+    assert time.monotonic() - started < 3.0
+
+
+def test_an_engine_in_lockstep_generates_what_a_plain_one_does(tmp_path) -> None:
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    config = Config(models=[ModelConfig(path=str(path), name="tiny", context_length=128)])
+    outputs = []
+    for world in (None, one_rank()):
+        engine = Engine(config, load_plugins(), world=world)
+        engine.start()
+        try:
+            handles = [
+                engine.submit(GenerationRequest("tiny", [5, 6, 7, 8], SamplingParams(max_tokens=6, **params)))
+                for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 3})
+            ]
+            outputs.append([[t for e in handle for t in getattr(e, "token_ids", ())] for handle in handles])
+            if world is not None:
+                with pytest.raises(Unsupported, match="not served across several processes"):
+                    engine.embed("tiny", [[1, 2, 3]])
+        finally:
+            engine.stop()
+    assert outputs[0] == outputs[1] and all(len(tokens) == 6 for tokens in outputs[0])

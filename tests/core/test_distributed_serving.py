@@ -1,0 +1,169 @@
+"""``mlxr launch``: 2 ranks of the ring backend on loopback serving over HTTP, against one process.
+
+Each test starts ``mlxr serve`` in one process and the same config under ``mlxr launch`` with
+``distributed.tensor_parallel: 2`` (rank 0 serves HTTP, rank 1 follows in lockstep); greedy and
+seeded replies, alone and as 4 concurrent streams, must be the same text. Then the launched server
+is ended: by SIGTERM to rank 0 (every rank exits 0), or by killing rank 1 mid-stream (the stream
+ends with an error event within seconds and rank 0 exits with status 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxr_core.engine.lockstep import EXIT_RANK_LOST
+from mlxr_core.testing.distributed import free_ports, rank_pids
+
+
+def start(command: list[str]) -> tuple[subprocess.Popen[str], str, list[str]]:
+    """``command`` (an ``mlxr serve`` or ``mlxr launch``) once it prints its serving line; the
+    process, its URL and the lines it printed (still filled by a reader thread)."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if "serving" in line and "http://" in line:
+                ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(120):
+        process.kill()
+        pytest.fail("the server did not become ready:\n" + "".join(lines))
+    url = re.search(r"at (http://\S+)", next(line for line in lines if "serving" in line and "http://" in line))
+    assert url is not None
+    return process, url[1], lines
+
+
+def write_config(folder: Path, model: str, *, distributed: bool, extra: str = "") -> Path:
+    config = folder / ("launch.yaml" if distributed else "single.yaml")
+    text = f"models:\n  - path: {model}\n    name: m\n{extra}apis: [openai]\nserver:\n  shutdown_timeout: 2.0\n"
+    if distributed:
+        text += f"distributed:\n  tensor_parallel: 2\n  step_timeout_s: 5\n  port: {free_ports(2)}\n"
+    config.write_text(text)
+    return config
+
+
+def serve(config: Path) -> list[str]:
+    return [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--config", str(config), "--port", "0"]
+
+
+def launch(config: Path) -> list[str]:
+    return [sys.executable, "-m", "mlxr_core.cli.main", "launch", "--config", str(config), "--port", "0"]
+
+
+REQUESTS = [
+    {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
+    {"prompt": "The capital of France is", "max_tokens": 16, "temperature": 0.9, "top_p": 0.95, "seed": 11},
+    {"prompt": "1, 2, 3,", "max_tokens": 16, "temperature": 0.7, "seed": 5},
+    {"prompt": "Hello", "max_tokens": 16, "temperature": 0},
+]
+
+
+def complete(url: str, body: dict, *, stream: bool = False) -> str:
+    body = {"model": "m", **body}
+    if not stream:
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return str(reply.json()["choices"][0]["text"])
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+def replies(url: str, requests: list[dict]) -> list[str]:
+    """Each request alone, then all of them as concurrent streams (both must agree)."""
+    alone = [complete(url, body) for body in requests]
+    with ThreadPoolExecutor(len(requests)) as pool:
+        together = list(pool.map(lambda body: complete(url, body, stream=True), requests))
+    assert together == alone
+    return alone
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", context_length=4096)
+
+
+@pytest.mark.slow
+def test_two_ranks_reply_as_one_process_and_stop_together_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
+    process, url, _ = start(serve(write_config(tmp_path, str(tiny_model), distributed=False)))
+    try:
+        expected = replies(url, REQUESTS)
+    finally:
+        process.terminate()
+        process.wait(30)
+    launcher, url, lines = start(launch(write_config(tmp_path, str(tiny_model), distributed=True)))
+    try:
+        assert replies(url, REQUESTS) == expected
+        assert len(set(expected)) == len(expected) and all(expected)
+        ranks = rank_pids(launcher.pid)
+        assert sorted(ranks) == [0, 1]
+        os.kill(ranks[0], signal.SIGTERM)
+        launcher.wait(30)
+    finally:
+        launcher.kill()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    output = "".join(lines)
+    # mlx.launch warns of a rank that exited non-zero or was killed; it returned once both ended.
+    assert launcher.returncode == 0 and "exited with code" not in output and "was killed" not in output, output
+    assert "Application shutdown complete" in output and "Traceback" not in output
+
+
+def stream_until_killed(launcher: subprocess.Popen[str], url: str, lines: list[str]) -> None:
+    """Kill rank 1 once a long stream has begun: the stream ends with an error event within
+    seconds, and rank 0 exits with :data:`EXIT_RANK_LOST`."""
+    body = {"model": "m", "prompt": "Once", "max_tokens": 3000, "temperature": 0, "stream": True,
+            "ignore_eos": True}  # fmt: skip
+    chunks, error, killed_at = 0, None, 0.0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                error = data["error"]
+                break
+            chunks += 1
+            if chunks == 3:
+                os.kill(rank_pids(launcher.pid)[1], signal.SIGKILL)
+                killed_at = time.monotonic()
+    ended_at = time.monotonic()
+    launcher.wait(30)
+    time.sleep(0.2)
+    assert killed_at and error is not None, "".join(lines)
+    assert "lost its peers" in error["message"], error
+    assert ended_at - killed_at < 10.0
+    assert f"Node with rank 0 exited with code {EXIT_RANK_LOST}" in "".join(lines)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error(tiny_model: Path, tmp_path: Path) -> None:
+    launcher, url, lines = start(launch(write_config(tmp_path, str(tiny_model), distributed=True)))
+    try:
+        stream_until_killed(launcher, url, lines)
+    finally:
+        launcher.kill()
