@@ -181,3 +181,9 @@ class Unsupported(MlxrError):
 
 class RankLost(EngineStopped):
     """A server running across processes (``distributed:``) lost one of them; it is going down."""
+
+
+class ModelUnavailable(MlxrError):
+    """A model could not be loaded, in time or at all; the message names the model and why."""
+
+    status = 503

@@ -352,10 +352,21 @@ def _structure(data: dict[str, Any], schema: type[Config], origins: _Origins) ->
         config: Config = _converter.structure(data, schema)
     except Exception as exc:
         raise origins.report(list(problems_of(exc))) from None
-    problems = model_name_problems(config)
+    problems = model_name_problems(config) + lifecycle_problems(config)
     if problems:
         raise origins.report(problems)
     return config
+
+
+def lifecycle_problems(config: Config) -> list[Problem]:
+    """Model lifecycle settings that contradict each other: a pinned model is never unloaded for
+    idleness, so an ``idle_unload_seconds`` beside ``pin: true`` could never apply."""
+    return [
+        Problem(("models", index, "idle_unload_seconds"),
+                "a pinned model (pin: true) is never unloaded for idleness; remove one of the two")
+        for index, model in enumerate(config.models)
+        if model.pin and model.idle_unload_seconds is not None
+    ]  # fmt: skip
 
 
 def model_name_problems(config: Config) -> list[Problem]:

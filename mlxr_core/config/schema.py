@@ -15,6 +15,8 @@ from attrs import validators as v
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATION_POLICIES = ("auto", "keep", "dequantize", "q8", "q4", "q4_g64", "f16", "bf16")
+#: When a model's weights load: at startup, or on its first request.
+LOAD_MODES = ("eager", "lazy")
 #: The wire APIs mounted when ``apis:`` is not set; the web page (``webui``) joins them on loopback.
 DEFAULT_APIS = ("openai", "ollama", "anthropic", "rerank")
 
@@ -171,6 +173,15 @@ class ModelConfig:
     #: Quantized keys and values (``{method: affine, bits: 8 | 4, group_size, start_after}`` or
     #: ``{method: turboquant, bits: 4 | 3 | 2, window}``); None: full precision.
     kv_cache: KVCacheConfig | None = None
+    #: ``eager``: loaded at startup; ``lazy``: loaded by its first request (or ``POST
+    #: /v1/models/{id}/load``), which waits for it. See :mod:`mlxr_core.engine.lifecycle`.
+    load: str = attrs.field(default="eager", converter=_lower, validator=v.in_(LOAD_MODES))
+    #: Seconds without a request after which the model is unloaded (0: as soon as it is idle);
+    #: None: it stays loaded. An Ollama request's ``keep_alive`` replaces it for that model.
+    idle_unload_seconds: float | None = attrs.field(default=None, validator=v.optional(v.ge(0.0)))
+    #: Never unloaded to make room (``engine.memory_budget_bytes``) nor for idleness; only an
+    #: explicit unload (``POST /v1/models/{id}/unload``) unloads it.
+    pin: bool = False
 
 
 @attrs.define
@@ -215,6 +226,13 @@ class EngineConfig:
     mlx_cache_limit_bytes: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))
     #: MLX's memory limit (``mx.set_memory_limit``); None keeps MLX's default.
     mlx_memory_limit_bytes: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))
+    #: Bytes the loaded models may hold together (each: weights + KV reserve + prefix cache); a
+    #: model that does not fit unloads the least recently used idle, unpinned ones first. None: no
+    #: limit. See :mod:`mlxr_core.engine.lifecycle`.
+    memory_budget_bytes: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
+    #: Seconds a request waits for its model to load (queued behind other loads, or for memory to
+    #: free) before it is answered 503.
+    model_load_wait_s: float = attrs.field(default=300.0, validator=v.gt(0.0))
 
 
 #: ``mx.distributed`` backends ``mlx.launch`` starts; ``auto``: NCCL with CUDA, else ring.

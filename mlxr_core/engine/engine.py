@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Generator, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -33,7 +34,9 @@ from mlxr_core.errors import (
     ContextLengthExceeded,
     EngineStopped,
     KvBudgetExceeded,
+    MlxrError,
     ModelNotFound,
+    ModelUnavailable,
     Overloaded,
     RequestError,
     Unsupported,
@@ -42,6 +45,7 @@ from mlxr_core.errors import (
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
     from mlxr_core.distributed import World
+    from mlxr_core.engine.lifecycle import ModelLifecycle, ModelSlot
     from mlxr_core.engine.lockstep import Lockstep
     from mlxr_core.engine.scheduler import Scheduler
     from mlxr_core.model.loader import LoadedModel
@@ -122,6 +126,9 @@ class Engine:
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
         self.scheduler: Scheduler | None = None
+        #: Which models are loaded; made when the engine thread starts.
+        self.lifecycle: ModelLifecycle | None = None
+        self._load_stream: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -178,8 +185,57 @@ class Engine:
             raise ModelNotFound(name, self.models) from None
 
     def model(self, name: str) -> ModelInfo:
-        """The served model ``name`` (a name or an alias) names; raises :class:`ModelNotFound`."""
-        return self.models[self.resolve(name)]
+        """The served model ``name`` (a name or an alias) names; raises :class:`ModelNotFound`,
+        and :class:`ModelUnavailable` for a model never loaded yet (:meth:`ensure_loaded` first)."""
+        served = self.resolve(name)
+        try:
+            return self.models[served]
+        except KeyError:
+            raise ModelUnavailable(f"model {served!r} is not loaded yet; retry shortly") from None
+
+    @property
+    def served(self) -> list[str]:
+        """Every configured model's name, loaded or not, once the engine has started."""
+        lifecycle = self.lifecycle
+        return list(lifecycle.slots) if lifecycle is not None else sorted(self.models)
+
+    def ensure_loaded(self, name: str) -> Future[None]:
+        """Ask for the model ``name`` (a name or an alias) to be loaded and count it as used now;
+        the future is done once it is loaded, or holds why it could not be."""
+        served = self.resolve(name)
+        lifecycle = self.lifecycle
+        if lifecycle is None:
+            raise EngineStopped(f"the engine is {self.state}; not accepting requests")
+        slot = lifecycle.slots[served]
+        if slot.state == "loaded" and served in self.models:
+            slot.last_used = time.monotonic()
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        if self.state != "ready":
+            raise ModelUnavailable(f"model {served!r} is not loaded: the engine is {self.state}")
+        return lifecycle.post("load", served)
+
+    def unload_model(self, name: str) -> Future[None]:
+        """Ask for the model ``name`` to be unloaded (once its running requests end)."""
+        return self._post("unload", name)
+
+    def set_keep_alive(self, name: str, seconds: float | None) -> Future[None]:
+        """Unload the model ``name`` after ``seconds`` idle from now on (None: never; 0: once idle)."""
+        return self._post("keep_alive", name, seconds)
+
+    def _post(self, command: str, name: str, value: Any = None) -> Future[None]:
+        served = self.resolve(name)
+        if self.lifecycle is None or self.state != "ready":
+            raise EngineStopped(f"the engine is {self.state}; not accepting requests")
+        return self.lifecycle.post(command, served, value)
+
+    def loaded_models(self) -> list[tuple[ModelInfo, ModelSlot]]:
+        """The models loaded now, with their slots (footprint, keep-alive), by name."""
+        if self.lifecycle is None:
+            return []
+        slots = sorted(self.lifecycle.loaded(), key=lambda slot: slot.name)
+        return [(self.models[slot.name], slot) for slot in slots if slot.name in self.models]
 
     def encode(
         self,
@@ -335,7 +391,7 @@ class Engine:
             vectors = yield from embed_parts(models[name], token_lists, chunk=chunk, pooling=pooling)
             return Embeddings(name, vectors, sum(len(ids) for ids in token_lists))
 
-        return self._queue_job(EngineJob(work, what=f"embedding with model {name}"))
+        return self._queue_job(EngineJob(work, what=f"embedding with model {name}", model=name))
 
     def _scoring_job(self, model: str, inputs: Sequence[Sequence[int]]) -> EngineJob:
         from mlxr_core.engine.scoring import answer_ids, probability, score_parts
@@ -352,7 +408,7 @@ class Engine:
             scores = [probability(y, n) for y, n in logits]
             return Scores(name, scores, logits, sum(len(ids) for ids in token_lists))
 
-        return self._queue_job(EngineJob(work, what=f"scoring with model {name}"))
+        return self._queue_job(EngineJob(work, what=f"scoring with model {name}", model=name))
 
     def _check_inputs(
         self, model: str, inputs: Sequence[Sequence[int]]
@@ -417,6 +473,7 @@ class Engine:
             "kv_bytes_reserved": scheduler.reserved_kv_bytes,
             #: Draft tokens proposed and accepted, per model and drafting decoder.
             "decoders": scheduler.decoder_stats(),
+            "lifecycle": self.lifecycle.stats() if self.lifecycle is not None else {},
             "prefix_cache": {
                 name: attrs.asdict(stats) for name, stats in scheduler.prefix_stats().items()
             },
@@ -427,54 +484,14 @@ class Engine:
     def _run(self) -> None:
         import mlx.core as mx
 
-        from mlxr_core.engine.batch import kv_bytes_per_token, sequence_bytes
         from mlxr_core.engine.scheduler import Scheduler
-        from mlxr_core.model.loader import load_model
 
         engine_config = self.config.engine
         if engine_config.mlx_cache_limit_bytes is not None:
             mx.set_cache_limit(engine_config.mlx_cache_limit_bytes)
         if engine_config.mlx_memory_limit_bytes is not None:
             mx.set_memory_limit(engine_config.mlx_memory_limit_bytes)
-        try:
-            stream = mx.new_stream(mx.default_device())
-            with mx.stream(stream):
-                for index, model_config in enumerate(self.config.models):
-                    loaded = load_model(
-                        model_config, self.host.registries, kernel_choices=self.config.kernels,
-                        tensor_group=self.world.group if self.world is not None else None,
-                    )  # fmt: skip
-                    self._add_names(index, loaded.name, model_config.aliases)
-                    self._loaded[loaded.name] = loaded
-                    self.host.notify("mlxr_model_loaded", name=loaded.name, model=loaded)
-        except BaseException as exc:
-            log.error("loading failed: %s", exc)
-            self.error = exc
-            self.state = "failed"
-            self._ready.set()
-            return
-        self.models = {
-            name: ModelInfo(
-                name=name,
-                context_length=m.context_length,
-                created=m.created,
-                tokenizer=m.tokenizer,
-                format=m.format,
-                model_type=str(m.config.get("model_type")),
-                path=str(m.path),
-                nbytes=m.nbytes,
-                dtype=m.dtype,
-                metadata=dict(m.metadata),
-                aliases=tuple(alias for alias, target in self.names.items() if target == name and alias != name),
-                compiled_decode=m.compiled_decode is not None,
-                longest_token_bytes=max(map(len, m.tokenizer.token_bytes().pieces), default=0),
-                image_processor=m.vision.processor if m.vision else None,
-                image_tokens=m.vision.tokens if m.vision else None,
-            )
-            for name, m in self._loaded.items()
-        }
-        self._kv_bytes_per_token = {name: kv_bytes_per_token(m) for name, m in self._loaded.items()}
-        self._state_bytes = {name: sequence_bytes(m, 0, 0) for name, m in self._loaded.items()}
+        self._load_stream = mx.new_stream(mx.default_device())
         scheduler = Scheduler(
             engine_config,
             self._loaded,
@@ -485,12 +502,18 @@ class Engine:
             jobs=self._jobs,
             lockstep=self._lockstep(),
         )
-        try:  # decoders' preconditions (a draft model's vocabulary, trimmable caches)
-            with mx.stream(stream):
-                scheduler.prepare_decoders(self.config.plugins.config)
+        scheduler._plugin_config = self.config.plugins.config  # for decoders' setup as models load
+        self.scheduler = scheduler
+        try:
+            self.lifecycle = lifecycle = self._plan_models()
+            scheduler.lifecycle = (lifecycle, self)
+            for slot in list(lifecycle.slots.values()):
+                if slot.config.load == "eager":
+                    lifecycle.load_now(slot, self)
         except BaseException as exc:
-            log.error("a decoder cannot serve its model: %s", exc)
+            log.error("loading failed: %s", exc)
             scheduler.release_decoders()
+            self.scheduler = None
             del scheduler
             self._loaded.clear()
             gc.collect()
@@ -498,7 +521,6 @@ class Engine:
             self.state = "failed"
             self._ready.set()
             return
-        self.scheduler = scheduler
         if not self._stop.is_set():  # stop() may have been called while the models loaded
             self.state = "ready"
             self._ready.set()
@@ -511,6 +533,7 @@ class Engine:
             with mx.stream(mx.new_stream(mx.default_device())):
                 scheduler.run()
         self._ready.set()
+        lifecycle.close(EngineStopped("the server is shutting down"))
         scheduler.refuse_waiting()
         self._close_jobs()
         # Free the models here: MLX arrays must not outlive the thread (and stream) that made them.
@@ -521,7 +544,6 @@ class Engine:
         gc.collect()
         mx.clear_cache()
 
-
     def _lockstep(self) -> Lockstep | None:
         """The ranks' lockstep (:mod:`mlxr_core.engine.lockstep`) when several serve together."""
         from mlxr_core.engine.lockstep import Lockstep
@@ -529,6 +551,90 @@ class Engine:
         if self.world is None:
             return None
         return Lockstep(self.world, self._queue, self._stop, self._abort)
+
+    # -- which models are loaded (engine thread; see mlxr_core.engine.lifecycle) --------------
+
+    def _plan_models(self) -> ModelLifecycle:
+        """Every configured model's name (its default name from the path when unnamed) and slot."""
+        from mlxr_core.engine.lifecycle import ModelLifecycle
+        from mlxr_core.model.paths import default_model_name, resolve_model_path
+
+        names, paths = [], []
+        for index, model_config in enumerate(self.config.models):
+            path = resolve_model_path(model_config.path, join=False)
+            name = model_config.name or default_model_name(path)
+            self._add_names(index, name, model_config.aliases)
+            names.append(name)
+            paths.append(path)
+        return ModelLifecycle(self.config, names, paths)
+
+    def load(self, slot: ModelSlot) -> int:
+        """Load ``slot``'s model and serve it; returns its footprint (:func:`model_footprint`)."""
+        import mlx.core as mx
+
+        from mlxr_core.engine.batch import kv_bytes_per_token, sequence_bytes
+        from mlxr_core.engine.lifecycle import model_footprint
+        from mlxr_core.model.loader import load_model
+
+        assert self.scheduler is not None
+        with mx.stream(self._load_stream):
+            loaded = load_model(
+                slot.config, self.host.registries, kernel_choices=self.config.kernels,
+                tensor_group=self.world.group if self.world is not None else None,
+            )  # fmt: skip
+            name = loaded.name
+            self._kv_bytes_per_token[name] = per_token = kv_bytes_per_token(loaded)
+            self._state_bytes[name] = state = sequence_bytes(loaded, 0, 0)
+            self._loaded[name] = loaded
+            try:
+                self.scheduler.add_model(loaded)
+            except BaseException:
+                self._loaded.pop(name, None)
+                raise
+        self.models[name] = self._model_info(loaded)
+        self.host.notify("mlxr_model_loaded", name=name, model=loaded)
+        return model_footprint(
+            self.config.engine, loaded.nbytes, loaded.context_length, per_token, state
+        )
+
+    def unload(self, slot: ModelSlot) -> None:
+        """Stop serving ``slot``'s idle model and free its memory (its :class:`ModelInfo` stays)."""
+        import mlx.core as mx
+
+        assert self.scheduler is not None
+        self.scheduler.remove_model(slot.name)
+        gc.collect()
+        mx.clear_cache()
+
+    def busy(self, name: str) -> bool:
+        return self.scheduler is not None and self.scheduler.model_busy(name)
+
+    def wanted(self, name: str) -> bool:
+        return self.scheduler is not None and self.scheduler.model_wanted(name)
+
+    def load_failed(self, slot: ModelSlot, error: MlxrError) -> None:
+        if self.scheduler is not None:
+            self.scheduler.fail_waiting(slot.name, error)
+
+    def _model_info(self, m: LoadedModel) -> ModelInfo:
+        name = m.name
+        return ModelInfo(
+            name=name,
+            context_length=m.context_length,
+            created=m.created,
+            tokenizer=m.tokenizer,
+            format=m.format,
+            model_type=str(m.config.get("model_type")),
+            path=str(m.path),
+            nbytes=m.nbytes,
+            dtype=m.dtype,
+            metadata=dict(m.metadata),
+            aliases=tuple(alias for alias, target in self.names.items() if target == name and alias != name),
+            compiled_decode=m.compiled_decode is not None,
+            longest_token_bytes=max(map(len, m.tokenizer.token_bytes().pieces), default=0),
+            image_processor=m.vision.processor if m.vision else None,
+            image_tokens=m.vision.tokens if m.vision else None,
+        )
 
     def _add_names(self, index: int, name: str, aliases: Sequence[str]) -> None:
         """Record model ``index``'s name (the configured one or its default name) and aliases; a name

@@ -29,9 +29,13 @@ class EngineJob:
     ``work`` may return a generator, run a part (up to its next ``yield``) at a time; the
     generator's return value is the result."""
 
-    def __init__(self, work: Callable[[Mapping[str, LoadedModel]], Any], what: str = "job"):
+    def __init__(
+        self, work: Callable[[Mapping[str, LoadedModel]], Any], what: str = "job", model: str | None = None
+    ):
         self.work = work
         self.what = what
+        #: The served model the job runs on; it is loaded first if it is not.
+        self.model = model
         self.future: Future[Any] = Future()
         self.cancelled = False
         self._parts: Generator[Any, None, Any] | None = None

@@ -24,6 +24,7 @@ from mlxr_core.errors import EngineStopped, MlxrError
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import EngineConfig
+    from mlxr_core.engine.lifecycle import Loader, ModelLifecycle
     from mlxr_core.engine.lockstep import Lockstep
     from mlxr_core.model.loader import LoadedModel
     from mlxr_core.plugins import Registries
@@ -43,6 +44,7 @@ class Scheduler:
         stop: threading.Event,
         abort: threading.Event,
         jobs: queue.Queue[EngineJob] | None = None,
+        lifecycle: tuple[ModelLifecycle, Loader] | None = None,
         lockstep: Lockstep | None = None,
     ):
         self.config = config
@@ -61,34 +63,86 @@ class Scheduler:
         #: Jobs started and not yet ended, a part of each run per loop.
         self.running_jobs: list[EngineJob] = []
         self.waiting: deque[RequestHandle] = deque()
-        budget = config.prefix_cache.max_bytes if config.prefix_cache.enabled else 0
-        self.runners = {
-            name: BatchRunner(
-                model,
-                config,
-                registries.samplers,
-                PrefixCache(budget, open_disk_tier(config, model)) if budget > 0 else None,
-            )
-            for name, model in models.items()
-        }
+        #: Jobs whose model is not loaded yet (see :mod:`mlxr_core.engine.lifecycle`).
+        self.held_jobs: list[EngineJob] = []
+        #: Which models are loaded, and the engine that loads them; None: all of ``models``, always.
+        self.lifecycle = lifecycle
+        self.runners: dict[str, BatchRunner] = {}
+        for model in models.values():
+            self._add_runner(model)
         self._warned: set[tuple[str, str]] = set()
         #: (decoder, model) pairs whose ``prepare`` ran; see :meth:`prepare_decoders`.
         self._prepared: dict[tuple[str, str], Any] = {}
         self._plugin_config: Mapping[str, Any] = {}
 
+    def _add_runner(self, model: LoadedModel) -> None:
+        budget = self.config.prefix_cache.max_bytes if self.config.prefix_cache.enabled else 0
+        prefix = PrefixCache(budget, open_disk_tier(self.config, model)) if budget > 0 else None
+        self.runners[model.name] = BatchRunner(model, self.config, self.registries.samplers, prefix)
+
+    # -- models loaded and unloaded while serving (engine thread) ----------------------------
+
+    def add_model(self, model: LoadedModel) -> None:
+        """Serve ``model`` (already in :attr:`models`): its batch runner and decoder."""
+        self._add_runner(model)
+        try:
+            self._prepare(model.decoder, self.registries.decoders.get(model.decoder), model)
+        except BaseException:
+            self.remove_model(model.name)
+            raise
+
+    def remove_model(self, name: str) -> None:
+        """Stop serving the idle model ``name``: its prefix cache goes to its disk tier, its
+        decoders drop their arrays, and nothing here refers to it any more."""
+        runner = self.runners.pop(name, None)
+        if runner is not None and runner.prefix_cache is not None:
+            try:
+                runner.prefix_cache.close()
+            except Exception:
+                log.exception("prefix cache of %s: could not be written to disk", name)
+        for key in [key for key in self._prepared if key[1] == name]:
+            release = getattr(self._prepared.pop(key), "release", None)
+            if callable(release):
+                release(name)
+        self.models.pop(name, None)
+
+    def model_busy(self, name: str) -> bool:
+        """Whether ``name`` has running requests or jobs (it cannot be unloaded now)."""
+        runner = self.runners.get(name)
+        return (runner is not None and runner.busy) or any(job.model == name for job in self.running_jobs)
+
+    def model_wanted(self, name: str) -> bool:
+        """Whether requests or jobs for ``name`` wait in line."""
+        return any(handle.request.model == name for handle in self.waiting) or any(
+            job.model == name for job in self.held_jobs
+        )
+
+    def fail_waiting(self, name: str, error: MlxrError) -> None:
+        """End the waiting requests and held jobs for ``name`` (its load failed)."""
+        kept: deque[RequestHandle] = deque()
+        for handle in self.waiting:
+            if handle.request.model == name:
+                handle._emit(Failed(error))
+            else:
+                kept.append(handle)
+        self.waiting = kept
+        for job in [job for job in self.held_jobs if job.model == name]:
+            job.refuse(error)
+            self.held_jobs.remove(job)
+
     # -- figures other threads read (plain ints; approximate while the loop runs) ---------------
 
     @property
     def running(self) -> int:
-        return sum(runner.size for runner in self.runners.values())
+        return sum(runner.size for runner in list(self.runners.values()))
 
     @property
     def kv_bytes(self) -> int:
-        return sum(runner.kv_bytes for runner in self.runners.values())
+        return sum(runner.kv_bytes for runner in list(self.runners.values()))
 
     @property
     def reserved_kv_bytes(self) -> int:
-        return sum(runner.reserved_bytes for runner in self.runners.values())
+        return sum(runner.reserved_bytes for runner in list(self.runners.values()))
 
     def decoder_stats(self) -> dict[str, dict[str, Any]]:
         """``{model: {decoder: {drafted, accepted, steps, acceptance_rate}}}`` of drafting decoders."""
@@ -102,7 +156,7 @@ class Scheduler:
     def prefix_stats(self) -> dict[str, Any]:
         return {
             name: runner.prefix_cache.stats
-            for name, runner in self.runners.items()
+            for name, runner in list(self.runners.items())
             if runner.prefix_cache is not None
         }
 
@@ -178,15 +232,42 @@ class Scheduler:
                 return
             if not self.stop.is_set():
                 self._admit(block=idle and self.lockstep is None)
+            if self.lifecycle is not None:
+                self._hold_jobs()
+                lifecycle, loader = self.lifecycle
+                lifecycle.tick(loader)
             run_jobs(self.jobs, self.models, self.running_jobs)
-            for name, runner in self.runners.items():
-                if runner.busy:
-                    self._step(name, runner)
+            self._step_all()
+
+    def _step_all(self) -> None:
+        # A method of its own: a runner left in the loop's locals would keep an unloaded model alive.
+        for name, runner in list(self.runners.items()):
+            if runner.busy:
+                self._step(name, runner)
 
     def _end_jobs(self) -> None:
-        for job in self.running_jobs:
+        for job in [*self.running_jobs, *self.held_jobs]:
             job.refuse(EngineStopped("the server is shutting down"))
         self.running_jobs.clear()
+        self.held_jobs.clear()
+
+    def _hold_jobs(self) -> None:
+        """Hold back queued jobs whose model is not loaded (asking for it); release those whose is."""
+        assert self.lifecycle is not None
+        while True:
+            try:
+                self.held_jobs.append(self.jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in list(self.held_jobs):
+            if job.model is None or job.model in self.models:
+                self.held_jobs.remove(job)
+                self.jobs.put(job)
+            elif job.cancelled:
+                self.held_jobs.remove(job)
+                job.refuse(MlxrError(f"{job.what} was cancelled"))
+            else:
+                self.lifecycle[0].want(job.model)
 
     def _admit(self, *, block: bool) -> None:
         """Move queued requests into the waiting line, then as many as fit into their runners."""
@@ -205,7 +286,11 @@ class Scheduler:
                 usage = Usage(prompt_tokens=len(handle.request.prompt_ids), completion_tokens=0)
                 handle._emit(Finished(reason="cancelled", usage=usage))
                 continue
-            runner = self.runners[handle.request.model]
+            runner = self.runners.get(handle.request.model)
+            if runner is None:  # an unloaded model: loaded when it can be, meanwhile the line waits
+                if self.lifecycle is not None:
+                    self.lifecycle[0].want(handle.request.model)
+                return
             name = handle.request.decoder or runner.model.decoder
             decoder = self.registries.decoders.get(name)
             seq: Sequence | None = None

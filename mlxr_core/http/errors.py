@@ -26,12 +26,12 @@ from litestar.exceptions import (
 )
 from litestar.types import ExceptionHandler, ExceptionHandlersMap
 
-from mlxr_core.errors import EngineStopped, MlxrError, Overloaded, RequestError
+from mlxr_core.errors import EngineStopped, MlxrError, ModelUnavailable, Overloaded, RequestError
 
 log = logging.getLogger(__name__)
 
-#: ``Retry-After`` seconds for 429 (queue full) and 503 (loading or stopping).
-RETRY_AFTER_S = {Overloaded: 1, EngineStopped: 5}
+#: ``Retry-After`` seconds for 429 (queue full) and 503 (loading, stopping, a model unavailable).
+RETRY_AFTER_S = {Overloaded: 1, EngineStopped: 5, ModelUnavailable: 5}
 
 ErrorBody = Callable[[MlxrError], bytes]
 
@@ -51,7 +51,7 @@ def exception_handlers(body: ErrorBody) -> ExceptionHandlersMap:
     """Handlers for a router whose API writes errors with ``body``."""
 
     def on_mlxr_error(request: Request[Any, Any, Any], exc: MlxrError) -> Response[bytes]:
-        if exc.status >= 500 and not isinstance(exc, (EngineStopped, Overloaded)):
+        if exc.status >= 500 and not isinstance(exc, (EngineStopped, Overloaded, ModelUnavailable)):
             log.error("%s %s failed: %s", request.method, request.url.path, exc)
         return error_response(exc, body)
 

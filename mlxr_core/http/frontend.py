@@ -43,12 +43,12 @@ from mlxr_core.engine.request import (
     RequestHandle,
     TokenLogprob,
 )
-from mlxr_core.errors import EngineStopped, MlxrError, RequestError
+from mlxr_core.errors import EngineStopped, MlxrError, ModelUnavailable, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.metrics import RequestTimer
 
 if TYPE_CHECKING:
-    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.engine import Engine, ModelInfo
 
 T = TypeVar("T")
 
@@ -173,6 +173,26 @@ def ready_engine(ctx: ServerContext) -> Engine:
     if state in ("created", "loading"):
         raise EngineStopped("the model is still loading; retry shortly")
     raise EngineStopped(f"the model failed to load: {engine.error}")
+
+
+async def loaded_model(ctx: ServerContext, name: str) -> ModelInfo:
+    """The served model ``name`` (a name or an alias) names, loaded: a model not loaded yet (lazy,
+    unloaded for idleness or room) is loaded first while the request waits, at most
+    ``engine.model_load_wait_s`` seconds (then :class:`ModelUnavailable`, 503, as for a model that
+    failed to load: see :mod:`mlxr_core.engine.lifecycle`). Raises :class:`ModelNotFound` too."""
+    engine = ready_engine(ctx)
+    future = engine.ensure_loaded(name)
+    if not future.done():
+        bound = ctx.config.engine.model_load_wait_s
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), bound)
+        except TimeoutError:
+            served = engine.resolve(name)
+            raise ModelUnavailable(
+                f"model {served!r} is still loading after {bound:g}s (engine.model_load_wait_s); retry later"
+            ) from None
+    future.result()  # its load's error, if it failed
+    return engine.model(name)
 
 
 def cap_max_tokens(ctx: ServerContext, requested: int | None) -> int | None:

@@ -8,7 +8,7 @@ embedders can build many apps). Two kinds of figures:
   by endpoint and status, prompt and generated tokens, time to first token, inter-token latency;
 - levels, read from the engine at scrape time (:class:`EngineCollector`): queue depth, running
   requests, KV-cache bytes, prefix-cache hits, draft tokens proposed and accepted (speculative
-  acceptance), MLX memory, engine state.
+  acceptance), loaded models with their loads and unloads, MLX memory, engine state.
 
 Latencies are measured where the client sees them: from the moment the request is handed to the
 engine (queueing included) to the moment each token's event reaches the HTTP handler.
@@ -154,6 +154,7 @@ class EngineCollector(Collector):
         yield _gauge("mlxr_kv_cache_reserved_bytes", "KV-cache bytes reserved for running requests "
                      "(prompt + max_tokens).", stats.get("kv_bytes_reserved", 0))
         yield from _prefix_cache_metrics(stats.get("prefix_cache") or {})
+        yield from _lifecycle_metrics(stats.get("lifecycle") or {})
         yield from _draft_metrics(stats.get("decoders") or {})
         if engine.state == "ready":
             memory = GaugeMetricFamily("mlxr_mlx_memory_bytes", "MLX allocator memory.", labels=["kind"])
@@ -172,6 +173,29 @@ def _engine_stats(engine: Engine) -> dict[str, Any]:
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+def _lifecycle_metrics(lifecycle: dict[str, Any]) -> Iterator[Metric]:
+    """Which models are loaded and what they count for, loads and unloads by reason
+    (:meth:`mlxr_core.engine.lifecycle.ModelLifecycle.stats`)."""
+    loaded: dict[str, int] = lifecycle.get("loaded", {})
+    yield _gauge("mlxr_models_loaded", "Models loaded now.", len(loaded))
+    size = GaugeMetricFamily("mlxr_model_loaded_bytes", "Bytes a loaded model counts for against "
+                             "engine.memory_budget_bytes (weights, KV reserve, prefix cache).", labels=["model"])
+    for model, footprint in sorted(loaded.items()):
+        size.add_metric([model], float(footprint))
+    yield size
+    if lifecycle.get("budget") is not None:
+        yield _gauge("mlxr_memory_budget_bytes", "engine.memory_budget_bytes.", lifecycle["budget"])
+    loads = CounterMetricFamily("mlxr_model_loads", "Models loaded, per model.", labels=["model"])
+    for model, count in sorted(lifecycle.get("loads", {}).items()):
+        loads.add_metric([model], float(count))
+    yield loads
+    unloads = CounterMetricFamily("mlxr_model_unloads", "Models unloaded, per model and reason (idle: "
+                                  "keep-alive ran out; budget: room for another; request).", labels=["model", "reason"])
+    for (model, reason), count in sorted(lifecycle.get("unloads", {}).items()):
+        unloads.add_metric([model, reason], float(count))
+    yield unloads
 
 
 def _draft_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:

@@ -36,6 +36,7 @@ from mlxr_core.http.frontend import (
     cap_max_tokens,
     collect,
     json_response,
+    loaded_model,
     ready_engine,
     room_for,
     submit,
@@ -63,7 +64,7 @@ def make_router(ctx: ServerContext) -> Router:
     @post("/messages/count_tokens", status_code=200, operation_class=documented(error=s.ErrorBody))
     async def count_tokens(data: JSONBody[s.CountTokensRequest]) -> s.CountTokensResponse:
         engine = ready_engine(ctx)
-        info = engine.model(data.model)
+        info = await loaded_model(ctx, data.model)
         setup, _ = await prepare(ctx, engine, info, data)
         return s.CountTokensResponse(len(setup.prompt_ids))
 
@@ -86,7 +87,7 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
         stop_param="stop_sequences",
     )
     engine = ready_engine(ctx)
-    info = engine.model(body.model)  # an unknown model is a 404 before any templating
+    info = await loaded_model(ctx, body.model)  # an unknown model is a 404 before any templating
     setup, images = await prepare(ctx, engine, info, body)
     params.max_tokens = cap_max_tokens(ctx, room_for(engine, body.model, setup.prompt_ids, body.max_tokens))
     params.constraint = setup.constraint

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -25,7 +25,7 @@ from mlxr_core.http.frontend import ready_engine, unless_disconnected
 from mlxr_plugins.apis.ollama import schemas as s
 
 #: The router's model lookup (name, alias, ``NAME:latest``) -> the served model.
-Resolver = Callable[[Engine, str], ModelInfo]
+Resolver = Callable[[ServerContext, str], Awaitable[ModelInfo]]
 
 
 class EmbedRequest(Struct, forbid_unknown_fields=False, kw_only=True):
@@ -66,7 +66,7 @@ async def create_embed(
     if body.dimensions is not None:
         raise RequestError("dimensions is not supported by this server", field="dimensions")
     engine = ready_engine(ctx)
-    info = resolve(engine, body.model)
+    info = await resolve(ctx, body.model)
     if isinstance(body.input, str):
         texts = [body.input] if body.input else []
     else:
@@ -88,7 +88,7 @@ async def create_embeddings(
 ) -> EmbeddingsResponse:
     """``POST /api/embeddings`` (legacy): one ``prompt`` -> one ``embedding``."""
     engine = ready_engine(ctx)
-    info = resolve(engine, body.model)
+    info = await resolve(ctx, body.model)
     if not body.prompt:
         return EmbeddingsResponse([])
     encode = functools.partial(_token_lists, engine, info, [body.prompt], truncate=True)

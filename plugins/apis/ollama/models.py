@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 
 from mlxr_core.engine.engine import ModelInfo
+from mlxr_core.engine.lifecycle import ModelSlot
 from mlxr_plugins.apis.ollama import schemas as s
 from mlxr_plugins.apis.ollama.streaming import rfc3339
 
@@ -25,14 +27,18 @@ def listed(info: ModelInfo) -> s.ListedModel:
     )
 
 
-def running(info: ModelInfo) -> s.RunningModel:
+def running(info: ModelInfo, slot: ModelSlot) -> s.RunningModel:
+    """A loaded model: ``size`` is what it counts for (weights, KV reserve, prefix cache: see
+    :mod:`mlxr_core.engine.lifecycle`), ``expires_at`` when it unloads if no request comes."""
     from mlxr_core.kernels import current_platform
 
-    resident = info.nbytes or _size(info)
+    resident = slot.footprint or info.nbytes or _size(info)
     on_gpu = current_platform()[0] == "gpu"
+    expires = slot.expires_at(time.monotonic())
     return s.RunningModel(
         name=info.name, model=info.name, size=resident, digest=digest(info), details=details(info),
-        expires_at=NEVER, size_vram=resident if on_gpu else 0, context_length=info.context_length,
+        expires_at=NEVER if expires is None else rfc3339(expires), size_vram=resident if on_gpu else 0,
+        context_length=info.context_length,
     )
 
 

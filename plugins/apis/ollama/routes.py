@@ -10,13 +10,18 @@ splits the reasoning into ``message.thinking`` for a model with a reasoning pars
 (``"json"`` or a JSON schema) is enforced while decoding. An mlxr extension, ``options.tool_choice``,
 forces a call (Ollama has none). Differences from Ollama, each answered with a 400 naming the field
 rather than silently ignored: ``suffix`` and ``template`` are not supported (``images``, base64,
-go to a vision model). ``keep_alive`` is accepted and ignored
-(models stay loaded while the server runs). ``/api/embed`` and ``/api/embeddings`` are in
-:mod:`mlxr_plugins.apis.ollama.embed`.
+go to a vision model). ``keep_alive`` is honoured as Ollama does (seconds, or a duration such as
+``"5m"``; 0 unloads the model once the reply is sent, negative keeps it loaded; unset: the model's
+``idle_unload_seconds``), except on a pinned model, which stays loaded; a chat without messages or a
+generate without prompt loads the model (with ``keep_alive: 0``, unloads it). ``/api/ps`` lists the
+models loaded now (:mod:`mlxr_core.engine.lifecycle`). ``/api/embed`` and ``/api/embeddings`` are
+in :mod:`mlxr_plugins.apis.ollama.embed`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import logging
 from typing import Any
@@ -27,6 +32,7 @@ from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
 
 from mlxr_core.engine.engine import Engine, ModelInfo
+from mlxr_core.engine.lifecycle import parse_keep_alive
 from mlxr_core.engine.request import Constraint, GenerationRequest, PromptImage, SamplingParams
 from mlxr_core.errors import ModelNotFound, RequestError
 from mlxr_core.http.context import ServerContext
@@ -34,6 +40,7 @@ from mlxr_core.http.frontend import (
     cap_max_tokens,
     collect,
     json_response,
+    loaded_model,
     ready_engine,
     room_for,
     submit,
@@ -88,12 +95,14 @@ def make_router(ctx: ServerContext) -> Router:
 
     @post("/show", status_code=200, operation_class=ERRORS)
     async def show(data: JSONBody[s.ShowRequest]) -> s.ShowResponse:
-        return models.shown(resolve_model(ready_engine(ctx), data.model_name))
+        engine = ready_engine(ctx)
+        known = engine.models.get(served_name(engine, data.model_name))  # kept after an unload
+        return models.shown(known or await resolve_model(ctx, data.model_name))
 
     @get("/ps", sync_to_thread=False, operation_class=ERRORS)
     def ps() -> s.RunningList:
         engine = ready_engine(ctx)
-        return s.RunningList([models.running(info) for _, info in sorted(engine.models.items())])
+        return s.RunningList([models.running(info, slot) for info, slot in engine.loaded_models()])
 
     @get("/version", sync_to_thread=False, operation_class=ERRORS)
     def version() -> s.Version:
@@ -121,7 +130,10 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
     """``POST /api/chat``."""
     timer = Timer()
     engine = ready_engine(ctx)
-    info = resolve_model(engine, body.model)
+    if not body.messages and await unloaded(ctx, body):
+        return json_response(s.ChatChunk(body.model, timer.created_at, s.AssistantMessage(""), True, "unload"))
+    info = await resolve_model(ctx, body.model)
+    keep_alive(ctx, info, body)
     parsers = model_parsers(ctx, info)
     if body.think not in (None, False) and parsers.reasoning is None:
         raise RequestError(f"{body.model!r} does not support thinking", field="think")
@@ -163,7 +175,10 @@ async def create_generation(
         if value:
             raise RequestError(f"{name} is not supported by this server", field=name)
     engine = ready_engine(ctx)
-    info = resolve_model(engine, body.model)
+    if not body.prompt and not body.context and await unloaded(ctx, body):
+        return json_response(s.GenerateChunk(body.model, timer.created_at, "", True, "unload"))
+    info = await resolve_model(ctx, body.model)
+    keep_alive(ctx, info, body)
     if not body.prompt and not body.context:
         return json_response(s.GenerateChunk(info.name, timer.created_at, "", True, "load"))
     params = options_params(ctx, body.options)
@@ -185,19 +200,57 @@ async def create_generation(
 # -- request -> engine -----------------------------------------------------------------------
 
 
-def resolve_model(engine: Engine, name: str) -> ModelInfo:
-    """The served model ``name`` (a name or an alias) names; Ollama's default tag ``:latest`` may
-    be appended."""
+async def resolve_model(ctx: ServerContext, name: str) -> ModelInfo:
+    """The served model ``name`` names (:func:`served_name`), loaded (waiting while it loads)."""
+    return await loaded_model(ctx, served_name(ready_engine(ctx), name))
+
+
+def served_name(engine: Engine, name: str) -> str:
+    """The served model's name for ``name`` (a name or an alias); Ollama's default tag
+    ``:latest`` may be appended."""
     if not name:
         raise RequestError("model is required", field="model")
     for candidate in dict.fromkeys((name, name.removesuffix(":latest"))):
         try:
-            return engine.model(candidate)
+            return engine.resolve(candidate)
         except ModelNotFound:
             continue
-    error = ModelNotFound(name, engine.models)
-    error.message = f"model {name!r} not found (served: {', '.join(sorted(engine.models)) or 'none'})"
+    served = engine.served
+    error = ModelNotFound(name, served)
+    error.message = f"model {name!r} not found (served: {', '.join(sorted(served)) or 'none'})"
     raise error
+
+
+def keep_alive_seconds(body: s.BaseRequest, info: ModelInfo | None, ctx: ServerContext) -> float | None:
+    """``keep_alive`` in seconds (None: forever), unset: the model's ``idle_unload_seconds``."""
+    if body.keep_alive is None:
+        slot = ctx.engine.lifecycle.slots.get(info.name) if info and ctx.engine.lifecycle else None
+        return slot.config.idle_unload_seconds if slot is not None else None
+    try:
+        return parse_keep_alive(body.keep_alive)
+    except ValueError as exc:
+        raise RequestError(f"keep_alive: {exc}", field="keep_alive") from None
+
+
+def keep_alive(ctx: ServerContext, info: ModelInfo, body: s.BaseRequest) -> None:
+    """Apply the request's ``keep_alive`` to its model, counted from its next idle moment."""
+    ctx.engine.set_keep_alive(info.name, keep_alive_seconds(body, info, ctx))
+
+
+async def unloaded(ctx: ServerContext, body: s.BaseRequest) -> bool:
+    """For an empty request with ``keep_alive: 0``: unload its model (once its running requests
+    end, waiting for it up to ``engine.model_load_wait_s``); True if it asked for that. A pinned
+    model stays loaded."""
+    if body.keep_alive is None or keep_alive_seconds(body, None, ctx) != 0:
+        return False
+    engine = ready_engine(ctx)
+    name = served_name(engine, body.model)
+    lifecycle = engine.lifecycle
+    if lifecycle is not None and lifecycle.slots[name].pinned:
+        return False
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(asyncio.wrap_future(engine.unload_model(name)), ctx.config.engine.model_load_wait_s)
+    return True
 
 
 def chat_messages(messages: list[s.Message], images: list[ImageInput]) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from msgspec import Struct
 from mlxr_core.engine.engine import Engine
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import ready_engine, unless_disconnected
+from mlxr_core.http.frontend import loaded_model, ready_engine, unless_disconnected
 from mlxr_plugins.apis.openai.schemas import ModelName
 
 #: OpenAI's limit on inputs per request.
@@ -64,7 +64,7 @@ async def create_embeddings(
         )
     inputs = embedding_inputs(body.input)
     engine = ready_engine(ctx)
-    info = engine.model(body.model)  # an unknown model is a 404 before tokenizing
+    info = await loaded_model(ctx, body.model)  # an unknown model is a 404 before tokenizing
     texts = [(i, item) for i, item in enumerate(inputs) if isinstance(item, str)]
     if texts:
         encode = functools.partial(_encode_all, engine, info.name, [text for _, text in texts])

@@ -27,7 +27,7 @@ from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.scoring import relevance_messages
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import ready_engine, unless_disconnected
+from mlxr_core.http.frontend import loaded_model, ready_engine, unless_disconnected
 from mlxr_core.http.openapi import documented
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.schemas import ErrorBody
@@ -128,7 +128,7 @@ async def scores_of(
     if len(pairs) > MAX_DOCUMENTS:
         raise RequestError(f"at most {MAX_DOCUMENTS} documents a request, got {len(pairs)}", field="documents")
     engine = ready_engine(ctx)
-    engine.model(model)  # an unknown model is a 404 before any templating
+    await loaded_model(ctx, model)  # an unknown model is a 404 before any templating
     ids = await anyio.to_thread.run_sync(functools.partial(relevance_ids, engine, model, pairs, instruction))
     scored = await unless_disconnected(request, engine.score_async(model, ids))
     return scored.scores, scored.prompt_tokens
@@ -170,7 +170,7 @@ def make_router(ctx: ServerContext) -> Router:
     async def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
         body = data
         engine = ready_engine(ctx)
-        info = engine.model(body.model)
+        info = await loaded_model(ctx, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send either prompt or messages", field="prompt")
         if body.messages is not None:
@@ -187,7 +187,7 @@ def make_router(ctx: ServerContext) -> Router:
     @post("/detokenize", status_code=200, operation_class=ERRORS)
     async def detokenize(data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
         body = data
-        info = ready_engine(ctx).model(body.model)
+        info = await loaded_model(ctx, body.model)
         vocab = info.tokenizer.vocab_size
         if any(not 0 <= token < vocab for token in body.tokens):
             raise RequestError(f"token ids must be in [0, {vocab})", field="tokens")

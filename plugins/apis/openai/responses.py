@@ -43,6 +43,7 @@ from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     collect,
     json_response,
+    loaded_model,
     ready_engine,
     shutdown_cancelled,
     submit,
@@ -362,7 +363,7 @@ class Responses:
         history = (previous.messages if previous else []) + messages
         chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
         engine = ready_engine(ctx)
-        info = engine.model(body.model)
+        info = await loaded_model(ctx, body.model)
         images = await load_images(ctx.config.server, info, inputs)
         tools, choice, parallel = tool_request(body)
         params.constraint = text_constraint(ctx, body.text)

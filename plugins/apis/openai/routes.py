@@ -18,6 +18,7 @@ import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
 
+from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
 from mlxr_core.errors import ContextLengthExceeded, RequestError
 from mlxr_core.http.constraints import request_constraint
@@ -26,6 +27,7 @@ from mlxr_core.http.frontend import (
     Reply,
     collect,
     json_response,
+    loaded_model,
     ready_engine,
     submit,
 )
@@ -37,6 +39,7 @@ from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.logprobs import LogprobFormatter
+from mlxr_plugins.apis.openai.model_admin import model_admin_routes
 from mlxr_plugins.apis.openai.responses import response_routes
 from mlxr_plugins.apis.openai.streaming import (
     ChatChunks,
@@ -82,7 +85,7 @@ def make_router(ctx: ServerContext) -> Router:
     @get(paths("/models"), sync_to_thread=False, operation_class=ERRORS)
     def models() -> s.ModelList:
         engine = ready_engine(ctx)
-        return s.ModelList([_card(info) for _, info in sorted(engine.models.items())])
+        return s.ModelList([_card(engine, name) for name in sorted(engine.served)])
 
     @get(
         paths("/models/{model_id:path}"),
@@ -92,7 +95,8 @@ def make_router(ctx: ServerContext) -> Router:
     def model(request: Request[Any, Any, Any]) -> s.ModelCard:
         # Model names may contain slashes; a path parameter arrives with a leading one.
         name = str(request.path_params["model_id"]).lstrip("/")
-        return _card(ready_engine(ctx).model(name))
+        engine = ready_engine(ctx)
+        return _card(engine, engine.resolve(name))
 
     @post(paths("/embeddings"), status_code=200, operation_class=ERRORS)
     async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any]) -> EmbeddingList:
@@ -100,7 +104,10 @@ def make_router(ctx: ServerContext) -> Router:
 
     return Router(
         path="/",
-        route_handlers=[chat_completions, completions, models, model, embeddings, *response_routes(ctx)],
+        route_handlers=[
+            chat_completions, completions, models, model, embeddings, *response_routes(ctx),
+            *model_admin_routes(ctx, paths),
+        ],
         exception_handlers=EXCEPTION_HANDLERS,
         tags=["openai"],
     )
@@ -118,7 +125,7 @@ async def create_chat_completion(
     elif body.top_logprobs:
         raise RequestError("top_logprobs needs logprobs: true", field="top_logprobs")
     engine = ready_engine(ctx)
-    info = engine.model(body.model)  # an unknown model is a 404 before any templating
+    info = await loaded_model(ctx, body.model)  # an unknown model is a 404 before any templating
     tools, tool_choice, parallel = tool_request(body)
     variables = template_variables(body.chat_template_kwargs, effort=body.reasoning_effort)
     images = await load_images(ctx.config.server, info, inputs)
@@ -161,7 +168,7 @@ async def create_completion(
     params = request_params(body, ctx, max_tokens=body.max_tokens)
     params.logprobs = body.logprobs
     engine = ready_engine(ctx)
-    info = engine.model(body.model)
+    info = await loaded_model(ctx, body.model)
     if isinstance(prompt, str):
         prompt_ids = await anyio.to_thread.run_sync(functools.partial(engine.encode, body.model, prompt))
     else:
@@ -344,5 +351,9 @@ def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
         raise RequestError(f"only best_of=1 is supported, got {body.best_of}", field="best_of")
 
 
-def _card(info: Any) -> s.ModelCard:
+def _card(engine: Engine, name: str) -> s.ModelCard:
+    """The served model ``name``; one never loaded yet (``load: lazy``) is known by name only."""
+    info = engine.models.get(name)
+    if info is None:
+        return s.ModelCard(id=name, created=int(engine.started_at))
     return s.ModelCard(id=info.name, created=info.created, context_length=info.context_length)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.engine.engine import ModelInfo
+from mlxr_core.engine.lifecycle import ModelSlot
 from mlxr_core.engine.request import (
     Delta,
     Failed,
@@ -72,6 +74,28 @@ class FakeEngine:
         if name not in self.models:
             raise ModelNotFound(name, self.models)
         return self.models[name]
+
+    # Every model is loaded, pinned and stays so (mlxr_core.engine.lifecycle is not scripted).
+    lifecycle = None
+
+    @property
+    def served(self) -> list[str]:
+        return sorted(self.models)
+
+    def resolve(self, name: str) -> str:
+        return self.model(name).name
+
+    def ensure_loaded(self, name: str) -> Future[None]:
+        self.resolve(name)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    set_keep_alive = unload_model = lambda self, name, *value: self.ensure_loaded(name)
+
+    def loaded_models(self) -> list[tuple[ModelInfo, ModelSlot]]:
+        pinned = ModelConfig(path="unused", pin=True)
+        return [(info, ModelSlot(0, pinned, name, state="loaded")) for name, info in sorted(self.models.items())]
 
     def encode(self, model: str, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.model(model).tokenizer.encode(text, add_special_tokens=add_special_tokens)

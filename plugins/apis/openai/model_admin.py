@@ -1,0 +1,85 @@
+"""``POST /v1/models/{id}/load`` and ``POST /v1/models/{id}/unload``: an operator loads or
+unloads a served model (:mod:`mlxr_core.engine.lifecycle`).
+
+Both are behind the server's API keys like every route (401 without a valid one); a server with no
+key answers them only when it listens on loopback, else 403 (anyone who can reach it could
+otherwise evict the models others use). Load waits until the model is loaded (at most
+``engine.model_load_wait_s``, then 503); unload waits as long for the model's running requests to
+end, and answers ``loaded: true`` if they have not (it unloads once they do). A pinned model is
+unloaded too: pins only keep a model from being unloaded for room or idleness. Send the POST as
+JSON (``{}``), as every POST here: a web page cannot send that across sites unasked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from litestar import Request, post
+from litestar.connection import ASGIConnection
+from litestar.handlers.base import BaseRouteHandler
+from msgspec import Struct
+
+from mlxr_core.config.schema import is_loopback
+from mlxr_core.errors import MlxrError
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.errors import RouteNotFound
+from mlxr_core.http.frontend import loaded_model, ready_engine
+from mlxr_core.http.openapi import documented
+from mlxr_plugins.apis.openai import schemas as s
+
+ACTIONS = ("load", "unload")
+
+
+class Forbidden(MlxrError):
+    """An admin route on a server that has no API key and is reachable from other machines."""
+
+    status = 403
+
+
+class ModelState(Struct):
+    """What ``load`` and ``unload`` answer: the model and whether it is loaded now."""
+
+    id: str
+    loaded: bool
+    object: str = "model"
+
+
+def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """Refuse model administration on a server with no API key unless it listens on loopback (the
+    app's key guard has already refused a missing or wrong key where keys are set)."""
+    server = connection.app.state["mlxr"].config.server
+    if not server.api_keys and not is_loopback(server.host):
+        raise Forbidden(
+            "loading and unloading models needs an API key on a server reachable from other machines: "
+            "set server.api_keys (or MLXR_API_KEY)"
+        )
+
+
+def model_admin_routes(ctx: ServerContext, paths: Any) -> list[Any]:
+    """The two routes, under the paths ``paths`` gives (``/v1`` and unprefixed)."""
+
+    # Model names may hold slashes, so the action is the path's last segment.
+    @post(
+        paths("/models/{model_id:path}"),
+        status_code=200,
+        guards=[admin_guard],
+        operation_class=documented(error=s.ErrorBody, path_strings=("model_id",)),
+        summary="Load or unload a model: POST /v1/models/{id}/load or /v1/models/{id}/unload",
+    )
+    async def administer(request: Request[Any, Any, Any]) -> ModelState:
+        path = str(request.path_params["model_id"]).strip("/")
+        name, _, action = path.rpartition("/")
+        if action not in ACTIONS or not name:
+            raise RouteNotFound(f"no route POST {request.url.path} (POST /v1/models/ID/load or /unload)")
+        engine = ready_engine(ctx)
+        if action == "load":
+            info = await loaded_model(ctx, name)
+            return ModelState(info.name, True)
+        served = engine.resolve(name)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.wrap_future(engine.unload_model(served)), ctx.config.engine.model_load_wait_s)
+        return ModelState(served, any(info.name == served for info, _ in engine.loaded_models()))
+
+    return [administer]
