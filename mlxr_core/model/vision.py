@@ -285,7 +285,9 @@ def merge_embeddings(
 ) -> mx.array:
     """``embeddings [B, L, D]`` with the positions where ``inputs [B, L]`` is ``image_token_id``
     replaced, in row-major order, by the rows of ``images`` (``[N, T, D]`` or ``[rows, D]``;
-    Hugging Face's ``masked_scatter``). Raises RequestError when the counts differ."""
+    Hugging Face's ``masked_scatter``). Raises RequestError when the counts differ. Rows wider
+    than ``D`` carry more per token than its input embedding (Qwen3-VL's deepstack features):
+    the text positions are zero past ``D``."""
     import mlx.core as mx
 
     is_image = inputs == image_token_id
@@ -294,6 +296,9 @@ def merge_embeddings(
         raise RequestError(f"the prompt has {positions} image token positions for {rows} image embeddings")
     if rows == 0:
         return embeddings
+    extra = images.shape[-1] - embeddings.shape[-1]
+    if extra > 0:
+        embeddings = mx.pad(embeddings, [(0, 0), (0, 0), (0, extra)])
     flat = images.reshape(rows, images.shape[-1]).astype(embeddings.dtype)
     index = mx.maximum(mx.cumsum(is_image.reshape(-1).astype(mx.int32)) - 1, 0).reshape(inputs.shape)
     return mx.where(is_image[..., None], flat[index], embeddings)

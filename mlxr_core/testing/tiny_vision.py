@@ -7,7 +7,9 @@ family's image marker for each image part of a message:
 - :func:`qwen2_5_vl_model`: Qwen2.5-VL with 4x4-pixel patches merged 2x2 (one token per 8x8
   pixels), windows of 2x2 tokens, M-RoPE sections (2, 3, 3); an image is resized to between
   :data:`QWEN_MIN_PIXELS` and :data:`QWEN_MAX_PIXELS` pixels; ids 60, 61, 62 are
-  ``<|image_pad|>``, ``<|vision_start|>`` and ``<|vision_end|>``.
+  ``<|image_pad|>``, ``<|vision_start|>`` and ``<|vision_end|>``;
+- :func:`qwen3_vl_model`: Qwen3-VL of the same sizes and tokens, a 4x4 position table, DeepStack
+  features from the first two of its three vision blocks, interleaved M-RoPE.
 """
 
 from __future__ import annotations
@@ -97,27 +99,56 @@ QWEN_MIN_PIXELS, QWEN_MAX_PIXELS = 8 * 8 * 2, 8 * 8 * 24
 QWEN_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
 
 
+QWEN3_TEXT = {
+    **{key: value for key, value in QWEN_TEXT.items() if key not in ("rope_theta", "rope_scaling")},
+    "num_hidden_layers": 3,
+    "head_dim": 16,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3], "mrope_interleaved": True},
+}
+QWEN3_VISION = {
+    **{key: value for key, value in QWEN_VISION.items() if key not in ("window_size", "fullatt_block_indexes")},
+    "depth": 3,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0, 1],
+}
+
+
 def qwen2_5_vl_model(folder: Path, torch: Any, transformers: Any) -> Any:
     """Write the tiny Qwen2.5-VL model, its tokenizer and its image processor's settings to
     ``folder``; returns transformers' model (eval) and image processor."""
+    return _qwen_vl_model(folder, torch, transformers, "Qwen2_5_VL", QWEN_TEXT, QWEN_VISION)
+
+
+def qwen3_vl_model(folder: Path, torch: Any, transformers: Any) -> Any:
+    """Write the tiny Qwen3-VL model, its tokenizer and its image processor's settings (mean and
+    std 0.5) to ``folder``; returns transformers' model (eval) and image processor."""
+    normalize = {"image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    return _qwen_vl_model(folder, torch, transformers, "Qwen3VL", QWEN3_TEXT, QWEN3_VISION, normalize)
+
+
+def _qwen_vl_model(
+    folder: Path, torch: Any, transformers: Any, kind: str, text: dict[str, Any], vision: dict[str, Any],
+    normalize: dict[str, Any] | None = None,
+) -> Any:  # fmt: skip
     from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
 
     torch.manual_seed(0)
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=QWEN_TEXT,
-        vision_config=QWEN_VISION,
+    config = getattr(transformers, f"{kind}Config")(
+        text_config=text,
+        vision_config=vision,
         image_token_id=IMAGE,
         vision_start_token_id=BEGIN,
         vision_end_token_id=END,
         video_token_id=VOCAB - 1,
         attn_implementation="eager",
     )
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).eval()
     o1_init(model, torch)
     model.save_pretrained(folder)
     processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS
-    )
+        patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS,
+        **(normalize or {}),
+    )  # fmt: skip
     processor.save_pretrained(folder)
     write_tokenizer(folder, VOCAB)
     names = {IMAGE: "<|image_pad|>", BEGIN: "<|vision_start|>", END: "<|vision_end|>"}

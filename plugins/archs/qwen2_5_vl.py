@@ -23,11 +23,27 @@ import mlx.nn as nn
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
-from mlxr_core.model.layers import make_rotary, rope_type
+from mlxr_core.model.layers import DecoderArchitecture, make_rotary, rope_type
 from mlxr_core.model.layers.mrope import MRotary
 from mlxr_core.model.vision import VisionArchitecture
 from mlxr_plugins.archs.qwen2 import Qwen2, Qwen2Architecture, Qwen2Args
 from mlxr_plugins.archs.qwen3_5 import text_config, text_name
+
+
+def mrope_text_config(config: dict[str, Any], family: str) -> dict[str, Any]:
+    """The text model's keys (``text_config`` over the top level's) with ``mrope_section`` from
+    ``rope_scaling`` or ``rope_parameters`` and no other rotary scaling: one other than M-RoPE is
+    refused, naming it."""
+    merged = text_config(config)
+    scaling = merged.get("rope_scaling") or merged.get("rope_parameters") or {}
+    kind = scaling.get("type", rope_type(scaling))
+    if kind not in ("mrope", "default"):
+        raise ModelLoadError(f"rope_scaling type {kind!r} is not supported by the {family} graph (mrope)",
+                             key="rope_scaling")
+    merged = {**merged, "rope_scaling": None}
+    if "mrope_section" in scaling:
+        merged["mrope_section"] = scaling["mrope_section"]
+    return merged
 
 
 @dataclasses.dataclass
@@ -41,21 +57,26 @@ class Qwen25VLArgs(Qwen2Args):
 
     @classmethod
     def read(cls, config: dict[str, Any]) -> Qwen25VLArgs:
-        """From either config layout (see the module); a ``rope_scaling`` other than M-RoPE is
-        refused, naming it."""
-        merged = text_config(config)
-        scaling = merged.get("rope_scaling") or merged.get("rope_parameters") or {}
-        kind = scaling.get("type", rope_type(scaling))
-        if kind not in ("mrope", "default"):
-            raise ModelLoadError(f"rope_scaling type {kind!r} is not supported by the qwen2_5_vl graph (mrope)",
-                                 key="rope_scaling")
-        merged = {**merged, "rope_scaling": None}
-        if "mrope_section" in scaling:
-            merged["mrope_section"] = scaling["mrope_section"]
-        return cls.from_config(merged)
+        """From either config layout (see the module)."""
+        return cls.from_config(mrope_text_config(config, cls.family))
 
 
-class Qwen25VLArchitecture(Qwen2Architecture):
+class VisionLanguageArchitecture(DecoderArchitecture):
+    """What the Qwen vision-language families share: the language model's weights under
+    ``model.`` and ``lm_head`` whatever the layout, the tower's left to the vision side."""
+
+    def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """The language model's weights under ``model.`` and ``lm_head``; the tower dropped."""
+        tower = ("visual.", "model.visual.", "vision_tower.")
+        text = {text_name(name): array for name, array in weights.items() if not name.startswith(tower)}
+        return super().sanitize(text, config)
+
+    def sanitized_modules(self, module: str) -> list[str]:
+        """A packed module of the language model under the name :meth:`sanitize` gives it."""
+        return [text_name(module)]
+
+
+class Qwen25VLArchitecture(VisionLanguageArchitecture, Qwen2Architecture):
     """The :class:`mlxr_core.model.arch.Architecture` of ``qwen2_5_vl``, whose vision side
     :meth:`vision` gives (:class:`mlxr_core.model.vision.ProvidesVision`)."""
 
@@ -71,16 +92,6 @@ class Qwen25VLArchitecture(Qwen2Architecture):
 
     def context_length(self, config: dict[str, Any]) -> int:
         return Qwen25VLArgs.read(config).context()
-
-    def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
-        """The language model's weights under ``model.`` and ``lm_head``; the tower dropped."""
-        tower = ("visual.", "model.visual.", "vision_tower.")
-        text = {text_name(name): array for name, array in weights.items() if not name.startswith(tower)}
-        return super().sanitize(text, config)
-
-    def sanitized_modules(self, module: str) -> list[str]:
-        """A packed module of the language model under the name :meth:`sanitize` gives it."""
-        return [text_name(module)]
 
     def vision(self, config: dict[str, Any]) -> VisionArchitecture | None:
         """The tower and merger of a checkpoint with a ``vision_config``; None for text only."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Self
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -68,7 +68,8 @@ class VisionArgs(ConfigArgs):
     rope_theta: float = 10000.0
 
     @classmethod
-    def read(cls, config: dict[str, Any]) -> VisionArgs:
+    def read(cls, config: dict[str, Any]) -> Self:
+        """From a checkpoint config's ``vision_config`` (its ``rope_parameters``' theta read too)."""
         vision = dict(config.get("vision_config") or {})
         rope = vision.get("rope_parameters")
         if isinstance(rope, dict) and "rope_theta" in rope:
@@ -150,6 +151,18 @@ def token_grid(pixels: np.ndarray) -> tuple[int, int, int]:
     """A processed image's ``(t, h, w)`` grid of tokens."""
     t, h, w = pixels.shape[:3]
     return int(t), int(h), int(w)
+
+
+def patch_rotary(shape: tuple[int, ...], args: VisionArgs) -> tuple[mx.array, mx.array]:
+    """cos and sin ``[patches, head_dim]`` of each patch of a ``[t, h, w, m, m, ...]`` image: half
+    the frequencies turn with its row, half with its column."""
+    dims = args.hidden_size // args.num_heads // 2
+    inv_freq = 1.0 / args.rope_theta ** (np.arange(0, dims, 2, dtype=np.float32) / dims)
+    t, h, w, m = shape[0], shape[1], shape[2], shape[3]
+    _, rows, cols, block_rows, block_cols = np.indices((t, h, w, m, m)).reshape(5, -1)
+    angles = np.concatenate([np.outer(rows * m + block_rows, inv_freq), np.outer(cols * m + block_cols, inv_freq)], axis=1)
+    angles = np.concatenate([angles, angles], axis=1)
+    return mx.array(np.cos(angles)), mx.array(np.sin(angles))
 
 
 def rotate_half(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
@@ -272,23 +285,12 @@ class Qwen25Vision(nn.Module):
         self.patch_embed = PatchEmbed(args)
         self.blocks = [VisionBlock(args) for _ in range(args.depth)]
         self.merger = PatchMerger(args)
-        dims = args.hidden_size // args.num_heads // 2
-        self._inv_freq = 1.0 / args.rope_theta ** (np.arange(0, dims, 2, dtype=np.float32) / dims)
-
-    def rotary(self, shape: tuple[int, ...]) -> tuple[mx.array, mx.array]:
-        """cos and sin ``[patches, head_dim]`` of each patch: its row, then its column."""
-        t, h, w, m = shape[0], shape[1], shape[2], shape[3]
-        _, rows, cols, block_rows, block_cols = np.indices((t, h, w, m, m)).reshape(5, -1)
-        angles = np.concatenate([np.outer(rows * m + block_rows, self._inv_freq),
-                                 np.outer(cols * m + block_cols, self._inv_freq)], axis=1)  # fmt: skip
-        angles = np.concatenate([angles, angles], axis=1)
-        return mx.array(np.cos(angles)), mx.array(np.sin(angles))
 
     def __call__(self, pixels: mx.array) -> mx.array:
         shape = tuple(pixels.shape[1:])
         N = pixels.shape[0]
         x = self.patch_embed.proj(pixels.reshape(N, -1, pixels.shape[-1]))
-        cos, sin = self.rotary(shape)
+        cos, sin = patch_rotary(shape, self.args)
         windowed = Windows(shape, self.args.window_blocks)
         full = set(self.args.fullatt_block_indexes)
         for index, block in enumerate(self.blocks):

@@ -51,10 +51,11 @@ def qwen3_attention(args: Qwen3Args, kernels: KernelSet, rotary: Any) -> Attenti
 
 
 class Qwen3(CausalLM):
-    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
+    """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``; ``rotary`` replaces the
+    config's RoPE and ``stack`` the decoder stack's class (Qwen3-VL's M-RoPE and DeepStack)."""
 
-    def __init__(self, args: Qwen3Args, kernels: KernelSet):
-        rotary = args_rotary(args, kernels, types=ROPE_TYPES)
+    def __init__(self, args: Qwen3Args, kernels: KernelSet, rotary: Any = None, stack: type[DecoderModel] = DecoderModel):
+        rotary = rotary or args_rotary(args, kernels, types=ROPE_TYPES)
         H, eps = args.hidden_size, args.rms_norm_eps
         layers = [
             PreNormBlock(
@@ -62,7 +63,7 @@ class Qwen3(CausalLM):
             )
             for _ in range(args.num_hidden_layers)
         ]
-        model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, eps, kernels))
+        model = stack(args.vocab_size, H, layers, RMSNorm(H, eps, kernels))
         super().__init__(model, tied=args.tie_word_embeddings)
         self.args = args
 

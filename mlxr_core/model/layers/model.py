@@ -50,14 +50,28 @@ class DecoderModel(nn.Module):
         positions: mx.array | None = None,
     ) -> mx.array:
         h = self.embed(inputs) if embeddings is None else embeddings
+        normed: mx.array = self.norm(self.run_layers(h, cache, mask, positions))
+        return normed
+
+    def run_layers(
+        self,
+        h: mx.array,
+        cache: list[Any] | None = None,
+        mask: str | mx.array | None = None,
+        positions: mx.array | None = None,
+        added: Sequence[mx.array] = (),
+    ) -> mx.array:
+        """The layers over ``h [B, L, hidden]`` (before the final norm); ``added[i]`` is added to
+        layer ``i``'s output (Qwen3-VL's DeepStack features)."""
         if mask is None and h.shape[1] > 1:
             mask = "causal"
         layer_caches = cache if cache is not None else [None] * len(self.layers)
         at = {} if positions is None else {"positions": positions}
-        for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
+        for index, (layer, layer_cache) in enumerate(zip(self.layers, layer_caches, strict=True)):
             h = layer(h, mask, layer_cache, **at)
-        normed: mx.array = self.norm(h)
-        return normed
+            if index < len(added):
+                h = h + added[index]
+        return h
 
 
 class CausalLM(nn.Module):

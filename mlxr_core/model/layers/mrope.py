@@ -49,9 +49,12 @@ def mrope_positions(
 class MRotary:
     """M-RoPE over ``dims`` features (rotate-half layout, as Hugging Face's): ``rotary(x,
     positions [3, B, L])`` rotates ``x [B, heads, L, dims]`` by each token's three positions;
-    ``rotary(x, offset)`` (an int or ``[B]``: every axis equal) is ``plain``'s rotation."""
+    ``rotary(x, offset)`` (an int or ``[B]``: every axis equal) is ``plain``'s rotation.
+    ``interleaved`` (Qwen3-VL): frequency ``3i + 1`` reads the height for ``i`` below
+    ``sections[1]``, ``3i + 2`` the width for ``i`` below ``sections[2]``, every other one the
+    temporal position; else the sections are consecutive runs (Qwen2-VL, Qwen2.5-VL)."""
 
-    def __init__(self, plain: Rotary, dims: int, base: float, sections: Sequence[int]):
+    def __init__(self, plain: Rotary, dims: int, base: float, sections: Sequence[int], *, interleaved: bool = False):
         if len(sections) != 3 or sum(sections) != dims // 2 or min(sections) < 0:
             raise ModelLoadError(
                 f"mrope_section {list(sections)} must be three counts summing to half the head "
@@ -60,8 +63,12 @@ class MRotary:
         self.plain = plain
         self.dims = dims
         self.inv_freq = 1.0 / base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)
+        axis = np.repeat(np.arange(3), sections)
+        if interleaved:
+            axis = np.zeros(dims // 2, dtype=np.int64)
+            axis[1 : 3 * sections[1] : 3], axis[2 : 3 * sections[2] : 3] = 1, 2
         #: Which of the three positions each frequency reads.
-        self.axis = mx.array(np.repeat(np.arange(3), sections))
+        self.axis = mx.array(axis)
 
     def __call__(self, x: mx.array, offset: int | mx.array) -> mx.array:
         if not (isinstance(offset, mx.array) and offset.ndim == 3):

@@ -1,5 +1,6 @@
-"""Requests with images on the engine for a language model with M-RoPE: a tiny random Qwen2.5-VL
-against transformers' greedy generation (CPU, float32). Rows of one batch sit at different cache
+"""Requests with images on the engine for a language model with M-RoPE: tiny random Qwen2.5-VL
+and Qwen3-VL models (DeepStack features merged in with the image) against transformers' greedy
+generation (CPU, float32). Rows of one batch sit at different cache
 offsets with different rotary shifts (a text row, a one-image row, a two-image row, left padded),
 prefill chunks reach into the images, the decode step runs compiled and eager, and a prompt
 served from the prefix cache (no prefill left but its last token) decodes at the right positions.
@@ -16,7 +17,7 @@ from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCac
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Finished, GenerationRequest, PromptImage, SamplingParams
 from mlxr_core.plugins import load_plugins
-from mlxr_core.testing.tiny_vision import BEGIN, END, IMAGE, qwen2_5_vl_model
+from mlxr_core.testing.tiny_vision import BEGIN, END, IMAGE, qwen2_5_vl_model, qwen3_vl_model
 
 STEPS = 6
 SIZES = [(23, 41), (16, 15)]  # 3x5 and 2x2 tokens
@@ -30,13 +31,14 @@ def prompt_for(*counts: int, lead: int = 3) -> list[int]:
     return [*ids, 12, 40]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def reference(request, tmp_path_factory):
     torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
     transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
     image_module = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
-    folder = tmp_path_factory.mktemp("qwen2_5_vl")
-    model, processor = qwen2_5_vl_model(folder, torch, transformers)
+    folder = tmp_path_factory.mktemp(request.param)
+    writer = qwen2_5_vl_model if request.param == "qwen2_5_vl" else qwen3_vl_model
+    model, processor = writer(folder, torch, transformers)
     rng = np.random.default_rng(5)
     images = [image_module.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
     inputs = [processor(image, return_tensors="pt") for image in images]

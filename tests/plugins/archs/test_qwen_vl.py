@@ -1,11 +1,14 @@
-"""Qwen2.5-VL against transformers' Qwen2_5_VLForConditionalGeneration (CPU, float32): a tiny
-random model (:func:`mlxr_core.testing.tiny_vision.qwen2_5_vl_model`: 4x4 patches merged 2x2,
-windows of 2x2 tokens, one full-attention block, M-RoPE) saved by transformers and loaded
-through mlxr's loader, with two images of different sizes (3x5 and 2x2 tokens).
+"""Qwen2.5-VL and Qwen3-VL against transformers' Qwen2_5_VLForConditionalGeneration and
+Qwen3VLForConditionalGeneration (CPU, float32): tiny random models
+(:mod:`mlxr_core.testing.tiny_vision`: 4x4 patches merged 2x2; Qwen2.5-VL's windows of 2x2
+tokens and one full-attention block, Qwen3-VL's resampled position table and DeepStack features
+from two blocks) saved by transformers and loaded through mlxr's loader, with two images of
+different sizes (3x5 and 2x2 tokens).
 
-Shown: the image processor's patches and grids, the vision tower's output for both images, the
-merged sequence's logits with one image and with two, and cached decoding after the prompt
-(greedy tokens and each step's logits) through the batched decode step and its M-RoPE shift.
+Shown for both: the image processor's patches and grids, the vision tower's output for both
+images, the merged sequence's logits with one image and with two, and cached decoding after the
+prompt (greedy tokens and each step's logits) through the batched decode step and its M-RoPE
+shift. The rest (marker expansion, weight layouts, bad configs, ``mlxr info``) on Qwen2.5-VL.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ from mlxr_core.errors import RequestError
 from mlxr_core.model.layers.mrope import mrope_positions
 from mlxr_core.model.vision import logits_with_images
 from mlxr_core.plugins import load_plugins
-from mlxr_core.testing.tiny_vision import BEGIN, END, IMAGE, qwen2_5_vl_model
+from mlxr_core.testing.tiny_vision import BEGIN, END, IMAGE, qwen2_5_vl_model, qwen3_vl_model
 
+WRITERS = {"qwen2_5_vl": qwen2_5_vl_model, "qwen3_vl": qwen3_vl_model}
+#: The tests that need one family only.
+QWEN2_5 = pytest.mark.parametrize("reference", ["qwen2_5_vl"], indirect=True)
 STEPS = 5
 #: (height, width) in pixels: 3x5 and 2x2 tokens of 8x8 pixels after resizing.
 SIZES = [(23, 41), (16, 15)]
@@ -49,13 +55,13 @@ class Reference:
     step_logits: np.ndarray  # [STEPS, vocab]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Reference:
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def reference(request, tmp_path_factory) -> Reference:
     torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
     transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
     image_module = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
-    folder = tmp_path_factory.mktemp("qwen2_5_vl")
-    model, processor = qwen2_5_vl_model(folder, torch, transformers)
+    folder = tmp_path_factory.mktemp(request.param)
+    model, processor = WRITERS[request.param](folder, torch, transformers)
     rng = np.random.default_rng(3)
     images = [image_module.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
     processed = [processor(image, return_tensors="pt") for image in images]
@@ -74,7 +80,11 @@ def reference(tmp_path_factory) -> Reference:
         )
 
     with torch.no_grad():
-        tower = [model.model.visual(pixels[k], grid_thw=grids[k]).pooler_output.numpy() for k in range(2)]
+        tower = []
+        for k in range(2):
+            out = model.model.visual(pixels[k], grid_thw=grids[k])
+            deepstack = [feature.numpy() for feature in getattr(out, "deepstack_features", None) or []]
+            tower.append(np.concatenate([out.pooler_output.numpy(), *deepstack], axis=-1))
         one = model(**forward(prompt_for(counts[0]), [0])).logits[0].numpy()
         two_prompt = prompt_for(*counts)
         two = model(**forward(two_prompt, [0, 1])).logits[0].numpy()
@@ -186,6 +196,7 @@ def test_mrope_positions_follow_the_grids():
     ]
 
 
+@QWEN2_5
 def test_image_tokens_expand_each_marker_by_its_image(reference, loaded):
     tokens = loaded.vision.tokens
     pixels = processed(loaded, reference)
@@ -200,7 +211,8 @@ def test_image_tokens_expand_each_marker_by_its_image(reference, loaded):
     assert tokens.count(prompt_for(15, 4)) == 2 and tokens.count(prompt_for()) == 0
 
 
-def test_configs_the_graph_cannot_follow_are_refused_naming_the_key(loaded):
+@QWEN2_5
+def test_configs_the_graph_cannot_follow_are_refused_naming_the_key(reference, loaded):
     from mlxr_core.errors import ModelLoadError
     from mlxr_core.kernels import bind_kernels
 
@@ -221,7 +233,8 @@ def test_configs_the_graph_cannot_follow_are_refused_naming_the_key(loaded):
     assert caught.value.key == "vision_config.hidden_size"
 
 
-def test_every_weight_layout_maps_onto_the_module(loaded):
+@QWEN2_5
+def test_every_weight_layout_maps_onto_the_module(reference, loaded):
     from mlx.utils import tree_flatten
 
     arch = loaded.arch.vision(loaded.config)
@@ -241,6 +254,7 @@ def test_every_weight_layout_maps_onto_the_module(loaded):
     assert loaded.arch.vision({k: v for k, v in loaded.config.items() if k != "vision_config"}) is None
 
 
+@QWEN2_5
 def test_mlxr_info_reports_the_vision_side(reference, loaded):
     from mlx.utils import tree_flatten
 
