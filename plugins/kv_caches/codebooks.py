@@ -14,7 +14,11 @@ seeded Gaussian ``D x D`` matrix ``S``. For a query ``q``,
 ``sqrt(pi/2) / D * |r| * <S R q, sign(S r)>`` is an unbiased estimate of ``<R q, r>`` over the draw
 of ``S`` (``E[<s, a> sign(<s, r>)] = sqrt(2/pi) <a, r> / |r|`` for a Gaussian row ``s``), with
 variance ``(pi/2 |R q|² |r|² - <R q, r>²) / D``; with the levels' part it estimates ``<q, u>``
-without bias (:meth:`Codec.key_terms`, :meth:`Codec.query_terms`).
+without bias (:meth:`Codec.scores`).
+
+Codes are stored in bit planes of 4, 2 or 1 bits (:data:`PLANES`: 3-bit codes as a 2-bit and a
+1-bit plane), a whole number of codes per byte, so a lookup per byte in a 256-row table turns
+stored bytes into levels.
 """
 
 from __future__ import annotations
@@ -66,23 +70,75 @@ def rotation_matrix(signs: np.ndarray) -> np.ndarray:
     )
 
 
+#: How codes of each width are stored: bit planes of these widths, low bits first. Each plane
+#: holds ``8 // width`` codes per byte, so that one table lookup per byte unpacks it.
+PLANES = {1: (1,), 2: (2,), 3: (2, 1), 4: (4,)}
+
+
+@functools.cache
+def byte_codes(width: int) -> np.ndarray:
+    """``[256, 8 // width]``: the codes a byte of a ``width``-bit plane holds, first code lowest."""
+    per = 8 // width
+    return (np.arange(256)[:, None] >> (width * np.arange(per))) & ((1 << width) - 1)
+
+
 def pack(codes: mx.array, bits: int) -> mx.array:
-    """``[..., D]`` codes below ``2**bits`` -> ``[..., D * bits // 8]`` bytes: each run of 8 codes
-    in ``bits`` bytes, code ``j`` at bit ``bits * j``."""
+    """``[..., D]`` codes below ``2**bits`` -> ``[..., D * bits // 8]`` bytes: the bit planes of
+    :data:`PLANES` one after another, each ``8 // width`` codes per byte."""
     *lead, D = codes.shape
-    groups = codes.astype(mx.uint32).reshape(*lead, D // 8, 8)
-    word = (groups << (bits * mx.arange(8, dtype=mx.uint32))).sum(axis=-1)  # disjoint bit fields
-    parts = (word[..., None] >> (8 * mx.arange(bits, dtype=mx.uint32))) & 0xFF
-    return parts.astype(mx.uint8).reshape(*lead, D * bits // 8)
+    codes = codes.astype(mx.uint32)
+    planes, shift = [], 0
+    for width in PLANES[bits]:
+        per = 8 // width
+        part = ((codes >> shift) & ((1 << width) - 1)).reshape(*lead, D // per, per)
+        planes.append((part << (width * mx.arange(per, dtype=mx.uint32))).sum(axis=-1).astype(mx.uint8))
+        shift += width
+    return mx.concatenate(planes, axis=-1)
 
 
-def unpack(packed: mx.array, bits: int) -> mx.array:
-    """The codes :func:`pack` stored, ``[..., D]`` ``uint32``."""
+def unpack(packed: mx.array, bits: int, tables: dict[int, mx.array] | None = None) -> mx.array:
+    """The codes :func:`pack` stored, ``[..., D]``; ``tables`` (width -> a table of
+    :func:`byte_codes`' rows, as an ``mx`` array) may give them another form, such as levels."""
     *lead, size = packed.shape
-    parts = packed.astype(mx.uint32).reshape(*lead, size // bits, bits)
-    word = (parts << (8 * mx.arange(bits, dtype=mx.uint32))).sum(axis=-1)
-    codes = (word[..., None] >> (bits * mx.arange(8, dtype=mx.uint32))) & ((1 << bits) - 1)
-    return codes.reshape(*lead, size // bits * 8)
+    D = size * 8 // bits
+    codes: mx.array | None = None
+    offset, shift = 0, 0
+    for width in PLANES[bits]:
+        plane = packed[..., offset : offset + D * width // 8]
+        table = tables[width] if tables is not None else mx.array(byte_codes(width).astype(np.uint32))
+        part = mx.take(table, plane, axis=0).reshape(*lead, D)
+        codes = part if codes is None else codes + (part << shift)
+        offset, shift = offset + D * width // 8, shift + width
+    assert codes is not None
+    return codes
+
+
+class Levels:
+    """A codebook's levels and how to look up packed codes in it: with one bit plane, one table
+    lookup per byte gives the levels (:func:`byte_codes` mapped through them); with more, the
+    codes are put together from their planes first."""
+
+    def __init__(self, levels: np.ndarray, bits: int):
+        self.bits = bits
+        self.levels = mx.array(levels.astype(np.float32))
+        self.edges = mx.array(((levels[1:] + levels[:-1]) / 2).astype(np.float32))
+        (single,) = PLANES[bits] if len(PLANES[bits]) == 1 else (None,)
+        self.table = mx.array(levels[byte_codes(single)].astype(np.float32)) if single else None
+        self.code_tables = {w: mx.array(byte_codes(w).astype(np.uint32)) for w in PLANES[bits]}
+
+    def encode(self, x: mx.array) -> mx.array:
+        """Each coordinate's nearest level, packed."""
+        return pack((x[..., None] > self.edges).sum(axis=-1), self.bits)
+
+    def nearest(self, x: mx.array) -> mx.array:
+        """Each coordinate's nearest level."""
+        return mx.take(self.levels, (x[..., None] > self.edges).sum(axis=-1))
+
+    def decode(self, packed: mx.array) -> mx.array:
+        """The levels of packed codes, float32 ``[..., D]``."""
+        if self.table is not None:
+            return unpack(packed, self.bits, {self.bits: self.table})
+        return mx.take(self.levels, unpack(packed, self.bits, self.code_tables))
 
 
 @attrs.frozen(eq=False)
@@ -94,10 +150,9 @@ class Codec:
     bits: int
     rotation: mx.array
     sketch: mx.array
-    key_levels: mx.array
-    key_edges: mx.array
-    value_levels: mx.array
-    value_edges: mx.array
+    keys: Levels
+    values: Levels
+    signs: Levels = attrs.field(factory=lambda: Levels(np.array([-1.0, 1.0]), 1))
 
     def _direction(self, x: mx.array) -> tuple[mx.array, mx.array]:
         """``[..., D]`` -> norms ``[..., 1]`` and rotated unit directions ``[..., D]``."""
@@ -109,50 +164,48 @@ class Codec:
         """``[..., D]`` keys -> level codes (``bits - 1`` bits each), sketch signs (1 bit each),
         and ``[..., 2]`` float16: the norm, and the norm times the residual's norm."""
         norm, unit = self._direction(keys)
-        codes = (unit[..., None] > self.key_edges).sum(axis=-1)
-        residual = unit - mx.take(self.key_levels, codes)
-        signs = (residual @ self.sketch.T) >= 0
-        scales = mx.concatenate(
-            [norm, norm * mx.linalg.norm(residual, axis=-1, keepdims=True)], axis=-1
-        )
-        return [pack(codes, self.bits - 1), pack(signs, 1), scales.astype(mx.float16)]
+        residual = unit - self.keys.nearest(unit)
+        scales = mx.concatenate([norm, norm * mx.linalg.norm(residual, axis=-1, keepdims=True)], axis=-1)
+        return [self.keys.encode(unit), self.signs.encode(residual @ self.sketch.T), scales.astype(mx.float16)]
 
     def encode_values(self, values: mx.array) -> list[mx.array]:
         """``[..., D]`` values -> level codes (``bits`` bits each) and ``[..., 1]`` float16 norms."""
         norm, unit = self._direction(values)
-        codes = (unit[..., None] > self.value_edges).sum(axis=-1)
-        return [pack(codes, self.bits), norm.astype(mx.float16)]
+        return [self.values.encode(unit), norm.astype(mx.float16)]
 
-    def key_terms(self, codes: mx.array, signs: mx.array, scales: mx.array) -> mx.array:
-        """Stored keys as ``[..., 2D]`` rows whose inner product with :meth:`query_terms` is the
-        estimate of ``<q, k>``: the levels times the norm, then the signs times the sketch's
-        weight ``sqrt(pi/2) / D * |k| |r|``."""
-        scales = scales.astype(mx.float32)
-        levels = mx.take(self.key_levels, unpack(codes, self.bits - 1)) * scales[..., :1]
-        weight = scales[..., 1:] * (math.sqrt(math.pi / 2) / self.dim)
-        return mx.concatenate([levels, (2.0 * unpack(signs, 1) - 1.0) * weight], axis=-1)
-
-    def query_terms(self, queries: mx.array) -> mx.array:
-        """``[..., D]`` queries -> ``[..., 2D]``: rotated, then rotated and sketched."""
+    def query_terms(self, queries: mx.array) -> tuple[mx.array, mx.array]:
+        """``[..., D]`` queries -> rotated, and rotated then sketched."""
         rotated = queries @ self.rotation
-        return mx.concatenate([rotated, rotated @ self.sketch.T], axis=-1)
+        return rotated, rotated @ self.sketch.T
 
-    def values_rotated(self, codes: mx.array, norms: mx.array) -> mx.array:
-        """Stored values, still rotated: ``[..., D]`` (``@ rotation.T`` turns them back)."""
-        return mx.take(self.value_levels, unpack(codes, self.bits)) * norms.astype(mx.float32)
+    def scores(self, queries: mx.array, codes: mx.array, signs: mx.array, scales: mx.array) -> mx.array:
+        """Estimates of ``<q, k>``: ``queries`` ``[..., L, D]`` (each group of heads sharing
+        stored keys ``[..., S, *]``, broadcast on the axis before ``L``) -> ``[..., L, S]``: the
+        levels' part times each key's norm plus the sketch's times ``sqrt(pi/2) / D |k| |r|``."""
+        rotated, sketched = self.query_terms(queries)
+        scales = scales.astype(mx.float32)[..., None, :, :]
+        weight = scales[..., 1] * (math.sqrt(math.pi / 2) / self.dim)
+        levels = self.keys.decode(codes)[..., None, :, :]
+        signs_ = self.signs.decode(signs)[..., None, :, :]
+        return (rotated @ levels.swapaxes(-1, -2)) * scales[..., 0][..., None, :] + (
+            sketched @ signs_.swapaxes(-1, -2)
+        ) * weight[..., None, :]
+
+    def weighted_values(self, probs: mx.array, codes: mx.array, norms: mx.array) -> mx.array:
+        """``probs`` ``[..., L, S]`` against stored values ``[..., S, *]`` (broadcast as in
+        :meth:`scores`) -> ``[..., L, D]``, rotated back."""
+        weights = probs * norms.astype(mx.float32)[..., None, :, 0][..., None, :]
+        return (weights @ self.values.decode(codes)[..., None, :, :]) @ self.rotation.T
 
     def decode_keys(self, codes: mx.array, signs: mx.array, scales: mx.array) -> mx.array:
-        """Keys whose inner product with any query is the stored estimate (:meth:`key_terms`)."""
-        terms = self.key_terms(codes, signs, scales)
-        D = self.dim
-        return (terms[..., :D] + terms[..., D:] @ self.sketch) @ self.rotation.T
+        """Keys whose inner product with any query is the stored estimate (:meth:`scores`)."""
+        scales = scales.astype(mx.float32)
+        weight = scales[..., 1:] * (math.sqrt(math.pi / 2) / self.dim)
+        rotated = self.keys.decode(codes) * scales[..., :1] + (self.signs.decode(signs) * weight) @ self.sketch
+        return rotated @ self.rotation.T
 
     def decode_values(self, codes: mx.array, norms: mx.array) -> mx.array:
-        return self.values_rotated(codes, norms) @ self.rotation.T
-
-
-def _edges(levels: np.ndarray) -> np.ndarray:
-    return (levels[1:] + levels[:-1]) / 2
+        return (self.values.decode(codes) * norms.astype(mx.float32)) @ self.rotation.T
 
 
 @functools.cache
@@ -161,19 +214,11 @@ def layer_codec(dim: int, bits: int, layer: int) -> Codec:
     rng = np.random.default_rng([SEED, layer, dim])
     signs = rng.choice(np.array([-1.0, 1.0]), dim)
     sketch = rng.standard_normal((dim, dim))
-    key_levels, _ = lloyd_max(dim, bits - 1)
-    value_levels, _ = lloyd_max(dim, bits)
-
-    def array(values: np.ndarray) -> mx.array:
-        return mx.array(values.astype(np.float32))
-
     return Codec(
         dim=dim,
         bits=bits,
-        rotation=array(rotation_matrix(signs)),
-        sketch=array(sketch),
-        key_levels=array(key_levels),
-        key_edges=array(_edges(key_levels)),
-        value_levels=array(value_levels),
-        value_edges=array(_edges(value_levels)),
+        rotation=mx.array(rotation_matrix(signs).astype(np.float32)),
+        sketch=mx.array(sketch.astype(np.float32)),
+        keys=Levels(lloyd_max(dim, bits - 1)[0], bits - 1),
+        values=Levels(lloyd_max(dim, bits)[0], bits),
     )

@@ -17,8 +17,9 @@ of the stored entry's end, a rollback past the slack) is rebuilt from its codes,
 is seen as its codes say, as if it had left the window.
 
 Backend: the reference one, in ``mx``: per step the queries are rotated and sketched once, the
-codes of every position unpacked and looked up (keys as their level and sign terms, values still
-rotated), scores and the weighted sum of values are matmuls, and the sum is rotated back once. No
+stored bytes of every position looked up in 256-row tables (keys' levels and signs, values'
+levels, all still rotated), scores and the weighted sum of values are matmuls with the norms
+applied to the scores and the weights, and the sum is rotated back once. No
 fused kernel (CUDA or Metal) yet: the unpacking costs each decode step time in proportion to the
 cache's length (``bench/kv_memory.py`` measures it against full precision).
 """
@@ -158,32 +159,25 @@ class BatchTurboQuantKVCache(PackedRows):
             mask = window_mask(mask, L, S, window)
         codec = self.codec(D)
         q = (queries * scale).reshape(B, Hkv, Hq // Hkv, L, D)
-        k_terms = codec.key_terms(*(a[:, :, :S] for a in self.arrays[:3]))
-        scores = codec.query_terms(q) @ k_terms[:, :, None].swapaxes(-1, -2)  # [B, Hkv, R, L, S]
+        scores = codec.scores(q, *(a[:, :, :S] for a in self.arrays[:3]))  # [B, Hkv, R, L, S]
         if W:
             before = self.tail or [keys[:, :, :0], values[:, :, :0]]
-            exact_keys, exact_values = (
-                mx.concatenate([t, x], axis=2) for t, x in zip(before, (keys, values), strict=True)
-            )
+            exact_keys, exact_values = (mx.concatenate([t, x], axis=2) for t, x in zip(before, (keys, values), strict=True))
             N = T + L  # exact positions S - N .. S - 1; query i is at S - L + i
             near = (T + mx.arange(L)[:, None] - mx.arange(N)[None, :]) < W
             exact = q @ exact_keys[:, :, None].swapaxes(-1, -2)
-            scores = mx.concatenate(
-                [scores[..., : S - N], mx.where(near, exact, scores[..., S - N :])], axis=-1
-            )
+            scores = mx.concatenate([scores[..., : S - N], mx.where(near, exact, scores[..., S - N :])], axis=-1)
         probs = grouped_softmax(scores, mask, extra.get("sinks"))
-        v_rotated = codec.values_rotated(*(a[:, :, :S] for a in self.arrays[3:]))
+        stored_values = [a[:, :, :S] for a in self.arrays[3:]]
         if W:
             zero = mx.array(0.0, dtype=probs.dtype)
-            far = mx.concatenate(
-                [probs[..., : S - N], mx.where(near, zero, probs[..., S - N :])], axis=-1
-            )
-            out = (far @ v_rotated[:, :, None]) @ codec.rotation.T
+            far = mx.concatenate([probs[..., : S - N], mx.where(near, zero, probs[..., S - N :])], axis=-1)
+            out = codec.weighted_values(far, *stored_values)
             out = out + mx.where(near, probs[..., S - N :], zero) @ exact_values[:, :, None]
             keep = min(N, W + TRIM_SLACK)
             self.tail = [exact_keys[:, :, N - keep :], exact_values[:, :, N - keep :]]
         else:
-            out = (probs @ v_rotated[:, :, None]) @ codec.rotation.T
+            out = codec.weighted_values(probs, *stored_values)
         return out.reshape(B, Hq, L, D).astype(queries.dtype)
 
     def fill_window(self) -> None:

@@ -90,15 +90,14 @@ def test_the_key_inner_product_estimate_is_unbiased():
     true = float((query @ key.T).item())
     norm = float(mx.linalg.norm(key).item())
     rotated = (key / norm) @ codec.rotation
-    levels = codec.key_levels[(rotated[..., None] > codec.key_edges).sum(axis=-1)]
+    levels = codec.keys.nearest(rotated)
     residual, q_rotated = np.array(rotated - levels)[0], np.array(query @ codec.rotation)[0]
     variance = norm**2 * (math.pi / 2 * q_rotated @ q_rotated * residual @ residual - (q_rotated @ residual) ** 2) / D
     rng = np.random.default_rng(0)
     estimates = []
     for _ in range(3000):
         drawn = attrs.evolve(codec, sketch=mx.array(rng.standard_normal((D, D)).astype(np.float32)))
-        terms = drawn.key_terms(*drawn.encode_keys(key))
-        estimates.append(float((drawn.query_terms(query) @ terms.T).item()))
+        estimates.append(drawn.scores(query[None], *drawn.encode_keys(key)).item())
     estimates = np.array(estimates)
     assert abs(estimates.mean() - true) < 4 * math.sqrt(variance / estimates.size)
     assert estimates.var() == pytest.approx(variance, rel=0.1)
