@@ -1,5 +1,5 @@
-"""Images through the APIs to a live server with a tiny random Qwen2.5-VL model, whose image
-token count follows from the image's size: the official clients send a PNG made here, and
+"""Images through the APIs to a live server with a tiny random Qwen2.5-VL or Qwen3-VL model, whose
+image token count follows from the image's size: the official clients send a PNG made here, and
 ``usage`` counts exactly the image's tokens (a 40x30 PNG is resized to 40x32 pixels, a grid of
 5x4 tokens, between ``<|vision_start|>`` and ``<|vision_end|>``)."""
 
@@ -20,7 +20,7 @@ from mlxr_core.engine.engine import Engine
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.server import build_app
 from mlxr_core.plugins import load_plugins
-from mlxr_core.testing.tiny_vision import qwen2_5_vl_model
+from mlxr_core.testing.tiny_vision import qwen2_5_vl_model, qwen3_vl_model
 
 Image = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
 
@@ -36,12 +36,13 @@ def png(width: int = 40, height: int = 30) -> bytes:
     return out.getvalue()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     torch = pytest.importorskip("torch", reason="the tiny vision model is written by transformers")
     transformers = pytest.importorskip("transformers", reason="the tiny vision model is written by transformers")
-    folder = tmp_path_factory.mktemp("qwen-vl-api")
-    qwen2_5_vl_model(folder, torch, transformers)
+    folder = tmp_path_factory.mktemp(request.param)
+    writer = qwen2_5_vl_model if request.param == "qwen2_5_vl" else qwen3_vl_model
+    writer(folder, torch, transformers)
     config = Config(
         models=[ModelConfig(path=str(folder), name="vl", dtype="float32")],
         engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
