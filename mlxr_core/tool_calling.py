@@ -95,19 +95,15 @@ def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
 
 
 def _model_config(ctx: ServerContext, info: ModelInfo) -> Any:
-    """The ``models[]`` entry that loaded ``info``: by name, else by load order (the engine loads
-    ``models`` in order and names an unnamed one after its file)."""
+    """The ``models[]`` entry that loaded ``info``: by name, else by position (the engine serves
+    ``models`` in order, whenever each loads, and names an unnamed one after its file)."""
     models = ctx.config.models
     for model_config in models:
         if model_config.name == info.name:
             return model_config
-    loaded: list[Any] = []
-    for other in ctx.engine.models.values():
-        if all(other is not seen for seen in loaded):
-            loaded.append(other)
-    for model_config, other in zip(models, loaded, strict=False):
-        if other is info:
-            return model_config
+    served = list(ctx.engine.served)
+    if info.name in served and len(served) == len(models):
+        return models[served.index(info.name)]
     return None
 
 

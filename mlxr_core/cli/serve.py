@@ -295,7 +295,7 @@ def _announce_when_ready(server: Any, engine: Engine, apis: str) -> None:
         if server.should_exit:
             return
         time.sleep(0.05)
-    print(f"mlxr: serving {', '.join(sorted(engine.models))} at {url} (APIs: {apis})", flush=True)
+    print(f"mlxr: serving {', '.join(sorted(engine.served))} at {url} (APIs: {apis})", flush=True)
     if "webui" in apis.split(", "):
         print(f"mlxr: web page at {url}/ui/", flush=True)
 

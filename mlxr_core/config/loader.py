@@ -360,13 +360,26 @@ def _structure(data: dict[str, Any], schema: type[Config], origins: _Origins) ->
 
 def lifecycle_problems(config: Config) -> list[Problem]:
     """Model lifecycle settings that contradict each other: a pinned model is never unloaded for
-    idleness, so an ``idle_unload_seconds`` beside ``pin: true`` could never apply."""
-    return [
+    idleness, so an ``idle_unload_seconds`` beside ``pin: true`` could never apply; and across
+    processes (``distributed:``) every rank holds the same models from startup to the end, so
+    nothing may load or unload on demand there."""
+    problems = [
         Problem(("models", index, "idle_unload_seconds"),
                 "a pinned model (pin: true) is never unloaded for idleness; remove one of the two")
         for index, model in enumerate(config.models)
         if model.pin and model.idle_unload_seconds is not None
     ]  # fmt: skip
+    if config.distributed.world_size == 1:
+        return problems
+    across = "is not supported across processes (distributed:), where every rank loads each model at startup"
+    for index, model in enumerate(config.models):
+        if model.load == "lazy":
+            problems.append(Problem(("models", index, "load"), f"lazy {across}"))
+        if model.idle_unload_seconds is not None:
+            problems.append(Problem(("models", index, "idle_unload_seconds"), f"unloading {across}"))
+    if config.engine.memory_budget_bytes is not None:
+        problems.append(Problem(("engine", "memory_budget_bytes"), f"a memory budget {across}"))
+    return problems
 
 
 def model_name_problems(config: Config) -> list[Problem]:

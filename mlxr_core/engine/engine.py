@@ -228,6 +228,12 @@ class Engine:
         served = self.resolve(name)
         if self.lifecycle is None or self.state != "ready":
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
+        if self.world is not None:  # every rank keeps every model; rank 0 alone must not unload
+            if command == "unload":
+                raise Unsupported("unloading a model is not supported across processes (distributed:)")
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
         return self.lifecycle.post(command, served, value)
 
     def loaded_models(self) -> list[tuple[ModelInfo, ModelSlot]]:

@@ -70,6 +70,8 @@ class ModelSlot:
     index: int
     config: ModelConfig
     name: str
+    #: Where its weights are (the file or folder, as resolved when the engine started).
+    path: Path = Path()
     #: ``unloaded``, ``loading`` (queued or under way) or ``loaded``.
     state: str = "unloaded"
     #: Bytes counted against the budget: an estimate until :attr:`measured`.
@@ -124,7 +126,7 @@ class ModelLifecycle:
     def __init__(self, config: Config, names: list[str], paths: list[Path]):
         self.budget = config.engine.memory_budget_bytes
         self.slots = {
-            name: ModelSlot(index, model, name, footprint=estimated_footprint(path),
+            name: ModelSlot(index, model, name, path, footprint=estimated_footprint(path),
                             keep_alive=model.idle_unload_seconds)
             for index, (model, name, path) in enumerate(zip(config.models, names, paths, strict=True))
         }  # fmt: skip

@@ -113,7 +113,7 @@ def default_model(ctx: ServerContext) -> str | None:
     server = ctx.config.server
     if server.default_model:
         return server.default_model
-    models = getattr(ctx.engine, "models", {})
+    models = getattr(ctx.engine, "served", [])
     return next(iter(models)) if server.model_optional and len(models) == 1 else None
 
 

@@ -204,7 +204,7 @@ def health_response(ctx: ServerContext) -> Response[dict[str, Any]]:
     body: dict[str, Any] = {
         "status": "ok" if state == "ready" else state,
         "state": state,
-        "models": sorted(engine.models),
+        "models": sorted(engine.served),
         "uptime_s": round(time.time() - ctx.started_at, 3),
         "queue_depth": engine.queue_depth,
     }

@@ -44,6 +44,10 @@ class LifecycleEngine:
         self.queue_depth = 0
         self.calls: list[str] = []
 
+    @property
+    def served(self) -> list[str]:
+        return sorted(self.models)
+
     def start(self, *, wait: bool = True) -> None:
         self.calls.append(f"start(wait={wait})")
         self.state = "loading"

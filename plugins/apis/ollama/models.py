@@ -6,6 +6,7 @@ of the model's name, path and load time (it identifies, it does not verify).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -25,6 +26,17 @@ def listed(info: ModelInfo) -> s.ListedModel:
         name=info.name, model=info.name, modified_at=rfc3339(info.created), size=_size(info),
         digest=digest(info), details=details(info),
     )
+
+
+def listed_unloaded(slot: ModelSlot) -> s.ListedModel:
+    """A model never loaded yet (``load: lazy``): what its file says; details come with its load."""
+    modified, size = 0.0, 0
+    with contextlib.suppress(OSError):
+        modified, size = slot.path.stat().st_mtime, slot.footprint
+    unknown = s.ModelDetails(format="", family="", families=[], parameter_size="", quantization_level="")
+    digest = hashlib.sha256(f"{slot.name}\0{slot.path}".encode()).hexdigest()
+    return s.ListedModel(name=slot.name, model=slot.name, modified_at=rfc3339(modified), size=size,
+                         digest=digest, details=unknown)  # fmt: skip
 
 
 def running(info: ModelInfo, slot: ModelSlot) -> s.RunningModel:

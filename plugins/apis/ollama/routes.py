@@ -91,7 +91,11 @@ def make_router(ctx: ServerContext) -> Router:
     @get("/tags", sync_to_thread=False, operation_class=ERRORS)
     def tags() -> s.ModelList:
         engine = ready_engine(ctx)
-        return s.ModelList([models.listed(info) for _, info in sorted(engine.models.items())])
+        slots = engine.lifecycle.slots if engine.lifecycle is not None else {}
+        return s.ModelList([
+            models.listed(engine.models[name]) if name in engine.models else models.listed_unloaded(slots[name])
+            for name in sorted(engine.served)
+        ])  # fmt: skip
 
     @post("/show", status_code=200, operation_class=ERRORS)
     async def show(data: JSONBody[s.ShowRequest]) -> s.ShowResponse:

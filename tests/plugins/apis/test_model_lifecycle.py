@@ -112,6 +112,7 @@ def test_two_models_under_a_budget_for_one_take_turns(files: dict[str, Path]) ->
     with serving(models, memory_budget_bytes=one_budget(files)) as (client, _):
         assert ps(client) == ["a"]  # b is lazy: known, not loaded
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["a", "b"]
+        assert [m["name"] for m in client.get("/api/tags").json()["models"]] == ["a", "b"]
         for _ in range(2):
             r = generate(client, "b")
             assert r.status_code == 200 and r.json()["done"], r.text
@@ -126,6 +127,17 @@ def test_two_models_under_a_budget_for_one_take_turns(files: dict[str, Path]) ->
         assert metric(client, "mlxr_models_loaded") == 1
         held = client.get("/api/ps").json()["models"][0]["size"]
         assert metric(client, "mlxr_model_loaded_bytes", model="a") == held <= one_budget(files)
+
+
+def test_embeddings_of_a_lazy_model_wait_for_its_load(files: dict[str, Path]) -> None:
+    models = [ModelConfig(path=str(files["a"]), name="a", load="lazy")]
+    with serving(models) as (client, _):
+        r = client.post("/v1/embeddings", json={"model": "a", "input": ["the cat", "a dog"]})
+        assert r.status_code == 200 and len(r.json()["data"]) == 2, r.text
+        assert ps(client) == ["a"]
+        assert client.post("/v1/models/a/unload", json={}).json()["loaded"] is False
+        r = client.post("/api/embed", json={"model": "a", "input": "the cat"})
+        assert r.status_code == 200 and len(r.json()["embeddings"]) == 1 and ps(client) == ["a"]
 
 
 def test_an_idle_model_unloads_after_its_timeout_and_its_memory_returns(files: dict[str, Path]) -> None:
@@ -293,6 +305,10 @@ def test_bad_lifecycle_settings_name_their_key(tmp_path: Path, files: dict[str, 
     assert any("engine.model_load_wait_s" in p for p in problems(model + "engine:\n  model_load_wait_s: 0\n"))
     both = problems(model + "    pin: true\n    idle_unload_seconds: 60\n")
     assert any("models[0].idle_unload_seconds" in p and "pinned" in p for p in both)
+    # Across processes every rank holds every model: nothing loads or unloads on demand.
+    ranks = problems(model + "    load: lazy\nengine:\n  memory_budget_bytes: 1000\ndistributed:\n  tensor_parallel: 2\n")
+    assert any("models[0].load" in p and "distributed" in p for p in ranks)
+    assert any("engine.memory_budget_bytes" in p and "distributed" in p for p in ranks)
     # A pinned model larger than the budget: found when its size is known, before serving.
     config = Config(models=[ModelConfig(path=str(files["a"]), name="a", pin=True)],
                     engine=EngineConfig(memory_budget_bytes=1000))  # fmt: skip
