@@ -129,8 +129,11 @@ def test_vision_tower_matches_transformers(reference, loaded):
         got = loaded.vision.module(mx.array(image[None]))
         assert got.shape == (1, *want.shape)
         assert worst(got[0], want) <= 1e-4
-    # Two images of different sizes in one call: each image's tokens, in order.
+    # Two images of different sizes in one call: each image's tokens, in order; two of one size
+    # go through the tower together.
     assert worst(loaded.vision.encode(pixels), np.concatenate(reference.tower)) <= 1e-4
+    want = np.concatenate([reference.tower[0], reference.tower[0], reference.tower[1]])
+    assert worst(loaded.vision.encode([pixels[0], pixels[0], pixels[1]]), want) <= 1e-4
 
 
 def rotary_positions(prompt: list[int], pixels: list[np.ndarray], loaded) -> PromptImages:
