@@ -122,15 +122,17 @@ class QwenImageProcessor:
 
     @classmethod
     def from_config(cls, args: VisionArgs, preprocessor: dict[str, Any] | None) -> QwenImageProcessor:
-        """From the vision config and a ``preprocessor_config.json`` (which wins where it speaks)."""
+        """From the vision config and a ``preprocessor_config.json`` (which wins where it speaks;
+        its pixel bounds as ``min_pixels``/``max_pixels`` or in ``size``, as transformers wrote
+        them over the years)."""
         settings = preprocessor or {}
         size = settings.get("size") or {}
         return cls(
             int(settings.get("patch_size", args.patch_size)),
             int(settings.get("merge_size", args.spatial_merge_size)),
             int(settings.get("temporal_patch_size", args.temporal_patch_size)),
-            int(settings.get("min_pixels") or size.get("shortest_edge") or cls.min_pixels),
-            int(settings.get("max_pixels") or size.get("longest_edge") or cls.max_pixels),
+            int(settings.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or cls.min_pixels),
+            int(settings.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels") or cls.max_pixels),
             tuple(float(v) for v in settings.get("image_mean", CLIP_MEAN)),
             tuple(float(v) for v in settings.get("image_std", CLIP_STD)),
             float(settings.get("rescale_factor", cls.rescale)),

@@ -269,3 +269,17 @@ def test_mlxr_info_reports_the_vision_side(reference, loaded):
     assert facts["vision"] == {
         "parameters": params, "resident_bytes": params * 4, "tokens_per_image": None, "image_token_id": IMAGE,
     }
+
+
+def test_the_processor_reads_each_way_of_writing_its_pixel_bounds():
+    from mlxr_plugins.archs.qwen2_5_vl_vision import QwenImageProcessor, VisionArgs
+
+    layouts = [
+        {"min_pixels": 3136, "max_pixels": 12845056},  # the released Qwen2.5-VL checkpoints
+        {"size": {"shortest_edge": 3136, "longest_edge": 12845056}},  # transformers 5
+        {"size": {"min_pixels": 3136, "max_pixels": 12845056}},
+    ]
+    for settings in layouts:
+        processor = QwenImageProcessor.from_config(VisionArgs(), settings)
+        assert (processor.min_pixels, processor.max_pixels) == (3136, 12845056)
+    assert QwenImageProcessor.from_config(VisionArgs(), None).max_pixels == 28 * 28 * 1280
