@@ -239,8 +239,10 @@ def mlxr_config_sections(register: RegisterSection) -> None:
 def mlxr_model_loaded(name: str, model: Any) -> None:
     """Observe a model that finished loading.
 
-    Called once per served model, after its weights are loaded, in a helper thread while the
-    engine thread waits (at most ``PluginHost.hook_timeout`` seconds, then the engine goes on).
+    Called each time a served model's weights are loaded: at startup for ``load: eager`` models,
+    and again whenever one loads on demand (a ``lazy`` model's first request, a model loaded back
+    after an idle or budget unload: :mod:`mlxr_core.engine.lifecycle`); in a helper thread while
+    the engine thread waits (at most ``PluginHost.hook_timeout`` seconds, then the engine goes on).
 
     :param name: the served model's name.
     :param model: the :class:`mlxr_core.model.loader.LoadedModel`. Read its Python attributes

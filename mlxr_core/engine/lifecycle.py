@@ -16,7 +16,8 @@ is replaced by the measured figure once it has loaded.
 :class:`ModelLifecycle` runs on the engine thread, called by the scheduler's loop
 (:meth:`ModelLifecycle.tick`); other threads only post commands (:meth:`ModelLifecycle.post`) and
 wait on the futures they get back. Loading and unloading themselves are the engine's
-(:class:`Loader`).
+(:class:`Loader`): a load runs on the engine thread, so the other models' requests pause while it
+does (one thread owns MLX).
 """
 
 from __future__ import annotations

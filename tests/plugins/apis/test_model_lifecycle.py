@@ -129,6 +129,24 @@ def test_two_models_under_a_budget_for_one_take_turns(files: dict[str, Path]) ->
         assert metric(client, "mlxr_model_loaded_bytes", model="a") == held <= one_budget(files)
 
 
+def test_concurrent_requests_for_two_models_under_a_budget_for_one_all_succeed(files: dict[str, Path]) -> None:
+    models = [ModelConfig(path=str(files["a"]), name="a"), ModelConfig(path=str(files["b"]), name="b", load="lazy")]
+    with serving(models, memory_budget_bytes=one_budget(files)) as (client, _):
+        statuses: list[int] = []
+
+        def alternate(first: int) -> None:
+            for turn in range(3):
+                statuses.append(generate(client, "ab"[(first + turn) % 2]).status_code)
+
+        threads = [threading.Thread(target=alternate, args=(k,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert statuses == [200] * 12
+        assert len(ps(client)) == 1 and metric(client, "mlxr_models_loaded") == 1
+
+
 def test_embeddings_of_a_lazy_model_wait_for_its_load(files: dict[str, Path]) -> None:
     models = [ModelConfig(path=str(files["a"]), name="a", load="lazy")]
     with serving(models) as (client, _):
