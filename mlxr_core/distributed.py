@@ -42,6 +42,16 @@ class World:
     step_timeout_s: float
 
     @property
+    def tensor_group(self) -> Any:
+        """The group each layer is split across, or None (``tensor_parallel`` 1)."""
+        return self.group if self.tensor_parallel > 1 else None
+
+    @property
+    def pipeline_group(self) -> Any:
+        """The group the layers are split across, or None (``pipeline_parallel`` 1)."""
+        return self.group if self.pipeline_parallel > 1 else None
+
+    @property
     def leader(self) -> bool:
         """Rank 0: the one that serves HTTP and decides each engine step."""
         return self.rank == 0
@@ -79,6 +89,12 @@ def join_world(config: DistributedConfig) -> World | None:
             f"distributed.pipeline_parallel: {config.pipeline_parallel} needs send/recv between "
             f"ranks, which MLX's {backend} backend does not have (only {', '.join(sorted(SEND_RECV_BACKENDS))}); "
             "use tensor_parallel on it",
+            field="distributed.pipeline_parallel",
+        )
+    if config.pipeline_parallel > 1 and config.tensor_parallel > 1:
+        raise ConfigError(
+            "distributed.pipeline_parallel: tensor and pipeline parallelism together are not "
+            "supported yet; set one of distributed.tensor_parallel and pipeline_parallel to 1",
             field="distributed.pipeline_parallel",
         )
     launched = "MLX_RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ

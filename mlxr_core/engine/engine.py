@@ -586,7 +586,8 @@ class Engine:
         with mx.stream(self._load_stream):
             loaded = load_model(
                 slot.config, self.host.registries, kernel_choices=self.config.kernels,
-                tensor_group=self.world.group if self.world is not None else None,
+                tensor_group=self.world.tensor_group if self.world is not None else None,
+                pipeline_group=self.world.pipeline_group if self.world is not None else None,
             )  # fmt: skip
             name = loaded.name
             self._kv_bytes_per_token[name] = per_token = kv_bytes_per_token(loaded)

@@ -52,7 +52,10 @@ FRAME_BYTES = 4096
 #: The frame's header: a tag, the payload's length and its CRC-32.
 HEADER = struct.Struct("<4sQI")
 TAG = b"mlxr"
-#: Seconds an exchange between idle ranks may take (it holds rank 0's 50 ms wait for requests).
+#: Seconds rank 0 waits for a request while every rank is idle (a request ends the wait at
+#: once): idle ranks exchange a few times a second, as a heartbeat.
+IDLE_WAIT_S = 0.25
+#: Seconds an exchange between idle ranks may take (it holds rank 0's wait for requests).
 IDLE_EXCHANGE_S = 5.0
 #: Exit status of a rank whose group lost a member.
 EXIT_RANK_LOST = 3
@@ -125,10 +128,10 @@ class Lockstep:
     # -- the exchange (engine thread) ------------------------------------------------------
 
     def exchange(self, *, block: bool) -> None:
-        """Rank 0: take the inputs that arrived (waiting up to 50 ms for one with ``block``) and
+        """Rank 0: take the inputs that arrived (waiting up to :data:`IDLE_WAIT_S` for one with ``block``) and
         send them; every rank: apply them. Raises nothing on a lost peer: it ends the process."""
         payload = pickle.dumps(self._collect(block)) if self.world.leader else b""
-        if block:  # every rank is idle: the exchange takes rank 0's 50 ms wait, not a step
+        if block:  # every rank is idle: the exchange takes rank 0's wait for requests, not a step
             idle = min(IDLE_EXCHANGE_S, self.world.step_timeout_s)
             self.progress, self._limit = time.monotonic(), (idle, "an exchange between idle ranks")
         started = time.perf_counter()
@@ -152,7 +155,7 @@ class Lockstep:
         handles: list[RequestHandle] = []
         try:
             while True:
-                handle = self._submitted.get(block=block, timeout=0.05)
+                handle = self._submitted.get(block=block, timeout=IDLE_WAIT_S)
                 block = False
                 if handle is not None:
                     handles.append(handle)

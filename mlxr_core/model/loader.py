@@ -340,10 +340,12 @@ def load_model(
     *,
     kernel_choices: Mapping[str, str] | None = None,
     tensor_group: Any = None,
+    pipeline_group: Any = None,
 ) -> LoadedModel:
     """Load one configured model. ``kernel_choices`` are the global ``kernels:``; the model's
     own ``kernels:`` take precedence. With ``tensor_group`` (an ``mx.distributed.Group``), this
-    rank keeps its share of the weights (:mod:`mlxr_core.model.tensor_parallel`)."""
+    rank keeps its share of the weights (:mod:`mlxr_core.model.tensor_parallel`); with
+    ``pipeline_group``, its share of the layers (:mod:`mlxr_core.model.pipeline`)."""
     started = time.perf_counter()
     path = resolve_model_path(model_config.path)
     format_name, fmt = pick_format(path, registries, model_config.format)
@@ -387,10 +389,19 @@ def load_model(
             shard_model(model, tensor_group, name=model_config.name or default_model_name(path))
         except ModelLoadError as exc:
             raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
+    if pipeline_group is not None:
+        from mlxr_core.model.pipeline import split_layers
+
+        try:
+            split_layers(model, arch, pipeline_group, name=model_config.name or default_model_name(path))
+        except ModelLoadError as exc:
+            raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
     if model_config.fuse_projections:
         log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
     compiled = None
-    if model_config.compile_decode:
+    if model_config.compile_decode and pipeline_group is not None:
+        log.info("%s: decoding eagerly: the compiled decode step does not cross pipeline stages", path.name)
+    elif model_config.compile_decode:
         reason = unsupported(model)
         if reason is None:
             compiled = CompiledDecode(model)
