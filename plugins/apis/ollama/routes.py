@@ -114,13 +114,13 @@ def make_router(ctx: ServerContext) -> Router:
 
     @post("/embed", status_code=200, operation_class=ERRORS)
     async def embed(data: JSONBody[embedding.EmbedRequest], request: Request[Any, Any, Any]) -> embedding.EmbedResponse:
-        return await embedding.create_embed(ctx, data, request, resolve_model)
+        return await embedding.create_embed(ctx, data, request, kept_alive(data))
 
     @post("/embeddings", status_code=200, operation_class=ERRORS)
     async def embeddings(
         data: JSONBody[embedding.EmbeddingsRequest], request: Request[Any, Any, Any]
     ) -> embedding.EmbeddingsResponse:
-        return await embedding.create_embeddings(ctx, data, request, resolve_model)
+        return await embedding.create_embeddings(ctx, data, request, kept_alive(data))
 
     return Router(
         path="/api",
@@ -136,8 +136,7 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
     engine = ready_engine(ctx)
     if not body.messages and await unloaded(ctx, body):
         return json_response(s.ChatChunk(body.model, timer.created_at, s.AssistantMessage(""), True, "unload"))
-    info = await resolve_model(ctx, body.model)
-    keep_alive(ctx, info, body)
+    info = await kept_alive(body)(ctx, body.model)
     parsers = model_parsers(ctx, info)
     if body.think not in (None, False) and parsers.reasoning is None:
         raise RequestError(f"{body.model!r} does not support thinking", field="think")
@@ -181,8 +180,7 @@ async def create_generation(
     engine = ready_engine(ctx)
     if not body.prompt and not body.context and await unloaded(ctx, body):
         return json_response(s.GenerateChunk(body.model, timer.created_at, "", True, "unload"))
-    info = await resolve_model(ctx, body.model)
-    keep_alive(ctx, info, body)
+    info = await kept_alive(body)(ctx, body.model)
     if not body.prompt and not body.context:
         return json_response(s.GenerateChunk(info.name, timer.created_at, "", True, "load"))
     params = options_params(ctx, body.options)
@@ -225,7 +223,11 @@ def served_name(engine: Engine, name: str) -> str:
     raise error
 
 
-def keep_alive_seconds(body: s.BaseRequest, info: ModelInfo | None, ctx: ServerContext) -> float | None:
+#: A request that may carry ``keep_alive``.
+KeepsAlive = s.BaseRequest | embedding.EmbedRequest | embedding.EmbeddingsRequest
+
+
+def keep_alive_seconds(body: KeepsAlive, info: ModelInfo | None, ctx: ServerContext) -> float | None:
     """``keep_alive`` in seconds (None: forever), unset: the model's ``idle_unload_seconds``."""
     if body.keep_alive is None:
         slot = ctx.engine.lifecycle.slots.get(info.name) if info and ctx.engine.lifecycle else None
@@ -236,9 +238,16 @@ def keep_alive_seconds(body: s.BaseRequest, info: ModelInfo | None, ctx: ServerC
         raise RequestError(f"keep_alive: {exc}", field="keep_alive") from None
 
 
-def keep_alive(ctx: ServerContext, info: ModelInfo, body: s.BaseRequest) -> None:
-    """Apply the request's ``keep_alive`` to its model, counted from its next idle moment."""
-    ctx.engine.set_keep_alive(info.name, keep_alive_seconds(body, info, ctx))
+def kept_alive(body: KeepsAlive) -> embedding.Resolver:
+    """A resolver (:func:`resolve_model`) that then applies ``body``'s ``keep_alive`` to the
+    model, counted from its next idle moment."""
+
+    async def resolve(ctx: ServerContext, name: str) -> ModelInfo:
+        info = await resolve_model(ctx, name)
+        ctx.engine.set_keep_alive(info.name, keep_alive_seconds(body, info, ctx))
+        return info
+
+    return resolve
 
 
 async def unloaded(ctx: ServerContext, body: s.BaseRequest) -> bool:

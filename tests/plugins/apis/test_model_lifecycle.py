@@ -211,6 +211,8 @@ def test_keep_alive_as_ollama_reads_it(files: dict[str, Path]) -> None:
         assert client.get("/api/ps").json()["models"][1]["expires_at"] == NEVER
         assert generate(client, "b", keep_alive=0).status_code == 200
         assert eventually(lambda: ps(client) == ["a"])
+        r = client.post("/api/embed", json={"model": "b", "input": "the cat", "keep_alive": "0s"})
+        assert r.status_code == 200 and eventually(lambda: ps(client) == ["a"])
         r = generate(client, "a", keep_alive="5 minutes")
         assert r.status_code == 400 and "keep_alive" in r.json()["error"]
 
