@@ -229,6 +229,16 @@ class Lockstep:
         summed = mx.distributed.all_sum(mx.array(frame), group=self.world.group)
         return bytes(np.array(summed))
 
+    def probe(self, failure: BaseException) -> None:
+        """After a step failed with ``failure``: one small collective tells a lost peer (it fails
+        or hangs: :meth:`lose`) from an error every rank met alike (it returns)."""
+        import mlx.core as mx
+
+        try:
+            mx.eval(mx.distributed.all_sum(mx.zeros(1), group=self.world.group))
+        except RuntimeError as exc:
+            self.lose(f"a step failed ({type(failure).__name__}: {failure}) and the ranks no longer answer: {exc}")
+
     def close(self) -> None:
         """The loop has ended (on every rank at the same exchange): the watchdog stops."""
         self._closed.set()

@@ -326,6 +326,8 @@ class Scheduler:
         try:
             runner.step()
         except Exception as exc:  # a bug or an MLX error: fail this batch, keep serving
+            if self.lockstep is not None:
+                self.lockstep.probe(exc)  # a lost rank ends the process here, its requests told why
             log.exception("model %s: a batch step failed; failing its %d request(s)", name, runner.size)
             error = exc if isinstance(exc, MlxrError) else MlxrError(
                 f"generation failed: {type(exc).__name__}: {exc}"

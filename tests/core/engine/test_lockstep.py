@@ -148,3 +148,21 @@ def test_an_engine_in_lockstep_generates_what_a_plain_one_does(tmp_path) -> None
         finally:
             engine.stop()
     assert outputs[0] == outputs[1] and all(len(tokens) == 6 for tokens in outputs[0])
+
+
+def test_a_probe_after_a_failed_step_tells_a_lost_peer_from_a_shared_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    lockstep, submitted, _ = make_lockstep()
+    caller = RequestHandle(GenerationRequest("m", [1]))
+    submitted.put(caller)
+    lockstep.exchange(block=False)
+    lockstep.probe(ValueError("a bug every rank met"))  # the group answers: nothing ends
+    assert not lockstep.abort.is_set()
+
+    def lost(*args: object, **kwargs: object) -> mx.array:
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    monkeypatch.setattr(mx.distributed, "all_sum", lost)
+    lockstep.probe(ValueError("step"))
+    (event,) = list(caller)
+    assert isinstance(event, Failed) and isinstance(event.error, RankLost)
+    assert "no longer answer" in str(event.error)
