@@ -174,7 +174,7 @@ class ModelLifecycle:
     def load_now(self, slot: ModelSlot, engine: Loader) -> None:
         """Load ``slot`` at once (startup), making room as a request's load would; raises."""
         self._make_room(slot, engine, strict=True)
-        self._load(slot, engine)
+        self._load(slot, engine, strict=True)
 
     def tick(self, engine: Loader) -> None:
         """Apply posted commands, unload idle models whose keep-alive ran out, and start the
@@ -207,7 +207,9 @@ class ModelLifecycle:
                 self._load(slot, engine)
             except Exception as exc:
                 log.error("model %s failed to load: %s", slot.name, exc)
-                error = ModelUnavailable(f"model {slot.name!r} failed to load: {exc}")
+                error = exc if isinstance(exc, ModelUnavailable) else ModelUnavailable(
+                    f"model {slot.name!r} failed to load: {exc}"
+                )
                 self._fail(slot, error, engine)
 
     def _apply(self, command: str, slot: ModelSlot, value: Any, future: Future[None] | None,
@@ -248,7 +250,7 @@ class ModelLifecycle:
             held = f"; pinned models hold {pinned}" if pinned else ""
             message = (f"{key}: model {slot.name!r} needs {slot.footprint} bytes, more than "
                        f"engine.memory_budget_bytes ({self.budget}) leaves{held}")  # fmt: skip
-            if strict or slot.pinned:
+            if strict:
                 raise ConfigError(message, field=key)
             raise ModelUnavailable(message)
         used = sum(s.footprint for s in others)
@@ -260,7 +262,7 @@ class ModelLifecycle:
                 used -= victim.footprint
         return used + slot.footprint <= self.budget
 
-    def _load(self, slot: ModelSlot, engine: Loader) -> None:
+    def _load(self, slot: ModelSlot, engine: Loader, *, strict: bool = False) -> None:
         slot.state = "loading"
         try:
             slot.footprint = engine.load(slot)
@@ -272,15 +274,20 @@ class ModelLifecycle:
         slot.loaded_at = time.time()
         slot.last_used = time.monotonic()
         self.loads[slot.name] += 1
-        for future in slot.waiters:
-            _resolve(future)
-        slot.waiters.clear()
         if self.budget is not None and self.used_bytes() > self.budget:
-            # The estimate was low: room is made after the fact, and said so if none is left.
-            self._make_room(slot, engine, strict=False)
+            # The estimate (its files' size) was low: room is made now, and said so if none is
+            # left; a model that cannot fit beside the pinned ones at all goes again.
+            try:
+                self._make_room(slot, engine, strict=strict)
+            except MlxrError:
+                self._unload(slot, engine, "budget")
+                raise
             if self.used_bytes() > self.budget:
                 log.warning("loaded models hold %d bytes, over engine.memory_budget_bytes (%d), "
                             "until busy models go idle", self.used_bytes(), self.budget)
+        for future in slot.waiters:
+            _resolve(future)
+        slot.waiters.clear()
 
     def _unload(self, slot: ModelSlot, engine: Loader, reason: str) -> None:
         log.info("unloading model %s (%s)", slot.name, reason)

@@ -310,6 +310,22 @@ def test_a_model_that_fails_to_load_is_named_and_the_others_serve_on(files: dict
         assert generate(client, "a").status_code == 200 and ps(client) == ["a"]
 
 
+def test_a_model_larger_than_the_budget_once_measured_is_refused(files: dict[str, Path]) -> None:
+    # Its files fit (the estimate before a first load); weights and KV reserve, measured, do not.
+    budget = files["b"].stat().st_size + 1000
+    models = [ModelConfig(path=str(files["b"]), name="b", load="lazy")]
+    with serving(models, memory_budget_bytes=budget) as (client, engine):
+        r = generate(client, "b")
+        assert r.status_code == 503, r.text
+        assert re.search(r"model 'b' needs \d+ bytes, more than engine.memory_budget_bytes", r.json()["error"])
+        assert ps(client) == [] and engine.running == 0
+    eager = Engine(Config(models=[ModelConfig(path=str(files["b"]), name="b")],
+                          engine=EngineConfig(memory_budget_bytes=budget)), load_plugins())  # fmt: skip
+    with pytest.raises(ConfigError, match=r"engine\.memory_budget_bytes: model 'b' needs"):
+        eager.start()
+    eager.stop()
+
+
 def test_bad_lifecycle_settings_name_their_key(tmp_path: Path, files: dict[str, Path]) -> None:
     def problems(text: str) -> list[str]:
         path = tmp_path / "server.yaml"
