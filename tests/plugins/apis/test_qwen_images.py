@@ -86,9 +86,9 @@ def test_the_anthropic_and_ollama_clients_send_an_image(server: str) -> None:
     counted = client.messages.count_tokens(model="vl", messages=messages).input_tokens
     text_only = client.messages.count_tokens(model="vl", messages=[{"role": "user", "content": TEXT}]).input_tokens
     assert counted == text_only + IMAGE_TOKENS
-    reply = client.messages.create(model="vl", max_tokens=3, messages=messages)
+    reply = client.messages.create(model="vl", max_tokens=3, messages=messages, extra_body={"temperature": 0})
     assert reply.usage.output_tokens == 3 and reply.usage.input_tokens == counted
     chat = ollama.Client(host=server, timeout=60).chat(
-        model="vl", messages=[{"role": "user", "content": "t5 t6", "images": [png()]}], options={"num_predict": 2}
+        model="vl", messages=[{"role": "user", "content": "t5 t6", "images": [png()]}], options={"num_predict": 2, "temperature": 0}
     )
     assert chat.eval_count == 2 and chat.prompt_eval_count >= IMAGE_TOKENS + 2
