@@ -140,6 +140,10 @@ class ModelConfig:
     format: str = "auto"
     #: An architecture plugin's name, or ``auto`` for the checkpoint's ``model_type``.
     arch: str = "auto"
+    #: llama.cpp's vision projector file (``mmproj*.gguf``: the vision tower and projector) served
+    #: with a GGUF text model; ``none``: text only. Unset: the one ``mmproj*.gguf`` beside the
+    #: model file, if any. See :func:`mlxr_core.model.paths.resolve_projector`.
+    mmproj: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
     #: Activation / unquantized-weight dtype; ``auto`` is float32 on CPU, bfloat16 on GPU.
     dtype: str = attrs.field(default="auto", validator=v.in_(DTYPES))
     #: What to do with quantized checkpoint weights: ``keep`` them packed (blocks with no exact MLX

@@ -10,7 +10,7 @@ never sees a file format.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -65,6 +65,15 @@ class Checkpoint:
     #: file spells it otherwise (GGUF: ``num_hidden_layers`` -> ``llama.block_count``); errors
     #: about a config value name the file's key.
     config_keys: dict[str, str] = attrs.field(factory=dict)
+    #: Weight name -> the tensor the file names it, where the file spells it otherwise (an
+    #: mmproj's ``v.blk.0.attn_q.weight``); errors about a weight name the file's tensor.
+    tensor_names: dict[str, str] = attrs.field(factory=dict)
+    #: The file the vision tower and projector came from, when it is not ``path`` (an mmproj).
+    vision_path: Path | None = None
+    #: The image processor's settings in ``preprocessor_config.json``'s naming, where the
+    #: checkpoint carries them in another file (an mmproj's ``clip.vision.image_mean``); None: the
+    #: folder's ``preprocessor_config.json``, if any.
+    preprocessor: dict[str, Any] | None = None
 
 
 class Format(Protocol):
@@ -79,4 +88,17 @@ class Format(Protocol):
 
     def load(self, path: Path, *, dtype: str = "float32") -> Checkpoint:
         """Read ``path`` into a :class:`Checkpoint`; raise ModelLoadError naming file and tensor."""
+        ...
+
+
+@runtime_checkable
+class ReadsProjector(Protocol):
+    """An optional capability of a :class:`Format`: a vision tower and projector kept in a file of
+    its own beside a text checkpoint (llama.cpp's ``mmproj``), chosen by ``models[].mmproj``."""
+
+    def load_projector(self, checkpoint: Checkpoint, path: Path, *, dtype: str = "float32") -> Checkpoint:
+        """``checkpoint`` with the tower and projector of ``path`` added as a multimodal checkpoint
+        of its family holds them (its config's ``vision_config`` ..., its weights' names), and
+        :attr:`Checkpoint.vision_path` set. Raises ModelLoadError naming ``path`` and the tensor or
+        key when the file is corrupt or does not fit the text model."""
         ...

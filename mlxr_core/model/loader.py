@@ -34,12 +34,12 @@ from mlxr_core.model.arch import (
     DefaultChatTemplate,
     RenamesModules,
 )
-from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec
+from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec, ReadsProjector
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.kv_storage import KVStorage, configure_kv_storage
 from mlxr_core.model.layers.attention import Attention
-from mlxr_core.model.paths import default_model_name, resolve_model_path
+from mlxr_core.model.paths import default_model_name, resolve_model_path, resolve_projector
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.quantized_cache import quantize_caches
 from mlxr_core.model.tokenizer import Tokenizer
@@ -122,6 +122,17 @@ def dequantize_weights(
             packed, scales, biases, group_size=spec.group_size, bits=spec.bits, mode=spec.mode
         ).astype(dtype)
     return dense
+
+
+def attach_projector(checkpoint: Checkpoint, path: Path, registries: Registries, dtype: str) -> Checkpoint:
+    """``checkpoint`` with the vision tower and projector file at ``path`` (``models[].mmproj``),
+    read by the format that recognizes it; ConfigError when that format reads no projectors."""
+    name, fmt = pick_format(path, registries)
+    if not isinstance(fmt, ReadsProjector):
+        raise ConfigError(f"{path}: the {name} format reads no projector files; models[].mmproj takes llama.cpp's "
+                          "mmproj GGUF", field="models[].mmproj")
+    log.info("%s: vision tower and projector from %s", checkpoint.path.name, path.name)
+    return fmt.load_projector(checkpoint, path, dtype=dtype)
 
 
 def pick_format(path: Path, registries: Registries, choice: str = "auto") -> tuple[str, Format]:
@@ -351,6 +362,9 @@ def load_model(
     format_name, fmt = pick_format(path, registries, model_config.format)
     dtype = default_dtype() if model_config.dtype == "auto" else model_config.dtype
     checkpoint = fmt.load(path, dtype=dtype)
+    projector = resolve_projector(model_config.mmproj, path)
+    if projector is not None:
+        checkpoint = attach_projector(checkpoint, projector, registries, dtype)
     chosen = choose_arch(checkpoint, registries, model_config.arch)
     arch = chosen.arch
     log.info("%s: model type %r: %s", path.name, checkpoint.config.get("model_type"), chosen.reason)

@@ -81,6 +81,24 @@ def resolve_model_path(spec: str, *, join: bool = True) -> Path:
     return path
 
 
+def resolve_projector(spec: str | None, model: Path) -> Path | None:
+    """``models[].mmproj`` for the model at ``model``: a path as :func:`resolve_model_path` takes
+    it; ``none``: no projector; unset: the one ``mmproj*.gguf`` beside a GGUF model file (as
+    llama.cpp's server and LM Studio take a repository's projector), or None where there is no
+    such file. Raises ModelLoadError when several are there (name one in ``models[].mmproj``)."""
+    if spec is not None:
+        return None if spec.lower() == "none" else resolve_model_path(spec)
+    if not model.is_file() or model.suffix.lower() != ".gguf":
+        return None
+    found = sorted(p for p in model.parent.glob("mmproj*") if p.suffix.lower() == ".gguf" and p != model)
+    if len(found) > 1:
+        raise ModelLoadError(
+            f"{len(found)} projector files beside the model ({', '.join(p.name for p in found)}); "
+            "name one in models[].mmproj, or set it to none", path=str(model.parent),
+        )  # fmt: skip
+    return found[0] if found else None
+
+
 def _resolve_package(spec: str, *, join: bool) -> Path:
     dist_name, _, relative = spec[len("pkg:") :].partition("/")
     dist = _installed(dist_name, spec)

@@ -173,9 +173,11 @@ class Vision:
 
 def load_vision(checkpoint: Checkpoint, arch: object, dtype: mx.Dtype) -> Vision | None:
     """The vision side of ``checkpoint`` when ``arch`` provides one for its config (else None):
-    built, its tensors loaded strictly in ``dtype``, the processor reading the folder's
-    ``preprocessor_config.json`` where there is one. Raises ModelLoadError naming the tensor."""
+    built, its tensors loaded strictly in ``dtype`` (quantized ones dequantized), the processor
+    reading the checkpoint's image settings or the folder's ``preprocessor_config.json``. Raises
+    ModelLoadError naming the file and tensor."""
     import json
+    import re
 
     import mlx.core as mx
 
@@ -185,22 +187,57 @@ def load_vision(checkpoint: Checkpoint, arch: object, dtype: mx.Dtype) -> Vision
     vision = arch.vision(config)
     if vision is None:
         return None
-    weights = vision.sanitize(checkpoint.weights, config)
-    if not weights or any(name.endswith(".scales") for name in weights):
-        why = "holds no vision tensors" if not weights else "holds its vision tower quantized, not yet supported"
-        log.warning("%s %s: serving text only", checkpoint.path.name, why)
+    where = str(checkpoint.vision_path or checkpoint.path)
+    weights = vision.sanitize(dequantized_vision(checkpoint, vision, dtype), config)
+    if not weights:
+        log.warning("%s holds no vision tensors: serving text only", checkpoint.path.name)
         return None
     module = vision.build(config)
     try:
         module.load_weights([(name, array.astype(dtype)) for name, array in weights.items()], strict=True)
     except ValueError as exc:
+        named = re.search(r"\b((?:\w+\.)+(?:weight|bias|\w+_weight))\b", str(exc))
+        tensor = checkpoint.tensor_names.get(named.group(1), named.group(1)) if named else None
         raise ModelLoadError(f"the vision weights do not fit the {config.get('model_type')} vision graph: {exc}",
-                             path=str(checkpoint.path)) from exc
+                             path=where, tensor=tensor) from exc
     mx.eval(module.parameters())
     module.eval()
+    preprocessor = checkpoint.preprocessor
     found = checkpoint.path / "preprocessor_config.json"
-    preprocessor = json.loads(found.read_text(encoding="utf-8")) if found.is_file() else None
+    if preprocessor is None and found.is_file():
+        preprocessor = json.loads(found.read_text(encoding="utf-8"))
     return Vision(module, vision.processor(config, preprocessor), vision.image_tokens(config))
+
+
+def dequantized_vision(checkpoint: Checkpoint, vision: VisionArchitecture, dtype: mx.Dtype) -> dict[str, mx.array]:
+    """The checkpoint's weights with every quantized module the vision side keeps dequantized to
+    ``dtype`` (a tower quantized with the text model, or a quantized mmproj): the tower runs once
+    per image, where dense weights cost little. The text model's modules stay as they are."""
+    import mlx.core as mx
+
+    weights = checkpoint.weights
+    kept = {
+        module: spec
+        for module, spec in checkpoint.quantization.items()
+        if f"{module}.scales" in weights
+        and vision.sanitize({f"{module}.scales": weights[f"{module}.scales"]}, checkpoint.config)
+    }
+    if not kept:
+        return weights
+    dense = dict(weights)
+    for module, spec in kept.items():
+        packed, scales, biases = (dense.pop(f"{module}.{part}", None) for part in ("weight", "scales", "biases"))
+        if packed is None or scales is None:
+            continue  # sanitize keeps it, but the checkpoint lacks its packed weight: the load names it
+        try:
+            dense[f"{module}.weight"] = mx.dequantize(
+                packed, scales, biases, group_size=spec.group_size, bits=spec.bits, mode=spec.mode
+            ).astype(dtype)
+        except ValueError as exc:
+            tensor = checkpoint.tensor_names.get(f"{module}.weight", f"{module}.weight")
+            raise ModelLoadError(f"cannot dequantize {spec.bits}-bit groups of {spec.group_size}: {exc}",
+                                 path=str(checkpoint.vision_path or checkpoint.path), tensor=tensor) from exc
+    return dense
 
 
 @attrs.frozen

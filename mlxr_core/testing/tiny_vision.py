@@ -41,6 +41,8 @@ VISION = {
     "patch_size": 8,
     "vision_use_head": False,
 }
+#: The tower's widths as multiples of 32, so its matrices quantize in groups of 32 (GGUF's Q8_0, MLX).
+QUANTIZABLE_VISION = {"hidden_size": 32, "intermediate_size": 64}
 #: Gemma 3's way of writing a message's parts (its template, trimmed to what the tests send).
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}"
@@ -49,14 +51,16 @@ CHAT_TEMPLATE = (
 )
 
 
-def gemma3_vision_model(folder: Path, torch: Any, transformers: Any) -> Any:
-    """Write the tiny model and its tokenizer to ``folder``; returns transformers' model (eval)."""
+def gemma3_vision_model(folder: Path, torch: Any, transformers: Any, vision: dict[str, Any] | None = None) -> Any:
+    """Write the tiny model and its tokenizer to ``folder``; returns transformers' model (eval).
+    ``vision`` overrides :data:`VISION`'s sizes (:data:`QUANTIZABLE_VISION`: widths that split
+    into groups of 32)."""
     from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
 
     torch.manual_seed(0)
     config = transformers.Gemma3Config(
         text_config=TEXT,
-        vision_config=VISION,
+        vision_config={**VISION, **(vision or {})},
         mm_tokens_per_image=4,
         image_token_index=IMAGE,
         boi_token_index=BEGIN,

@@ -932,6 +932,13 @@ class GGUFFormat:
             },
         )
 
+    def load_projector(self, checkpoint: Checkpoint, path: Path, *, dtype: str = "float32") -> Checkpoint:
+        """``checkpoint`` with the vision tower and projector of llama.cpp's mmproj file ``path``
+        (:mod:`mlxr_plugins.formats.gguf.mmproj`)."""
+        from mlxr_plugins.formats.gguf.mmproj import load_projector
+
+        return load_projector(checkpoint, Path(path), dtype)
+
     @staticmethod
     def _convert(
         tensor: Any,
