@@ -179,13 +179,13 @@ class ModelLifecycle:
     def tick(self, engine: Loader) -> None:
         """Apply posted commands, unload idle models whose keep-alive ran out, and start the
         first pending load that fits."""
-        now = time.monotonic()
         while True:
             try:
                 command, name, value, future = self._commands.get_nowait()
             except queue.Empty:
                 break
             self._apply(command, self.slots[name], value, future, engine)
+        now = time.monotonic()
         for slot in self.loaded():
             if engine.busy(slot.name) or engine.wanted(slot.name):
                 slot.last_used = now

@@ -112,9 +112,11 @@ class Scheduler:
         return (runner is not None and runner.busy) or any(job.model == name for job in self.running_jobs)
 
     def model_wanted(self, name: str) -> bool:
-        """Whether requests or jobs for ``name`` wait in line."""
-        return any(handle.request.model == name for handle in self.waiting) or any(
-            job.model == name for job in self.held_jobs
+        """Whether requests or jobs for ``name`` wait in line (queued included)."""
+        queued = [item for item in list(self.requests.queue) if item is not None]
+        return (
+            any(handle.request.model == name for handle in [*self.waiting, *queued])
+            or any(job.model == name for job in [*self.held_jobs, *list(self.jobs.queue)])
         )
 
     def fail_waiting(self, name: str, error: MlxrError) -> None:
@@ -233,9 +235,9 @@ class Scheduler:
             if not self.stop.is_set():
                 self._admit(block=idle and self.lockstep is None)
             if self.lifecycle is not None:
-                self._hold_jobs()
                 lifecycle, loader = self.lifecycle
                 lifecycle.tick(loader)
+                self._hold_jobs()  # after the tick: a job let through finds its model loaded
             run_jobs(self.jobs, self.models, self.running_jobs)
             self._step_all()
 
