@@ -298,7 +298,7 @@ def prepare_chat(
     rendering sets itself (``messages``, ``tools``, ``add_generation_prompt``) are refused.
     With ``images`` (the request's, loaded, in the order of the messages' ``{"type": "image"}``
     parts), each image marker the template writes becomes that image's tokens
-    (:meth:`~mlxr_core.model.vision.ImageTokens.expand`).
+    (:meth:`~mlxr_core.model.vision.ImageTokens.expand_for`).
     """
     tools = list(tools or [])
     choice = choice or ToolChoice()
@@ -317,7 +317,7 @@ def prepare_chat(
         messages = _inline_tools(messages, shown, parsers.tool)
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) + prefill
     if images and info.image_tokens is not None:
-        prompt = info.image_tokens.expand(prompt, [info.image_tokens.tokens_for(image.pixels) for image in images])
+        prompt = info.image_tokens.expand_for(prompt, [image.pixels for image in images])
     info.check_prompt_text(prompt)
     ids = tokenizer.encode(prompt, add_special_tokens=False)
     bos = tokenizer.bos_token_id

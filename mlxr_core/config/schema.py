@@ -109,6 +109,33 @@ class ServerConfig:
 
 
 @attrs.define
+class VisionConfig:
+    """How a vision model's images are prepared (``models[].vision``)."""
+
+    #: Gemma 3's pan-and-scan (transformers' ``do_pan_and_scan``): an image whose long side is at
+    #: least ``pan_and_scan_min_ratio_to_activate`` times its short side also goes in as crops
+    #: along the long side, 256 tokens each, for detail in wide or tall images.
+    pan_and_scan: bool = False
+    #: The smallest crop side in pixels; an image that would give smaller crops is not cut.
+    pan_and_scan_min_crop_size: int = attrs.field(default=256, validator=v.ge(1))
+    #: At most this many crops (at least 2 are made).
+    pan_and_scan_max_num_crops: int = attrs.field(default=4, validator=v.ge(2))
+    #: Cut only images at least this much longer than wide (or wider than long).
+    pan_and_scan_min_ratio_to_activate: float = attrs.field(default=1.2, validator=v.ge(1.0))
+
+    def processor_settings(self) -> dict[str, Any]:
+        """These settings under the names of a ``preprocessor_config.json``."""
+        if not self.pan_and_scan:
+            return {"do_pan_and_scan": False}
+        return {
+            "do_pan_and_scan": True,
+            "pan_and_scan_min_crop_size": self.pan_and_scan_min_crop_size,
+            "pan_and_scan_max_num_crops": self.pan_and_scan_max_num_crops,
+            "pan_and_scan_min_ratio_to_activate": self.pan_and_scan_min_ratio_to_activate,
+        }
+
+
+@attrs.define
 class KVCacheConfig:
     """How keys and values are stored (:mod:`mlxr_core.model.kv_storage`): a KV cache method's
     name and its settings; each method checks the keys it takes before any model loads."""
@@ -144,6 +171,8 @@ class ModelConfig:
     #: with a GGUF text model; ``none``: text only. Unset: the one ``mmproj*.gguf`` beside the
     #: model file, if any. See :func:`mlxr_core.model.paths.resolve_projector`.
     mmproj: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
+    #: How images are prepared for a vision model (Gemma 3's pan-and-scan, off by default).
+    vision: VisionConfig = attrs.field(factory=VisionConfig)
     #: Activation / unquantized-weight dtype; ``auto`` is float32 on CPU, bfloat16 on GPU.
     dtype: str = attrs.field(default="auto", validator=v.in_(DTYPES))
     #: What to do with quantized checkpoint weights: ``keep`` them packed (blocks with no exact MLX

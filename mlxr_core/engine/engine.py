@@ -275,7 +275,7 @@ class Engine:
             messages, add_generation_prompt=True, **template_kwargs
         )
         if images and info.image_tokens is not None:
-            prompt = info.image_tokens.expand(prompt, [info.image_tokens.tokens_for(image.pixels) for image in images])
+            prompt = info.image_tokens.expand_for(prompt, [image.pixels for image in images])
         info.check_prompt_text(prompt)
         ids = tokenizer.encode(prompt, add_special_tokens=False)
         # Most templates write BOS themselves; add it for a model that wants one when they don't.

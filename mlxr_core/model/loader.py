@@ -430,7 +430,10 @@ def load_model(
         else:
             log.info("%s: decoding eagerly, the decode step cannot be compiled: %s", path.name, reason)
 
-    vision = load_vision(checkpoint, arch, DTYPES[dtype])
+    vision = load_vision(checkpoint, arch, DTYPES[dtype], model_config.vision.processor_settings())
+    if model_config.vision.pan_and_scan and (vision is None or vision.tokens.several_views is None):
+        raise ConfigError(f"{path.name}: models[].vision.pan_and_scan applies to Gemma 3's vision side only; "
+                          "remove it", field="models[].vision.pan_and_scan")
     context_length = model_config.context_length or arch.context_length(config)
     name = model_config.name or default_model_name(path)
     kv_cache = kv_quantization(model_config, model, chosen, name, registries)

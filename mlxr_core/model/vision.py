@@ -76,18 +76,33 @@ class ImageTokens:
     #: image's size and the language model takes M-RoPE positions (Qwen2.5-VL); None: a fixed
     #: :attr:`tokens_per_image` and ordinary positions.
     grid: Callable[[np.ndarray], tuple[int, int, int]] | None = None
+    #: How many views of the image a processed image holds, each a run of
+    #: :attr:`tokens_per_image` (Gemma 3's pan-and-scan: the whole image, then its crops); None: one.
+    views: Callable[[np.ndarray], int] | None = None
+    #: The text of an image of several views, from each view's run (Gemma 3: "Here is the original
+    #: image ... and here are some crops to help you see better ...").
+    several_views: Callable[[list[str]], str] | None = None
+
+    def views_for(self, pixels: np.ndarray) -> int:
+        """The views one processed image holds."""
+        return 1 if self.views is None else self.views(pixels)
 
     def tokens_for(self, pixels: np.ndarray) -> int:
         """The image tokens of one processed image."""
         if self.grid is None:
-            return self.tokens_per_image
+            return self.tokens_per_image * self.views_for(pixels)
         t, h, w = self.grid(pixels)
         return t * h * w
 
-    def expand(self, text: str, counts: Sequence[int] | None = None) -> str:
+    def expand_for(self, text: str, pixels: Sequence[np.ndarray]) -> str:
+        """``text`` with its :attr:`marker` for each processed image replaced by that image's
+        tokens (:meth:`expand`)."""
+        return self.expand(text, [self.tokens_for(p) for p in pixels], [self.views_for(p) for p in pixels])
+
+    def expand(self, text: str, counts: Sequence[int] | None = None, views: Sequence[int] | None = None) -> str:
         """``text`` with every :attr:`marker` replaced by its image's tokens: ``counts[k]`` for
         the ``k``-th (RequestError when the markers and counts differ in number), or
-        :attr:`tokens_per_image` each without ``counts``."""
+        :attr:`tokens_per_image` each without ``counts``; in ``views[k]`` runs where given."""
         parts = text.split(self.marker)
         if counts is None:
             counts = [self.tokens_per_image] * (len(parts) - 1)
@@ -96,8 +111,14 @@ class ImageTokens:
                 f"the prompt renders {len(parts) - 1} images for the {len(counts)} images sent; write "
                 "each image once, as an image part of a message", field="messages",
             )  # fmt: skip
-        runs = [self.before + self.token_text * count + self.after for count in counts]
+        runs = [self._runs(count, n) for count, n in zip(counts, views or [1] * len(counts), strict=True)]
         return "".join(part + run for part, run in zip(parts, [*runs, ""], strict=True))
+
+    def _runs(self, count: int, views: int) -> str:
+        each = [self.before + self.token_text * (count // views) + self.after for _ in range(views)]
+        if views == 1 or self.several_views is None:
+            return "".join(each)
+        return self.several_views(each)
 
     def count(self, ids: Sequence[int]) -> int:
         """Images a tokenized prompt holds room for: at :attr:`tokens_per_image` each (RequestError
@@ -171,11 +192,14 @@ class Vision:
         return mx.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def load_vision(checkpoint: Checkpoint, arch: object, dtype: mx.Dtype) -> Vision | None:
+def load_vision(
+    checkpoint: Checkpoint, arch: object, dtype: mx.Dtype, settings: dict[str, Any] | None = None
+) -> Vision | None:
     """The vision side of ``checkpoint`` when ``arch`` provides one for its config (else None):
     built, its tensors loaded strictly in ``dtype`` (quantized ones dequantized), the processor
-    reading the checkpoint's image settings or the folder's ``preprocessor_config.json``. Raises
-    ModelLoadError naming the file and tensor."""
+    reading the checkpoint's image settings or the folder's ``preprocessor_config.json``, with
+    ``settings`` (``models[].vision``, in that file's names) over them. Raises ModelLoadError
+    naming the file and tensor."""
     import json
     import re
 
@@ -206,6 +230,8 @@ def load_vision(checkpoint: Checkpoint, arch: object, dtype: mx.Dtype) -> Vision
     found = checkpoint.path / "preprocessor_config.json"
     if preprocessor is None and found.is_file():
         preprocessor = json.loads(found.read_text(encoding="utf-8"))
+    if settings:
+        preprocessor = {**(preprocessor or {}), **settings}
     return Vision(module, vision.processor(config, preprocessor), vision.image_tokens(config))
 
 

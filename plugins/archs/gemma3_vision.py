@@ -5,19 +5,28 @@ text model's width). Each image is 896x896 pixels in the released checkpoints, 2
 Checkpoint names, all accepted: ``model.vision_tower.vision_model.*`` and
 ``model.multi_modal_projector.*`` (transformers >= 4.52), ``vision_tower.vision_model.*`` and
 ``multi_modal_projector.*`` (earlier), ``vision_tower.*`` without ``vision_model`` (transformers 5's
-saving). Pan-and-scan (extra crops of a wide image) is not applied.
+saving). Pan-and-scan (transformers' ``do_pan_and_scan``: a wide or tall image also goes in as 2 to
+``pan_and_scan_max_num_crops`` crops side by side, each 256 tokens more) applies where the
+processor's settings turn it on (``models[].vision.pan_and_scan``); off by default, as there.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+import math
+from typing import TYPE_CHECKING, Any
 
+import attrs
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.vision import ImageProcessor, ImageTokens, ResizeNormalize
 from mlxr_plugins.archs.siglip import SiglipVisionArgs, SiglipVisionTower, sanitize_tower
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 #: ``Gemma3Config`` defaults: 256 tokens per image, Gemma's image token ids.
 TOKENS_PER_IMAGE = 256
@@ -71,7 +80,44 @@ class Gemma3Vision(nn.Module):
         self.multi_modal_projector = Gemma3Projector(args, text_hidden, tokens_per_image)
 
     def __call__(self, pixels: mx.array) -> mx.array:
+        """Also ``[N, views, C, H, W]`` (pan-and-scan): every view's tokens, image by image."""
+        pixels = pixels.reshape(-1, *pixels.shape[-3:])
         return self.multi_modal_projector(self.vision_tower(pixels.transpose(0, 2, 3, 1)))
+
+
+@attrs.frozen
+class PanAndScan:
+    """Gemma 3's pan-and-scan, as transformers' ``Gemma3ImageProcessor.pan_and_scan`` cuts an image:
+    where one side is at least ``min_ratio`` times the other, about that many crops along it
+    (rounded half up, at most one per ``min_crop_size`` pixels, 2 to ``max_num_crops``), none when
+    a crop would be smaller than ``min_crop_size``. Gives ``[1 + crops, C, H, W]``: the whole
+    image, then the crops left to right or top to bottom, each through ``resize``."""
+
+    resize: ResizeNormalize
+    min_crop_size: int = 256
+    max_num_crops: int = 4
+    min_ratio: float = 1.2
+
+    def boxes(self, width: int, height: int) -> list[tuple[int, int, int, int]]:
+        """The crops' ``(left, top, right, bottom)``, or none."""
+        long, short = max(width, height), min(width, height)
+        if long / short < self.min_ratio:
+            return []
+        count = min(math.floor(long / self.min_crop_size), math.floor(long / short + 0.5))
+        count = min(self.max_num_crops, max(2, count))
+        across, down = (count, 1) if width >= height else (1, count)
+        crop_w, crop_h = math.ceil(width / across), math.ceil(height / down)
+        if min(crop_w, crop_h) < self.min_crop_size:
+            return []
+        return [
+            (left, top, min(left + crop_w, width), min(top + crop_h, height))
+            for top, left in itertools.product(range(0, crop_h * down, crop_h), range(0, crop_w * across, crop_w))
+        ]
+
+    def __call__(self, image: Image.Image) -> np.ndarray:
+        image = image.convert("RGB")
+        views = [image, *(image.crop(box) for box in self.boxes(*image.size))]
+        return np.stack([self.resize(view) for view in views])
 
 
 def _tokens_per_image(config: dict[str, Any]) -> int:
@@ -105,13 +151,29 @@ class Gemma3VisionArchitecture:
 
     def processor(self, config: dict[str, Any], preprocessor: dict[str, Any] | None) -> ImageProcessor:
         """Resize to the tower's size (bilinear), rescale by 1/255, normalize with mean and std 0.5,
-        or as ``preprocessor_config.json`` says."""
-        return ResizeNormalize.from_config(preprocessor, self.args(config).image_size)
+        or as ``preprocessor_config.json`` says; with its ``do_pan_and_scan``, :class:`PanAndScan`."""
+        resize = ResizeNormalize.from_config(preprocessor, self.args(config).image_size)
+        settings = preprocessor or {}
+        if not settings.get("do_pan_and_scan"):
+            return resize
+        defaults = PanAndScan(resize)
+        return PanAndScan(
+            resize,
+            int(settings.get("pan_and_scan_min_crop_size") or defaults.min_crop_size),
+            int(settings.get("pan_and_scan_max_num_crops") or defaults.max_num_crops),
+            float(settings.get("pan_and_scan_min_ratio_to_activate") or defaults.min_ratio),
+        )
 
     def image_tokens(self, config: dict[str, Any]) -> ImageTokens:
         """``<start_of_image>`` in a prompt becomes the processor's sequence of soft tokens."""
         count = _tokens_per_image(config)
         token_id = config.get("image_token_index", config.get("image_token_id", IMAGE_TOKEN_ID))
         return ImageTokens(
-            int(token_id), count, BEGIN, SOFT_TOKEN, f"\n\n{BEGIN}", f"{END}\n\n", bidirectional=True
+            int(token_id), count, BEGIN, SOFT_TOKEN, f"\n\n{BEGIN}", f"{END}\n\n", bidirectional=True,
+            views=lambda pixels: pixels.shape[0] if pixels.ndim == 4 else 1, several_views=with_crops,
         )
+
+
+def with_crops(runs: list[str]) -> str:
+    """An image of several views as transformers' ``Gemma3Processor`` writes it."""
+    return f"Here is the original image {runs[0]} and here are some crops to help you see better {' '.join(runs[1:])}"

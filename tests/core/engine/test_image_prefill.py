@@ -20,6 +20,9 @@ PROMPT = [2, 17, 5, BEGIN, *[IMAGE] * 4, END, 9, 33, 12, 40]
 #: Past the 32-position sliding window, the image after several prefill chunks of text.
 LONG_PROMPT = [3 + i % 50 for i in range(30)] + PROMPT
 TEXT_PROMPT = [2, 7, 11, 19, 23, 29, 31, 37, 41, 43]
+#: An image with three crops (Gemma 3's pan-and-scan): four runs of its tokens, text between.
+RUN = [BEGIN, *[IMAGE] * 4, END]
+CROPS_PROMPT = [2, 17, *RUN, 9, 33, *RUN, 5, *RUN, 5, *RUN, 12, 40]
 STEPS = 6
 
 
@@ -31,12 +34,14 @@ def reference(tmp_path_factory):
     model = gemma3_vision_model(folder, torch, transformers)
     rng = np.random.default_rng(0)
     pixels = [rng.standard_normal((3, 32, 32)).astype(np.float32) for _ in range(2)]
+    pixels.append(rng.standard_normal((4, 3, 32, 32)).astype(np.float32))  # the whole image and 3 crops
 
     def greedy(prompt: list[int], image: np.ndarray | None) -> list[int]:
         ids = torch.tensor([prompt])
         extra = {}
         if image is not None:
-            extra = {"pixel_values": torch.tensor(image[None]), "token_type_ids": (ids == IMAGE).long()}
+            views = image if image.ndim == 4 else image[None]
+            extra = {"pixel_values": torch.tensor(views), "token_type_ids": (ids == IMAGE).long()}
         with torch.no_grad():
             out = model.generate(input_ids=ids, max_new_tokens=STEPS, do_sample=False, **extra)
         return out[0, len(prompt):].tolist()
@@ -46,6 +51,7 @@ def reference(tmp_path_factory):
         "other_image": greedy(PROMPT, pixels[1]),
         "long": greedy(LONG_PROMPT, pixels[0]),
         "text": greedy(TEXT_PROMPT, None),
+        "crops": greedy(CROPS_PROMPT, pixels[2]),
     }
     return folder, pixels, want
 
@@ -99,8 +105,9 @@ def test_image_and_text_requests_batch_and_chunk_like_solo_runs(reference):
             eng.submit(request(LONG_PROMPT, [image(pixels[0])])),
             eng.submit(request(TEXT_PROMPT)),
             eng.submit(request(PROMPT, [image(pixels[1])])),
+            eng.submit(request(CROPS_PROMPT, [image(pixels[2])])),  # pan-and-scan: 4 views, one image
         ]
-        assert [run(h)[0] for h in handles] == [want["long"], want["text"], want["other_image"]]
+        assert [run(h)[0] for h in handles] == [want["long"], want["text"], want["other_image"], want["crops"]]
     finally:
         eng.stop()
 

@@ -30,6 +30,13 @@ from mlxr_core.testing.tiny_vision import BEGIN, END, IMAGE, TEXT, gemma3_vision
 PROMPT = [2, 17, 5, BEGIN, *[IMAGE] * 4, END, 9, 33, 12, 40]
 #: Longer than the 32-position sliding window, the image at its end.
 LONG_PROMPT = [3 + i % 50 for i in range(30)] + PROMPT
+#: Pan-and-scan settings for the tiny tower's 32-pixel images, and a wide image they cut in three.
+PAN_AND_SCAN = {"pan_and_scan_min_crop_size": 8, "pan_and_scan_max_num_crops": 4, "pan_and_scan_min_ratio_to_activate": 1.2}
+WIDE = (71, 23)
+#: The wide image and its three crops, each a run with text between (as transformers' processor
+#: writes an image with crops; here as token ids).
+RUN = [BEGIN, *[IMAGE] * 4, END]
+CROPS_PROMPT = [2, 17, *RUN, 9, 33, *RUN, 5, *RUN, 5, *RUN, 12, 40]
 
 
 @attrs.frozen
@@ -41,6 +48,8 @@ class Reference:
     logits: np.ndarray
     text_logits: np.ndarray  # the same prompt without the image (token type ids off)
     long_logits: np.ndarray
+    crops_pixels: np.ndarray  # transformers' processor, pan-and-scan: [1 + crops, C, H, W]
+    crops_logits: np.ndarray
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +67,13 @@ def reference(tmp_path_factory) -> Reference:
         text_logits = model(input_ids=ids, pixel_values=pixels).logits
         long = torch.tensor([LONG_PROMPT])
         long_logits = model(input_ids=long, pixel_values=pixels, token_type_ids=(long == IMAGE).long()).logits
+    processor = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=True, **PAN_AND_SCAN)
+    crops = processor(wide_image(), return_tensors="pt")
+    assert crops["num_crops"].tolist() == [3]
+    with torch.no_grad():
+        crops_ids = torch.tensor([CROPS_PROMPT])
+        crops_logits = model(input_ids=crops_ids, pixel_values=crops["pixel_values"],
+                             token_type_ids=(crops_ids == IMAGE).long()).logits
     return Reference(
         folder,
         pixels.numpy(),
@@ -66,7 +82,15 @@ def reference(tmp_path_factory) -> Reference:
         logits[0].numpy(),
         text_logits[0].numpy(),
         long_logits[0].numpy(),
+        crops["pixel_values"].numpy(),
+        crops_logits[0].numpy(),
     )
+
+
+def wide_image(size: tuple[int, int] = WIDE):
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(5).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +221,43 @@ def test_every_weight_layout_maps_onto_the_module(loaded, tower, projector):
     sanitized = arch.sanitize(checkpoint, loaded.config)
     assert sorted(sanitized) == sorted(params)
     assert all(mx.array_equal(sanitized[name], params[name]) for name in params)
+
+
+@pytest.mark.parametrize("size", [WIDE, (20, 64), (40, 36), (8, 30)])  # wide, tall, near square, too narrow
+def test_pan_and_scan_crops_match_transformers(loaded, size):
+    transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
+    from mlxr_core.config.schema import VisionConfig
+
+    settings = VisionConfig(pan_and_scan=True, **PAN_AND_SCAN).processor_settings()
+    ours = loaded.arch.vision(loaded.config).processor(loaded.config, settings)(wide_image(size))
+    theirs = transformers.Gemma3ImageProcessorPil(size={"height": 32, "width": 32}, do_pan_and_scan=True, **PAN_AND_SCAN)
+    want = theirs(wide_image(size), return_tensors="np")
+    assert ours.shape == (1 + want["num_crops"][0], 3, 32, 32)
+    assert worst(ours, np.stack(want["pixel_values"])) <= 1e-6
+
+
+def test_logits_with_pan_and_scan_crops_match_transformers(reference, loaded):
+    vision = loaded.vision
+    pixels = reference.crops_pixels
+    assert vision.tokens.views_for(pixels) == 4 and vision.tokens.tokens_for(pixels) == 16
+    images = vision.encode([pixels])
+    assert images.shape == (16, TEXT["hidden_size"])
+    logits = logits_with_images(loaded.model, mx.array([CROPS_PROMPT]), images, vision.tokens)[0]
+    assert worst(logits, reference.crops_logits) <= 1e-4
+    # The prompt's text for it: one run per view, as transformers' Gemma3Processor writes them.
+    run = "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"
+    text = vision.tokens.expand_for("a <start_of_image> b <start_of_image>", [pixels, pixels[0]])
+    assert text == (f"a Here is the original image {run} and here are some crops to help you see better "
+                    f"{run} {run} {run} b {run}")
+
+
+def test_pan_and_scan_is_refused_for_a_model_without_it(tmp_path):
+    from mlxr_core.config.schema import ModelConfig, VisionConfig
+    from mlxr_core.errors import ConfigError
+    from mlxr_core.model.loader import load_model
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    config = ModelConfig(path=str(write_tiny_llama_gguf(tmp_path / "t.gguf")), vision=VisionConfig(pan_and_scan=True))
+    with pytest.raises(ConfigError, match="pan_and_scan") as caught:
+        load_model(config, load_plugins().registries)
+    assert caught.value.field == "models[].vision.pan_and_scan"
