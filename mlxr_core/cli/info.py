@@ -72,6 +72,11 @@ def add_parser(subparsers: Subparsers) -> None:
         help="size keys and values stored as models[].kv_cache, e.g. '{method: turboquant, bits: 3}' "
         "(default: full precision)",
     )  # fmt: skip
+    parser.add_argument(
+        "--mmproj", metavar="PATH",
+        help="llama.cpp's vision projector file served with MODEL (as models[].mmproj; default: the "
+        "one mmproj*.gguf beside a GGUF model file; none: text only)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -83,6 +88,7 @@ def describe_model(
     quantization: str = "auto",
     context: int | None = None,
     kv_cache: KVCacheConfig | None = None,
+    mmproj: str | None = None,
 ) -> dict[str, Any]:
     """The facts ``mlxr info`` prints, as a dict; KV bytes as ``kv_cache`` stores them (the
     checks of ``mlxr serve``: a setting the model cannot take is a ConfigError naming the key)."""
@@ -94,6 +100,7 @@ def describe_model(
     from mlxr_core.model.layers.moe import active_share
     from mlxr_core.model.loader import (
         DTYPES,
+        attach_projector,
         build_model,
         check_config,
         choose_arch,
@@ -101,7 +108,7 @@ def describe_model(
         kv_quantization,
         pick_format,
     )
-    from mlxr_core.model.paths import resolve_model_path
+    from mlxr_core.model.paths import resolve_model_path, resolve_projector
     from mlxr_core.model.progress import step
     from mlxr_core.plugins import load_plugins
 
@@ -111,6 +118,9 @@ def describe_model(
     dtype = default_dtype() if dtype == "auto" else dtype
     with step(f"loading {path.name}"):
         checkpoint = fmt.load(path, dtype=dtype)
+    projector = resolve_projector(mmproj, path)
+    if projector is not None:
+        checkpoint = attach_projector(checkpoint, projector, registries, dtype)
     chosen = choose_arch(checkpoint, registries)
     arch = chosen.arch
     check_config(checkpoint, arch)
@@ -211,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     enable()  # a spinner on stderr while the model loads, on a terminal only
     facts = describe_model(
         args.model, dtype=args.dtype, quantization=args.quantization, context=args.context,
-        kv_cache=args.kv_cache,
+        kv_cache=args.kv_cache, mmproj=args.mmproj,
     )  # fmt: skip
     if args.json:
         print(json.dumps(facts, indent=2))

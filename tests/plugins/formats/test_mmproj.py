@@ -142,6 +142,15 @@ def test_a_text_folder_with_an_mmproj_matches_transformers(reference, tmp_path):
     assert worst(logits, reference.logits) <= 1e-4
 
 
+def test_mlxr_info_describes_the_projectors_tower(reference, tmp_path):
+    from mlxr_core.cli.info import describe_model
+
+    facts = describe_model(str(reference.text), dtype="float32",
+                           mmproj=str(write_mmproj(tmp_path / "mmproj.gguf", reference.state)))
+    assert facts["vision"]["tokens_per_image"] == 4 and facts["vision"]["image_token_id"] == IMAGE
+    assert "vision" not in describe_model(str(reference.text), dtype="float32")
+
+
 def test_quantized_towers_load_dequantized(reference, tmp_path):
     """A Q8_0 mmproj, and a folder whose tower MLX quantized (8-bit, groups of 32): each tower
     holds its quantized weights' exact values and gives transformers' features within what 8-bit
