@@ -39,7 +39,7 @@ from mlxr_core.model.quantized_cache import PackedSequence
 from mlxr_core.plugins import load_plugins
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_quality import SETTINGS
+from kv_quality import SETTINGS, with_kv_cache
 
 SPEED_SETTINGS = ["8bit_g64", "turboquant_3bit", "turboquant_3bit_window128"]
 
@@ -106,11 +106,7 @@ def main() -> None:
 
     registries = load_plugins().registries
     base = load_model(ModelConfig(path=args.model, context_length=max(args.contexts) + 64), registries)
-    shapes = base.arch.kernel_context(base.config)
-    every = {"full_precision": base}
-    for name, setting in SETTINGS.items():
-        storage = registries.kv_caches.get(setting.method).configure(setting, [int(shapes["head_dim"])])
-        every[name] = attrs.evolve(base, kv_cache=storage)
+    every = {"full_precision": base, **{name: with_kv_cache(base, s, registries) for name, s in SETTINGS.items()}}
     models = {name: every[name] for name in ["full_precision", *args.settings]}
 
     memory = {

@@ -1,10 +1,10 @@
 """Quality of quantized keys and values (``models[].kv_cache``) against full precision.
 
 Teacher-forced: one English text (the project's own README and docs, ``--tokens`` long) is fed
-through the model in prefill chunks of ``--chunk`` tokens, once with full-precision caches and once
-per setting; at every position the next-token distributions are compared: KL(full || setting) in
-nats, and whether the top-1 token agrees. Each chunk's queries attend over the setting's cache as
-decode steps would (its own positions packed too).
+through the model in prefill chunks of ``--chunk`` tokens, with full-precision caches and with each
+setting's side by side (one set of weights); at every position the next-token distributions are
+compared: KL(full || setting) in nats, and whether the top-1 token agrees. Each chunk's queries
+attend over the setting's cache as decode steps would (its own positions packed too).
 
 Free-running (``--greedy N``): from the text's first ``--prompt`` tokens, N greedy tokens decoded
 one at a time with each setting against full precision's: equal, or the first position where they
@@ -31,7 +31,7 @@ import numpy as np
 from mlxr_core.config.schema import KVCacheConfig, ModelConfig
 from mlxr_core.engine.batch import kv_bytes_per_token
 from mlxr_core.model.loader import LoadedModel, load_model
-from mlxr_core.plugins import load_plugins
+from mlxr_core.plugins import Registries, load_plugins
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {
@@ -42,6 +42,8 @@ SETTINGS = {
     "turboquant_4bit": KVCacheConfig(method="turboquant", bits=4),
     "turboquant_3bit": KVCacheConfig(method="turboquant", bits=3),
     "turboquant_3bit_window128": KVCacheConfig(method="turboquant", bits=3, window=128),
+    "turboquant_mse_4bit": KVCacheConfig(method="turboquant_mse", bits=4),
+    "turboquant_mse_3bit": KVCacheConfig(method="turboquant_mse", bits=3),
 }
 
 
@@ -51,15 +53,31 @@ def english_text() -> str:
     return "\n\n".join(path.read_text() for path in parts)
 
 
-def log_probs(model: LoadedModel, ids: list[int], chunk: int) -> np.ndarray:
-    """``[len(ids), vocab]`` next-token log-probabilities, prefilled ``chunk`` tokens at a time."""
-    cache = model.make_cache()
-    out = []
+def with_kv_cache(base: LoadedModel, setting: KVCacheConfig, registries: Registries) -> LoadedModel:
+    """``base`` (its weights shared) storing keys and values as ``setting`` says."""
+    head_dim = int(base.arch.kernel_context(base.config)["head_dim"])
+    storage = registries.kv_caches.get(setting.method).configure(setting, [head_dim])
+    return attrs.evolve(base, kv_cache=storage)
+
+
+def divergences(models: dict[str, LoadedModel], ids: list[int], chunk: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per model but the first (the reference), each position's KL(reference || model) and
+    whether the top-1 tokens agree; all prefilled ``chunk`` tokens at a time, side by side (one
+    chunk's log-probabilities held at once: a large vocabulary's over 2,000 tokens would not fit)."""
+    caches = {name: model.make_cache() for name, model in models.items()}
+    found: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {name: [] for name in list(models)[1:]}
     for start in range(0, len(ids), chunk):
-        logits = model.model(mx.array([ids[start : start + chunk]], dtype=mx.int32), cache=cache)[0]
-        logits = logits.astype(mx.float32)
-        out.append(np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True)))
-    return np.concatenate(out)
+        inputs = mx.array([ids[start : start + chunk]], dtype=mx.int32)
+        exact: np.ndarray | None = None
+        for name, model in models.items():
+            logits = model.model(inputs, cache=caches[name])[0].astype(mx.float32)
+            mine = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            if exact is None:
+                exact = mine
+                continue
+            kl = (np.exp(exact) * (exact - mine)).sum(axis=-1)
+            found[name].append((kl, exact.argmax(axis=-1) == mine.argmax(axis=-1)))
+    return {name: (np.concatenate([k for k, _ in parts]), np.concatenate([a for _, a in parts])) for name, parts in found.items()}
 
 
 def greedy(model: LoadedModel, prompt: list[int], steps: int) -> list[int]:
@@ -77,9 +95,7 @@ def first_difference(expected: list[int], mine: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(expected, mine, strict=True)) if a != b), -1)
 
 
-def compare(exact: np.ndarray, mine: np.ndarray) -> dict[str, float]:
-    kl = (np.exp(exact) * (exact - mine)).sum(axis=-1)
-    agree = exact.argmax(axis=-1) == mine.argmax(axis=-1)
+def summary(kl: np.ndarray, agree: np.ndarray) -> dict[str, float]:
     return {
         "kl_mean": float(kl.mean()),
         "kl_median": float(np.median(kl)),
@@ -108,13 +124,14 @@ def main() -> None:
     ids = base.tokenizer.encode(english_text())[: args.tokens]
     if len(ids) < args.tokens:
         raise SystemExit(f"the text gives {len(ids)} tokens, fewer than --tokens {args.tokens}")
-    exact = log_probs(base, ids, args.chunk)
+    models = {"full_precision": base, **{name: with_kv_cache(base, s, registries) for name, s in settings.items()}}
+    found = divergences(models, ids, args.chunk)
     expected = greedy(base, ids[: args.prompt], args.greedy) if args.greedy else []
     results, greedy_results = {}, {}
-    for name, setting in settings.items():
-        model = load_model(ModelConfig(path=args.model, compile_decode=False, kv_cache=setting), registries)
+    for name in settings:
+        model = models[name]
         results[name] = {
-            **compare(exact, log_probs(model, ids, args.chunk)),
+            **summary(*found[name]),
             "kv_bytes_per_token": kv_bytes_per_token(model),
             "kv_bytes_per_token_full_precision": kv_bytes_per_token(model, full_precision=True),
         }

@@ -10,3 +10,4 @@ from mlxr_core.plugins import hookimpl
 def mlxr_register_kv_caches(register):  # type: ignore[no-untyped-def]
     register("affine", "mlxr_core.model.quantized_cache:AffineMethod")
     register("turboquant", "mlxr_plugins.kv_caches.turboquant:TurboQuantMethod")
+    register("turboquant_mse", "mlxr_plugins.kv_caches.turboquant:TurboQuantMSEMethod")

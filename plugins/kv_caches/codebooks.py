@@ -144,10 +144,12 @@ class Levels:
 @attrs.frozen(eq=False)
 class Codec:
     """One layer's rotation, sketch and codebooks for heads of ``dim``: keys on ``bits - 1`` bits
-    and a sign sketch, values on ``bits``. Arrays are float32."""
+    and a sign sketch (``sketch``; without it keys on ``bits`` like the values: TurboQuant's MSE
+    variant, lower variance, no longer unbiased), values on ``bits``. Arrays are float32."""
 
     dim: int
     bits: int
+    sketch_keys: bool
     rotation: mx.array
     sketch: mx.array
     keys: Levels
@@ -160,9 +162,18 @@ class Codec:
         norm = mx.linalg.norm(x, axis=-1, keepdims=True)
         return norm, (x / mx.maximum(norm, 1e-30)) @ self.rotation
 
+    @property
+    def key_arrays(self) -> int:
+        """How many arrays :meth:`encode_keys` makes."""
+        return 3 if self.sketch_keys else 2
+
     def encode_keys(self, keys: mx.array) -> list[mx.array]:
         """``[..., D]`` keys -> level codes (``bits - 1`` bits each), sketch signs (1 bit each),
-        and ``[..., 2]`` float16: the norm, and the norm times the residual's norm."""
+        and ``[..., 2]`` float16: the norm, and the norm times the residual's norm; without the
+        sketch, level codes (``bits`` bits each) and ``[..., 1]`` float16 norms."""
+        if not self.sketch_keys:
+            norm, unit = self._direction(keys)
+            return [self.keys.encode(unit), norm.astype(mx.float16)]
         norm, unit = self._direction(keys)
         residual = unit - self.keys.nearest(unit)
         scales = mx.concatenate([norm, norm * mx.linalg.norm(residual, axis=-1, keepdims=True)], axis=-1)
@@ -178,10 +189,16 @@ class Codec:
         rotated = queries @ self.rotation
         return rotated, rotated @ self.sketch.T
 
-    def scores(self, queries: mx.array, codes: mx.array, signs: mx.array, scales: mx.array) -> mx.array:
+    def scores(self, queries: mx.array, *keys: mx.array) -> mx.array:
         """Estimates of ``<q, k>``: ``queries`` ``[..., L, D]`` (each group of heads sharing
         stored keys ``[..., S, *]``, broadcast on the axis before ``L``) -> ``[..., L, S]``: the
-        levels' part times each key's norm plus the sketch's times ``sqrt(pi/2) / D |k| |r|``."""
+        levels' part times each key's norm plus the sketch's times ``sqrt(pi/2) / D |k| |r|``.
+        ``keys``: what :meth:`encode_keys` made."""
+        if not self.sketch_keys:
+            codes, norms = keys
+            levels = self.keys.decode(codes)[..., None, :, :]
+            return ((queries @ self.rotation) @ levels.swapaxes(-1, -2)) * norms.astype(mx.float32)[..., None, :, 0][..., None, :]
+        codes, signs, scales = keys
         rotated, sketched = self.query_terms(queries)
         scales = scales.astype(mx.float32)[..., None, :, :]
         weight = scales[..., 1] * (math.sqrt(math.pi / 2) / self.dim)
@@ -197,8 +214,12 @@ class Codec:
         weights = probs * norms.astype(mx.float32)[..., None, :, 0][..., None, :]
         return (weights @ self.values.decode(codes)[..., None, :, :]) @ self.rotation.T
 
-    def decode_keys(self, codes: mx.array, signs: mx.array, scales: mx.array) -> mx.array:
+    def decode_keys(self, *keys: mx.array) -> mx.array:
         """Keys whose inner product with any query is the stored estimate (:meth:`scores`)."""
+        if not self.sketch_keys:
+            codes, norms = keys
+            return (self.keys.decode(codes) * norms.astype(mx.float32)) @ self.rotation.T
+        codes, signs, scales = keys
         scales = scales.astype(mx.float32)
         weight = scales[..., 1:] * (math.sqrt(math.pi / 2) / self.dim)
         rotated = self.keys.decode(codes) * scales[..., :1] + (self.signs.decode(signs) * weight) @ self.sketch
@@ -209,7 +230,7 @@ class Codec:
 
 
 @functools.cache
-def layer_codec(dim: int, bits: int, layer: int) -> Codec:
+def layer_codec(dim: int, bits: int, layer: int, sketch_keys: bool = True) -> Codec:
     """Layer ``layer``'s codec for heads of ``dim`` (built once, from numpy, so any thread may)."""
     rng = np.random.default_rng([SEED, layer, dim])
     signs = rng.choice(np.array([-1.0, 1.0]), dim)
@@ -217,8 +238,9 @@ def layer_codec(dim: int, bits: int, layer: int) -> Codec:
     return Codec(
         dim=dim,
         bits=bits,
+        sketch_keys=sketch_keys,
         rotation=mx.array(rotation_matrix(signs).astype(np.float32)),
         sketch=mx.array(sketch.astype(np.float32)),
-        keys=Levels(lloyd_max(dim, bits - 1)[0], bits - 1),
+        keys=Levels(lloyd_max(dim, bits - sketch_keys)[0], bits - sketch_keys),
         values=Levels(lloyd_max(dim, bits)[0], bits),
     )

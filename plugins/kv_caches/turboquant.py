@@ -40,8 +40,6 @@ from mlxr_plugins.kv_caches.codebooks import Codec, layer_codec
 
 #: Positions kept in full precision past the window: the most draft tokens a decoder rolls back.
 TRIM_SLACK = 64
-#: Packed arrays per position: keys' codes, signs and scales, then values' codes and norms.
-PACKED = 5
 BITS = (4, 3, 2)
 
 
@@ -52,10 +50,20 @@ class TurboQuantKV:
     bits: int
     window: int = 0
     method: str = "turboquant"
+    #: Keys on ``bits - 1`` bits and a 1-bit sign sketch (unbiased scores), else on ``bits``.
+    sketch: bool = True
+
+    @property
+    def packed(self) -> int:
+        """Arrays per position: keys' codes, signs (with the sketch) and norms; values' codes, norms."""
+        return 5 if self.sketch else 4
 
     def bytes_per_position(self, heads: int, head_dim: int, itemsize: int) -> int:
         """Packed codes, sign sketch and float16 norms; the same whatever ``itemsize``."""
-        keys = head_dim * (self.bits - 1) // 8 + head_dim // 8 + 2 * 2
+        if self.sketch:
+            keys = head_dim * (self.bits - 1) // 8 + head_dim // 8 + 2 * 2
+        else:
+            keys = head_dim * self.bits // 8 + 2
         values = head_dim * self.bits // 8 + 2
         return heads * (keys + values)
 
@@ -69,23 +77,18 @@ class TurboQuantKV:
 class TurboQuantMethod:
     """The ``turboquant`` KV cache method (:mod:`mlxr_core.model.kv_storage`)."""
 
+    name = "turboquant"
+    sketch = True
+
     def problems(self, setting: Any) -> list[tuple[str, str]]:
         problems = []
         if setting.bits not in BITS:
-            problems.append(("bits", f"the turboquant method takes 4, 3 or 2, got {setting.bits}"))
+            problems.append(("bits", f"the {self.name} method takes 4, 3 or 2, got {setting.bits}"))
         if setting.group_size != 64:
-            problems.append(
-                (
-                    "group_size",
-                    "the turboquant method has no groups (each head has one norm); remove it",
-                )
-            )
+            problems.append(("group_size", f"the {self.name} method has no groups (each head has one norm); remove it"))
         if setting.start_after:
             problems.append(
-                (
-                    "start_after",
-                    "the turboquant method keeps the most recent positions exact instead: use window",
-                )
+                ("start_after", f"the {self.name} method keeps the most recent positions exact instead: use window")
             )
         return problems
 
@@ -101,7 +104,16 @@ class TurboQuantMethod:
                     "use method affine",
                     field="models[].kv_cache.method",
                 ) from None
-        return TurboQuantKV(setting.bits, setting.window)
+        return TurboQuantKV(setting.bits, setting.window, self.name, self.sketch)
+
+
+class TurboQuantMSEMethod(TurboQuantMethod):
+    """The ``turboquant_mse`` KV cache method: keys on the codebook at ``bits`` like the values,
+    without the sign sketch (TurboQuant's MSE variant: its scores are not unbiased, but their
+    variance is lower, which is what the softmax feels; see ``bench/README.md``)."""
+
+    name = "turboquant_mse"
+    sketch = False
 
 
 class BatchTurboQuantKVCache(PackedRows):
@@ -122,7 +134,7 @@ class BatchTurboQuantKVCache(PackedRows):
 
     def codec(self, dim: int) -> Codec:
         if self._codec is None:
-            self._codec = layer_codec(dim, self.spec.bits, self.layer)
+            self._codec = layer_codec(dim, self.spec.bits, self.layer, self.spec.sketch)
         return self._codec
 
     def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
@@ -159,7 +171,8 @@ class BatchTurboQuantKVCache(PackedRows):
             mask = window_mask(mask, L, S, window)
         codec = self.codec(D)
         q = (queries * scale).reshape(B, Hkv, Hq // Hkv, L, D)
-        scores = codec.scores(q, *(a[:, :, :S] for a in self.arrays[:3]))  # [B, Hkv, R, L, S]
+        K = codec.key_arrays
+        scores = codec.scores(q, *(a[:, :, :S] for a in self.arrays[:K]))  # [B, Hkv, R, L, S]
         if W:
             before = self.tail or [keys[:, :, :0], values[:, :, :0]]
             exact_keys, exact_values = (mx.concatenate([t, x], axis=2) for t, x in zip(before, (keys, values), strict=True))
@@ -168,7 +181,7 @@ class BatchTurboQuantKVCache(PackedRows):
             exact = q @ exact_keys[:, :, None].swapaxes(-1, -2)
             scores = mx.concatenate([scores[..., : S - N], mx.where(near, exact, scores[..., S - N :])], axis=-1)
         probs = grouped_softmax(scores, mask, extra.get("sinks"))
-        stored_values = [a[:, :, :S] for a in self.arrays[3:]]
+        stored_values = [a[:, :, :S] for a in self.arrays[K:]]
         if W:
             zero = mx.array(0.0, dtype=probs.dtype)
             far = mx.concatenate([probs[..., : S - N], mx.where(near, zero, probs[..., S - N :])], axis=-1)
@@ -191,12 +204,11 @@ class BatchTurboQuantKVCache(PackedRows):
         if need <= T:
             return
         start, stop = self.length - need, self.length - T
-        codec = self.codec(
-            self.tail[0].shape[3] if self.tail else self.arrays[3].shape[3] * 8 // self.spec.bits
-        )
+        K = self.spec.packed - 2
+        codec = self.codec(self.arrays[K].shape[3] * 8 // self.spec.bits)
         rebuilt = [
-            codec.decode_keys(*(a[:, :, start:stop] for a in self.arrays[:3])).astype(self.dtype),
-            codec.decode_values(*(a[:, :, start:stop] for a in self.arrays[3:])).astype(self.dtype),
+            codec.decode_keys(*(a[:, :, start:stop] for a in self.arrays[:K])).astype(self.dtype),
+            codec.decode_values(*(a[:, :, start:stop] for a in self.arrays[K:])).astype(self.dtype),
         ]
         self.tail = (
             [mx.concatenate([r, t], axis=2) for r, t in zip(rebuilt, self.tail, strict=True)]
@@ -272,7 +284,7 @@ class TurboQuantKVCache(PackedSequence):
         """The first ``length`` positions of a :meth:`snapshot`: the packed positions, and of its
         full-precision tail what lies before ``length`` (the rest of the window rebuilt)."""
         rows = self.rows
-        packed, tail = arrays[:PACKED], arrays[PACKED:]
+        packed, tail = arrays[: rows.spec.packed], arrays[rows.spec.packed :]
         stored = packed[0].shape[2]
         rows.left_padding = [0] * packed[0].shape[0]
         rows.arrays = [a[:, :, :length] for a in packed]

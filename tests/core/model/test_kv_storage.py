@@ -25,7 +25,7 @@ def refused(tmp_path, host, kv_cache: str) -> list[str]:
 
 
 def test_the_built_in_methods_come_from_the_kv_caches_plugin(host):
-    assert host.registries.kv_caches.by_plugin("kv_caches") == ["affine", "turboquant"]
+    assert host.registries.kv_caches.by_plugin("kv_caches") == ["affine", "turboquant", "turboquant_mse"]
 
 
 @pytest.mark.parametrize(
@@ -34,7 +34,7 @@ def test_the_built_in_methods_come_from_the_kv_caches_plugin(host):
         (
             "{method: turboquant2, bits: 3}",
             "method",
-            "unknown KV cache method 'turboquant2' (available: affine, turboquant); did you mean turboquant?",
+            "unknown KV cache method 'turboquant2' (available: affine, turboquant, turboquant_mse); did you mean turboquant or turboquant_mse?",
         ),
         ("{bits: 3}", "bits", "the affine method takes 8 or 4, got 3"),
         ("{bits: 4, window: 64}", "window", "the affine method keeps no recent-token window"),

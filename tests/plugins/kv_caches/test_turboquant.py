@@ -105,9 +105,9 @@ def test_the_key_inner_product_estimate_is_unbiased():
     assert abs(without_sketch - true) > 4 * math.sqrt(variance / estimates.size)  # the levels alone are off
 
 
-@pytest.mark.parametrize("window", [0, 8])
-def test_attention_from_the_codes_is_near_full_precision(window):
-    exact, packed = KVCache(), TurboQuantKVCache(TurboQuantKV(4, window), 0)
+@pytest.mark.parametrize(("window", "sketch"), [(0, True), (8, True), (0, False)])
+def test_attention_from_the_codes_is_near_full_precision(window, sketch):
+    exact, packed = KVCache(), TurboQuantKVCache(TurboQuantKV(4, window, sketch=sketch), 0)
     for step, L in enumerate([40, 1, 1, 7]):
         queries, keys, values = qkv(L, step)
         mask = "causal" if L > 1 else None
@@ -125,9 +125,9 @@ def test_within_the_window_attention_is_exact():
     np.testing.assert_allclose(mine, attend(KVCache(), queries, keys, values, "causal"), atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_one_chunk_equals_many(window):
-    spec = TurboQuantKV(3, window)
+@pytest.mark.parametrize(("window", "sketch"), [(0, True), (5, True), (5, False)])
+def test_one_chunk_equals_many(window, sketch):
+    spec = TurboQuantKV(3, window, sketch=sketch)
     queries, keys, values = qkv(30, 3, rows=1)
     whole = attend(TurboQuantKVCache(spec, 0), queries, keys, values, "causal")
     cache = TurboQuantKVCache(spec, 0)
@@ -138,11 +138,11 @@ def test_one_chunk_equals_many(window):
     np.testing.assert_allclose(mx.concatenate(parts, axis=2), whole, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [0, 6])
-def test_batch_rows_decode_as_they_would_alone(window):
+@pytest.mark.parametrize(("window", "sketch"), [(0, True), (6, True), (6, False)])
+def test_batch_rows_decode_as_they_would_alone(window, sketch):
     """to_batch, extend (rows of different lengths: left padding, tails of different lengths),
     decode steps, filter, extract: every row's output equals its own single-sequence cache's."""
-    spec = TurboQuantKV(3, window)
+    spec = TurboQuantKV(3, window, sketch=sketch)
     lengths = [12, 3, 8]
     solo = [prefilled(spec, n, seed) for seed, n in enumerate(lengths)]
     batch = BatchTurboQuantKVCache(spec, 0, rows=1)  # a one-token prompt's: no positions yet
@@ -202,6 +202,7 @@ def test_packed_bytes_per_position_and_which_caches_are_replaced():
     spec = TurboQuantKV(3)
     # keys: 2-bit codes (16 bytes), signs (8), two float16 norms; values: 3-bit codes (24), a norm
     assert spec.bytes_per_position(HKV, D, 4) == HKV * (16 + 8 + 4 + 24 + 2)
+    assert TurboQuantKV(3, sketch=False).bytes_per_position(HKV, D, 4) == HKV * (24 + 2 + 24 + 2)
     cache = prefilled(spec, 264, 0)
     assert cache.nbytes == 264 * spec.bytes_per_position(HKV, D, 4)
     assert TurboQuantKV(3, window=8).full_precision_positions(1000) == 8 + TRIM_SLACK
