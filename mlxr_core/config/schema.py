@@ -143,8 +143,9 @@ class KVCacheConfig:
     #: Bits per stored element: ``affine`` 8 (close to full precision) or 4; ``turboquant`` 4, 3
     #: or 2 (keys: bits - 1 per element and a 1-bit sign sketch).
     bits: int = attrs.field(validator=v.in_((8, 4, 3, 2)))
-    #: A KV cache method's name: ``affine`` (:mod:`mlxr_core.model.quantized_cache`) or
-    #: ``turboquant`` (:mod:`mlxr_plugins.kv_caches.turboquant`), or one a plugin registers.
+    #: A KV cache method's name: ``affine`` (:mod:`mlxr_core.model.quantized_cache`),
+    #: ``turboquant`` or ``turboquant_mse`` (:mod:`mlxr_plugins.kv_caches.turboquant`), or one a
+    #: plugin registers.
     method: str = attrs.field(default="affine", validator=v.min_len(1))
     #: ``affine``: elements of a head sharing one scale and bias; the head size must be a multiple.
     group_size: int = attrs.field(default=64, validator=v.in_((32, 64, 128)))

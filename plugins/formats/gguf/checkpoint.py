@@ -432,10 +432,23 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         config.update(gpt_oss_settings(config, get))
     if arch in HYBRID_ARCHS:
         config.update(hybrid_settings(arch, config, get))
+    if arch == "qwen2vl":
+        config.update(qwen2vl_settings(get))
     if arch == "gemma4":
         config.update(gemma4_settings(config, tensors, get))
         config.pop("rope_freq_factors", None)  # read into rope_parameters
     return {key: value for key, value in config.items() if value is not None}
+
+
+def qwen2vl_settings(get: Callable[..., Any]) -> dict[str, Any]:
+    """llama.cpp's ``qwen2vl``, the language model of Qwen2-VL and Qwen2.5-VL alike (the same
+    graph; their projectors differ): Qwen2 with M-RoPE over ``rope.dimension_sections``, served as
+    ``qwen2_5_vl``."""
+    sections = get("rope.dimension_sections")
+    if not isinstance(sections, list) or len(sections) < 3 or not all(type(s) is int and s >= 0 for s in sections):
+        raise ModelLoadError(f"{sections!r}: expected the M-RoPE sections (time, height, width, ...)",
+                             key="qwen2vl.rope.dimension_sections")
+    return {"model_type": "qwen2_5_vl", "rope_scaling": {"type": "mrope", "mrope_section": sections[:3]}}
 
 
 def hybrid_settings(arch: str, config: dict[str, Any], get: Callable[..., Any]) -> dict[str, Any]:

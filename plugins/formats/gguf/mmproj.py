@@ -5,12 +5,15 @@ loads a folder's.
 
 Tensor and metadata names are llama.cpp's (``gguf.constants``: ``v.patch_embd``, ``v.blk.N.attn_q``,
 ``mm.input_projection``; ``clip.vision.*``). Supported projector types: ``gemma3`` (a SigLIP tower,
-Gemma 3's pooling projector; ``convert_hf_to_gguf`` stores the projector's norm as ``1 + w``).
+Gemma 3's pooling projector; ``convert_hf_to_gguf`` stores the projector's norm as ``1 + w``) and
+``qwen2.5vl_merger`` (Qwen2.5-VL's tower and merger, served with a ``qwen2vl`` text GGUF; the
+converter splits the fused ``qkv`` and the patch convolution's two frames, joined again here).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +47,6 @@ GEMMA3_PROJECTOR_NAMES = {
     "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
     "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight",
 }
-#: Projector type -> the Hugging Face ``model_type`` of the text models it serves.
-PROJECTOR_MODEL_TYPES = {"gemma3": "gemma3"}
 #: llama.cpp's default pooling of Gemma 3's 64x64 patches to 16x16 tokens.
 GEMMA3_SCALE_FACTOR = 4
 #: Hugging Face's Gemma 3 image token, which llama.cpp's Gemma 3 vocabulary stops before.
@@ -67,12 +68,14 @@ def gemma3_name(name: str) -> str | None:
     return None
 
 
-def read_vision_config(reader: gguf.GGUFReader) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The tower's ``vision_config`` (transformers' SigLIP names) and the image processor's
-    settings from ``clip.vision.*``; ModelLoadError naming a missing or malformed key."""
+class Getter:
+    """``clip.vision.*`` values, checked: ModelLoadError naming a missing or malformed key."""
 
-    def get(key: str, kind: type, default: Any = None) -> Any:
-        value = field_value(reader, key, default)
+    def __init__(self, reader: gguf.GGUFReader):
+        self.reader = reader
+
+    def __call__(self, key: str, kind: type, default: Any = None) -> Any:
+        value = field_value(self.reader, key, default)
         if value is None:
             raise ModelLoadError("missing", key=key)
         if kind is int and (type(value) is not int or value < 1):
@@ -83,8 +86,15 @@ def read_vision_config(reader: gguf.GGUFReader) -> tuple[dict[str, Any], dict[st
             raise ModelLoadError(f"{value!r}: expected one value per channel (3)", key=key)
         return value
 
+    def normalize(self) -> dict[str, Any]:
+        return {"image_mean": self(Vision.IMAGE_MEAN, list, [0.5] * 3), "image_std": self(Vision.IMAGE_STD, list, [0.5] * 3)}
+
+
+def gemma3_settings(get: Getter) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's ``vision_config`` (transformers' SigLIP names), ``mm_tokens_per_image`` (the patch
+    grid pooled by ``clip.vision.projector.scale_factor``) and the image processor's settings."""
     size = get(Vision.IMAGE_SIZE, int)
-    config = {
+    vision = {
         "hidden_size": get(Vision.EMBEDDING_LENGTH, int),
         "intermediate_size": get(Vision.FEED_FORWARD_LENGTH, int),
         "num_hidden_layers": get(Vision.BLOCK_COUNT, int),
@@ -92,26 +102,111 @@ def read_vision_config(reader: gguf.GGUFReader) -> tuple[dict[str, Any], dict[st
         "image_size": size,
         "patch_size": get(Vision.PATCH_SIZE, int),
         "layer_norm_eps": get(Vision.Attention.LAYERNORM_EPS, float, 1e-6),
-        # ggml's GELU is the tanh approximation.
-        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_act": "gelu_pytorch_tanh",  # ggml's GELU is the tanh approximation
         "vision_use_head": False,
     }
-    preprocessor = {
-        "image_mean": get(Vision.IMAGE_MEAN, list, [0.5] * 3),
-        "image_std": get(Vision.IMAGE_STD, list, [0.5] * 3),
-        "size": {"height": size, "width": size},
+    factor = get(Vision.Projector.SCALE_FACTOR, int, GEMMA3_SCALE_FACTOR)
+    side = size // vision["patch_size"]
+    if side % factor:
+        raise ModelLoadError(f"{factor} does not divide the {side} patches per side", key=Vision.Projector.SCALE_FACTOR)
+    config = {"vision_config": vision, "mm_tokens_per_image": (side // factor) ** 2}
+    return config, {**get.normalize(), "size": {"height": size, "width": size}}
+
+
+#: Qwen2.5-VL's blocks (``v.blk.N.<name>``) -> its tower's modules under ``visual.blocks.N``;
+#: llama.cpp splits the fused ``qkv`` (joined again by :func:`join_qwen25`).
+QWEN25_BLOCK_NAMES = {
+    "attn_q": "attn.q", "attn_k": "attn.k", "attn_v": "attn.v", "attn_out": "attn.proj",
+    "ln1": "norm1", "ln2": "norm2", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+QWEN25_TOP_NAMES = {
+    "v.post_ln": "visual.merger.ln_q", "mm.0": "visual.merger.mlp.0", "mm.2": "visual.merger.mlp.2",
+    # the patch convolution's two frames, each a 2D convolution in llama.cpp
+    "v.patch_embd.weight": "visual.patch_embed.frame0", "v.patch_embd.weight.1": "visual.patch_embed.frame1",
+}  # fmt: skip
+
+
+def qwen25_name(name: str) -> str | None:
+    """An mmproj tensor's name in a Qwen2.5-VL checkpoint (before :func:`join_qwen25`)."""
+    if name in QWEN25_TOP_NAMES:
+        return QWEN25_TOP_NAMES[name]
+    module, _, kind = name.rpartition(".")
+    if module in QWEN25_TOP_NAMES:
+        return f"{QWEN25_TOP_NAMES[module]}.{kind}"
+    parts = module.split(".")
+    if len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[3] in QWEN25_BLOCK_NAMES:
+        return f"visual.blocks.{parts[2]}.{QWEN25_BLOCK_NAMES[parts[3]]}.{kind}"
+    return None
+
+
+def qwen25_settings(get: Getter) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen2.5-VL's ``vision_config``: window attention except in every
+    ``clip.vision.n_wa_pattern``-th block (all blocks without it), and the image processor's
+    normalization and pixel bounds where the file has them."""
+    depth = get(Vision.BLOCK_COUNT, int)
+    pattern = get(Vision.N_WA_PATTERN, int, depth)
+    vision = {
+        "depth": depth,
+        "hidden_size": get(Vision.EMBEDDING_LENGTH, int),
+        "intermediate_size": get(Vision.FEED_FORWARD_LENGTH, int),
+        "num_heads": get(Vision.Attention.HEAD_COUNT, int),
+        "patch_size": get(Vision.PATCH_SIZE, int),
+        "temporal_patch_size": 2,
+        "spatial_merge_size": get(Vision.SPATIAL_MERGE_SIZE, int, 2),
+        "window_size": get(Vision.WINDOW_SIZE, int, 112),
+        "out_hidden_size": get(Vision.PROJECTION_DIM, int),
+        "fullatt_block_indexes": [i for i in range(depth) if (i + 1) % pattern == 0],
+        "hidden_act": "silu",
     }
-    return config, preprocessor
+    preprocessor = get.normalize()
+    for key, name in ((Vision.IMAGE_MIN_PIXELS, "min_pixels"), (Vision.IMAGE_MAX_PIXELS, "max_pixels")):
+        if key in get.reader.fields:
+            preprocessor[name] = get(key, int)
+    return {"vision_config": vision}, preprocessor
 
 
-def gemma3_tokens(config: dict[str, Any], reader: gguf.GGUFReader) -> int:
-    """``mm_tokens_per_image``: the patch grid pooled by ``clip.vision.projector.scale_factor``."""
-    factor = field_value(reader, Vision.Projector.SCALE_FACTOR, GEMMA3_SCALE_FACTOR)
-    side = config["image_size"] // config["patch_size"]
-    if type(factor) is not int or factor < 1 or side % factor:
-        raise ModelLoadError(f"{factor!r} does not divide the {side} patches per side",
-                             key=Vision.Projector.SCALE_FACTOR)
-    return (side // factor) ** 2
+def join_qwen25(weights: dict[str, mx.array], quantization: dict[str, QuantSpec], names: dict[str, str]) -> None:
+    """In place: each block's q, k, v (packed or not) as the fused ``qkv``, and the two frames of
+    the patch convolution as its ``[D, C, 2, P, P]`` kernel."""
+    for module in [n.removesuffix(".q.bias") for n in list(weights) if n.endswith("attn.q.bias")] + [
+        n.removesuffix(".q.weight") for n in list(weights) if n.endswith("attn.q.weight")
+    ]:
+        for part in ("weight", "scales", "biases", "bias"):
+            pieces = [weights.pop(f"{module}.{x}.{part}", None) for x in "qkv"]
+            if all(piece is None for piece in pieces):
+                continue
+            if any(piece is None for piece in pieces):
+                raise ModelLoadError(f"{module}: q, k and v must all hold a {part}", tensor=names.get(f"{module}.q.weight"))
+            weights[f"{module}.qkv.{part}"] = mx.concatenate(pieces, axis=0)  # type: ignore[arg-type]
+            names[f"{module}.qkv.{part}"] = names.get(f"{module}.q.{part}", "")
+        specs = {quantization.pop(f"{module}.{x}", None) for x in "qkv"}
+        if specs != {None}:
+            if len(specs) != 1:
+                raise ModelLoadError("q, k and v are quantized differently", tensor=names.get(f"{module}.qkv.weight"))
+            quantization[f"{module}.qkv"] = specs.pop()  # type: ignore[assignment]
+    frames = [weights.pop(f"visual.patch_embed.frame{t}", None) for t in (0, 1)]
+    if frames[0] is not None and frames[1] is not None:
+        weights["visual.patch_embed.proj.weight"] = mx.stack(frames, axis=2)  # type: ignore[arg-type]
+        names["visual.patch_embed.proj.weight"] = "v.patch_embd.weight"
+
+
+@attrs.frozen
+class Projector:
+    """What one projector type needs: the text ``model_type`` it serves, its config and
+    processor settings, tensor names, the image token (and its config key), any joining."""
+
+    model_type: str
+    settings: Callable[[Getter], tuple[dict[str, Any], dict[str, Any]]]
+    name: Callable[[str], str | None]
+    image_token: str
+    image_token_key: str
+    join: Callable[[dict[str, mx.array], dict[str, QuantSpec], dict[str, str]], None] | None = None
+
+
+PROJECTORS = {
+    "gemma3": Projector("gemma3", gemma3_settings, gemma3_name, GEMMA3_IMAGE_TOKEN, "image_token_index"),
+    "qwen2.5vl_merger": Projector("qwen2_5_vl", qwen25_settings, qwen25_name, "<|image_pad|>", "image_token_id", join_qwen25),
+}
 
 
 def with_image_token(tokenizer: TokenizerSpec | None, token: str) -> tuple[TokenizerSpec | None, int | None]:
@@ -145,14 +240,13 @@ def load_projector(checkpoint: Checkpoint, path: Path, dtype: str = "float32") -
     key = Vision.PROJECTOR_TYPE if Vision.PROJECTOR_TYPE in reader.fields else gguf.Keys.Clip.PROJECTOR_TYPE
     kind = field_value(reader, key)
     model_type = checkpoint.config.get("model_type")
-    if kind not in PROJECTOR_MODEL_TYPES:
-        raise refuse(f"projector type {kind!r} is not supported (supported: {', '.join(PROJECTOR_MODEL_TYPES)})",
-                     key=key)
-    if PROJECTOR_MODEL_TYPES[kind] != model_type:
+    if kind not in PROJECTORS:
+        raise refuse(f"projector type {kind!r} is not supported (supported: {', '.join(PROJECTORS)})", key=key)
+    projector = PROJECTORS[kind]
+    if projector.model_type != model_type:
         raise refuse(f"a {kind} projector does not fit the {model_type} text model {checkpoint.path.name}", key=key)
     try:
-        vision_config, preprocessor = read_vision_config(reader)
-        tokens = gemma3_tokens(vision_config, reader)
+        settings, preprocessor = projector.settings(Getter(reader))
     except ModelLoadError as exc:
         raise refuse(exc.detail, key=exc.key or "") from exc
     width = field_value(reader, Vision.PROJECTION_DIM)
@@ -165,7 +259,7 @@ def load_projector(checkpoint: Checkpoint, path: Path, dtype: str = "float32") -
     quantization: dict[str, QuantSpec] = {}
     names: dict[str, str] = {}
     for tensor in reader.tensors:
-        target = gemma3_name(tensor.name)
+        target = projector.name(tensor.name)
         if target is None:
             continue
         shift = 1.0 if tensor.name == "mm.soft_emb_norm.weight" else 0.0
@@ -177,12 +271,19 @@ def load_projector(checkpoint: Checkpoint, path: Path, dtype: str = "float32") -
         weights.update(arrays)
         names.update(dict.fromkeys(arrays, tensor.name))
     if not weights:
-        raise refuse("holds none of the vision tensors of a Gemma 3 projector (v.blk.N.*, mm.*)")
+        raise refuse(f"holds none of the vision tensors of a {kind} projector (v.blk.N.*, mm.*)")
+    if projector.join is not None:
+        try:
+            projector.join(weights, quantization, names)
+        except ModelLoadError as exc:
+            raise refuse(exc.detail, tensor=exc.tensor or "") from exc
+        except ValueError as exc:  # pieces that do not stack: shapes that do not fit each other
+            raise refuse(f"{type(exc).__name__}: {exc}") from exc
 
-    tokenizer, token_id = with_image_token(checkpoint.tokenizer, GEMMA3_IMAGE_TOKEN)
-    config = {**checkpoint.config, "vision_config": vision_config, "mm_tokens_per_image": tokens}
+    tokenizer, token_id = with_image_token(checkpoint.tokenizer, projector.image_token)
+    config = {**checkpoint.config, **settings}
     if token_id is not None:
-        config["image_token_index"] = token_id
+        config[projector.image_token_key] = token_id
     return attrs.evolve(
         checkpoint,
         config=config,
