@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +38,11 @@ SIGLIP_BLOCK_NAMES = {
     "ffn_up": "mlp.fc1",
     "ffn_down": "mlp.fc2",
 }
-SIGLIP_TOP_NAMES = {
-    "v.patch_embd": "embeddings.patch_embedding",
-    "v.position_embd": "embeddings.position_embedding",
-    "v.post_ln": "post_layernorm",
-}
-#: Gemma 3's projector: its matrix is a bare parameter (``mm_input_projection_weight``).
-GEMMA3_PROJECTOR_NAMES = {
+#: Gemma 3's other tensors, by module or (the projector's bare matrix) by whole name.
+GEMMA3_TOP_NAMES = {
+    "v.patch_embd": "vision_tower.embeddings.patch_embedding",
+    "v.position_embd": "vision_tower.embeddings.position_embedding",
+    "v.post_ln": "vision_tower.post_layernorm",
     "mm.input_projection.weight": "multi_modal_projector.mm_input_projection_weight",
     "mm.soft_emb_norm.weight": "multi_modal_projector.mm_soft_emb_norm.weight",
 }
@@ -54,17 +53,17 @@ GEMMA3_IMAGE_TOKEN = "<image_soft_token>"
 CONTROL_TOKEN = 3  # tokenizer.ggml.token_type of a control token
 
 
-def gemma3_name(name: str) -> str | None:
-    """An mmproj tensor's name in a transformers Gemma 3 checkpoint (``vision_tower.*`` without
-    ``vision_model``, as transformers 5 saves it), or None for one Gemma 3 does not use."""
-    if name in GEMMA3_PROJECTOR_NAMES:
-        return GEMMA3_PROJECTOR_NAMES[name]
+def checkpoint_name(name: str, top: dict[str, str], blocks: dict[str, str], layers: str) -> str | None:
+    """An mmproj tensor's name in a transformers checkpoint: by whole name or module in ``top``,
+    ``v.blk.N.<name>`` as ``{layers}.N.{blocks[name]}``; None for a tensor the family does not use."""
+    if name in top:
+        return top[name]
     module, _, kind = name.rpartition(".")
-    if module in SIGLIP_TOP_NAMES:
-        return f"vision_tower.{SIGLIP_TOP_NAMES[module]}.{kind}"
+    if module in top:
+        return f"{top[module]}.{kind}"
     parts = module.split(".")
-    if len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[3] in SIGLIP_BLOCK_NAMES:
-        return f"vision_tower.encoder.layers.{parts[2]}.{SIGLIP_BLOCK_NAMES[parts[3]]}.{kind}"
+    if len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[3] in blocks:
+        return f"{layers}.{parts[2]}.{blocks[parts[3]]}.{kind}"
     return None
 
 
@@ -124,19 +123,6 @@ QWEN25_TOP_NAMES = {
     # the patch convolution's two frames, each a 2D convolution in llama.cpp
     "v.patch_embd.weight": "visual.patch_embed.frame0", "v.patch_embd.weight.1": "visual.patch_embed.frame1",
 }  # fmt: skip
-
-
-def qwen25_name(name: str) -> str | None:
-    """An mmproj tensor's name in a Qwen2.5-VL checkpoint (before :func:`join_qwen25`)."""
-    if name in QWEN25_TOP_NAMES:
-        return QWEN25_TOP_NAMES[name]
-    module, _, kind = name.rpartition(".")
-    if module in QWEN25_TOP_NAMES:
-        return f"{QWEN25_TOP_NAMES[module]}.{kind}"
-    parts = module.split(".")
-    if len(parts) == 4 and parts[:2] == ["v", "blk"] and parts[3] in QWEN25_BLOCK_NAMES:
-        return f"visual.blocks.{parts[2]}.{QWEN25_BLOCK_NAMES[parts[3]]}.{kind}"
-    return None
 
 
 def qwen25_settings(get: Getter) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -204,8 +190,17 @@ class Projector:
 
 
 PROJECTORS = {
-    "gemma3": Projector("gemma3", gemma3_settings, gemma3_name, GEMMA3_IMAGE_TOKEN, "image_token_index"),
-    "qwen2.5vl_merger": Projector("qwen2_5_vl", qwen25_settings, qwen25_name, "<|image_pad|>", "image_token_id", join_qwen25),
+    # transformers 5's names (``vision_tower.*`` without ``vision_model``)
+    "gemma3": Projector(
+        "gemma3", gemma3_settings,
+        partial(checkpoint_name, top=GEMMA3_TOP_NAMES, blocks=SIGLIP_BLOCK_NAMES, layers="vision_tower.encoder.layers"),
+        GEMMA3_IMAGE_TOKEN, "image_token_index",
+    ),
+    "qwen2.5vl_merger": Projector(
+        "qwen2_5_vl", qwen25_settings,
+        partial(checkpoint_name, top=QWEN25_TOP_NAMES, blocks=QWEN25_BLOCK_NAMES, layers="visual.blocks"),
+        "<|image_pad|>", "image_token_id", join_qwen25,
+    ),
 }
 
 
