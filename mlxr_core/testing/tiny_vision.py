@@ -51,15 +51,17 @@ CHAT_TEMPLATE = (
 )
 
 
-def gemma3_vision_model(folder: Path, torch: Any, transformers: Any, vision: dict[str, Any] | None = None) -> Any:
+def gemma3_vision_model(
+    folder: Path, torch: Any, transformers: Any, vision: dict[str, Any] | None = None, text: dict[str, Any] | None = None
+) -> Any:  # fmt: skip
     """Write the tiny model and its tokenizer to ``folder``; returns transformers' model (eval).
     ``vision`` overrides :data:`VISION`'s sizes (:data:`QUANTIZABLE_VISION`: widths that split
-    into groups of 32)."""
+    into groups of 32), ``text`` :data:`TEXT`'s."""
     from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
 
     torch.manual_seed(0)
     config = transformers.Gemma3Config(
-        text_config=TEXT,
+        text_config={**TEXT, **(text or {})},
         vision_config={**VISION, **(vision or {})},
         mm_tokens_per_image=4,
         image_token_index=IMAGE,

@@ -31,6 +31,7 @@ from mlxr_core.testing.tiny_vision import (
     END,
     IMAGE,
     QUANTIZABLE_VISION,
+    TEXT,
     VISION,
     gemma3_vision_model,
 )
@@ -240,3 +241,70 @@ def test_a_gguf_vocabulary_gains_gemmas_image_token(tmp_path):
     ids = tokenizer.encode(f"hello{GEMMA3_IMAGE_TOKEN * 3}hello", add_special_tokens=False)
     assert ids == [*plain, size, size, size, *plain]
     assert with_image_token(spec, GEMMA3_IMAGE_TOKEN) == (spec, size)  # already there: unchanged
+
+
+def write_gemma3_gguf(path: Path, state: dict[str, np.ndarray], text: dict) -> Path:
+    """The language model as ``convert_hf_to_gguf`` writes Gemma 3 (norms as ``1 + w``, tied
+    output), with a vocabulary of the model's 64 rows that, like llama.cpp's Gemma 3 vocabulary,
+    has no ``<image_soft_token>`` (id 60 is an unused token)."""
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, text["num_hidden_layers"])
+    writer = gguf.GGUFWriter(path, "gemma3")
+    writer.add_block_count(text["num_hidden_layers"])
+    writer.add_context_length(text["max_position_embeddings"])
+    writer.add_embedding_length(text["hidden_size"])
+    writer.add_feed_forward_length(text["intermediate_size"])
+    writer.add_head_count(text["num_attention_heads"])
+    writer.add_head_count_kv(text["num_key_value_heads"])
+    writer.add_key_length(text["head_dim"])
+    writer.add_value_length(text["head_dim"])
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_sliding_window(text["sliding_window"])
+    tokens = ["<s>", "</s>", *(f"t{i}" for i in range(2, 64))]
+    tokens[IMAGE], tokens[BEGIN], tokens[END] = "<unused0>", "<start_of_image>", "<end_of_image>"
+    tokens[58], tokens[59] = "t", "2"  # one merge, t + 2 = t2: a BPE needs some
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, *[1] * 58, 3, 3, 3, 1])
+    writer.add_token_merges(["t 2"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    for name, array in state.items():
+        if not name.startswith("model.language_model."):
+            continue
+        base, kind = name.replace("model.language_model.", "model.").rsplit(".", 1)
+        writer.add_tensor(f"{names.get_name(base)}.{kind}", array + 1 if name.endswith("norm.weight") else array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gemma3_gguf_serves_images_with_the_mmproj_beside_it(tmp_path):
+    """The image token lies past the GGUF's 64 rows, as in llama.cpp's Gemma 3 files; the prompt's
+    image positions take the image's rows all the same. All layers slide, as llama.cpp's fixed
+    pattern (every sixth layer global) makes a 3-layer file's."""
+    torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+    transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
+    text = {**TEXT, "layer_types": ["sliding_attention"] * 3}
+    model = gemma3_vision_model(tmp_path / "hf", torch, transformers, QUANTIZABLE_VISION, text)
+    state = {name: value.numpy() for name, value in model.state_dict().items()}
+    pixels = torch.randn(1, 3, 32, 32)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        want = model(input_ids=ids, pixel_values=pixels, token_type_ids=(ids == IMAGE).long()).logits[0].numpy()
+    served = tmp_path / "served"
+    served.mkdir()
+    write_mmproj(served / "mmproj-tiny-f32.gguf", state)
+    loaded = load(write_gemma3_gguf(served / "tiny-gemma3.gguf", state, text))  # the mmproj picked up
+    tokens = loaded.vision.tokens
+    assert tokens.image_token_id == 64 and loaded.tokenizer.vocab_size == 65
+    ours = [tokens.image_token_id if t == IMAGE else t for t in PROMPT]
+    image = pixels.numpy()[0]
+    expanded = tokens.expand_for("t2 <start_of_image> t3", [image])
+    assert loaded.tokenizer.encode(expanded, add_special_tokens=False).count(64) == 4
+    images = loaded.vision.encode([image])
+    logits = logits_with_images(loaded.model, mx.array([ours]), images, tokens)[0]
+    assert float(np.abs(np.array(logits) - want).max()) <= 1e-4
