@@ -4,8 +4,9 @@ parallel) of the ring backend on loopback, through the engine (no HTTP), on the 
 Each configuration runs as its own ``mlx.launch`` job (the baseline as one plain process): rank 0 submits
 the requests, the other rank follows in lockstep (:mod:`mlxr_core.engine.lockstep`). Reported per
 configuration: prompt tokens/s (one request with a ``--prompt-tokens`` prompt), decode tokens/s
-of one stream and of ``--streams`` concurrent streams (greedy, ``ignore_eos``), the lockstep
-exchange's time per engine step, and the model's collectives per decoded token measured alone on
+of one stream and of ``--streams`` concurrent streams (greedy, ``ignore_eos``), rank 0's time in
+the lockstep exchange's collectives per exchange (waiting for the other rank to reach it
+included), and the model's collectives per decoded token measured alone on
 the same shapes (tensor: 2 all_sums of ``[1, 1, hidden]`` per layer; pipeline: one send/recv and
 one all_gather of ``[1, 1, hidden]`` per token), with their share of a token's time.
 
@@ -74,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
         assert count == tokens * len(prompts), count
         return time.perf_counter() - started
 
-    prompt = [(7 * i) % 300 + 10 for i in range(args.prompt_tokens)]
+    prompt = [(7 * i) % 250 + 10 for i in range(args.prompt_tokens)]  # within the random model's 271 ids
     generate([prompt[:8]], 4)  # warm-up
     prefill = generate([prompt], 1)
     short = generate([prompt[:8]], 1)
