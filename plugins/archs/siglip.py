@@ -140,11 +140,13 @@ class SiglipVisionTower(nn.Module):
 
 def sanitize_tower(name: str, array: mx.array) -> tuple[str, mx.array] | None:
     """A tower tensor's name below the tower (``vision_model.`` dropped, transformers' older
-    nesting) and value (the patch convolution's ``[D, C, P, P]`` as MLX's ``[D, P, P, C]``), or
-    None for what the tower does not hold (the pooling head, position ids)."""
+    nesting) and value (the patch convolution's ``[D, C, P, P]`` as MLX's ``[D, P, P, C]``; one
+    already channels-last, as mlx-vlm saves it, kept), or None for what the tower does not hold
+    (the pooling head, position ids)."""
     name = name.removeprefix("vision_model.")
     if name.startswith("head.") or name.endswith("position_ids"):
         return None
-    if name == "embeddings.patch_embedding.weight" and array.ndim == 4:
+    torch_layout = array.ndim == 4 and array.shape[2] == array.shape[3] != array.shape[1]
+    if name == "embeddings.patch_embedding.weight" and torch_layout:
         array = array.transpose(0, 2, 3, 1)
     return name, array

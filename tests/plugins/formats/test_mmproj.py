@@ -167,9 +167,15 @@ def test_quantized_towers_load_dequantized(reference, tmp_path):
     assert worst(got, want) <= 1e-6 and worst(want, q) > 0
     assert worst(loaded.vision.encode(list(reference.pixels)), reference.projected.reshape(4, -1)) <= 0.03 * scale
 
+    # As mlx-vlm saves a quantized Gemma 3: the tower under vision_model, its convolution channels last.
     folder = tmp_path / "mlx_quantized"
     shutil.copytree(reference.folder, folder)
-    weights = load_file(folder / "model.safetensors")
+    weights = {
+        name.replace("vision_tower.", "vision_tower.vision_model.", 1):
+            np.ascontiguousarray(array.transpose(0, 2, 3, 1)) if array.ndim == 4 else array
+        for name, array in load_file(folder / "model.safetensors").items()
+    }
+    assert any(name.startswith("vision_tower.vision_model.embeddings.") for name in weights)
     quantized = [n for n in weights if "vision_tower." in n and n.endswith(("proj.weight", "fc1.weight", "fc2.weight"))]
     for name in quantized:
         packed, scales, biases = mx.quantize(mx.array(weights.pop(name)), group_size=32, bits=8)
