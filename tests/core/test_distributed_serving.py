@@ -94,17 +94,27 @@ def complete(url: str, body: dict, *, stream: bool = False) -> str:
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: {"):
-                text += json.loads(line[6:])["choices"][0]["text"]
+                data = json.loads(line[6:])
+                assert "error" not in data, data
+                text += data["choices"][0]["text"]
     return text
+
+
+def alone(url: str, requests: list[dict]) -> list[str]:
+    return [complete(url, body) for body in requests]
+
+
+def together(url: str, requests: list[dict]) -> list[str]:
+    """The requests as concurrent streams."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda body: complete(url, body, stream=True), requests))
 
 
 def replies(url: str, requests: list[dict]) -> list[str]:
     """Each request alone, then all of them as concurrent streams (both must agree)."""
-    alone = [complete(url, body) for body in requests]
-    with ThreadPoolExecutor(len(requests)) as pool:
-        together = list(pool.map(lambda body: complete(url, body, stream=True), requests))
-    assert together == alone
-    return alone
+    each = alone(url, requests)
+    assert together(url, requests) == each
+    return each
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +191,7 @@ def test_smollm2_on_two_pipeline_stages_replies_as_one_process_until_a_rank_is_k
     config.write_text(config.read_text().replace("tensor_parallel: 2", "pipeline_parallel: 2"))
     launcher, url, lines = start(launch(config))
     try:
-        assert replies(url, requests) == expected
+        assert together(url, requests) == expected  # 4 concurrent streams, each as one process alone
         stream_until_killed(launcher, url, lines)
     finally:
         launcher.kill()
