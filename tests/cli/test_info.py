@@ -109,7 +109,7 @@ def test_kv_bytes_per_token_under_a_kv_cache_setting(files, capsys):
     assert turbo["kv_bytes_per_token_full_precision"] == 2 * LAYERS * KV_HEADS * HEAD_DIM * 4
     window_copy = (16 + 64) * turbo["kv_bytes_per_token_full_precision"]  # the window and its slack
     assert turbo["kv_bytes_at_context"] == 1000 * turbo["kv_bytes_per_token"] + window_copy
-    assert turbo["kv_cache"] == {"bits": 3, "window": 16, "method": "turboquant"}
+    assert turbo["kv_cache"] == {"bits": 3, "window": 16, "method": "turboquant", "sketch": True}
     printed = info(capsys, str(files["f32"]), "--kv-cache", "{method: turboquant, bits: 3}")
     assert "KV cache:     72 B per token (turboquant 3-bit; full precision 512 B)" in printed
     assert main(["info", str(files["f32"]), "--kv-cache", "{bits: 8, group_size: 32}"]) == 2
