@@ -28,12 +28,14 @@ def free_ports(count: int) -> int:
     raise RuntimeError(f"no {count} consecutive free ports found on 127.0.0.1")
 
 
-def mlx_launch(ranks: int, port: int) -> list[str]:
-    """``mlx.launch`` starting ``ranks`` processes of the ring backend on 127.0.0.1; append the
-    command each rank runs."""
+def mlx_launch(ranks: int, port: int, backend: str = "ring") -> list[str]:
+    """``mlx.launch`` starting ``ranks`` processes of ``backend`` on 127.0.0.1 (with ``nccl``,
+    one GPU each); append the command each rank runs."""
     launcher = Path(sys.executable).parent / "mlx.launch"
-    return [str(launcher), "--backend", "ring", "--hosts", "127.0.0.1", "-n", str(ranks),
-            "--starting-port", str(port), "--"]  # fmt: skip
+    start = [str(launcher)] if launcher.exists() else [
+        sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+    ports = ["--starting-port", str(port)] if backend == "ring" else ["--nccl-port", str(port)]
+    return [*start, "--backend", backend, "--hosts", "127.0.0.1", "-n", str(ranks), *ports, "--"]
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
