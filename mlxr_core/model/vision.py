@@ -221,7 +221,7 @@ def load_vision(
         module.load_weights([(name, array.astype(dtype)) for name, array in weights.items()], strict=True)
     except ValueError as exc:
         named = re.search(r"\b((?:\w+\.)+(?:weight|bias|\w+_weight))\b", str(exc))
-        tensor = checkpoint.tensor_names.get(named.group(1), named.group(1)) if named else None
+        tensor = file_tensor_name(checkpoint, named.group(1)) if named else None
         raise ModelLoadError(f"the vision weights do not fit the {config.get('model_type')} vision graph: {exc}",
                              path=where, tensor=tensor) from exc
     mx.eval(module.parameters())
@@ -233,6 +233,17 @@ def load_vision(
     if settings:
         preprocessor = {**(preprocessor or {}), **settings}
     return Vision(module, vision.processor(config, preprocessor), vision.image_tokens(config))
+
+
+def file_tensor_name(checkpoint: Checkpoint, name: str) -> str:
+    """The file's name of the tensor the vision graph calls ``name``: the vision side's
+    ``sanitize`` strips the tower's prefix (``visual.``), so the one checkpoint name ending in
+    ``.{name}`` is taken where ``name`` itself is not there; ``name`` where none or several are."""
+    names = checkpoint.tensor_names
+    if name in names:
+        return names[name]
+    found = [file_name for checkpoint_name, file_name in names.items() if checkpoint_name.endswith(f".{name}")]
+    return found[0] if len(found) == 1 else name
 
 
 def dequantized_vision(checkpoint: Checkpoint, vision: VisionArchitecture, dtype: mx.Dtype) -> dict[str, mx.array]:

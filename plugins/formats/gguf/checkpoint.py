@@ -434,6 +434,8 @@ def read_config(reader: gguf.GGUFReader, tensors: dict[str, Any]) -> dict[str, A
         config.update(hybrid_settings(arch, config, get))
     if arch == "qwen2vl":
         config.update(qwen2vl_settings(get))
+    if arch == "qwen3vl":
+        config.update(qwen3vl_settings(get))
     if arch == "gemma4":
         config.update(gemma4_settings(config, tensors, get))
         config.pop("rope_freq_factors", None)  # read into rope_parameters
@@ -444,11 +446,30 @@ def qwen2vl_settings(get: Callable[..., Any]) -> dict[str, Any]:
     """llama.cpp's ``qwen2vl``, the language model of Qwen2-VL and Qwen2.5-VL alike (the same
     graph; their projectors differ): Qwen2 with M-RoPE over ``rope.dimension_sections``, served as
     ``qwen2_5_vl``."""
+    return {"model_type": "qwen2_5_vl", "rope_scaling": mrope_scaling(get, "qwen2vl")}
+
+
+def mrope_scaling(get: Callable[..., Any], arch: str) -> dict[str, Any]:
+    """M-RoPE's (time, height, width) sections from ``rope.dimension_sections`` (llama.cpp pads
+    them to four), as transformers' ``rope_scaling``."""
     sections = get("rope.dimension_sections")
     if not isinstance(sections, list) or len(sections) < 3 or not all(type(s) is int and s >= 0 for s in sections):
         raise ModelLoadError(f"{sections!r}: expected the M-RoPE sections (time, height, width, ...)",
-                             key="qwen2vl.rope.dimension_sections")
-    return {"model_type": "qwen2_5_vl", "rope_scaling": {"type": "mrope", "mrope_section": sections[:3]}}
+                             key=f"{arch}.rope.dimension_sections")
+    return {"type": "mrope", "mrope_section": sections[:3]}
+
+
+def qwen3vl_settings(get: Callable[..., Any]) -> dict[str, Any]:
+    """llama.cpp's ``qwen3vl``: Qwen3 with interleaved M-RoPE over ``rope.dimension_sections``,
+    served as ``qwen3_vl`` (always interleaved). ``n_deepstack_layers``, where the file has it, is
+    kept to check the mmproj's DeepStack layers against."""
+    settings: dict[str, Any] = {"model_type": "qwen3_vl", "rope_scaling": mrope_scaling(get, "qwen3vl")}
+    deepstack = get("n_deepstack_layers")
+    if deepstack is not None:
+        if type(deepstack) is not int or deepstack < 0:
+            raise ModelLoadError(f"{deepstack!r}: expected a count of layers", key="qwen3vl.n_deepstack_layers")
+        settings["num_deepstack_layers"] = deepstack
+    return settings
 
 
 def hybrid_settings(arch: str, config: dict[str, Any], get: Callable[..., Any]) -> dict[str, Any]:

@@ -7,7 +7,9 @@ Tensor and metadata names are llama.cpp's (``gguf.constants``: ``v.patch_embd``,
 ``mm.input_projection``; ``clip.vision.*``). Supported projector types: ``gemma3`` (a SigLIP tower,
 Gemma 3's pooling projector; ``convert_hf_to_gguf`` stores the projector's norm as ``1 + w``) and
 ``qwen2.5vl_merger`` (Qwen2.5-VL's tower and merger, served with a ``qwen2vl`` text GGUF; the
-converter splits the fused ``qkv`` and the patch convolution's two frames, joined again here).
+converter splits the fused ``qkv`` and the patch convolution's two frames, joined again here) and
+``qwen3vl_merger`` (Qwen3-VL's tower, position table, merger and DeepStack mergers, served with a
+``qwen3vl`` text GGUF; ``v.deepstack.N.*`` is numbered by the tower block it follows).
 """
 
 from __future__ import annotations
@@ -176,6 +178,82 @@ def join_qwen25(weights: dict[str, mx.array], quantization: dict[str, QuantSpec]
         names["visual.patch_embed.proj.weight"] = "v.patch_embd.weight"
 
 
+#: Qwen3-VL's blocks (``qkv`` kept fused) and other tensors; ``v.deepstack.N`` (N the tower block)
+#: stays ``visual.deepstack.N`` until :func:`join_qwen3` numbers the mergers in block order.
+QWEN3_BLOCK_NAMES = {
+    "attn_qkv": "attn.qkv", "attn_out": "attn.proj", "ln1": "norm1", "ln2": "norm2",
+    "ffn_up": "mlp.linear_fc1", "ffn_down": "mlp.linear_fc2",
+}  # fmt: skip
+QWEN3_TOP_NAMES = {
+    "v.patch_embd.weight": "visual.patch_embed.frame0", "v.patch_embd.weight.1": "visual.patch_embed.frame1",
+    "v.patch_embd": "visual.patch_embed.proj", "v.position_embd": "visual.pos_embed",
+    "v.post_ln": "visual.merger.norm", "mm.0": "visual.merger.linear_fc1", "mm.2": "visual.merger.linear_fc2",
+}  # fmt: skip
+QWEN3_DEEPSTACK_NAMES = {"norm": "norm", "fc1": "linear_fc1", "fc2": "linear_fc2"}
+
+
+def qwen3_name(name: str) -> str | None:
+    """A ``qwen3vl_merger`` tensor's name (see :data:`QWEN3_TOP_NAMES`)."""
+    parts = name.split(".")
+    if len(parts) == 5 and parts[:2] == ["v", "deepstack"] and parts[2].isdigit() and parts[3] in QWEN3_DEEPSTACK_NAMES:
+        return f"visual.deepstack.{parts[2]}.{QWEN3_DEEPSTACK_NAMES[parts[3]]}.{parts[4]}"
+    return checkpoint_name(name, QWEN3_TOP_NAMES, QWEN3_BLOCK_NAMES, "visual.blocks")
+
+
+def qwen3_settings(get: Getter) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Qwen3-VL's ``vision_config``: the position table of ``(image_size / patch_size) ** 2``
+    entries (how llama.cpp's converter derives ``image_size``), DeepStack after each block
+    ``clip.vision.is_deepstack_layers`` marks, GELU (tanh, as ggml's)."""
+    depth = get(Vision.BLOCK_COUNT, int)
+    patch = get(Vision.PATCH_SIZE, int)
+    side, rest = divmod(get(Vision.IMAGE_SIZE, int), patch)
+    if rest:
+        raise ModelLoadError(f"the patch size {patch} does not divide it", key=Vision.IMAGE_SIZE)
+    marks = field_value(get.reader, Vision.IS_DEEPSTACK_LAYERS, [])
+    if not isinstance(marks, list) or len(marks) > depth or not all(type(m) is bool for m in marks):
+        raise ModelLoadError(f"{marks!r}: expected at most one true/false per block ({depth})",
+                             key=Vision.IS_DEEPSTACK_LAYERS)
+    marked = [i for i, mark in enumerate(marks) if mark]
+    held = sorted({int(name.split(".")[2]) for name in (t.name for t in get.reader.tensors)
+                   if name.startswith("v.deepstack.") and name.split(".")[2].isdigit()})  # fmt: skip
+    if held != marked:
+        raise ModelLoadError(f"marks blocks {marked}, the file holds DeepStack mergers (v.deepstack.N) for {held}",
+                             key=Vision.IS_DEEPSTACK_LAYERS)
+    vision = {
+        "depth": depth,
+        "hidden_size": get(Vision.EMBEDDING_LENGTH, int),
+        "intermediate_size": get(Vision.FEED_FORWARD_LENGTH, int),
+        "num_heads": get(Vision.Attention.HEAD_COUNT, int),
+        "patch_size": patch,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": get(Vision.SPATIAL_MERGE_SIZE, int, 2),
+        "out_hidden_size": get(Vision.PROJECTION_DIM, int),
+        "num_position_embeddings": side * side,
+        "deepstack_visual_indexes": marked,
+        "hidden_act": "gelu_pytorch_tanh",
+    }
+    preprocessor = get.normalize()
+    for key, name in ((Vision.IMAGE_MIN_PIXELS, "min_pixels"), (Vision.IMAGE_MAX_PIXELS, "max_pixels")):
+        if key in get.reader.fields:
+            preprocessor[name] = get(key, int)
+    return {"vision_config": vision}, preprocessor
+
+
+def join_qwen3(weights: dict[str, mx.array], quantization: dict[str, QuantSpec], names: dict[str, str]) -> None:
+    """In place: the patch convolution's two frames joined (:func:`join_qwen25`), and each
+    ``visual.deepstack.N`` renamed ``visual.deepstack_merger_list.K``, K its rank by block N."""
+    join_qwen25(weights, quantization, names)
+    blocks = sorted({int(name.split(".")[2]) for name in weights if name.startswith("visual.deepstack.")})
+
+    def renamed(name: str) -> str:
+        block, _, rest = name.removeprefix("visual.deepstack.").partition(".")
+        return f"visual.deepstack_merger_list.{blocks.index(int(block))}.{rest}"
+
+    for table in (weights, quantization, names):
+        for name in [n for n in table if n.startswith("visual.deepstack.")]:
+            table[renamed(name)] = table.pop(name)  # type: ignore[index, assignment]
+
+
 @attrs.frozen
 class Projector:
     """What one projector type needs: the text ``model_type`` it serves, its config and
@@ -201,6 +279,7 @@ PROJECTORS = {
         partial(checkpoint_name, top=QWEN25_TOP_NAMES, blocks=QWEN25_BLOCK_NAMES, layers="visual.blocks"),
         "<|image_pad|>", "image_token_id", join_qwen25,
     ),
+    "qwen3vl_merger": Projector("qwen3_vl", qwen3_settings, qwen3_name, "<|image_pad|>", "image_token_id", join_qwen3),
 }
 
 
@@ -244,6 +323,11 @@ def load_projector(checkpoint: Checkpoint, path: Path, dtype: str = "float32") -
         settings, preprocessor = projector.settings(Getter(reader))
     except ModelLoadError as exc:
         raise refuse(exc.detail, key=exc.key or "") from exc
+    deepstack = checkpoint.config.get("num_deepstack_layers")
+    marked = len(settings["vision_config"].get("deepstack_visual_indexes", ()))
+    if deepstack is not None and deepstack != marked:
+        raise refuse(f"{marked} DeepStack layers, the text model {checkpoint.path.name} takes {deepstack}",
+                     key=Vision.IS_DEEPSTACK_LAYERS)
     width = field_value(reader, Vision.PROJECTION_DIM)
     text_width = (checkpoint.config.get("text_config") or checkpoint.config).get("hidden_size")
     if width is not None and width != text_width:
