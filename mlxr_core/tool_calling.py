@@ -80,7 +80,7 @@ class ModelParsers:
 
 def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
     """The parsers ``models[].tool_parser`` / ``reasoning_parser`` choose for the model ``info``."""
-    model_config = _model_config(ctx, info)
+    model_config = model_config_of(ctx, info)
     registries = ctx.host.registries
     template = info.tokenizer.chat_template
     tool = choose(registries.tool_parsers, model_config.tool_parser if model_config else "auto", template)
@@ -94,7 +94,7 @@ def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
     )
 
 
-def _model_config(ctx: ServerContext, info: ModelInfo) -> Any:
+def model_config_of(ctx: ServerContext, info: ModelInfo) -> Any:
     """The ``models[]`` entry that loaded ``info``: by name, else by position (the engine serves
     ``models`` in order, whenever each loads, and names an unnamed one after its file)."""
     models = ctx.config.models

