@@ -4,7 +4,8 @@ Each position's key and value heads are ``mx.quantize``'d along the head dimensi
 ``group_size`` (a packed ``uint32`` array, one scale and one bias per group, in the activations'
 dtype), so a position is quantized on its own and the same wherever and whenever it is written:
 a row's packed keys are the same alone, in a batch, after a prefix-cache hit or a chunked prefill.
-Attention runs over the packed arrays through ``mx.quantized_matmul`` (:func:`quantized_attention`:
+Attention runs over the packed arrays through ``mx.quantized_matmul`` (:func:`quantized_attention`; on CUDA,
+whose ``quantized_matmul`` has no batched weights, over them dequantized for the step:
 queries against the keys, probabilities against the values, grouped-query heads broadcast).
 
 ``start_after`` (N) keeps short sequences exact: the query at position ``p`` attends over the
@@ -96,10 +97,22 @@ def quantized_attention(
     q = (queries * scale).reshape(B, Hkv, R, L, D)
     k_words, k_scales, k_biases = (part[:, :, None] for part in keys)
     v_words, v_scales, v_biases = (part[:, :, None] for part in values)
+    if _no_batched_quantized_matmul():
+        k = mx.dequantize(k_words, k_scales, k_biases, group_size=group_size, bits=bits)
+        v = mx.dequantize(v_words, v_scales, v_biases, group_size=group_size, bits=bits)
+        probs = grouped_softmax(q @ k.swapaxes(-1, -2), mask, sinks)
+        return (probs @ v).reshape(B, Hq, L, -1)
     scores = mx.quantized_matmul(q, k_words, k_scales, k_biases, transpose=True, group_size=group_size, bits=bits)
     probs = grouped_softmax(scores, mask, sinks)
     out = mx.quantized_matmul(probs, v_words, v_scales, v_biases, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, Hq, L, -1)
+
+
+def _no_batched_quantized_matmul() -> bool:
+    """Whether ``mx.quantized_matmul`` lacks batched weights on this device: MLX 0.32's CUDA
+    backend has no implementation for them ("No implementation for problem shape: 1x4097x64x32"),
+    so there the packed keys and values are dequantized for the step (stored packed all the same)."""
+    return bool(mx.default_device() == mx.gpu and mx.cuda.is_available())
 
 
 def grouped_softmax(scores: mx.array, mask: str | mx.array | None, sinks: mx.array | None) -> mx.array:

@@ -195,3 +195,22 @@ def test_packed_bytes_per_position_and_which_caches_are_replaced():
     replaced = quantize_caches([KVCache(), marker], KVQuantization(8))
     assert isinstance(replaced[0], QuantizedKVCache) and replaced[1] is marker
     assert math.isfinite(cache.nbytes)
+
+
+
+def test_the_dequantizing_path_attends_as_the_packed_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where quantized_matmul has no batched weights (CUDA), attention dequantizes the packed keys
+    and values for the step: the same output as attending over them packed."""
+    from mlxr_core.model import quantized_cache
+
+    mx.random.seed(3)
+    B, Hq, Hkv, L, S, D = 2, 4, 2, 3, 37, 64
+    queries = mx.random.normal((B, Hq, L, D))
+    keys = list(mx.quantize(mx.random.normal((B, Hkv, S, D)), group_size=64, bits=8))
+    values = list(mx.quantize(mx.random.normal((B, Hkv, S, D)), group_size=64, bits=8))
+    for mask in (None, "causal", mx.random.uniform(shape=(B, 1, L, S)) > 0.3):
+        packed = quantized_cache.quantized_attention(queries, keys, values, scale=0.125, mask=mask, group_size=64, bits=8)
+        monkeypatch.setattr(quantized_cache, "_no_batched_quantized_matmul", lambda: True)
+        dequantized = quantized_cache.quantized_attention(queries, keys, values, scale=0.125, mask=mask, group_size=64, bits=8)
+        monkeypatch.undo()
+        assert mx.allclose(packed, dequantized, atol=1e-4).item()
