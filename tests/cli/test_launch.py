@@ -42,6 +42,20 @@ def test_hosts_hostfile_and_backend_reach_mlx_launch(tmp_path: Path, capsys: pyt
     assert command[command.index("--hostfile") + 1] == str(Path("hosts.json").resolve())
 
 
+def test_ranks_on_this_machine_share_its_cores_for_openblas(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxr_core.cli.launch import thread_limits
+    from mlxr_core.config.schema import DistributedConfig
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert thread_limits(DistributedConfig(pipeline_parallel=2), {}) == {"OPENBLAS_NUM_THREADS": "4"}
+    local = DistributedConfig(tensor_parallel=2, pipeline_parallel=2, hosts=["localhost"] * 4)
+    assert thread_limits(local, {}) == {"OPENBLAS_NUM_THREADS": "2"}
+    assert thread_limits(DistributedConfig(tensor_parallel=16), {}) == {"OPENBLAS_NUM_THREADS": "1"}
+    assert thread_limits(DistributedConfig(pipeline_parallel=2), {"OPENBLAS_NUM_THREADS": "3"}) == {}
+    remote = DistributedConfig(tensor_parallel=2, hosts=["10.0.0.1", "10.0.0.2"])
+    assert thread_limits(remote, {}) == {}  # each rank has a machine of its own
+
+
 @pytest.mark.parametrize(
     ("distributed", "extra", "key"),
     [
