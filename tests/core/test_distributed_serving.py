@@ -72,9 +72,9 @@ def launch(config: Path) -> list[str]:
 
 
 #: A killed rank usually fails the next collective at once; when it hangs instead, the watchdog
-#: ends the step after distributed.step_timeout_s (this, so a loaded CI machine's slow step is
-#: not taken for a dead rank).
-STEP_TIMEOUT_S = 15
+#: ends the step after distributed.step_timeout_s (this: the default, so that a step of four
+#: prefills on a CI machine whose cores other tests share is not taken for a dead rank).
+STEP_TIMEOUT_S = 30
 
 REQUESTS = [
     {"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0},
