@@ -150,30 +150,37 @@ def test_two_ranks_reply_as_one_process_and_stop_together_on_sigterm(tiny_model:
 
 
 def stream_until_killed(launcher: subprocess.Popen[str], url: str, lines: list[str]) -> None:
-    """Kill rank 1 once a long stream has begun: the stream ends with an error event within
-    seconds, and rank 0 exits with :data:`EXIT_RANK_LOST`."""
+    """Kill rank 1 once a long stream has begun: the stream ends within seconds, with an error
+    event and rank 0 exiting with :data:`EXIT_RANK_LOST` when rank 0 finds the lost peer itself,
+    or cut unfinished when ``mlx.launch`` saw the death first and stopped rank 0 (both happen)."""
     body = {"model": "m", "prompt": "Once", "max_tokens": 3000, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
-    chunks, error, killed_at = 0, None, 0.0
+    chunks, error, killed_at, cut = 0, None, 0.0, False
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
-        for line in reply.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                error = data["error"]
-                break
-            chunks += 1
-            if chunks == 3:
-                os.kill(rank_pids(launcher.pid)[1], signal.SIGKILL)
-                killed_at = time.monotonic()
+        try:
+            for line in reply.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    error = data["error"]
+                    break
+                chunks += 1
+                if chunks == 3:
+                    os.kill(rank_pids(launcher.pid)[1], signal.SIGKILL)
+                    killed_at = time.monotonic()
+        except httpx.RemoteProtocolError:
+            # mlx.launch saw rank 1 die first and sent rank 0 SIGTERM: rank 0 drained for
+            # server.shutdown_timeout, then closed the stream unfinished (no error event).
+            cut = True
     ended_at = time.monotonic()
     launcher.wait(30)
     time.sleep(0.2)
-    assert killed_at and error is not None, "".join(lines)
-    assert "lost its peers" in error["message"], error
+    assert killed_at and (error is not None or cut), "".join(lines)
     assert ended_at - killed_at < STEP_TIMEOUT_S + 5
-    assert f"Node with rank 0 exited with code {EXIT_RANK_LOST}" in "".join(lines)
+    if error is not None:  # rank 0 found the lost peer itself
+        assert "lost its peers" in error["message"], error
+        assert f"Node with rank 0 exited with code {EXIT_RANK_LOST}" in "".join(lines)
 
 
 @pytest.mark.slow
