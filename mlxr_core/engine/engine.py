@@ -534,7 +534,8 @@ class Engine:
             # Decode on a stream other than the one the models were loaded on: on MLX's CUDA
             # backend a one-token step on the loading stream ran 340 tok/s against 485 on a stream
             # of its own (H100, Llama-3.2-1B shape, 4-bit, medians of seven rounds;
-            # bench/results/engine_profile_llama-3.2-1b-q4-fresh-stream_h100.txt, engine_profile.py as of 6a46018).
+            # git show d8ae8e9:bench/results/engine_profile_llama-3.2-1b-q4-fresh-stream_h100.txt, engine_profile.py
+            # as of 6a46018).
             # Arrays cross streams freely.
             with mx.stream(mx.new_stream(mx.default_device())):
                 scheduler.run()
