@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mlxr_core.engine.request import Failed
+from mlxr_core.errors import MlxrError
 from mlxr_core.http.metrics import Metrics, RequestTimer
 
 if TYPE_CHECKING:
@@ -53,6 +55,16 @@ class InflightRequests:
         handles = list(self._timers)
         for handle in handles:
             handle.cancel()
+        return len(handles)
+
+    def fail_all(self, error: MlxrError) -> int:
+        """End every tracked request with ``error`` as its last event, without the engine: for an
+        engine that no longer answers (stuck in a step, or in a collective with a rank that died).
+        An event the engine sends later is never read: a request's consumer stops at its first
+        final event."""
+        handles = list(self._timers)
+        for handle in handles:
+            handle._emit(Failed(error))
         return len(handles)
 
     async def wait_empty(self, timeout: float, poll_s: float = 0.05) -> bool:

@@ -34,9 +34,9 @@ from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 
-from mlxr_core.errors import ConfigError, MlxrError, PluginLoadError, close_matches
+from mlxr_core.errors import ConfigError, EngineStopped, MlxrError, PluginLoadError, close_matches
 from mlxr_core.http.access import ApiKeys, RequestLog, api_key_guard, json_body_guard
-from mlxr_core.http.context import ServerContext
+from mlxr_core.http.context import InflightRequests, ServerContext
 from mlxr_core.http.errors import unmatched_route_handlers
 from mlxr_core.http.frontend import JsonRequest
 from mlxr_core.http.metrics import CONTENT_TYPE, mlx_memory
@@ -101,7 +101,8 @@ async def drain(ctx: ServerContext, timeout: float) -> None:
     count = inflight.cancel_all()
     log.warning("shutdown_timeout (%gs) reached: ending %d request(s) with an error", timeout, count)
     if not await inflight.wait_empty(CANCEL_GRACE_S):
-        log.warning("%d request(s) did not end after cancellation", len(inflight))
+        _fail_unanswered(inflight)
+        await inflight.wait_empty(CANCEL_GRACE_S)
 
 
 async def end_now(ctx: ServerContext) -> int:
@@ -115,8 +116,20 @@ async def end_now(ctx: ServerContext) -> int:
     if count:
         log.warning("shutdown forced: ending %d request(s) with an error", count)
         if not await inflight.wait_empty(CANCEL_GRACE_S):
-            log.warning("%d request(s) did not end after cancellation", len(inflight))
+            _fail_unanswered(inflight)
+            await inflight.wait_empty(CANCEL_GRACE_S)
     return count
+
+
+def _fail_unanswered(inflight: InflightRequests) -> None:
+    """The engine did not end the cancelled requests (a step that never returns: a rank of the
+    group died and the collective waits on it): end them here, so each stream still gets its final
+    error event before the connections close."""
+    count = inflight.fail_all(
+        EngineStopped("the server is shutting down and its engine stopped answering; retry once it is back")
+    )
+    log.warning("%d request(s) did not end after cancellation: the engine does not answer; ended "
+                "them with an error", count)  # fmt: skip
 
 
 def _api_names(ctx: ServerContext) -> list[str]:
