@@ -480,6 +480,7 @@ class Engine:
             #: Draft tokens proposed and accepted, per model and drafting decoder.
             "decoders": scheduler.decoder_stats(),
             "lifecycle": self.lifecycle.stats() if self.lifecycle is not None else {},
+            "ranks": scheduler.lockstep.rank_stats() if scheduler.lockstep is not None else [],
             "prefix_cache": {
                 name: attrs.asdict(stats) for name, stats in scheduler.prefix_stats().items()
             },

@@ -61,6 +61,11 @@ IDLE_EXCHANGE_S = 5.0
 EXIT_RANK_LOST = 3
 #: Seconds between the requests' errors and the exit, for the errors to be written to clients.
 EXIT_GRACE_S = 2.0
+#: Seconds between two gatherings of every rank's counters (:meth:`Lockstep.rank_stats`).
+RANK_STATS_PERIOD_S = 1.0
+#: One rank's counters as :meth:`Lockstep._gather` sends them: MLX's active, peak and cache
+#: bytes, exchanges run and the seconds their collectives took.
+RANK_STATS = struct.Struct("<QQQQd")
 
 
 @attrs.frozen
@@ -73,6 +78,8 @@ class StepInputs:
     cancelled: tuple[int, ...] = ()
     stop: bool = False
     abort: bool = False
+    #: Every rank sends its counters to every other at this exchange (:meth:`Lockstep.rank_stats`).
+    gather: bool = False
 
 
 class MirroredHandle(RequestHandle):
@@ -123,6 +130,9 @@ class Lockstep:
         #: Seconds the collectives of the exchanges took, and how many ran (the bench reads them).
         self.exchange_seconds = 0.0
         self.exchanges = 0
+        #: Each rank's counters as last gathered (see :meth:`rank_stats`), and when.
+        self._rank_stats: list[dict[str, float]] = []
+        self._gathered_at = 0.0
         self._watchdog = threading.Thread(target=self._watch, name="mlxr-lockstep-watchdog", daemon=True)
 
     # -- the exchange (engine thread) ------------------------------------------------------
@@ -137,6 +147,11 @@ class Lockstep:
         started = time.perf_counter()
         try:
             received = self._broadcast(payload)
+            # Rank 0's own bytes, as the others read them: pickle between ranks of one deployment,
+            # which run the same code and trust each other as their backend does.
+            inputs: StepInputs = pickle.loads(received)
+            if inputs.gather:
+                self._gather()
         except RuntimeError as exc:  # the backend's word for a peer that closed its connections
             self.lose(f"a collective with the other ranks failed: {exc}")
             return
@@ -147,9 +162,7 @@ class Lockstep:
             # From the first exchange on: ranks finish loading seconds apart, and the first one
             # waits for the others here.
             self._watchdog.start()
-        # Rank 0's own bytes, as the others read them: pickle between ranks of one deployment,
-        # which run the same code and trust each other as their backend does.
-        self._apply(pickle.loads(received))
+        self._apply(inputs)
 
     def _collect(self, block: bool) -> StepInputs:
         handles: list[RequestHandle] = []
@@ -176,8 +189,11 @@ class Lockstep:
                 rid for rid, mirror in self._live.items()
                 if mirror.caller is not None and mirror.caller.cancelled and not mirror.cancelled
             )  # fmt: skip
+        gather = time.monotonic() - self._gathered_at >= RANK_STATS_PERIOD_S
+        if gather:
+            self._gathered_at = time.monotonic()
         return StepInputs(
-            tuple(requests), cancelled, self._engine_stop.is_set(), self._engine_abort.is_set()
+            tuple(requests), cancelled, self._engine_stop.is_set(), self._engine_abort.is_set(), gather
         )
 
     def _apply(self, inputs: StepInputs) -> None:
@@ -228,6 +244,31 @@ class Lockstep:
             frame[: len(data)] = np.frombuffer(data, dtype=np.uint8)
         summed = mx.distributed.all_sum(mx.array(frame), group=self.world.group)
         return bytes(np.array(summed))
+
+    def _gather(self) -> None:
+        """Every rank's counters on every rank: one ``all_gather`` of a few bytes each, at the
+        exchanges rank 0 marks (every :data:`RANK_STATS_PERIOD_S`), so /metrics on rank 0 shows
+        every rank's memory and time in collectives without a connection of its own to them."""
+        import mlx.core as mx
+
+        mine = RANK_STATS.pack(
+            int(mx.get_active_memory()), int(mx.get_peak_memory()), int(mx.get_cache_memory()),
+            self.exchanges, self.exchange_seconds,
+        )  # fmt: skip
+        frame = mx.array(np.frombuffer(mine, dtype=np.uint8))
+        gathered = bytes(np.array(mx.distributed.all_gather(frame, group=self.world.group)))
+        stats = []
+        for rank in range(self.world.size):
+            active, peak, cache, exchanges, seconds = RANK_STATS.unpack_from(gathered, rank * RANK_STATS.size)
+            stats.append({"active_bytes": active, "peak_bytes": peak, "cache_bytes": cache,
+                          "exchanges": exchanges, "exchange_seconds": seconds})  # fmt: skip
+        self._rank_stats = stats
+
+    def rank_stats(self) -> list[dict[str, float]]:
+        """Each rank's MLX memory (``active_bytes``, ``peak_bytes``, ``cache_bytes``), and the
+        ``exchanges`` it ran and the ``exchange_seconds`` their collectives took, as last gathered
+        (at most :data:`RANK_STATS_PERIOD_S` old while the ranks run; empty before the first)."""
+        return self._rank_stats
 
     def probe(self, failure: BaseException) -> None:
         """After a step failed with ``failure``: one small collective tells a lost peer (it fails

@@ -155,6 +155,7 @@ class EngineCollector(Collector):
                      "(prompt + max_tokens).", stats.get("kv_bytes_reserved", 0))
         yield from _prefix_cache_metrics(stats.get("prefix_cache") or {})
         yield from _lifecycle_metrics(stats.get("lifecycle") or {})
+        yield from _rank_metrics(stats.get("ranks") or [])
         yield from _draft_metrics(stats.get("decoders") or {})
         if engine.state == "ready":
             memory = GaugeMetricFamily("mlxr_mlx_memory_bytes", "MLX allocator memory.", labels=["kind"])
@@ -173,6 +174,25 @@ def _engine_stats(engine: Engine) -> dict[str, Any]:
 
 def _gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, documentation, value=float(value))
+
+
+def _rank_metrics(ranks: list[dict[str, float]]) -> Iterator[Metric]:
+    """Every rank's counters when several serve together (``distributed:``), gathered each second
+    through the backend's collectives (:meth:`mlxr_core.engine.lockstep.Lockstep.rank_stats`)."""
+    if not ranks:
+        return
+    memory = GaugeMetricFamily("mlxr_rank_mlx_memory_bytes", "MLX allocator memory of each rank.",
+                               labels=["rank", "kind"])  # fmt: skip
+    exchanges = CounterMetricFamily("mlxr_rank_exchanges", "Step exchanges each rank ran with the "
+                                    "others (one per engine loop).", labels=["rank"])  # fmt: skip
+    seconds = CounterMetricFamily("mlxr_rank_exchange_seconds", "Seconds each rank spent in the step "
+                                  "exchanges' collectives.", labels=["rank"])  # fmt: skip
+    for rank, counters in enumerate(ranks):
+        for kind in ("active_bytes", "peak_bytes", "cache_bytes"):
+            memory.add_metric([str(rank), kind], float(counters[kind]))
+        exchanges.add_metric([str(rank)], float(counters["exchanges"]))
+        seconds.add_metric([str(rank)], float(counters["exchange_seconds"]))
+    yield from (memory, exchanges, seconds)
 
 
 def _lifecycle_metrics(lifecycle: dict[str, Any]) -> Iterator[Metric]:

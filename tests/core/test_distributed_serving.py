@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mlxr_core.engine.lockstep import EXIT_RANK_LOST
 from mlxr_core.testing.distributed import free_ports, rank_pids
@@ -136,6 +137,11 @@ def test_two_ranks_reply_as_one_process_and_stop_together_on_sigterm(tiny_model:
     try:
         assert replies(url, REQUESTS) == expected
         assert len(set(expected)) == len(expected) and all(expected)
+        time.sleep(1.5)  # ranks gather their counters each second
+        metrics = rank_metrics(url)
+        assert set(metrics) == {"0", "1"}, metrics
+        for rank in ("0", "1"):  # each holds its half of the weights, and ran every exchange
+            assert metrics[rank]["active_bytes"] > 0 and metrics[rank]["exchanges"] > 0, metrics
         ranks = rank_pids(launcher.pid)
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[0], signal.SIGTERM)
@@ -147,6 +153,18 @@ def test_two_ranks_reply_as_one_process_and_stop_together_on_sigterm(tiny_model:
     # mlx.launch warns of a rank that exited non-zero or was killed; it returned once both ended.
     assert launcher.returncode == 0 and "exited with code" not in output and "was killed" not in output, output
     assert "Application shutdown complete" in output and "Traceback" not in output
+
+
+def rank_metrics(url: str) -> dict[str, dict[str, float]]:
+    """Rank 0's /metrics per rank: MLX memory by kind, and the exchanges run."""
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == "mlxr_rank_mlx_memory_bytes":
+                found.setdefault(sample.labels["rank"], {})[sample.labels["kind"]] = sample.value
+            elif sample.name == "mlxr_rank_exchanges_total":
+                found.setdefault(sample.labels["rank"], {})["exchanges"] = sample.value
+    return found
 
 
 def stream_until_killed(launcher: subprocess.Popen[str], url: str, lines: list[str]) -> None:

@@ -166,3 +166,20 @@ def test_a_probe_after_a_failed_step_tells_a_lost_peer_from_a_shared_error(monke
     (event,) = list(caller)
     assert isinstance(event, Failed) and isinstance(event.error, RankLost)
     assert "no longer answer" in str(event.error)
+
+
+def test_the_first_exchange_and_one_a_second_gather_every_ranks_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    lockstep, _, _ = make_lockstep()
+    assert lockstep.rank_stats() == []
+    keep = mx.ones((1000,))  # 4,000 bytes this rank holds
+    mx.eval(keep)
+    lockstep.exchange(block=False)
+    (first,) = lockstep.rank_stats()
+    assert first["active_bytes"] >= keep.nbytes and first["peak_bytes"] >= first["active_bytes"]
+    assert first["exchanges"] == 0  # counted after this exchange's collectives
+    lockstep.exchange(block=False)  # within the period: not gathered again
+    assert lockstep.rank_stats()[0]["exchanges"] == 0
+    monkeypatch.setattr("mlxr_core.engine.lockstep.RANK_STATS_PERIOD_S", 0.0)
+    lockstep.exchange(block=False)
+    (latest,) = lockstep.rank_stats()
+    assert latest["exchanges"] == 2 and latest["exchange_seconds"] > 0
