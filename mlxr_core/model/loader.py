@@ -98,7 +98,9 @@ class LoadedModel:
 
     @property
     def nbytes(self) -> int:
-        return sum(array.nbytes for _, array in tree_flatten(self.model.parameters()))  # type: ignore[misc,union-attr,str-unpack]
+        """The resident weights' bytes: the text model's and the vision side's (tower, projector)."""
+        modules = [self.model] if self.vision is None else [self.model, self.vision.module]
+        return sum(array.nbytes for module in modules for _, array in tree_flatten(module.parameters()))  # type: ignore[misc,union-attr,str-unpack]
 
 
 def default_dtype() -> str:

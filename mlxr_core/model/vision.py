@@ -82,6 +82,9 @@ class ImageTokens:
     #: The text of an image of several views, from each view's run (Gemma 3: "Here is the original
     #: image ... and here are some crops to help you see better ...").
     several_views: Callable[[list[str]], str] | None = None
+    #: The whole text of one processed image, where its views' layout shapes it (Idefics3: its
+    #: tiles labelled by row and column, then the whole image); None: built from the fields above.
+    layout: Callable[[np.ndarray], str] | None = None
 
     def views_for(self, pixels: np.ndarray) -> int:
         """The views one processed image holds."""
@@ -96,23 +99,29 @@ class ImageTokens:
 
     def expand_for(self, text: str, pixels: Sequence[np.ndarray]) -> str:
         """``text`` with its :attr:`marker` for each processed image replaced by that image's
-        tokens (:meth:`expand`)."""
+        tokens (:meth:`expand`, or :attr:`layout` where set)."""
+        if self.layout is not None:
+            return self._replace(text, [self.layout(p) for p in pixels])
         return self.expand(text, [self.tokens_for(p) for p in pixels], [self.views_for(p) for p in pixels])
 
     def expand(self, text: str, counts: Sequence[int] | None = None, views: Sequence[int] | None = None) -> str:
         """``text`` with every :attr:`marker` replaced by its image's tokens: ``counts[k]`` for
         the ``k``-th (RequestError when the markers and counts differ in number), or
         :attr:`tokens_per_image` each without ``counts``; in ``views[k]`` runs where given."""
-        parts = text.split(self.marker)
         if counts is None:
-            counts = [self.tokens_per_image] * (len(parts) - 1)
-        if len(counts) != len(parts) - 1:
+            counts = [self.tokens_per_image] * text.count(self.marker)
+        runs = [self._runs(count, n) for count, n in zip(counts, views or [1] * len(counts), strict=True)]
+        return self._replace(text, runs)
+
+    def _replace(self, text: str, images: Sequence[str]) -> str:
+        """``text`` with its ``k``-th :attr:`marker` replaced by ``images[k]``."""
+        parts = text.split(self.marker)
+        if len(images) != len(parts) - 1:
             raise RequestError(
-                f"the prompt renders {len(parts) - 1} images for the {len(counts)} images sent; write "
+                f"the prompt renders {len(parts) - 1} images for the {len(images)} images sent; write "
                 "each image once, as an image part of a message", field="messages",
             )  # fmt: skip
-        runs = [self._runs(count, n) for count, n in zip(counts, views or [1] * len(counts), strict=True)]
-        return "".join(part + run for part, run in zip(parts, [*runs, ""], strict=True))
+        return "".join(part + image for part, image in zip(parts, [*images, ""], strict=True))
 
     def _runs(self, count: int, views: int) -> str:
         each = [self.before + self.token_text * (count // views) + self.after for _ in range(views)]
@@ -307,8 +316,11 @@ class ResizeNormalize:
 
     def __call__(self, image: Image.Image) -> np.ndarray:
         height, width = self.size
-        resized = image.convert("RGB").resize((width, height), resample=self.resample)
-        pixels = (np.asarray(resized).astype(np.float64) * self.rescale).astype(np.float32)
+        return self.normalize(image.convert("RGB").resize((width, height), resample=self.resample))
+
+    def normalize(self, image: Image.Image) -> np.ndarray:
+        """An RGB image as it is (no resizing) -> ``[C, H, W]`` float32, rescaled and normalized."""
+        pixels = (np.asarray(image).astype(np.float64) * self.rescale).astype(np.float32)
         mean, std = np.array(self.mean, np.float32), np.array(self.std, np.float32)
         return ((pixels - mean) / std).transpose(2, 0, 1)
 

@@ -10,6 +10,10 @@ family's image marker for each image part of a message:
   ``<|image_pad|>``, ``<|vision_start|>`` and ``<|vision_end|>``;
 - :func:`qwen3_vl_model`: Qwen3-VL of the same sizes and tokens, a 4x4 position table, DeepStack
   features from the first two of its three vision blocks, interleaved M-RoPE.
+- :func:`idefics3_model`: Idefics3 or SmolVLM with a Llama text model, tiles of 32x32 pixels
+  (4x4 patches of 8x8, shuffled 2x2: 4 tokens a tile), images resized to a longest edge of 64
+  (at most 2x2 tiles and the whole image); ids 60, 61, 62 are ``<image>``,
+  ``<fake_token_around_image>`` and ``<global-img>``, 56-59 ``<row_1_col_1>`` ... ``<row_2_col_2>``.
 """
 
 from __future__ import annotations
@@ -159,6 +163,38 @@ def _qwen_vl_model(
     write_tokenizer(folder, VOCAB)
     names = {IMAGE: "<|image_pad|>", BEGIN: "<|vision_start|>", END: "<|vision_end|>"}
     _add_image_tokens(folder, names, QWEN_CHAT_TEMPLATE)
+    return model, processor
+
+
+IDEFICS3_TEXT = {key: value for key, value in QWEN_TEXT.items() if key != "rope_scaling"}
+IDEFICS3_VISION = {key: value for key, value in VISION.items() if key != "vision_use_head"}
+#: The tiles' grid tokens of the tiny Idefics3 (at most 2x2 tiles).
+ROW_COL = {56 + 2 * row + col: f"<row_{row + 1}_col_{col + 1}>" for row in range(2) for col in range(2)}
+
+
+def idefics3_model(folder: Path, torch: Any, transformers: Any, kind: str = "Idefics3") -> Any:
+    """Write the tiny Idefics3 (``kind="SmolVLM"``: SmolVLM) model, its tokenizer and its image
+    processor's settings to ``folder``; returns transformers' model (eval) and image processor."""
+    from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{kind}Config")(
+        text_config={"model_type": "llama", **IDEFICS3_TEXT},
+        vision_config=IDEFICS3_VISION,
+        image_token_id=IMAGE,
+        scale_factor=2,
+        attn_implementation="eager",
+    )
+    model = getattr(transformers, f"{kind}ForConditionalGeneration")(config).eval()
+    o1_init(model, torch)
+    model.save_pretrained(folder)
+    processor = getattr(transformers, f"{kind}ImageProcessorPil")(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+    )
+    processor.save_pretrained(folder)
+    write_tokenizer(folder, VOCAB)
+    names = {IMAGE: "<image>", BEGIN: "<fake_token_around_image>", END: "<global-img>", **ROW_COL}
+    _add_image_tokens(folder, names, CHAT_TEMPLATE.replace("<start_of_image>", "<image>"))
     return model, processor
 
 

@@ -21,6 +21,8 @@ ARCHITECTURES = {
     "qwen2_5_vl": "mlxr_plugins.archs.qwen2_5_vl:Qwen25VLArchitecture",
     "qwen3": "mlxr_plugins.archs.qwen3:Qwen3Architecture",
     "qwen3_vl": "mlxr_plugins.archs.qwen3_vl:Qwen3VLArchitecture",
+    "idefics3": "mlxr_plugins.archs.idefics3:Idefics3Architecture",
+    "smolvlm": "mlxr_plugins.archs.idefics3:Idefics3Architecture",
     "gemma3": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
     "gemma3_text": "mlxr_plugins.archs.gemma3:Gemma3Architecture",
     "phi3": "mlxr_plugins.archs.phi3:Phi3Architecture",

@@ -23,7 +23,7 @@ import numpy as np
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.vision import ImageProcessor, ImageTokens, ResizeNormalize
-from mlxr_plugins.archs.siglip import SiglipVisionArgs, SiglipVisionTower, sanitize_tower
+from mlxr_plugins.archs.siglip import SiglipVisionArgs, SiglipVisionTower, sanitize_vision
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -138,16 +138,7 @@ class Gemma3VisionArchitecture:
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
         """The tower's and projector's tensors, under any of the layouts above."""
-        out = {}
-        for name, array in weights.items():
-            name = name.removeprefix("model.")
-            if name.startswith("vision_tower."):
-                kept = sanitize_tower(name.removeprefix("vision_tower."), array)
-                if kept is not None:
-                    out["vision_tower." + kept[0]] = kept[1]
-            elif name.startswith("multi_modal_projector."):
-                out[name] = array
-        return out
+        return sanitize_vision(weights, "vision_tower.", "multi_modal_projector.")
 
     def processor(self, config: dict[str, Any], preprocessor: dict[str, Any] | None) -> ImageProcessor:
         """Resize to the tower's size (bilinear), rescale by 1/255, normalize with mean and std 0.5,

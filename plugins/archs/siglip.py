@@ -150,3 +150,19 @@ def sanitize_tower(name: str, array: mx.array) -> tuple[str, mx.array] | None:
     if name == "embeddings.patch_embedding.weight" and torch_layout:
         array = array.transpose(0, 2, 3, 1)
     return name, array
+
+
+def sanitize_vision(weights: dict[str, mx.array], tower: str, projector: str) -> dict[str, mx.array]:
+    """A multimodal checkpoint's vision tensors, ``model.`` dropped: the tower's under ``tower``
+    (through :func:`sanitize_tower`) and the projector's under ``projector``; the text model's
+    left out."""
+    out = {}
+    for name, array in weights.items():
+        name = name.removeprefix("model.")
+        if name.startswith(tower):
+            kept = sanitize_tower(name.removeprefix(tower), array)
+            if kept is not None:
+                out[tower + kept[0]] = kept[1]
+        elif name.startswith(projector):
+            out[name] = array
+    return out
