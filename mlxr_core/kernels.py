@@ -83,7 +83,9 @@ class KernelContext:
 
 class KernelBackend(Protocol):
     """A backend for one op. It may also carry a one-line ``summary`` (what it fuses, what it
-    delegates), which ``mlxr kernels`` shows."""
+    delegates), which ``mlxr kernels`` shows, and, for ``quantized_matmul``, ``keeps_packed``:
+    True where it multiplies packed weights at least as fast as dense ones on a CPU, so
+    ``quantization: auto`` keeps them packed there."""
 
     op: Callable[..., Any]
 
@@ -106,6 +108,8 @@ class KernelSet:
     gated_delta: Callable[..., Any]
     #: op -> backend name, for logs and ``mlxr info``.
     chosen: Mapping[str, str] = attrs.field(factory=dict)
+    #: The chosen ``quantized_matmul`` backend's ``keeps_packed`` (see :class:`KernelBackend`).
+    keeps_packed: bool = False
 
 
 def current_platform() -> tuple[str, str]:
@@ -184,12 +188,15 @@ def bind_kernels(
         raise UnknownName("kernel op", unknown[0], OPS)
     chosen: dict[str, str] = {}
     ops: dict[str, Callable[..., Any]] = {}
+    keeps_packed = False
     for op in OPS:
         ctx = KernelContext(op=op, device=device, platform=platform, dtype=dtype, shapes=shapes)
         name, backend = select_kernel(registry, ctx, choices.get(op, "auto"))
         chosen[op] = name
         ops[op] = backend.op
-    return KernelSet(chosen=chosen, **ops)
+        if op == "quantized_matmul":
+            keeps_packed = bool(getattr(backend, "keeps_packed", False))  # optional, see KernelBackend
+    return KernelSet(chosen=chosen, keeps_packed=keeps_packed, **ops)
 
 
 def kernel_report(

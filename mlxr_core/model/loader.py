@@ -294,6 +294,7 @@ def build_model(
         renamed_modules(arch, checkpoint.source_types),
         DTYPES[dtype],
         current_platform()[0],
+        keeps_packed=kernels.keeps_packed,
     )
     weights, quantization = result.weights, result.quantization
     for outcome, count in sorted(result.report.items()):

@@ -10,8 +10,9 @@ policy          effect
 ==============  ==============================================================================
 ``dequantize``  every weight dense in the model dtype (exact; costs memory)
 ``keep``        exact layouts stay packed; non-exact sources requantized to their suggested format
-``auto``        ``dequantize`` on CPU (MLX's CPU quantized matmul is ~20x slower than dense through
-                OpenBLAS), ``keep`` on a GPU
+``auto``        ``keep`` on a GPU, and on a CPU where the bound ``quantized_matmul`` backend reads
+                packed weights fast (``keeps_packed``: ``cpu_native``); else ``dequantize``
+                (MLX's own CPU quantized matmul is ~20x slower than dense through OpenBLAS)
 ``q8``/``q4``   every quantizable weight (Linear, Embedding) as MLX 8/4-bit, group 32; packed ones
                 already in that format are kept as they are (no second rounding)
 ``q4_g64``      as ``q4`` with group 64 (smaller, less precise)
@@ -61,10 +62,12 @@ def apply_policy(
     source_types: Mapping[str, str],
     dtype: mx.Dtype,
     device: str,
+    keeps_packed: bool = False,
 ) -> QuantizedWeights:
-    """Apply ``policy`` (already validated by the config schema) to sanitized ``weights``."""
+    """Apply ``policy`` (already validated by the config schema) to sanitized ``weights``;
+    ``keeps_packed``: the model's quantized matmul is fast on packed weights on a CPU."""
     if policy == "auto":
-        policy = "dequantize" if device == "cpu" else "keep"
+        policy = "dequantize" if device == "cpu" and not keeps_packed else "keep"
     weights = dict(weights)
     packed = {m: spec for m, spec in quantization.items() if f"{m}.scales" in weights}
     target = UNIFORM.get(policy)
