@@ -10,8 +10,10 @@ ratios are computed within a round, then the median over rounds is reported: spe
 machines drifts, so only back-to-back ratios mean something.
 
 - ``mlxr``: the real engine, as ``mlxr bench`` drives it (:mod:`mlxr_core.cli.bench`), with its
-  default quantization policy (on CPU: dequantize the packed weights to float32 at load);
-  ``mlxr-keep``: the same with ``quantization: keep`` (packed 4/8-bit weights).
+  default quantization policy (on CPU with the native backend ``cpu_native``: the packed weights
+  kept, multiplied in C++; without it: dequantized to float32 at load); ``mlxr-keep``: the same
+  with ``quantization: keep``; ``mlxr-dense``: ``quantization: dequantize`` (float32 weights
+  through BLAS: the CPU default before the native backend).
 - ``mlx-lm``: ``mlx_lm.generate.generate_step`` on an mlx-lm folder written from *our* GGUF loader's
   checkpoint (the identical packed weights); ``mlx-lm-dense``: on a folder of the same weights
   dequantized to float32 (what ``mlxr`` runs on CPU). Float32 activations, fed the same token ids.
@@ -19,6 +21,11 @@ machines drifts, so only back-to-back ratios mean something.
 
 All three are timed by :class:`mlxr_core.cli.bench.StreamTiming`: TTFT from the call to the first
 token, prompt tok/s = prompt tokens / TTFT, decode tok/s = tokens after the first / (last - first).
+
+Decode on a CPU streams every weight once per token, so each peer's decode is also reported as a
+fraction of the machine's memory read bandwidth, measured by this script before the rounds (numpy
+sums of a 512 MB array, one slice per thread, ``--threads`` threads): bytes of weights per token
+(the peer's resident weights; the GGUF file's size for llama.cpp) x decode tok/s / bandwidth.
 """
 
 from __future__ import annotations
@@ -45,13 +52,14 @@ import mlxr_core
 from mlxr_core.blas import ensure_fast_blas
 from mlxr_core.cli.bench import StreamTiming, summarize, synthetic_prompt
 
-PEERS = ("mlxr", "mlxr-keep", "mlx-lm", "mlx-lm-dense", "llama.cpp")
+PEERS = ("mlxr", "mlxr-keep", "mlxr-dense", "mlx-lm", "mlx-lm-dense", "llama.cpp")
 #: (ours, theirs, what the ratio compares); a pair is reported when both peers ran.
 PAIRS = (
     ("mlxr", "mlx-lm-dense", "same dense float32 weights"),
     ("mlxr-keep", "mlx-lm", "same packed 4/8-bit weights"),
     ("mlxr", "mlx-lm", "each one's default for these weights on this device"),
     ("mlxr", "llama.cpp", "mlxr's default vs llama.cpp on the GGUF file"),
+    ("mlxr", "mlxr-dense", "mlxr's default vs its float32 dequantized path"),
 )
 WARMUP_TOKENS = 8
 HERE = Path(__file__).resolve()
@@ -93,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "prefill_chunk": args.prefill_chunk,
     }
+    bandwidth = measure_read_bandwidth(args.threads)
+    print(f"memory read bandwidth ({args.threads} threads): {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
     results: dict[str, list[dict[str, Any]]] = {peer: [] for peer in args.peers}
     with tempfile.TemporaryDirectory(prefix="mlxr-compare-") as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -104,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[peer].append(spawn_worker(peer, spec_path, Path(tmp) / f"{peer}-{round_index}.json"))
 
     report = build_report(args, gguf_path, mlx_folders, results)
+    add_bandwidth(report, bandwidth, measure_read_bandwidth(args.threads), gguf_path.stat().st_size)
     table = markdown(report)
     print(table)
     print(json.dumps(report["ratios"], indent=2))
@@ -112,6 +123,47 @@ def main(argv: list[str] | None = None) -> int:
         args.out.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
         args.out.with_suffix(".md").write_text(table)
     return 0
+
+
+def measure_read_bandwidth(threads: int, megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes per second read by ``threads`` threads each summing its slice of one float32 array
+    (numpy releases the GIL in the sum), the best of ``repeats``: what a decode step's weight
+    stream can hope for on this machine."""
+    import threading
+
+    import numpy as np
+
+    data = np.ones(megabytes * (1 << 20) // 4, dtype=np.float32)
+    slices = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.sum, args=(part,)) for part in slices]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = max(best, data.nbytes / (time.perf_counter() - started))
+    return best
+
+
+def add_bandwidth(report: dict[str, Any], before: float, after: float, gguf_bytes: int) -> None:
+    """Each peer's decode as a fraction of the read bandwidth (the mean of the measures before
+    and after the rounds): weight bytes per token x decode tok/s / bandwidth."""
+    bandwidth = (before + after) / 2
+    report["memory_bandwidth"] = {
+        "read_bytes_per_s": bandwidth,
+        "before": before,
+        "after": after,
+        "method": "numpy sum of a 512 MB float32 array, one slice per thread (--threads), best of 5",
+    }
+    for name, peer in report["peers"].items():
+        weight_bytes = gguf_bytes if name == "llama.cpp" else peer.get("model_bytes")
+        peer["weight_bytes_per_token"] = weight_bytes
+        for case in peer["cases"]:
+            case["bandwidth_fraction"] = (
+                weight_bytes * case["decode_tps"] / bandwidth if weight_bytes else None
+            )
 
 
 def prepare(
@@ -374,6 +426,7 @@ def _time_tokens(tokens: Iterator[int], submitted: float, prompt_tokens: int, ge
 PEER_CLASSES: dict[str, Callable[[dict[str, Any]], Peer]] = {
     "mlxr": MlxrPeer,
     "mlxr-keep": functools.partial(MlxrPeer, quantization="keep"),
+    "mlxr-dense": functools.partial(MlxrPeer, quantization="dequantize"),
     "mlx-lm": MlxLmPeer,
     "mlx-lm-dense": functools.partial(MlxLmPeer, weights="dense"),
     "llama.cpp": LlamaCppPeer,
@@ -490,16 +543,31 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['settings']['gen_tokens']} generated tokens; "
         f"{report['settings']['rounds']} rounds x {report['settings']['repeat']} runs.",
         "",
-        "| peer | prompt tokens | prompt tok/s | decode tok/s | TTFT s | peak MB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| peer | prompt tokens | prompt tok/s | decode tok/s | TTFT s | peak MB | weights MB | of bandwidth |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for peer, data in report["peers"].items():
+        weights = data.get("weight_bytes_per_token")
         for case in data["cases"]:
-            peak = case["peak_memory_bytes"]
+            peak, fraction = case["peak_memory_bytes"], case.get("bandwidth_fraction")
             lines.append(
                 f"| {peer} | {case['prompt_tokens']} | {case['prompt_tps']:.1f} | {case['decode_tps']:.2f} | "
-                f"{case['ttft_s']:.3f} | {f'{peak / 1e6:.0f}' if peak else '-'} |"
+                f"{case['ttft_s']:.3f} | {f'{peak / 1e6:.0f}' if peak else '-'} | "
+                f"{f'{weights / 1e6:.0f}' if weights else '-'} | {f'{fraction:.0%}' if fraction else '-'} |"
             )
+    if "memory_bandwidth" in report:
+        bandwidth = report["memory_bandwidth"]
+        lines += [
+            "",
+            f"Memory read bandwidth: {bandwidth['read_bytes_per_s'] / 1e9:.1f} GB/s "
+            f"({bandwidth['method']}; {bandwidth['before'] / 1e9:.1f} before the rounds, "
+            f"{bandwidth['after'] / 1e9:.1f} after). Load average (1 min) per peer and round: "
+            + "; ".join(
+                peer + " " + ", ".join(f"{r['before']:.1f}" for r in data["loadavg_1min"])
+                for peer, data in report["peers"].items()
+            )
+            + ".",
+        ]
     lines += [
         "",
         "| ratio | prompt tokens | prompt tok/s | decode tok/s | TTFT |",

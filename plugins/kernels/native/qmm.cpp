@@ -254,6 +254,113 @@ inline void tile(const Problem& p, int n0, int m0) {
   }
 }
 
+// Prefill (4 input rows or more): a slice of kPanel output rows is dequantized once into a float
+// panel (w = scale * q + bias, in the input's order), then every block of 4 input rows is
+// multiplied with it by a register-blocked kernel: the decoding is paid once per slice instead of
+// once per 4 input rows, and the inner loop is loads and FMAs only.
+constexpr int kPanel = 16;
+#if defined(__AVX512F__)
+constexpr int kMicroN = 4;  // 16 accumulators + 8 operands of 32 registers
+#else
+constexpr int kMicroN = 2;  // 8 accumulators + 6 operands of 16 registers
+#endif
+
+void dequantize_row(const Problem& p, int n, float* dst) {
+  const uint8_t* row = p.w + size_t(n) * p.row_bytes;
+  alignas(64) uint8_t buf[128];
+  for (int g = 0; g < p.G; ++g) {
+    const Vec s = vset(p.scales[size_t(n) * p.G + g]);
+    const Vec b = vset(p.biases[size_t(n) * p.G + g]);
+    float* out = dst + size_t(g) * p.group_size;
+    if (p.bits == 4) {
+      for (int blk = 0; blk < p.group_size; blk += 32) {
+        const uint8_t* q = row + (size_t(g) * p.group_size + blk) / 2;
+#if defined(__AVX512F__)
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+        const __m512i low = _mm512_set1_epi32(0xF);
+        _mm512_storeu_ps(out + blk, vfma(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), s, b));
+        _mm512_storeu_ps(out + blk + 16, vfma(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, b));
+#else
+        const __m256i low = _mm256_set1_epi32(0xF);
+        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+        const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
+        _mm256_storeu_ps(out + blk, vfma(_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), s, b));
+        _mm256_storeu_ps(out + blk + 8, vfma(_mm256_cvtepi32_ps(_mm256_and_si256(c, low)), s, b));
+        _mm256_storeu_ps(out + blk + 16, vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), s, b));
+        _mm256_storeu_ps(out + blk + 24, vfma(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), s, b));
+#endif
+      }
+    } else {
+      const uint8_t* q = group_bytes(p, n, g, buf);
+      for (int e = 0; e < p.group_size; e += kLanes) {
+#if defined(__AVX512F__)
+        _mm512_storeu_ps(out + e, vfma(bytes_to_floats(q + e), s, b));
+#else
+        _mm256_storeu_ps(out + e, vfma(bytes_to_floats(q + e), s, b));
+#endif
+      }
+    }
+  }
+}
+
+// out[m0..m0+4, n..n+kMicroN] = x rows . panel rows (no bias term: the panel holds it).
+inline void micro(const Problem& p, const float* panel, int panel_row, int n, int m0) {
+  Vec acc[kMicroN][4];
+  for (int i = 0; i < kMicroN; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      acc[i][j] = vzero();
+    }
+  }
+  const float* w[kMicroN];
+  for (int i = 0; i < kMicroN; ++i) {
+    w[i] = panel + size_t(panel_row + i) * p.K;
+  }
+  const float* x[4];
+  for (int j = 0; j < 4; ++j) {
+    x[j] = p.x + size_t(m0 + j) * p.K;
+  }
+  for (int k = 0; k < p.K; k += kLanes) {
+    Vec wv[kMicroN];
+    for (int i = 0; i < kMicroN; ++i) {
+      wv[i] = vload(w[i] + k);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const Vec xv = vload(x[j] + k);
+      for (int i = 0; i < kMicroN; ++i) {
+        acc[i][j] = vfma(wv[i], xv, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < kMicroN; ++i) {
+    for (int j = 0; j < 4; ++j) {
+      p.out[size_t(m0 + j) * p.N + n + i] = vsum(acc[i][j]);
+    }
+  }
+}
+
+// Input rows [0, m_full) (a multiple of 4) for output rows [n_begin, n_end).
+void prefill_rows(const Problem& p, int n_begin, int n_end, int m_full) {
+  thread_local std::vector<float> panel;
+  panel.resize(size_t(kPanel) * p.K);
+  for (int n0 = n_begin; n0 < n_end; n0 += kPanel) {
+    const int rows = std::min(kPanel, n_end - n0);
+    for (int i = 0; i < rows; ++i) {
+      dequantize_row(p, n0 + i, panel.data() + size_t(i) * p.K);
+    }
+    const int full = rows - rows % kMicroN;
+    for (int m = 0; m < m_full; m += 4) {
+      for (int i = 0; i < full; i += kMicroN) {
+        micro(p, panel.data(), i, n0 + i, m);
+      }
+    }
+    for (int i = full; i < rows; ++i) {  // a last output row or few: the packed tiles
+      for (int m = 0; m < m_full; m += 4) {
+        tile<1, 4>(p, n0 + i, m);
+      }
+    }
+  }
+}
+
 #else  // no SIMD: plain loops the compiler may vectorize
 
 template <int NB, int MB>
@@ -282,25 +389,25 @@ inline void tile(const Problem& p, int n0, int m0) {
   }
 }
 
-#endif
-
-// Output rows [n_begin, n_end) for every input row: blocks of 4 input rows share each decoded
-// weight group (2 output rows at a time); the remaining input rows go one at a time (4 output
-// rows at a time, the decode shape).
-void run_rows(const Problem& p, int n_begin, int n_end) {
-  const int m_full = p.M - p.M % 4;
-  int n = n_begin;
-  for (; n + 2 <= n_end; n += 2) {
-    for (int m = 0; m < m_full; m += 4) {
-      tile<2, 4>(p, n, m);
-    }
-  }
-  for (; n < n_end; ++n) {
+void prefill_rows(const Problem& p, int n_begin, int n_end, int m_full) {
+  for (int n = n_begin; n < n_end; ++n) {
     for (int m = 0; m < m_full; m += 4) {
       tile<1, 4>(p, n, m);
     }
   }
-  n = n_begin;
+}
+
+#endif
+
+// Output rows [n_begin, n_end) for every input row: blocks of 4 input rows through a dequantized
+// panel (prefill_rows); the remaining input rows one at a time from the packed weight, 4 output
+// rows at a time (the decode shape).
+void run_rows(const Problem& p, int n_begin, int n_end) {
+  const int m_full = p.M - p.M % 4;
+  if (m_full > 0) {
+    prefill_rows(p, n_begin, n_end, m_full);
+  }
+  int n = n_begin;
   for (; n + 4 <= n_end; n += 4) {
     for (int m = m_full; m < p.M; ++m) {
       tile<4, 1>(p, n, m);
@@ -321,9 +428,9 @@ void run(const Problem& p) {
     run_rows(p, 0, p.N);
     return;
   }
-  // Slices of output rows (a multiple of 4) handed out as threads finish: on a shared machine a
+  // Slices of output rows (a multiple of the 16-row panel) handed out as threads finish: on a shared machine a
   // thread that loses its core for a while does not hold the others up at the join.
-  const int slice = std::max(4, (p.N / (threads * 8) + 3) / 4 * 4);
+  const int slice = std::max(16, (p.N / (threads * 8) + 15) / 16 * 16);
   const int slices = (p.N + slice - 1) / slice;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (int i = 0; i < slices; ++i) {
