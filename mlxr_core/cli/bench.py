@@ -92,7 +92,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--quantization", choices=QUANTIZATION_POLICIES, default="auto",
-        help="quantized weights: keep them packed, dequantize them, or auto (dequantize on CPU)",
+        help="quantized weights: keep them packed, dequantize them, or auto (packed, but dequantized on a CPU without cpu_native)",
     )
     parser.add_argument(
         "--prefill-chunk", type=_positive_int, default=EngineConfig().prefill_chunk, metavar="N",

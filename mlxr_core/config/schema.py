@@ -178,8 +178,9 @@ class ModelConfig:
     dtype: str = attrs.field(default="auto", validator=v.in_(DTYPES))
     #: What to do with quantized checkpoint weights: ``keep`` them packed (blocks with no exact MLX
     #: layout requantized to the nearest MLX format), ``dequantize`` them to ``dtype``, ``auto``:
-    #: keep on a GPU, dequantize on CPU, where MLX's quantized matmul is ~20x slower than a dense one
-    #: through OpenBLAS (exact in float32; costs memory); ``q8``/``q4``/``q4_g64``: every weight
+    #: keep on a GPU and on a CPU where the bound quantized matmul reads packed weights fast
+    #: (``cpu_native``), else dequantize (MLX's own CPU quantized matmul is ~20x slower than a dense
+    #: one through OpenBLAS; exact in float32, costs memory); ``q8``/``q4``/``q4_g64``: every weight
     #: as MLX 8/4-bit (group 32/32/64); ``f16``/``bf16``: every weight dense in that dtype.
     #: See :mod:`mlxr_core.model.quantize`.
     quantization: str = attrs.field(default="auto", validator=v.in_(QUANTIZATION_POLICIES))
