@@ -205,13 +205,13 @@ def _build(
         compiles = [
             [compiler, "-std=c++17", *flags, "-c", str(nanobind_dir / "src" / "nb_combined.cpp"),
              "-o", str(objects[0])],
-            [compiler, "-std=c++20", "-fopenmp", *flags, "-c", str(SOURCE), "-o", str(objects[1])],
+            [compiler, "-std=c++20", "-pthread", *flags, "-c", str(SOURCE), "-o", str(objects[1])],
         ]
         _run_all(compiles, target)
         linked = Path(work) / target.name
         lib = mlx_dir / "lib"
         _run_all(
-            [[compiler, "-shared", "-fopenmp", *map(str, objects), f"-L{lib}", "-lmlx",
+            [[compiler, "-shared", "-pthread", *map(str, objects), f"-L{lib}", "-lmlx",
               f"-Wl,-rpath,{lib}", "-o", str(linked)]],
             target,
         )

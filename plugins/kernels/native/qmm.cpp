@@ -9,7 +9,10 @@
 // time: nothing the size of the matrix is unpacked. The input rows are converted to float32 once
 // per call (in the nibble order of the 4-bit SIMD path), with their per-group sums (the bias term).
 //
-// Threads: output rows are split over an OpenMP team (set_num_threads, default the CPU count).
+// Threads: output rows are split in slices that a small pool of threads claims (set_num_threads,
+// default the CPU count). The caller waits for the slices, not for the threads: on a shared
+// machine a worker that has not been scheduled yet finds no work left instead of holding the
+// call up (an OpenMP team's join waits for every thread and cost a scheduler tick per call here).
 // Tiles: NB output rows x MB input rows per pass, so a weight group decoded into registers is used
 // for MB input rows (prefill), and NB independent accumulators keep the FMA units busy (decode).
 // Built with -march=native on the machine that runs it: AVX-512, AVX2 or plain C++ by the
@@ -18,9 +21,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include <omp.h>
-
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -45,6 +52,112 @@ using namespace nb::literals;
 namespace {
 
 int g_threads = 1;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Slices [0, total) of one call, claimed one at a time by whichever thread comes.
+struct Job {
+  std::function<void(int)> run;
+  int total = 0;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+
+  void work() {
+    for (int i = next.fetch_add(1); i < total; i = next.fetch_add(1)) {
+      run(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+class Pool {
+ public:
+  ~Pool() {
+    resize(0);
+  }
+
+  // Helper threads besides the caller.
+  void resize(int helpers) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+      ++generation_;
+    }
+    wake_.notify_all();
+    for (auto& thread : threads_) {
+      thread.join();
+    }
+    threads_.clear();
+    stop_ = false;
+    for (int i = 0; i < helpers; ++i) {
+      threads_.emplace_back([this] { loop(); });
+    }
+  }
+
+  // Runs f(0) .. f(total - 1) on the caller and the helpers; returns when all are done.
+  void run(int total, std::function<void(int)> f) {
+    auto job = std::make_shared<Job>();
+    job->run = std::move(f);
+    job->total = total;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      job_ = job;
+      generation_.fetch_add(1, std::memory_order_release);
+    }
+    wake_.notify_all();
+    job->work();
+    while (job->done.load(std::memory_order_acquire) < total) {
+      cpu_relax();
+    }
+  }
+
+ private:
+  void loop() {
+    uint64_t seen = generation_.load();
+    while (true) {
+      // Spin a little (the next call of a decode step comes within microseconds), then sleep.
+      for (int i = 0; i < 20000 && generation_.load(std::memory_order_acquire) == seen; ++i) {
+        cpu_relax();
+      }
+      std::shared_ptr<Job> job;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [&] { return stop_ || generation_.load() != seen; });
+        if (stop_) {
+          return;
+        }
+        seen = generation_.load();
+        job = job_;  // kept alive here even after its caller returned
+      }
+      if (job) {
+        job->work();
+      }
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::atomic<uint64_t> generation_{0};
+  std::shared_ptr<Job> job_;
+  std::vector<std::thread> threads_;
+  bool stop_ = false;
+};
+
+Pool& pool() {
+  static Pool instance;
+  return instance;
+}
+
+void set_threads(int n) {
+  g_threads = std::max(1, n);
+  pool().resize(g_threads - 1);
+}
 
 #if defined(__AVX512F__)
 constexpr const char* kIsa = "avx512";
@@ -432,10 +545,7 @@ void run(const Problem& p) {
   // thread that loses its core for a while does not hold the others up at the join.
   const int slice = std::max(16, (p.N / (threads * 8) + 15) / 16 * 16);
   const int slices = (p.N + slice - 1) / slice;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (int i = 0; i < slices; ++i) {
-    run_rows(p, i * slice, std::min(p.N, (i + 1) * slice));
-  }
+  pool().run(slices, [&p, slice](int i) { run_rows(p, i * slice, std::min(p.N, (i + 1) * slice)); });
 }
 
 template <class T>
@@ -671,7 +781,7 @@ NB_MODULE(_mlxr_qmm, m) {
   m.def("quantized_matmul", &quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x [..., K] @ dequantize(w).T for MLX affine packing (transpose=True), on the CPU.");
-  m.def("set_num_threads", [](int n) { g_threads = std::max(1, n); }, "n"_a);
+  m.def("set_num_threads", &set_threads, "n"_a);
   m.def("num_threads", []() { return g_threads; });
   m.def("isa", []() { return std::string(kIsa); });
 }
