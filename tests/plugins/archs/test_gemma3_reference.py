@@ -110,3 +110,19 @@ def test_kept_quantization_stays_packed_and_agrees(checkpoint, registries):
     their_ids = [token for token, _ in prompt["q4_k_m"]]
     assert int(logits.argmax()) == their_ids[0]
     assert len(set(np.argsort(-logits)[:5].tolist()) & set(their_ids[:5])) >= 4
+
+
+@pytest.fixture(scope="module")
+def served_logits(checkpoint, registries) -> dict[str, np.ndarray]:
+    """Logits under ``auto``, what the loader serves here: on a CPU where ``cpu_native`` runs, the
+    packed weights (Q6_K requantized to 8 bits) multiplied by it."""
+    model = build(checkpoint, registries, "auto")
+    return {p["name"]: np.array(model(mx.array([p["ids"]]))[0, -1]) for p in PROMPTS}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: p["name"])
+def test_the_served_model_agrees_with_llama_cpp(served_logits, prompt):
+    ours = served_logits[prompt["name"]]
+    their_ids = [token for token, _ in prompt["q4_k_m"]]
+    assert int(ours.argmax()) == their_ids[0]
+    assert len(set(np.argsort(-ours)[:5].tolist()) & set(their_ids[:5])) >= 4
