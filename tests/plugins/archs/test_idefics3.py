@@ -198,6 +198,10 @@ def test_image_and_text_requests_batch_and_chunk_like_transformers(reference, lo
         return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
 
     try:
+        # A chat message's image part becomes the image's tiles and tokens, as the processor writes them.
+        parts = [{"type": "text", "text": LEAD}, {"type": "image"}, {"type": "text", "text": TAIL}]
+        image = PromptImage(pixels[0], "0" * 64)
+        assert engine.encode_chat("vision", [{"role": "user", "content": parts}], images=[image]) == reference.ids["one"]
         assert tokens(submit("two", [0, 1])) == reference.greedy["two"]  # alone
         handles = [submit("two", [0, 1]), submit("text", []), submit("one", [0])]
         assert [tokens(h) for h in handles] == [reference.greedy[name] for name in ("two", "text", "one")]
