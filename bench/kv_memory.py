@@ -37,6 +37,7 @@ from mlxr_core.engine.batch import kv_bytes_per_token, sequence_bytes
 from mlxr_core.model.loader import LoadedModel, load_model
 from mlxr_core.model.quantized_cache import PackedSequence
 from mlxr_core.plugins import load_plugins
+from mlxr_plugins.kv_caches import turboquant
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_quality import SETTINGS, with_kv_cache
@@ -101,6 +102,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed decode steps first")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=SPEED_SETTINGS)
+    parser.add_argument("--reference-too", action="store_true",
+                        help="also time each turboquant setting on its reference backend (NAME_reference), "
+                        "where the fused CUDA kernels would run")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -108,6 +112,8 @@ def main() -> None:
     base = load_model(ModelConfig(path=args.model, context_length=max(args.contexts) + 64), registries)
     every = {"full_precision": base, **{name: with_kv_cache(base, s, registries) for name, s in SETTINGS.items()}}
     models = {name: every[name] for name in ["full_precision", *args.settings]}
+    if args.reference_too:
+        models |= {f"{name}_reference": every[name] for name in args.settings if name.startswith("turboquant")}
 
     memory = {
         name: {
@@ -123,6 +129,7 @@ def main() -> None:
         for positions in args.contexts:
             order = list(models) if round_index % 2 == 0 else list(models)[::-1]
             for name in order:
+                turboquant.FUSED = not name.endswith("_reference")
                 speed = decode_speed(models[name], positions, args.steps, args.warmup)
                 speeds[positions][name].append(speed)
                 print(f"round {round_index} context {positions} {name}: {speed:.2f} tok/s", flush=True)

@@ -16,16 +16,19 @@ rebuilt); a window position the copy lacks (a prefix-cache hit more than the cop
 of the stored entry's end, a rollback past the slack) is rebuilt from its codes, so that position
 is seen as its codes say, as if it had left the window.
 
-Backend: the reference one, in ``mx``: per step the queries are rotated and sketched once, the
+Backends: the reference one, in ``mx``: per step the queries are rotated and sketched once, the
 stored bytes of every position looked up in 256-row tables (keys' levels and signs, values'
 levels, all still rotated), scores and the weighted sum of values are matmuls with the norms
-applied to the scores and the weights, and the sum is rotated back once. No
-fused kernel (CUDA or Metal) yet: the unpacking costs each decode step time in proportion to the
-cache's length (``bench/kv_memory.py`` measures it against full precision).
+applied to the scores and the weights, and the sum is rotated back once. On MLX's CUDA backend a
+decode step (one query position) reads the packed bytes in two fused kernels instead
+(:mod:`mlxr_plugins.kv_caches.turboquant_cuda`; :data:`FUSED` False keeps the reference, for
+comparison). No Metal kernel: the reference runs there. ``bench/kv_memory.py`` measures the cost
+of each against full precision.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +39,11 @@ from mlxr_core.errors import ConfigError
 from mlxr_core.model.cache import _pad_positions
 from mlxr_core.model.masks import window_mask
 from mlxr_core.model.quantized_cache import PackedRows, PackedSequence, grouped_softmax
+from mlxr_plugins.kv_caches import turboquant_cuda
 from mlxr_plugins.kv_caches.codebooks import Codec, layer_codec
 
+#: Decode steps on MLX's CUDA backend read the cache through the fused kernels.
+FUSED = True
 #: Positions kept in full precision past the window: the most draft tokens a decoder rolls back.
 TRIM_SLACK = 64
 BITS = (4, 3, 2)
@@ -139,6 +145,8 @@ class BatchTurboQuantKVCache(PackedRows):
 
     def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
         codec = self.codec(keys.shape[-1])
+        if FUSED and not turboquant_cuda.encode_reasons(keys):
+            return turboquant_cuda.encode(codec, keys, values)
         return [*codec.encode_keys(keys), *codec.encode_values(values)]
 
     def single(self) -> TurboQuantKVCache:
@@ -172,7 +180,11 @@ class BatchTurboQuantKVCache(PackedRows):
         codec = self.codec(D)
         q = (queries * scale).reshape(B, Hkv, Hq // Hkv, L, D)
         K = codec.key_arrays
-        scores = codec.scores(q, *(a[:, :, :S] for a in self.arrays[:K]))  # [B, Hkv, R, L, S]
+        packed_scores, packed_values = codec.scores, codec.weighted_values
+        if FUSED and not turboquant_cuda.reasons(queries):
+            packed_scores = functools.partial(turboquant_cuda.scores, codec)
+            packed_values = functools.partial(turboquant_cuda.weighted_values, codec)
+        scores = packed_scores(q, *(a[:, :, :S] for a in self.arrays[:K]))  # [B, Hkv, R, L, S]
         if W:
             before = self.tail or [keys[:, :, :0], values[:, :, :0]]
             exact_keys, exact_values = (mx.concatenate([t, x], axis=2) for t, x in zip(before, (keys, values), strict=True))
@@ -185,12 +197,12 @@ class BatchTurboQuantKVCache(PackedRows):
         if W:
             zero = mx.array(0.0, dtype=probs.dtype)
             far = mx.concatenate([probs[..., : S - N], mx.where(near, zero, probs[..., S - N :])], axis=-1)
-            out = codec.weighted_values(far, *stored_values)
+            out = packed_values(far, *stored_values)
             out = out + mx.where(near, probs[..., S - N :], zero) @ exact_values[:, :, None]
             keep = min(N, W + TRIM_SLACK)
             self.tail = [exact_keys[:, :, N - keep :], exact_values[:, :, N - keep :]]
         else:
-            out = codec.weighted_values(probs, *stored_values)
+            out = packed_values(probs, *stored_values)
         return out.reshape(B, Hq, L, D).astype(queries.dtype)
 
     def fill_window(self) -> None:
