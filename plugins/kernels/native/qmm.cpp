@@ -245,19 +245,23 @@ template <int NB, int MB>
 inline void tile_q4(const Problem& p, int n0, int m0) {
   Vec acc[NB][MB];
   float bias_acc[NB][MB];
+  #pragma GCC unroll 8
   for (int i = 0; i < NB; ++i) {
+    #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
       acc[i][j] = vzero();
       bias_acc[i][j] = 0.0f;
     }
   }
   const uint8_t* rows[NB];
+  #pragma GCC unroll 8
   for (int i = 0; i < NB; ++i) {
     rows[i] = p.w + size_t(n0 + i) * p.row_bytes;
   }
   const int blocks = p.group_size / 32;
   for (int g = 0; g < p.G; ++g) {
     Vec s[NB];
+    #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
       s[i] = vset(p.scales[size_t(n0 + i) * p.G + g]);
     }
@@ -266,14 +270,17 @@ inline void tile_q4(const Problem& p, int n0, int m0) {
 #if defined(__AVX512F__)
       const __m512i low = _mm512_set1_epi32(0xF);
       Vec lo[NB], hi[NB];
+      #pragma GCC unroll 8
       for (int i = 0; i < NB; ++i) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(rows[i] + k / 2)));
         lo[i] = vmul(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), s[i]);
         hi[i] = vmul(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[i]);
       }
+      #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         const float* xk = p.x + size_t(m0 + j) * p.K + k;
         const Vec x0 = vload(xk), x1 = vload(xk + 16);
+        #pragma GCC unroll 8
         for (int i = 0; i < NB; ++i) {
           acc[i][j] = vfma(hi[i], x1, vfma(lo[i], x0, acc[i][j]));
         }
@@ -281,6 +288,7 @@ inline void tile_q4(const Problem& p, int n0, int m0) {
 #else
       const __m256i low = _mm256_set1_epi32(0xF);
       Vec w[NB][4];  // evens 0..8, evens 8..16, odds 0..8, odds 8..16
+      #pragma GCC unroll 8
       for (int i = 0; i < NB; ++i) {
         const uint8_t* q = rows[i] + k / 2;
         const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
@@ -290,35 +298,69 @@ inline void tile_q4(const Problem& p, int n0, int m0) {
         w[i][2] = vmul(_mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), s[i]);
         w[i][3] = vmul(_mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4)), s[i]);
       }
+      #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         const float* xk = p.x + size_t(m0 + j) * p.K + k;
         const Vec x0 = vload(xk), x1 = vload(xk + 8), x2 = vload(xk + 16), x3 = vload(xk + 24);
+        #pragma GCC unroll 8
         for (int i = 0; i < NB; ++i) {
           acc[i][j] = vfma(w[i][3], x3, vfma(w[i][2], x2, vfma(w[i][1], x1, vfma(w[i][0], x0, acc[i][j]))));
         }
       }
 #endif
     }
+    #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
       const float bias = p.biases[size_t(n0 + i) * p.G + g];
+      #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         bias_acc[i][j] += bias * p.xsum[size_t(m0 + j) * p.G + g];
       }
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < NB; ++i) {
+    #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
       p.out[size_t(m0 + j) * p.N + n0 + i] = vsum(acc[i][j]) + bias_acc[i][j];
     }
   }
 }
 
-// Any other width (8-bit read in place, 2/3/5/6-bit read into bytes first), natural order.
-template <int NB, int MB>
+// 5-bit: 8 elements are 5 bytes, element i at bits 5i..5i+4. Elements 0-1 are in the low 32
+// bits and 2-7 in the 32 bits from bit 8: two 4-byte loads inside the 5 bytes (no read past
+// them; assembling the 5 bytes on the stack instead cost two store-forwarding stalls per 8
+// elements, 25x slower), two broadcasts, a blend, one variable shift, a mask.
+inline __m256 five_bits_to_floats8(const uint8_t* q) {
+  uint32_t first = 0, second = 0;
+  std::memcpy(&first, q, 4);
+  std::memcpy(&second, q + 1, 4);
+  const __m256i low = _mm256_set1_epi32(int(first));
+  const __m256i high = _mm256_set1_epi32(int(second));
+  const __m256i both = _mm256_blend_epi32(high, low, 0b00000011);
+  const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 5, 2, 7, 12, 17, 22, 27));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(31)));
+}
+
+// kLanes 5-bit elements from q (5 * kLanes / 8 bytes) as floats.
+inline Vec five_bits_to_floats(const uint8_t* q) {
+#if defined(__AVX512F__)
+  return _mm512_insertf32x8(
+      _mm512_castps256_ps512(five_bits_to_floats8(q)), five_bits_to_floats8(q + 5), 1);
+#else
+  return five_bits_to_floats8(q);
+#endif
+}
+
+// Any other width, natural order: BITS 8 read in place, 5 by five_bits_to_floats, 0 (2/3/6
+// bits) read into bytes first.
+template <int NB, int MB, int BITS>
 inline void tile_bytes(const Problem& p, int n0, int m0) {
   Vec acc[NB][MB];
   float bias_acc[NB][MB];
+  #pragma GCC unroll 8
   for (int i = 0; i < NB; ++i) {
+    #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
       acc[i][j] = vzero();
       bias_acc[i][j] = 0.0f;
@@ -328,30 +370,46 @@ inline void tile_bytes(const Problem& p, int n0, int m0) {
   for (int g = 0; g < p.G; ++g) {
     const uint8_t* q[NB];
     Vec s[NB];
+    #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      q[i] = group_bytes(p, n0 + i, g, buf[i]);
+      if constexpr (BITS == 5) {
+        q[i] = p.w + size_t(n0 + i) * p.row_bytes + size_t(g) * p.group_size * 5 / 8;
+      } else {
+        q[i] = group_bytes(p, n0 + i, g, buf[i]);
+      }
       s[i] = vset(p.scales[size_t(n0 + i) * p.G + g]);
     }
     for (int e = 0; e < p.group_size; e += kLanes) {
       Vec w[NB];
+      #pragma GCC unroll 8
       for (int i = 0; i < NB; ++i) {
-        w[i] = vmul(bytes_to_floats(q[i] + e), s[i]);
+        if constexpr (BITS == 5) {
+          w[i] = vmul(five_bits_to_floats(q[i] + e * 5 / 8), s[i]);
+        } else {
+          w[i] = vmul(bytes_to_floats(q[i] + e), s[i]);
+        }
       }
+      #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         const Vec xv = vload(p.x + size_t(m0 + j) * p.K + size_t(g) * p.group_size + e);
+        #pragma GCC unroll 8
         for (int i = 0; i < NB; ++i) {
           acc[i][j] = vfma(w[i], xv, acc[i][j]);
         }
       }
     }
+    #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
       const float bias = p.biases[size_t(n0 + i) * p.G + g];
+      #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         bias_acc[i][j] += bias * p.xsum[size_t(m0 + j) * p.G + g];
       }
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < NB; ++i) {
+    #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
       p.out[size_t(m0 + j) * p.N + n0 + i] = vsum(acc[i][j]) + bias_acc[i][j];
     }
@@ -362,8 +420,12 @@ template <int NB, int MB>
 inline void tile(const Problem& p, int n0, int m0) {
   if (p.bits == 4) {
     tile_q4<NB, MB>(p, n0, m0);
+  } else if (p.bits == 5) {
+    tile_bytes<NB, MB, 5>(p, n0, m0);
+  } else if (p.bits == 8) {
+    tile_bytes<NB, MB, 8>(p, n0, m0);
   } else {
-    tile_bytes<NB, MB>(p, n0, m0);
+    tile_bytes<NB, MB, 0>(p, n0, m0);
   }
 }
 
@@ -404,12 +466,14 @@ void dequantize_row(const Problem& p, int n, float* dst) {
 #endif
       }
     } else {
-      const uint8_t* q = group_bytes(p, n, g, buf);
+      const bool five = p.bits == 5;
+      const uint8_t* q = five ? row + size_t(g) * p.group_size * 5 / 8 : group_bytes(p, n, g, buf);
       for (int e = 0; e < p.group_size; e += kLanes) {
+        const Vec w = five ? five_bits_to_floats(q + e * 5 / 8) : bytes_to_floats(q + e);
 #if defined(__AVX512F__)
-        _mm512_storeu_ps(out + e, vfma(bytes_to_floats(q + e), s, b));
+        _mm512_storeu_ps(out + e, vfma(w, s, b));
 #else
-        _mm256_storeu_ps(out + e, vfma(bytes_to_floats(q + e), s, b));
+        _mm256_storeu_ps(out + e, vfma(w, s, b));
 #endif
       }
     }
@@ -419,32 +483,41 @@ void dequantize_row(const Problem& p, int n, float* dst) {
 // out[m0..m0+4, n..n+kMicroN] = x rows . panel rows (no bias term: the panel holds it).
 inline void micro(const Problem& p, const float* panel, int panel_row, int n, int m0) {
   Vec acc[kMicroN][4];
+  #pragma GCC unroll 8
   for (int i = 0; i < kMicroN; ++i) {
+    #pragma GCC unroll 8
     for (int j = 0; j < 4; ++j) {
       acc[i][j] = vzero();
     }
   }
   const float* w[kMicroN];
+  #pragma GCC unroll 8
   for (int i = 0; i < kMicroN; ++i) {
     w[i] = panel + size_t(panel_row + i) * p.K;
   }
   const float* x[4];
+  #pragma GCC unroll 8
   for (int j = 0; j < 4; ++j) {
     x[j] = p.x + size_t(m0 + j) * p.K;
   }
   for (int k = 0; k < p.K; k += kLanes) {
     Vec wv[kMicroN];
+    #pragma GCC unroll 8
     for (int i = 0; i < kMicroN; ++i) {
       wv[i] = vload(w[i] + k);
     }
+    #pragma GCC unroll 8
     for (int j = 0; j < 4; ++j) {
       const Vec xv = vload(x[j] + k);
+      #pragma GCC unroll 8
       for (int i = 0; i < kMicroN; ++i) {
         acc[i][j] = vfma(wv[i], xv, acc[i][j]);
       }
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < kMicroN; ++i) {
+    #pragma GCC unroll 8
     for (int j = 0; j < 4; ++j) {
       p.out[size_t(m0 + j) * p.N + n + i] = vsum(acc[i][j]);
     }
@@ -481,10 +554,12 @@ inline void tile(const Problem& p, int n0, int m0) {
   float acc[NB][MB] = {};
   uint8_t buf[NB][128];
   for (int g = 0; g < p.G; ++g) {
+    #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
       const uint8_t* q = group_bytes(p, n0 + i, g, buf[i]);
       const float s = p.scales[size_t(n0 + i) * p.G + g];
       const float bias = p.biases[size_t(n0 + i) * p.G + g];
+      #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         const float* xg = p.x + size_t(m0 + j) * p.K + size_t(g) * p.group_size;
         float dot = 0.0f;
@@ -495,7 +570,9 @@ inline void tile(const Problem& p, int n0, int m0) {
       }
     }
   }
+  #pragma GCC unroll 8
   for (int i = 0; i < NB; ++i) {
+    #pragma GCC unroll 8
     for (int j = 0; j < MB; ++j) {
       p.out[size_t(m0 + j) * p.N + n0 + i] = acc[i][j];
     }
