@@ -189,7 +189,7 @@ def _rank_metrics(ranks: list[dict[str, float]]) -> Iterator[Metric]:
                                   "exchanges' collectives.", labels=["rank"])  # fmt: skip
     for rank, counters in enumerate(ranks):
         for kind in ("active_bytes", "peak_bytes", "cache_bytes"):
-            memory.add_metric([str(rank), kind], float(counters[kind]))
+            memory.add_metric([str(rank), kind.removesuffix("_bytes")], float(counters[kind]))
         exchanges.add_metric([str(rank)], float(counters["exchanges"]))
         seconds.add_metric([str(rank)], float(counters["exchange_seconds"]))
     yield from (memory, exchanges, seconds)

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,32 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mlxr_core.engine.lockstep import EXIT_RANK_LOST
 from mlxr_core.testing.distributed import free_ports, rank_pids
-
-
-def start(command: list[str]) -> tuple[subprocess.Popen[str], str, list[str]]:
-    """``command`` (an ``mlxr serve`` or ``mlxr launch``) once it prints its serving line; the
-    process, its URL and the lines it printed (still filled by a reader thread)."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line)
-            if "serving" in line and "http://" in line:
-                ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(120):
-        process.kill()
-        pytest.fail("the server did not become ready:\n" + "".join(lines))
-    url = re.search(r"at (http://\S+)", next(line for line in lines if "serving" in line and "http://" in line))
-    assert url is not None
-    return process, url[1], lines
+from mlxr_core.testing.serving import serve_command, start
 
 
 def write_config(folder: Path, model: str, *, distributed: bool, extra: str = "", timeout: float = 5) -> Path:
@@ -65,11 +37,11 @@ def write_config(folder: Path, model: str, *, distributed: bool, extra: str = ""
 
 
 def serve(config: Path) -> list[str]:
-    return [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--config", str(config), "--port", "0"]
+    return serve_command(config)
 
 
 def launch(config: Path) -> list[str]:
-    return [sys.executable, "-m", "mlxr_core.cli.main", "launch", "--config", str(config), "--port", "0"]
+    return serve_command(config, command="launch")
 
 
 #: A killed rank usually fails the next collective at once; when it hangs instead, the watchdog
@@ -141,7 +113,7 @@ def test_two_ranks_reply_as_one_process_and_stop_together_on_sigterm(tiny_model:
         metrics = rank_metrics(url)
         assert set(metrics) == {"0", "1"}, metrics
         for rank in ("0", "1"):  # each holds its half of the weights, and ran every exchange
-            assert metrics[rank]["active_bytes"] > 0 and metrics[rank]["exchanges"] > 0, metrics
+            assert metrics[rank]["active"] > 0 and metrics[rank]["exchanges"] > 0, metrics
         ranks = rank_pids(launcher.pid)
         assert sorted(ranks) == [0, 1]
         os.kill(ranks[0], signal.SIGTERM)

@@ -350,3 +350,54 @@ def test_bad_lifecycle_settings_name_their_key(tmp_path: Path, files: dict[str, 
     with pytest.raises(ConfigError, match=r"models\[0\]\.pin: model 'a' needs \d+ bytes"):
         engine.start()
     engine.stop()
+
+
+@pytest.mark.slow
+def test_mlxr_serve_from_a_config_file_swaps_two_models_and_unloads_an_idle_one(
+    files: dict[str, Path], tmp_path: Path
+) -> None:
+    """The lifecycle keys as an operator writes them, in a real ``mlxr serve`` process: two models
+    under a budget for one take turns (/api/ps and /metrics show each swap), then the one left
+    idle unloads after its timeout and its MLX memory goes back."""
+    import httpx
+
+    from mlxr_core.testing.serving import serve_command, start
+
+    config = tmp_path / "server.yaml"
+    config.write_text(
+        "models:\n"
+        f"  - {{path: {files['a']}, name: a, idle_unload_seconds: 3}}\n"
+        f"  - {{path: {files['b']}, name: b, load: lazy, idle_unload_seconds: 3}}\n"
+        f"engine:\n  max_batch_size: 2\n  memory_budget_bytes: {one_budget(files)}\n"
+        "  prefix_cache: {enabled: false}\n"
+        "apis: [openai, ollama]\n"
+    )
+    process, url, lines = start(serve_command(config))
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+
+            def loaded() -> list[str]:
+                return [m["name"] for m in client.get("/api/ps").json()["models"]]
+
+            def sample(prefix: str, *labels: str) -> float:
+                return sum(
+                    float(line.rsplit(" ", 1)[1]) for line in client.get("/metrics").text.splitlines()
+                    if line.startswith(prefix) and all(label in line for label in labels)
+                )  # fmt: skip
+
+            for model in ["b", "a", "b"]:
+                body = {"model": model, "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+                r = client.post("/api/generate", json=body)
+                assert r.status_code == 200 and r.json()["done"], r.text
+                assert loaded() == [model]
+            budget_unloads = [sample("mlxr_model_unloads_total{", f'model="{m}"', 'reason="budget"') for m in "ab"]
+            assert budget_unloads == [2, 1]
+            held = sample('mlxr_mlx_memory_bytes{kind="active"}')
+            assert held > 0
+            assert eventually(lambda: loaded() == [], timeout=20)
+            assert sample("mlxr_model_unloads_total{", 'model="b"', 'reason="idle"') == 1
+            assert sample('mlxr_mlx_memory_bytes{kind="active"}') < held / 10
+    finally:
+        process.terminate()
+        process.wait(30)
+    assert "Traceback" not in "".join(lines)
