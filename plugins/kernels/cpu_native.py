@@ -11,7 +11,8 @@ runs inside MLX's graph as a custom primitive: the same arrays in and out as
 The extension is compiled on first use; where it cannot be (no compiler, no headers, not Linux),
 ``supports()`` says why and ``auto`` takes ``cpu_blas``. Calls it does not cover (other modes,
 ``transpose=False``, no biases) go to ``cpu_blas``'s path. The mixture-of-experts form
-(``gather_matmul``) is not written yet: refused, so ``auto`` falls back.
+(``gather_matmul``) is the same kernel run once per row on the row's expert, read in place in the
+stack; dense experts and the other cases go to ``mlx_fast``'s ``mx.gather_qmm`` / ``mx.gather_mm``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
-from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl, cpu_blas, native
+from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl, cpu_blas, mlx_fast, native
 
 #: Widths and group sizes the C++ kernel reads (every affine format MLX makes).
 BITS = (2, 3, 4, 5, 6, 8)
@@ -68,12 +69,40 @@ def _support(ctx: KernelContext) -> list[str]:
     return reasons
 
 
-def _no_gather(ctx: KernelContext) -> list[str]:
-    return ["the mixture-of-experts form is not implemented natively yet (auto takes the next backend)"]
-
-
-def gather_matmul(*args: object, **kwargs: object) -> mx.array:
-    raise NotImplementedError("cpu_native has no gather_matmul; its supports() refuses every context")
+def gather_matmul(
+    x: mx.array,
+    w: mx.array,
+    scales: mx.array | None = None,
+    biases: mx.array | None = None,
+    *,
+    indices: mx.array,
+    transpose: bool = True,
+    group_size: int = 64,
+    bits: int = 4,
+    mode: str = "affine",
+    sorted_indices: bool = False,
+) -> mx.array:
+    """``mx.gather_qmm(x, w, ..., rhs_indices=indices)`` for MLX's affine packing with
+    ``transpose``, in C++ (each row's expert read in place); anything else through ``mlx_fast``."""
+    module, _ = native.load()
+    if (
+        module is None
+        or scales is None
+        or biases is None
+        or mode != "affine"
+        or not transpose
+        or bits not in BITS
+        or group_size not in GROUP_SIZES
+    ):
+        return mlx_fast.gather_matmul(
+            x, w, scales, biases, indices=indices, transpose=transpose, group_size=group_size,
+            bits=bits, mode=mode, sorted_indices=sorted_indices,
+        )
+    batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
+    x = mx.broadcast_to(x, (*batch, *x.shape[-2:]))
+    indices = mx.broadcast_to(indices, batch).astype(mx.uint32)
+    out: mx.array = module.gather_matmul(x, w, scales, biases, indices, group_size, bits)
+    return out
 
 
 #: Read by :func:`mlxr_core.kernels.bind_kernels`: this backend multiplies packed weights at least
@@ -87,4 +116,8 @@ quantized_matmul_kernel = KernelImpl(
     ),
     keeps_packed=True,
 )
-gather_matmul_kernel = KernelImpl(gather_matmul, _no_gather, summary="not implemented (refused)")
+gather_matmul_kernel = KernelImpl(
+    gather_matmul,
+    _support,
+    summary="packed experts read in place, one row at a time on its expert (C++); dense via mlx_fast",
+)

@@ -610,19 +610,28 @@ void run_rows(const Problem& p, int n_begin, int n_end) {
   }
 }
 
-void run(const Problem& p) {
-  const size_t weight_bytes = size_t(p.N) * p.row_bytes;
-  // A small matrix is not worth waking the team for.
-  const int threads = weight_bytes * std::max(1, p.M) < (64u << 10) ? 1 : std::max(1, g_threads);
+// Every problem of one call (one, or one per expert row of the gather form; same N and K).
+void run(const std::vector<Problem>& problems) {
+  const Problem& first = problems.front();
+  const size_t work = size_t(first.N) * first.row_bytes * std::max(1, first.M) * problems.size();
+  // A small product is not worth waking the pool for.
+  const int threads = work < (64u << 10) ? 1 : std::max(1, g_threads);
   if (threads == 1) {
-    run_rows(p, 0, p.N);
+    for (const auto& p : problems) {
+      run_rows(p, 0, p.N);
+    }
     return;
   }
-  // Slices of output rows (a multiple of the 16-row panel) handed out as threads finish: on a shared machine a
-  // thread that loses its core for a while does not hold the others up at the join.
-  const int slice = std::max(16, (p.N / (threads * 8) + 15) / 16 * 16);
-  const int slices = (p.N + slice - 1) / slice;
-  pool().run(slices, [&p, slice](int i) { run_rows(p, i * slice, std::min(p.N, (i + 1) * slice)); });
+  // Slices of output rows (a multiple of the 16-row panel) handed out as threads finish: on a
+  // shared machine a thread that loses its core for a while does not hold the others up.
+  const int per_problem = std::max(1, threads * 8 / int(problems.size()));
+  const int slice = std::max(16, (first.N / per_problem + 15) / 16 * 16);
+  const int slices = (first.N + slice - 1) / slice;
+  pool().run(int(problems.size()) * slices, [&problems, slice, slices](int i) {
+    const Problem& p = problems[i / slices];
+    const int begin = (i % slices) * slice;
+    run_rows(p, begin, std::min(p.N, begin + slice));
+  });
 }
 
 template <class T>
@@ -674,10 +683,11 @@ void gather_floats(const mx::array& a, std::vector<float>& dst) {
   }
 }
 
+// inputs: x, w, scales, biases, and for the gather form (experts) the expert of each row.
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool experts)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), experts_(experts) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -695,10 +705,12 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
                       w = mx::array::unsafe_weak_copy(w),
                       scales = mx::array::unsafe_weak_copy(scales),
                       biases = mx::array::unsafe_weak_copy(biases),
+                      indices = experts_ ? mx::array::unsafe_weak_copy(inputs[4]) : x,
                       out = mx::array::unsafe_weak_copy(out),
                       group_size = group_size_,
-                      bits = bits_]() mutable {
-      compute(x, w, scales, biases, out, group_size, bits);
+                      bits = bits_,
+                      gather = experts_]() mutable {
+      compute(x, w, scales, biases, gather ? &indices : nullptr, out, group_size, bits);
     });
   }
 
@@ -707,17 +719,17 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   }
 
   const char* name() const override {
-    return "MlxrQuantizedMatmul";
+    return experts_ ? "MlxrGatherQuantizedMatmul" : "MlxrQuantizedMatmul";
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && experts_ == o.experts_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
     auto shape = inputs[0].shape();
-    shape.back() = inputs[1].shape(0);
+    shape.back() = inputs[1].shape(-2);
     return {shape};
   }
 
@@ -727,6 +739,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       const mx::array& w,
       const mx::array& scales,
       const mx::array& biases,
+      const mx::array* indices,
       mx::array& out,
       int group_size,
       int bits) {
@@ -735,7 +748,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     thread_local std::vector<float> xin, xf, xsum, sf, bf, of;
     const int K = x.shape(-1);
     const int M = int(x.size() / K);
-    const int N = w.shape(0);
+    const int N = w.shape(-2);
     const int G = K / group_size;
     gather_floats(x, xin);
     xf.resize(size_t(M) * K);
@@ -779,10 +792,30 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     if (!direct) {
       of.resize(size_t(M) * N);
     }
-    Problem p{
-        xf.data(), xsum.data(), w.data<uint8_t>(), sp, bp, direct ? out.data<float>() : of.data(),
-        M, N, K, G, bits, group_size, size_t(K) * bits / 8};
-    run(p);
+    const size_t row_bytes = size_t(K) * bits / 8;
+    float* op = direct ? out.data<float>() : of.data();
+    thread_local std::vector<Problem> problems;
+    problems.clear();
+    if (indices == nullptr) {
+      problems.push_back({xf.data(), xsum.data(), w.data<uint8_t>(), sp, bp, op, M, N, K, G, bits,
+                          group_size, row_bytes});
+    } else {
+      // Row block r (M / R input rows) times expert indices[r]'s matrix.
+      const size_t R = indices->size();
+      const int rows = int(M / R);
+      const int E = w.shape(0);
+      for (size_t r = 0; r < R; ++r) {
+        const uint32_t e = indices->data<uint32_t>()[element_offset(*indices, r)];
+        if (int(e) >= E) {
+          throw std::out_of_range("[mlxr gather_matmul] expert index out of range");
+        }
+        problems.push_back({xf.data() + r * rows * K, xsum.data() + r * rows * G,
+                            w.data<uint8_t>() + size_t(e) * N * row_bytes, sp + size_t(e) * N * G,
+                            bp + size_t(e) * N * G, op + r * rows * N, rows, N, K, G, bits,
+                            group_size, row_bytes});
+      }
+    }
+    run(problems);
     if (!direct) {
       const size_t n = size_t(M) * N;
       if (out.dtype() == mx::float16) {
@@ -797,19 +830,22 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
   int group_size_;
   int bits_;
+  bool experts_;
 };
 
 bool is_float(mx::Dtype t) {
   return t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
 }
 
-mx::array quantized_matmul(
+// Checks the operands of either form (w [N, ...] or a stack [E, N, ...]); returns the stream.
+mx::Stream check_operands(
     const mx::array& x,
     const mx::array& w,
     const mx::array& scales,
     const mx::array& biases,
     int group_size,
-    int bits) {
+    int bits,
+    int weight_ndim) {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("[mlxr quantized_matmul] " + what);
   };
@@ -819,8 +855,11 @@ mx::array quantized_matmul(
   if (group_size != 32 && group_size != 64 && group_size != 128) {
     fail("group_size must be 32, 64 or 128, got " + std::to_string(group_size));
   }
-  if (x.ndim() < 1 || w.ndim() != 2 || scales.ndim() != 2 || biases.ndim() != 2) {
-    fail("expected x [..., K], w [N, K*bits/32], scales and biases [N, K/group_size]");
+  if (x.ndim() < 1 || w.ndim() != weight_ndim || scales.ndim() != weight_ndim ||
+      biases.ndim() != weight_ndim) {
+    fail(weight_ndim == 2
+             ? "expected x [..., K], w [N, K*bits/32], scales and biases [N, K/group_size]"
+             : "expected x [..., M, K], w [E, N, K*bits/32], scales and biases [E, N, K/group_size]");
   }
   if (w.dtype() != mx::uint32 || !w.flags().row_contiguous) {
     fail("w must be a row-contiguous uint32 array");
@@ -829,25 +868,63 @@ mx::array quantized_matmul(
     fail("x, scales and biases must be float32, float16 or bfloat16");
   }
   const int K = x.shape(-1);
-  const int N = w.shape(0);
-  if (K % group_size != 0 || int64_t(w.shape(1)) * 32 != int64_t(K) * bits) {
+  const int N = w.shape(-2);
+  if (K % group_size != 0 || int64_t(w.shape(-1)) * 32 != int64_t(K) * bits) {
     fail("x's last axis (" + std::to_string(K) + ") does not match w's packed width (" +
-         std::to_string(w.shape(1)) + " words of " + std::to_string(bits) + "-bit)");
+         std::to_string(w.shape(-1)) + " words of " + std::to_string(bits) + "-bit)");
   }
-  if (scales.shape(0) != N || scales.shape(1) != K / group_size || biases.shape() != scales.shape()) {
-    fail("scales and biases must be [N, K/group_size]");
+  if (scales.shape(-2) != N || scales.shape(-1) != K / group_size ||
+      biases.shape() != scales.shape() || (weight_ndim == 3 && scales.shape(0) != w.shape(0))) {
+    fail("scales and biases must be [N, K/group_size] per matrix");
   }
   auto stream = mx::default_stream(mx::default_device());
   if (stream.device != mx::Device::cpu) {
     fail("runs on MLX's CPU device only");
   }
+  return stream;
+}
+
+mx::array quantized_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits) {
+  auto stream = check_operands(x, w, scales, biases, group_size, bits, 2);
   auto shape = x.shape();
-  shape.back() = N;
+  shape.back() = w.shape(0);
   return mx::array(
       std::move(shape),
       x.dtype(),
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits, false),
       {x, w, scales, biases});
+}
+
+// x [..., M, K] (batch dims equal to indices' shape) times expert indices[...]'s matrix of the
+// stack w [E, N, Kp]: [..., M, N].
+mx::array gather_matmul(
+    const mx::array& x,
+    const mx::array& w,
+    const mx::array& scales,
+    const mx::array& biases,
+    const mx::array& indices,
+    int group_size,
+    int bits) {
+  auto stream = check_operands(x, w, scales, biases, group_size, bits, 3);
+  if (indices.dtype() != mx::uint32 || x.ndim() != indices.ndim() + 2 ||
+      !std::equal(indices.shape().begin(), indices.shape().end(), x.shape().begin())) {
+    throw std::invalid_argument(
+        "[mlxr gather_matmul] expected uint32 indices [...] and x [..., M, K] with the same batch "
+        "dims");
+  }
+  auto shape = x.shape();
+  shape.back() = w.shape(1);
+  return mx::array(
+      std::move(shape),
+      x.dtype(),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits, true),
+      {x, w, scales, biases, indices});
 }
 
 }  // namespace
@@ -858,6 +935,9 @@ NB_MODULE(_mlxr_qmm, m) {
   m.def("quantized_matmul", &quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a,
         "x [..., K] @ dequantize(w).T for MLX affine packing (transpose=True), on the CPU.");
+  m.def("gather_matmul", &gather_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a,
+        "group_size"_a, "bits"_a,
+        "x [..., M, K] @ dequantize(w[indices[...]]).T per batch entry, on the CPU.");
   m.def("set_num_threads", &set_threads, "n"_a);
   m.def("num_threads", []() { return g_threads; });
   m.def("isa", []() { return std::string(kIsa); });

@@ -118,18 +118,50 @@ def test_auto_binds_it_on_the_cpu_and_keeps_weights_packed(module):
     kernels = bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES)
     assert kernels.chosen["quantized_matmul"] == "cpu_native"
     assert kernels.keeps_packed
-    assert kernels.chosen["gather_matmul"] != "cpu_native"
+    assert kernels.chosen["gather_matmul"] == "cpu_native"
     chosen_blas = bind_kernels(
         registries.kernels, dtype="float32", shapes=SHAPES, choices={"quantized_matmul": "cpu_blas"}
     )
     assert not chosen_blas.keeps_packed
 
 
-def test_refuses_other_devices_and_the_gather_form():
-    gpu = KernelContext(op="quantized_matmul", device="gpu", platform="cuda", dtype="float32")
-    assert any("CPU backend" in reason for reason in cpu_native.quantized_matmul_kernel.supports(gpu))
-    cpu = KernelContext(op="gather_matmul", device="cpu", platform="cpu", dtype="float32")
-    assert cpu_native.gather_matmul_kernel.supports(cpu)
+def test_refuses_other_devices():
+    for op, backend in (("quantized_matmul", cpu_native.quantized_matmul_kernel),
+                        ("gather_matmul", cpu_native.gather_matmul_kernel)):
+        gpu = KernelContext(op=op, device="gpu", platform="cuda", dtype="float32")
+        assert any("CPU backend" in reason for reason in backend.supports(gpu))
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize(
+    ("x_shape", "indices_shape"),
+    [
+        ((3, 1, 1, 256), (3, 2)),  # a decode step of 3 tokens, top-2: x [B, 1, 1, K] broadcast
+        ((1, 1, 256), (5,)),  # one row to five experts
+        ((2, 1, 1, 1, 256), (2, 1, 3)),  # [B, L, 1, 1, K] against [B, L, k]
+        ((2, 4, 256), (2,)),  # several rows per expert
+    ],
+)
+def test_gather_form_matches_the_reference(module, bits, x_shape, indices_shape):
+    E, N, K = 6, 70, 256
+    w, scales, biases = packed(E * N, K, bits, 32)
+    w, scales, biases = (a.reshape(E, N, -1) for a in (w, scales, biases))
+    x = mx.random.normal(x_shape)
+    indices = mx.random.randint(0, E, indices_shape).astype(mx.uint32)
+    kwargs = {"indices": indices, "group_size": 32, "bits": bits}
+    got = cpu_native.gather_matmul(x, w, scales, biases, **kwargs)
+    assert_close(got, reference.gather_matmul(x, w, scales, biases, **kwargs), mx.float32)
+
+
+def test_gather_form_falls_back_for_dense_experts_and_refuses_bad_indices(module):
+    x = mx.random.normal((2, 1, 64))
+    w = mx.random.normal((3, 16, 64))
+    indices = mx.array([2, 0], dtype=mx.uint32)
+    got = cpu_native.gather_matmul(x, w, indices=indices)
+    assert_close(got, reference.gather_matmul(x, w, indices=indices), mx.float32)
+    packed_w, scales, biases = mx.quantize(w, group_size=32, bits=4)
+    with pytest.raises(Exception, match="expert index out of range"):
+        mx.eval(module.gather_matmul(x, packed_w, scales, biases, mx.array([2, 3], dtype=mx.uint32), 32, 4))
 
 
 def test_a_failed_build_is_a_reason_not_an_error(tmp_path, monkeypatch):

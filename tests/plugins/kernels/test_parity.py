@@ -295,7 +295,7 @@ def test_plugin_registers_both_backends_and_auto_prefers_mlx_fast():
         "rope": "cpu_blas",
         # The native backend where it builds here, else cpu_blas (see test_cpu_native.py).
         "quantized_matmul": "cpu_native" if native.load()[0] is not None else "cpu_blas",
-        "gather_matmul": "mlx_fast",
+        "gather_matmul": "cpu_native" if native.load()[0] is not None else "mlx_fast",
         "route": "mlx_fast",
         "gated_delta": "mlx_fast",
     }

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[3]
 SHAPES = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
 #: auto's quantized matmul on this CPU: the native backend where it builds, else cpu_blas.
 CPU_QMM = "cpu_native" if native.load()[0] is not None else "cpu_blas"
+CPU_GATHER = "cpu_native" if native.load()[0] is not None else "mlx_fast"
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_on_this_cpu_auto_binds_mlx_fast_and_device_kernels_refuse_with_reasons(
     kernels = bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES)
     assert dict(kernels.chosen) == {"attention": "mlx_fast", "rms_norm": "mlx_fast",
                                     "add_rms_norm": "mlx_fast", "rope": "cpu_blas",
-                                    "quantized_matmul": CPU_QMM, "gather_matmul": "mlx_fast",
+                                    "quantized_matmul": CPU_QMM, "gather_matmul": CPU_GATHER,
                                     "route": "mlx_fast", "gated_delta": "mlx_fast"}
     assert kernels.attention is mlx_fast.attention
     with pytest.raises(KernelUnavailable, match="needs MLX's CUDA backend"):
@@ -111,7 +112,7 @@ def test_model_choices_override_global_ones_at_load(registries, tmp_path):
                                                            "rms_norm": "reference"})
     assert dict(loaded.kernels.chosen) == {"attention": "reference", "rms_norm": "reference",
                                            "add_rms_norm": "mlx_fast", "rope": "cpu_blas",
-                                           "quantized_matmul": CPU_QMM, "gather_matmul": "mlx_fast",
+                                           "quantized_matmul": CPU_QMM, "gather_matmul": CPU_GATHER,
                                            "route": "mlx_fast", "gated_delta": "mlx_fast"}
     with pytest.raises(KernelUnavailable, match="cuda"):
         load_model(ModelConfig(path=str(path), dtype="float32"), registries,
@@ -131,7 +132,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
         ("quantized_matmul", "cuda_dense"), ("quantized_matmul", "cuda_qmm"),
         ("route", "cuda_moe"), ("gated_delta", "cuda_delta"), ("gated_delta", "metal"),
         ("quantized_matmul", "cpu_native"), ("gather_matmul", "cpu_native")}
-    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3 + ["cpu_blas", CPU_QMM] + ["mlx_fast"] * 3
+    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3 + ["cpu_blas", CPU_QMM, CPU_GATHER] + ["mlx_fast"] * 2
     assert "needs MLX's CUDA backend" in by_key[("add_rms_norm", "cuda_norm")]["reasons"][0]
     assert not by_key[("attention", "cuda")]["supported"]
     assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]
