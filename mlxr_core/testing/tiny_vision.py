@@ -198,6 +198,30 @@ def idefics3_model(folder: Path, torch: Any, transformers: Any, kind: str = "Ide
     return model, processor
 
 
+def siglip_mmproj_writer(path: Path, vision: dict[str, Any], projector_type: str, projection_dim: int) -> Any:
+    """A ``gguf.GGUFWriter`` for llama.cpp's mmproj of a SigLIP tower, its ``clip.vision.*`` keys
+    written as ``convert_hf_to_gguf`` writes them (mean and std 0.5, GELU, a scale factor of 2);
+    the caller adds more keys and the tensors, then writes the file."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "clip")
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(projector_type)
+    writer.add_vision_projection_dim(projection_dim)
+    writer.add_vision_image_size(vision["image_size"])
+    writer.add_vision_patch_size(vision["patch_size"])
+    writer.add_vision_embedding_length(vision["hidden_size"])
+    writer.add_vision_feed_forward_length(vision["intermediate_size"])
+    writer.add_vision_block_count(vision["num_hidden_layers"])
+    writer.add_vision_head_count(vision["num_attention_heads"])
+    writer.add_vision_image_mean([0.5] * 3)
+    writer.add_vision_image_std([0.5] * 3)
+    writer.add_vision_attention_layernorm_eps(1e-6)
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_projector_scale_factor(2)
+    return writer
+
+
 def _add_image_tokens(folder: Path, names: dict[int, str] | None = None, template: str = CHAT_TEMPLATE) -> None:
     """Ids 60-62 become the family's image tokens (special, so a template's markup splits off
     them; Gemma's by default), and ``template`` the chat template."""

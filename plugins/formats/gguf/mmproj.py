@@ -9,7 +9,9 @@ Gemma 3's pooling projector; ``convert_hf_to_gguf`` stores the projector's norm 
 ``qwen2.5vl_merger`` (Qwen2.5-VL's tower and merger, served with a ``qwen2vl`` text GGUF; the
 converter splits the fused ``qkv`` and the patch convolution's two frames, joined again here) and
 ``qwen3vl_merger`` (Qwen3-VL's tower, position table, merger and DeepStack mergers, served with a
-``qwen3vl`` text GGUF; ``v.deepstack.N.*`` is numbered by the tower block it follows).
+``qwen3vl`` text GGUF; ``v.deepstack.N.*`` is numbered by the tower block it follows) and
+``idefics3`` (SmolVLM's and Idefics3's SigLIP tower and pixel-shuffle connector beside a ``llama``
+text GGUF, which it turns into an ``idefics3`` model).
 """
 
 from __future__ import annotations
@@ -91,27 +93,52 @@ class Getter:
         return {"image_mean": self(Vision.IMAGE_MEAN, list, [0.5] * 3), "image_std": self(Vision.IMAGE_STD, list, [0.5] * 3)}
 
 
-def gemma3_settings(get: Getter) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Gemma 3's ``vision_config`` (transformers' SigLIP names), ``mm_tokens_per_image`` (the patch
-    grid pooled by ``clip.vision.projector.scale_factor``) and the image processor's settings."""
-    size = get(Vision.IMAGE_SIZE, int)
-    vision = {
+def siglip_config(get: Getter) -> dict[str, Any]:
+    """A SigLIP tower's ``vision_config`` (transformers' names)."""
+    return {
         "hidden_size": get(Vision.EMBEDDING_LENGTH, int),
         "intermediate_size": get(Vision.FEED_FORWARD_LENGTH, int),
         "num_hidden_layers": get(Vision.BLOCK_COUNT, int),
         "num_attention_heads": get(Vision.Attention.HEAD_COUNT, int),
-        "image_size": size,
+        "image_size": get(Vision.IMAGE_SIZE, int),
         "patch_size": get(Vision.PATCH_SIZE, int),
         "layer_norm_eps": get(Vision.Attention.LAYERNORM_EPS, float, 1e-6),
         "hidden_act": "gelu_pytorch_tanh",  # ggml's GELU is the tanh approximation
         "vision_use_head": False,
     }
+
+
+def gemma3_settings(get: Getter) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gemma 3's ``vision_config`` (transformers' SigLIP names), ``mm_tokens_per_image`` (the patch
+    grid pooled by ``clip.vision.projector.scale_factor``) and the image processor's settings."""
+    vision = siglip_config(get)
+    size = vision["image_size"]
     factor = get(Vision.Projector.SCALE_FACTOR, int, GEMMA3_SCALE_FACTOR)
     side = size // vision["patch_size"]
     if side % factor:
         raise ModelLoadError(f"{factor} does not divide the {side} patches per side", key=Vision.Projector.SCALE_FACTOR)
     config = {"vision_config": vision, "mm_tokens_per_image": (side // factor) ** 2}
     return config, {**get.normalize(), "size": {"height": size, "width": size}}
+
+
+#: Idefics3's and SmolVLM's other tensors (the tower under ``vision_model``, the connector's matrix).
+IDEFICS3_TOP_NAMES = {
+    "v.patch_embd": "vision_model.embeddings.patch_embedding",
+    "v.position_embd": "vision_model.embeddings.position_embedding",
+    "v.post_ln": "vision_model.post_layernorm",
+    "mm.model.fc": "connector.modality_projection.proj",
+}
+
+
+def idefics3_settings(get: Getter) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Idefics3's ``vision_config``, ``scale_factor`` (the pixel shuffle's) and the processor's
+    settings: tiles of the tower's ``image_size``, images resized to a longest edge of
+    ``clip.vision.preproc_image_size`` (the converter's copy of ``size.longest_edge``)."""
+    vision = siglip_config(get)
+    tile = vision["image_size"]
+    config = {"vision_config": vision, "scale_factor": get(Vision.Projector.SCALE_FACTOR, int, 2)}
+    sizes = {"size": {"longest_edge": get(Vision.PREPROC_IMAGE_SIZE, int, 4 * tile)}, "max_image_size": {"longest_edge": tile}}
+    return config, {**get.normalize(), **sizes}
 
 
 #: Qwen2.5-VL's blocks (``v.blk.N.<name>``) -> its tower's modules under ``visual.blocks.N``;
@@ -257,7 +284,8 @@ def join_qwen3(weights: dict[str, mx.array], quantization: dict[str, QuantSpec],
 @attrs.frozen
 class Projector:
     """What one projector type needs: the text ``model_type`` it serves, its config and
-    processor settings, tensor names, the image token (and its config key), any joining."""
+    processor settings, tensor names, the image token (and its config key), any joining, and the
+    multimodal ``model_type`` the text model then becomes where that differs (Idefics3: ``llama``)."""
 
     model_type: str
     settings: Callable[[Getter], tuple[dict[str, Any], dict[str, Any]]]
@@ -265,6 +293,7 @@ class Projector:
     image_token: str
     image_token_key: str
     join: Callable[[dict[str, mx.array], dict[str, QuantSpec], dict[str, str]], None] | None = None
+    becomes: str | None = None
 
 
 PROJECTORS = {
@@ -280,6 +309,12 @@ PROJECTORS = {
         "<|image_pad|>", "image_token_id", join_qwen25,
     ),
     "qwen3vl_merger": Projector("qwen3_vl", qwen3_settings, qwen3_name, "<|image_pad|>", "image_token_id", join_qwen3),
+    # SmolVLM's and Idefics3's text model is a llama GGUF
+    "idefics3": Projector(
+        "llama", idefics3_settings,
+        partial(checkpoint_name, top=IDEFICS3_TOP_NAMES, blocks=SIGLIP_BLOCK_NAMES, layers="vision_model.encoder.layers"),
+        "<image>", "image_token_id", becomes="idefics3",
+    ),
 }
 
 
@@ -317,7 +352,7 @@ def load_projector(checkpoint: Checkpoint, path: Path, dtype: str = "float32") -
     if kind not in PROJECTORS:
         raise refuse(f"projector type {kind!r} is not supported (supported: {', '.join(PROJECTORS)})", key=key)
     projector = PROJECTORS[kind]
-    if projector.model_type != model_type:
+    if model_type not in {projector.model_type, projector.becomes} - {None}:
         raise refuse(f"a {kind} projector does not fit the {model_type} text model {checkpoint.path.name}", key=key)
     try:
         settings, preprocessor = projector.settings(Getter(reader))
@@ -363,6 +398,8 @@ def load_projector(checkpoint: Checkpoint, path: Path, dtype: str = "float32") -
     config = {**checkpoint.config, **settings}
     if token_id is not None:
         config[projector.image_token_key] = token_id
+    if projector.becomes is not None:
+        config["model_type"] = projector.becomes
     return attrs.evolve(
         checkpoint,
         config=config,

@@ -34,6 +34,7 @@ from mlxr_core.testing.tiny_vision import (
     TEXT,
     VISION,
     gemma3_vision_model,
+    siglip_mmproj_writer,
 )
 
 PROMPT = [2, 17, 5, BEGIN, *[IMAGE] * 4, END, 9, 33, 12, 40]
@@ -85,21 +86,9 @@ def write_mmproj(path: Path, state: dict[str, np.ndarray], quant: str = "F32", *
     encoder blocks' matrices; ``metadata`` overrides ``clip.vision.*`` values."""
     vision = {**VISION, **QUANTIZABLE_VISION}
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
-    writer = gguf.GGUFWriter(path, "clip")
-    writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(str(metadata.get("projector_type", "gemma3")))
-    writer.add_vision_projection_dim(int(metadata.get("projection_dim", 32)))  # type: ignore[call-overload]
-    writer.add_vision_image_size(vision["image_size"])
-    writer.add_vision_patch_size(vision["patch_size"])
-    writer.add_vision_embedding_length(vision["hidden_size"])
-    writer.add_vision_feed_forward_length(vision["intermediate_size"])
-    writer.add_vision_block_count(vision["num_hidden_layers"])
-    writer.add_vision_head_count(vision["num_attention_heads"])
-    writer.add_vision_image_mean([0.5] * 3)
-    writer.add_vision_image_std([0.5] * 3)
-    writer.add_vision_attention_layernorm_eps(1e-6)
-    writer.add_vision_use_gelu(True)
-    writer.add_vision_projector_scale_factor(2)  # 4x4 patches pooled to 2x2 tokens
+    projection_dim = int(metadata.get("projection_dim", 32))  # type: ignore[call-overload]
+    # a scale factor of 2: 4x4 patches pooled to 2x2 tokens
+    writer = siglip_mmproj_writer(path, vision, str(metadata.get("projector_type", "gemma3")), projection_dim)
     for name, array in state.items():
         name = name.removeprefix("model.")
         if not name.startswith(VISION_PARTS):
