@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=SPEED_SETTINGS)
     parser.add_argument("--reference-too", action="store_true",
                         help="also time each turboquant setting on its reference backend (NAME_reference), "
-                        "where the fused CUDA kernels would run")  # fmt: skip
+                        "where the fused kernels would run (CUDA; Metal, untested)")  # fmt: skip
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 

@@ -23,7 +23,7 @@ import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
 import mlx.core as mx
 
 from mlxr_core.model.cache import KVCache
-from mlxr_plugins.kv_caches import turboquant, turboquant_cuda
+from mlxr_plugins.kv_caches import turboquant
 from mlxr_plugins.kv_caches.turboquant import TurboQuantKV, TurboQuantKVCache
 
 HQ, HKV, D = 32, 8, 64
@@ -94,9 +94,10 @@ def main() -> None:
     mx.eval(probs)
     report["reference_scores_us"] = timed(lambda: codec.scores(grouped, *stored[:K]), args.iters)
     report["reference_values_us"] = timed(lambda: codec.weighted_values(probs, *stored[K:]), args.iters)
-    if not turboquant_cuda.reasons(grouped):
-        report["fused_scores_us"] = timed(lambda: turboquant_cuda.scores(codec, grouped, *stored[:K]), args.iters)
-        report["fused_values_us"] = timed(lambda: turboquant_cuda.weighted_values(codec, probs, *stored[K:]), args.iters)
+    kernels = turboquant.fused_backend()
+    if kernels is not None and not kernels.reasons(grouped):
+        report["fused_scores_us"] = timed(lambda: kernels.scores(codec, grouped, *stored[:K]), args.iters)
+        report["fused_values_us"] = timed(lambda: kernels.weighted_values(codec, probs, *stored[K:]), args.iters)
     print(json.dumps({"context": S, "bits": args.bits, "device": str(mx.default_device()), **report}, indent=1))
 
 

@@ -19,11 +19,13 @@ is seen as its codes say, as if it had left the window.
 Backends: the reference one, in ``mx``: per step the queries are rotated and sketched once, the
 stored bytes of every position looked up in 256-row tables (keys' levels and signs, values'
 levels, all still rotated), scores and the weighted sum of values are matmuls with the norms
-applied to the scores and the weights, and the sum is rotated back once. On MLX's CUDA backend a
-decode step (one query position) reads the packed bytes in two fused kernels instead
-(:mod:`mlxr_plugins.kv_caches.turboquant_cuda`; :data:`FUSED` False keeps the reference, for
-comparison). No Metal kernel: the reference runs there. ``bench/kv_memory.py`` measures the cost
-of each against full precision.
+applied to the scores and the weights, and the sum is rotated back once. On MLX's GPU backends
+writing positions and a decode step (one query position) run fused kernels instead, which read
+and write the packed bytes directly (:func:`fused_backend` picks them: CUDA,
+:mod:`mlxr_plugins.kv_caches.turboquant_cuda`, tested on an H200; Metal,
+:mod:`mlxr_plugins.kv_caches.turboquant_metal`, written but untested: never compiled or run, no
+Apple machine here). :data:`FUSED` False keeps the reference, for comparison.
+``bench/kv_memory.py`` measures the cost of each against full precision.
 """
 
 from __future__ import annotations
@@ -39,14 +41,27 @@ from mlxr_core.errors import ConfigError
 from mlxr_core.model.cache import _pad_positions
 from mlxr_core.model.masks import window_mask
 from mlxr_core.model.quantized_cache import PackedRows, PackedSequence, grouped_softmax
-from mlxr_plugins.kv_caches import turboquant_cuda
+from mlxr_plugins.kv_caches import turboquant_cuda, turboquant_metal
 from mlxr_plugins.kv_caches.codebooks import Codec, layer_codec
+from mlxr_plugins.kv_caches.turboquant_fused import FusedBackend
 
-#: Decode steps on MLX's CUDA backend read the cache through the fused kernels.
+#: On MLX's GPU backends the cache is written and decode steps read it through fused kernels.
 FUSED = True
 #: Positions kept in full precision past the window: the most draft tokens a decoder rolls back.
 TRIM_SLACK = 64
 BITS = (4, 3, 2)
+
+
+@functools.cache
+def fused_backend() -> FusedBackend | None:
+    """The fused kernels for MLX's GPU backend on this machine (CUDA or Metal), or None: the
+    reference runs. Whether a call may take them (the default device, its shapes) is for the
+    module's ``reasons`` and ``encode_reasons`` to say."""
+    if mx.cuda.is_available():
+        return turboquant_cuda
+    if mx.metal.is_available():
+        return turboquant_metal
+    return None
 
 
 @attrs.frozen
@@ -145,8 +160,9 @@ class BatchTurboQuantKVCache(PackedRows):
 
     def encode(self, keys: mx.array, values: mx.array) -> list[mx.array]:
         codec = self.codec(keys.shape[-1])
-        if FUSED and not turboquant_cuda.encode_reasons(keys):
-            return turboquant_cuda.encode(codec, keys, values)
+        fused = fused_backend()
+        if FUSED and fused is not None and not fused.encode_reasons(keys):
+            return fused.encode(codec, keys, values)
         return [*codec.encode_keys(keys), *codec.encode_values(values)]
 
     def single(self) -> TurboQuantKVCache:
@@ -181,9 +197,10 @@ class BatchTurboQuantKVCache(PackedRows):
         q = (queries * scale).reshape(B, Hkv, Hq // Hkv, L, D)
         K = codec.key_arrays
         packed_scores, packed_values = codec.scores, codec.weighted_values
-        if FUSED and not turboquant_cuda.reasons(queries):
-            packed_scores = functools.partial(turboquant_cuda.scores, codec)
-            packed_values = functools.partial(turboquant_cuda.weighted_values, codec)
+        fused = fused_backend()
+        if FUSED and fused is not None and not fused.reasons(queries):
+            packed_scores = functools.partial(fused.scores, codec)
+            packed_values = functools.partial(fused.weighted_values, codec)
         scores = packed_scores(q, *(a[:, :, :S] for a in self.arrays[:K]))  # [B, Hkv, R, L, S]
         if W:
             before = self.tail or [keys[:, :, :0], values[:, :, :0]]

@@ -21,24 +21,19 @@ Results equal the reference up to float32 summation order.
 Writing positions (:func:`encode`, prompts too) is one kernel for the keys and one for the values:
 normalize, rotate, pick the levels, sketch the residual, pack.
 
-Metal: not written (the reference backend runs there).
+The launches (shapes, grids, template arguments) are shared with the Metal twin,
+:mod:`mlxr_plugins.kv_caches.turboquant_metal`, in :mod:`mlxr_plugins.kv_caches.turboquant_fused`;
+the Metal kernels are written but untested (never compiled or run: no Apple machine here).
 """
 
 from __future__ import annotations
 
-import functools
-import math
-import struct
-from typing import Any
-
 import mlx.core as mx
 
-#: Threads per block of the scores kernel (one position each).
-SCORE_THREADS = 128
+from mlxr_plugins.kv_caches import turboquant_fused as fused
+
 #: Blocks to aim for in the values kernel (two per SM of an H100/H200).
 TARGET_BLOCKS = 264
-#: Fewest positions one block of the values kernel sums.
-MIN_CHUNK = 64
 
 _HEADER = r"""
 template <int W0, int W1, int D>
@@ -203,140 +198,16 @@ _ENCODE = r"""
 """
 
 
-def reasons(queries: mx.array) -> list[str]:
-    """Why the fused kernels cannot take this attention call (empty: they can)."""
-    found = []
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
-        found.append("MLX's CUDA backend is not the default device")
-    if queries.shape[-2] != 1:
-        found.append("more than one query position (a prompt)")
-    return found
-
-
-def _planes(bits: int) -> tuple[int, int]:
-    from mlxr_plugins.kv_caches.codebooks import PLANES
-
-    widths = PLANES[bits]
-    return widths[0], widths[1] if len(widths) > 1 else 0
-
-
-@functools.cache
-def _encode_kernel(sketch: bool) -> Any:
-    return mx.fast.cuda_kernel(
-        name="mlxr_tq_encode" + ("_sketch" if sketch else ""),
-        input_names=["x", "rotation", "sketch", "edges", "levels"],
-        output_names=["codes", "signs", "norms"] if sketch else ["codes", "norms"],
-        source=f"#define SKETCH_ON {int(sketch)}\n" + _ENCODE,
-    )
-
-
-def encode(codec: Any, keys: mx.array, values: mx.array) -> list[mx.array]:
-    """:meth:`Codec.encode_keys` and :meth:`Codec.encode_values` of ``[B, H, L, D]`` keys and
-    values, one kernel each: a block per (row, head, position) normalizes, rotates, finds each
-    coordinate's level, sketches the keys' residual and packs the bytes (the reference spends
-    some 40 small ops on it, which on a GPU cost more than the attention itself)."""
-    *lead, D = keys.shape
-    arrays = []
-    for x, levels, sketch in ((keys, codec.keys, codec.sketch_keys), (values, codec.values, False)):
-        N = x.size // D
-        W0, W1 = _planes(levels.bits)
-        shapes = [(N, D * levels.bits // 8)] + ([(N, D // 8), (N, 2)] if sketch else [(N, 1)])
-        dtypes = [mx.uint8] + ([mx.uint8, mx.float16] if sketch else [mx.float16])
-        outputs = _encode_kernel(sketch)(
-            inputs=[x.reshape(N, D), codec.rotation, codec.sketch, levels.edges, levels.levels],
-            template=[("T", x.dtype), ("D", D), ("W0", W0), ("W1", W1)],
-            grid=(N * D, 1, 1),
-            threadgroup=(D, 1, 1),
-            output_shapes=shapes,
-            output_dtypes=dtypes,
-        )
-        arrays += [out.reshape(*lead, out.shape[-1]) for out in outputs]
-    return arrays
-
-
-def encode_reasons(keys: mx.array) -> list[str]:
-    """Why :func:`encode` cannot take these keys (empty: it can)."""
-    found = []
-    if mx.default_device() != mx.gpu or not mx.cuda.is_available():
-        found.append("MLX's CUDA backend is not the default device")
-    if keys.size == 0:
-        found.append("no positions")
-    if keys.shape[-1] % 32 or keys.shape[-1] > 1024:
-        found.append(f"head size {keys.shape[-1]} is not a multiple of 32 up to 1024")
-    return found
-
-
-@functools.cache
-def _scores_kernel() -> Any:
-    return mx.fast.cuda_kernel(
-        name="mlxr_tq_scores",
-        input_names=["q", "qs", "codes", "signs", "norms", "levels"],
-        output_names=["out"],
-        source=_SCORES,
-        header=_HEADER,
-        ensure_row_contiguous=False,
-    )
-
-
-@functools.cache
-def _values_kernel() -> Any:
-    return mx.fast.cuda_kernel(
-        name="mlxr_tq_values",
-        input_names=["probs", "codes", "norms", "levels"],
-        output_names=["out"],
-        source=_VALUES,
-        header=_HEADER,
-        ensure_row_contiguous=False,
-    )
-
-
-def scores(codec: Any, queries: mx.array, *keys: mx.array) -> mx.array:
-    """:meth:`Codec.scores` for one query position: ``queries`` ``[B, Hkv, R, 1, D]``, the stored
-    keys ``[B, Hkv, S, *]`` -> ``[B, Hkv, R, 1, S]`` float32."""
-    B, Hkv, R, _, D = queries.shape
-    if codec.sketch_keys:
-        codes, signs, norms = keys
-        rotated, sketched = codec.query_terms(queries.astype(mx.float32))
-        kbits = codec.bits - 1
-    else:
-        codes, norms = keys
-        rotated = queries.astype(mx.float32) @ codec.rotation
-        sketched, signs = rotated, codes  # unread
-        kbits = codec.bits
-    S = codes.shape[2]
-    W0, W1 = _planes(kbits)
-    weight = math.sqrt(math.pi / 2) / D
-    (out,) = _scores_kernel()(
-        inputs=[mx.contiguous(rotated), mx.contiguous(sketched), codes, signs, norms, codec.keys.levels],
-        template=[
-            ("R", R), ("D", D), ("W0", W0), ("W1", W1), ("SKETCH", int(codec.sketch_keys)),
-            ("SKETCH_SCALE_BITS", _float_bits(weight)),
-        ],
-        grid=(-(-S // SCORE_THREADS) * SCORE_THREADS, B * Hkv, 1),
-        threadgroup=(SCORE_THREADS, 1, 1),
-        output_shapes=[(B, Hkv, R, 1, S)],
-        output_dtypes=[mx.float32],
-    )
-    return out
-
-
-def weighted_values(codec: Any, probs: mx.array, codes: mx.array, norms: mx.array) -> mx.array:
-    """:meth:`Codec.weighted_values` for one query position: ``probs`` ``[B, Hkv, R, 1, S]``
-    -> ``[B, Hkv, R, 1, D]``, rotated back."""
-    B, Hkv, R, _, S = probs.shape
-    D = codec.dim
-    W0, W1 = _planes(codec.bits)
-    chunks = max(1, min(-(-S // MIN_CHUNK), -(-TARGET_BLOCKS // (B * Hkv))))
-    (partial,) = _values_kernel()(
-        inputs=[mx.contiguous(probs.astype(mx.float32)), codes, norms, codec.values.levels],
-        template=[("R", R), ("D", D), ("W0", W0), ("W1", W1)],
-        grid=(chunks * D, B * Hkv, 1),
-        threadgroup=(D, 1, 1),
-        output_shapes=[(chunks, B, Hkv, R, 1, D)],
-        output_dtypes=[mx.float32],
-    )
-    return partial.sum(axis=0) @ codec.rotation.T
-
-
-def _float_bits(value: float) -> int:
-    return int(struct.unpack("<i", struct.pack("<f", value))[0])
+# The maker is looked up when a kernel is first built, not at import.
+KERNELS = fused.Kernels(
+    "CUDA",
+    mx.cuda.is_available,
+    lambda **kernel: mx.fast.cuda_kernel(**kernel),
+    fused.Sources(encode=_ENCODE, encode_header="", scores=_SCORES, values=_VALUES, header=_HEADER),
+    TARGET_BLOCKS,
+)
+reasons = KERNELS.reasons
+encode_reasons = KERNELS.encode_reasons
+encode = KERNELS.encode
+scores = KERNELS.scores
+weighted_values = KERNELS.weighted_values
