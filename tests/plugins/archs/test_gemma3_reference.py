@@ -115,12 +115,16 @@ def test_kept_quantization_stays_packed_and_agrees(checkpoint, registries):
 @pytest.fixture(scope="module")
 def served_logits(checkpoint, registries) -> dict[str, np.ndarray]:
     """Logits under ``auto``, what the loader serves here: on a CPU where ``cpu_native`` runs, the
-    packed weights (Q6_K requantized to 8 bits) multiplied by it."""
+    packed weights (Q6_K requantized to 8 bits) multiplied by it. The prompts within the sliding
+    window: the long one checks the window, which the dense model above covers."""
     model = build(checkpoint, registries, "auto")
-    return {p["name"]: np.array(model(mx.array([p["ids"]]))[0, -1]) for p in PROMPTS}
+    return {p["name"]: np.array(model(mx.array([p["ids"]]))[0, -1]) for p in SHORT_PROMPTS}
 
 
-@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: p["name"])
+SHORT_PROMPTS = [p for p in PROMPTS if len(p["ids"]) <= 512]
+
+
+@pytest.mark.parametrize("prompt", SHORT_PROMPTS, ids=lambda p: p["name"])
 def test_the_served_model_agrees_with_llama_cpp(served_logits, prompt):
     ours = served_logits[prompt["name"]]
     their_ids = [token for token, _ in prompt["q4_k_m"]]
