@@ -8,10 +8,11 @@ request or job) for its keep-alive (``models[].idle_unload_seconds``, or what an
 unloaded first. A model that cannot fit waits while busy models may still free room, and is
 refused when only pinned models stand in its way.
 
-A model counts for its weights' bytes, the KV cache its requests may reserve (``context_length``
-x ``engine.max_batch_size`` positions, at most ``engine.max_kv_bytes`` when that is set) and its
-prefix cache's ``max_bytes``. Before its first load only its files' size is known; that estimate
-is replaced by the measured figure once it has loaded.
+A model counts for its weights' bytes (a vision model's tower and projector among them), the KV
+cache its requests may reserve (``context_length`` x ``engine.max_batch_size`` positions, at most
+``engine.max_kv_bytes`` when that is set) and its prefix cache's ``max_bytes``. Before its first
+load only its files' size is known (a projector file's included); that estimate is replaced by
+the measured figure once it has loaded.
 
 :class:`ModelLifecycle` runs on the engine thread, called by the scheduler's loop
 (:meth:`ModelLifecycle.tick`); other threads only post commands (:meth:`ModelLifecycle.post`) and
@@ -99,13 +100,21 @@ class ModelSlot:
         return time.time() + max(0.0, self.last_used + self.keep_alive - now)
 
 
-def estimated_footprint(path: Path) -> int:
-    """The bytes of a model's weight files: its footprint before it has ever loaded."""
+def estimated_footprint(path: Path, mmproj: str | None = None) -> int:
+    """The bytes of a model's weight files, with its projector file's (``models[].mmproj``, or
+    the ``mmproj*.gguf`` beside a GGUF): its footprint before it has ever loaded."""
+    from mlxr_core.model.paths import resolve_projector
+
+    try:
+        projector = resolve_projector(mmproj, path)
+    except MlxrError:  # the load says what is wrong with it
+        projector = None
+    extra = projector.stat().st_size if projector is not None and projector.is_file() else 0
     if path.is_file():
-        return path.stat().st_size
+        return path.stat().st_size + extra
     if path.is_dir():
-        return sum(f.stat().st_size for f in path.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file())
-    return 0
+        return sum(f.stat().st_size for f in path.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file()) + extra
+    return extra
 
 
 def model_footprint(
@@ -127,7 +136,7 @@ class ModelLifecycle:
     def __init__(self, config: Config, names: list[str], paths: list[Path]):
         self.budget = config.engine.memory_budget_bytes
         self.slots = {
-            name: ModelSlot(index, model, name, path, footprint=estimated_footprint(path),
+            name: ModelSlot(index, model, name, path, footprint=estimated_footprint(path, model.mmproj),
                             keep_alive=model.idle_unload_seconds)
             for index, (model, name, path) in enumerate(zip(config.models, names, paths, strict=True))
         }  # fmt: skip

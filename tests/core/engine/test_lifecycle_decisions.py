@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
-from mlxr_core.engine.lifecycle import ModelLifecycle, ModelSlot
+from mlxr_core.engine.lifecycle import ModelLifecycle, ModelSlot, estimated_footprint
 from mlxr_core.errors import ConfigError, MlxrError, ModelUnavailable
 
 SIZE = 100
@@ -113,3 +113,18 @@ def test_idle_keep_alive_and_an_unload_that_waits_for_its_requests() -> None:
     life.tick(loader)
     assert unloaded.done() and life.slots["b"].state == "unloaded"
     assert life.slots["b"].keep_alive is None  # its configured keep-alive again
+
+
+def test_the_estimate_before_a_load_counts_the_projector_file(tmp_path: Path) -> None:
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"m" * 300)
+    assert estimated_footprint(model) == 300
+    (tmp_path / "mmproj-model.gguf").write_bytes(b"p" * 50)  # picked up beside it, as the load does
+    assert estimated_footprint(model) == 350
+    assert estimated_footprint(model, "none") == 300
+    elsewhere = tmp_path / "other" / "mmproj.gguf"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"p" * 70)
+    assert estimated_footprint(model, str(elsewhere)) == 370
+    (tmp_path / "mmproj-second.gguf").write_bytes(b"p")  # two beside it: the load refuses, the estimate leaves them out
+    assert estimated_footprint(model) == 300
