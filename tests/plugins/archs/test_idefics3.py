@@ -240,3 +240,28 @@ def test_each_weight_layout_maps_onto_the_modules(loaded, text, tower):
     vision = loaded.arch.vision(loaded.config).sanitize(checkpoint, loaded.config)
     assert sorted(vision) == sorted(vision_params)
     assert sorted(loaded.arch.sanitize(checkpoint, loaded.config)) == sorted(text_params)
+
+
+@pytest.mark.parametrize("size", [(1, 1), (3, 500), (200, 7), (64, 64)])  # (height, width): tiny, a sliver each way, exact
+def test_odd_image_sizes_cut_as_transformers_cuts_them(reference, loaded, size):
+    transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
+    from PIL import Image
+
+    image = Image.fromarray(np.random.default_rng(7).integers(0, 256, (*size, 3), dtype=np.uint8))
+    theirs = getattr(transformers, f"{reference.kind}ImageProcessorPil")(
+        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
+    )(image, return_tensors="np", return_row_col_info=True)
+    ours = loaded.vision.processor(image)
+    assert (ours.rows, ours.cols) == (theirs["rows"][0][0], theirs["cols"][0][0])
+    assert ours.shape == theirs["pixel_values"][0].shape and worst(ours, theirs["pixel_values"][0]) <= 1e-6
+
+
+def test_mlxr_info_reports_the_vision_side(reference, loaded):
+    from mlxr_core.cli.info import describe_model
+
+    facts = describe_model(str(reference.folder), dtype="float32")
+    assert facts["architecture"] == reference.kind.lower()
+    params = sum(array.size for _, array in tree_flatten(loaded.vision.module.parameters()))
+    assert facts["vision"] == {
+        "parameters": params, "resident_bytes": params * 4, "tokens_per_image": 4, "image_token_id": IMAGE,
+    }
