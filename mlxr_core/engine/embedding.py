@@ -9,7 +9,7 @@ engine runs them one forward pass at a time between its batch steps (:func:`embe
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -79,6 +79,21 @@ def embed_tokens(
         except StopIteration as done:
             vectors: list[list[float]] = done.value
             return vectors
+
+
+@attrs.frozen
+class EmbeddingWork:
+    """An embedding job's work (:class:`~mlxr_core.engine.jobs.EngineJob`): a value, not a
+    closure, so the ranks serving together can be sent it (:mod:`mlxr_core.engine.lockstep`)."""
+
+    model: str
+    inputs: list[list[int]]
+    chunk: int
+    pooling: str
+
+    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[None, None, Embeddings]:
+        vectors = yield from embed_parts(models[self.model], self.inputs, chunk=self.chunk, pooling=self.pooling)
+        return Embeddings(self.model, vectors, sum(len(ids) for ids in self.inputs))
 
 
 def embed_parts(

@@ -15,7 +15,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -387,34 +387,23 @@ class Engine:
         return await _wait(self._scoring_job(model, inputs))  # type: ignore[no-any-return]
 
     def _embedding_job(self, model: str, inputs: Sequence[Sequence[int]], pooling: str) -> EngineJob:
-        from mlxr_core.engine.embedding import embed_parts
+        from mlxr_core.engine.embedding import EmbeddingWork
 
         check_pooling(pooling)
         info, token_lists = self._check_inputs(model, inputs)
-        chunk, name = self.config.engine.prefill_chunk, info.name
-
-        def work(models: Any) -> Generator[None, None, Embeddings]:
-            vectors = yield from embed_parts(models[name], token_lists, chunk=chunk, pooling=pooling)
-            return Embeddings(name, vectors, sum(len(ids) for ids in token_lists))
-
-        return self._queue_job(EngineJob(work, what=f"embedding with model {name}", model=name))
+        work = EmbeddingWork(info.name, token_lists, self.config.engine.prefill_chunk, pooling)
+        return self._queue_job(EngineJob(work, what=f"embedding with model {info.name}", model=info.name))
 
     def _scoring_job(self, model: str, inputs: Sequence[Sequence[int]]) -> EngineJob:
-        from mlxr_core.engine.scoring import answer_ids, probability, score_parts
+        from mlxr_core.engine.scoring import ScoringWork, answer_ids
 
         info, token_lists = self._check_inputs(model, inputs)
         try:
             yes, no = answer_ids(info.tokenizer)
         except ValueError as exc:
             raise RequestError(f"model {info.name!r} cannot score relevance: {exc}", field="model") from None
-        chunk, name = self.config.engine.prefill_chunk, info.name
-
-        def work(models: Any) -> Generator[None, None, Scores]:
-            logits = yield from score_parts(models[name], token_lists, yes=yes, no=no, chunk=chunk)
-            scores = [probability(y, n) for y, n in logits]
-            return Scores(name, scores, logits, sum(len(ids) for ids in token_lists))
-
-        return self._queue_job(EngineJob(work, what=f"scoring with model {name}", model=name))
+        work = ScoringWork(info.name, token_lists, yes, no, self.config.engine.prefill_chunk)
+        return self._queue_job(EngineJob(work, what=f"scoring with model {info.name}", model=info.name))
 
     def _check_inputs(
         self, model: str, inputs: Sequence[Sequence[int]]
@@ -441,9 +430,8 @@ class Engine:
         return info, token_lists
 
     def _queue_job(self, job: EngineJob) -> EngineJob:
-        """Queue ``job`` for the engine thread, which runs it between batch steps."""
-        if self.world is not None:
-            raise Unsupported(f"{job.what} is not served across several processes (distributed:) yet")
+        """Queue ``job`` for the engine thread, which runs it between batch steps (under
+        ``distributed:``, every rank runs it: :mod:`mlxr_core.engine.lockstep` sends it on)."""
         with self._jobs_lock:
             if not self._jobs_open:
                 raise EngineStopped("the server is shutting down")
@@ -558,7 +546,7 @@ class Engine:
 
         if self.world is None:
             return None
-        return Lockstep(self.world, self._queue, self._stop, self._abort)
+        return Lockstep(self.world, self._queue, self._stop, self._abort, jobs=self._jobs)
 
     # -- which models are loaded (engine thread; see mlxr_core.engine.lifecycle) --------------
 

@@ -34,13 +34,15 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
 
+from mlxr_core.engine.jobs import EngineJob, refuse_jobs
 from mlxr_core.engine.request import Delta, Event, Failed, GenerationRequest, RequestHandle
-from mlxr_core.errors import RankLost
+from mlxr_core.errors import MlxrError, RankLost
 
 if TYPE_CHECKING:
     from mlxr_core.distributed import World
@@ -80,6 +82,10 @@ class StepInputs:
     abort: bool = False
     #: Every rank sends its counters to every other at this exchange (:meth:`Lockstep.rank_stats`).
     gather: bool = False
+    #: Jobs (embeddings, scoring) queued since the last loop: id, work, description, model.
+    jobs: tuple[tuple[int, Callable[..., Any], str, str | None], ...] = ()
+    #: Ids of jobs whose caller cancelled them.
+    cancelled_jobs: tuple[int, ...] = ()
 
 
 class MirroredHandle(RequestHandle):
@@ -110,9 +116,15 @@ class Lockstep:
         stop: threading.Event,
         abort: threading.Event,
         *,
+        jobs: queue.Queue[EngineJob] | None = None,
         exit_on_loss: bool = True,
     ):
         self.world = world
+        #: The jobs every rank runs, as the scheduler reads them (:attr:`Scheduler.jobs`).
+        self.jobs: queue.Queue[EngineJob] = queue.Queue()
+        self._submitted_jobs: queue.Queue[EngineJob] = jobs if jobs is not None else queue.Queue()
+        #: Job id -> (the job every rank runs, the caller's job on rank 0 or None).
+        self._live_jobs: dict[int, tuple[EngineJob, EngineJob | None]] = {}
         self.requests: queue.Queue[RequestHandle | None] = queue.Queue()
         self.stop = threading.Event()
         self.abort = threading.Event()
@@ -184,27 +196,54 @@ class Lockstep:
             self._next_id += 1
             self._track(rid, request, handle)
             requests.append((rid, request))
+        jobs = []
+        while True:
+            try:
+                job = self._submitted_jobs.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                pickle.dumps(job.work)
+            except Exception as exc:  # a closure, say: a plugin's job the other ranks cannot run
+                job.refuse(MlxrError(f"{job.what} cannot be sent to the other ranks ({type(exc).__name__}: {exc})"))
+                continue
+            jid = self._next_id
+            self._next_id += 1
+            self._track_job(jid, job.work, job.what, job.model, job)
+            jobs.append((jid, job.work, job.what, job.model))
         with self._live_lock:
             cancelled = tuple(
                 rid for rid, mirror in self._live.items()
                 if mirror.caller is not None and mirror.caller.cancelled and not mirror.cancelled
             )  # fmt: skip
+            cancelled_jobs = tuple(
+                jid for jid, (mirror, caller) in self._live_jobs.items()
+                if caller is not None and caller.cancelled and not mirror.cancelled
+            )  # fmt: skip
         gather = time.monotonic() - self._gathered_at >= RANK_STATS_PERIOD_S
         if gather:
             self._gathered_at = time.monotonic()
         return StepInputs(
-            tuple(requests), cancelled, self._engine_stop.is_set(), self._engine_abort.is_set(), gather
-        )
+            tuple(requests), cancelled, self._engine_stop.is_set(), self._engine_abort.is_set(), gather,
+            tuple(jobs), cancelled_jobs,
+        )  # fmt: skip
 
     def _apply(self, inputs: StepInputs) -> None:
         for rid, request in inputs.requests:
             with self._live_lock:
                 mirror = self._live.get(rid)
             self.requests.put(mirror if mirror is not None else self._track(rid, request, None))
+        for jid, work, what, model in inputs.jobs:
+            with self._live_lock:
+                tracked = self._live_jobs.get(jid)
+            self.jobs.put(tracked[0] if tracked is not None else self._track_job(jid, work, what, model, None))
         with self._live_lock:
             for rid in inputs.cancelled:
                 if rid in self._live:
                     self._live[rid].cancel()
+            for jid in inputs.cancelled_jobs:
+                if jid in self._live_jobs:
+                    self._live_jobs[jid][0].cancel()
         if inputs.stop:
             self.stop.set()
         if inputs.abort:
@@ -218,6 +257,30 @@ class Lockstep:
         mirror = MirroredHandle(request, caller, forget)
         with self._live_lock:
             self._live[rid] = mirror
+        return mirror
+
+    def _track_job(
+        self, jid: int, work: Callable[..., Any], what: str, model: str | None, caller: EngineJob | None
+    ) -> EngineJob:
+        """The job every rank runs alike (cancelled only at an exchange); on rank 0 its outcome
+        goes to the caller's job."""
+        mirror = EngineJob(work, what=what, model=model)
+
+        def ended(future: Future[Any]) -> None:
+            with self._live_lock:
+                self._live_jobs.pop(jid, None)
+            if caller is None or caller.future.done():
+                return
+            if future.cancelled():
+                caller.future.set_exception(MlxrError(f"{what} was cancelled"))
+            elif future.exception() is not None:
+                caller.future.set_exception(future.exception())  # type: ignore[arg-type]
+            else:
+                caller.future.set_result(future.result())
+
+        with self._live_lock:
+            self._live_jobs[jid] = (mirror, caller)
+        mirror.future.add_done_callback(ended)
         return mirror
 
     def _broadcast(self, payload: bytes) -> bytes:
@@ -319,6 +382,13 @@ class Lockstep:
                 break
             if handle is not None:
                 handle._emit(Failed(error))
+        with self._live_lock:
+            jobs = list(self._live_jobs.values())
+            self._live_jobs.clear()
+        for _, caller in jobs:
+            if caller is not None and not caller.future.done():
+                caller.future.set_exception(error)
+        refuse_jobs(self._submitted_jobs, error)
         if self._exit_on_loss:
             time.sleep(EXIT_GRACE_S)
             logging.shutdown()

@@ -60,6 +60,7 @@ class Scheduler:
         self.lockstep = lockstep
         if lockstep is not None:
             self.requests, self.stop, self.abort = lockstep.requests, lockstep.stop, lockstep.abort
+            self.jobs = lockstep.jobs
         #: Jobs started and not yet ended, a part of each run per loop.
         self.running_jobs: list[EngineJob] = []
         self.waiting: deque[RequestHandle] = deque()

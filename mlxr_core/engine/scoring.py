@@ -16,7 +16,7 @@ real position; an input longer than a chunk runs alone through a KV cache.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -92,6 +92,23 @@ def probability(yes: float, no: float) -> float:
     """P(yes) among {yes, no}, from their log-probabilities (or logits): the logistic of the
     difference."""
     return 0.5 * (1.0 + math.tanh((yes - no) / 2))
+
+
+@attrs.frozen
+class ScoringWork:
+    """A scoring job's work (:class:`~mlxr_core.engine.jobs.EngineJob`): a value, not a closure,
+    so the ranks serving together can be sent it (:mod:`mlxr_core.engine.lockstep`)."""
+
+    model: str
+    inputs: list[list[int]]
+    yes: list[int]
+    no: list[int]
+    chunk: int
+
+    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[None, None, Scores]:
+        logits = yield from score_parts(models[self.model], self.inputs, yes=self.yes, no=self.no, chunk=self.chunk)
+        scores = [probability(y, n) for y, n in logits]
+        return Scores(self.model, scores, logits, sum(len(ids) for ids in self.inputs))
 
 
 def score_parts(

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -73,6 +74,12 @@ def complete(url: str, body: dict, *, stream: bool = False) -> str:
     return text
 
 
+def embeddings(url: str) -> list[list[float]]:
+    reply = httpx.post(f"{url}/v1/embeddings", json={"model": "m", "input": ["Once upon a time", "Hello"]}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    return [item["embedding"] for item in reply.json()["data"]]
+
+
 def alone(url: str, requests: list[dict]) -> list[str]:
     return [complete(url, body) for body in requests]
 
@@ -102,12 +109,15 @@ def test_two_ranks_reply_as_one_process_and_stop_together_on_sigterm(tiny_model:
     process, url, _ = start(serve(write_config(tmp_path, str(tiny_model), distributed=False)))
     try:
         expected = replies(url, REQUESTS)
+        vectors = embeddings(url)
     finally:
         process.terminate()
         process.wait(30)
     launcher, url, lines = start(launch(write_config(tmp_path, str(tiny_model), distributed=True)))
     try:
         assert replies(url, REQUESTS) == expected
+        # every rank runs the embedding job; the split sums round differently
+        np.testing.assert_allclose(embeddings(url), vectors, atol=1e-5)
         assert len(set(expected)) == len(expected) and all(expected)
         time.sleep(1.5)  # ranks gather their counters each second
         metrics = rank_metrics(url)

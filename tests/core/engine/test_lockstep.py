@@ -27,7 +27,7 @@ from mlxr_core.engine.request import (
     SamplingParams,
     Usage,
 )
-from mlxr_core.errors import RankLost, Unsupported
+from mlxr_core.errors import MlxrError, RankLost
 from mlxr_core.plugins import load_plugins
 
 
@@ -132,7 +132,7 @@ def test_an_engine_in_lockstep_generates_what_a_plain_one_does(tmp_path) -> None
 
     path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     config = Config(models=[ModelConfig(path=str(path), name="tiny", context_length=128)])
-    outputs = []
+    outputs, vectors = [], []
     for world in (None, one_rank()):
         engine = Engine(config, load_plugins(), world=world)
         engine.start()
@@ -142,12 +142,48 @@ def test_an_engine_in_lockstep_generates_what_a_plain_one_does(tmp_path) -> None
                 for params in ({"temperature": 0.0}, {"temperature": 0.9, "seed": 3})
             ]
             outputs.append([[t for e in handle for t in getattr(e, "token_ids", ())] for handle in handles])
-            if world is not None:
-                with pytest.raises(Unsupported, match="not served across several processes"):
-                    engine.embed("tiny", [[1, 2, 3]])
+            # jobs cross the exchange too: every rank runs them alike
+            vectors.append(engine.embed("tiny", [[1, 2, 3], [4, 5]], timeout=60).vectors)
         finally:
             engine.stop()
     assert outputs[0] == outputs[1] and all(len(tokens) == 6 for tokens in outputs[0])
+    assert vectors[0] == vectors[1] and len(vectors[0]) == 2
+
+
+def parts(models):
+    """A job's work in three parts; module-level, so it can be pickled to the other ranks."""
+    for _ in range(3):
+        yield
+    return sorted(models)
+
+
+def test_jobs_cross_the_exchange_and_a_cancellation_waits_for_the_next_one() -> None:
+    from mlxr_core.engine.jobs import EngineJob, run_jobs
+
+    submitted_jobs: queue.Queue[EngineJob] = queue.Queue()
+    lockstep = Lockstep(one_rank(), queue.Queue(), threading.Event(), threading.Event(), jobs=submitted_jobs,
+                        exit_on_loss=False)  # fmt: skip
+
+    def unsent(models):  # a closure: it cannot travel to the other ranks
+        return 1
+
+    done, cancelled, refused = EngineJob(parts, what="a job"), EngineJob(parts, what="another"), EngineJob(unsent)
+    for job in (done, cancelled, refused):
+        submitted_jobs.put(job)
+    lockstep.exchange(block=False)
+    with pytest.raises(MlxrError, match="cannot be sent to the other ranks"):
+        refused.future.result(1)
+    running: list[EngineJob] = []
+    run_jobs(lockstep.jobs, {"m": None}, running)  # the copies every rank runs, one part each
+    assert len(running) == 2 and running[0] is not done
+    cancelled.cancel()  # the caller leaves: the copy runs on until the next exchange
+    run_jobs(lockstep.jobs, {"m": None}, running)
+    assert not running[1].cancelled
+    lockstep.exchange(block=False)
+    assert running[1].cancelled
+    while running:
+        run_jobs(lockstep.jobs, {"m": None}, running)
+    assert done.future.result(1) == ["m"]
 
 
 def test_a_probe_after_a_failed_step_tells_a_lost_peer_from_a_shared_error(monkeypatch: pytest.MonkeyPatch) -> None:
