@@ -96,10 +96,13 @@ class TiledResize:
     tile: int
     split: bool = True
     resample: int = LANCZOS
+    #: Whether the image is first resized to :attr:`longest_edge` (transformers' ``do_resize``).
+    resize: bool = True
 
     def __call__(self, image: Image.Image) -> np.ndarray:
         image = image.convert("RGB")
-        image = self._resize(image, *scaled_to(image.height, image.width, self.longest_edge))
+        if self.resize:
+            image = self._resize(image, *scaled_to(image.height, image.width, self.longest_edge))
         rows = cols = 0
         if not self.split:
             views = [self._resize(image, self.tile, self.tile)]
@@ -197,8 +200,8 @@ class Idefics3VisionArchitecture:
                                  key="max_image_size")
         longest = int((settings.get("size") or {}).get("longest_edge") or 4 * tile)
         normalize = ResizeNormalize.from_config(settings, tile)
-        split = bool(settings.get("do_image_splitting", True))
-        return TiledResize(normalize, longest, tile, split, int(settings.get("resample", LANCZOS)))
+        split, resize = bool(settings.get("do_image_splitting", True)), bool(settings.get("do_resize", True))
+        return TiledResize(normalize, longest, tile, split, int(settings.get("resample", LANCZOS)), resize)
 
     def image_tokens(self, config: dict[str, Any]) -> ImageTokens:
         """``<image>`` in a prompt becomes the image's text (:func:`prompt_text`)."""

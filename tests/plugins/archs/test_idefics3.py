@@ -242,16 +242,19 @@ def test_each_weight_layout_maps_onto_the_modules(loaded, text, tower):
     assert sorted(loaded.arch.sanitize(checkpoint, loaded.config)) == sorted(text_params)
 
 
-@pytest.mark.parametrize("size", [(1, 1), (3, 500), (200, 7), (64, 64)])  # (height, width): tiny, a sliver each way, exact
-def test_odd_image_sizes_cut_as_transformers_cuts_them(reference, loaded, size):
+@pytest.mark.parametrize(
+    "size, resize",
+    [((1, 1), True), ((3, 500), True), ((200, 7), True), ((64, 64), True), ((45, 71), False)],
+)  # (height, width): tiny, a sliver each way, exact; without the first resize (do_resize: false)
+def test_odd_image_sizes_cut_as_transformers_cuts_them(reference, loaded, size, resize):
     transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
     from PIL import Image
 
     image = Image.fromarray(np.random.default_rng(7).integers(0, 256, (*size, 3), dtype=np.uint8))
-    theirs = getattr(transformers, f"{reference.kind}ImageProcessorPil")(
-        size={"longest_edge": 64}, max_image_size={"longest_edge": 32}
-    )(image, return_tensors="np", return_row_col_info=True)
-    ours = loaded.vision.processor(image)
+    settings = {"size": {"longest_edge": 64}, "max_image_size": {"longest_edge": 32}, "do_resize": resize}
+    processor = getattr(transformers, f"{reference.kind}ImageProcessorPil")(**settings)
+    theirs = processor(image, return_tensors="np", return_row_col_info=True)
+    ours = loaded.arch.vision(loaded.config).processor(loaded.config, settings)(image)
     assert (ours.rows, ours.cols) == (theirs["rows"][0][0], theirs["cols"][0][0])
     assert ours.shape == theirs["pixel_values"][0].shape and worst(ours, theirs["pixel_values"][0]) <= 1e-6
 
