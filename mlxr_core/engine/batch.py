@@ -21,7 +21,15 @@ import mlx.core as mx
 from mlxr_core.engine.decoding import SamplerContext, make_sampler, to_token_logprob, token_logprobs
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.images import PromptImages
-from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle, TokenLogprob, Usage
+from mlxr_core.engine.request import (
+    Delta,
+    Failed,
+    Finished,
+    RequestHandle,
+    TokenLogprob,
+    Tokens,
+    Usage,
+)
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
 from mlxr_core.model.cache import BatchLayerCache, batch_mask, reserve_bytes
@@ -49,6 +57,8 @@ class Sequence:
         self.sampler = make_sampler(params, samplers, context)
         self.detokenizer = StreamingDetokenizer(model.tokenizer, handle.request.keep_special)
         self.stops = StopMatcher(params.stop)
+        #: Without stop strings the engine needs no text: the consumer detokenizes (:class:`Tokens`).
+        self.text_on_consumer = not params.stop
         images, vision = handle.request.images, model.vision
         self.images = PromptImages(self.prompt, images, vision.tokens) if images and vision else None
         # Benchmarks generate a fixed number of tokens whatever the model says.
@@ -74,16 +84,22 @@ class Sequence:
             self.first_token_at = time.perf_counter()
         if token in self.eos:
             return "stop"
-        text, hit = self.stops.feed(self.detokenizer.add(token))
-        self.handle._emit(Delta(text, (token,), (logprob,) if logprob is not None else ()))
-        if hit:
-            return "stop"
+        logprobs = (logprob,) if logprob is not None else ()
+        if self.text_on_consumer:
+            self.handle._emit(Tokens((token,), logprobs, self.detokenizer))
+        else:
+            text, hit = self.stops.feed(self.detokenizer.add(token))
+            self.handle._emit(Delta(text, (token,), logprobs))
+            if hit:
+                return "stop"
         if self.generated >= self.max_tokens:
             return "length"
         return None
 
     def finish(self, reason: str) -> None:
-        if reason != "cancelled" and not self.stops.hit:
+        if reason != "cancelled" and self.text_on_consumer:
+            self.handle._emit(Tokens((), (), self.detokenizer, flush=True))
+        elif reason != "cancelled" and not self.stops.hit:
             tail, hit = self.stops.feed(self.detokenizer.flush())
             if not hit:
                 tail += self.stops.flush()

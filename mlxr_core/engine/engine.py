@@ -2,7 +2,9 @@
 
 Callers (HTTP handlers, the CLI) tokenize in their own thread, then :meth:`Engine.submit` a
 :class:`GenerationRequest` and read its events from the returned :class:`RequestHandle`. The engine
-thread loads every model, then serves requests: prefill, decode, detokenize, stop checks, events.
+thread loads every model, then serves requests: prefill, decode, stop checks, events. A step's
+events reach an asyncio consumer in one hand-over per event loop; requests without stop strings are
+detokenized on the consumer's side (:class:`~mlxr_core.engine.request.Tokens`), off this thread.
 """
 
 from __future__ import annotations

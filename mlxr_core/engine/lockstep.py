@@ -41,7 +41,14 @@ import attrs
 import numpy as np
 
 from mlxr_core.engine.jobs import EngineJob, refuse_jobs
-from mlxr_core.engine.request import Delta, Event, Failed, GenerationRequest, RequestHandle
+from mlxr_core.engine.request import (
+    Event,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestHandle,
+    Tokens,
+)
 from mlxr_core.errors import MlxrError, RankLost
 
 if TYPE_CHECKING:
@@ -97,10 +104,10 @@ class MirroredHandle(RequestHandle):
         self.caller = caller
         self._on_end = on_end
 
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: Event | Tokens) -> None:
         if self.caller is not None:
             self.caller._emit(event)
-        if not isinstance(event, Delta):
+        if isinstance(event, (Finished, Failed)):
             self._on_end()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -146,11 +147,81 @@ class Failed:
 Event = Delta | Finished | Failed
 
 
+@attrs.frozen
+class Tokens:
+    """New tokens whose text the consumer works out (``detokenizer``, the request's own): what the
+    engine emits instead of a :class:`Delta` for a request with no stop strings, so detokenizing
+    runs on the consumer's thread, not on the engine's. ``flush``: the end of the stream (no
+    tokens), the detokenizer's held-back text is due. :class:`RequestHandle` turns each into the
+    :class:`Delta` its consumers read; they never see one."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...]
+    detokenizer: Any = attrs.field(eq=False, repr=False)  # a StreamingDetokenizer
+    flush: bool = False
+
+    def delta(self) -> Delta | None:
+        if self.flush:
+            tail = self.detokenizer.flush()
+            return Delta(tail) if tail else None
+        text = "".join(self.detokenizer.add(token) for token in self.token_ids)
+        return Delta(text, self.token_ids, self.logprobs)
+
+
+class _Outbox(threading.local):
+    """Per thread: the async consumers' events held back by :func:`delivered_together`, by loop."""
+
+    def __init__(self) -> None:
+        self.pending: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event | Tokens]]] | None = None
+
+
+_outbox = _Outbox()
+
+
+@contextlib.contextmanager
+def delivered_together() -> Iterator[None]:
+    """Hand the events this thread emits inside to each consumer's event loop in one
+    ``call_soon_threadsafe`` at the end, instead of one per event.
+
+    The engine wraps each batch step in it: a step of N streams then wakes the server's event loop
+    once, not N times, each wake-up taking the GIL from the thread building the next step. Events
+    keep their order per request; sync consumers are not held back. Nested uses deliver at the end
+    of the outermost one.
+    """
+    if _outbox.pending is not None:
+        yield
+        return
+    pending: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event | Tokens]]] = {}
+    _outbox.pending = pending
+    try:
+        yield
+    finally:
+        _outbox.pending = None
+        for loop, items in pending.items():
+            _post(loop, items)
+
+
+def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestHandle, Event | Tokens]]) -> None:
+    try:
+        loop.call_soon_threadsafe(_deliver, items)
+    except RuntimeError:  # the consumer's loop is closed: nobody is listening
+        for handle, _ in items:
+            handle._cancelled.set()
+
+
+def _deliver(items: list[tuple[RequestHandle, Event | Tokens]]) -> None:
+    """On the consumer's loop: each event into its request's queue."""
+    for handle, event in items:
+        assert handle._async_queue is not None
+        handle._async_queue.put_nowait(event)
+
+
 class RequestHandle:
     """The caller's side of one request: iterate its events (sync or async), or cancel it.
 
     The engine thread calls :meth:`_emit`; events cross threads through a thread-safe queue and,
-    for async consumers, are handed to the consumer's event loop with ``call_soon_threadsafe``.
+    for async consumers, are handed to the consumer's event loop with ``call_soon_threadsafe``, a
+    step's events for one loop in one call (:func:`delivered_together`).
     """
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None):
@@ -158,8 +229,8 @@ class RequestHandle:
         self.id = id(self)
         self._cancelled = threading.Event()
         self._loop = loop
-        self._async_queue: asyncio.Queue[Event] | None = asyncio.Queue() if loop else None
-        self._sync_queue: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._async_queue: asyncio.Queue[Event | Tokens] | None = asyncio.Queue() if loop else None
+        self._sync_queue: queue.SimpleQueue[Event | Tokens] = queue.SimpleQueue()
 
     @property
     def cancelled(self) -> bool:
@@ -169,18 +240,21 @@ class RequestHandle:
         """Ask the engine to stop this request; it frees the slot and cache within one step."""
         self._cancelled.set()
 
-    def _emit(self, event: Event) -> None:
+    def _emit(self, event: Event | Tokens) -> None:
         if self._loop is not None and self._async_queue is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, event)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening
-                self._cancelled.set()
+            pending = _outbox.pending
+            if pending is not None:
+                pending.setdefault(self._loop, []).append((self, event))
+            else:
+                _post(self._loop, [(self, event)])
         else:
             self._sync_queue.put(event)
 
     def __iter__(self) -> Iterator[Event]:
         while True:
-            event = self._sync_queue.get()
+            event = self._text(self._sync_queue.get())
+            if event is None:
+                continue
             yield event
             if not isinstance(event, Delta):
                 return
@@ -188,7 +262,20 @@ class RequestHandle:
     async def events(self) -> AsyncIterator[Event]:
         assert self._async_queue is not None, "submit with a loop to consume asynchronously"
         while True:
-            event = await self._async_queue.get()
+            event = self._text(await self._async_queue.get())
+            if event is None:
+                continue
             yield event
             if not isinstance(event, Delta):
                 return
+
+    def _text(self, event: Event | Tokens) -> Event | None:
+        """``event`` as consumers read it: :class:`Tokens` detokenized here, on the consumer's
+        thread. A detokenizing failure ends the request (cancelled at the engine) with an error."""
+        if not isinstance(event, Tokens):
+            return event
+        try:
+            return event.delta()
+        except Exception as exc:
+            self._cancelled.set()
+            return Failed(MlxrError(f"detokenizing failed: {type(exc).__name__}: {exc}"))

@@ -19,7 +19,7 @@ from mlxr_core.engine.batch import BatchRunner, Sequence
 from mlxr_core.engine.jobs import EngineJob, run_jobs
 from mlxr_core.engine.prefix_cache import PrefixCache
 from mlxr_core.engine.prefix_disk import DiskPrefixStore, model_identity
-from mlxr_core.engine.request import Failed, Finished, RequestHandle, Usage
+from mlxr_core.engine.request import Failed, Finished, RequestHandle, Usage, delivered_together
 from mlxr_core.errors import EngineStopped, MlxrError
 
 if TYPE_CHECKING:
@@ -326,6 +326,10 @@ class Scheduler:
         return self.reserved_kv_bytes + runner.reserve_bytes(handle) <= budget
 
     def _step(self, name: str, runner: BatchRunner) -> None:
+        with delivered_together():  # the step's tokens reach each consumer loop in one hand-over
+            self._step_once(name, runner)
+
+    def _step_once(self, name: str, runner: BatchRunner) -> None:
         try:
             runner.step()
         except Exception as exc:  # a bug or an MLX error: fail this batch, keep serving

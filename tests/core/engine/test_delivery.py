@@ -1,0 +1,128 @@
+"""How events cross from the engine thread to their consumers: a step's events handed to an event
+loop in one call, and text worked out on the consumer's side for requests without stop strings."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.request import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    RequestHandle,
+    SamplingParams,
+    Tokens,
+    Usage,
+    delivered_together,
+)
+from mlxr_core.plugins import load_plugins
+
+
+class CountingLoop:
+    """Stands for an event loop: records each ``call_soon_threadsafe`` and runs it at once."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def call_soon_threadsafe(self, callback: Any, *args: Any) -> None:
+        self.calls += 1
+        callback(*args)
+
+
+def test_a_steps_events_reach_a_loop_in_one_call_in_order() -> None:
+    loop = CountingLoop()
+    handles = [RequestHandle(GenerationRequest("m", [1]), loop=loop) for _ in range(3)]  # type: ignore[arg-type]
+    with delivered_together():
+        for index, handle in enumerate(handles):
+            handle._emit(Delta("a", (index,)))
+            handle._emit(Delta("b", (index,)))
+        with delivered_together():  # nested: delivered with the outer one
+            handles[0]._emit(Finished("length", Usage(1, 2)))
+        assert loop.calls == 0
+    assert loop.calls == 1
+    texts = []
+    while not handles[0]._async_queue.empty():  # type: ignore[union-attr]
+        texts.append(handles[0]._async_queue.get_nowait())  # type: ignore[union-attr]
+    assert [type(e).__name__ for e in texts] == ["Delta", "Delta", "Finished"]
+    assert [e.text for e in texts if isinstance(e, Delta)] == ["a", "b"]
+    handles[1]._emit(Delta("c", (1,)))  # outside: at once
+    assert loop.calls == 2
+
+
+def test_a_closed_loop_cancels_the_requests_it_held() -> None:
+    class Closed:
+        def call_soon_threadsafe(self, *args: Any) -> None:
+            raise RuntimeError("Event loop is closed")
+
+    handle = RequestHandle(GenerationRequest("m", [1]), loop=Closed())  # type: ignore[arg-type]
+    with delivered_together():
+        handle._emit(Delta("a", (1,)))
+    assert handle.cancelled
+
+
+def test_tokens_become_deltas_on_the_consumer_and_a_failure_ends_the_request() -> None:
+    class Broken:
+        def add(self, token: int) -> str:
+            raise ValueError("bad id")
+
+    handle = RequestHandle(GenerationRequest("m", [1]))
+    handle._emit(Tokens((5,), (), Broken()))
+    (event,) = list(handle)
+    assert isinstance(event, Failed) and "detokenizing failed" in str(event.error)
+    assert handle.cancelled
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    path = write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+    engine = Engine(Config(models=[ModelConfig(name="tiny", path=str(path))], engine=EngineConfig()), load_plugins())
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def test_text_detokenized_on_the_consumer_equals_the_engines(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without stop strings the consumer's thread detokenizes; with one (that never matches) the
+    engine does: the same tokens give the same text, and the detokenizer never ran on the engine
+    thread for the first."""
+    from mlxr_core.engine import detokenizer
+
+    threads: set[str] = set()
+    add = detokenizer.StreamingDetokenizer.add
+
+    def spy(self: Any, token: int) -> str:
+        threads.add(threading.current_thread().name)
+        return add(self, token)
+
+    def run(stop: list[str]) -> tuple[str, list[int]]:
+        params = SamplingParams(max_tokens=24, temperature=0.0, stop=stop, extra={"ignore_eos": True})
+
+        async def consume() -> tuple[str, list[int]]:
+            handle = engine.submit(GenerationRequest("tiny", [1, 5, 9, 13], params), loop=asyncio.get_running_loop())
+            text, ids = "", list[int]()
+            async for event in handle.events():
+                if isinstance(event, Delta):
+                    text += event.text
+                    ids.extend(event.token_ids)
+                else:
+                    assert isinstance(event, Finished)
+            return text, ids
+
+        return asyncio.run(consume())
+
+    monkeypatch.setattr(detokenizer.StreamingDetokenizer, "add", spy)
+    on_consumer = run([])
+    consumer_threads = set(threads)
+    on_engine = run(["\x00never"])
+    assert on_consumer == on_engine
+    assert len(on_consumer[1]) == 24
+    assert consumer_threads == {threading.current_thread().name}
