@@ -211,7 +211,9 @@ def resolve_model(args: argparse.Namespace, tmp: Path) -> str:
     return str(gpu_decode.write_folders(tmp, shape, (args.quant,))[args.quant])
 
 
-def start_server(path: str, settings: dict[str, str], port: int, max_batch: int, tmp: Path) -> subprocess.Popen[bytes]:
+def start_server(
+    path: str, settings: dict[str, str], port: int, max_batch: int, tmp: Path, switch_interval: float | None = None
+) -> subprocess.Popen[bytes]:
     model = {"name": "bench", "path": path, **settings}
     config = {
         "server": {"port": port, "log_level": "warning"},
@@ -220,10 +222,13 @@ def start_server(path: str, settings: dict[str, str], port: int, max_batch: int,
     }
     config_path = tmp / "bench.yaml"
     config_path.write_text(json.dumps(config))  # JSON is YAML
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--config", str(config_path)],
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    command = [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--config", str(config_path)]
+    if switch_interval is not None:  # the server's GIL hand-over interval, set before it starts
+        command = [sys.executable, "-c", (
+            f"import sys; sys.setswitchinterval({switch_interval!r}); from mlxr_core.cli.main import main; "
+            f"raise SystemExit(main(['serve', '--config', {str(config_path)!r}]))"
+        )]
+    server = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
     while time.time() < deadline:
@@ -279,6 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--client-processes", type=int, default=1,
                         help="client processes sharing each level's streams (so the client is not the limit)")
     parser.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine-level runs")
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
+                        help="sys.setswitchinterval for the server and this process (Python's default: 0.005), "
+                             "how long a thread holding the GIL keeps it from one waiting")
     parser.add_argument("--smoke", action="store_true", help="a tiny synthetic shape, to check the script")
     parser.add_argument("--out", type=Path, help="write the JSON report here too")
     return parser.parse_args(argv)
@@ -301,8 +309,11 @@ def main(argv: list[str] | None = None) -> int:
             "gen_tokens": args.gen_tokens, "logprobs": args.logprobs, "client_processes": args.client_processes,
             "rounds": args.rounds, "loadavg_1min_start": loadavg(),
         }
+        if args.switch_interval is not None:
+            sys.setswitchinterval(args.switch_interval)
+        report["switch_interval_s"] = sys.getswitchinterval()
         port = free_port()
-        server = start_server(path, settings, port, max_batch, tmp)
+        server = start_server(path, settings, port, max_batch, tmp, args.switch_interval)
         base = f"http://127.0.0.1:{port}"
         engine = None
         try:
