@@ -24,13 +24,15 @@ writing positions and a decode step (one query position) run fused kernels inste
 and write the packed bytes directly (:func:`fused_backend` picks them: CUDA,
 :mod:`mlxr_plugins.kv_caches.turboquant_cuda`, tested on an H200; Metal,
 :mod:`mlxr_plugins.kv_caches.turboquant_metal`, written but untested: never compiled or run, no
-Apple machine here). :data:`FUSED` False keeps the reference, for comparison.
+Apple machine here, so taken only with ``MLXR_TURBOQUANT_METAL=1``). :data:`FUSED` False keeps the
+reference, for comparison.
 ``bench/kv_memory.py`` measures the cost of each against full precision.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +54,11 @@ TRIM_SLACK = 64
 BITS = (4, 3, 2)
 
 
+#: The Metal kernels have never run (no Apple machine where they were written): a Mac uses them
+#: only with this set to 1, and the reference otherwise.
+METAL_ENV = "MLXR_TURBOQUANT_METAL"
+
+
 @functools.cache
 def fused_backend() -> FusedBackend | None:
     """The fused kernels for MLX's GPU backend on this machine (CUDA or Metal), or None: the
@@ -59,7 +66,7 @@ def fused_backend() -> FusedBackend | None:
     module's ``reasons`` and ``encode_reasons`` to say."""
     if mx.cuda.is_available():
         return turboquant_cuda
-    if mx.metal.is_available():
+    if mx.metal.is_available() and os.environ.get(METAL_ENV) == "1":
         return turboquant_metal
     return None
 

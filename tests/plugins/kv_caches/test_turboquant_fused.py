@@ -38,9 +38,27 @@ def backend(request: pytest.FixtureRequest) -> ModuleType:
     return module
 
 
-def test_the_cache_picks_the_backend_of_the_machine() -> None:
-    expected = turboquant_cuda if mx.cuda.is_available() else turboquant_metal if mx.metal.is_available() else None
-    assert turboquant.fused_backend() is expected
+@pytest.fixture
+def metal_opt_in(monkeypatch: pytest.MonkeyPatch):
+    """The untested Metal kernels taken, as ``MLXR_TURBOQUANT_METAL=1`` asks."""
+    monkeypatch.setenv(turboquant.METAL_ENV, "1")
+    turboquant.fused_backend.cache_clear()
+    yield
+    monkeypatch.undo()
+    turboquant.fused_backend.cache_clear()
+
+
+def test_the_cache_picks_the_backend_of_the_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(turboquant.METAL_ENV, raising=False)
+    turboquant.fused_backend.cache_clear()
+    try:  # the untested Metal kernels only when asked for
+        assert turboquant.fused_backend() is (turboquant_cuda if mx.cuda.is_available() else None)
+        monkeypatch.setenv(turboquant.METAL_ENV, "1")
+        turboquant.fused_backend.cache_clear()
+        expected = turboquant_cuda if mx.cuda.is_available() else turboquant_metal if mx.metal.is_available() else None
+        assert turboquant.fused_backend() is expected
+    finally:
+        turboquant.fused_backend.cache_clear()
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -97,6 +115,7 @@ def relative_error(got: mx.array, expected: mx.array) -> float:
 
 
 @pytest.mark.parametrize(("window", "sketch"), [(0, True), (16, True), (0, False)])
+@pytest.mark.usefixtures("metal_opt_in")
 def test_decode_steps_through_the_cache_equal_the_reference(
     backend: ModuleType, window: int, sketch: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
