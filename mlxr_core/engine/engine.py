@@ -131,6 +131,7 @@ class Engine:
         #: Which models are loaded; made when the engine thread starts.
         self.lifecycle: ModelLifecycle | None = None
         self._load_stream: Any = None
+        self._decode_stream: Any = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -489,6 +490,7 @@ class Engine:
         if engine_config.mlx_memory_limit_bytes is not None:
             mx.set_memory_limit(engine_config.mlx_memory_limit_bytes)
         self._load_stream = mx.new_stream(mx.default_device())
+        self._decode_stream = mx.new_stream(mx.default_device())
         scheduler = Scheduler(
             engine_config,
             self._loaded,
@@ -528,7 +530,7 @@ class Engine:
             # git show d8ae8e9:bench/results/engine_profile_llama-3.2-1b-q4-fresh-stream_h100.txt, engine_profile.py
             # as of 6a46018).
             # Arrays cross streams freely.
-            with mx.stream(mx.new_stream(mx.default_device())):
+            with mx.stream(self._decode_stream):
                 scheduler.run()
         self._ready.set()
         lifecycle.close(EngineStopped("the server is shutting down"))
@@ -590,11 +592,31 @@ class Engine:
             except BaseException:
                 self._loaded.pop(name, None)
                 raise
+        self._warm_decode(loaded)
         self.models[name] = self._model_info(loaded)
         self.host.notify("mlxr_model_loaded", name=name, model=loaded)
         return model_footprint(
             self.config.engine, loaded.nbytes, loaded.context_length, per_token, state
         )
+
+    def _warm_decode(self, loaded: LoadedModel) -> None:
+        """On a GPU, trace the compiled decode step for every batch size up to
+        ``engine.max_batch_size`` now, on the stream it will run on (MLX keys its compile cache by
+        shapes and stream, per thread), with rows of equal and of different lengths (a scalar and a
+        per-row rotary offset): a burst of requests arriving one by one grows the batch a row at a
+        time, and each new size traced in the middle of serving held every stream's next token.
+        On a CPU a trace costs little next to a step, so none is made ahead."""
+        import mlx.core as mx
+
+        compiled = loaded.compiled_decode
+        if compiled is None or mx.default_device() != mx.gpu:
+            return
+        started = time.perf_counter()
+        sizes = range(1, self.config.engine.max_batch_size + 1)
+        with mx.stream(self._decode_stream):
+            compiled.warm(sizes, loaded.make_cache)
+        log.info("%s: decode step traced for batch sizes 1 to %d in %.1f s", loaded.name, sizes[-1],
+                 time.perf_counter() - started)  # fmt: skip
 
     def unload(self, slot: ModelSlot) -> None:
         """Stop serving ``slot``'s idle model and free its memory (its :class:`ModelInfo` stays)."""

@@ -42,7 +42,7 @@ weights (:func:`disagreement`) and keeps the eager step, with a warning, when th
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -221,6 +221,15 @@ class CompiledDecode:
             if index < len(self._between):
                 h, queries, keys, values = self._between[index](h, out, offset)
         return self._leave(h, out)
+
+    def warm(self, batch_sizes: Iterable[int], make_cache: Callable[[], list[Any]]) -> None:
+        """Trace the step for each of ``batch_sizes`` rows, with one rotary offset for all rows
+        and with one per row, by running it once on fresh caches (a trace per input shape: see
+        the module)."""
+        for rows in batch_sizes:
+            tokens = mx.zeros((rows,), dtype=mx.int32)
+            for shift in (None, mx.zeros((rows,), dtype=mx.int32)):
+                mx.eval(self(tokens, make_cache(), None, shift))
 
 
 def disagreement(model: nn.Module, make_cache: Callable[[], list[Any]], compiled: CompiledDecode) -> str | None:

@@ -223,3 +223,19 @@ def test_a_compiled_step_that_raises_at_load_leaves_the_eager_step(tiny_gguf, ca
     assert loaded.compiled_decode is None
     assert "one step through it raised RuntimeError: no compiled kernel for this op" in caplog.text
     assert loaded.decode(mx.array([1]), loaded.make_cache()).shape[0] == 1  # eager still serves
+
+
+def test_warming_batch_sizes_leaves_the_steps_as_they_were(tiny_gguf):
+    """``CompiledDecode.warm`` (run by the engine on a GPU for every batch size) traces on fresh
+    caches and touches no state: a batch of 3 rows, one shifted, then decodes as the eager pass."""
+    loaded = load_model(ModelConfig(path=str(tiny_gguf), dtype="float32"), load_plugins().registries)
+    assert loaded.compiled_decode is not None
+    loaded.compiled_decode.warm(range(1, 4), loaded.make_cache)
+    prompt = mx.array([[5, 17, 3]] * 3, dtype=mx.int32)
+    caches = [loaded.make_cache(), loaded.make_cache()]
+    for cache in caches:
+        loaded.model(prompt, cache=cache)
+    token, shift = mx.array([11, 12, 13], dtype=mx.int32), mx.array([0, 2, 0], dtype=mx.int32)
+    eager = loaded.model(token[:, None], cache=caches[0])[:, -1, :]
+    np.testing.assert_allclose(np.array(loaded.decode(token, caches[1])), np.array(eager), atol=1e-4)
+    assert loaded.decode(token, caches[1], shift=shift).shape == eager.shape
