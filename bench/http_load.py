@@ -95,8 +95,12 @@ async def one_stream(
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     raise RuntimeError(f"the stream failed: {chunk['error']}")
-                if chunk["choices"] and (chunk["choices"][0]["text"] or chunk["choices"][0].get("logprobs")):
-                    stamps.append(time.perf_counter())
+                choice = chunk["choices"][0] if chunk["choices"] else None
+                if choice and (choice["text"] or choice.get("logprobs")):
+                    # With logprobs every token of a chunk counts (arriving together), should a
+                    # server join tokens into one chunk; without, the chunk counts once.
+                    tokens = len(choice["logprobs"]["tokens"]) if choice.get("logprobs") else 1
+                    stamps.extend([time.perf_counter()] * tokens)
     if not stamps:
         raise RuntimeError("a stream produced no text (random weights: pass --logprobs)")
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
