@@ -121,8 +121,10 @@ class Pool {
   void loop() {
     uint64_t seen = generation_.load();
     while (true) {
-      // Spin a little (the next call of a decode step comes within microseconds), then sleep.
-      for (int i = 0; i < 20000 && generation_.load(std::memory_order_acquire) == seen; ++i) {
+      // Spin a little (the next call of a decode step comes within microseconds), then sleep:
+      // on 2 shared cores a longer spin (20000 pauses, ~1 ms) took the core from the rest of the
+      // step's graph (SmolLM2 step 103 vs 75 ms at load 5, bench/cpu_decode_split.py).
+      for (int i = 0; i < 2000 && generation_.load(std::memory_order_acquire) == seen; ++i) {
         cpu_relax();
       }
       std::shared_ptr<Job> job;
