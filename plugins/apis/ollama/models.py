@@ -18,6 +18,9 @@ from mlxr_plugins.apis.ollama.streaming import rfc3339
 
 #: ``expires_at`` of a model that stays loaded until the server stops.
 NEVER = "9999-12-31T23:59:59Z"
+#: The same instant in seconds: a ``keep_alive`` reaching past it (``1e300``) expires never too,
+#: where formatting the date would overflow.
+NEVER_EPOCH = 253402300799.0
 DTYPE_LEVELS = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
@@ -49,7 +52,8 @@ def running(info: ModelInfo, slot: ModelSlot) -> s.RunningModel:
     expires = slot.expires_at(time.monotonic())
     return s.RunningModel(
         name=info.name, model=info.name, size=resident, digest=digest(info), details=details(info),
-        expires_at=NEVER if expires is None else rfc3339(expires), size_vram=resident if on_gpu else 0,
+        expires_at=NEVER if expires is None or expires >= NEVER_EPOCH else rfc3339(expires),
+        size_vram=resident if on_gpu else 0,
         context_length=info.context_length,
     )
 

@@ -208,6 +208,11 @@ def test_keep_alive_as_ollama_reads_it(files: dict[str, Path]) -> None:
         assert 240 < left <= 301
         assert generate(client, "b", keep_alive=-1).status_code == 200
         assert client.get("/api/ps").json()["models"][1]["expires_at"] == NEVER
+        # past year 9999 (the fuzzer's pick): never too, not a date that overflows into a 500
+        for far in (1e300, 1e12):
+            assert generate(client, "b", keep_alive=far).status_code == 200
+            r = client.get("/api/ps")
+            assert r.status_code == 200 and r.json()["models"][1]["expires_at"] == NEVER, r.text
         assert generate(client, "b", keep_alive=0).status_code == 200
         assert eventually(lambda: ps(client) == ["a"])
         r = client.post("/api/embed", json={"model": "b", "input": "the cat", "keep_alive": "0s"})
