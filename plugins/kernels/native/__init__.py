@@ -92,7 +92,6 @@ def _load() -> ModuleType:
         )
     compiler = _compiler()
     try:
-        import mlx
         import mlx.core as mx
         import nanobind
     except ImportError as exc:
@@ -103,7 +102,9 @@ def _load() -> ModuleType:
             f"Python's C headers are missing ({python_include}/Python.h): install the python3-dev "
             "package of this Python"
         )
-    mlx_dir = Path(mlx.__path__[0])
+    # The folder of the MLX that runs: ``mlx`` is a namespace package, so ``mlx.__path__`` may
+    # list another folder named mlx first (one on sys.path before site-packages).
+    mlx_dir = Path(mx.__file__).parent
     if not (mlx_dir / "include" / "mlx" / "primitives.h").exists():
         raise _Unavailable(f"the installed MLX ships no C++ headers ({mlx_dir}/include)")
     key = _build_key(compiler, str(getattr(mx, "__version__", "")), str(getattr(nanobind, "__version__", "")))

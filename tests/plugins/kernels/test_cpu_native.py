@@ -186,6 +186,23 @@ def test_a_failed_build_is_a_reason_not_an_error(tmp_path, monkeypatch):
         native.load.cache_clear()
 
 
+def test_a_folder_named_mlx_ahead_on_the_path_does_not_hide_mlx(module, tmp_path, monkeypatch):
+    """``mlx`` is a namespace package: a script run from a folder holding a folder named mlx (a
+    download of MLX's sources, say) put that folder first in ``mlx.__path__``, the build looked
+    for MLX's headers there, and the backend fell back to dequantized weights (3x slower decode)."""
+    (tmp_path / "mlx" / "0.32.4").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mlx
+
+    assert next(iter(mlx.__path__)) == str(tmp_path / "mlx")
+    native.load.cache_clear()
+    try:
+        found, why = native.load()
+        assert found is not None and why == ""
+    finally:
+        native.load.cache_clear()
+
+
 def test_the_thread_count_follows_the_environment(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert native.default_threads() == 3
