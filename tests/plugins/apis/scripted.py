@@ -3,9 +3,11 @@ test_ollama, test_anthropic and test_operations)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -189,6 +191,22 @@ class ThreadedServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+@contextlib.contextmanager
+def live_server(config: Config) -> Iterator[str]:
+    """A real engine serving ``config``'s models and APIs from a thread; yields the base URL."""
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.http.server import build_app
+
+    host = load_plugins()
+    engine = Engine(config, host)
+    engine.start()
+    try:
+        with ThreadedServer(build_app(ServerContext(config=config, host=host, engine=engine))) as url:
+            yield url
+    finally:
+        engine.stop()
 
 
 def wait_until(condition: Any, timeout: float = 3.0) -> bool:

@@ -13,14 +13,10 @@ from typing import Any
 
 import openai
 import pytest
-from scripted import ThreadedServer
+from scripted import live_server
 from test_qwen_images import TEXT, png
 
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
-from mlxr_core.engine.engine import Engine
-from mlxr_core.http.context import ServerContext
-from mlxr_core.http.server import build_app
-from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.tiny_vision import idefics3_model
 
 TILE, WHOLE = 2 + 4, 3 + 4
@@ -36,14 +32,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         models=[ModelConfig(path=str(folder), name="vl", dtype="float32")],
         engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
     )
-    host = load_plugins()
-    engine = Engine(config, host)
-    engine.start()
-    try:
-        with ThreadedServer(build_app(ServerContext(config=config, host=host, engine=engine))) as url:
-            yield url
-    finally:
-        engine.stop()
+    with live_server(config) as url:
+        yield url
 
 
 @pytest.mark.slow

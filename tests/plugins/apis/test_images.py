@@ -18,14 +18,10 @@ import httpx
 import numpy as np
 import openai
 import pytest
-from scripted import ThreadedServer
+from scripted import live_server
 
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
-from mlxr_core.engine.engine import Engine
 from mlxr_core.errors import RequestError
-from mlxr_core.http.context import ServerContext
-from mlxr_core.http.server import build_app
-from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.tiny_vision import gemma3_vision_model
 
 Image = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
@@ -65,14 +61,8 @@ def vision_config(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.fixture(scope="module")
 def server(vision_config: Config) -> Iterator[str]:
-    host = load_plugins()
-    engine = Engine(vision_config, host)
-    engine.start()
-    try:
-        with ThreadedServer(build_app(ServerContext(config=vision_config, host=host, engine=engine))) as url:
-            yield url
-    finally:
-        engine.stop()
+    with live_server(vision_config) as url:
+        yield url
 
 
 def text_prompt_tokens(url: str) -> int:

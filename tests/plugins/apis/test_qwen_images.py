@@ -13,13 +13,9 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-from scripted import ThreadedServer
+from scripted import live_server
 
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
-from mlxr_core.engine.engine import Engine
-from mlxr_core.http.context import ServerContext
-from mlxr_core.http.server import build_app
-from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.tiny_vision import qwen2_5_vl_model, qwen3_vl_model
 
 Image = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
@@ -47,14 +43,8 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         models=[ModelConfig(path=str(folder), name="vl", dtype="float32")],
         engine=EngineConfig(prefix_cache=PrefixCacheConfig(enabled=False)),
     )
-    host = load_plugins()
-    engine = Engine(config, host)
-    engine.start()
-    try:
-        with ThreadedServer(build_app(ServerContext(config=config, host=host, engine=engine))) as url:
-            yield url
-    finally:
-        engine.stop()
+    with live_server(config) as url:
+        yield url
 
 
 @pytest.mark.slow

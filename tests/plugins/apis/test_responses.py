@@ -13,13 +13,10 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from scripted import FakeEngine, ThreadedServer, make_ctx
+from scripted import FakeEngine, ThreadedServer, live_server, make_ctx
 
 from mlxr_core.config.schema import Config, ModelConfig, ResponsesStoreConfig, ServerConfig
-from mlxr_core.engine.engine import Engine
-from mlxr_core.http.context import ServerContext
 from mlxr_core.http.server import build_app
-from mlxr_core.plugins import load_plugins
 
 REPLY = FakeEngine.REPLY
 
@@ -153,14 +150,8 @@ def tiny(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         models=[ModelConfig(path=str(tiny_model_path), name="tiny", context_length=2048)],
         apis=["openai"], server=store_config(tmp_path_factory.mktemp("store")),
     )  # fmt: skip
-    host = load_plugins()
-    engine = Engine(config, host)
-    engine.start()
-    try:
-        with ThreadedServer(build_app(ServerContext(config=config, host=host, engine=engine))) as url:
-            yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    finally:
-        engine.stop()
+    with live_server(config) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def test_a_function_tool_round_trip(tiny: openai.OpenAI) -> None:
