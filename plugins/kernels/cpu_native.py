@@ -13,6 +13,15 @@ The extension is compiled on first use; where it cannot be (no compiler, no head
 ``transpose=False``, no biases) go to ``cpu_blas``'s path. The mixture-of-experts form
 (``gather_matmul``) is the same kernel run once per row on the row's expert, read in place in the
 stack; dense experts and the other cases go to ``mlx_fast``'s ``mx.gather_qmm`` / ``mx.gather_mm``.
+
+The rest of a decode step's ops are C++ primitives too (``ops.cpp``): RMS norm (alone and after a
+residual add), RoPE and attention over the cache, in float32. MLX's CPU backend runs their
+``mx.fast`` forms as composed fallbacks (~5, ~20 and ~13 primitives), and in a one-token step of a
+small model those cost about as much as the weights' reads. One primitive each: SmolLM2-135M's decode
+step on a 2-core x86-64 from 30-34 ms to 23-25 ms (compiled or eager, load under 1). Attention at one
+query over 160 cached positions (9/3 heads, D=64) takes 41 us against the fallback's 130 us, and
+stays ahead up to prompts (128 queries over 128 keys: 3.5 vs 5.8 ms; 512 over 512: 42 vs 75 ms).
+Other dtypes, attention sinks and shapes they do not take go to ``mlx_fast`` (RoPE to ``cpu_blas``).
 """
 
 from __future__ import annotations
@@ -120,4 +129,104 @@ gather_matmul_kernel = KernelImpl(
     gather_matmul,
     _support,
     summary="packed experts read in place, one row at a time on its expert (C++); dense via mlx_fast",
+)
+
+
+def rms_norm(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    """``mx.fast.rms_norm`` as one primitive for float32; other dtypes through ``mx.fast``."""
+    module, _ = native.load()
+    if module is None or x.dtype != mx.float32 or weight.dtype != mx.float32 or weight.shape != x.shape[-1:]:
+        return mx.fast.rms_norm(x, weight, eps)
+    out: mx.array = module.rms_norm(x, weight, eps)
+    return out
+
+
+def add_rms_norm(
+    x: mx.array, residual: mx.array, weight: mx.array, eps: float
+) -> tuple[mx.array, mx.array]:
+    """``h = x + residual`` and its RMS norm as one primitive for float32; else ``mlx_fast``'s."""
+    module, _ = native.load()
+    if (
+        module is None
+        or not x.dtype == residual.dtype == weight.dtype == mx.float32
+        or residual.shape != x.shape
+        or weight.shape != x.shape[-1:]
+    ):
+        return mlx_fast.add_rms_norm(x, residual, weight, eps)
+    h, normed = module.add_rms_norm(x, residual, weight, eps)
+    return h, normed
+
+
+def rope(
+    x: mx.array,
+    dims: int,
+    *,
+    traditional: bool = False,
+    base: float | None = None,
+    scale: float = 1.0,
+    offset: int | mx.array = 0,
+    freqs: mx.array | None = None,
+) -> mx.array:
+    """``mx.fast.rope`` of ``[B, N, T, D]`` float32 as one primitive; anything else through
+    ``cpu_blas``."""
+    module, _ = native.load()
+    if (
+        module is None
+        or x.ndim != 4
+        or x.dtype != mx.float32
+        or (freqs is None and base is None)
+        or (freqs is not None and freqs.dtype != mx.float32)
+        or (isinstance(offset, mx.array) and offset.size not in (1, x.shape[0]))
+    ):
+        return cpu_blas.rope(
+            x, dims, traditional=traditional, base=base, scale=scale, offset=offset, freqs=freqs
+        )
+    if not isinstance(offset, mx.array):
+        offset = mx.array(offset, dtype=mx.int32)
+    elif offset.dtype != mx.int32:
+        offset = offset.astype(mx.int32)
+    out: mx.array = module.rope(
+        x, dims, traditional, 0.0 if base is None else base, scale, offset.reshape(-1), freqs
+    )
+    return out
+
+
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    *,
+    scale: float,
+    mask: str | mx.array | None = None,
+    sinks: mx.array | None = None,
+) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` (bottom-right causal mask) as one primitive for
+    float32 without sinks; anything else through ``mlx_fast``."""
+    module, _ = native.load()
+    array_mask = isinstance(mask, mx.array)
+    if (
+        module is None
+        or sinks is not None
+        or not q.dtype == k.dtype == v.dtype == mx.float32
+        or (array_mask and (mask.dtype not in (mx.bool_, mx.float32) or mask.ndim > 4))  # type: ignore[union-attr]
+        or (mask is not None and not array_mask and mask != "causal")
+    ):
+        return mlx_fast.attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    out: mx.array = module.attention(q, k, v, scale, mask == "causal", mask if array_mask else None)
+    return out
+
+
+def _attention_support(ctx: KernelContext) -> list[str]:
+    return _support(ctx) + mlx_fast.attention_kernel.supports(ctx)
+
+
+rms_norm_kernel = KernelImpl(rms_norm, _support, summary="float32 RMS norm as one primitive (C++); else mx.fast")
+add_rms_norm_kernel = KernelImpl(
+    add_rms_norm, _support, summary="float32 residual add + RMS norm as one primitive (C++); else mlx_fast"
+)
+rope_kernel = KernelImpl(rope, _support, summary="float32 RoPE as one primitive (C++); else cpu_blas")
+attention_kernel = KernelImpl(
+    attention,
+    _attention_support,
+    summary="float32 attention without sinks as one primitive (C++, GQA, causal or array mask); else mx.fast",
 )

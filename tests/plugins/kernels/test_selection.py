@@ -18,13 +18,22 @@ from mlxr_core.model.loader import load_model
 from mlxr_core.plugins import load_plugins
 from mlxr_core.registry import Registry
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
-from mlxr_plugins.kernels import KernelImpl, mlx_fast, native, reference
+from mlxr_plugins.kernels import KernelImpl, cpu_native, mlx_fast, native, reference
 
 REPO = Path(__file__).resolve().parents[3]
 SHAPES = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}
-#: auto's quantized matmul on this CPU: the native backend where it builds, else cpu_blas.
-CPU_QMM = "cpu_native" if native.load()[0] is not None else "cpu_blas"
-CPU_GATHER = "cpu_native" if native.load()[0] is not None else "mlx_fast"
+#: auto's choices on this CPU: the native backend where it builds, else cpu_blas and mlx_fast.
+NATIVE = native.load()[0] is not None
+CPU_AUTO = {
+    "attention": "cpu_native" if NATIVE else "mlx_fast",
+    "rms_norm": "cpu_native" if NATIVE else "mlx_fast",
+    "add_rms_norm": "cpu_native" if NATIVE else "mlx_fast",
+    "rope": "cpu_native" if NATIVE else "cpu_blas",
+    "quantized_matmul": "cpu_native" if NATIVE else "cpu_blas",
+    "gather_matmul": "cpu_native" if NATIVE else "mlx_fast",
+    "route": "mlx_fast",
+    "gated_delta": "mlx_fast",
+}
 
 
 @pytest.fixture(scope="module")
@@ -90,13 +99,10 @@ def test_bind_kernels_rejects_a_choice_for_an_unknown_op(registries):
                      choices={"atention": "reference"})
 
 
-def test_on_this_cpu_auto_binds_mlx_fast_and_device_kernels_refuse_with_reasons(registries):
+def test_on_this_cpu_auto_binds_the_cpu_backends_and_device_kernels_refuse_with_reasons(registries):
     kernels = bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES)
-    assert dict(kernels.chosen) == {"attention": "mlx_fast", "rms_norm": "mlx_fast",
-                                    "add_rms_norm": "mlx_fast", "rope": "cpu_blas",
-                                    "quantized_matmul": CPU_QMM, "gather_matmul": CPU_GATHER,
-                                    "route": "mlx_fast", "gated_delta": "mlx_fast"}
-    assert kernels.attention is mlx_fast.attention
+    assert dict(kernels.chosen) == CPU_AUTO
+    assert kernels.attention is (cpu_native.attention if NATIVE else mlx_fast.attention)
     with pytest.raises(KernelUnavailable, match="needs MLX's CUDA backend"):
         bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES,
                      choices={"attention": "cuda"})
@@ -110,10 +116,7 @@ def test_model_choices_override_global_ones_at_load(registries, tmp_path):
     model = ModelConfig(path=str(path), dtype="float32", kernels={"attention": "reference"})
     loaded = load_model(model, registries, kernel_choices={"attention": "mlx_fast",
                                                            "rms_norm": "reference"})
-    assert dict(loaded.kernels.chosen) == {"attention": "reference", "rms_norm": "reference",
-                                           "add_rms_norm": "mlx_fast", "rope": "cpu_blas",
-                                           "quantized_matmul": CPU_QMM, "gather_matmul": CPU_GATHER,
-                                           "route": "mlx_fast", "gated_delta": "mlx_fast"}
+    assert dict(loaded.kernels.chosen) == {**CPU_AUTO, "attention": "reference", "rms_norm": "reference"}
     with pytest.raises(KernelUnavailable, match="cuda"):
         load_model(ModelConfig(path=str(path), dtype="float32"), registries,
                    kernel_choices={"attention": "cuda"})
@@ -130,9 +133,10 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
         ("add_rms_norm", "cuda_norm"), ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"),
         ("quantized_matmul", "cuda_dense"), ("quantized_matmul", "cuda_qmm"),
-        ("route", "cuda_moe"), ("gated_delta", "cuda_delta"), ("gated_delta", "metal"),
-        ("quantized_matmul", "cpu_native"), ("gather_matmul", "cpu_native")}
-    assert [row["backend"] for row in rows if row["auto"]] == ["mlx_fast"] * 3 + ["cpu_blas", CPU_QMM, CPU_GATHER] + ["mlx_fast"] * 2
+        ("route", "cuda_moe"), ("gated_delta", "cuda_delta"), ("gated_delta", "metal")} | {
+        (op, "cpu_native") for op in ("attention", "rms_norm", "add_rms_norm", "rope",
+                                      "quantized_matmul", "gather_matmul")}
+    assert [row["backend"] for row in rows if row["auto"]] == list(CPU_AUTO.values())
     assert "needs MLX's CUDA backend" in by_key[("add_rms_norm", "cuda_norm")]["reasons"][0]
     assert not by_key[("attention", "cuda")]["supported"]
     assert "needs MLX's CUDA backend" in by_key[("attention", "cuda")]["reasons"][0]

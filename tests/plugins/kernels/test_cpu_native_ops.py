@@ -1,0 +1,139 @@
+"""The native CPU backend's norms, RoPE and attention (``ops.cpp``) against the reference backend,
+their fallbacks and refusals (the served model through them: test_cpu_native.py)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxr_plugins.kernels import cpu_native, mlx_fast, native, reference
+
+
+@pytest.fixture(scope="module")
+def module():
+    loaded, why = native.load()
+    if loaded is None:
+        pytest.skip(f"native CPU kernels unavailable: {why}")
+    return loaded
+
+
+def assert_close(got: mx.array, want: mx.array, atol: float = 1e-5) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=atol)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 5, 64), (3, 40)])
+def test_rms_norms_match_the_reference(module, shape):
+    mx.random.seed(sum(shape))
+    x, residual = mx.random.normal(shape) * 3, mx.random.normal(shape)
+    weight = mx.random.normal(shape[-1:])
+    assert_close(cpu_native.rms_norm(x, weight, 1e-6), reference.rms_norm(x, weight, 1e-6))
+    h, normed = cpu_native.add_rms_norm(x, residual, weight, 1e-5)
+    want_h, want_normed = reference.add_rms_norm(x, residual, weight, 1e-5)
+    assert_close(h, want_h)
+    assert_close(normed, want_normed)
+    strided = x.swapaxes(0, 1) if x.ndim == 3 else x[:, ::2]  # a view: read through its strides
+    assert_close(cpu_native.rms_norm(strided, weight[: strided.shape[-1]], 1e-6),
+                 reference.rms_norm(strided, weight[: strided.shape[-1]], 1e-6))
+
+
+OFFSETS = {
+    "int": 37,
+    "array": mx.array(900, dtype=mx.int32),
+    "int64": mx.array(5),
+    "per_row": mx.array([3, 700], dtype=mx.int32),
+}
+
+
+@pytest.mark.parametrize("offset", OFFSETS, ids=str)
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dims,T", [(64, 1), (48, 7)])
+def test_rope_matches_the_reference(module, offset, traditional, dims, T):
+    mx.random.seed(dims + T)
+    x = mx.random.normal((2, 3, T, 64))
+    kwargs = {"traditional": traditional, "scale": 0.5, "offset": OFFSETS[offset]}
+    got = cpu_native.rope(x, dims, base=10000.0, **kwargs)
+    assert_close(got, reference.rope(x, dims, base=10000.0, **kwargs), atol=1e-4)
+    freqs = mx.random.uniform(1.0, 1000.0, (dims // 2,))
+    got = cpu_native.rope(x, dims, base=None, freqs=freqs, **kwargs)
+    assert_close(got, reference.rope(x, dims, base=None, freqs=freqs, **kwargs), atol=1e-4)
+
+
+def test_rope_reads_a_split_of_fused_heads(module):
+    """A decode step rotates queries and keys as one split of the fused projection's heads."""
+    heads = mx.random.normal((2, 1, 15, 64)).transpose(0, 2, 1, 3)
+    rotate, _ = mx.split(heads, [12], axis=1)
+    kwargs = {"traditional": False, "base": 1e4, "scale": 1.0, "offset": 5}
+    assert_close(cpu_native.rope(rotate, 64, **kwargs), reference.rope(rotate, 64, **kwargs), atol=1e-4)
+
+
+def masks(B: int, H: int, L: int, S: int) -> dict[str, str | mx.array | None]:
+    mx.random.seed(B * H + L + S)
+    return {
+        "none": None,
+        "causal": "causal",
+        "padding": mx.random.uniform(shape=(B, 1, 1, S)) > 0.3,
+        "additive": mx.random.normal((L, S)),
+        "per_head": mx.random.uniform(shape=(B, H, L, S)) > 0.5,
+    }
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padding", "additive", "per_head"])
+@pytest.mark.parametrize("B,Hq,Hkv,L,S", [(1, 9, 3, 1, 160), (2, 4, 4, 5, 33), (1, 8, 2, 3, 3)])
+def test_attention_matches_the_reference_over_a_cache_view(module, mask, B, Hq, Hkv, L, S):
+    mx.random.seed(B + Hq + L + S)
+    # Keys and values as a cache hands them over: the first S positions of larger buffers.
+    keys, values = mx.random.normal((B, Hkv, S + 40, 64)), mx.random.normal((B, Hkv, S + 40, 32))
+    k, v = keys[:, :, :S], values[:, :, :S]
+    q = mx.random.normal((B, Hq, L, 64))
+    m = masks(B, Hq, L, S)[mask]
+    if isinstance(m, mx.array) and m.dtype == mx.bool_:
+        m[..., -1] = True  # every query sees a key (else the softmax has nothing to weigh)
+    got = cpu_native.attention(q, k, v, scale=0.125, mask=m)
+    assert_close(got, reference.attention(q, k, v, scale=0.125, mask=m))
+
+
+def test_attention_of_a_query_that_sees_no_key_is_zero(module):
+    q, k, v = mx.random.normal((1, 2, 1, 16)), mx.random.normal((1, 2, 4, 16)), mx.random.normal((1, 2, 4, 16))
+    mask = mx.array([[[[True, True, False, False]], [[False] * 4]]])
+    got = np.array(cpu_native.attention(q, k, v, scale=0.25, mask=mask))
+    want = np.array(reference.attention(q[:, :1], k[:, :1], v[:, :1], scale=0.25, mask=mask[:, :1]))
+    np.testing.assert_allclose(got[:, :1], want, rtol=1e-5, atol=1e-6)
+    assert not got[:, 1].any()
+
+
+def test_calls_they_do_not_cover_fall_back(module):
+    """Half precision, sinks, a per-row rope over 3-D input: computed by mx.fast's paths."""
+    q = mx.random.normal((1, 4, 1, 32)).astype(mx.bfloat16)
+    k = v = mx.random.normal((1, 2, 6, 32)).astype(mx.bfloat16)
+    got = cpu_native.attention(q, k, v, scale=0.2, mask="causal")
+    assert got.dtype == mx.bfloat16
+    assert mx.array_equal(got, mlx_fast.attention(q, k, v, scale=0.2, mask="causal"))
+    sinks = mx.zeros((4,))
+    q32, k32, v32 = q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32)
+    assert_close(cpu_native.attention(q32, k32, v32, scale=0.2, sinks=sinks),
+                 reference.attention(q32, k32, v32, scale=0.2, sinks=sinks))
+    x = mx.random.normal((3, 5, 16)).astype(mx.float16)
+    weight = mx.ones((16,), dtype=mx.float16)
+    assert mx.array_equal(cpu_native.rms_norm(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5))
+    x3 = mx.random.normal((3, 5, 16))
+    kwargs = {"traditional": False, "base": 1e4, "scale": 1.0, "offset": 2}
+    assert_close(cpu_native.rope(x3, 16, **kwargs), reference.rope(x3, 16, **kwargs), atol=1e-5)
+
+
+def test_bad_operands_are_refused_by_name(module):
+    q, k = mx.zeros((1, 4, 1, 16)), mx.zeros((1, 3, 5, 16))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        module.attention(q, k, k, 1.0, False)
+    with pytest.raises(ValueError, match=r"broadcast to \[B, Hq, L, S\]"):
+        module.attention(q, k[:, :2], k[:, :2], 1.0, False, mx.zeros((1, 1, 1, 4), dtype=mx.bool_))
+    with pytest.raises(ValueError, match="one per row"):
+        module.rope(q, 16, False, 1e4, 1.0, mx.zeros((3,), dtype=mx.int32))
+    with pytest.raises(ValueError, match="even dims"):
+        module.rope(q, 15, False, 1e4, 1.0, mx.zeros((1,), dtype=mx.int32))
+    with pytest.raises(ValueError, match="weight \\[H\\]"):
+        module.rms_norm(mx.zeros((2, 8)), mx.ones((4,)), 1e-5)
+    with pytest.raises(ValueError, match="float32"):
+        module.rms_norm(mx.zeros((2, 8), dtype=mx.float16), mx.ones((8,)), 1e-5)
+
