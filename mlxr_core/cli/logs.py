@@ -51,3 +51,12 @@ def setup_logging(level: str, *, stream: TextIO | None = None) -> int:
         logger.setLevel(numeric)
         logger.propagate = False
     return numeric
+
+
+def level_name() -> str:
+    """The level :func:`setup_logging` last set, by name (``"warning"`` when it was never called):
+    what a child process passes to it to log as its parent does."""
+    numeric = logging.getLogger(LOGGERS[0]).level or logging.WARNING
+    if numeric <= TRACE:
+        return "trace"
+    return logging.getLevelName(numeric).lower()

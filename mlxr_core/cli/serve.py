@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         return follow(config, world)
     listener = bind(config.server)
     with listener:  # closed by uvicorn when it serves; here when anything before that fails
-        from mlxr_core.engine.engine import Engine
+        from mlxr_core.engine.remote import make_engine
         from mlxr_core.http.context import ServerContext
         from mlxr_core.http.server import build_app
         from mlxr_core.model.kv_storage import validate_kv_cache_choices
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         sections = validate_plugin_sections(config, host.registries)
         validate_parser_choices(config, host.registries)
         validate_kv_cache_choices(config, host.registries)
-        engine = Engine(config, host, world=world)
+        engine = make_engine(config, host, world=world)
         ctx = ServerContext(config=config, host=host, engine=engine, plugin_config=sections)
         return serve(build_app(ctx), ctx, log_level=level, listener=listener)
 
@@ -181,6 +181,8 @@ def serve(app: Any, ctx: ServerContext, *, log_level: str, listener: socket.sock
         end_now=lambda: end_now(ctx),
     )
     apis = ", ".join(ctx.config.apis)
+    # An engine process that dies stops the server, which then raises its error (exit 1).
+    engine.on_lost = lambda: setattr(server, "should_exit", True)
     _hide_early_readiness()
     threading.Thread(
         target=_announce_when_ready, args=(server, engine, apis), name="mlxr-announce", daemon=True

@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -132,6 +132,9 @@ class Engine:
         self.lifecycle: ModelLifecycle | None = None
         self._load_stream: Any = None
         self._decode_stream: Any = None
+        #: Called when the engine is lost while serving (its process died:
+        #: :mod:`mlxr_core.engine.remote`); ``mlxr serve`` stops the server then.
+        self.on_lost: Callable[[], None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -292,6 +295,18 @@ class Engine:
     ) -> RequestHandle:
         """Validate and queue a request; raises ModelNotFound, ContextLengthExceeded, Overloaded
         or EngineStopped before anything is queued."""
+        return self.enqueue(RequestHandle(request, loop=loop))
+
+    def enqueue(self, handle: RequestHandle) -> RequestHandle:
+        """:meth:`submit` for a handle made by the caller (a subclass that sends its events on:
+        :mod:`mlxr_core.engine.remote`)."""
+        self._validate(handle.request)
+        self._queue.put(handle)
+        return handle
+
+    def _validate(self, request: GenerationRequest) -> ModelInfo:
+        """Check ``request`` against its model and the queue (raising what :meth:`submit` names);
+        sets its model to the served name and an unset ``max_tokens`` to what the context allows."""
         if self.state != "ready":
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
         info = self.model(request.model)
@@ -329,11 +344,9 @@ class Engine:
         validate_sampling(params, self.host.registries.samplers, context)
         if self.queue_depth >= self.config.engine.max_queue:
             raise Overloaded(
-                f"{self._queue.qsize()} requests are waiting (engine.max_queue); retry later"
+                f"{self.queue_depth} requests are waiting (engine.max_queue); retry later"
             )
-        handle = RequestHandle(request, loop=loop)
-        self._queue.put(handle)
-        return handle
+        return info
 
     @staticmethod
     def _check_images(info: ModelInfo, request: GenerationRequest) -> None:
@@ -457,6 +470,12 @@ class Engine:
     def running(self) -> int:
         """Requests prefilling or decoding now."""
         return self.scheduler.running if self.scheduler is not None else 0
+
+    def memory(self) -> dict[str, int]:
+        """MLX's memory counters in the process that runs the models (/health, /metrics)."""
+        from mlxr_core.http.metrics import mlx_memory
+
+        return mlx_memory()
 
     def stats(self) -> dict[str, Any]:
         """Counters for /health and /metrics (read from another thread: approximate)."""

@@ -206,7 +206,7 @@ def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestHandle, Even
         loop.call_soon_threadsafe(_deliver, items)
     except RuntimeError:  # the consumer's loop is closed: nobody is listening
         for handle, _ in items:
-            handle._cancelled.set()
+            handle.cancel()
 
 
 def _deliver(items: list[tuple[RequestHandle, Event | Tokens]]) -> None:
@@ -221,7 +221,9 @@ class RequestHandle:
 
     The engine thread calls :meth:`_emit`; events cross threads through a thread-safe queue and,
     for async consumers, are handed to the consumer's event loop with ``call_soon_threadsafe``, a
-    step's events for one loop in one call (:func:`delivered_together`).
+    step's events for one loop in one call (:func:`delivered_together`). ``loop`` may be anything
+    with an event loop's ``call_soon_threadsafe(callback, items)``: the engine process hands a
+    step's events to its pipe that way (:mod:`mlxr_core.engine.remote`).
     """
 
     def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None):
@@ -241,7 +243,7 @@ class RequestHandle:
         self._cancelled.set()
 
     def _emit(self, event: Event | Tokens) -> None:
-        if self._loop is not None and self._async_queue is not None:
+        if self._loop is not None:
             pending = _outbox.pending
             if pending is not None:
                 pending.setdefault(self._loop, []).append((self, event))
@@ -277,5 +279,5 @@ class RequestHandle:
         try:
             return event.delta()
         except Exception as exc:
-            self._cancelled.set()
+            self.cancel()
             return Failed(MlxrError(f"detokenizing failed: {type(exc).__name__}: {exc}"))

@@ -159,7 +159,7 @@ class EngineCollector(Collector):
         yield from _draft_metrics(stats.get("decoders") or {})
         if engine.state == "ready":
             memory = GaugeMetricFamily("mlxr_mlx_memory_bytes", "MLX allocator memory.", labels=["kind"])
-            for kind, value in mlx_memory().items():
+            for kind, value in engine.memory().items():
                 memory.add_metric([kind.removesuffix("_bytes")], float(value))
             yield memory
 

@@ -39,7 +39,7 @@ from mlxr_core.http.access import ApiKeys, RequestLog, api_key_guard, json_body_
 from mlxr_core.http.context import InflightRequests, ServerContext
 from mlxr_core.http.errors import unmatched_route_handlers
 from mlxr_core.http.frontend import JsonRequest
-from mlxr_core.http.metrics import CONTENT_TYPE, mlx_memory
+from mlxr_core.http.metrics import CONTENT_TYPE
 from mlxr_core.http.openapi import StructSchemas
 from mlxr_core.model.chat_template import interrupt_renders
 
@@ -222,7 +222,7 @@ def health_response(ctx: ServerContext) -> Response[dict[str, Any]]:
         "queue_depth": engine.queue_depth,
     }
     if state == "ready":
-        body["memory"] = mlx_memory()
+        body["memory"] = engine.memory()
         return Response(body, status_code=HTTP_200_OK)
     headers = {}
     if state == "failed":

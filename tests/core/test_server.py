@@ -35,7 +35,7 @@ from mlxr_core.plugins import hookimpl, load_plugins
 
 
 class LifecycleEngine:
-    """Just the engine surface the app itself uses: state, models, start, stop."""
+    """Just the engine surface the app itself uses: state, models, start, stop, memory."""
 
     def __init__(self, state: str = "created"):
         self.state = state
@@ -55,6 +55,11 @@ class LifecycleEngine:
     def stop(self) -> None:
         self.calls.append("stop")
         self.state = "stopped"
+
+    def memory(self) -> dict[str, int]:
+        from mlxr_core.http.metrics import mlx_memory
+
+        return mlx_memory()
 
 
 class ToyApi:

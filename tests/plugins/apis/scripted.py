@@ -72,6 +72,11 @@ class FakeEngine:
     def stats(self) -> dict[str, Any]:
         return {"running": self.running, "queued": self.queue_depth, "kv_bytes": 1024 * self.running}
 
+    def memory(self) -> dict[str, int]:
+        from mlxr_core.http.metrics import mlx_memory
+
+        return mlx_memory()
+
     def model(self, name: str) -> ModelInfo:
         if name not in self.models:
             raise ModelNotFound(name, self.models)

@@ -1,0 +1,595 @@
+"""The engine in a process of its own (``engine.core: process``).
+
+In one process, the engine thread that builds each step's MLX graph and the event loop that turns
+each token into an HTTP chunk take turns on one GIL: at 32 streams on a GPU, where a decode step is
+bound by the host, the engine thread waited ~3.7 ms a step for the loop (``bench/README.md``).
+Here the engine runs in a child process (:func:`core_main`: the same :class:`Engine`, loading its
+own plugins and the models) and the server process keeps the rest: tokenizing and chat templates
+(a model's :class:`ModelInfo`, tokenizer included, crosses once, when it loads), validating
+requests, detokenizing, encoding responses and writing them. Stop strings are still matched by
+the engine, which must stop decoding at one.
+
+:class:`RemoteEngine` is the server process's engine: the same methods as :class:`Engine`, over
+one duplex pipe (``multiprocessing.Pipe``, pickled messages):
+
+- server -> core: ``("submit", rid, request)``, ``("cancel", rid)``, ``("post", call, command,
+  name, value)`` (load, unload, keep-alive), ``("job", call, work, what, model)`` (embeddings,
+  scores), ``("cancel_job", call)``, ``("stop", timeout)``;
+- core -> server: ``("events", [...])``, one message per engine step holding every event the step
+  emitted (new tokens as ids: the server's handle detokenizes them), ``("snapshot", Snapshot)``
+  (state, models, slots and counters, every :data:`SNAPSHOT_INTERVAL_S` and before each reply),
+  ``("reply", call, result, error)``.
+
+A core that dies (killed, out of memory) closes the pipe: every request still running ends with an
+:class:`EngineStopped` error event, the engine's state becomes ``failed`` and the server stops and
+exits non-zero (:attr:`RemoteEngine.on_lost`). A server that dies closes it too: the core stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import importlib
+import logging
+import multiprocessing
+import signal
+import threading
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from mlxr_core.engine.detokenizer import StreamingDetokenizer
+from mlxr_core.engine.engine import Engine, ModelInfo
+from mlxr_core.engine.jobs import EngineJob
+from mlxr_core.engine.lifecycle import ModelSlot
+from mlxr_core.engine.request import (
+    Delta,
+    Failed,
+    GenerationRequest,
+    RequestHandle,
+    Tokens,
+    delivered_together,
+)
+from mlxr_core.errors import EngineStopped, MlxrError
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from mlxr_core.config.schema import Config
+    from mlxr_core.plugins import PluginHost
+
+log = logging.getLogger(__name__)
+
+#: Seconds between the core's snapshots of its state and counters (/health, /metrics, /api/ps).
+SNAPSHOT_INTERVAL_S = 0.25
+#: Seconds a stopping core may take beyond the drain's timeout before it is killed.
+STOP_GRACE_S = 15.0
+
+
+def uses_own_process(config: Config) -> bool:
+    """Whether ``engine.core`` puts the engine in a process of its own: ``process``, or ``auto``
+    on a GPU (where a step is short enough for the server's work to slow it); never under
+    ``distributed:`` (each rank's engine is already its process's one MLX user)."""
+    setting = config.engine.core
+    if setting == "thread":
+        return False
+    distributed = config.distributed
+    if distributed.tensor_parallel * distributed.pipeline_parallel > 1:
+        return False
+    if setting == "process":
+        return True
+    import mlx.core as mx
+
+    return bool(mx.default_device() == mx.gpu)
+
+
+def make_engine(config: Config, host: PluginHost, world: Any = None) -> Engine:
+    """The server's engine: a :class:`RemoteEngine` where :func:`uses_own_process`, else the
+    engine thread."""
+    if world is None and uses_own_process(config):
+        return RemoteEngine(config, host)
+    return Engine(config, host, world=world)
+
+
+# -- what crosses the pipe -------------------------------------------------------------------
+
+
+@attrs.define
+class Snapshot:
+    """The core engine's state as the server reads it."""
+
+    state: str
+    error: tuple[str, str, tuple[Any, ...], dict[str, Any]] | None
+    #: Models loaded since the previous snapshot (a :class:`ModelInfo` crosses once per load).
+    models: dict[str, ModelInfo]
+    names: dict[str, str]
+    slots: dict[str, ModelSlot]
+    lifecycle: dict[str, Any]
+    stats: dict[str, Any]
+    memory: dict[str, int]
+    kv_bytes_per_token: dict[str, int]
+    state_bytes: dict[str, int]
+
+
+def encode_error(error: BaseException) -> tuple[str, str, tuple[Any, ...], dict[str, Any]]:
+    """An exception as plain values (its class by name, args and attributes): MlxrError subclasses
+    whose ``__init__`` takes other arguments than their message do not unpickle."""
+    if not isinstance(error, MlxrError):
+        error = MlxrError(f"{type(error).__name__}: {error}")
+    cls = type(error)
+    return cls.__module__, cls.__qualname__, tuple(error.args), dict(vars(error))
+
+
+def decode_error(encoded: tuple[str, str, tuple[Any, ...], dict[str, Any]]) -> MlxrError:
+    module, name, args, state = encoded
+    try:
+        cls: Any = importlib.import_module(module)
+        for part in name.split("."):
+            cls = getattr(cls, part)
+        if not (isinstance(cls, type) and issubclass(cls, MlxrError)):
+            raise TypeError(name)
+    except (ImportError, AttributeError, TypeError):
+        cls = MlxrError
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    vars(error).update(state)
+    return error  # type: ignore[no-any-return]
+
+
+def _encode_event(rid: int, event: Any) -> tuple[Any, ...]:
+    if isinstance(event, Tokens):
+        return (rid, "t", event.token_ids, event.logprobs, event.flush)
+    if isinstance(event, Failed):
+        return (rid, "x", encode_error(event.error))
+    return (rid, "e", event)
+
+
+# -- the core (child process) ------------------------------------------------------------------
+
+
+def core_main(conn: Connection, config: Config, log_level: str) -> None:
+    """The engine process: load the plugins and the models, then run the server's requests until
+    it says stop or goes away. Signals are the server's to handle: a Ctrl-C reaching the whole
+    process group must drain, not kill the engine under running requests."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from mlxr_core.cli.logs import setup_logging
+    from mlxr_core.plugins import load_plugins
+
+    setup_logging(log_level)
+    host = load_plugins(
+        disable=config.plugins.disable,
+        strict=True if config.plugins.strict else None,
+        require=config.plugins.require,
+    )
+    engine = Engine(config, host)
+    core = Core(engine, conn)
+    engine.start(wait=False)
+    core.serve()
+
+
+class _CoreHandle(RequestHandle):
+    """A request in the core: its events go to the server (:meth:`Core.call_soon_threadsafe`
+    stands in for the consumer's event loop, so a step's events leave as one message)."""
+
+    def __init__(self, request: GenerationRequest, rid: int, core: Core):
+        super().__init__(request)
+        self.rid = rid
+        self._loop = core  # type: ignore[assignment]
+
+
+class Core:
+    """The core's side of the pipe: requests in, a message per step out."""
+
+    def __init__(self, engine: Engine, conn: Connection):
+        self.engine = engine
+        self.conn = conn
+        self._send_lock = threading.Lock()
+        self._handles: dict[int, _CoreHandle] = {}
+        self._jobs: dict[int, EngineJob] = {}
+        #: The ModelInfo objects already sent, by model name.
+        self._sent: dict[str, ModelInfo] = {}
+        self._closed = threading.Event()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self._closed.is_set():
+            return
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except (OSError, ValueError):  # the server is gone: its requests have no one to go to
+            self._closed.set()
+            for handle in list(self._handles.values()):
+                handle.cancel()
+
+    def call_soon_threadsafe(self, callback: Any, items: list[tuple[RequestHandle, Any]]) -> None:
+        """Where :func:`~mlxr_core.engine.request.delivered_together` hands a step's events."""
+        out = []
+        for handle, event in items:
+            rid = handle.rid  # type: ignore[attr-defined]
+            out.append(_encode_event(rid, event))
+            if not isinstance(event, (Tokens, Delta)):
+                self._handles.pop(rid, None)
+        self.send(("events", out))
+
+    def snapshot(self) -> None:
+        engine = self.engine
+        new = {name: info for name, info in list(engine.models.items()) if self._sent.get(name) is not info}
+        self._sent.update(new)
+        lifecycle = engine.lifecycle
+        slots = {}
+        if lifecycle is not None:
+            for name, slot in list(lifecycle.slots.items()):
+                slots[name] = attrs.evolve(slot, waiters=[], unload_waiters=[])
+        stats = engine.stats()
+        stats["running"], stats["queued"] = engine.running, engine.queue_depth
+        memory = engine.memory() if engine.state == "ready" else {}
+        self.send(("snapshot", Snapshot(
+            state=engine.state,
+            error=encode_error(engine.error) if engine.error is not None else None,
+            models=new,
+            names=dict(engine.names),
+            slots=slots,
+            lifecycle=lifecycle.stats() if lifecycle is not None else {},
+            stats=stats,
+            memory=memory,
+            kv_bytes_per_token=dict(engine._kv_bytes_per_token),
+            state_bytes=dict(engine._state_bytes),
+        )))  # fmt: skip
+
+    def serve(self) -> None:
+        """Answer the server until it says stop (then stop the engine, draining as told) or the
+        pipe closes (then stop at once)."""
+        threading.Thread(target=self._report, name="mlxr-core-report", daemon=True).start()
+        timeout = 0.0
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                log.warning("the server process is gone; stopping the engine")
+                self._closed.set()
+                break
+            if message[0] == "stop":
+                timeout = message[1]
+                break
+            try:
+                self._handle(message)
+            except Exception:  # a bad message must not end the engine
+                log.exception("engine process: message %r failed", message[0])
+        self.engine.stop(timeout)
+        self.snapshot()
+        self._closed.set()
+        self.conn.close()
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "submit":
+            _, rid, request = message
+            handle = _CoreHandle(request, rid, self)
+            self._handles[rid] = handle
+            try:
+                self.engine.enqueue(handle)
+            except MlxrError as exc:
+                self._handles.pop(rid, None)
+                self.send(("events", [(rid, "x", encode_error(exc))]))
+        elif kind == "cancel":
+            cancelled = self._handles.get(message[1])
+            if cancelled is not None:
+                cancelled.cancel()
+        elif kind == "post":
+            _, call, command, name, value = message
+            lifecycle = self.engine.lifecycle
+            if lifecycle is None:
+                self.send(("reply", call, None, encode_error(EngineStopped("the engine is not running"))))
+                return
+            lifecycle.post(command, name, value).add_done_callback(lambda future: self._reply(call, future))
+        elif kind == "job":
+            _, call, work, what, model = message
+            job = EngineJob(work, what=what, model=model)
+            self._jobs[call] = job
+            job.future.add_done_callback(lambda future: self._reply(call, future))
+            try:
+                self.engine._queue_job(job)
+            except MlxrError as exc:
+                job.refuse(exc)
+        elif kind == "cancel_job":
+            unwanted = self._jobs.get(message[1])
+            if unwanted is not None:
+                unwanted.cancel()
+        else:
+            log.error("engine process: unknown message %r", kind)
+
+    def _reply(self, call: int, future: Future[Any]) -> None:
+        self._jobs.pop(call, None)
+        if future.cancelled():
+            error: BaseException | None = MlxrError("cancelled")
+        else:
+            error = future.exception()
+        self.snapshot()  # a load's reply must find its model in the server's view
+        result = None if error is not None else future.result()
+        self.send(("reply", call, result, encode_error(error) if error is not None else None))
+
+    def _report(self) -> None:
+        while not self._closed.is_set():
+            self.snapshot()
+            self._closed.wait(SNAPSHOT_INTERVAL_S)
+
+
+# -- the server's side -------------------------------------------------------------------------
+
+
+class _LifecycleView:
+    """The core's :class:`~mlxr_core.engine.lifecycle.ModelLifecycle` as of its last snapshot;
+    commands go to the core."""
+
+    def __init__(self, engine: RemoteEngine):
+        self._engine = engine
+        self.slots: dict[str, ModelSlot] = {}
+        self._stats: dict[str, Any] = {}
+
+    def post(self, command: str, name: str, value: Any = None) -> Future[None]:
+        return self._engine._call("post", command, name, value)
+
+    def loaded(self) -> list[ModelSlot]:
+        return [slot for slot in list(self.slots.values()) if slot.state == "loaded"]
+
+    def stats(self) -> dict[str, Any]:
+        return self._stats
+
+
+class RemoteHandle(RequestHandle):
+    """A request whose engine is in the other process: detokenized here; cancelling tells the core."""
+
+    def __init__(self, request: GenerationRequest, engine: RemoteEngine, info: ModelInfo,
+                 loop: asyncio.AbstractEventLoop | None):  # fmt: skip
+        super().__init__(request, loop=loop)
+        self.rid = engine._new_id()
+        self.detokenizer = StreamingDetokenizer(info.tokenizer, request.keep_special)
+        self._engine = engine
+
+    def cancel(self) -> None:
+        if not self._cancelled.is_set():
+            super().cancel()
+            self._engine._send(("cancel", self.rid))
+
+
+class RemoteEngine(Engine):
+    """The server's engine when it runs in a process of its own (see the module)."""
+
+    def __init__(self, config: Config, host: PluginHost):
+        super().__init__(config, host)
+        self.lifecycle: _LifecycleView = _LifecycleView(self)  # type: ignore[assignment]
+        self._process: Any = None
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._ids = 0
+        self._ids_lock = threading.Lock()
+        self._handles: dict[int, RemoteHandle] = {}
+        self._calls: dict[int, Future[Any]] = {}
+        self._snapshot: Snapshot | None = None
+        self._stopping = False
+        #: Called (from the pipe's reader thread) when the core process dies: ``mlxr serve``
+        #: stops the server, which then exits non-zero with :attr:`error`.
+        self.on_lost: Any = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, *, wait: bool = True, timeout: float | None = None) -> None:
+        from mlxr_core.cli.logs import level_name
+
+        self.state = "loading"
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=core_main, args=(child, self.config, level_name()), name="mlxr-engine", daemon=True
+        )
+        self._process.start()
+        child.close()
+        atexit.register(self._kill)
+        threading.Thread(target=self._read, name="mlxr-engine-pipe", daemon=True).start()
+        log.info("engine process %d started", self._process.pid)
+        if wait:
+            self.wait_ready(timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._process is not None:
+            self._process.join(timeout)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Tell the core to stop as :meth:`Engine.stop` does (running requests get ``timeout``
+        seconds); kill it if it has not ended :data:`STOP_GRACE_S` after that."""
+        if self.state in ("stopping", "stopped") or self._process is None:
+            self.state = "stopped" if self._process is None else self.state
+            return
+        lost = self.state == "failed" and not self._process.is_alive()
+        self.state = "stopping"
+        self._stopping = True
+        if not lost:
+            self.host.notify("mlxr_engine_stopping", engine=self)
+            self._send(("stop", timeout))
+        self._process.join(timeout + STOP_GRACE_S)
+        self._kill()
+        self._end_all(EngineStopped("the server is shutting down"))
+        self.state = "stopped" if self.error is None else "failed"
+
+    def _kill(self) -> None:
+        process = self._process
+        if process is not None and process.is_alive():
+            log.warning("engine process %d did not stop; killing it", process.pid)
+            process.kill()
+            process.join(5.0)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
+        info = self._validate(request)
+        handle = RemoteHandle(request, self, info, loop)
+        self._handles[handle.rid] = handle
+        if not self._send(("submit", handle.rid, request)):
+            self._handles.pop(handle.rid, None)
+            raise EngineStopped("the engine process is gone")
+        return handle
+
+    def enqueue(self, handle: RequestHandle) -> RequestHandle:
+        return self.submit(handle.request, loop=handle._loop)
+
+    def _queue_job(self, job: EngineJob) -> EngineJob:
+        """Run ``job`` in the core: its ``work`` (a picklable value: :class:`EmbeddingWork`,
+        :class:`ScoringWork`) crosses; the result comes back into ``job.future``."""
+        if self.state != "ready":
+            raise EngineStopped(f"the engine is {self.state}; not accepting requests")
+        remote = self._call("job", job.work, job.what, job.model)
+
+        def settle(done: Future[Any]) -> None:
+            if job.future.done():
+                return
+            error = done.exception()
+            if error is not None:
+                job.future.set_exception(error)
+            else:
+                job.future.set_result(done.result())
+
+        def cancelled(local: Future[Any]) -> None:
+            if local.cancelled():
+                call = getattr(remote, "call", None)
+                if call is not None:
+                    self._send(("cancel_job", call))
+
+        remote.add_done_callback(settle)
+        job.future.add_done_callback(cancelled)
+        return job
+
+    def _call(self, kind: str, *args: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        call = self._new_id()
+        future.call = call  # type: ignore[attr-defined]
+        self._calls[call] = future
+        if not self._send((kind, call, *args)):
+            self._calls.pop(call, None)
+            future.set_exception(EngineStopped("the engine process is gone"))
+        return future
+
+    def _new_id(self) -> int:
+        with self._ids_lock:
+            self._ids += 1
+            return self._ids
+
+    def _send(self, message: tuple[Any, ...]) -> bool:
+        conn = self._conn
+        if conn is None:
+            return False
+        try:
+            with self._send_lock:
+                conn.send(message)
+        except (OSError, ValueError):
+            return False
+        return True
+
+    # -- what the core last reported ---------------------------------------------------------
+
+    @property
+    def queue_depth(self) -> int:
+        snapshot = self._snapshot
+        return int(snapshot.stats.get("queued", 0)) if snapshot is not None else 0
+
+    @property
+    def running(self) -> int:
+        snapshot = self._snapshot
+        return int(snapshot.stats.get("running", 0)) if snapshot is not None else 0
+
+    def stats(self) -> dict[str, Any]:
+        snapshot = self._snapshot
+        if snapshot is None:
+            return {"running": 0, "queued": 0, "kv_bytes": 0, "prefix_cache": {}}
+        return snapshot.stats
+
+    def memory(self) -> dict[str, int]:
+        snapshot = self._snapshot
+        return dict(snapshot.memory) if snapshot is not None else {}
+
+    # -- the pipe's reader thread ------------------------------------------------------------
+
+    def _read(self) -> None:
+        assert self._conn is not None
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "events":
+                self._deliver(message[1])
+            elif kind == "snapshot":
+                self._apply(message[1])
+            elif kind == "reply":
+                _, call, result, error = message
+                future = self._calls.pop(call, None)
+                if future is not None and not future.done():
+                    if error is not None:
+                        future.set_exception(decode_error(error))
+                    else:
+                        future.set_result(result)
+        self._conn.close()
+        if not self._stopping:
+            self._lose()
+
+    def _deliver(self, items: list[tuple[Any, ...]]) -> None:
+        with delivered_together():
+            for rid, kind, *payload in items:
+                handle = self._handles.get(rid)
+                if handle is None:
+                    continue
+                event: Any
+                if kind == "t":
+                    ids, logprobs, flush = payload
+                    event = Tokens(ids, logprobs, handle.detokenizer, flush=flush)
+                elif kind == "x":
+                    event = Failed(decode_error(payload[0]))
+                else:
+                    event = payload[0]
+                if not isinstance(event, (Tokens, Delta)):
+                    del self._handles[rid]
+                handle._emit(event)
+
+    def _apply(self, snapshot: Snapshot) -> None:
+        self.models.update(snapshot.models)
+        self.names = snapshot.names
+        self.lifecycle.slots = snapshot.slots
+        self.lifecycle._stats = snapshot.lifecycle
+        self._kv_bytes_per_token = snapshot.kv_bytes_per_token
+        self._state_bytes = snapshot.state_bytes
+        snapshot.models = {}
+        self._snapshot = snapshot
+        if snapshot.error is not None and self.error is None:
+            self.error = decode_error(snapshot.error)
+        if not self._stopping:
+            self.state = snapshot.state
+        if snapshot.state in ("ready", "failed", "stopped"):
+            self._ready.set()
+
+    def _lose(self) -> None:
+        """The core died: end everything waiting on it and report why."""
+        process = self._process
+        if process is not None:
+            process.join(5.0)
+        code = process.exitcode if process is not None else None
+        why = f"exit code {code}" if code is None or code >= 0 else f"signal {signal.Signals(-code).name}"
+        self.error = EngineStopped(f"the engine process ended unexpectedly ({why}); the server stops")
+        log.error("%s", self.error)
+        self.state = "failed"
+        self._end_all(self.error)
+        self._ready.set()
+        if self.on_lost is not None:
+            self.on_lost()
+
+    def _end_all(self, error: MlxrError) -> None:
+        handles, self._handles = self._handles, {}
+        with delivered_together():
+            for handle in handles.values():
+                handle._emit(Failed(error))
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+

@@ -1,0 +1,269 @@
+"""The engine in a process of its own (``engine.core: process``, :mod:`mlxr_core.engine.remote`):
+the same tokens and answers as the engine thread, cancellation and jobs across the pipe, and a
+dead engine process failing its requests; through ``mlxr serve``: streams, a client that leaves,
+SIGTERM's drain and a killed engine process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.remote import RemoteEngine, decode_error, encode_error, make_engine
+from mlxr_core.engine.request import Delta, Failed, Finished, GenerationRequest, SamplingParams
+from mlxr_core.errors import ContextLengthExceeded, EngineStopped, ModelNotFound, UnknownName
+from mlxr_core.plugins import load_plugins
+from mlxr_core.testing.serving import serve_command, start
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [30]]
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+def tiny_config(path: Path, core: str, **models: object) -> Config:
+    return Config(
+        models=[ModelConfig(path=str(path), name="tiny", context_length=128, **models)],  # type: ignore[arg-type]
+        engine=EngineConfig(core=core, prefill_chunk=4),
+    )
+
+
+@pytest.fixture(scope="module")
+def remote(tiny_path: Path) -> RemoteEngine:
+    engine = make_engine(tiny_config(tiny_path, "process"), load_plugins())
+    assert isinstance(engine, RemoteEngine)
+    engine.start()
+    yield engine
+    engine.stop()
+    assert engine.state == "stopped" and not engine._process.is_alive()
+
+
+def request(prompt: list[int], **params: object) -> GenerationRequest:
+    params.setdefault("max_tokens", 10)
+    params.setdefault("extra", {"ignore_eos": True})
+    return GenerationRequest(model="tiny", prompt_ids=list(prompt), params=SamplingParams(**params))  # type: ignore[arg-type]
+
+
+def run_together(engine: Engine, requests: list[GenerationRequest]) -> list[tuple[list[int], str, Finished | Failed]]:
+    """Submit every request at once, then read each to its end (sync consumers)."""
+    handles = [engine.submit(r) for r in requests]
+    results = []
+    for handle in handles:
+        events = list(handle)
+        deltas = [e for e in events if isinstance(e, Delta)]
+        results.append(([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), events[-1]))
+    return results
+
+
+def test_greedy_and_seeded_tokens_match_the_engine_thread(tiny_path: Path, remote: RemoteEngine) -> None:
+    thread = Engine(tiny_config(tiny_path, "thread"), load_plugins())
+    thread.start()
+    try:
+        batches = [
+            [request(p, temperature=0.0) for p in PROMPTS],
+            [request(p, temperature=0.9, top_p=0.9, seed=7 + i) for i, p in enumerate(PROMPTS)],
+            [request(PROMPTS[0], temperature=0.0, stop=["a"], max_tokens=16)],  # text matched by the core
+        ]
+        for batch in batches:
+            ours, theirs = run_together(remote, batch), run_together(thread, [attrs_copy(r) for r in batch])
+            assert [(ids, text) for ids, text, _ in ours] == [(ids, text) for ids, text, _ in theirs]
+            for (_, _, end), (_, _, reference) in zip(ours, theirs, strict=True):
+                assert isinstance(end, Finished) and isinstance(reference, Finished)
+                assert (end.reason, end.usage) == (reference.reason, reference.usage)
+    finally:
+        thread.stop()
+
+
+def attrs_copy(r: GenerationRequest) -> GenerationRequest:
+    return request(r.prompt_ids, **{k: getattr(r.params, k) for k in ("temperature", "top_p", "seed", "stop", "max_tokens")})
+
+
+def test_requests_are_validated_in_the_server_process(remote: RemoteEngine) -> None:
+    with pytest.raises(ModelNotFound):
+        remote.submit(GenerationRequest(model="nope", prompt_ids=[1]))
+    with pytest.raises(ContextLengthExceeded):
+        remote.submit(request([1] * 100, max_tokens=100))
+    assert remote.encode("tiny", "hello") == remote.model("tiny").tokenizer.encode("hello")
+
+
+def test_async_streams_cancellation_and_jobs_cross_the_pipe(remote: RemoteEngine) -> None:
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        long = remote.submit(request(PROMPTS[0], max_tokens=100), loop=loop)
+        short = remote.submit(request(PROMPTS[1], max_tokens=5), loop=loop)
+        seen = 0
+        async for event in long.events():
+            seen += 1
+            if seen == 3:
+                long.cancel()
+            if not isinstance(event, Delta):
+                assert isinstance(event, Finished) and event.reason == "cancelled"
+                assert event.usage.completion_tokens < 100
+        events = [event async for event in short.events()]
+        assert isinstance(events[-1], Finished) and events[-1].usage.completion_tokens == 5
+        embedded = await remote.embed_async("tiny", [[5, 6, 7], [8]])
+        assert len(embedded.vectors) == 2
+
+    asyncio.run(scenario())
+    thread_sum = remote.embed("tiny", [[5, 6, 7]])
+    assert len(thread_sum.vectors[0]) > 0
+    deadline = time.monotonic() + 5
+    while remote.running and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.running == 0 and remote.stats()["kv_bytes"] == 0
+
+
+def test_lazy_loading_and_unloading_go_through_the_core(tiny_path: Path) -> None:
+    engine = make_engine(tiny_config(tiny_path, "process", load="lazy"), load_plugins())
+    engine.start()
+    try:
+        assert engine.served == ["tiny"] and engine.loaded_models() == []
+        engine.ensure_loaded("tiny").result(60)
+        assert [info.name for info, _ in engine.loaded_models()] == ["tiny"]
+        (ids, _, end), = run_together(engine, [request(PROMPTS[0])])
+        assert isinstance(end, Finished) and len(ids) == 10
+        engine.unload_model("tiny").result(30)
+        assert engine.loaded_models() == []
+        assert engine.stats()["lifecycle"]["unloads"]
+    finally:
+        engine.stop()
+
+
+def test_a_dead_engine_process_fails_its_requests(tiny_path: Path) -> None:
+    engine = make_engine(tiny_config(tiny_path, "process"), load_plugins())
+    lost = threading.Event()
+    engine.on_lost = lost.set
+    engine.start()
+    handle = engine.submit(request(PROMPTS[0], max_tokens=120))
+    events = [next(iter(handle))]
+    os.kill(engine._process.pid, signal.SIGKILL)
+    events += list(handle)
+    assert lost.wait(10)
+    if isinstance(events[-1], Failed):  # or it had finished before the kill
+        assert "ended unexpectedly (signal SIGKILL)" in events[-1].error.message
+    assert engine.state == "failed" and isinstance(engine.error, EngineStopped)
+    with pytest.raises(EngineStopped):
+        engine.submit(request(PROMPTS[1]))
+    engine.stop()
+
+
+def test_errors_cross_whole_even_when_they_do_not_pickle() -> None:
+    error = decode_error(encode_error(UnknownName("kernel", "fast", ["mlx_fast", "cpu_native"])))
+    assert isinstance(error, UnknownName) and error.available == ["cpu_native", "mlx_fast"]
+    assert str(error).startswith("unknown kernel 'fast'")
+    plain = decode_error(encode_error(ValueError("boom")))
+    assert type(plain).__name__ == "MlxrError" and "ValueError: boom" in str(plain)
+
+
+# -- through mlxr serve -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def serve_config(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = tmp_path_factory.mktemp("serve") / "server.yaml"
+    config.write_text(
+        f"models:\n  - path: {tiny_path}\n    name: tiny\n    context_length: 4096\n"
+        "engine:\n  max_batch_size: 8\n  core: process\n"
+        "server:\n  shutdown_timeout: 1.0\n"
+    )
+    return config
+
+
+def start_server(config: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
+    return start(serve_command(config))
+
+
+def stream(url: str, body: dict[str, object], lines: list[str], first: threading.Event) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as reply:
+        for line in reply.iter_lines():
+            if line:
+                lines.append(line)
+                first.set()
+    first.set()
+
+
+def engine_pid(server: subprocess.Popen[str]) -> int:
+    children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    assert len(children) >= 1, "no engine process"
+    return int(children[-1])
+
+
+def test_serve_streams_cancels_a_client_that_leaves_and_drains_on_sigterm(serve_config: Path) -> None:
+    server, url, output = start_server(serve_config)
+    try:
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 3})
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
+        health = httpx.get(f"{url}/health").json()
+        assert health["state"] == "ready" and health["memory"]["active_bytes"] > 0
+        # A client that leaves mid-stream: the engine frees its row.
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": "the", "max_tokens": 4000, "ignore_eos": True, "stream": True,
+        }) as leaving:  # fmt: skip
+            next(leaving.iter_lines())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and "mlxr_requests_running 0.0" not in httpx.get(f"{url}/metrics").text:
+            time.sleep(0.1)
+        assert "mlxr_requests_running 0.0" in httpx.get(f"{url}/metrics").text
+        # SIGTERM during eight streams: each ends whole or with an error event; exit 0.
+        lengths = [3, 3] + [4000] * 6
+        streams: list[list[str]] = [[] for _ in lengths]
+        first = [threading.Event() for _ in lengths]
+        threads = [
+            threading.Thread(target=stream, args=(url, {"model": "tiny", "prompt": "the", "max_tokens": n,
+                                                         "ignore_eos": True}, streams[i], first[i]), daemon=True)
+            for i, n in enumerate(lengths)
+        ]  # fmt: skip
+        for thread in threads:
+            thread.start()
+        assert all(event.wait(30) for event in first)
+        core = engine_pid(server)
+        server.send_signal(signal.SIGTERM)
+        server.wait(40)
+    finally:
+        server.kill()
+    for thread in threads:
+        thread.join(5)
+    assert server.returncode == 0, "".join(output)
+    assert "Traceback" not in "".join(output) and not Path(f"/proc/{core}").exists()
+    ends = [json.loads(lines[-2].removeprefix("data: ")) for lines in streams]
+    assert all(lines[-1] == "data: [DONE]" for lines in streams)
+    cut = [end for end in ends if "error" in end]
+    assert all("shutting down" in end["error"]["message"] for end in cut)
+    assert len(ends) - len(cut) >= 2 and len(cut) >= 1
+
+
+def test_serve_exits_non_zero_when_its_engine_process_dies(serve_config: Path) -> None:
+    server, url, output = start_server(serve_config)
+    lines: list[str] = []
+    first = threading.Event()
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 4000, "ignore_eos": True}
+    thread = threading.Thread(target=stream, args=(url, body, lines, first), daemon=True)
+    try:
+        thread.start()
+        assert first.wait(30)
+        os.kill(engine_pid(server), signal.SIGKILL)
+        server.wait(30)
+    finally:
+        server.kill()
+    thread.join(5)
+    assert server.returncode == 1, "".join(output)
+    assert "the engine process ended unexpectedly (signal SIGKILL)" in "".join(output)
+    assert lines[-1] == "data: [DONE]"
+    assert "ended unexpectedly" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"]
+
