@@ -9,6 +9,7 @@ never sees a file format.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -26,6 +27,38 @@ class QuantSpec:
     bits: int
     group_size: int
     mode: str = "affine"
+
+
+@attrs.frozen
+class Shard:
+    """One process's share of a tensor split across ``size`` processes: along ``axis``, each of
+    ``segments`` (lengths that sum to the axis: a fused projection's query, key and value rows;
+    empty: the whole axis is one segment) is cut into ``size`` equal parts, and part ``rank`` of
+    each is kept, in order."""
+
+    axis: int
+    size: int
+    rank: int
+    segments: tuple[int, ...] = ()
+
+    def ranges(self, length: int) -> list[tuple[int, int]]:
+        """The ``[start, stop)`` ranges kept along ``axis`` of a tensor ``length`` long there;
+        ValueError when its segments do not cut into ``size`` equal parts."""
+        segments = self.segments or (length,)
+        if sum(segments) != length or any(segment % self.size for segment in segments):
+            raise ValueError(f"{length} entries in segments {list(segments)} do not split {self.size} ways")
+        kept, start = [], 0
+        for segment in segments:
+            step = segment // self.size
+            kept.append((start + self.rank * step, start + (self.rank + 1) * step))
+            start += segment
+        return kept
+
+
+#: The share of each tensor, by its name in the checkpoint, this process reads; None: the whole.
+TensorShards = Callable[[str], "Shard | None"]
+#: Given a checkpoint's config as soon as the format has read it: that checkpoint's shares.
+ShardPlan = Callable[[dict[str, Any]], TensorShards]
 
 
 @attrs.define
@@ -101,4 +134,17 @@ class ReadsProjector(Protocol):
         of its family holds them (its config's ``vision_config`` ..., its weights' names), and
         :attr:`Checkpoint.vision_path` set. Raises ModelLoadError naming ``path`` and the tensor or
         key when the file is corrupt or does not fit the text model."""
+        ...
+
+
+@runtime_checkable
+class ReadsShards(Protocol):
+    """An optional capability of a :class:`Format`: under tensor parallelism, reading from the
+    file only this process's share of the tensors split across processes."""
+
+    def load_shards(self, path: Path, plan: ShardPlan, *, dtype: str = "float32") -> Checkpoint:
+        """:meth:`Format.load`, but each tensor ``plan(config)`` gives a :class:`Shard` is read
+        as that share alone, where its layout allows (the others whole, the loader slices them);
+        ``metadata["shard_bytes"]`` is ``{"read": ..., "whole": ...}``: the bytes taken from the
+        file for the shares, and what the whole tensors hold."""
         ...

@@ -23,6 +23,7 @@ from mlx.utils import tree_flatten
 from mlxr_core.errors import (
     ArchitectureUnavailable,
     ConfigError,
+    MlxrError,
     ModelLoadError,
     UnknownArchitecture,
     UnsupportedFormat,
@@ -34,7 +35,16 @@ from mlxr_core.model.arch import (
     DefaultChatTemplate,
     RenamesModules,
 )
-from mlxr_core.model.checkpoint import Checkpoint, Format, QuantSpec, ReadsProjector
+from mlxr_core.model.checkpoint import (
+    Checkpoint,
+    Format,
+    QuantSpec,
+    ReadsProjector,
+    ReadsShards,
+    Shard,
+    ShardPlan,
+    TensorShards,
+)
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.kv_storage import KVStorage, configure_kv_storage
@@ -272,10 +282,16 @@ def build_model(
     quantization_policy: str = "auto",
     dtype: str = "float32",
     report: Counter[str] | None = None,
+    *,
+    tensor_group: Any = None,
+    name: str | None = None,
 ) -> nn.Module:
     """The architecture's module holding ``checkpoint``'s weights under a quantization policy
     (:mod:`mlxr_core.model.quantize`), evaluated and in eval mode. What the policy did per source
-    type is logged at debug level and added to ``report`` when given."""
+    type is logged at debug level and added to ``report`` when given. With ``tensor_group``, the
+    module holds this rank's share of the split layers (:mod:`mlxr_core.model.tensor_parallel`),
+    cut before the weights are loaded, so the whole split tensors never reach it; ``name`` (the
+    model's) is what a refusal to split names."""
     config = checkpoint.config
     with naming_config(checkpoint):
         model = arch.build(config, kernels)
@@ -311,6 +327,14 @@ def build_model(
 
         nn.quantize(model, class_predicate=predicate)
         route_quantized_linears(model, kernels.quantized_matmul)
+    if tensor_group is not None:
+        from mlxr_core.model.tensor_parallel import shard_model, shard_weights
+
+        try:
+            plan = shard_model(model, tensor_group, name=name or checkpoint.path.name)
+        except ModelLoadError as exc:
+            raise ModelLoadError(exc.detail, path=str(checkpoint.path), key=exc.key) from None
+        weights = shard_weights(weights, plan, model)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
@@ -324,6 +348,48 @@ def build_model(
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def shard_plan(
+    model_config: ModelConfig,
+    registries: Registries,
+    choices: Mapping[str, str],
+    dtype: str,
+    group: Any,
+    name: str,
+    path: Path,
+    format_name: str,
+) -> ShardPlan:
+    """The :class:`ShardPlan` a format that reads shares follows: given the checkpoint's config,
+    the architecture's module is built (its parameters never evaluated) and planned by
+    :func:`~mlxr_core.model.tensor_parallel.plan_shards`, in the checkpoint's tensor names. A
+    model that cannot be split is refused then, before its weights are read; a config the
+    architecture cannot build reads every tensor whole, and the load reports why further on."""
+    from mlxr_core.model.tensor_parallel import plan_shards
+
+    def plan(config: dict[str, Any]) -> TensorShards:
+        probe = Checkpoint(path=path, format=format_name, config=config, weights={})
+        try:
+            arch = pick_arch(probe, registries, model_config.arch)
+            kernels = bind_kernels(registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices)
+            with naming_config(probe):
+                model = arch.build(config, kernels)
+        except MlxrError as exc:
+            log.debug("%s: reading every tensor whole: %s", path.name, exc)
+            return lambda tensor: None
+        try:
+            shards = plan_shards(model, group.size(), group.rank(), name=name)
+        except ModelLoadError as exc:  # refused before a byte of the weights is read
+            raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
+
+        def share(tensor: str) -> Shard | None:
+            module, _, part = tensor.rpartition(".")
+            names = arch.sanitized_modules(module) if isinstance(arch, RenamesModules) else [module]
+            return shards.get(f"{names[0]}.{part}") if len(names) == 1 else None
+
+        return share
+
+    return plan
 
 
 def kv_quantization(
@@ -364,7 +430,13 @@ def load_model(
     path = resolve_model_path(model_config.path)
     format_name, fmt = pick_format(path, registries, model_config.format)
     dtype = default_dtype() if model_config.dtype == "auto" else model_config.dtype
-    checkpoint = fmt.load(path, dtype=dtype)
+    name = model_config.name or default_model_name(path)
+    choices = {**(kernel_choices or {}), **model_config.kernels}
+    if tensor_group is not None and isinstance(fmt, ReadsShards):
+        plan = shard_plan(model_config, registries, choices, dtype, tensor_group, name, path, format_name)
+        checkpoint = fmt.load_shards(path, plan, dtype=dtype)
+    else:
+        checkpoint = fmt.load(path, dtype=dtype)
     projector = resolve_projector(model_config.mmproj, path)
     if projector is not None:
         checkpoint = attach_projector(checkpoint, projector, registries, dtype)
@@ -392,25 +464,19 @@ def load_model(
             raise
         raise ModelLoadError(exc.detail, path=str(path), tensor=exc.tensor, key=exc.key) from exc
 
-    choices = {**(kernel_choices or {}), **model_config.kernels}
     kernels = bind_kernels(
         registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices
     )
-    model = build_model(checkpoint, arch, kernels, model_config.quantization, dtype)
+    model = build_model(
+        checkpoint, arch, kernels, model_config.quantization, dtype, tensor_group=tensor_group, name=name
+    )
     if isinstance(arch, ChecksLoadedModel):
         arch.check_loaded(model)
-    if tensor_group is not None:
-        from mlxr_core.model.tensor_parallel import shard_model
-
-        try:
-            shard_model(model, tensor_group, name=model_config.name or default_model_name(path))
-        except ModelLoadError as exc:
-            raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
     if pipeline_group is not None:
         from mlxr_core.model.pipeline import split_layers
 
         try:
-            split_layers(model, arch, pipeline_group, name=model_config.name or default_model_name(path))
+            split_layers(model, arch, pipeline_group, name=name)
         except ModelLoadError as exc:
             raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
     if model_config.fuse_projections:
@@ -438,7 +504,6 @@ def load_model(
         raise ConfigError(f"{path.name}: models[].vision.pan_and_scan applies to Gemma 3's vision side only; "
                           "remove it", field="models[].vision.pan_and_scan")
     context_length = model_config.context_length or arch.context_length(config)
-    name = model_config.name or default_model_name(path)
     kv_cache = kv_quantization(model_config, model, chosen, name, registries)
     loaded = LoadedModel(
         name=name,

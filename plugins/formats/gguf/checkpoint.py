@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from mlxr_core.errors import ModelLoadError
-from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, TokenizerSpec
+from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, ShardPlan, TokenizerSpec
 from mlxr_core.model.layers.args import TransformerArgs, check_value, field_types
 from mlxr_core.model.progress import track
 from mlxr_plugins.formats.gguf.quants import (
@@ -847,6 +847,25 @@ def _host_array(tensor: Any) -> np.ndarray:
     return gguf.quants.dequantize(tensor.data, qtype)
 
 
+def tensor_share(tensor: Any, shard: Shard) -> np.ndarray | None:
+    """The share ``shard`` of a matrix's data, copied out of the file's mapping (so only its pages
+    are read), in the reader's layout: raw blocks of a quantized (or bfloat16) row are cut at whole
+    blocks. None where the layout cannot be cut so (columns inside a block, a stack of experts)."""
+    data = tensor.data
+    if data.ndim > 2:
+        return None
+    # uint8 rows hold whole blocks (a block of one element for bfloat16); ranges count blocks.
+    block_bytes = gguf.GGML_QUANT_SIZES[tensor.tensor_type][1] if data.dtype == np.uint8 else 1
+    scale = block_bytes if shard.axis == 1 else 1
+    try:
+        ranges = shard.ranges(data.shape[shard.axis] // scale)
+    except ValueError:
+        return None
+    pieces = [data[start * scale : stop * scale] if shard.axis == 0 else data[:, start * scale : stop * scale]
+              for start, stop in ranges]  # fmt: skip
+    return np.ascontiguousarray(pieces[0]) if len(pieces) == 1 else np.concatenate(pieces, axis=shard.axis)
+
+
 def check_vocabulary(reader: gguf.GGUFReader, config: dict[str, Any], path: Path) -> None:
     """Refuse an embedding with fewer rows than the tokenizer has tokens: ids past its end would
     read memory that is not the model's (llama.cpp refuses such files too)."""
@@ -871,7 +890,14 @@ class GGUFFormat:
 
     def load(self, path: Path, *, dtype: str = "float32") -> Checkpoint:
         """Read ``path``: exact MLX quantization where a block type has one, ``dtype`` arrays for the rest."""
-        path = Path(path)
+        return self._read(Path(path), dtype, None)
+
+    def load_shards(self, path: Path, plan: ShardPlan, *, dtype: str = "float32") -> Checkpoint:
+        """:meth:`load`, each tensor ``plan`` splits read as this process's share: rows (whole
+        heads, llama.cpp's rotary order undone per head) or input columns at whole blocks."""
+        return self._read(Path(path), dtype, plan)
+
+    def _read(self, path: Path, dtype: str, plan: ShardPlan | None) -> Checkpoint:
         if dtype not in DTYPES:
             raise ModelLoadError(
                 f"unsupported dtype {dtype!r} (use one of {', '.join(DTYPES)})", path=str(path)
@@ -901,6 +927,9 @@ class GGUFFormat:
         suggested: dict[str, QuantSpec] = {}
         source_types: dict[str, str] = {}
         counts: Counter[str] = Counter()
+        shares = plan(config) if plan is not None else None
+        shard_bytes: Counter[str] = Counter()
+        unsplit: list[str] = []
         for name, tensor in track(tensors.items(), len(tensors), f"reading {path.name}"):
             counts[tensor.tensor_type.name] += 1
             if name.endswith(NOT_WEIGHTS):
@@ -908,12 +937,23 @@ class GGUFFormat:
             target = hf_name(name, arch)
             heads = permute.get(name.split(".")[2]) if name.startswith("blk.") else None
             shift = 1.0 if shifted_norm(name, arch) else 0.0
+            shard = shares(target) if shares is not None else None
+            source = tensor
+            if shard is not None and tensor.data.ndim > shard.axis:  # a row-parallel bias is whole
+                share = tensor_share(tensor, shard)
+                shard_bytes["whole"] += tensor.data.nbytes
+                shard_bytes["read"] += tensor.data.nbytes if share is None else share.nbytes
+                if share is None:
+                    unsplit.append(f"{name} ({tensor.tensor_type.name} {list(map(int, tensor.shape))})")
+                else:
+                    tensor = tensor._replace(data=share)
+                    heads = heads // shard.size if heads and shard.axis == 0 else heads
             try:
                 arrays = self._convert(tensor, target, DTYPES[dtype], heads, quantization, shift)
             except Exception as exc:
                 raise ModelLoadError(
                     f"cannot convert {tensor.tensor_type.name} tensor of shape "
-                    f"{list(map(int, tensor.shape))}: {type(exc).__name__}: {exc}",
+                    f"{list(map(int, source.shape))}: {type(exc).__name__}: {exc}",
                     path=str(path),
                     tensor=name,
                 ) from exc
@@ -925,6 +965,9 @@ class GGUFFormat:
                     bits = NEAREST_BITS.get(tensor.tensor_type, 8)
                     suggested[module] = QuantSpec(bits=bits, group_size=GROUP_SIZE)
 
+        if unsplit:
+            log.info("%s: %d tensors to split are read whole, their layout does not split there: %s%s",
+                     path.name, len(unsplit), unsplit[0], ", ..." if len(unsplit) > 1 else "")  # fmt: skip
         if arch in HYBRID_ARCHS:
             hybrid_weights(weights, quantization, config)
         if arch == "gemma4":
@@ -963,6 +1006,7 @@ class GGUFFormat:
                 "tensor_types": dict(counts),
                 "dequantized_types": sorted({source_types[m] for m in suggested}),
                 "resident_bytes": sum(array.nbytes for array in weights.values()),
+                **({"shard_bytes": {"read": shard_bytes["read"], "whole": shard_bytes["whole"]}} if plan else {}),
             },
         )
 

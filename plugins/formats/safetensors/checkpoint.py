@@ -3,7 +3,9 @@
 A folder holds ``config.json`` (read tolerantly), the weights as ``model.safetensors`` or as shards
 listed in ``model.safetensors.index.json``, optionally ``generation_config.json`` (end-of-sequence
 ids, default sampling) and the tokenizer files. MLX reads the safetensors files itself
-(``mx.load``); tensor names are kept exactly as stored.
+(``mx.load``, each tensor when it is first evaluated); tensor names are kept exactly as stored.
+Under tensor parallelism a split tensor is read as this process's share alone, from a read-only
+mapping of its bytes (:func:`read_share`).
 
 mlx-lm's quantized folders store each quantized module as a packed ``weight`` (uint32) with
 ``scales`` and ``biases``, and describe the packing in ``config.json``'s ``quantization`` block:
@@ -25,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlxr_core.errors import ModelLoadError
-from mlxr_core.model.checkpoint import Checkpoint, QuantSpec
+from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, ShardPlan, TensorShards
 from mlxr_plugins.formats.safetensors.files import read_json
 from mlxr_plugins.formats.safetensors.tokenizer import read_chat_template, tokenizer_spec
 
@@ -47,6 +50,12 @@ DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1,
     "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}  # fmt: skip
+#: numpy's type for each safetensors dtype a share is read in; bfloat16 as its raw bits (numpy
+#: has no bfloat16, nor has the ``safetensors`` package's numpy reader).
+NUMPY_DTYPES = {
+    "U8": "u1", "I8": "i1", "I16": "<i2", "U16": "<u2", "F16": "<f2", "BF16": "<u2",
+    "I32": "<i4", "U32": "<u4", "F32": "<f4", "I64": "<i8", "U64": "<u8", "F64": "<f8",
 }  # fmt: skip
 #: The largest header the safetensors format allows.
 MAX_HEADER_BYTES = 100_000_000
@@ -130,15 +139,20 @@ def weight_files(folder: Path, path: Path) -> dict[Path, list[str] | None]:
 
 
 def read_weights(
-    files: dict[Path, list[str] | None], dtype: mx.Dtype
-) -> tuple[dict[str, mx.array], dict[str, Path], dict[str, str]]:
-    """Every tensor of ``files`` (floats cast to ``dtype``), the file each came from, and the
-    ``__metadata__`` of the first file."""
+    files: dict[Path, list[str] | None], dtype: mx.Dtype, shares: TensorShards | None = None
+) -> tuple[dict[str, mx.array], dict[str, Path], dict[str, str], dict[str, int]]:
+    """Every tensor of ``files`` (floats cast to ``dtype``), the file each came from, the
+    ``__metadata__`` of the first file, and, with ``shares``, the bytes taken from the files for
+    the tensors it splits (``read``) and what they hold whole (``whole``)."""
     weights: dict[str, mx.array] = {}
     origin: dict[str, Path] = {}
     metadata: dict[str, str] = {}
+    shard_bytes = {"read": 0, "whole": 0}
+    unsplit: list[str] = []
+    headers = {file: check_header(file) for file in files}
+    entries = {name: entry for header, _ in headers.values() for name, entry in header.items()}
     for file, expected in files.items():
-        check_header(file)
+        header, start = headers[file]
         try:
             loaded: Any = mx.load(str(file), format="safetensors", return_metadata=True)
         except Exception as exc:
@@ -164,6 +178,17 @@ def read_weights(
                     f"the tensor is also in {origin[name].name}", path=str(file), tensor=name
                 )
             origin[name] = file
+            shard = shares(name) if shares is not None else None
+            if shard is not None and array.ndim > shard.axis:  # a row-parallel bias is whole
+                entry = header[name]
+                share = read_share(file, start, entry, shard) if splits(entries, name, shard) else None
+                shard_bytes["whole"] += array.nbytes
+                shard_bytes["read"] += array.nbytes if share is None else share.nbytes
+                if share is None:
+                    unsplit.append(f"{name} ({entry['dtype']} {entry['shape']})")
+                else:  # the whole tensor, never evaluated, is never read
+                    array = mx.array(share)
+                    array = array.view(mx.bfloat16) if entry["dtype"] == "BF16" else array
             if mx.issubdtype(array.dtype, mx.floating):
                 if not mx.all(mx.isfinite(array)).item():
                     raise ModelLoadError(
@@ -173,13 +198,49 @@ def read_weights(
                     )
                 array = array.astype(dtype)
             weights[name] = array
-    return weights, origin, metadata
+    if unsplit:
+        log.info("%d tensors to split are read whole, their layout does not split there: %s%s",
+                 len(unsplit), unsplit[0], ", ..." if len(unsplit) > 1 else "")  # fmt: skip
+    return weights, origin, metadata, shard_bytes
 
 
-def check_header(file: Path) -> None:
+def splits(entries: dict[str, Any], name: str, shard: Shard) -> bool:
+    """Whether tensor ``name`` and the other parts of its packing (``weight``, ``scales``,
+    ``biases``), by their header ``entries``, all split by ``shard``: a packing is cut whole or
+    not at all."""
+    module, _, part = name.rpartition(".")
+    parts = ("weight", "scales", "biases") if part in ("weight", "scales", "biases") else (part,)
+    for entry in (entries.get(f"{module}.{other}") for other in parts):
+        if entry is None:
+            continue
+        shape = entry["shape"]
+        if not shard.axis < len(shape) <= 2:
+            return False
+        try:
+            shard.ranges(shape[shard.axis])
+        except ValueError:
+            return False
+    return True
+
+
+def read_share(file: Path, start: int, entry: dict[str, Any], shard: Shard) -> np.ndarray | None:
+    """``shard`` of the tensor of header ``entry`` (its data at ``start`` + its offsets in
+    ``file``), copied out of a read-only mapping so that only its pages are read; None where it
+    has no numpy type or no bytes. Call it where :func:`splits` holds."""
+    shape, (begin, end) = tuple(entry["shape"]), entry["data_offsets"]
+    if entry["dtype"] not in NUMPY_DTYPES or begin == end:
+        return None
+    ranges = shard.ranges(shape[shard.axis])
+    data = np.memmap(file, dtype=NUMPY_DTYPES[entry["dtype"]], mode="r", offset=start + begin, shape=shape)
+    pieces = [data[a:b] if shard.axis == 0 else data[:, a:b] for a, b in ranges]
+    return np.ascontiguousarray(pieces[0]) if len(pieces) == 1 else np.concatenate(pieces, axis=shard.axis)
+
+
+def check_header(file: Path) -> tuple[dict[str, Any], int]:
     """Check a safetensors file's header against the file before MLX reads (and allocates) it:
     every tensor's dtype, its shape (non-negative 32-bit dimensions) and a byte range that is
-    exactly its size and lies inside the file. Raises ModelLoadError naming the file and tensor."""
+    exactly its size and lies inside the file; returns the header and where the data starts.
+    Raises ModelLoadError naming the file and tensor."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as handle:
@@ -233,6 +294,7 @@ def check_header(file: Path) -> None:
                 f"shape {shape} of {dtype} needs {expected} bytes but its data offsets "
                 f"{offsets} hold {offsets[1] - offsets[0]}", **where,
             )
+    return header, 8 + length
 
 
 #: The packing of Hugging Face's MXFP4 tensors: e2m1 codes in groups of 32 with an e8m0 scale.
@@ -356,7 +418,14 @@ class SafetensorsFormat:
 
     def load(self, path: Path, *, dtype: str = "float32") -> Checkpoint:
         """Read the folder: config, weights (floats as ``dtype``), quantization, tokenizer spec."""
-        path = Path(path)
+        return self._read(Path(path), dtype, None)
+
+    def load_shards(self, path: Path, plan: ShardPlan, *, dtype: str = "float32") -> Checkpoint:
+        """:meth:`load`, each tensor ``plan`` splits read as this process's share: rows or
+        columns, of a packing's ``weight``, ``scales`` and ``biases`` alike."""
+        return self._read(Path(path), dtype, plan)
+
+    def _read(self, path: Path, dtype: str, plan: ShardPlan | None) -> Checkpoint:
         folder = model_folder(path)
         if folder is None:
             raise ModelLoadError("not a folder or .safetensors file", path=str(path))
@@ -377,7 +446,8 @@ class SafetensorsFormat:
         generation = self._generation_config(folder)
 
         files = weight_files(folder, path)
-        weights, origin, file_metadata = read_weights(files, DTYPES[dtype])
+        shares = plan(config) if plan is not None else None
+        weights, origin, file_metadata, shard_bytes = read_weights(files, DTYPES[dtype], shares)
         if hf_quant_method(config) == "mxfp4":
             quantization = repack_mxfp4(weights, origin)
         else:
@@ -414,6 +484,7 @@ class SafetensorsFormat:
                 "eos_token_ids": eos_ids,
                 "generation_defaults": {k: generation[k] for k in SAMPLING_KEYS if k in generation},
                 "resident_bytes": sum(array.nbytes for array in weights.values()),
+                **({"shard_bytes": shard_bytes} if plan is not None else {}),
             },
         )
 
