@@ -189,16 +189,88 @@ constexpr const char* kIsa = "scalar";
 constexpr bool kNibbleOrder = false;
 #endif
 
+// Group scales or biases, [N, G] row-major, read where they lie in float32, float16 or bfloat16
+// (a half-precision model's), not converted whole on every call: SmolLM2's packed layers with
+// bfloat16 scales, one token's matmuls on 2 threads, 28.5 -> 15.9 ms (float32 scales: 14.1 ms).
+struct Groups {
+  const void* data;
+  mx::Dtype dtype;
+
+  float operator[](size_t i) const {
+    if (dtype == mx::float32) {
+      return static_cast<const float*>(data)[i];
+    }
+    const uint16_t bits = static_cast<const uint16_t*>(data)[i];
+    if (dtype == mx::bfloat16) {
+      const uint32_t widened = uint32_t(bits) << 16;
+      float value;
+      std::memcpy(&value, &widened, sizeof value);
+      return value;
+    }
+#if defined(__F16C__)
+    return _cvtsh_ss(bits);
+#else
+    return static_cast<float>(static_cast<const mx::float16_t*>(data)[i]);
+#endif
+  }
+
+  Groups plus(size_t elements) const {
+    return {static_cast<const char*>(data) + elements * mx::size_of(dtype), dtype};
+  }
+
+  // Row n's G values as float32: where they lie when float32, else converted into dst (a
+  // conversion per value inside the tiles would cost more instructions than the weights do).
+  const float* row(int n, int G, float* dst) const {
+    const size_t first = size_t(n) * G;
+    if (dtype == mx::float32) {
+      return static_cast<const float*>(data) + first;
+    }
+    int g = 0;
+    if (dtype == mx::float16) {
+      const uint16_t* src = static_cast<const uint16_t*>(data) + first;
+#if defined(__AVX512F__)
+      for (; g + 16 <= G; g += 16) {
+        _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + g))));
+      }
+#elif defined(__F16C__)
+      for (; g + 8 <= G; g += 8) {
+        _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + g))));
+      }
+#endif
+    }
+    for (; g < G; ++g) {
+      dst[g] = (*this)[first + g];
+    }
+    return dst;
+  }
+};
+
 // One call's operands, the input already float32 and reordered.
 struct Problem {
   const float* x;      // [M, K]
   const float* xsum;   // [M, G]
   const uint8_t* w;    // [N, K * bits / 8]
-  const float* scales; // [N, G]
-  const float* biases; // [N, G]
+  Groups scales;       // [N, G]
+  Groups biases;       // [N, G]
   float* out;          // [M, N]
   int M, N, K, G, bits, group_size;
   size_t row_bytes;
+};
+
+// The scales and biases of output rows n0 .. n0 + NB - 1 as float32 (see Groups::row).
+template <int NB>
+struct RowGroups {
+  const float* scales[NB];
+  const float* biases[NB];
+
+  RowGroups(const Problem& p, int n0) {
+    thread_local std::vector<float> converted;  // one tile at a time per thread
+    converted.resize(size_t(2 * NB) * p.G);
+    for (int i = 0; i < NB; ++i) {
+      scales[i] = p.scales.row(n0 + i, p.G, converted.data() + size_t(2 * i) * p.G);
+      biases[i] = p.biases.row(n0 + i, p.G, converted.data() + size_t(2 * i + 1) * p.G);
+    }
+  }
 };
 
 // Group g of row n as one byte per element: 8-bit rows are that already; other widths are read
@@ -262,6 +334,7 @@ inline Vec bytes_to_floats(const uint8_t* q) {
 // multiply x[0..16) and the high nibbles x[16..32) with no shuffle of the weight.
 template <int NB, int MB>
 inline void tile_q4(const Problem& p, int n0, int m0) {
+  const RowGroups<NB> groups(p, n0);
   Vec acc[NB][MB];
   float bias_acc[NB][MB];
   #pragma GCC unroll 8
@@ -282,7 +355,7 @@ inline void tile_q4(const Problem& p, int n0, int m0) {
     Vec s[NB];
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      s[i] = vset(p.scales[size_t(n0 + i) * p.G + g]);
+      s[i] = vset(groups.scales[i][g]);
     }
     for (int b = 0; b < blocks; ++b) {
       const int k = g * p.group_size + b * 32;
@@ -330,7 +403,7 @@ inline void tile_q4(const Problem& p, int n0, int m0) {
     }
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      const float bias = p.biases[size_t(n0 + i) * p.G + g];
+      const float bias = groups.biases[i][g];
       #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         bias_acc[i][j] += bias * p.xsum[size_t(m0 + j) * p.G + g];
@@ -375,6 +448,7 @@ inline Vec five_bits_to_floats(const uint8_t* q) {
 // bits) read into bytes first.
 template <int NB, int MB, int BITS>
 inline void tile_bytes(const Problem& p, int n0, int m0) {
+  const RowGroups<NB> groups(p, n0);
   Vec acc[NB][MB];
   float bias_acc[NB][MB];
   #pragma GCC unroll 8
@@ -396,7 +470,7 @@ inline void tile_bytes(const Problem& p, int n0, int m0) {
       } else {
         q[i] = group_bytes(p, n0 + i, g, buf[i]);
       }
-      s[i] = vset(p.scales[size_t(n0 + i) * p.G + g]);
+      s[i] = vset(groups.scales[i][g]);
     }
     for (int e = 0; e < p.group_size; e += kLanes) {
       Vec w[NB];
@@ -419,7 +493,7 @@ inline void tile_bytes(const Problem& p, int n0, int m0) {
     }
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      const float bias = p.biases[size_t(n0 + i) * p.G + g];
+      const float bias = groups.biases[i][g];
       #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         bias_acc[i][j] += bias * p.xsum[size_t(m0 + j) * p.G + g];
@@ -570,14 +644,15 @@ void prefill_rows(const Problem& p, int n_begin, int n_end, int m_full) {
 
 template <int NB, int MB>
 inline void tile(const Problem& p, int n0, int m0) {
+  const RowGroups<NB> groups(p, n0);
   float acc[NB][MB] = {};
   uint8_t buf[NB][128];
   for (int g = 0; g < p.G; ++g) {
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
       const uint8_t* q = group_bytes(p, n0 + i, g, buf[i]);
-      const float s = p.scales[size_t(n0 + i) * p.G + g];
-      const float bias = p.biases[size_t(n0 + i) * p.G + g];
+      const float s = groups.scales[i][g];
+      const float bias = groups.biases[i][g];
       #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         const float* xg = p.x + size_t(m0 + j) * p.K + size_t(g) * p.group_size;
@@ -752,7 +827,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       int group_size,
       int bits) {
     // Per-thread scratch, reused across calls: the float32 input, its group sums, the float32
-    // scales and biases (when stored in another dtype), the float32 output (ditto).
+    // scales and biases (when strided), the float32 output (when in another dtype).
     thread_local std::vector<float> xin, xf, xsum, sf, bf, of;
     const int K = x.shape(-1);
     const int M = int(x.size() / K);
@@ -782,20 +857,15 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
         std::memcpy(dst, src, size_t(K) * sizeof(float));
       }
     }
-    const float* sp;
-    const float* bp;
-    if (scales.dtype() == mx::float32 && scales.flags().row_contiguous) {
-      sp = scales.data<float>();
-    } else {
-      gather_floats(scales, sf);
-      sp = sf.data();
-    }
-    if (biases.dtype() == mx::float32 && biases.flags().row_contiguous) {
-      bp = biases.data<float>();
-    } else {
-      gather_floats(biases, bf);
-      bp = bf.data();
-    }
+    // Row-contiguous scales and biases are read in place in their dtype; others are gathered.
+    auto gather = [](const mx::array& a, std::vector<float>& dst) -> const void* {
+      gather_floats(a, dst);
+      return dst.data();
+    };
+    const Groups sp = scales.flags().row_contiguous ? Groups{scales.data<void>(), scales.dtype()}
+                                                    : Groups{gather(scales, sf), mx::float32};
+    const Groups bp = biases.flags().row_contiguous ? Groups{biases.data<void>(), biases.dtype()}
+                                                    : Groups{gather(biases, bf), mx::float32};
     const bool direct = out.dtype() == mx::float32;
     if (!direct) {
       of.resize(size_t(M) * N);
@@ -818,8 +888,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
           throw std::out_of_range("[mlxr gather_matmul] expert index out of range");
         }
         problems.push_back({xf.data() + r * rows * K, xsum.data() + r * rows * G,
-                            w.data<uint8_t>() + size_t(e) * N * row_bytes, sp + size_t(e) * N * G,
-                            bp + size_t(e) * N * G, op + r * rows * N, rows, N, K, G, bits,
+                            w.data<uint8_t>() + size_t(e) * N * row_bytes, sp.plus(size_t(e) * N * G),
+                            bp.plus(size_t(e) * N * G), op + r * rows * N, rows, N, K, G, bits,
                             group_size, row_bytes});
       }
     }

@@ -142,14 +142,18 @@ def test_refuses_other_devices():
         ((2, 4, 256), (2,)),  # several rows per expert
     ],
 )
-def test_gather_form_matches_the_reference(module, bits, x_shape, indices_shape):
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16], ids=["f32", "f16"])
+def test_gather_form_matches_the_reference(module, bits, x_shape, indices_shape, dtype):
+    """Each expert's scales and biases read in place in their dtype (float16: compared with
+    the same values as float32, as in test_half_precision_scales_and_strided_input)."""
     E, N, K = 6, 70, 256
-    w, scales, biases = packed(E * N, K, bits, 32)
+    w, scales, biases = packed(E * N, K, bits, 32, dtype=dtype)
     w, scales, biases = (a.reshape(E, N, -1) for a in (w, scales, biases))
     x = mx.random.normal(x_shape)
     indices = mx.random.randint(0, E, indices_shape).astype(mx.uint32)
     kwargs = {"indices": indices, "group_size": 32, "bits": bits}
     got = cpu_native.gather_matmul(x, w, scales, biases, **kwargs)
+    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
     assert_close(got, reference.gather_matmul(x, w, scales, biases, **kwargs), mx.float32)
 
 
