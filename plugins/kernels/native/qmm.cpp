@@ -273,6 +273,16 @@ struct RowGroups {
   }
 };
 
+// Decode reads each weight once, a few rows side by side: the hardware prefetcher alone left a
+// thread waiting on memory (Gemma 3's 210 MB LM head at 5.1 GB/s on one thread and 10.1 on two,
+// against 7.5 and 13.5 for plain sums). Asking for the bytes 4 KB ahead of each row's reads (the
+// next rows: rows lie end to end) made it 7.9 and 14.4 GB/s; 2-16 KB measured alike.
+constexpr size_t kPrefetchAhead = 4096;
+
+inline void prefetch_ahead(const uint8_t* at) {
+  __builtin_prefetch(at + kPrefetchAhead);
+}
+
 // Group g of row n as one byte per element: 8-bit rows are that already; other widths are read
 // from the bit stream into buf.
 inline const uint8_t* group_bytes(const Problem& p, int n, int g, uint8_t* buf) {
@@ -364,6 +374,7 @@ inline void tile_q4(const Problem& p, int n0, int m0) {
       Vec lo[NB], hi[NB];
       #pragma GCC unroll 8
       for (int i = 0; i < NB; ++i) {
+        prefetch_ahead(rows[i] + k / 2);
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(rows[i] + k / 2)));
         lo[i] = vmul(_mm512_cvtepi32_ps(_mm512_and_si512(v, low)), s[i]);
         hi[i] = vmul(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s[i]);
@@ -383,6 +394,7 @@ inline void tile_q4(const Problem& p, int n0, int m0) {
       #pragma GCC unroll 8
       for (int i = 0; i < NB; ++i) {
         const uint8_t* q = rows[i] + k / 2;
+        prefetch_ahead(q);
         const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
         const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
         w[i][0] = vmul(_mm256_cvtepi32_ps(_mm256_and_si256(a, low)), s[i]);
@@ -470,6 +482,7 @@ inline void tile_bytes(const Problem& p, int n0, int m0) {
       } else {
         q[i] = group_bytes(p, n0 + i, g, buf[i]);
       }
+      prefetch_ahead(p.w + size_t(n0 + i) * p.row_bytes + size_t(g) * p.group_size * p.bits / 8);
       s[i] = vset(groups.scales[i][g]);
     }
     for (int e = 0; e < p.group_size; e += kLanes) {
