@@ -216,13 +216,14 @@ def resolve_model(args: argparse.Namespace, tmp: Path) -> str:
 
 
 def start_server(
-    path: str, settings: dict[str, str], port: int, max_batch: int, tmp: Path, switch_interval: float | None = None
+    path: str, settings: dict[str, str], port: int, max_batch: int, tmp: Path, switch_interval: float | None = None,
+    core: str = "thread",
 ) -> subprocess.Popen[bytes]:
     model = {"name": "bench", "path": path, **settings}
     config = {
         "server": {"port": port, "log_level": "warning"},
         "models": [model],
-        "engine": {"max_batch_size": max_batch, "max_queue": 4 * max_batch},
+        "engine": {"max_batch_size": max_batch, "max_queue": 4 * max_batch, "core": core},
     }
     config_path = tmp / "bench.yaml"
     config_path.write_text(json.dumps(config))  # JSON is YAML
@@ -287,6 +288,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="ask each token's logprob, HTTP and engine alike (default: on for synthetic weights)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="client processes sharing each level's streams (so the client is not the limit)")
+    parser.add_argument("--core", choices=("thread", "process"), default="thread",
+                        help="the server's engine.core: the engine in a thread of the server or a process of its own")
     parser.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine-level runs")
     parser.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
                         help="sys.setswitchinterval for the server and this process (Python's default: 0.005), "
@@ -311,13 +314,13 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model, "path": path if args.model != "synthetic" else f"synthetic {args.shape}",
             "quant": args.quant if args.model == "synthetic" else None, "settings": settings,
             "gen_tokens": args.gen_tokens, "logprobs": args.logprobs, "client_processes": args.client_processes,
-            "rounds": args.rounds, "loadavg_1min_start": loadavg(),
+            "rounds": args.rounds, "core": args.core, "loadavg_1min_start": loadavg(),
         }
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
         report["switch_interval_s"] = sys.getswitchinterval()
         port = free_port()
-        server = start_server(path, settings, port, max_batch, tmp, args.switch_interval)
+        server = start_server(path, settings, port, max_batch, tmp, args.switch_interval, args.core)
         base = f"http://127.0.0.1:{port}"
         engine = None
         try:

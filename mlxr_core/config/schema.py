@@ -245,7 +245,7 @@ class PrefixCacheConfig:
 
 
 #: Where ``engine.core`` runs the engine.
-ENGINE_CORES = ("auto", "thread", "process")
+ENGINE_CORES = ("thread", "process")
 
 
 @attrs.define
@@ -275,10 +275,10 @@ class EngineConfig:
     #: Seconds a request waits for its model to load (queued behind other loads, or for memory to
     #: free) before it is answered 503.
     model_load_wait_s: float = attrs.field(default=300.0, validator=v.gt(0.0))
-    #: Where the engine runs: ``thread`` (a thread of the server process), ``process`` (a process
-    #: of its own, so the server's per-token work never waits on the GIL with the step being
-    #: built: :mod:`mlxr_core.engine.remote`), or ``auto``: ``process`` on a GPU, else ``thread``.
-    core: str = attrs.field(default="auto", converter=_lower, validator=v.in_(ENGINE_CORES))
+    #: Where the engine runs: ``thread`` (a thread of the server process) or ``process`` (a
+    #: process of its own, so the server's per-token work never waits on the GIL with the step
+    #: being built: :mod:`mlxr_core.engine.remote`; not under ``distributed:``).
+    core: str = attrs.field(default="thread", converter=_lower, validator=v.in_(ENGINE_CORES))
 
 
 #: ``mx.distributed`` backends ``mlx.launch`` starts; ``auto``: NCCL with CUDA, else ring.

@@ -1,4 +1,4 @@
-"""The engine in a process of its own (``engine.core: process``).
+"""The engine in a process of its own (``engine.core: process``; ``thread`` is the default).
 
 In one process, the engine thread that builds each step's MLX graph and the event loop that turns
 each token into an HTTP chunk take turns on one GIL: at 32 streams on a GPU, where a decode step is
@@ -68,20 +68,12 @@ STOP_GRACE_S = 15.0
 
 
 def uses_own_process(config: Config) -> bool:
-    """Whether ``engine.core`` puts the engine in a process of its own: ``process``, or ``auto``
-    on a GPU (where a step is short enough for the server's work to slow it); never under
+    """Whether ``engine.core`` puts the engine in a process of its own: ``process``, except under
     ``distributed:`` (each rank's engine is already its process's one MLX user)."""
-    setting = config.engine.core
-    if setting == "thread":
-        return False
     distributed = config.distributed
     if distributed.tensor_parallel * distributed.pipeline_parallel > 1:
         return False
-    if setting == "process":
-        return True
-    import mlx.core as mx
-
-    return bool(mx.default_device() == mx.gpu)
+    return config.engine.core == "process"
 
 
 def make_engine(config: Config, host: PluginHost, world: Any = None) -> Engine:
@@ -89,6 +81,8 @@ def make_engine(config: Config, host: PluginHost, world: Any = None) -> Engine:
     engine thread."""
     if world is None and uses_own_process(config):
         return RemoteEngine(config, host)
+    if config.engine.core == "process":
+        log.warning("engine.core: process does not apply under distributed:; each rank runs its engine in a thread")
     return Engine(config, host, world=world)
 
 
