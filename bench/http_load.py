@@ -190,6 +190,24 @@ def engine_level(engine: Any, model: str, n: int, gen: int, prompt: list[int], l
     return summarize(n, gen, results, min(float(r["start"]) for r in results))
 
 
+def server_steps(base: str) -> tuple[float, float]:
+    """The server's ``mlxr_engine_steps_total`` and ``mlxr_engine_step_seconds_total``."""
+    values = {}
+    for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("mlxr_engine_steps_total", "mlxr_engine_step_seconds_total"):
+            values[name] = float(value)
+    return values.get("mlxr_engine_steps_total", 0.0), values.get("mlxr_engine_step_seconds_total", 0.0)
+
+
+def step_figures(before: tuple[float, float], after: tuple[float, float]) -> dict[str, float]:
+    """Steps run between two readings of the counters and the mean milliseconds of one: a step
+    slowed by the server's work (the GIL shared with the event loop) shows here, whatever the
+    clients' own delays."""
+    steps, seconds = after[0] - before[0], after[1] - before[1]
+    return {"steps": steps, "step_ms": 1000 * seconds / steps if steps else float("nan")}
+
+
 def model_settings(args: argparse.Namespace) -> dict[str, str]:
     settings = {"dtype": args.dtype, "quantization": args.quantization}
     if args.model == "synthetic":  # as gpu_decode.py serves its folders
@@ -335,9 +353,16 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 rows = []
                 for n in levels:
+                    before = server_steps(base)
                     row = http_level(base, "bench", n, args.gen_tokens, args.prompt, args.logprobs, args.client_processes)
+                    time.sleep(0.5)  # an engine process reports its counters every 0.25 s
+                    row.update(step_figures(before, server_steps(base)))
                     if engine is not None:
+                        counters = engine.stats()
+                        before = (counters["steps"], counters["step_seconds"])
                         alone = engine_level(engine, "bench", n, args.gen_tokens, ids, args.logprobs)
+                        counters = engine.stats()
+                        alone.update(step_figures(before, (counters["steps"], counters["step_seconds"])))
                         row["engine"] = alone
                         row["http_vs_engine"] = row["aggregate_decode_tps"] / alone["aggregate_decode_tps"]
                         row["per_stream_http_vs_engine"] = (
@@ -381,7 +406,7 @@ def device_name() -> str:
 
 def print_table(levels: list[dict[str, Any]]) -> None:
     print(f"\n{'streams':>7} {'http tok/s':>10} {'engine':>8} {'http/eng':>8} {'per-stream':>10} {'engine':>8} "
-          f"{'ttft p50':>8} {'ttft p99':>8} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11}")
+          f"{'ttft p50':>8} {'ttft p99':>8} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8}")
     nan = float("nan")
     for row in levels:
         alone: dict[str, float] = row.get("engine", {})
@@ -389,7 +414,8 @@ def print_table(levels: list[dict[str, Any]]) -> None:
             f"{int(row['streams']):>7} {row['aggregate_decode_tps']:>10.1f} {alone.get('aggregate_decode_tps', nan):>8.1f} "
             f"{row.get('http_vs_engine', nan):>8.2f} {row['per_stream_decode_tps_median']:>10.1f} "
             f"{alone.get('per_stream_decode_tps_median', nan):>8.1f} {row['ttft_p50_s']:>7.2f}s {row['ttft_p99_s']:>7.2f}s "
-            f"{row['itl_p50_ms']:>6.1f}ms {row['itl_p99_ms']:>6.1f}ms {alone.get('itl_p99_ms', nan):>9.1f}ms"
+            f"{row['itl_p50_ms']:>6.1f}ms {row['itl_p99_ms']:>6.1f}ms {alone.get('itl_p99_ms', nan):>9.1f}ms "
+            f"{row.get('step_ms', nan):>6.2f}ms {alone.get('step_ms', nan):>6.2f}ms"
         )
 
 

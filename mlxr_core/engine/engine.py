@@ -487,6 +487,8 @@ class Engine:
             "queued": self.queue_depth,
             "kv_bytes": scheduler.kv_bytes,
             "kv_bytes_reserved": scheduler.reserved_kv_bytes,
+            "steps": scheduler.steps,
+            "step_seconds": scheduler.step_seconds,
             #: Draft tokens proposed and accepted, per model and drafting decoder.
             "decoders": scheduler.decoder_stats(),
             "lifecycle": self.lifecycle.stats() if self.lifecycle is not None else {},

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,9 @@ class Scheduler:
             self.jobs = lockstep.jobs
         #: Jobs started and not yet ended, a part of each run per loop.
         self.running_jobs: list[EngineJob] = []
+        #: Batch steps run and the seconds they took, events handed over included (/metrics).
+        self.steps = 0
+        self.step_seconds = 0.0
         self.waiting: deque[RequestHandle] = deque()
         #: Jobs whose model is not loaded yet (see :mod:`mlxr_core.engine.lifecycle`).
         self.held_jobs: list[EngineJob] = []
@@ -326,8 +330,11 @@ class Scheduler:
         return self.reserved_kv_bytes + runner.reserve_bytes(handle) <= budget
 
     def _step(self, name: str, runner: BatchRunner) -> None:
+        started = time.perf_counter()
         with delivered_together():  # the step's tokens reach each consumer loop in one hand-over
             self._step_once(name, runner)
+        self.step_seconds += time.perf_counter() - started
+        self.steps += 1
 
     def _step_once(self, name: str, runner: BatchRunner) -> None:
         try:

@@ -153,6 +153,10 @@ class EngineCollector(Collector):
                      stats.get("kv_bytes", 0))
         yield _gauge("mlxr_kv_cache_reserved_bytes", "KV-cache bytes reserved for running requests "
                      "(prompt + max_tokens).", stats.get("kv_bytes_reserved", 0))
+        yield CounterMetricFamily("mlxr_engine_steps", "Batch steps the engine has run (prefill chunks "
+                                  "and decode steps of all running requests together).", value=stats.get("steps", 0))
+        yield CounterMetricFamily("mlxr_engine_step_seconds", "Seconds the engine spent in batch steps, "
+                                  "handing their events over included.", value=stats.get("step_seconds", 0.0))
         yield from _prefix_cache_metrics(stats.get("prefix_cache") or {})
         yield from _lifecycle_metrics(stats.get("lifecycle") or {})
         yield from _rank_metrics(stats.get("ranks") or [])

@@ -211,6 +211,12 @@ def test_serve_streams_cancels_a_client_that_leaves_and_drains_on_sigterm(serve_
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
         health = httpx.get(f"{url}/health").json()
         assert health["state"] == "ready" and health["memory"]["active_bytes"] > 0
+        time.sleep(0.5)  # the engine process reports its counters every 0.25 s
+        counters = dict(line.split(" ") for line in httpx.get(f"{url}/metrics").text.splitlines()
+                        if line.startswith("mlxr_engine_step"))  # fmt: skip
+        # A prefill and at least two decode steps, timed.
+        assert float(counters["mlxr_engine_steps_total"]) >= 3
+        assert float(counters["mlxr_engine_step_seconds_total"]) > 0
         # A client that leaves mid-stream: the engine frees its row.
         with httpx.stream("POST", f"{url}/v1/completions", timeout=30, json={
             "model": "tiny", "prompt": "the", "max_tokens": 4000, "ignore_eos": True, "stream": True,
