@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -11,11 +12,17 @@ import mlx.nn as nn
 
 from mlxr_core.model.fuse import fuse_into, gate_and_up, swiglu
 
+#: sqrt(2 / pi), doubled: ``1 + tanh(y) == 2 * sigmoid(2 * y)``.
+_GELU_SCALE = 2 * math.sqrt(2 / math.pi)
+
 
 @partial(mx.compile, shapeless=True)
 def geglu(gate: mx.array, up: mx.array) -> mx.array:
-    """``gelu_tanh(gate) * up`` as one fused elementwise kernel (Gemma's ``gelu_pytorch_tanh``)."""
-    return nn.gelu_approx(gate) * up
+    """``gelu_tanh(gate) * up`` as one fused elementwise kernel (Gemma's ``gelu_pytorch_tanh``):
+    ``0.5 * x * (1 + tanh(y))`` written as ``x * sigmoid(2 * y)`` (the same function) and the cube
+    as products. MLX's CPU backend computes ``x ** 3`` and ``tanh`` with scalar ``powf`` and
+    ``tanhf`` calls, which cost Gemma 3 270M a fifth of its prompt time on a 2-core x86-64."""
+    return gate * mx.sigmoid(_GELU_SCALE * (gate + 0.044715 * gate * gate * gate)) * up
 
 
 #: Hugging Face ``hidden_act`` names -> the gated activation of their MLP.

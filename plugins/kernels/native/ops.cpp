@@ -44,13 +44,21 @@ namespace {
 
 using mlxr::element_offset;
 
-// A float32 array's elements in row-major order: its buffer when row-contiguous, else a copy.
+// A float32 array's elements in row-major order: its buffer when row-contiguous, else a copy
+// (a row at a time where the last axis is contiguous: a transposed view of heads, say).
 const float* dense(const mx::array& a, std::vector<float>& scratch) {
   if (a.flags().row_contiguous) {
     return a.data<float>();
   }
   scratch.resize(a.size());
   const float* data = a.data<float>();
+  const size_t last = a.ndim() > 0 ? a.shape(-1) : 1;
+  if (a.ndim() > 0 && a.strides().back() == 1) {
+    for (size_t row = 0; row * last < a.size(); ++row) {
+      std::memcpy(scratch.data() + row * last, data + element_offset(a, row * last), last * sizeof(float));
+    }
+    return scratch.data();
+  }
   for (size_t i = 0; i < a.size(); ++i) {
     scratch[i] = data[element_offset(a, i)];
   }
