@@ -586,13 +586,14 @@ void dequantize_row(const Problem& p, int n, float* dst) {
   }
 }
 
-// out[m0..m0+4, n..n+kMicroN] = x rows . panel rows (no bias term: the panel holds it).
+// out[m0..m0+R, n..n+kMicroN] = x rows . panel rows (no bias term: the panel holds it).
+template <int R>
 inline void micro(const Problem& p, const float* panel, int panel_row, int n, int m0) {
-  Vec acc[kMicroN][4];
+  Vec acc[kMicroN][R];
   #pragma GCC unroll 8
   for (int i = 0; i < kMicroN; ++i) {
     #pragma GCC unroll 8
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < R; ++j) {
       acc[i][j] = vzero();
     }
   }
@@ -601,9 +602,9 @@ inline void micro(const Problem& p, const float* panel, int panel_row, int n, in
   for (int i = 0; i < kMicroN; ++i) {
     w[i] = panel + size_t(panel_row + i) * p.K;
   }
-  const float* x[4];
+  const float* x[R];
   #pragma GCC unroll 8
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < R; ++j) {
     x[j] = p.x + size_t(m0 + j) * p.K;
   }
   for (int k = 0; k < p.K; k += kLanes) {
@@ -613,7 +614,7 @@ inline void micro(const Problem& p, const float* panel, int panel_row, int n, in
       wv[i] = vload(w[i] + k);
     }
     #pragma GCC unroll 8
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < R; ++j) {
       const Vec xv = vload(x[j] + k);
       #pragma GCC unroll 8
       for (int i = 0; i < kMicroN; ++i) {
@@ -624,14 +625,16 @@ inline void micro(const Problem& p, const float* panel, int panel_row, int n, in
   #pragma GCC unroll 8
   for (int i = 0; i < kMicroN; ++i) {
     #pragma GCC unroll 8
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < R; ++j) {
       p.out[size_t(m0 + j) * p.N + n + i] = vsum(acc[i][j]);
     }
   }
 }
 
-// Input rows [0, m_full) (a multiple of 4) for output rows [n_begin, n_end).
-void prefill_rows(const Problem& p, int n_begin, int n_end, int m_full) {
+// Every input row (4 or more) for output rows [n_begin, n_end): blocks of 4, then the last 1-3
+// rows through the same panel (not the packed tiles: a pass over the weight per row).
+void prefill_rows(const Problem& p, int n_begin, int n_end) {
+  const int m_full = p.M - p.M % 4;
   thread_local std::vector<float> panel;
   panel.resize(size_t(kPanel) * p.K);
   for (int n0 = n_begin; n0 < n_end; n0 += kPanel) {
@@ -640,14 +643,23 @@ void prefill_rows(const Problem& p, int n_begin, int n_end, int m_full) {
       dequantize_row(p, n0 + i, panel.data() + size_t(i) * p.K);
     }
     const int full = rows - rows % kMicroN;
-    for (int m = 0; m < m_full; m += 4) {
-      for (int i = 0; i < full; i += kMicroN) {
-        micro(p, panel.data(), i, n0 + i, m);
+    for (int i = 0; i < full; i += kMicroN) {
+      for (int m = 0; m < m_full; m += 4) {
+        micro<4>(p, panel.data(), i, n0 + i, m);
+      }
+      switch (p.M - m_full) {
+        case 3: micro<3>(p, panel.data(), i, n0 + i, m_full); break;
+        case 2: micro<2>(p, panel.data(), i, n0 + i, m_full); break;
+        case 1: micro<1>(p, panel.data(), i, n0 + i, m_full); break;
+        default: break;
       }
     }
     for (int i = full; i < rows; ++i) {  // a last output row or few: the packed tiles
       for (int m = 0; m < m_full; m += 4) {
         tile<1, 4>(p, n0 + i, m);
+      }
+      for (int m = m_full; m < p.M; ++m) {
+        tile<1, 1>(p, n0 + i, m);
       }
     }
   }
@@ -686,32 +698,36 @@ inline void tile(const Problem& p, int n0, int m0) {
   }
 }
 
-void prefill_rows(const Problem& p, int n_begin, int n_end, int m_full) {
+void prefill_rows(const Problem& p, int n_begin, int n_end) {
+  const int m_full = p.M - p.M % 4;
   for (int n = n_begin; n < n_end; ++n) {
     for (int m = 0; m < m_full; m += 4) {
       tile<1, 4>(p, n, m);
+    }
+    for (int m = m_full; m < p.M; ++m) {
+      tile<1, 1>(p, n, m);
     }
   }
 }
 
 #endif
 
-// Output rows [n_begin, n_end) for every input row: blocks of 4 input rows through a dequantized
-// panel (prefill_rows); the remaining input rows one at a time from the packed weight, 4 output
-// rows at a time (the decode shape).
+// Output rows [n_begin, n_end) for every input row: 4 input rows or more through a dequantized
+// panel (prefill_rows); fewer one at a time from the packed weight, 4 output rows at a time (the
+// decode shape).
 void run_rows(const Problem& p, int n_begin, int n_end) {
-  const int m_full = p.M - p.M % 4;
-  if (m_full > 0) {
-    prefill_rows(p, n_begin, n_end, m_full);
+  if (p.M >= 4) {
+    prefill_rows(p, n_begin, n_end);
+    return;
   }
   int n = n_begin;
   for (; n + 4 <= n_end; n += 4) {
-    for (int m = m_full; m < p.M; ++m) {
+    for (int m = 0; m < p.M; ++m) {
       tile<4, 1>(p, n, m);
     }
   }
   for (; n < n_end; ++n) {
-    for (int m = m_full; m < p.M; ++m) {
+    for (int m = 0; m < p.M; ++m) {
       tile<1, 1>(p, n, m);
     }
   }

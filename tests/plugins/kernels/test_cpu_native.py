@@ -44,7 +44,7 @@ def assert_close(got: mx.array, want: mx.array, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 17, 64])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 def test_matches_the_reference(module, bits, group_size, rows, dtype):
