@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -36,8 +37,11 @@ namespace mx = mlx::core;
 using namespace nb::literals;
 
 namespace mlxr {
-// qmm.cpp: offset (in elements) of element `index` of `a` in its buffer, for any strides.
+// qmm.cpp: offset (in elements) of element `index` of `a` in its buffer, for any strides; f(0) ..
+// f(total - 1) on the kernels' threads; how many threads they use.
 size_t element_offset(const mx::array& a, size_t index);
+void parallel_for(int total, std::function<void(int)> f);
+int num_threads();
 }  // namespace mlxr
 
 namespace {
@@ -340,6 +344,10 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
 // strides: views of a cache's buffers), and optionally a mask broadcastable to [B, Hq, L, S]
 // (bool: false hides a key; float: added to the scores). Query l sits at position S - L + l;
 // `causal` hides the keys after it. out [B, Hq, L, Dv].
+// Multiply-adds of q . k from which a call's queries are split over the kernels' threads (one
+// decode query over 160 positions, 9 heads of 64: 92K, under it).
+constexpr size_t kThreadedWork = size_t(1) << 18;
+
 class Attention : public mx::UnaryPrimitive {
  public:
   Attention(mx::Stream stream, float scale, bool causal)
@@ -371,54 +379,58 @@ class Attention : public mx::UnaryPrimitive {
       const bool* mask_bool = mask != nullptr && mask->dtype() == mx::bool_ ? mask->data<bool>() : nullptr;
       const float* mask_add = mask != nullptr && mask->dtype() == mx::float32 ? mask->data<float>() : nullptr;
       const float hidden = -std::numeric_limits<float>::infinity();
-      std::vector<float> scores(S), acc(Dv);
       float* o = out[0].data<float>();
-      for (int b = 0; b < B; ++b) {
-        for (int h = 0; h < Hq; ++h) {
+      // Queries (b, h, l) in slices over the kernels' threads where there is enough work (a
+      // prompt's); one decode query over a short cache stays on this thread.
+      const size_t queries = size_t(B) * Hq * L;
+      const bool threaded = size_t(S) * D * queries >= kThreadedWork && mlxr::num_threads() > 1;
+      const int slices = threaded ? int(std::min<size_t>(queries, size_t(mlxr::num_threads()) * 4)) : 1;
+      mlxr::parallel_for(slices, [&](int slice) {
+        std::vector<float> scores(S), acc(Dv);
+        const size_t first = queries * slice / slices, last = queries * (slice + 1) / slices;
+        for (size_t query = first; query < last; ++query) {
+          const int l = int(query % L);
+          const int h = int(query / L % Hq);
+          const int b = int(query / L / Hq);
           const int kv = h / group;
           const float* kb = k + b * ka.strides()[0] + kv * ka.strides()[1];
           const float* vb = v + b * va.strides()[0] + kv * va.strides()[1];
-          for (int l = 0; l < L; ++l) {
-            const float* qrow = q + ((size_t(b) * Hq + h) * L + l) * D;
-            const int visible = causal ? S - L + l + 1 : S;
-            const int64_t mask_row = b * mask_strides[0] + h * mask_strides[1] + l * mask_strides[2];
-            float top = hidden;
-            for (int s = 0; s < S; ++s) {
-              float score = hidden;
-              if (s < visible) {
-                score = dot(qrow, kb + s * ka.strides()[2], D) * scale;
-                if (mask_bool != nullptr && !mask_bool[mask_row + s * mask_strides[3]]) {
-                  score = hidden;
-                } else if (mask_add != nullptr) {
-                  score += mask_add[mask_row + s * mask_strides[3]];
-                }
-              }
-              scores[s] = score;
-              top = std::max(top, score);
+          const float* qrow = q + query * D;
+          const int visible = causal ? S - L + l + 1 : S;  // keys after it are hidden
+          const int64_t mask_row = b * mask_strides[0] + h * mask_strides[1] + l * mask_strides[2];
+          float top = hidden;
+          for (int s = 0; s < visible; ++s) {
+            float score = dot(qrow, kb + s * ka.strides()[2], D) * scale;
+            if (mask_bool != nullptr && !mask_bool[mask_row + s * mask_strides[3]]) {
+              score = hidden;
+            } else if (mask_add != nullptr) {
+              score += mask_add[mask_row + s * mask_strides[3]];
             }
-            std::fill(acc.begin(), acc.end(), 0.0f);
-            float total = 0.0f;
-            if (top != hidden) {  // a row that sees no key gives zeros
-              for (int s = 0; s < S; ++s) {
-                if (scores[s] == hidden) {
-                  continue;
-                }
-                const float p = std::exp(scores[s] - top);
-                total += p;
-                const float* vrow = vb + s * va.strides()[2];
-                for (int d = 0; d < Dv; ++d) {
-                  acc[d] += p * vrow[d];
-                }
+            scores[s] = score;
+            top = std::max(top, score);
+          }
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          float total = 0.0f;
+          if (top != hidden) {  // a query that sees no key gives zeros
+            for (int s = 0; s < visible; ++s) {
+              if (scores[s] == hidden) {
+                continue;
               }
-            }
-            float* dst = o + ((size_t(b) * Hq + h) * L + l) * Dv;
-            const float norm = total > 0.0f ? 1.0f / total : 0.0f;
-            for (int d = 0; d < Dv; ++d) {
-              dst[d] = acc[d] * norm;
+              const float p = std::exp(scores[s] - top);
+              total += p;
+              const float* vrow = vb + s * va.strides()[2];
+              for (int d = 0; d < Dv; ++d) {
+                acc[d] += p * vrow[d];
+              }
             }
           }
+          float* dst = o + query * Dv;
+          const float norm = total > 0.0f ? 1.0f / total : 0.0f;
+          for (int d = 0; d < Dv; ++d) {
+            dst[d] = acc[d] * norm;
+          }
         }
-      }
+      });
     });
   }
 

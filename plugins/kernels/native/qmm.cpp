@@ -178,6 +178,30 @@ void set_threads(int n) {
   pool().resize(g_threads - 1);
 }
 
+}  // namespace
+
+namespace mlxr {
+
+// f(0) .. f(total - 1) on the pool's threads and the caller (ops.cpp's larger calls).
+void parallel_for(int total, std::function<void(int)> f) {
+  if (g_threads == 1 || total == 1) {
+    for (int i = 0; i < total; ++i) {
+      f(i);
+    }
+    return;
+  }
+  pool().run(total, std::move(f));
+}
+
+// The threads the kernels use (set_num_threads).
+int num_threads() {
+  return g_threads;
+}
+
+}  // namespace mlxr
+
+namespace {
+
 #if defined(__AVX512F__)
 constexpr const char* kIsa = "avx512";
 constexpr bool kNibbleOrder = true;
