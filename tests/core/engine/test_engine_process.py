@@ -20,7 +20,14 @@ import pytest
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.remote import RemoteEngine, decode_error, encode_error, make_engine
-from mlxr_core.engine.request import Delta, Failed, Finished, GenerationRequest, SamplingParams
+from mlxr_core.engine.request import (
+    Delta,
+    Failed,
+    Finished,
+    GenerationRequest,
+    SamplingParams,
+    TokenLogprob,
+)
 from mlxr_core.errors import ContextLengthExceeded, EngineStopped, ModelNotFound, UnknownName
 from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.serving import serve_command, start
@@ -60,14 +67,19 @@ def request(prompt: list[int], **params: object) -> GenerationRequest:
     return GenerationRequest(model="tiny", prompt_ids=list(prompt), params=SamplingParams(**params))  # type: ignore[arg-type]
 
 
-def run_together(engine: Engine, requests: list[GenerationRequest]) -> list[tuple[list[int], str, Finished | Failed]]:
-    """Submit every request at once, then read each to its end (sync consumers)."""
+def run_together(
+    engine: Engine, requests: list[GenerationRequest], logprobs: list[list[TokenLogprob]] | None = None
+) -> list[tuple[list[int], str, Finished | Failed]]:
+    """Submit every request at once, then read each to its end (sync consumers); each one's
+    logprobs into ``logprobs``."""
+    logprobs = [] if logprobs is None else logprobs
     handles = [engine.submit(r) for r in requests]
     results = []
     for handle in handles:
         events = list(handle)
         deltas = [e for e in events if isinstance(e, Delta)]
         results.append(([t for d in deltas for t in d.token_ids], "".join(d.text for d in deltas), events[-1]))
+        logprobs.append([lp for d in deltas for lp in d.logprobs])
     return results
 
 
@@ -79,10 +91,17 @@ def test_greedy_and_seeded_tokens_match_the_engine_thread(tiny_path: Path, remot
             [request(p, temperature=0.0) for p in PROMPTS],
             [request(p, temperature=0.9, top_p=0.9, seed=7 + i) for i, p in enumerate(PROMPTS)],
             [request(PROMPTS[0], temperature=0.0, stop=["a"], max_tokens=16)],  # text matched by the core
+            [request(p, temperature=0.0, logprobs=2) for p in PROMPTS[:2]],
         ]
         for batch in batches:
-            ours, theirs = run_together(remote, batch), run_together(thread, [attrs_copy(r) for r in batch])
+            our_logprobs: list[list[TokenLogprob]] = []
+            their_logprobs: list[list[TokenLogprob]] = []
+            ours = run_together(remote, batch, our_logprobs)
+            theirs = run_together(thread, [attrs_copy(r) for r in batch], their_logprobs)
             assert [(ids, text) for ids, text, _ in ours] == [(ids, text) for ids, text, _ in theirs]
+            assert our_logprobs == their_logprobs
+            if batch[0].params.logprobs is not None:
+                assert all(len(lps) == 10 and len(lps[0].top) == 2 for lps in our_logprobs)
             for (_, _, end), (_, _, reference) in zip(ours, theirs, strict=True):
                 assert isinstance(end, Finished) and isinstance(reference, Finished)
                 assert (end.reason, end.usage) == (reference.reason, reference.usage)
@@ -91,7 +110,7 @@ def test_greedy_and_seeded_tokens_match_the_engine_thread(tiny_path: Path, remot
 
 
 def attrs_copy(r: GenerationRequest) -> GenerationRequest:
-    return request(r.prompt_ids, **{k: getattr(r.params, k) for k in ("temperature", "top_p", "seed", "stop", "max_tokens")})
+    return request(r.prompt_ids, **{k: getattr(r.params, k) for k in ("temperature", "top_p", "seed", "stop", "max_tokens", "logprobs")})
 
 
 def test_requests_are_validated_in_the_server_process(remote: RemoteEngine) -> None:
