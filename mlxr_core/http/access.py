@@ -107,14 +107,23 @@ def is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
+#: Headers every current browser adds to a POST (``Origin``) or to any request (``Sec-Fetch-*``).
+BROWSER_HEADERS = ("origin", "sec-fetch-site", "sec-fetch-mode")
+
+
 def json_body_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-    """Refuse a body not declared as JSON (:class:`UnsupportedMediaType`, 415). A route that reads
-    another media type lists what it accepts in its ``opt["content_types"]``."""
+    """Refuse a browser's body not declared as JSON (:class:`UnsupportedMediaType`, 415): a web page
+    can POST a form or text/plain to another site without a CORS preflight, never JSON, so a
+    page a user visits cannot drive a server on their machine. A request without a browser's
+    headers (``curl -d '{...}'``, as Ollama's own examples send, declaring a form) is read as the
+    JSON it is. A route that reads another media type lists it in its ``opt["content_types"]``."""
     if connection.scope.get("method") not in BODY_METHODS:
         return
     content_type = connection.headers.get("content-type", "")
     accepted = handler.opt.get("content_types", ())
     if is_json(content_type) or content_type.partition(";")[0].strip().lower() in accepted:
+        return
+    if not any(name in connection.headers for name in BROWSER_HEADERS):
         return
     raise UnsupportedMediaType(
         f"the request body must be JSON (Content-Type: application/json), not "

@@ -165,13 +165,27 @@ def test_bodies_nested_deep_inside_an_object_are_4xx_on_every_post_route(client:
     ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None],
 )
 def test_a_body_not_declared_as_json_is_a_415_on_every_post_route(client: TestClient, content_type: str | None) -> None:
-    """A web page can POST text/plain or a form across sites without a CORS preflight, never JSON."""
+    """A web page can POST text/plain or a form across sites without a CORS preflight, never JSON:
+    from a browser (its ``Origin`` or ``Sec-Fetch-*`` headers), such a body is refused."""
     for path, api in post_routes(client).items():
         body = json.dumps(api["body"]).encode()
         headers = {"content-type": content_type} if content_type else {}
-        response = client.post(path, content=body, headers=headers)
-        assert response.status_code == 415, (path, response.status_code, response.text[:300])
-        assert api["shape"](response.json()) and "JSON" in response.text, (path, response.text[:300])
+        for browser in ({"origin": "http://evil.example"}, {"sec-fetch-site": "cross-site"}):
+            response = client.post(path, content=body, headers={**headers, **browser})
+            assert response.status_code == 415, (path, response.status_code, response.text[:300])
+            assert api["shape"](response.json()) and "JSON" in response.text, (path, response.text[:300])
+
+
+@pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "text/plain", None])
+def test_a_json_body_from_curl_is_read_whatever_it_declares(client: TestClient, content_type: str | None) -> None:
+    """``curl URL -d '{...}'`` (Ollama's own examples) declares a form; no browser sent it, so
+    the body is read as the JSON it is, and a body that is not JSON is a 400 in the API's shape."""
+    headers = {"content-type": content_type} if content_type else {}
+    for name, api in APIS.items():
+        response = client.post(api["path"], content=json.dumps(api["body"]).encode(), headers=headers)
+        assert response.status_code == 200, (name, response.status_code, response.text[:300])
+        response = client.post(api["path"], content=b"model=tiny&prompt=hi", headers=headers)
+        assert response.status_code == 400 and api["shape"](response.json()), (name, response.text[:300])
     # JSON with parameters, and the +json types, are JSON.
     api = APIS["openai"]
     for declared in ("application/json; charset=utf-8", "Application/JSON"):

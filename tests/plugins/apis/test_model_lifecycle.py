@@ -250,7 +250,7 @@ def test_admin_load_and_unload_need_a_key(files: dict[str, Path]) -> None:
         assert client.post("/v1/models/nope/load", json={}).status_code == 404
         assert client.post("/v1/models/b/reload", json={}).status_code == 404
         # A body not declared as JSON (a form a web page could post across sites) is refused.
-        assert client.post("/v1/models/a/unload").status_code == 415
+        assert client.post("/v1/models/a/unload", headers={"origin": "http://evil.example"}).status_code == 415
         assert metric(client, "mlxr_model_unloads_total", model="a", reason="request") == 1
     # No key on a server others can reach: refused.
     with serving(models, host="0.0.0.0") as (client, _):
