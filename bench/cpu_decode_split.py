@@ -7,11 +7,13 @@ by ``cpu_native``), then, alternating within each round:
 
 - ``step``: one-token decode steps of the model itself on a KV cache after a 32-token prompt
   (eager, no engine: what the engine's step costs before scheduling and sampling);
+- ``compiled_step``: the same through the compiled decode step (``compile_decode``, what the
+  engine runs), on a cache of its own;
 - ``matmuls``: every packed layer's matmul of one step alone (the same weights and shapes, one
   evaluation), i.e. the weight stream;
 - the memory read bandwidth (numpy sums, one slice per thread) and the matmuls' share of it.
 
-``step - matmuls`` is what the rest of the graph costs per token (norms, RoPE, attention, the
+``step - matmuls`` (and ``compiled_step - matmuls``) is what the rest of the graph costs per token (norms, RoPE, attention, the
 residuals, and MLX's per-primitive overhead), which no matmul kernel can remove. Prints JSON: a
 diagnostic, not a peer comparison (``compare_mlx_lm.py`` is that).
 """
@@ -72,6 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     def step() -> None:
         mx.eval(model(token, cache=cache))
 
+    compiled_cache = loaded.arch.make_cache(model)
+    mx.eval(model(mx.array([[1] * 32]), cache=compiled_cache))
+
+    def compiled_step() -> None:
+        mx.eval(loaded.decode(token[0], compiled_cache))
+
     def timed(fn, n: int) -> float:
         fn()
         started = time.perf_counter()
@@ -82,12 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for _ in range(args.rounds):
         step_s = timed(step, args.steps)
+        compiled_s = timed(compiled_step, args.steps) if loaded.compiled_decode is not None else float("nan")
         matmul_s = timed(matmuls, args.steps)
         bandwidth = measure_read_bandwidth(module.num_threads())
         rounds.append({
             "step_ms": step_s * 1e3,
+            "compiled_step_ms": compiled_s * 1e3,
             "matmuls_ms": matmul_s * 1e3,
             "rest_ms": (step_s - matmul_s) * 1e3,
+            "compiled_rest_ms": (compiled_s - matmul_s) * 1e3,
             "matmul_GBps": packed_bytes / matmul_s / 1e9,
             "bandwidth_GBps": bandwidth / 1e9,
             "loadavg_1min": os.getloadavg()[0],
