@@ -141,19 +141,26 @@ def summarize(n: int, gen: int, results: list[dict[str, Any]], started: float) -
     }
 
 
+def _pin(cpus: set[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+
+
 def http_level(
-    base: str, model: str, n: int, gen: int, prompt: str, logprobs: bool = False, processes: int = 1
+    base: str, model: str, n: int, gen: int, prompt: str, logprobs: bool = False, processes: int = 1,
+    client_cpus: set[int] | None = None,
 ) -> dict[str, Any]:
     """N streams from ``processes`` client processes (one Python event loop parsing every chunk
-    of 32 streams can be what limits the measurement), all started at one instant."""
+    of 32 streams can be what limits the measurement), all started at one instant; with
+    ``client_cpus``, the clients run on those CPUs only (in a process of their own even for one)."""
     processes = max(1, min(processes, n))
     shares = [n // processes + (i < n % processes) for i in range(processes)]
-    at = time.monotonic() + (5.0 if processes > 1 else 0.0)  # spawned clients import httpx first
+    at = time.monotonic() + (5.0 if processes > 1 or client_cpus else 0.0)  # spawned clients import httpx first
     jobs = [(base, model, share, gen, prompt, logprobs, at) for share in shares]
-    if processes == 1:
+    if processes == 1 and not client_cpus:
         results = _client(jobs[0])
     else:
-        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        with multiprocessing.get_context("spawn").Pool(processes, initializer=_pin, initargs=(client_cpus,)) as pool:
             results = [r for part in pool.map(_client, jobs) for r in part]
     return summarize(n, gen, results, min(float(r["start"]) for r in results))
 
@@ -281,6 +288,15 @@ def start_engine(path: str, settings: dict[str, str], max_batch: int) -> Any:
     return engine
 
 
+def cpu_list(text: str) -> set[int]:
+    """``0-7,12`` -> {0, ..., 7, 12}."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def stream_counts(text: str) -> list[int]:
     counts = [int(part) for part in text.replace(",", " ").split()]
     if not counts or min(counts) < 1:
@@ -308,6 +324,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="client processes sharing each level's streams (so the client is not the limit)")
     parser.add_argument("--core", choices=("thread", "process"), default="thread",
                         help="the server's engine.core: the engine in a thread of the server or a process of its own")
+    parser.add_argument("--server-cpus", type=cpu_list, default=None, metavar="LIST",
+                        help="run the server (and the engine alone) on these CPUs, e.g. 0-7, and the "
+                        "clients on the others: what the step costs without clients on the same cores")
     parser.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine-level runs")
     parser.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
                         help="sys.setswitchinterval for the server and this process (Python's default: 0.005), "
@@ -337,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
         report["switch_interval_s"] = sys.getswitchinterval()
+        client_cpus = None
+        if args.server_cpus:  # this process (the engine alone) and the server it starts
+            client_cpus = os.sched_getaffinity(0) - args.server_cpus
+            os.sched_setaffinity(0, args.server_cpus)
+            report["server_cpus"], report["client_cpus"] = sorted(args.server_cpus), sorted(client_cpus)
         port = free_port()
         server = start_server(path, settings, port, max_batch, tmp, args.switch_interval, args.core)
         base = f"http://127.0.0.1:{port}"
@@ -354,7 +378,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows = []
                 for n in levels:
                     before = server_steps(base)
-                    row = http_level(base, "bench", n, args.gen_tokens, args.prompt, args.logprobs, args.client_processes)
+                    row = http_level(base, "bench", n, args.gen_tokens, args.prompt, args.logprobs,
+                                     args.client_processes, client_cpus)
                     time.sleep(0.5)  # an engine process reports its counters every 0.25 s
                     row.update(step_figures(before, server_steps(base)))
                     if engine is not None:
