@@ -15,6 +15,11 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   after it, ``h = x + residual`` and ``rms_norm(h, weight, eps)`` (a decoder block's attention
   residual and its MLP's input norm: one kernel where a backend fuses them).
 - ``rope(x, dims, *, traditional, base, scale, offset, freqs=None)``: as ``mx.fast.rope``.
+- ``gated_activation(gate, up, *, activation) -> act(gate) * up``: a gated MLP's activation,
+  ``activation`` ``"silu"`` (SwiGLU: ``gate * sigmoid(gate) * up``) or ``"gelu_tanh"`` (GeGLU:
+  ``0.5 * gate * (1 + tanh(sqrt(2 / pi) * (gate + 0.044715 * gate**3))) * up``); ``gate`` and
+  ``up`` share one shape and dtype and may be strided views (the two halves of one fused
+  ``gate_up_proj`` output); returns their shape and dtype.
 - ``quantized_matmul(x, w, scales, biases, *, transpose, group_size, bits, mode)``: as
   ``mx.quantized_matmul``; every quantized linear layer of a model (the decode step's weight
   reads) goes through it.
@@ -65,8 +70,8 @@ log = logging.getLogger(__name__)
 
 #: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
 OPS = (
-    "attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul", "route",
-    "gated_delta",
+    "attention", "rms_norm", "add_rms_norm", "rope", "gated_activation", "quantized_matmul",
+    "gather_matmul", "route", "gated_delta",
 )
 
 
@@ -102,6 +107,7 @@ class KernelSet:
     rms_norm: Callable[..., Any]
     add_rms_norm: Callable[..., Any]
     rope: Callable[..., Any]
+    gated_activation: Callable[..., Any]
     quantized_matmul: Callable[..., Any]
     gather_matmul: Callable[..., Any]
     route: Callable[..., Any]

@@ -49,6 +49,7 @@ from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, u
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.kv_storage import KVStorage, configure_kv_storage
 from mlxr_core.model.layers.attention import Attention
+from mlxr_core.model.layers.mlp import route_gated_activations
 from mlxr_core.model.paths import default_model_name, resolve_model_path, resolve_projector
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.quantized_cache import quantize_caches
@@ -317,6 +318,7 @@ def build_model(
         log.debug("%s: %s: %d tensors", checkpoint.path.name, outcome, count)
     if report is not None:
         report.update(result.report)
+    route_gated_activations(model, kernels.gated_activation)
     if quantization:
 
         def predicate(module_path: str, module: nn.Module) -> bool | dict[str, Any]:

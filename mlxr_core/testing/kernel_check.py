@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "float16", "bfloat16")
 #: The ops :func:`check_kernel_parity` has cases for.
 PARITY_OPS = (
-    "attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gather_matmul", "route",
-    "gated_delta",
+    "attention", "rms_norm", "add_rms_norm", "rope", "gated_activation", "quantized_matmul",
+    "gather_matmul", "route", "gated_delta",
 )
 #: dtype -> (atol, rtol) per op.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
@@ -30,6 +30,8 @@ TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     "rms_norm": {"float32": (5e-6, 1e-5), "float16": (2.0**-10, 2.0**-9), "bfloat16": (2.0**-7, 2.0**-6)},
     "add_rms_norm": {"float32": (5e-6, 1e-5), "float16": (2.0**-10, 2.0**-9), "bfloat16": (2.0**-7, 2.0**-6)},
     "rope": {"float32": (2e-5, 1e-5), "float16": (2.0**-8, 2.0**-9), "bfloat16": (2.0**-5, 2.0**-6)},
+    # A backend may compute in the inputs' dtype (mlx_fast's compiled kernel does): a few roundings.
+    "gated_activation": {"float32": (1e-6, 1e-5), "float16": (2.0**-10, 2.0**-8), "bfloat16": (2.0**-7, 2.0**-5)},
     # Sums of K = 256..512 products of O(1) terms (outputs of O(20)); a backend may accumulate in
     # the activation dtype, as MLX's fused CPU kernel does.
     "quantized_matmul": {"float32": (1e-3, 1e-4), "float16": (0.4, 2.0**-8), "bfloat16": (3.0, 2.0**-5)},
@@ -201,6 +203,27 @@ def _cases(op: str) -> Iterator[Case]:
                     shapes = {"head_dim": D, "rope_dims": dims, "rope_traditional": traditional}
                     name = f"D={D} dims={dims} traditional={traditional} L={L} offset={offset}"
                     yield Case(name, shapes, make_rope)
+    elif op == "gated_activation":
+        # One decode row, a prompt chunk, an odd width (no whole SIMD vector), the two halves of one
+        # fused gate_up projection's output (strided views), and transposed (non-contiguous) rows.
+        layouts: tuple[tuple[tuple[int, ...], str], ...] = (
+            ((1, 1, 64), "dense"), ((2, 7, 1536), "dense"), ((3, 37), "dense"), ((2, 3, 576), "halves"),
+            ((5, 40), "transposed"),
+        )
+        for extent, layout in layouts:
+            for activation in ("silu", "gelu_tanh"):
+
+                def make_gated(dtype: Any, shape: tuple[int, ...] = extent, layout: str = layout,
+                               activation: str = activation) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                    if layout == "halves":
+                        gate, up = mx.split(normal((*shape[:-1], 2 * shape[-1]), 23, dtype) * 3, 2, axis=-1)
+                    elif layout == "transposed":
+                        gate, up = normal(shape[::-1], 24, dtype).T * 3, normal(shape[::-1], 25, dtype).T
+                    else:
+                        gate, up = normal(shape, 26, dtype) * 3, normal(shape, 27, dtype)
+                    return (gate, up), {"activation": activation}
+
+                yield Case(f"shape={extent} {layout} {activation}", {"activation": activation}, make_gated)
     elif op == "quantized_matmul":
         for L, K, N, bits, group_size in ((1, 256, 128, 4, 64), (7, 512, 96, 8, 32), (16, 256, 64, 4, 32)):
 

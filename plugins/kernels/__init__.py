@@ -27,9 +27,9 @@ MLXR_ESSENTIAL = True
 #: only decode under an array mask, which MLX's CUDA backend has no fused kernel for, and hands
 #: the rest to mx.fast (see its module). The fused ``metal`` kernels sit below ``mlx_fast``,
 #: opt-in (``kernels: {attention: metal}``): unmeasured.
-#: ``cpu_native`` (packed quantized matmul, and a decode step's norms, RoPE and attention, in C++,
-#: compiled on first use, CPU only) sits above ``cpu_blas`` and ``mlx_fast``, which is where
-#: ``auto`` goes when it cannot be built.
+#: ``cpu_native`` (packed quantized matmul, and a decode step's norms, RoPE, attention and gated
+#: MLP activation, in C++, compiled on first use, CPU only) sits above ``cpu_blas`` and
+#: ``mlx_fast``, which is where ``auto`` goes when it cannot be built.
 #: ``cpu_blas`` (quantized matmul and decode RoPE on MLX's CPU backend only) and ``cuda_norm``
 #: (residual add + RMS norm as one kernel, CUDA only) sit above ``mlx_fast``; ``cuda_dense`` (quantized matmul for several rows as dequantize + dense matmul, on
 #: MLX's CUDA backend only) below it, opt-in; ``cuda_qmm`` (4-bit packed matmul for a few rows with
@@ -41,7 +41,8 @@ BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
     "cpu_native": (
         "mlxr_plugins.kernels.cpu_native",
         25,
-        ("quantized_matmul", "gather_matmul", "attention", "rms_norm", "add_rms_norm", "rope"),
+        ("quantized_matmul", "gather_matmul", "attention", "rms_norm", "add_rms_norm", "rope",
+         "gated_activation"),
     ),
     "cpu_blas": ("mlxr_plugins.kernels.cpu_blas", 20, ("quantized_matmul", "rope")),
     "cuda": ("mlxr_plugins.kernels.cuda", 15, ("attention",)),

@@ -22,6 +22,11 @@ step on a 2-core x86-64 from 30-34 ms to 23-25 ms (compiled or eager, load under
 query over 160 cached positions (9/3 heads, D=64) takes 41 us against the fallback's 130 us, and
 stays ahead up to prompts (128 queries over 128 keys: 3.5 vs 5.8 ms; 512 over 512: 42 vs 75 ms).
 Other dtypes, attention sinks and shapes they do not take go to ``mlx_fast`` (RoPE to ``cpu_blas``).
+
+So is the MLP's gated activation, ``silu(gate) * up`` or ``gelu_tanh(gate) * up``, where MLX's
+cost is its scalar exp (24-37 ns an element: ~40% of a 128-token prompt of SmolLM2 or Gemma 3
+270M): a SIMD exp within a few float32 ulp, the halves of a fused ``gate_up_proj`` read where they
+lie, float32, float16 or bfloat16. 128 rows of 1536 take 0.1 ms against MLX's 6.5 ms.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import mlx.core as mx
 from mlxr_core.kernels import KernelContext
 from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl, cpu_blas, mlx_fast, native
 
+#: Activation dtypes of the C++ gated activation (the other ops take float32 only).
+NATIVE_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 #: Widths and group sizes the C++ kernel reads (every affine format MLX makes).
 BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
@@ -216,6 +223,17 @@ def attention(
     return out
 
 
+def gated_activation(gate: mx.array, up: mx.array, *, activation: str) -> mx.array:
+    """``act(gate) * up`` (``silu`` or ``gelu_tanh``) as one primitive, SIMD exp, gate and up
+    read through their strides (the halves of a fused ``gate_up_proj``: no copy); else
+    ``mlx_fast``'s."""
+    module, _ = native.load()
+    if module is None or gate.dtype != up.dtype or gate.dtype not in NATIVE_DTYPES or gate.shape != up.shape:
+        return mlx_fast.gated_activation(gate, up, activation=activation)
+    out: mx.array = module.gated_activation(gate, up, activation)
+    return out
+
+
 def _attention_support(ctx: KernelContext) -> list[str]:
     return _support(ctx) + mlx_fast.attention_kernel.supports(ctx)
 
@@ -225,6 +243,11 @@ add_rms_norm_kernel = KernelImpl(
     add_rms_norm, _support, summary="float32 residual add + RMS norm as one primitive (C++); else mlx_fast"
 )
 rope_kernel = KernelImpl(rope, _support, summary="float32 RoPE as one primitive (C++); else cpu_blas")
+gated_activation_kernel = KernelImpl(
+    gated_activation,
+    _support,
+    summary="silu(gate) * up or gelu_tanh(gate) * up as one primitive (C++, SIMD exp, strided halves in place)",
+)
 attention_kernel = KernelImpl(
     attention,
     _attention_support,

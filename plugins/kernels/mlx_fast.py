@@ -10,6 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from mlxr_core.kernels import KernelContext
+from mlxr_core.model.layers.mlp import GATED_ACTIVATIONS
 from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl
 from mlxr_plugins.kernels.delta_rule import gated_delta
 from mlxr_plugins.kernels.reference import route
@@ -74,6 +75,19 @@ add_rms_norm_kernel = KernelImpl(
     add_rms_norm, _float_dtype, summary="an add, then mx.fast.rms_norm (two kernels)"
 )
 rope_kernel = KernelImpl(mx.fast.rope, _rope_support, summary="mx.fast.rope")
+
+
+def gated_activation(gate: mx.array, up: mx.array, *, activation: str) -> mx.array:
+    """The MLP's own ``swiglu`` / ``geglu``: one ``mx.compile``'d elementwise kernel in the
+    inputs' dtype (MLX has no ``mx.fast`` gated activation)."""
+    if activation not in ("silu", "gelu_tanh"):
+        raise ValueError(f"unknown gated activation {activation!r} (expected 'silu' or 'gelu_tanh')")
+    return GATED_ACTIVATIONS[activation](gate, up)
+
+
+gated_activation_kernel = KernelImpl(
+    gated_activation, _float_dtype, summary="swiglu / geglu compiled into one elementwise kernel"
+)
 quantized_matmul_kernel = KernelImpl(
     mx.quantized_matmul, summary="mx.quantized_matmul (fused dequantize + matmul)"
 )

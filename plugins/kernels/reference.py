@@ -137,10 +137,24 @@ def rope(
     return mx.concatenate([out, rest], axis=-1) if dims < x.shape[-1] else out
 
 
+def gated_activation(gate: mx.array, up: mx.array, *, activation: str) -> mx.array:
+    """``act(gate) * up`` in float32 from the textbook formulas: ``silu(g) = g * sigmoid(g)``,
+    ``gelu_tanh(g) = 0.5 * g * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 * g**3)))``."""
+    g = gate.astype(mx.float32)
+    if activation == "silu":
+        act = g * mx.sigmoid(g)
+    elif activation == "gelu_tanh":
+        act = 0.5 * g * (1.0 + mx.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g**3)))
+    else:
+        raise ValueError(f"unknown gated activation {activation!r} (expected 'silu' or 'gelu_tanh')")
+    return (act * up.astype(mx.float32)).astype(gate.dtype)
+
+
 attention_kernel = KernelImpl(attention, summary="plain mx ops, float32 softmax: the ground truth")
 rms_norm_kernel = KernelImpl(rms_norm, summary="plain mx ops in float32: the ground truth")
 add_rms_norm_kernel = KernelImpl(add_rms_norm, summary="an add, then the reference rms_norm")
 rope_kernel = KernelImpl(rope, summary="plain mx ops in float32: the ground truth")
+gated_activation_kernel = KernelImpl(gated_activation, summary="plain mx ops in float32: the ground truth")
 
 
 def quantized_matmul(

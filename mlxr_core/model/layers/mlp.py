@@ -35,6 +35,10 @@ GATED_ACTIVATIONS: dict[str, Callable[[mx.array, mx.array], mx.array]] = {
 }
 
 
+#: The built-in activations and the ``gated_activation`` kernel's name for each.
+KERNEL_ACTIVATIONS: dict[Callable[[mx.array, mx.array], mx.array], str] = {swiglu: "silu", geglu: "gelu_tanh"}
+
+
 class GatedMLP(nn.Module):
     """``gate_proj`` and ``up_proj`` (or one ``gate_up_proj``, gate first: built so with
     ``fused``, or joined after loading by :meth:`fuse_projections`), then ``down_proj``."""
@@ -69,3 +73,21 @@ class GatedMLP(nn.Module):
     def fuse_projections(self) -> bool:
         """Replace ``gate_proj`` and ``up_proj`` by one ``gate_up_proj``."""
         return fuse_into(self, "gate_up_proj", ("gate_proj", "up_proj"))
+
+    def route_activation(self, gated_activation: Callable[..., mx.array]) -> bool:
+        """Compute a built-in activation (:data:`KERNEL_ACTIVATIONS`) with the bound
+        ``gated_activation`` kernel; False (and nothing changed) for any other activation (an
+        architecture's own, gpt-oss's clamped SwiGLU say)."""
+        kind = KERNEL_ACTIVATIONS.get(self._activation)
+        if kind is None:
+            return False
+        self._activation = partial(gated_activation, activation=kind)
+        return True
+
+
+def route_gated_activations(model: nn.Module, gated_activation: Callable[..., mx.array]) -> int:
+    """Make every :class:`GatedMLP` of ``model`` with a built-in activation call
+    ``gated_activation`` (the bound kernel); returns how many."""
+    return sum(
+        module.route_activation(gated_activation) for _, module in model.named_modules() if isinstance(module, GatedMLP)
+    )

@@ -24,6 +24,7 @@ import pytest
 from mlxr_core.config.schema import ModelConfig
 from mlxr_core.kernels import OPS, bind_kernels
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec
+from mlxr_core.model.layers.mlp import route_gated_activations
 from mlxr_core.model.loader import load_model
 from mlxr_core.plugins import load_plugins
 from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat
@@ -83,6 +84,7 @@ def last_logits(request, checkpoint, registries) -> dict[str, np.ndarray]:
     )
     assert dict(kernels.chosen) == dict.fromkeys(OPS, request.param)
     model = arch.build(config, kernels)
+    route_gated_activations(model, kernels.gated_activation)  # as the loader does
     weights = dequantize_weights(arch.sanitize(checkpoint.weights, config), checkpoint.quantization)
     model.load_weights(list(weights.items()), strict=True)
     return {p["name"]: np.array(model(mx.array([p["ids"]]))[0, -1]) for p in PROMPTS}

@@ -246,12 +246,13 @@ def test_smollm2_loads_packed_and_answers_like_llama_cpp(module):
 
 
 def test_smollm2_decode_steps_answer_like_llama_cpp(module):
-    """The served decode step (compiled between attentions, this backend's norms, RoPE and
-    attention over the cache): each prompt but its last token prefilled, the last one decoded;
+    """The served decode step (compiled between attentions, this backend's norms, RoPE, gated
+    activation and attention over the cache): each prompt but its last token prefilled, the last one decoded;
     the step's logits answer as llama.cpp's at the end of the prompt."""
     path, prompts = smollm2()
     loaded = load_model(ModelConfig(path=str(path), dtype="float32"), load_plugins().registries)
-    assert {loaded.kernels.chosen[op] for op in ("attention", "rms_norm", "add_rms_norm", "rope")} == {"cpu_native"}
+    ops = ("attention", "rms_norm", "add_rms_norm", "rope", "gated_activation")
+    assert {loaded.kernels.chosen[op] for op in ops} == {"cpu_native"}
     assert loaded.compiled_decode is not None
     for prompt in prompts[:3]:
         caches = loaded.make_cache()

@@ -1,4 +1,4 @@
-"""The native CPU backend's norms, RoPE and attention (``ops.cpp``) against the reference backend,
+"""The native CPU backend's norms, RoPE, attention and gated activation (``ops.cpp``) against the reference backend,
 their fallbacks and refusals (the served model through them: test_cpu_native.py)."""
 
 from __future__ import annotations
@@ -104,6 +104,74 @@ def test_attention_of_a_query_that_sees_no_key_is_zero(module):
     assert not got[:, 1].any()
 
 
+#: dtype -> (atol, rtol) against the float32 reference: one rounding of the output, or two.
+GATED_TOLERANCES = {mx.float32: (1e-6, 2e-6), mx.float16: (2.0**-12, 2.0**-10), mx.bfloat16: (2.0**-9, 2.0**-7)}
+
+
+def gated_operands(shape, layout, dtype, seed):
+    """gate (~N(0, 9)) and up in one of the layouts an MLP hands over."""
+    keys = mx.random.split(mx.random.key(seed), 2)
+    if layout == "halves":  # a fused gate_up projection's output, split: two strided views
+        both = mx.random.normal((*shape[:-1], 2 * shape[-1]), key=keys[0]) * 3
+        return mx.split(both.astype(dtype), 2, axis=-1)
+    gate, up = mx.random.normal(shape, key=keys[0]) * 3, mx.random.normal(shape, key=keys[1])
+    if layout == "transposed":  # neither last axis contiguous
+        gate, up = mx.random.normal(shape[::-1], key=keys[0]).T * 3, mx.random.normal(shape[::-1], key=keys[1]).T
+    return gate.astype(dtype), up.astype(dtype)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize(("shape", "layout"), [
+    ((1, 1, 576), "dense"),  # a decode row
+    ((1, 1, 1536), "halves"),
+    ((3, 7, 13), "dense"),  # an odd width: less than one SIMD vector
+    ((2, 5, 1001), "halves"),
+    ((6, 35), "transposed"),
+    ((128, 1536), "halves"),  # a prompt's: split over the kernels' threads
+])
+def test_gated_activations_match_the_reference(module, activation, dtype, shape, layout):
+    gate, up = gated_operands(shape, layout, dtype, seed=shape[-1])
+    got = cpu_native.gated_activation(gate, up, activation=activation)
+    want = reference.gated_activation(gate, up, activation=activation)
+    assert got.shape == want.shape == shape and got.dtype == want.dtype == dtype
+    atol, rtol = GATED_TOLERANCES[dtype]
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=rtol, atol=atol)
+
+
+def test_gated_activations_hold_over_float32_s_range(module):
+    """The SIMD exp over the whole range where it matters, against float64: silu within a few ulp;
+    GeGLU within its argument's float32 rounding (2y up to ~88 in exp(-2y): ~88 * 2^-24 relative
+    in the tail, values under 1e-24 there); saturated values, infinity and NaN."""
+    g = np.linspace(-120, 120, 480_001).astype(np.float32)
+    x = g.astype(np.float64)
+    y = np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)
+    with np.errstate(over="ignore"):
+        exact = {"silu": x / (1 + np.exp(-x)), "gelu_tanh": x / (1 + np.exp(-2 * y))}
+    ones = mx.ones(g.shape)
+    for activation, want in exact.items():
+        got = np.array(cpu_native.gated_activation(mx.array(g), ones, activation=activation)).astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=4e-7 if activation == "silu" else 1e-5, atol=1e-30)
+    edges = mx.array([np.inf, 1e30, -1e30, 0.0, np.nan])
+    for activation in ("silu", "gelu_tanh"):
+        got = np.array(cpu_native.gated_activation(edges, mx.ones((5,)), activation=activation))
+        assert got[0] == np.inf and got[1] == 1e30 and got[2] == 0 and got[3] == 0 and np.isnan(got[4])
+
+
+def test_gated_activation_inside_a_compiled_graph(module):
+    """As the compiled decode step runs it: inside mx.compile, on a fused projection's halves."""
+    w = mx.random.normal((64, 2 * 96), key=mx.random.key(4)) * 0.3
+
+    def mlp(x):
+        gate, up = mx.split(x @ w, 2, axis=-1)
+        return cpu_native.gated_activation(gate, up, activation="gelu_tanh").sum(-1)
+
+    x = mx.random.normal((1, 1, 64), key=mx.random.key(5))
+    want = reference.gated_activation(*mx.split(x @ w, 2, axis=-1), activation="gelu_tanh").sum(-1)
+    np.testing.assert_allclose(np.array(mx.compile(mlp)(x)), np.array(want), rtol=1e-5, atol=1e-5)
+
+
 def test_calls_they_do_not_cover_fall_back(module):
     """Half precision, sinks, a per-row rope over 3-D input: computed by mx.fast's paths."""
     q = mx.random.normal((1, 4, 1, 32)).astype(mx.bfloat16)
@@ -118,6 +186,9 @@ def test_calls_they_do_not_cover_fall_back(module):
     x = mx.random.normal((3, 5, 16)).astype(mx.float16)
     weight = mx.ones((16,), dtype=mx.float16)
     assert mx.array_equal(cpu_native.rms_norm(x, weight, 1e-5), mx.fast.rms_norm(x, weight, 1e-5))
+    gate, up = mx.random.normal((2, 16)), mx.random.normal((2, 16)).astype(mx.bfloat16)  # mixed dtypes
+    assert mx.array_equal(cpu_native.gated_activation(gate, up, activation="silu"),
+                          mlx_fast.gated_activation(gate, up, activation="silu"))
     x3 = mx.random.normal((3, 5, 16))
     kwargs = {"traditional": False, "base": 1e4, "scale": 1.0, "offset": 2}
     assert_close(cpu_native.rope(x3, 16, **kwargs), reference.rope(x3, 16, **kwargs), atol=1e-5)
@@ -137,4 +208,14 @@ def test_bad_operands_are_refused_by_name(module):
         module.rms_norm(mx.zeros((2, 8)), mx.ones((4,)), 1e-5)
     with pytest.raises(ValueError, match="float32"):
         module.rms_norm(mx.zeros((2, 8), dtype=mx.float16), mx.ones((8,)), 1e-5)
+    with pytest.raises(ValueError, match="'silu' or 'gelu_tanh', not 'relu'"):
+        module.gated_activation(mx.zeros((2, 8)), mx.zeros((2, 8)), "relu")
+    with pytest.raises(ValueError, match="one shape"):
+        module.gated_activation(mx.zeros((2, 8)), mx.zeros((2, 4)), "silu")
+    with pytest.raises(ValueError, match="one dtype"):
+        module.gated_activation(mx.zeros((2, 8)), mx.zeros((2, 8), dtype=mx.float16), "silu")
+    with pytest.raises(ValueError, match="one dtype"):
+        module.gated_activation(mx.zeros((2, 8), dtype=mx.int32), mx.zeros((2, 8), dtype=mx.int32), "silu")
+    with pytest.raises(ValueError, match="'silu' or 'gelu_tanh'"):
+        cpu_native.gated_activation(mx.zeros((2, 8)), mx.zeros((2, 8)), activation="relu")
 

@@ -283,7 +283,8 @@ def test_mlx_fast_says_why_it_cannot_run():
 
 def test_plugin_registers_both_backends_and_auto_binds_registered_ones():
     registries = load_plugins().registries
-    for op in ("attention", "rms_norm", "add_rms_norm", "rope", "quantized_matmul", "gated_delta"):
+    for op in ("attention", "rms_norm", "add_rms_norm", "rope", "gated_activation", "quantized_matmul",
+               "gated_delta"):
         assert f"{op}:reference" in registries.kernels
         assert f"{op}:mlx_fast" in registries.kernels
     shapes = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2, "rope_dims": 64, "masks": ("causal",)}

@@ -29,6 +29,7 @@ CPU_AUTO = {
     "rms_norm": "cpu_native" if NATIVE else "mlx_fast",
     "add_rms_norm": "cpu_native" if NATIVE else "mlx_fast",
     "rope": "cpu_native" if NATIVE else "cpu_blas",
+    "gated_activation": "cpu_native" if NATIVE else "mlx_fast",
     "quantized_matmul": "cpu_native" if NATIVE else "cpu_blas",
     "gather_matmul": "cpu_native" if NATIVE else "mlx_fast",
     "route": "mlx_fast",
@@ -127,15 +128,15 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
                          device="cpu", platform="cpu")
     by_key = {(row["op"], row["backend"]): row for row in rows}
     assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "add_rms_norm", "rope",
-                                              "quantized_matmul", "gather_matmul", "route",
-                                              "gated_delta")
+                                              "gated_activation", "quantized_matmul", "gather_matmul",
+                                              "route", "gated_delta")
                            for b in ("mlx_fast", "reference")} | {
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
         ("add_rms_norm", "cuda_norm"), ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"),
         ("quantized_matmul", "cuda_dense"), ("quantized_matmul", "cuda_qmm"),
         ("route", "cuda_moe"), ("gated_delta", "cuda_delta"), ("gated_delta", "metal")} | {
         (op, "cpu_native") for op in ("attention", "rms_norm", "add_rms_norm", "rope",
-                                      "quantized_matmul", "gather_matmul")}
+                                      "gated_activation", "quantized_matmul", "gather_matmul")}
     assert [row["backend"] for row in rows if row["auto"]] == list(CPU_AUTO.values())
     assert "needs MLX's CUDA backend" in by_key[("add_rms_norm", "cuda_norm")]["reasons"][0]
     assert not by_key[("attention", "cuda")]["supported"]
@@ -148,7 +149,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     assert cuda_row["supported"] and cuda_row["auto"] and "flash-decoding" in cuda_row["summary"]
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
     assert chosen == {"attention": "cuda", "rms_norm": "mlx_fast", "add_rms_norm": "cuda_norm",
-                      "rope": "mlx_fast", "quantized_matmul": "cuda_qmm", "gather_matmul": "mlx_fast",
+                      "rope": "mlx_fast", "gated_activation": "mlx_fast", "quantized_matmul": "cuda_qmm", "gather_matmul": "mlx_fast",
                       "route": "cuda_moe", "gated_delta": "cuda_delta"}
     dense_row = next(r for r in cuda_rows if r["backend"] == "cuda_dense")
     assert dense_row["supported"] and not dense_row["auto"]  # opt-in too
