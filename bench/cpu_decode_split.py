@@ -26,12 +26,22 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_mlx_lm import measure_read_bandwidth
+
+
+def timed(fn: Callable[[], None], n: int) -> float:
+    """Seconds per call of ``fn``, after one untimed call."""
+    fn()
+    started = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - started) / n
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,13 +89,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def compiled_step() -> None:
         mx.eval(loaded.decode(token[0], compiled_cache))
-
-    def timed(fn, n: int) -> float:
-        fn()
-        started = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - started) / n
 
     rounds = []
     for _ in range(args.rounds):
