@@ -33,14 +33,16 @@ def setup_logging(level: str, *, stream: TextIO | None = None) -> int:
 
     Only :data:`LOGGERS` are configured: the root logger, and so every other library, is left as
     it was. They stop propagating to the root so a library that configures the root logger does not
-    print each line twice. Calling it again replaces the handler it installed before.
+    print each line twice. Calling it again replaces the handler it installed before. Without
+    ``stream``, records go to whatever ``sys.stderr`` is when each is written (a test harness may
+    swap it and close the one it replaced).
 
     :return: the numeric level.
     """
     numeric = parse_level(level)
     if numeric == TRACE:
         logging.addLevelName(TRACE, "TRACE")
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
     handler.setFormatter(logging.Formatter(FORMAT))
     handler.set_name("mlxr")
     for name in LOGGERS:
@@ -51,6 +53,17 @@ def setup_logging(level: str, *, stream: TextIO | None = None) -> int:
         logger.setLevel(numeric)
         logger.propagate = False
     return numeric
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """A handler writing to ``sys.stderr`` as it is at each record, not as it was when made."""
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
 
 
 def level_name() -> str:
