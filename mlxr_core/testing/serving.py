@@ -15,15 +15,19 @@ def serve_command(config: Path, *, command: str = "serve") -> list[str]:
     return [sys.executable, "-m", "mlxr_core.cli.main", command, "--config", str(config), "--port", "0"]
 
 
-def start(command: list[str], timeout: float = 120) -> tuple[subprocess.Popen[str], str, list[str]]:
+def start(
+    command: list[str], timeout: float = 120, *, new_session: bool = False
+) -> tuple[subprocess.Popen[str], str, list[str]]:
     """``command`` (an ``mlxr serve`` or ``mlxr launch``) once it prints its serving line: the
-    process, its URL and the lines it printed (still filled by a reader thread).
+    process, its URL and the lines it printed (still filled by a reader thread). With
+    ``new_session``, it leads a process group of its own (a signal to the group reaches its
+    children too, as a terminal's Ctrl-C does).
 
     :raises RuntimeError: with what it printed, when it ends or does not become ready in time.
     """
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=new_session,
     )  # fmt: skip
     lines: list[str] = []
     ready = threading.Event()

@@ -273,6 +273,29 @@ def test_serve_streams_cancels_a_client_that_leaves_and_drains_on_sigterm(serve_
     assert len(ends) - len(cut) >= 2 and len(cut) >= 1
 
 
+def test_ctrl_c_to_the_process_group_drains_instead_of_killing_the_engine(serve_config: Path) -> None:
+    """A terminal's Ctrl-C reaches the engine process too; it leaves the signal to the server,
+    whose drain lets a short stream finish whole; both processes end, the server with 0."""
+    server, url, output = start(serve_command(serve_config), new_session=True)
+    lines: list[str] = []
+    first = threading.Event()
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 40, "ignore_eos": True}
+    thread = threading.Thread(target=stream, args=(url, body, lines, first), daemon=True)
+    try:
+        thread.start()
+        assert first.wait(30)
+        core = engine_pid(server)
+        os.killpg(server.pid, signal.SIGINT)
+        server.wait(30)
+    finally:
+        server.kill()
+    thread.join(5)
+    assert server.returncode == 0, "".join(output)
+    assert not Path(f"/proc/{core}").exists()
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+
+
 def test_serve_exits_non_zero_when_its_engine_process_dies(serve_config: Path) -> None:
     server, url, output = start_server(serve_config)
     lines: list[str] = []
