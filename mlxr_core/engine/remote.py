@@ -34,7 +34,7 @@ import logging
 import multiprocessing
 import signal
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -219,7 +219,6 @@ class Core:
             for name, slot in list(lifecycle.slots.items()):
                 slots[name] = attrs.evolve(slot, waiters=[], unload_waiters=[])
         stats = engine.stats()
-        stats["running"], stats["queued"] = engine.running, engine.queue_depth
         memory = engine.memory() if engine.state == "ready" else {}
         self.send(("snapshot", Snapshot(
             state=engine.state,
@@ -325,7 +324,9 @@ class _LifecycleView:
         self._stats: dict[str, Any] = {}
 
     def post(self, command: str, name: str, value: Any = None) -> Future[None]:
-        return self._engine._call("post", command, name, value)
+        future: Future[None] = Future()
+        self._engine._call(future, "post", command, name, value)
+        return future
 
     def loaded(self) -> list[ModelSlot]:
         return [slot for slot in list(self.slots.values()) if slot.state == "loaded"]
@@ -428,43 +429,31 @@ class RemoteEngine(Engine):
         return handle
 
     def enqueue(self, handle: RequestHandle) -> RequestHandle:
-        return self.submit(handle.request, loop=handle._loop)
+        raise TypeError("the engine process streams to handles of its own: submit() the request")
 
     def _queue_job(self, job: EngineJob) -> EngineJob:
         """Run ``job`` in the core: its ``work`` (a picklable value: :class:`EmbeddingWork`,
-        :class:`ScoringWork`) crosses; the result comes back into ``job.future``."""
+        :class:`ScoringWork`) crosses; the result comes back into ``job.future``, and a cancelled
+        ``job.future`` cancels the core's job."""
         if self.state != "ready":
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
-        remote = self._call("job", job.work, job.what, job.model)
+        call = self._call(job.future, "job", job.work, job.what, job.model)
 
-        def settle(done: Future[Any]) -> None:
-            if job.future.done():
-                return
-            error = done.exception()
-            if error is not None:
-                job.future.set_exception(error)
-            else:
-                job.future.set_result(done.result())
+        def cancelled(done: Future[Any]) -> None:
+            if done.cancelled():
+                self._send(("cancel_job", call))
 
-        def cancelled(local: Future[Any]) -> None:
-            if local.cancelled():
-                call = getattr(remote, "call", None)
-                if call is not None:
-                    self._send(("cancel_job", call))
-
-        remote.add_done_callback(settle)
         job.future.add_done_callback(cancelled)
         return job
 
-    def _call(self, kind: str, *args: Any) -> Future[Any]:
-        future: Future[Any] = Future()
+    def _call(self, future: Future[Any], kind: str, *args: Any) -> int:
+        """Send ``(kind, call, *args)``; the core's reply settles ``future``. Returns ``call``."""
         call = self._new_id()
-        future.call = call  # type: ignore[attr-defined]
         self._calls[call] = future
         if not self._send((kind, call, *args)):
             self._calls.pop(call, None)
-            future.set_exception(EngineStopped("the engine process is gone"))
-        return future
+            _settle(future, error=EngineStopped("the engine process is gone"))
+        return call
 
     def _new_id(self) -> int:
         with self._ids_lock:
@@ -521,11 +510,8 @@ class RemoteEngine(Engine):
             elif kind == "reply":
                 _, call, result, error = message
                 future = self._calls.pop(call, None)
-                if future is not None and not future.done():
-                    if error is not None:
-                        future.set_exception(decode_error(error))
-                    else:
-                        future.set_result(result)
+                if future is not None:
+                    _settle(future, result, decode_error(error) if error is not None else None)
         self._conn.close()
         if not self._stopping:
             self._lose()
@@ -587,6 +573,15 @@ class RemoteEngine(Engine):
                 handle._emit(Failed(error))
         calls, self._calls = self._calls, {}
         for future in calls.values():
-            if not future.done():
-                future.set_exception(error)
+            _settle(future, error=error)
 
+
+def _settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Give ``future`` its result or error, unless it is done already (its waiter cancelled it)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

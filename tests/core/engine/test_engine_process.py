@@ -204,10 +204,6 @@ def serve_config(tiny_path: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return config
 
 
-def start_server(config: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
-    return start(serve_command(config))
-
-
 def stream(url: str, body: dict[str, object], lines: list[str], first: threading.Event) -> None:
     with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as reply:
         for line in reply.iter_lines():
@@ -217,6 +213,17 @@ def stream(url: str, body: dict[str, object], lines: list[str], first: threading
     first.set()
 
 
+def streaming(url: str, max_tokens: int) -> tuple[threading.Thread, list[str]]:
+    """One stream of ``max_tokens`` tokens read into a list by a thread, once its first chunk came."""
+    lines: list[str] = []
+    first = threading.Event()
+    body = {"model": "tiny", "prompt": "the", "max_tokens": max_tokens, "ignore_eos": True}
+    thread = threading.Thread(target=stream, args=(url, body, lines, first), daemon=True)
+    thread.start()
+    assert first.wait(30)
+    return thread, lines
+
+
 def engine_pid(server: subprocess.Popen[str]) -> int:
     children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
     assert len(children) >= 1, "no engine process"
@@ -224,7 +231,7 @@ def engine_pid(server: subprocess.Popen[str]) -> int:
 
 
 def test_serve_streams_cancels_a_client_that_leaves_and_drains_on_sigterm(serve_config: Path) -> None:
-    server, url, output = start_server(serve_config)
+    server, url, output = start(serve_command(serve_config))
     try:
         reply = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "the", "max_tokens": 3})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
@@ -277,13 +284,8 @@ def test_ctrl_c_to_the_process_group_drains_instead_of_killing_the_engine(serve_
     """A terminal's Ctrl-C reaches the engine process too; it leaves the signal to the server,
     whose drain lets a short stream finish whole; both processes end, the server with 0."""
     server, url, output = start(serve_command(serve_config), new_session=True)
-    lines: list[str] = []
-    first = threading.Event()
-    body = {"model": "tiny", "prompt": "the", "max_tokens": 40, "ignore_eos": True}
-    thread = threading.Thread(target=stream, args=(url, body, lines, first), daemon=True)
     try:
-        thread.start()
-        assert first.wait(30)
+        thread, lines = streaming(url, 40)
         core = engine_pid(server)
         os.killpg(server.pid, signal.SIGINT)
         server.wait(30)
@@ -297,14 +299,9 @@ def test_ctrl_c_to_the_process_group_drains_instead_of_killing_the_engine(serve_
 
 
 def test_serve_exits_non_zero_when_its_engine_process_dies(serve_config: Path) -> None:
-    server, url, output = start_server(serve_config)
-    lines: list[str] = []
-    first = threading.Event()
-    body = {"model": "tiny", "prompt": "the", "max_tokens": 4000, "ignore_eos": True}
-    thread = threading.Thread(target=stream, args=(url, body, lines, first), daemon=True)
+    server, url, output = start(serve_command(serve_config))
     try:
-        thread.start()
-        assert first.wait(30)
+        thread, lines = streaming(url, 4000)
         os.kill(engine_pid(server), signal.SIGKILL)
         server.wait(30)
     finally:
