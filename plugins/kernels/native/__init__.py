@@ -1,8 +1,10 @@
 """mlxr's native CPU kernels: an MLX C++ extension (a custom primitive), compiled on first use.
 
-The sources (``qmm.cpp``: the packed matmul; ``ops.cpp``: RMS norm, RoPE, attention) are compiled with the system's C++ compiler against the installed MLX's
-headers and library and the nanobind that MLX was built with (``mlxr[cpu]`` pins it), with
-``-march=native``: the machine that runs it gets its own SIMD (AVX-512, AVX2, else plain C++).
+The sources (``qmm.cpp`` with ``qmm_kernels.h``: the packed matmul; ``ops.cpp``: RMS norm, RoPE,
+attention) are compiled with the system's C++ compiler against the installed MLX's headers and
+library and the nanobind that MLX was built with (``mlxr[cpu]`` pins it), with ``-march=native``
+(``-mcpu=native`` on arm64): the machine that runs it gets its own SIMD (AVX-512, AVX2, NEON,
+else plain C++).
 The library lands in a cache folder (``$MLXR_KERNEL_CACHE``, else ``~/.cache/mlxr/kernels``) under
 a name hashed from everything that shapes it (source, MLX, nanobind, compiler, Python ABI, CPU
 flags), so a new MLX or a different CPU builds anew and an unchanged one loads in milliseconds.
@@ -35,6 +37,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("qmm.cpp"), Path(__file__).with_name("ops.cpp"))
+#: Headers the sources include (part of the build key).
+HEADERS = (Path(__file__).with_name("qmm_kernels.h"),)
 MODULE_NAME = "_mlxr_qmm"
 #: Seconds one compiler run may take (two run at once, then the link).
 BUILD_TIMEOUT_S = 240
@@ -132,7 +136,7 @@ def _build_key(compiler: str, mlx_version: str, nanobind_version: str) -> str:
         raise _Unavailable(f"{compiler} --version failed: {exc}") from None
     digest = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in SOURCES),
+        *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
         mlx_version.encode(),
         nanobind_version.encode(),
         "".join(version).encode(),

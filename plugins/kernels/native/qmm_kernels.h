@@ -1,0 +1,679 @@
+// The packed affine matmul's kernels: SIMD layers (AVX-512, AVX2, NEON; plain C++ elsewhere),
+// the decode tiles, the prefill panels, and the input's preparation. No MLX here: qmm.cpp runs
+// them inside MLX's graph, and tests/plugins/kernels/native_kernels_check.cpp runs them alone,
+// for this machine and, under an emulator, for arm64 (NEON).
+//
+// Layout (MLX's affine packing, transpose=True): row n of w holds the K integers of output n as
+// a little-endian bit stream (element i at bits bits*i ..), so a group of group_size elements
+// starts on a byte; out[m, n] = sum_g scale[n, g] * (x_g . q_g) + bias[n, g] * sum(x_g).
+
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
+
+namespace mlxr::qmm {
+#if defined(__AVX512F__)
+#define MLXR_SIMD 1
+constexpr const char* kIsa = "avx512";
+#elif defined(__AVX2__)
+#define MLXR_SIMD 1
+constexpr const char* kIsa = "avx2";
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define MLXR_SIMD 1
+constexpr const char* kIsa = "neon";
+#else
+#define MLXR_SIMD 0
+constexpr const char* kIsa = "scalar";
+#endif
+// The SIMD paths read a 4-bit block's low nibbles against the input's even elements and its high
+// nibbles against the odd ones, so the input is stored evens first (prepare_input).
+constexpr bool kNibbleOrder = MLXR_SIMD;
+
+// The dtype of a model's scales and biases (MLX's float32, float16, bfloat16).
+enum class ScaleType { f32, f16, bf16 };
+
+inline size_t scale_bytes(ScaleType type) {
+  return type == ScaleType::f32 ? 4 : 2;
+}
+
+// IEEE half -> float, without a hardware conversion (subnormals, infinities and NaN included).
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+  __fp16 value;
+  std::memcpy(&value, &h, sizeof value);
+  return float(value);
+#else
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exponent = (h >> 10) & 0x1F;
+  uint32_t mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: normalize
+    exponent = 113;
+    while (!(mantissa & 0x400)) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    bits = sign | (exponent << 23) | ((mantissa & 0x3FF) << 13);
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+#endif
+}
+
+// Group scales or biases, [N, G] row-major, read where they lie in float32, float16 or bfloat16
+// (a half-precision model's), not converted whole on every call: SmolLM2's packed layers with
+// bfloat16 scales, one token's matmuls on 2 threads, 28.5 -> 15.9 ms (float32 scales: 14.1 ms).
+struct Groups {
+  const void* data;
+  ScaleType dtype;
+
+  float operator[](size_t i) const {
+    if (dtype == ScaleType::f32) {
+      return static_cast<const float*>(data)[i];
+    }
+    const uint16_t bits = static_cast<const uint16_t*>(data)[i];
+    if (dtype == ScaleType::bf16) {
+      const uint32_t widened = uint32_t(bits) << 16;
+      float value;
+      std::memcpy(&value, &widened, sizeof value);
+      return value;
+    }
+    return half_to_float(bits);
+  }
+
+  Groups plus(size_t elements) const {
+    return {static_cast<const char*>(data) + elements * scale_bytes(dtype), dtype};
+  }
+
+  // Row n's G values as float32: where they lie when float32, else converted into dst (a
+  // conversion per value inside the tiles would cost more instructions than the weights do).
+  const float* row(int n, int G, float* dst) const {
+    const size_t first = size_t(n) * G;
+    if (dtype == ScaleType::f32) {
+      return static_cast<const float*>(data) + first;
+    }
+    int g = 0;
+    if (dtype == ScaleType::f16) {
+      const uint16_t* src = static_cast<const uint16_t*>(data) + first;
+#if defined(__AVX512F__)
+      for (; g + 16 <= G; g += 16) {
+        _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(src + g))));
+      }
+#elif defined(__F16C__)
+      for (; g + 8 <= G; g += 8) {
+        _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + g))));
+      }
+#endif
+    }
+    for (; g < G; ++g) {
+      dst[g] = (*this)[first + g];
+    }
+    return dst;
+  }
+};
+
+// One call's operands, the input already float32 and reordered.
+struct Problem {
+  const float* x;      // [M, K]
+  const float* xsum;   // [M, G]
+  const uint8_t* w;    // [N, K * bits / 8]
+  Groups scales;       // [N, G]
+  Groups biases;       // [N, G]
+  float* out;          // [M, N]
+  int M, N, K, G, bits, group_size;
+  size_t row_bytes;
+};
+
+// The scales and biases of output rows n0 .. n0 + NB - 1 as float32 (see Groups::row).
+template <int NB>
+struct RowGroups {
+  const float* scales[NB];
+  const float* biases[NB];
+
+  RowGroups(const Problem& p, int n0) {
+    thread_local std::vector<float> converted;  // one tile at a time per thread
+    converted.resize(size_t(2 * NB) * p.G);
+    for (int i = 0; i < NB; ++i) {
+      scales[i] = p.scales.row(n0 + i, p.G, converted.data() + size_t(2 * i) * p.G);
+      biases[i] = p.biases.row(n0 + i, p.G, converted.data() + size_t(2 * i + 1) * p.G);
+    }
+  }
+};
+
+// Decode reads each weight once, a few rows side by side: the hardware prefetcher alone left a
+// thread waiting on memory (Gemma 3's 210 MB LM head at 5.1 GB/s on one thread and 10.1 on two,
+// against 7.5 and 13.5 for plain sums). Asking for the bytes 4 KB ahead of each row's reads (the
+// next rows: rows lie end to end) made it 7.9 and 14.4 GB/s; 2-16 KB measured alike.
+constexpr size_t kPrefetchAhead = 4096;
+
+inline void prefetch_ahead(const uint8_t* at) {
+  __builtin_prefetch(at + kPrefetchAhead);
+}
+
+// Group g of row n as one byte per element: 8-bit rows are that already; other widths are read
+// from the bit stream into buf.
+inline const uint8_t* group_bytes(const Problem& p, int n, int g, uint8_t* buf) {
+  const uint8_t* row = p.w + size_t(n) * p.row_bytes;
+  const size_t first = size_t(g) * p.group_size;
+  if (p.bits == 8) {
+    return row + first;
+  }
+  const uint8_t* base = row + first * p.bits / 8;
+  const unsigned mask = (1u << p.bits) - 1;
+  for (int e = 0; e < p.group_size; ++e) {
+    const unsigned bit = unsigned(e) * p.bits;
+    unsigned word = base[bit / 8];
+    if ((bit % 8) + p.bits > 8) {
+      word |= unsigned(base[bit / 8 + 1]) << 8;
+    }
+    buf[e] = uint8_t((word >> (bit % 8)) & mask);
+  }
+  return buf;
+}
+
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float v) { return _mm512_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+// 16 bytes -> 16 floats.
+inline Vec bytes_to_floats(const uint8_t* q) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q)));
+}
+// A 32-element 4-bit block (16 bytes) as floats: low nibbles, then high ones.
+constexpr int kQ4Vecs = 2;
+inline void q4_floats(const uint8_t* q, Vec out[kQ4Vecs]) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q));
+  out[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+  out[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+#elif defined(__AVX2__)
+using Vec = __m256;
+constexpr int kLanes = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float v) { return _mm256_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline float vsum(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+// 8 bytes -> 8 floats.
+inline Vec bytes_to_floats(const uint8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+}
+constexpr int kQ4Vecs = 4;
+inline void q4_floats(const uint8_t* q, Vec out[kQ4Vecs]) {
+  const __m256i low = _mm256_set1_epi32(0xF);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q));
+  const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)));
+  out[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, low));
+  out[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, low));
+  out[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+  out[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+}
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+using Vec = float32x4_t;
+constexpr int kLanes = 4;
+inline Vec vzero() { return vdupq_n_f32(0.0f); }
+inline Vec vset(float v) { return vdupq_n_f32(v); }
+inline Vec vload(const float* p) { return vld1q_f32(p); }
+inline void vstore(float* p, Vec v) { vst1q_f32(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return vfmaq_f32(c, a, b); }
+inline Vec vmul(Vec a, Vec b) { return vmulq_f32(a, b); }
+inline float vsum(Vec a) { return vaddvq_f32(a); }
+// 4 bytes -> 4 floats.
+inline Vec bytes_to_floats(const uint8_t* q) {
+  uint32_t word;
+  std::memcpy(&word, q, sizeof word);
+  const uint16x8_t wide = vmovl_u8(vcreate_u8(word));
+  return vcvtq_f32_u32(vmovl_u16(vget_low_u16(wide)));
+}
+// 16 bytes of nibbles -> 8 vectors: the low nibbles of bytes 0-3, 4-7, 8-11, 12-15, then the
+// high nibbles of the same bytes.
+constexpr int kQ4Vecs = 8;
+inline void q4_floats(const uint8_t* q, Vec out[kQ4Vecs]) {
+  const uint8x16_t v = vld1q_u8(q);
+  const uint8x16_t halves[2] = {vandq_u8(v, vdupq_n_u8(0xF)), vshrq_n_u8(v, 4)};
+  for (int h = 0; h < 2; ++h) {
+    const uint16x8_t first = vmovl_u8(vget_low_u8(halves[h]));
+    const uint16x8_t second = vmovl_u8(vget_high_u8(halves[h]));
+    out[4 * h + 0] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(first)));
+    out[4 * h + 1] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(first)));
+    out[4 * h + 2] = vcvtq_f32_u32(vmovl_u16(vget_low_u16(second)));
+    out[4 * h + 3] = vcvtq_f32_u32(vmovl_u16(vget_high_u16(second)));
+  }
+}
+#endif
+
+#if MLXR_SIMD
+
+// A tile's running sums: NB output rows x MB input rows of scaled dot products (SIMD) and of the
+// bias term (each group's bias times the input group's sum).
+template <int NB, int MB>
+struct Sums {
+  Vec acc[NB][MB];
+  float bias[NB][MB];
+
+  Sums() {
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        acc[i][j] = vzero();
+        bias[i][j] = 0.0f;
+      }
+    }
+  }
+
+  void add_biases(const Problem& p, const RowGroups<NB>& groups, int m0, int g) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      const float b = groups.biases[i][g];
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        bias[i][j] += b * p.xsum[size_t(m0 + j) * p.G + g];
+      }
+    }
+  }
+
+  void store(const Problem& p, int n0, int m0) const {
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        p.out[size_t(m0 + j) * p.N + n0 + i] = vsum(acc[i][j]) + bias[i][j];
+      }
+    }
+  }
+};
+
+// 4-bit: a 32-element block is 16 bytes, element 2j in the low nibble of byte j and 2j+1 in the
+// high one. The input block is stored evens first, then odds, so the low nibbles of the bytes
+// multiply x[0..16) and the high nibbles x[16..32) with no shuffle of the weight.
+template <int NB, int MB>
+inline void tile_q4(const Problem& p, int n0, int m0) {
+  const RowGroups<NB> groups(p, n0);
+  Sums<NB, MB> sums;
+  auto& acc = sums.acc;
+  const uint8_t* rows[NB];
+  #pragma GCC unroll 8
+  for (int i = 0; i < NB; ++i) {
+    rows[i] = p.w + size_t(n0 + i) * p.row_bytes;
+  }
+  const int blocks = p.group_size / 32;
+  for (int g = 0; g < p.G; ++g) {
+    Vec s[NB];
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      s[i] = vset(groups.scales[i][g]);
+    }
+    for (int b = 0; b < blocks; ++b) {
+      const int k = g * p.group_size + b * 32;
+      Vec w[NB][kQ4Vecs];
+      #pragma GCC unroll 8
+      for (int i = 0; i < NB; ++i) {
+        prefetch_ahead(rows[i] + k / 2);
+        q4_floats(rows[i] + k / 2, w[i]);
+        #pragma GCC unroll 8
+        for (int v = 0; v < kQ4Vecs; ++v) {
+          w[i][v] = vmul(w[i][v], s[i]);
+        }
+      }
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        const float* xk = p.x + size_t(m0 + j) * p.K + k;
+        Vec x[kQ4Vecs];
+        #pragma GCC unroll 8
+        for (int v = 0; v < kQ4Vecs; ++v) {
+          x[v] = vload(xk + v * kLanes);
+        }
+        #pragma GCC unroll 8
+        for (int i = 0; i < NB; ++i) {
+          #pragma GCC unroll 8
+          for (int v = 0; v < kQ4Vecs; ++v) {
+            acc[i][j] = vfma(w[i][v], x[v], acc[i][j]);
+          }
+        }
+      }
+    }
+    sums.add_biases(p, groups, m0, g);
+  }
+  sums.store(p, n0, m0);
+}
+
+#if defined(__AVX2__)
+// x86's 5-bit path reads the bit stream in place; elsewhere 5 bits go through bytes (group_bytes).
+constexpr bool kFiveBitsInPlace = true;
+
+
+// 5-bit: 8 elements are 5 bytes, element i at bits 5i..5i+4. Elements 0-1 are in the low 32
+// bits and 2-7 in the 32 bits from bit 8: two 4-byte loads inside the 5 bytes (no read past
+// them; assembling the 5 bytes on the stack instead cost two store-forwarding stalls per 8
+// elements, 25x slower), two broadcasts, a blend, one variable shift, a mask.
+inline __m256 five_bits_to_floats8(const uint8_t* q) {
+  uint32_t first = 0, second = 0;
+  std::memcpy(&first, q, 4);
+  std::memcpy(&second, q + 1, 4);
+  const __m256i low = _mm256_set1_epi32(int(first));
+  const __m256i high = _mm256_set1_epi32(int(second));
+  const __m256i both = _mm256_blend_epi32(high, low, 0b00000011);
+  const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 5, 2, 7, 12, 17, 22, 27));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(shifted, _mm256_set1_epi32(31)));
+}
+
+// kLanes 5-bit elements from q (5 * kLanes / 8 bytes) as floats.
+inline Vec five_bits_to_floats(const uint8_t* q) {
+#if defined(__AVX512F__)
+  return _mm512_insertf32x8(
+      _mm512_castps256_ps512(five_bits_to_floats8(q)), five_bits_to_floats8(q + 5), 1);
+#else
+  return five_bits_to_floats8(q);
+#endif
+}
+#else
+constexpr bool kFiveBitsInPlace = false;
+Vec five_bits_to_floats(const uint8_t* q);  // named by tile_bytes<..., 5>, which is never made
+#endif
+
+// Any other width, natural order: BITS 8 read in place, 5 by five_bits_to_floats, 0 (2/3/6
+// bits) read into bytes first.
+template <int NB, int MB, int BITS>
+inline void tile_bytes(const Problem& p, int n0, int m0) {
+  const RowGroups<NB> groups(p, n0);
+  Sums<NB, MB> sums;
+  auto& acc = sums.acc;
+  alignas(64) uint8_t buf[NB][128];
+  for (int g = 0; g < p.G; ++g) {
+    const uint8_t* q[NB];
+    Vec s[NB];
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      if constexpr (BITS == 5) {
+        q[i] = p.w + size_t(n0 + i) * p.row_bytes + size_t(g) * p.group_size * 5 / 8;
+      } else {
+        q[i] = group_bytes(p, n0 + i, g, buf[i]);
+      }
+      prefetch_ahead(p.w + size_t(n0 + i) * p.row_bytes + size_t(g) * p.group_size * p.bits / 8);
+      s[i] = vset(groups.scales[i][g]);
+    }
+    for (int e = 0; e < p.group_size; e += kLanes) {
+      Vec w[NB];
+      #pragma GCC unroll 8
+      for (int i = 0; i < NB; ++i) {
+        if constexpr (BITS == 5) {
+          w[i] = vmul(five_bits_to_floats(q[i] + e * 5 / 8), s[i]);
+        } else {
+          w[i] = vmul(bytes_to_floats(q[i] + e), s[i]);
+        }
+      }
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        const Vec xv = vload(p.x + size_t(m0 + j) * p.K + size_t(g) * p.group_size + e);
+        #pragma GCC unroll 8
+        for (int i = 0; i < NB; ++i) {
+          acc[i][j] = vfma(w[i], xv, acc[i][j]);
+        }
+      }
+    }
+    sums.add_biases(p, groups, m0, g);
+  }
+  sums.store(p, n0, m0);
+}
+
+template <int NB, int MB>
+inline void tile(const Problem& p, int n0, int m0) {
+  if (p.bits == 4) {
+    tile_q4<NB, MB>(p, n0, m0);
+  } else if (p.bits == 5 && kFiveBitsInPlace) {
+    tile_bytes<NB, MB, 5>(p, n0, m0);
+  } else if (p.bits == 8) {
+    tile_bytes<NB, MB, 8>(p, n0, m0);
+  } else {
+    tile_bytes<NB, MB, 0>(p, n0, m0);
+  }
+}
+
+// Prefill (4 input rows or more): a slice of kPanel output rows is dequantized once into a float
+// panel (w = scale * q + bias, in the input's order), then every block of 4 input rows is
+// multiplied with it by a register-blocked kernel: the decoding is paid once per slice instead of
+// once per 4 input rows, and the inner loop is loads and FMAs only.
+constexpr int kPanel = 16;
+#if defined(__AVX512F__) || defined(__aarch64__)
+constexpr int kMicroN = 4;  // 16 accumulators + 8 operands of 32 registers
+#else
+constexpr int kMicroN = 2;  // 8 accumulators + 6 operands of 16 registers
+#endif
+
+inline void dequantize_row(const Problem& p, int n, float* dst) {
+  const uint8_t* row = p.w + size_t(n) * p.row_bytes;
+  alignas(64) uint8_t buf[128];
+  for (int g = 0; g < p.G; ++g) {
+    const Vec s = vset(p.scales[size_t(n) * p.G + g]);
+    const Vec b = vset(p.biases[size_t(n) * p.G + g]);
+    float* out = dst + size_t(g) * p.group_size;
+    if (p.bits == 4) {
+      for (int blk = 0; blk < p.group_size; blk += 32) {
+        Vec q[kQ4Vecs];
+        q4_floats(row + (size_t(g) * p.group_size + blk) / 2, q);
+        #pragma GCC unroll 8
+        for (int v = 0; v < kQ4Vecs; ++v) {
+          vstore(out + blk + v * kLanes, vfma(q[v], s, b));
+        }
+      }
+    } else {
+      const bool five = p.bits == 5 && kFiveBitsInPlace;
+      const uint8_t* q = five ? row + size_t(g) * p.group_size * 5 / 8 : group_bytes(p, n, g, buf);
+      for (int e = 0; e < p.group_size; e += kLanes) {
+        const Vec w = five ? five_bits_to_floats(q + e * 5 / 8) : bytes_to_floats(q + e);
+        vstore(out + e, vfma(w, s, b));
+      }
+    }
+  }
+}
+
+// out[m0..m0+R, n..n+kMicroN] = x rows . panel rows (no bias term: the panel holds it).
+template <int R>
+inline void micro(const Problem& p, const float* panel, int panel_row, int n, int m0) {
+  Vec acc[kMicroN][R];
+  #pragma GCC unroll 8
+  for (int i = 0; i < kMicroN; ++i) {
+    #pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      acc[i][j] = vzero();
+    }
+  }
+  const float* w[kMicroN];
+  #pragma GCC unroll 8
+  for (int i = 0; i < kMicroN; ++i) {
+    w[i] = panel + size_t(panel_row + i) * p.K;
+  }
+  const float* x[R];
+  #pragma GCC unroll 8
+  for (int j = 0; j < R; ++j) {
+    x[j] = p.x + size_t(m0 + j) * p.K;
+  }
+  for (int k = 0; k < p.K; k += kLanes) {
+    Vec wv[kMicroN];
+    #pragma GCC unroll 8
+    for (int i = 0; i < kMicroN; ++i) {
+      wv[i] = vload(w[i] + k);
+    }
+    #pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      const Vec xv = vload(x[j] + k);
+      #pragma GCC unroll 8
+      for (int i = 0; i < kMicroN; ++i) {
+        acc[i][j] = vfma(wv[i], xv, acc[i][j]);
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int i = 0; i < kMicroN; ++i) {
+    #pragma GCC unroll 8
+    for (int j = 0; j < R; ++j) {
+      p.out[size_t(m0 + j) * p.N + n + i] = vsum(acc[i][j]);
+    }
+  }
+}
+
+// Every input row (4 or more) for output rows [n_begin, n_end): blocks of 4, then the last 1-3
+// rows through the same panel (not the packed tiles: a pass over the weight per row).
+inline void prefill_rows(const Problem& p, int n_begin, int n_end) {
+  const int m_full = p.M - p.M % 4;
+  thread_local std::vector<float> panel;
+  panel.resize(size_t(kPanel) * p.K);
+  for (int n0 = n_begin; n0 < n_end; n0 += kPanel) {
+    const int rows = std::min(kPanel, n_end - n0);
+    for (int i = 0; i < rows; ++i) {
+      dequantize_row(p, n0 + i, panel.data() + size_t(i) * p.K);
+    }
+    const int full = rows - rows % kMicroN;
+    for (int i = 0; i < full; i += kMicroN) {
+      for (int m = 0; m < m_full; m += 4) {
+        micro<4>(p, panel.data(), i, n0 + i, m);
+      }
+      switch (p.M - m_full) {
+        case 3: micro<3>(p, panel.data(), i, n0 + i, m_full); break;
+        case 2: micro<2>(p, panel.data(), i, n0 + i, m_full); break;
+        case 1: micro<1>(p, panel.data(), i, n0 + i, m_full); break;
+        default: break;
+      }
+    }
+    for (int i = full; i < rows; ++i) {  // a last output row or few: the packed tiles
+      for (int m = 0; m < m_full; m += 4) {
+        tile<1, 4>(p, n0 + i, m);
+      }
+      for (int m = m_full; m < p.M; ++m) {
+        tile<1, 1>(p, n0 + i, m);
+      }
+    }
+  }
+}
+
+#else  // no SIMD: plain loops the compiler may vectorize
+
+template <int NB, int MB>
+inline void tile(const Problem& p, int n0, int m0) {
+  const RowGroups<NB> groups(p, n0);
+  float acc[NB][MB] = {};
+  uint8_t buf[NB][128];
+  for (int g = 0; g < p.G; ++g) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      const uint8_t* q = group_bytes(p, n0 + i, g, buf[i]);
+      const float s = groups.scales[i][g];
+      const float bias = groups.biases[i][g];
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        const float* xg = p.x + size_t(m0 + j) * p.K + size_t(g) * p.group_size;
+        float dot = 0.0f;
+        for (int e = 0; e < p.group_size; ++e) {
+          dot += float(q[e]) * xg[e];
+        }
+        acc[i][j] += s * dot + bias * p.xsum[size_t(m0 + j) * p.G + g];
+      }
+    }
+  }
+  #pragma GCC unroll 8
+  for (int i = 0; i < NB; ++i) {
+    #pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      p.out[size_t(m0 + j) * p.N + n0 + i] = acc[i][j];
+    }
+  }
+}
+
+inline void prefill_rows(const Problem& p, int n_begin, int n_end) {
+  const int m_full = p.M - p.M % 4;
+  for (int n = n_begin; n < n_end; ++n) {
+    for (int m = 0; m < m_full; m += 4) {
+      tile<1, 4>(p, n, m);
+    }
+    for (int m = m_full; m < p.M; ++m) {
+      tile<1, 1>(p, n, m);
+    }
+  }
+}
+
+#endif
+
+// Output rows [n_begin, n_end) for every input row: 4 input rows or more through a dequantized
+// panel (prefill_rows); fewer one at a time from the packed weight, 4 output rows at a time (the
+// decode shape).
+inline void run_rows(const Problem& p, int n_begin, int n_end) {
+  if (p.M >= 4) {
+    prefill_rows(p, n_begin, n_end);
+    return;
+  }
+  int n = n_begin;
+  for (; n + 4 <= n_end; n += 4) {
+    for (int m = 0; m < p.M; ++m) {
+      tile<4, 1>(p, n, m);
+    }
+  }
+  for (; n < n_end; ++n) {
+    for (int m = 0; m < p.M; ++m) {
+      tile<1, 1>(p, n, m);
+    }
+  }
+}
+
+// x [M, K] float32 -> xf (the kernels' input order: each 32-element block of a 4-bit problem
+// evens first, then odds, when kNibbleOrder) and xsum [M, K / group_size] (each group's sum, for
+// the bias term).
+inline void prepare_input(const float* x, int M, int K, int group_size, int bits, float* xf, float* xsum) {
+  const int G = K / group_size;
+  for (int m = 0; m < M; ++m) {
+    const float* src = x + size_t(m) * K;
+    float* dst = xf + size_t(m) * K;
+    for (int g = 0; g < G; ++g) {
+      float sum = 0.0f;
+      for (int e = 0; e < group_size; ++e) {
+        sum += src[g * group_size + e];
+      }
+      xsum[size_t(m) * G + g] = sum;
+    }
+    if (kNibbleOrder && bits == 4) {
+      for (int k = 0; k < K; k += 32) {
+        for (int j = 0; j < 16; ++j) {
+          dst[k + j] = src[k + 2 * j];
+          dst[k + 16 + j] = src[k + 2 * j + 1];
+        }
+      }
+    } else {
+      std::memcpy(dst, src, size_t(K) * sizeof(float));
+    }
+  }
+}
+
+}  // namespace mlxr::qmm

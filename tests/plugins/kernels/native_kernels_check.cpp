@@ -1,0 +1,142 @@
+// The packed matmul's kernels (plugins/kernels/native/qmm_kernels.h) alone, without MLX, against
+// a plain double-precision sum over the same packed weights: every width MLX packs (2, 3, 4, 5,
+// 6, 8 bits), groups of 32/64/128, float32/float16/bfloat16 scales and biases, 1-9 input rows
+// (the decode tiles and the prefill panels) and output row counts that leave remainders.
+// Built once per SIMD layer by test_native_kernels.py: this machine's, x86-64 without AVX2 (the
+// plain C++ path), AVX2, and arm64 (NEON) under an emulator where one is installed.
+// Prints the layer and the cases run; exits 1 on the first mismatch.
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "qmm_kernels.h"
+
+using namespace mlxr::qmm;
+
+namespace {
+
+// A half-precision number's bits and its value, worked out apart from the kernels' conversion.
+struct Half {
+  uint16_t bits;
+  double value;
+};
+
+Half random_half(std::mt19937& rng) {
+  const uint16_t sign = rng() & 1;
+  const uint16_t exponent = 8 + rng() % 10;  // 2^-7 .. 2^2, normal numbers
+  const uint16_t mantissa = rng() % 1024;
+  const double value = (sign ? -1.0 : 1.0) * std::ldexp(1.0 + mantissa / 1024.0, exponent - 15);
+  return {uint16_t(sign << 15 | exponent << 10 | mantissa), value};
+}
+
+// Group values in the given dtype: the buffer the kernels read and the values they stand for.
+void random_groups(std::mt19937& rng, ScaleType type, size_t count, std::vector<uint8_t>& raw,
+                   std::vector<double>& values) {
+  std::uniform_real_distribution<float> uniform(-0.5f, 0.5f);
+  raw.assign(count * scale_bytes(type), 0);
+  values.resize(count);
+  for (size_t i = 0; i < count; ++i) {
+    if (type == ScaleType::f32) {
+      const float v = uniform(rng);
+      std::memcpy(raw.data() + 4 * i, &v, 4);
+      values[i] = v;
+    } else if (type == ScaleType::f16) {
+      const Half h = random_half(rng);
+      std::memcpy(raw.data() + 2 * i, &h.bits, 2);
+      values[i] = h.value;
+    } else {
+      const float v = uniform(rng);
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);
+      const uint16_t upper = uint16_t(bits >> 16);
+      const uint32_t back = uint32_t(upper) << 16;
+      float truncated;
+      std::memcpy(&truncated, &back, 4);
+      std::memcpy(raw.data() + 2 * i, &upper, 2);
+      values[i] = truncated;
+    }
+  }
+}
+
+// Integers [N, K] (each < 2^bits) as MLX packs them: a little-endian bit stream per row.
+std::vector<uint8_t> pack(const std::vector<unsigned>& q, int N, int K, int bits) {
+  const size_t row_bytes = size_t(K) * bits / 8;
+  std::vector<uint8_t> out(size_t(N) * row_bytes + 8, 0);  // slack: no kernel may read it
+  for (int n = 0; n < N; ++n) {
+    for (int k = 0; k < K; ++k) {
+      for (int b = 0; b < bits; ++b) {
+        if (q[size_t(n) * K + k] >> b & 1) {
+          const size_t bit = size_t(k) * bits + b;
+          out[n * row_bytes + bit / 8] |= uint8_t(1u << (bit % 8));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt19937& rng) {
+  const int G = K / group_size;
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<unsigned> q(size_t(N) * K);
+  for (auto& v : q) v = rng() % (1u << bits);
+  std::vector<float> x(size_t(M) * K);
+  for (auto& v : x) v = uniform(rng);
+  std::vector<uint8_t> scales_raw, biases_raw;
+  std::vector<double> scales, biases;
+  random_groups(rng, type, size_t(N) * G, scales_raw, scales);
+  random_groups(rng, type, size_t(N) * G, biases_raw, biases);
+  const std::vector<uint8_t> w = pack(q, N, K, bits);
+
+  std::vector<float> xf(x.size()), xsum(size_t(M) * G), out(size_t(M) * N, NAN);
+  prepare_input(x.data(), M, K, group_size, bits, xf.data(), xsum.data());
+  const Problem p{xf.data(), xsum.data(), w.data(), Groups{scales_raw.data(), type},
+                  Groups{biases_raw.data(), type}, out.data(), M, N, K, G, bits, group_size,
+                  size_t(K) * bits / 8};
+  run_rows(p, 0, N);
+
+  for (int m = 0; m < M; ++m) {
+    for (int n = 0; n < N; ++n) {
+      double want = 0.0, scale = 0.0;
+      for (int k = 0; k < K; ++k) {
+        const size_t g = size_t(n) * G + k / group_size;
+        const double term = x[size_t(m) * K + k] * (scales[g] * q[size_t(n) * K + k] + biases[g]);
+        want += term;
+        scale += std::fabs(term);
+      }
+      const double got = out[size_t(m) * N + n];
+      if (!(std::fabs(got - want) <= 1e-5 * scale + 1e-6)) {
+        std::printf("MISMATCH %s bits=%d group=%d scales=%d M=%d N=%d K=%d at [%d, %d]: %.7g vs %.7g\n",
+                    kIsa, bits, group_size, int(type), M, N, K, m, n, got, want);
+        return 1;
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main() {
+  std::mt19937 rng(1234);
+  int cases = 0;
+  for (int bits : {2, 3, 4, 5, 6, 8}) {
+    for (int group_size : {32, 64, 128}) {
+      for (ScaleType type : {ScaleType::f32, ScaleType::f16, ScaleType::bf16}) {
+        for (int M : {1, 2, 3, 4, 5, 9}) {
+          for (int N : {1, 7, 21}) {
+            if (check(bits, group_size, type, M, N, 256, rng)) {
+              return 1;
+            }
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  std::printf("%s: %d cases ok\n", kIsa, cases);
+  return 0;
+}
