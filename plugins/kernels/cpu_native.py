@@ -3,8 +3,9 @@
 Decode on a CPU is bound by the bytes of weight read per token. MLX's CPU ``quantized_matmul`` is
 a plain loop, so ``cpu_blas`` dequantizes to float32 and streams 8x the bytes through BLAS. This
 backend reads MLX's affine packing where it lies (2/3/4/5/6/8 bits, groups of 32/64/128, the
-``transpose=True`` layout of linear layers), SIMD over the group, threads over output rows, and
-runs inside MLX's graph as a custom primitive: the same arrays in and out as
+``transpose=True`` layout of linear layers), SIMD over the group (AVX-512, AVX2 or NEON, else plain
+C++: ``native/qmm_kernels.h``, each layer checked alone by ``native_kernels_check.cpp``, arm64's
+under qemu), threads over output rows, and runs inside MLX's graph as a custom primitive: the same arrays in and out as
 ``mx.quantized_matmul``. With it, ``quantization: auto`` keeps a model's weights packed on the CPU
 (:mod:`mlxr_core.model.quantize`).
 
