@@ -1,7 +1,8 @@
 // The packed matmul's kernels (plugins/kernels/native/qmm_kernels.h) alone, without MLX, against
 // a plain double-precision sum over the same packed weights: every width MLX packs (2, 3, 4, 5,
 // 6, 8 bits), groups of 32/64/128, float32/float16/bfloat16 scales and biases, 1-9 input rows
-// (the decode tiles and the prefill panels) and output row counts that leave remainders.
+// (the decode tiles and the prefill panels), output row counts that leave remainders, and rows
+// long enough (K = 8192) to span several of a tile's chunks of groups.
 // Built once per SIMD layer by test_native_kernels.py: this machine's, x86-64 without AVX2 (the
 // plain C++ path), AVX2, and arm64 (NEON) under an emulator where one is installed.
 // Prints the layer and the cases run; exits 1 on the first mismatch.
@@ -133,6 +134,13 @@ int main() {
             }
             ++cases;
           }
+        }
+        // Rows of more groups than a tile converts at once (64): K = 8192 is 256 groups of 32.
+        for (int M : {1, 5}) {
+          if (check(bits, group_size, type, M, 5, 8192, rng)) {
+            return 1;
+          }
+          ++cases;
         }
       }
     }
