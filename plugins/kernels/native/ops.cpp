@@ -41,6 +41,8 @@
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
 
+#include "qmm_kernels.h"
+
 namespace nb = nanobind;
 namespace mx = mlx::core;
 using namespace nb::literals;
@@ -347,15 +349,378 @@ mx::array rope(const mx::array& x, int dims, bool traditional, float base, float
                    std::make_shared<Rope>(cpu_stream("rope"), dims, traditional, base, scale), std::move(inputs));
 }
 
+// ---- exp --------------------------------------------------------------------------------------
+
+// exp as a range reduction and a degree-7 polynomial (Cephes' expf: within 2 ulp of float32's exp
+// over its range), one value or 8 or 16 lanes at a time: MLX's CPU exp costs 24-37 ns an element.
+constexpr float kExpHi = 88.3762626647949f;  // exp of anything above is infinity
+constexpr float kExpLo = -87.3365447504f;    // and of anything below, 0 next to the 1 it is added to
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline float fast_exp(float x) {
+  if (x > kExpHi) {
+    return std::numeric_limits<float>::infinity();
+  }
+  x = std::max(x, kExpLo);
+  const float n = std::nearbyint(x * kLog2e);
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = kExpP[0];
+  for (int i = 1; i < 6; ++i) {
+    p = p * r + kExpP[i];
+  }
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+#if defined(__AVX512F__)
+inline __m512 fast_exp(__m512 x) {
+  const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpHi), _CMP_GT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLo)), _mm512_set1_ps(kExpHi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
+  }
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  return _mm512_mask_blend_ps(overflow, result, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+#elif defined(__AVX2__)
+inline __m256 fast_exp(__m256 x) {
+  const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpHi), _CMP_GT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpP[0]);
+  for (int i = 1; i < 6; ++i) {
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
+  }
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_blendv_ps(result, _mm256_set1_ps(std::numeric_limits<float>::infinity()), overflow);
+}
+
+#endif
+
 // ---- Attention ------------------------------------------------------------------------------
 
 // inputs: q [B, Hq, L, D], k [B, Hkv, S, D], v [B, Hkv, S, Dv] (k and v read through their
 // strides: views of a cache's buffers), and optionally a mask broadcastable to [B, Hq, L, S]
 // (bool: false hides a key; float: added to the scores). Query l sits at position S - L + l;
 // `causal` hides the keys after it. out [B, Hq, L, Dv].
-// Multiply-adds of q . k from which a call's queries are split over the kernels' threads (one
-// decode query over 160 positions, 9 heads of 64: 92K, under it).
+//
+// The query heads that share a key head (a group) are done together, so that each key and value
+// row is read once for all of them: scores, their softmax (the exp above, 8 or 16 at a time), then
+// the values' weighted sum with the group's sums held in registers. A call with enough work is
+// split over the kernels' threads by group and, where there are fewer groups than threads (one
+// decode step: one per key head), by ranges of positions whose partial softmax sums are merged
+// after (each range's maximum, sum and weighted values; the split decoding of long contexts).
+// Multiply-adds of q . k from which a call is split over the kernels' threads (one decode query
+// over 160 positions, 9 heads of 64: 92K, under it).
 constexpr size_t kThreadedWork = size_t(1) << 18;
+// Positions a range of a split call holds at least.
+constexpr int kMinRange = 64;
+// Query heads a group's sums are held for at once (a larger group goes in parts).
+constexpr int kGroupPart = 4;
+
+constexpr float kHidden = -std::numeric_limits<float>::infinity();
+
+// out[g * stride + s - s0] = scale * q[g] . k[s] for the range's positions s, GN query heads at
+// once (each key row loaded once, GN independent sums).
+template <int GN>
+void group_scores(const float* const* q, const float* k, int64_t k_stride, int D, int s0, int s1, float scale,
+                  float* out, int stride) {
+  for (int s = s0; s < s1; ++s) {
+    const float* row = k + s * k_stride;
+    float sums[GN] = {};
+    int d = 0;
+#if MLXR_SIMD
+    using namespace mlxr::qmm;
+    Vec acc[GN];
+    for (int g = 0; g < GN; ++g) {
+      acc[g] = vzero();
+    }
+    for (; d + kLanes <= D; d += kLanes) {
+      const Vec key = vload(row + d);
+      for (int g = 0; g < GN; ++g) {
+        acc[g] = vfma(vload(q[g] + d), key, acc[g]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      sums[g] = vsum(acc[g]);
+    }
+#endif
+    for (; d < D; ++d) {
+      for (int g = 0; g < GN; ++g) {
+        sums[g] += q[g][d] * row[d];
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      out[g * stride + s - s0] = sums[g] * scale;
+    }
+  }
+}
+
+void group_scores(const float* const* q, int G, const float* k, int64_t k_stride, int D, int s0, int s1,
+                  float scale, float* out, int stride) {
+  for (int g0 = 0; g0 < G; g0 += kGroupPart) {
+    const float* const* qg = q + g0;
+    float* og = out + g0 * stride;
+    switch (std::min(kGroupPart, G - g0)) {
+      case 1: group_scores<1>(qg, k, k_stride, D, s0, s1, scale, og, stride); break;
+      case 2: group_scores<2>(qg, k, k_stride, D, s0, s1, scale, og, stride); break;
+      case 3: group_scores<3>(qg, k, k_stride, D, s0, s1, scale, og, stride); break;
+      default: group_scores<4>(qg, k, k_stride, D, s0, s1, scale, og, stride); break;
+    }
+  }
+}
+
+// x[i] = exp(x[i] - top) (0 where x[i] is hidden); returns their sum.
+float exp_shifted(float* x, int n, float top) {
+  int i = 0;
+  float total = 0.0f;
+#if defined(__AVX512F__)
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 shift = _mm512_set1_ps(top);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __mmask16 seen = _mm512_cmp_ps_mask(v, _mm512_set1_ps(kHidden), _CMP_NEQ_OQ);
+    const __m512 p = _mm512_maskz_mov_ps(seen, fast_exp(_mm512_sub_ps(v, shift)));
+    _mm512_storeu_ps(x + i, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#elif defined(__AVX2__)
+  __m256 sum = _mm256_setzero_ps();
+  const __m256 shift = _mm256_set1_ps(top);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256 seen = _mm256_cmp_ps(v, _mm256_set1_ps(kHidden), _CMP_NEQ_OQ);
+    const __m256 p = _mm256_and_ps(seen, fast_exp(_mm256_sub_ps(v, shift)));
+    _mm256_storeu_ps(x + i, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sum);
+  for (float lane : lanes) {
+    total += lane;
+  }
+#endif
+  for (; i < n; ++i) {
+    x[i] = x[i] == kHidden ? 0.0f : fast_exp(x[i] - top);
+    total += x[i];
+  }
+  return total;
+}
+
+// acc[g * Dv + d] = sum over the range of p[g * stride + s - s0] * v[s][d], for GN query heads.
+template <int GN>
+void weighted_values(const float* p, int stride, const float* v, int64_t v_stride, int Dv, int s0, int s1,
+                     float* acc) {
+  int d = 0;
+#if MLXR_SIMD
+  using namespace mlxr::qmm;
+  constexpr int kBlock = 4;  // vectors of a row held per query head
+  for (; d + kBlock * kLanes <= Dv; d += kBlock * kLanes) {
+    Vec sums[GN][kBlock];
+    for (int g = 0; g < GN; ++g) {
+      for (int j = 0; j < kBlock; ++j) {
+        sums[g][j] = vzero();
+      }
+    }
+    for (int s = s0; s < s1; ++s) {
+      const float* row = v + s * v_stride + d;
+      Vec values[kBlock];
+      for (int j = 0; j < kBlock; ++j) {
+        values[j] = vload(row + j * kLanes);
+      }
+      for (int g = 0; g < GN; ++g) {
+        const Vec weight = vset(p[g * stride + s - s0]);
+        for (int j = 0; j < kBlock; ++j) {
+          sums[g][j] = vfma(weight, values[j], sums[g][j]);
+        }
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      for (int j = 0; j < kBlock; ++j) {
+        vstore(acc + g * Dv + d + j * kLanes, sums[g][j]);
+      }
+    }
+  }
+#endif
+  if (d < Dv) {  // what is left of the row (all of it without SIMD)
+    for (int g = 0; g < GN; ++g) {
+      std::fill(acc + g * Dv + d, acc + (g + 1) * Dv, 0.0f);
+    }
+    for (int s = s0; s < s1; ++s) {
+      const float* row = v + s * v_stride;
+      for (int g = 0; g < GN; ++g) {
+        const float weight = p[g * stride + s - s0];
+        float* a = acc + g * Dv;
+        for (int e = d; e < Dv; ++e) {
+          a[e] += weight * row[e];
+        }
+      }
+    }
+  }
+}
+
+void weighted_values(int G, const float* p, int stride, const float* v, int64_t v_stride, int Dv, int s0, int s1,
+                     float* acc) {
+  for (int g0 = 0; g0 < G; g0 += kGroupPart) {
+    const float* pg = p + g0 * stride;
+    float* ag = acc + g0 * Dv;
+    switch (std::min(kGroupPart, G - g0)) {
+      case 1: weighted_values<1>(pg, stride, v, v_stride, Dv, s0, s1, ag); break;
+      case 2: weighted_values<2>(pg, stride, v, v_stride, Dv, s0, s1, ag); break;
+      case 3: weighted_values<3>(pg, stride, v, v_stride, Dv, s0, s1, ag); break;
+      default: weighted_values<4>(pg, stride, v, v_stride, Dv, s0, s1, ag); break;
+    }
+  }
+}
+
+void attend(const mx::array& qa, const mx::array& ka, const mx::array& va, const mx::array* mask, float scale,
+            bool causal, mx::array& output) {
+  std::vector<float> qs;
+  const int B = qa.shape(0), Hq = qa.shape(1), L = qa.shape(2), D = qa.shape(3);
+  const int Hkv = ka.shape(1), S = ka.shape(2), Dv = va.shape(3);
+  const int G = Hq / Hkv;
+  const float* q = dense(qa, qs);
+  const float* k = ka.data<float>();
+  const float* v = va.data<float>();
+  const int64_t k_stride = ka.strides()[2], v_stride = va.strides()[2];
+  // Strides of a mask aligned to [B, Hq, L, S] from the right, 0 where it broadcasts.
+  int64_t mask_strides[4] = {0, 0, 0, 0};
+  if (mask != nullptr) {
+    for (int d = 0; d < mask->ndim(); ++d) {
+      const int at = 4 - mask->ndim() + d;
+      mask_strides[at] = mask->shape(d) == 1 ? 0 : mask->strides()[d];
+    }
+  }
+  const bool* mask_bool = mask != nullptr && mask->dtype() == mx::bool_ ? mask->data<bool>() : nullptr;
+  const float* mask_add = mask != nullptr && mask->dtype() == mx::float32 ? mask->data<float>() : nullptr;
+  float* o = output.data<float>();
+
+  // Work units: a group (b, key head, l) over a range of positions.
+  const int groups = B * Hkv * L;
+  const bool threaded = size_t(S) * D * B * Hq * L >= kThreadedWork && mlxr::num_threads() > 1;
+  int ranges = 1;
+  if (threaded && groups < mlxr::num_threads() * 4) {
+    ranges = std::max(1, std::min((mlxr::num_threads() * 4 + groups - 1) / groups, S / kMinRange));
+  }
+  // Each unit's partial softmax: per query head its maximum and sum, then its weighted values.
+  const int part = 2 + Dv;
+  std::vector<float> partials(ranges > 1 ? size_t(groups) * ranges * G * part : 0);
+  const int units = groups * ranges;
+  const int slices = threaded ? std::min(units, mlxr::num_threads() * 4) : 1;
+  mlxr::parallel_for(slices, [&](int slice) {
+    std::vector<float> scores, acc(size_t(G) * Dv), top(G), total(G);
+    std::vector<const float*> qrows(G);
+    for (int unit = units * slice / slices; unit < units * (slice + 1) / slices; ++unit) {
+      const int group = unit / ranges, range = unit % ranges;
+      const int l = group % L, kv = group / L % Hkv, b = group / L / Hkv;
+      const int visible = causal ? S - L + l + 1 : S;  // keys after it are hidden
+      const int s0 = int(int64_t(visible) * range / ranges), s1 = int(int64_t(visible) * (range + 1) / ranges);
+      const int n = s1 - s0;
+      scores.resize(size_t(G) * std::max(n, 1));
+      for (int g = 0; g < G; ++g) {
+        qrows[g] = q + ((size_t(b) * Hq + kv * G + g) * L + l) * D;
+      }
+      const float* kb = k + b * ka.strides()[0] + kv * ka.strides()[1];
+      const float* vb = v + b * va.strides()[0] + kv * va.strides()[1];
+      group_scores(qrows.data(), G, kb, k_stride, D, s0, s1, scale, scores.data(), n);
+      for (int g = 0; g < G; ++g) {
+        float* row = scores.data() + size_t(g) * n;
+        if (mask != nullptr) {
+          const int64_t mask_row = b * mask_strides[0] + (kv * G + g) * mask_strides[1] + l * mask_strides[2];
+          for (int s = s0; s < s1; ++s) {
+            const int64_t at = mask_row + s * mask_strides[3];
+            if (mask_bool != nullptr && !mask_bool[at]) {
+              row[s - s0] = kHidden;
+            } else if (mask_add != nullptr) {
+              row[s - s0] += mask_add[at];
+            }
+          }
+        }
+        top[g] = kHidden;
+        for (int s = 0; s < n; ++s) {
+          top[g] = std::max(top[g], row[s]);
+        }
+        if (top[g] == kHidden) {  // every key hidden: weights of zero
+          std::fill(row, row + n, 0.0f);
+          total[g] = 0.0f;
+        } else {
+          total[g] = exp_shifted(row, n, top[g]);
+        }
+      }
+      weighted_values(G, scores.data(), n, vb, v_stride, Dv, s0, s1, acc.data());
+      if (ranges == 1) {
+        for (int g = 0; g < G; ++g) {
+          float* dst = o + ((size_t(b) * Hq + kv * G + g) * L + l) * Dv;
+          const float norm = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
+          for (int d = 0; d < Dv; ++d) {
+            dst[d] = acc[size_t(g) * Dv + d] * norm;
+          }
+        }
+      } else {
+        float* dst = partials.data() + size_t(unit) * G * part;
+        for (int g = 0; g < G; ++g) {
+          dst[g * part] = top[g];
+          dst[g * part + 1] = total[g];
+          std::memcpy(dst + g * part + 2, acc.data() + size_t(g) * Dv, Dv * sizeof(float));
+        }
+      }
+    }
+  });
+  if (ranges == 1) {
+    return;
+  }
+  // The ranges' partial sums, each rescaled to the group's maximum.
+  for (int group = 0; group < groups; ++group) {
+    const int l = group % L, kv = group / L % Hkv, b = group / L / Hkv;
+    for (int g = 0; g < G; ++g) {
+      float top = kHidden;
+      for (int range = 0; range < ranges; ++range) {
+        top = std::max(top, partials[(size_t(group) * ranges + range) * G * part + g * part]);
+      }
+      float* dst = o + ((size_t(b) * Hq + kv * G + g) * L + l) * Dv;
+      std::fill(dst, dst + Dv, 0.0f);
+      float total = 0.0f;
+      if (top != kHidden) {
+        for (int range = 0; range < ranges; ++range) {
+          const float* src = partials.data() + (size_t(group) * ranges + range) * G * part + g * part;
+          if (src[0] == kHidden) {
+            continue;
+          }
+          const float weight = fast_exp(src[0] - top);
+          total += weight * src[1];
+          for (int d = 0; d < Dv; ++d) {
+            dst[d] += weight * src[2 + d];
+          }
+        }
+      }
+      const float norm = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int d = 0; d < Dv; ++d) {
+        dst[d] *= norm;
+      }
+    }
+  }
+}
 
 class Attention : public mx::UnaryPrimitive {
  public:
@@ -366,80 +731,7 @@ class Attention : public mx::UnaryPrimitive {
     std::vector<mx::array> outputs{output};
     dispatch(stream(), inputs, outputs, [scale = scale_, causal = causal_](
                                             std::vector<mx::array>& in, std::vector<mx::array>& out) {
-      std::vector<float> qs;
-      const mx::array& qa = in[0];
-      const mx::array& ka = in[1];
-      const mx::array& va = in[2];
-      const int B = qa.shape(0), Hq = qa.shape(1), L = qa.shape(2), D = qa.shape(3);
-      const int Hkv = ka.shape(1), S = ka.shape(2), Dv = va.shape(3);
-      const int group = Hq / Hkv;
-      const float* q = dense(qa, qs);
-      const float* k = ka.data<float>();
-      const float* v = va.data<float>();
-      // Strides of a mask aligned to [B, Hq, L, S] from the right, 0 where it broadcasts.
-      const mx::array* mask = in.size() == 4 ? &in[3] : nullptr;
-      int64_t mask_strides[4] = {0, 0, 0, 0};
-      if (mask != nullptr) {
-        for (int d = 0; d < mask->ndim(); ++d) {
-          const int at = 4 - mask->ndim() + d;
-          mask_strides[at] = mask->shape(d) == 1 ? 0 : mask->strides()[d];
-        }
-      }
-      const bool* mask_bool = mask != nullptr && mask->dtype() == mx::bool_ ? mask->data<bool>() : nullptr;
-      const float* mask_add = mask != nullptr && mask->dtype() == mx::float32 ? mask->data<float>() : nullptr;
-      const float hidden = -std::numeric_limits<float>::infinity();
-      float* o = out[0].data<float>();
-      // Queries (b, h, l) in slices over the kernels' threads where there is enough work (a
-      // prompt's); one decode query over a short cache stays on this thread.
-      const size_t queries = size_t(B) * Hq * L;
-      const bool threaded = size_t(S) * D * queries >= kThreadedWork && mlxr::num_threads() > 1;
-      const int slices = threaded ? int(std::min<size_t>(queries, size_t(mlxr::num_threads()) * 4)) : 1;
-      mlxr::parallel_for(slices, [&](int slice) {
-        std::vector<float> scores(S), acc(Dv);
-        const size_t first = queries * slice / slices, last = queries * (slice + 1) / slices;
-        for (size_t query = first; query < last; ++query) {
-          const int l = int(query % L);
-          const int h = int(query / L % Hq);
-          const int b = int(query / L / Hq);
-          const int kv = h / group;
-          const float* kb = k + b * ka.strides()[0] + kv * ka.strides()[1];
-          const float* vb = v + b * va.strides()[0] + kv * va.strides()[1];
-          const float* qrow = q + query * D;
-          const int visible = causal ? S - L + l + 1 : S;  // keys after it are hidden
-          const int64_t mask_row = b * mask_strides[0] + h * mask_strides[1] + l * mask_strides[2];
-          float top = hidden;
-          for (int s = 0; s < visible; ++s) {
-            float score = dot(qrow, kb + s * ka.strides()[2], D) * scale;
-            if (mask_bool != nullptr && !mask_bool[mask_row + s * mask_strides[3]]) {
-              score = hidden;
-            } else if (mask_add != nullptr) {
-              score += mask_add[mask_row + s * mask_strides[3]];
-            }
-            scores[s] = score;
-            top = std::max(top, score);
-          }
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          float total = 0.0f;
-          if (top != hidden) {  // a query that sees no key gives zeros
-            for (int s = 0; s < visible; ++s) {
-              if (scores[s] == hidden) {
-                continue;
-              }
-              const float p = std::exp(scores[s] - top);
-              total += p;
-              const float* vrow = vb + s * va.strides()[2];
-              for (int d = 0; d < Dv; ++d) {
-                acc[d] += p * vrow[d];
-              }
-            }
-          }
-          float* dst = o + query * Dv;
-          const float norm = total > 0.0f ? 1.0f / total : 0.0f;
-          for (int d = 0; d < Dv; ++d) {
-            dst[d] = acc[d] * norm;
-          }
-        }
-      });
+      attend(in[0], in[1], in[2], in.size() == 4 ? &in[3] : nullptr, scale, causal, out[0]);
     });
   }
 
@@ -505,20 +797,11 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
 
 // A gated MLP's activation, silu(gate) * up (SwiGLU) or gelu_tanh(gate) * up (GeGLU), over rows of
 // a last axis that is contiguous in both inputs (gate and up may be the two halves of one fused
-// projection's output: read where they lie, through their row strides). MLX's CPU exp and sigmoid
-// cost 24-37 ns an element; here exp is a range reduction and a degree-7 polynomial (Cephes'
-// expf: within 2 ulp of float32's exp over its range), 8 or 16 lanes at a time.
+// projection's output: read where they lie, through their row strides), with the exp above.
 //   silu(g) = g / (1 + exp(-g)),   gelu_tanh(g) = 0.5 g (1 + tanh(y)) = g / (1 + exp(-2y)),
 //   y = sqrt(2 / pi) (g + 0.044715 g^3).
 enum class Gate { silu = 0, gelu_tanh = 1 };
 
-constexpr float kExpHi = 88.3762626647949f;  // exp of anything above is infinity
-constexpr float kExpLo = -87.3365447504f;    // and of anything below, 0 next to the 1 it is added to
-constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693359375f;
-constexpr float kLn2Lo = -2.12194440e-4f;
-constexpr float kExpP[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
-                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 constexpr float kGeluScale = 1.5957691216057308f;  // 2 sqrt(2 / pi)
 constexpr float kGeluCube = 0.044715f;
 
@@ -532,42 +815,7 @@ inline float gate_exponent(float g) {
   }
 }
 
-inline float fast_exp(float x) {
-  if (x > kExpHi) {
-    return std::numeric_limits<float>::infinity();
-  }
-  x = std::max(x, kExpLo);
-  const float n = std::nearbyint(x * kLog2e);
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  float p = kExpP[0];
-  for (int i = 1; i < 6; ++i) {
-    p = p * r + kExpP[i];
-  }
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
 #if defined(__AVX512F__)
-inline __m512 fast_exp(__m512 x) {
-  const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExpHi), _CMP_GT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpLo)), _mm512_set1_ps(kExpHi));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_set1_ps(kExpP[0]);
-  for (int i = 1; i < 6; ++i) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP[i]));
-  }
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  return _mm512_mask_blend_ps(overflow, result, _mm512_set1_ps(std::numeric_limits<float>::infinity()));
-}
-
 template <Gate kind>
 inline __m512 gated(__m512 g, __m512 u) {
   __m512 e;
@@ -581,23 +829,6 @@ inline __m512 gated(__m512 g, __m512 u) {
   return _mm512_div_ps(_mm512_mul_ps(g, u), denominator);
 }
 #elif defined(__AVX2__)
-inline __m256 fast_exp(__m256 x) {
-  const __m256 overflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpHi), _CMP_GT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_set1_ps(kExpP[0]);
-  for (int i = 1; i < 6; ++i) {
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP[i]));
-  }
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  const __m256 result = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-  return _mm256_blendv_ps(result, _mm256_set1_ps(std::numeric_limits<float>::infinity()), overflow);
-}
-
 template <Gate kind>
 inline __m256 gated(__m256 g, __m256 u) {
   __m256 e;

@@ -21,14 +21,6 @@ from mlxr_plugins.kernels import cpu_native, native, reference
 SHAPES = {"head_dim": 64, "n_heads": 4, "n_kv_heads": 2}
 
 
-@pytest.fixture(scope="module")
-def module():
-    loaded, why = native.load()
-    if loaded is None:
-        pytest.skip(f"native CPU kernels unavailable: {why}")
-    return loaded
-
-
 def packed(N: int, K: int, bits: int, group_size: int, dtype=mx.float32, seed: int = 0):
     mx.random.seed(seed)
     w, scales, biases = mx.quantize(mx.random.normal((N, K)), group_size=group_size, bits=bits)

@@ -7,15 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxr_plugins.kernels import cpu_native, mlx_fast, native, reference
-
-
-@pytest.fixture(scope="module")
-def module():
-    loaded, why = native.load()
-    if loaded is None:
-        pytest.skip(f"native CPU kernels unavailable: {why}")
-    return loaded
+from mlxr_plugins.kernels import cpu_native, mlx_fast, reference
 
 
 def assert_close(got: mx.array, want: mx.array, atol: float = 1e-5) -> None:
@@ -80,14 +72,19 @@ def masks(B: int, H: int, L: int, S: int) -> dict[str, str | mx.array | None]:
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "padding", "additive", "per_head"])
-# The last shape is a prompt's: enough work to split its queries over the kernels' threads.
-@pytest.mark.parametrize("B,Hq,Hkv,L,S", [(1, 9, 3, 1, 160), (2, 4, 4, 5, 33), (1, 8, 2, 3, 3), (2, 8, 2, 64, 96)])
-def test_attention_matches_the_reference_over_a_cache_view(module, mask, B, Hq, Hkv, L, S):
+# A prompt's shape (2, 8, 2, 64, 96) has enough work to split its groups over the kernels' threads;
+# a decode step over a long cache with one key head (1, 4, 1, 1, 1030), its positions.
+@pytest.mark.parametrize(
+    "B,Hq,Hkv,L,S", [(1, 9, 3, 1, 160), (2, 4, 4, 5, 33), (1, 8, 2, 3, 3), (2, 8, 2, 64, 96), (1, 4, 1, 1, 1030)]
+)
+# Head sizes: values narrower than a vector block, Gemma 3's 256, and a block with a tail.
+@pytest.mark.parametrize("D,Dv", [(64, 32), (256, 256), (48, 80)])
+def test_attention_matches_the_reference_over_a_cache_view(module, mask, B, Hq, Hkv, L, S, D, Dv):
     mx.random.seed(B + Hq + L + S)
     # Keys and values as a cache hands them over: the first S positions of larger buffers.
-    keys, values = mx.random.normal((B, Hkv, S + 40, 64)), mx.random.normal((B, Hkv, S + 40, 32))
+    keys, values = mx.random.normal((B, Hkv, S + 40, D)), mx.random.normal((B, Hkv, S + 40, Dv))
     k, v = keys[:, :, :S], values[:, :, :S]
-    q = mx.random.normal((B, Hq, L, 64))
+    q = mx.random.normal((B, Hq, L, D))
     m = masks(B, Hq, L, S)[mask]
     if isinstance(m, mx.array) and m.dtype == mx.bool_:
         m[..., -1] = True  # every query sees a key (else the softmax has nothing to weigh)
