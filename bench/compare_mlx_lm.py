@@ -12,7 +12,8 @@ machines drifts, so only back-to-back ratios mean something.
 - ``mlxr``: the real engine, as ``mlxr bench`` drives it (:mod:`mlxr_core.cli.bench`), with its
   default quantization policy (on CPU with the native backend ``cpu_native``: the packed weights
   kept, multiplied in C++; without it: dequantized to float32 at load); ``mlxr-keep``: the same
-  with ``quantization: keep``; ``mlxr-dense``: ``quantization: dequantize`` (float32 weights
+  with ``quantization: keep``; ``mlxr-int8``: the default with ``cpu_int8`` for the packed matmuls
+  (a decode step's input rounded to int8 per block, as llama.cpp does); ``mlxr-dense``: ``quantization: dequantize`` (float32 weights
   through BLAS: the CPU default before the native backend).
 - ``mlx-lm``: ``mlx_lm.generate.generate_step`` on an mlx-lm folder written from *our* GGUF loader's
   checkpoint (the identical packed weights); ``mlx-lm-dense``: on a folder of the same weights
@@ -52,13 +53,15 @@ import mlxr_core
 from mlxr_core.blas import ensure_fast_blas
 from mlxr_core.cli.bench import StreamTiming, summarize, synthetic_prompt
 
-PEERS = ("mlxr", "mlxr-keep", "mlxr-dense", "mlx-lm", "mlx-lm-dense", "llama.cpp")
+PEERS = ("mlxr", "mlxr-int8", "mlxr-keep", "mlxr-dense", "mlx-lm", "mlx-lm-dense", "llama.cpp")
 #: (ours, theirs, what the ratio compares); a pair is reported when both peers ran.
 PAIRS = (
     ("mlxr", "mlx-lm-dense", "same dense float32 weights"),
     ("mlxr-keep", "mlx-lm", "same packed 4/8-bit weights"),
     ("mlxr", "mlx-lm", "each one's default for these weights on this device"),
     ("mlxr", "llama.cpp", "mlxr's default vs llama.cpp on the GGUF file"),
+    ("mlxr-int8", "llama.cpp", "int8 decode inputs (cpu_int8) vs llama.cpp, which rounds its inputs alike"),
+    ("mlxr-int8", "mlxr", "int8 decode inputs (cpu_int8) vs mlxr's default"),
     ("mlxr", "mlxr-dense", "mlxr's default vs its float32 dequantized path"),
 )
 WARMUP_TOKENS = 8
@@ -308,7 +311,7 @@ class MlxMemory:
 class MlxrPeer(MlxMemory):
     """The mlxr engine thread, started and driven as ``mlxr bench`` does."""
 
-    def __init__(self, spec: dict[str, Any], *, quantization: str = "auto"):
+    def __init__(self, spec: dict[str, Any], *, quantization: str = "auto", kernels: dict[str, str] | None = None):
         from mlxr_core.cli.bench import start_engine
         from mlxr_core.config.schema import EngineConfig, PrefixCacheConfig
 
@@ -316,7 +319,7 @@ class MlxrPeer(MlxMemory):
             prefill_chunk=spec["prefill_chunk"], prefix_cache=PrefixCacheConfig(enabled=False)
         )
         self.engine, self.summary = start_engine(
-            spec["gguf"], dtype="float32", quantization=quantization, engine_config=engine_config
+            spec["gguf"], dtype="float32", quantization=quantization, engine_config=engine_config, kernels=kernels
         )
         self.info = {
             "version": mlxr_core.__version__,
@@ -425,6 +428,9 @@ def _time_tokens(tokens: Iterator[int], submitted: float, prompt_tokens: int, ge
 
 PEER_CLASSES: dict[str, Callable[[dict[str, Any]], Peer]] = {
     "mlxr": MlxrPeer,
+    "mlxr-int8": functools.partial(
+        MlxrPeer, kernels={"quantized_matmul": "cpu_int8", "gather_matmul": "cpu_int8"}
+    ),
     "mlxr-keep": functools.partial(MlxrPeer, quantization="keep"),
     "mlxr-dense": functools.partial(MlxrPeer, quantization="dequantize"),
     "mlx-lm": MlxLmPeer,

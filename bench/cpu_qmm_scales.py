@@ -5,9 +5,11 @@ block scales are float16 in the file: read in place they are 10-17% fewer bytes 
 float32, if the kernel converts them for less than that. This prints, per shape and scale dtype,
 the best time of ``--reps`` calls per round (median over ``--rounds``), the bytes read and the rate.
 ``--library`` loads a given build of the extension instead of this checkout's (for an A/B of two
-builds, run once with each, alternating). A diagnostic, not a peer comparison.
+builds, run once with each, alternating); ``--int8`` times each case also with the input rounded
+to int8 (``cpu_int8``: integer dot products), in the same process, alternating. A diagnostic, not
+a peer comparison.
 
-    python bench/cpu_qmm_scales.py [--rounds 3] [--out FILE] [--library PATH]
+    python bench/cpu_qmm_scales.py [--rounds 3] [--out FILE] [--library PATH] [--int8]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--library", type=Path, help="a built _mlxr_qmm library to load instead")
+    parser.add_argument("--int8", action="store_true", help="also with int8 inputs (cpu_int8)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
@@ -53,25 +56,31 @@ def main(argv: list[str] | None = None) -> int:
         for dtype in (mx.float32, mx.bfloat16, mx.float16):
             s, b = scales.astype(dtype), biases.astype(dtype)
             mx.eval(w, x, s, b)
-            for _ in range(3):
-                mx.eval(module.quantized_matmul(x, w, s, b, group_size, bits))
-            per_round = []
+            modes = (False, True) if args.int8 else (False,)
+            for int8 in modes:
+                for _ in range(3):
+                    mx.eval(module.quantized_matmul(x, w, s, b, group_size, bits, int8))
+            per_round: dict[bool, list[float]] = {int8: [] for int8 in modes}
             for _ in range(args.rounds):
-                best = float("inf")
-                for _ in range(reps):
-                    start = time.perf_counter()
-                    mx.eval(module.quantized_matmul(x, w, s, b, group_size, bits))
-                    best = min(best, time.perf_counter() - start)
-                per_round.append(best)
-            seconds = statistics.median(per_round)
-            nbytes = w.nbytes + s.nbytes + b.nbytes
-            rows.append({
-                "shape": [n, k], "bits": bits, "group_size": group_size, "scales": str(dtype).split(".")[-1],
-                "us": seconds * 1e6, "rounds_us": [t * 1e6 for t in per_round],
-                "bytes": nbytes, "GBps": nbytes / seconds / 1e9,
-            })
-            print(f"{n:>7} x {k:<5} {bits}-bit g{group_size:<3} {rows[-1]['scales']:>8}: "
-                  f"{seconds * 1e6:9.1f} us  {nbytes / 1e6:6.1f} MB  {nbytes / seconds / 1e9:5.1f} GB/s")
+                for int8 in modes:
+                    best = float("inf")
+                    for _ in range(reps):
+                        start = time.perf_counter()
+                        mx.eval(module.quantized_matmul(x, w, s, b, group_size, bits, int8))
+                        best = min(best, time.perf_counter() - start)
+                    per_round[int8].append(best)
+            for int8 in modes:
+                seconds = statistics.median(per_round[int8])
+                nbytes = w.nbytes + s.nbytes + b.nbytes
+                rows.append({
+                    "shape": [n, k], "bits": bits, "group_size": group_size,
+                    "scales": str(dtype).split(".")[-1], "int8": int8,
+                    "us": seconds * 1e6, "rounds_us": [t * 1e6 for t in per_round[int8]],
+                    "bytes": nbytes, "GBps": nbytes / seconds / 1e9,
+                })
+                print(f"{n:>7} x {k:<5} {bits}-bit g{group_size:<3} {rows[-1]['scales']:>8}"
+                      f"{' int8' if int8 else '     '}: {seconds * 1e6:9.1f} us  {nbytes / 1e6:6.1f} MB  "
+                      f"{nbytes / seconds / 1e9:5.1f} GB/s")
     report = {
         "command": " ".join(["python", "bench/cpu_qmm_scales.py", *(argv if argv is not None else sys.argv[1:])]),
         "isa": module.isa(), "threads": args.threads, "library": str(args.library or "this checkout"),

@@ -29,7 +29,9 @@ MLXR_ESSENTIAL = True
 #: opt-in (``kernels: {attention: metal}``): unmeasured.
 #: ``cpu_native`` (packed quantized matmul, and a decode step's norms, RoPE, attention and gated
 #: MLP activation, in C++, compiled on first use, CPU only) sits above ``cpu_blas`` and
-#: ``mlx_fast``, which is where ``auto`` goes when it cannot be built.
+#: ``mlx_fast``, which is where ``auto`` goes when it cannot be built. ``cpu_int8`` (its packed
+#: matmul with a decode step's input rounded to int8, llama.cpp's arithmetic) is opt-in: it changes
+#: the outputs.
 #: ``cpu_blas`` (quantized matmul and decode RoPE on MLX's CPU backend only) and ``cuda_norm``
 #: (residual add + RMS norm as one kernel, CUDA only) sit above ``mlx_fast``; ``cuda_dense`` (quantized matmul for several rows as dequantize + dense matmul, on
 #: MLX's CUDA backend only) below it, opt-in; ``cuda_qmm`` (4-bit packed matmul for a few rows with
@@ -44,6 +46,7 @@ BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
         ("quantized_matmul", "gather_matmul", "attention", "rms_norm", "add_rms_norm", "rope",
          "gated_activation"),
     ),
+    "cpu_int8": ("mlxr_plugins.kernels.cpu_int8", 5, ("quantized_matmul", "gather_matmul")),
     "cpu_blas": ("mlxr_plugins.kernels.cpu_blas", 20, ("quantized_matmul", "rope")),
     "cuda": ("mlxr_plugins.kernels.cuda", 15, ("attention",)),
     "cuda_dense": ("mlxr_plugins.kernels.cuda_dense", 5, ("quantized_matmul",)),

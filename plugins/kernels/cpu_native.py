@@ -54,9 +54,10 @@ def quantized_matmul(
     group_size: int = 64,
     bits: int = 4,
     mode: str = "affine",
+    int8: bool = False,
 ) -> mx.array:
     """``mx.quantized_matmul`` for MLX's affine packing with ``transpose``, in C++; anything
-    else through ``cpu_blas``."""
+    else through ``cpu_blas``. ``int8``: see :mod:`mlxr_plugins.kernels.cpu_int8`."""
     module, _ = native.load()
     if (
         module is None
@@ -69,7 +70,7 @@ def quantized_matmul(
         return cpu_blas.quantized_matmul(
             x, w, scales, biases, transpose=transpose, group_size=group_size, bits=bits, mode=mode
         )
-    out: mx.array = module.quantized_matmul(x, w, scales, biases, group_size, bits)
+    out: mx.array = module.quantized_matmul(x, w, scales, biases, group_size, bits, int8)
     return out
 
 
@@ -98,9 +99,11 @@ def gather_matmul(
     bits: int = 4,
     mode: str = "affine",
     sorted_indices: bool = False,
+    int8: bool = False,
 ) -> mx.array:
     """``mx.gather_qmm(x, w, ..., rhs_indices=indices)`` for MLX's affine packing with
-    ``transpose``, in C++ (each row's expert read in place); anything else through ``mlx_fast``."""
+    ``transpose``, in C++ (each row's expert read in place); anything else through ``mlx_fast``.
+    ``int8``: see :mod:`mlxr_plugins.kernels.cpu_int8`."""
     module, _ = native.load()
     if (
         module is None
@@ -118,7 +121,7 @@ def gather_matmul(
     batch = mx.broadcast_shapes(x.shape[:-2], indices.shape)
     x = mx.broadcast_to(x, (*batch, *x.shape[-2:]))
     indices = mx.broadcast_to(indices, batch).astype(mx.uint32)
-    out: mx.array = module.gather_matmul(x, w, scales, biases, indices, group_size, bits)
+    out: mx.array = module.gather_matmul(x, w, scales, biases, indices, group_size, bits, int8)
     return out
 
 

@@ -272,8 +272,8 @@ void gather_floats(const mx::array& a, std::vector<float>& dst) {
 // inputs: x, w, scales, biases, and for the gather form (experts) the expert of each row.
 class QuantizedMatmul : public mx::UnaryPrimitive {
  public:
-  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool experts)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), experts_(experts) {}
+  QuantizedMatmul(mx::Stream stream, int group_size, int bits, bool experts, bool int8)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), experts_(experts), int8_(int8) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     const auto& x = inputs[0];
@@ -295,8 +295,9 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
                       out = mx::array::unsafe_weak_copy(out),
                       group_size = group_size_,
                       bits = bits_,
-                      gather = experts_]() mutable {
-      compute(x, w, scales, biases, gather ? &indices : nullptr, out, group_size, bits);
+                      gather = experts_,
+                      int8 = int8_]() mutable {
+      compute(x, w, scales, biases, gather ? &indices : nullptr, out, group_size, bits, int8);
     });
   }
 
@@ -310,7 +311,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
 
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const QuantizedMatmul&>(other);
-    return group_size_ == o.group_size_ && bits_ == o.bits_ && experts_ == o.experts_;
+    return group_size_ == o.group_size_ && bits_ == o.bits_ && experts_ == o.experts_ && int8_ == o.int8_;
   }
 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
@@ -328,10 +329,13 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
       const mx::array* indices,
       mx::array& out,
       int group_size,
-      int bits) {
+      int bits,
+      bool int8) {
     // Per-thread scratch, reused across calls: the float32 input, its group sums, the float32
-    // scales and biases (when strided), the float32 output (when in another dtype).
-    thread_local std::vector<float> xin, xf, xsum, sf, bf, of;
+    // scales and biases (when strided), the float32 output (when in another dtype), the int8
+    // input and its block scales.
+    thread_local std::vector<float> xin, xf, xsum, sf, bf, of, xd;
+    thread_local std::vector<int8_t> xq;
     const int K = x.shape(-1);
     const int M = int(x.size() / K);
     const int N = w.shape(-2);
@@ -340,6 +344,15 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     xf.resize(size_t(M) * K);
     xsum.resize(size_t(M) * G);
     prepare_input(xin.data(), M, K, group_size, bits, xf.data(), xsum.data());
+    // A decode step's rows (the tiles' shape) as int8 where the CPU has integer dot products.
+    const bool integer = int8 && kInt8 && (bits == 4 || bits == 8) && M / (indices ? int(indices->size()) : 1) < 4;
+    if (integer) {
+      xq.resize(size_t(M) * K);
+      xd.resize(size_t(M) * (K / 32));
+      prepare_input_int8(xin.data(), M, K, bits, xq.data(), xd.data());
+    }
+    const int8_t* xqp = integer ? xq.data() : nullptr;
+    const float* xdp = integer ? xd.data() : nullptr;
     // Row-contiguous scales and biases are read in place in their dtype; others are gathered.
     auto gather = [](const mx::array& a, std::vector<float>& dst) -> const void* {
       gather_floats(a, dst);
@@ -358,8 +371,8 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     thread_local std::vector<Problem> problems;
     problems.clear();
     if (indices == nullptr) {
-      problems.push_back({xf.data(), xsum.data(), w.data<uint8_t>(), sp, bp, op, M, N, K, G, bits,
-                          group_size, row_bytes});
+      problems.push_back({xf.data(), xsum.data(), xqp, xdp, w.data<uint8_t>(), sp, bp, op, M, N, K, G,
+                          bits, group_size, row_bytes});
     } else {
       // Row block r (M / R input rows) times expert indices[r]'s matrix.
       const size_t R = indices->size();
@@ -371,6 +384,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
           throw std::out_of_range("[mlxr gather_matmul] expert index out of range");
         }
         problems.push_back({xf.data() + r * rows * K, xsum.data() + r * rows * G,
+                            integer ? xqp + r * rows * K : nullptr, integer ? xdp + r * rows * (K / 32) : nullptr,
                             w.data<uint8_t>() + size_t(e) * N * row_bytes, sp.plus(size_t(e) * N * G),
                             bp.plus(size_t(e) * N * G), op + r * rows * N, rows, N, K, G, bits,
                             group_size, row_bytes});
@@ -392,6 +406,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
   int group_size_;
   int bits_;
   bool experts_;
+  bool int8_;
 };
 
 bool is_float(mx::Dtype t) {
@@ -451,14 +466,15 @@ mx::array quantized_matmul(
     const mx::array& scales,
     const mx::array& biases,
     int group_size,
-    int bits) {
+    int bits,
+    bool int8) {
   auto stream = check_operands(x, w, scales, biases, group_size, bits, 2);
   auto shape = x.shape();
   shape.back() = w.shape(0);
   return mx::array(
       std::move(shape),
       x.dtype(),
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits, false),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits, false, int8),
       {x, w, scales, biases});
 }
 
@@ -471,7 +487,8 @@ mx::array gather_matmul(
     const mx::array& biases,
     const mx::array& indices,
     int group_size,
-    int bits) {
+    int bits,
+    bool int8) {
   auto stream = check_operands(x, w, scales, biases, group_size, bits, 3);
   if (indices.dtype() != mx::uint32 || x.ndim() != indices.ndim() + 2 ||
       !std::equal(indices.shape().begin(), indices.shape().end(), x.shape().begin())) {
@@ -484,7 +501,7 @@ mx::array gather_matmul(
   return mx::array(
       std::move(shape),
       x.dtype(),
-      std::make_shared<QuantizedMatmul>(stream, group_size, bits, true),
+      std::make_shared<QuantizedMatmul>(stream, group_size, bits, true, int8),
       {x, w, scales, biases, indices});
 }
 
@@ -497,13 +514,17 @@ NB_MODULE(_mlxr_qmm, m) {
   nb::module_::import_("mlx.core");
   m.doc() = "mlxr's packed affine quantized matmul for MLX's CPU backend";
   m.def("quantized_matmul", &quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
-        "group_size"_a, "bits"_a,
-        "x [..., K] @ dequantize(w).T for MLX affine packing (transpose=True), on the CPU.");
+        "group_size"_a, "bits"_a, "int8"_a = false,
+        "x [..., K] @ dequantize(w).T for MLX affine packing (transpose=True), on the CPU; with int8, "
+        "rows of a decode step (under 4) are rounded to int8 per 32-element block where the CPU has "
+        "integer dot products (int8_decode()).");
   m.def("gather_matmul", &gather_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a,
-        "group_size"_a, "bits"_a,
-        "x [..., M, K] @ dequantize(w[indices[...]]).T per batch entry, on the CPU.");
+        "group_size"_a, "bits"_a, "int8"_a = false,
+        "x [..., M, K] @ dequantize(w[indices[...]]).T per batch entry, on the CPU (int8: as "
+        "quantized_matmul's).");
   m.def("set_num_threads", &set_threads, "n"_a);
   m.def("num_threads", []() { return g_threads; });
   m.def("isa", []() { return std::string(kIsa); });
+  m.def("int8_decode", []() { return kInt8; }, "Whether int8=True takes effect on this CPU.");
   register_ops(m);
 }

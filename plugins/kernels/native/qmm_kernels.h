@@ -36,6 +36,13 @@ constexpr const char* kIsa = "neon";
 #define MLXR_SIMD 0
 constexpr const char* kIsa = "scalar";
 #endif
+// Integer dot products for a decode step's int8 input (tile_q4_int8): AVX-512 VNNI.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MLXR_INT8 1
+#else
+#define MLXR_INT8 0
+#endif
+constexpr bool kInt8 = MLXR_INT8;
 // The SIMD paths read a 4-bit block's low nibbles against the input's even elements and its high
 // nibbles against the odd ones, so the input is stored evens first (prepare_input).
 constexpr bool kNibbleOrder = MLXR_SIMD;
@@ -156,6 +163,10 @@ struct Groups {
 struct Problem {
   const float* x;      // [M, K]
   const float* xsum;   // [M, G]
+  // The input as int8 (see prepare_input_int8), or null: each 32-element block's integers [M, K]
+  // and scale [M, K / 32].
+  const int8_t* xq;
+  const float* xd;
   const uint8_t* w;    // [N, K * bits / 8]
   Groups scales;       // [N, G]
   Groups biases;       // [N, G]
@@ -494,8 +505,180 @@ inline void tile_bytes(const Problem& p, int n0, int m0) {
   sums.store(p, n0, m0);
 }
 
+#if MLXR_INT8
+// Decode with an int8 input (llama.cpp's way on CPUs with integer dot products): each 32-element
+// block of the input row is rounded to int8 with its own scale (max |x| / 127), and a block's dot
+// product with the weight's integers is one instruction per 64 byte pairs (vpdpbusd: unsigned
+// weight bytes times signed input bytes, summed in fours into 32-bit lanes) instead of converting
+// the weight to floats. Each block's sum is then scaled by the weight's group scale times the
+// input block's scale; the bias term stays exact (the float input's group sums).
+
+// The combined scales of blocks blk .. blk + 3: scale of the weight's group times the input block's.
+template <int NB>
+inline __m128 block_scales4(const Problem& p, const RowGroups<NB>& groups, int i, int blk, const float* xd) {
+  const int g = blk * 32 / p.group_size;
+  __m128 s;
+  if (p.group_size == 32) {
+    s = _mm_loadu_ps(groups.s[i] + (g - groups.base));
+  } else if (p.group_size == 64) {
+    const float s0 = groups.scale(i, g), s1 = groups.scale(i, g + 1);
+    s = _mm_setr_ps(s0, s0, s1, s1);
+  } else {
+    s = _mm_set1_ps(groups.scale(i, g));
+  }
+  return _mm_mul_ps(s, _mm_loadu_ps(xd + blk));
+}
+
+// Sum of the group biases times the input's group sums, for output row n.
+inline float bias_term(const Problem& p, int n, const float* xs) {
+  alignas(64) float buf[64];
+  float total = 0.0f;
+  for (int g0 = 0; g0 < p.G; g0 += 64) {
+    const int count = std::min(64, p.G - g0);
+    const float* b = p.biases.chunk(n, p.G, g0, count, buf);
+    for (int g = 0; g < count; ++g) {
+      total += b[g] * xs[g0 + g];
+    }
+  }
+  return total;
+}
+
+// An int8 tile's operands and running sums: input row m's integers and block scales, NB weight
+// rows, a vector of scaled block sums per row and a float for the blocks after the last chunk.
+template <int NB>
+struct Int8Sums {
+  const int8_t* xq;
+  const float* xd;
+  const uint8_t* rows[NB];
+  __m512 acc[NB];
+  float tail[NB];
+
+  Int8Sums(const Problem& p, int n0, int m) : xq(p.xq + size_t(m) * p.K), xd(p.xd + size_t(m) * (p.K / 32)) {
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      rows[i] = p.w + size_t(n0 + i) * p.row_bytes;
+      acc[i] = _mm512_setzero_ps();
+      tail[i] = 0.0f;
+    }
+  }
+
+  void store(const Problem& p, int n0, int m) const {
+    const float* xs = p.xsum + size_t(m) * p.G;
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      p.out[size_t(m) * p.N + n0 + i] = _mm512_reduce_add_ps(acc[i]) + tail[i] + bias_term(p, n0 + i, xs);
+    }
+  }
+};
+
+// 4-bit, NB output rows, input row m. A 128-element chunk of the input is stored as its 64 even
+// elements, then its 64 odd ones (prepare_input_int8), so the low nibbles of 64 weight bytes (4
+// blocks) multiply the first half and the high nibbles the second; a last 1-3 blocks are stored
+// as 16 evens and 16 odds each and done 16 bytes at a time.
+template <int NB>
+inline void tile_q4_int8(const Problem& p, int n0, int m) {
+  RowGroups<NB> groups(p, n0);
+  Int8Sums<NB> sums(p, n0, m);
+  const int8_t* xq = sums.xq;
+  const float* xd = sums.xd;
+  auto& rows = sums.rows;
+  auto& acc = sums.acc;
+  auto& tail = sums.tail;
+  const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int blocks = p.K / 32;
+  int blk = 0;
+  for (; blk + 4 <= blocks; blk += 4) {
+    groups.reach(blk * 32 / p.group_size);
+    const __m512i evens = _mm512_loadu_si512(xq + blk * 32);
+    const __m512i odds = _mm512_loadu_si512(xq + blk * 32 + 64);
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      prefetch_ahead(rows[i] + blk * 16);
+      const __m512i w = _mm512_loadu_si512(rows[i] + blk * 16);
+      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(w, nibble), evens);
+      dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble), odds);
+      const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(block_scales4(p, groups, i, blk, xd)));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+    }
+  }
+  const __m128i nibble16 = _mm_set1_epi8(0x0F);
+  for (; blk < blocks; ++blk) {
+    const int g = blk * 32 / p.group_size;
+    groups.reach(g);
+    const __m128i evens = _mm_loadu_si128((const __m128i*)(xq + blk * 32));
+    const __m128i odds = _mm_loadu_si128((const __m128i*)(xq + blk * 32 + 16));
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      const __m128i w = _mm_loadu_si128((const __m128i*)(rows[i] + blk * 16));
+      __m128i dot = _mm_dpbusd_epi32(_mm_setzero_si128(), _mm_and_si128(w, nibble16), evens);
+      dot = _mm_dpbusd_epi32(dot, _mm_and_si128(_mm_srli_epi16(w, 4), nibble16), odds);
+      dot = _mm_add_epi32(dot, _mm_shuffle_epi32(dot, 0x4E));
+      dot = _mm_add_epi32(dot, _mm_shuffle_epi32(dot, 0xB1));
+      tail[i] += float(_mm_cvtsi128_si32(dot)) * groups.scale(i, g) * xd[blk];
+    }
+  }
+  sums.store(p, n0, m);
+}
+
+// 8-bit, NB output rows, input row m: the input in its own order, 64 bytes (2 blocks) a step.
+template <int NB>
+inline void tile_q8_int8(const Problem& p, int n0, int m) {
+  RowGroups<NB> groups(p, n0);
+  Int8Sums<NB> sums(p, n0, m);
+  const int8_t* xq = sums.xq;
+  const float* xd = sums.xd;
+  auto& rows = sums.rows;
+  auto& acc = sums.acc;
+  auto& tail = sums.tail;
+  const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i second = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const int blocks = p.K / 32;
+  int blk = 0;
+  for (; blk + 4 <= blocks; blk += 4) {
+    groups.reach(blk * 32 / p.group_size);
+    const __m512i x0 = _mm512_loadu_si512(xq + blk * 32);
+    const __m512i x1 = _mm512_loadu_si512(xq + blk * 32 + 64);
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      prefetch_ahead(rows[i] + blk * 32);
+      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(rows[i] + blk * 32), x0);
+      const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(rows[i] + blk * 32 + 64), x1);
+      const __m512 scales = _mm512_castps128_ps512(block_scales4(p, groups, i, blk, xd));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(first, scales), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_permutexvar_ps(second, scales), acc[i]);
+    }
+  }
+  for (; blk < blocks; ++blk) {
+    const int g = blk * 32 / p.group_size;
+    groups.reach(g);
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + blk * 32));
+    #pragma GCC unroll 8
+    for (int i = 0; i < NB; ++i) {
+      __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                        _mm256_loadu_si256((const __m256i*)(rows[i] + blk * 32)), x);
+      __m128i half = _mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1));
+      half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
+      half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xB1));
+      tail[i] += float(_mm_cvtsi128_si32(half)) * groups.scale(i, g) * xd[blk];
+    }
+  }
+  sums.store(p, n0, m);
+}
+#endif
+
 template <int NB, int MB>
 inline void tile(const Problem& p, int n0, int m0) {
+#if MLXR_INT8
+  if (p.xq != nullptr && MB == 1 && (p.bits == 4 || p.bits == 8)) {
+    if (p.bits == 4) {
+      tile_q4_int8<NB>(p, n0, m0);
+    } else {
+      tile_q8_int8<NB>(p, n0, m0);
+    }
+    return;
+  }
+#endif
   if (p.bits == 4) {
     tile_q4<NB, MB>(p, n0, m0);
   } else if (p.bits == 5 && kFiveBitsInPlace) {
@@ -717,6 +900,50 @@ inline void prepare_input(const float* x, int M, int K, int group_size, int bits
       }
     } else {
       std::memcpy(dst, src, size_t(K) * sizeof(float));
+    }
+  }
+}
+
+// x [M, K] float32 (K a multiple of 32) -> xq [M, K] int8 and xd [M, K / 32]: each 32-element
+// block rounded to int8 with the scale max |x| / 127. For 4 bits each whole 128-element chunk is
+// stored as its 64 even elements, then its 64 odd ones, and each block after the last whole chunk
+// as 16 evens, then 16 odds (tile_q4_int8's order); other widths in their own order.
+inline void prepare_input_int8(const float* x, int M, int K, int bits, int8_t* xq, float* xd) {
+  const int blocks = K / 32;
+  alignas(64) int8_t q[128];
+  for (int m = 0; m < M; ++m) {
+    const float* src = x + size_t(m) * K;
+    int8_t* dst = xq + size_t(m) * K;
+    for (int blk = 0; blk < blocks; ++blk) {
+      float top = 0.0f;
+      for (int e = 0; e < 32; ++e) {
+        top = std::max(top, std::abs(src[blk * 32 + e]));
+      }
+      const float d = top / 127.0f;
+      const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      xd[size_t(m) * blocks + blk] = d;
+      for (int e = 0; e < 32; ++e) {
+        q[(blk % 4) * 32 + e] = int8_t(std::nearbyint(src[blk * 32 + e] * inverse));
+      }
+      const bool chunk_done = blk % 4 == 3;
+      const bool last = blk == blocks - 1;
+      if (bits != 4) {
+        std::memcpy(dst + blk * 32, q + (blk % 4) * 32, 32);
+      } else if (chunk_done) {  // a whole 128-element chunk: its evens, then its odds
+        int8_t* out = dst + (blk - 3) * 32;
+        for (int j = 0; j < 64; ++j) {
+          out[j] = q[2 * j];
+          out[64 + j] = q[2 * j + 1];
+        }
+      } else if (last) {  // the blocks after the last whole chunk, one by one
+        for (int b = blk - blk % 4; b <= blk; ++b) {
+          const int8_t* in = q + (b % 4) * 32;
+          for (int j = 0; j < 16; ++j) {
+            dst[b * 32 + j] = in[2 * j];
+            dst[b * 32 + 16 + j] = in[2 * j + 1];
+          }
+        }
+      }
     }
   }
 }

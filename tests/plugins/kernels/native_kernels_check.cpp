@@ -79,7 +79,10 @@ std::vector<uint8_t> pack(const std::vector<unsigned>& q, int N, int K, int bits
   return out;
 }
 
-int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt19937& rng) {
+// With int8 (4 and 8 bits, fewer than 4 rows, where the layer has integer dot products), the
+// input is rounded to int8 per 32-element block (prepare_input_int8) and the sum is checked against
+// the rounded input's (the bias term keeps the exact input's group sums).
+int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt19937& rng, bool int8 = false) {
   const int G = K / group_size;
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   std::vector<unsigned> q(size_t(N) * K);
@@ -94,7 +97,20 @@ int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt
 
   std::vector<float> xf(x.size()), xsum(size_t(M) * G), out(size_t(M) * N, NAN);
   prepare_input(x.data(), M, K, group_size, bits, xf.data(), xsum.data());
-  const Problem p{xf.data(), xsum.data(), w.data(), Groups{scales_raw.data(), type},
+  std::vector<int8_t> xq(x.size());
+  std::vector<float> xd(x.size() / 32);
+  std::vector<double> rounded(x.begin(), x.end());  // the input the scaled term sees
+  if (int8) {
+    prepare_input_int8(x.data(), M, K, bits, xq.data(), xd.data());
+    for (size_t blk = 0; blk < x.size() / 32; ++blk) {
+      float top = 0.0f;
+      for (int e = 0; e < 32; ++e) top = std::max(top, std::fabs(x[blk * 32 + e]));
+      const float d = top / 127.0f, inverse = d > 0.0f ? 1.0f / d : 0.0f;
+      for (int e = 0; e < 32; ++e) rounded[blk * 32 + e] = double(d) * std::nearbyint(x[blk * 32 + e] * inverse);
+    }
+  }
+  const Problem p{xf.data(), xsum.data(), int8 ? xq.data() : nullptr, int8 ? xd.data() : nullptr, w.data(),
+                  Groups{scales_raw.data(), type},
                   Groups{biases_raw.data(), type}, out.data(), M, N, K, G, bits, group_size,
                   size_t(K) * bits / 8};
   run_rows(p, 0, N);
@@ -104,14 +120,15 @@ int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt
       double want = 0.0, scale = 0.0;
       for (int k = 0; k < K; ++k) {
         const size_t g = size_t(n) * G + k / group_size;
-        const double term = x[size_t(m) * K + k] * (scales[g] * q[size_t(n) * K + k] + biases[g]);
+        const size_t at = size_t(m) * K + k;
+        const double term = rounded[at] * scales[g] * q[size_t(n) * K + k] + x[at] * biases[g];
         want += term;
         scale += std::fabs(term);
       }
       const double got = out[size_t(m) * N + n];
       if (!(std::fabs(got - want) <= 1e-5 * scale + 1e-6)) {
-        std::printf("MISMATCH %s bits=%d group=%d scales=%d M=%d N=%d K=%d at [%d, %d]: %.7g vs %.7g\n",
-                    kIsa, bits, group_size, int(type), M, N, K, m, n, got, want);
+        std::printf("MISMATCH %s%s bits=%d group=%d scales=%d M=%d N=%d K=%d at [%d, %d]: %.7g vs %.7g\n",
+                    kIsa, int8 ? " int8" : "", bits, group_size, int(type), M, N, K, m, n, got, want);
         return 1;
       }
     }
@@ -145,6 +162,32 @@ int main() {
       }
     }
   }
-  std::printf("%s: %d cases ok\n", kIsa, cases);
+  // int8 decode rows: whole 128-element chunks and 1-3 blocks after them, several chunks of groups.
+  int int8_cases = 0;
+  if (kInt8) {
+    for (int bits : {4, 8}) {
+      for (int group_size : {32, 64, 128}) {
+        for (ScaleType type : {ScaleType::f32, ScaleType::f16, ScaleType::bf16}) {
+          for (int K : {128, 384, 576, 640, 8192}) {
+            for (int M : {1, 3}) {
+              for (int N : {1, 7, 21}) {
+                if (K % group_size == 0 && check(bits, group_size, type, M, N, K, rng, true)) {
+                  return 1;
+                }
+                int8_cases += K % group_size == 0;
+              }
+            }
+          }
+        }
+      }
+    }
+    for (int K : {32, 64, 96, 160, 224}) {  // shorter than a chunk, groups of 32
+      if (check(4, 32, ScaleType::f32, 1, 9, K, rng, true) || check(8, 32, ScaleType::f32, 1, 9, K, rng, true)) {
+        return 1;
+      }
+      int8_cases += 2;
+    }
+  }
+  std::printf("%s: %d cases ok, %d int8 cases ok\n", kIsa, cases, int8_cases);
   return 0;
 }
