@@ -75,6 +75,10 @@ class KernelImpl:
     #: A ``quantized_matmul`` at least as fast on packed weights as on dense ones on a CPU
     #: (``quantization: auto`` then keeps them packed; see ``mlxr_core.kernels.KernelBackend``).
     keeps_packed: bool = False
+    #: dtype -> (atol, rtol) for :func:`mlxr_core.testing.kernel_check.check_kernel_parity`, where
+    #: the backend's arithmetic differs from the reference by design (``cpu_int8`` rounds its
+    #: inputs to int8) and says by how much; None: the op's own tolerances.
+    parity_tolerance: dict[str, tuple[float, float]] | None = None
 
     def supports(self, ctx: KernelContext) -> list[str]:
         """Reasons this backend cannot run in ``ctx``; empty when it can."""

@@ -334,7 +334,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     // Per-thread scratch, reused across calls: the float32 input, its group sums, the float32
     // scales and biases (when strided), the float32 output (when in another dtype), the int8
     // input and its block scales.
-    thread_local std::vector<float> xin, xf, xsum, sf, bf, of, xd;
+    thread_local std::vector<float> xin, xf, xsum, sf, bf, of, xd, xb;
     thread_local std::vector<int8_t> xq;
     const int K = x.shape(-1);
     const int M = int(x.size() / K);
@@ -344,15 +344,26 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     xf.resize(size_t(M) * K);
     xsum.resize(size_t(M) * G);
     prepare_input(xin.data(), M, K, group_size, bits, xf.data(), xsum.data());
-    // A decode step's rows (the tiles' shape) as int8 where the CPU has integer dot products.
-    const bool integer = int8 && kInt8 && (bits == 4 || bits == 8) && M / (indices ? int(indices->size()) : 1) < 4;
+    // Every row as int8 where asked and the CPU has integer dot products (4- and 8-bit weights).
+    const bool integer = int8 && kInt8 && (bits == 4 || bits == 8);
     if (integer) {
       xq.resize(size_t(M) * K);
       xd.resize(size_t(M) * (K / 32));
-      prepare_input_int8(xin.data(), M, K, bits, xq.data(), xd.data());
+      xb.resize(size_t(M) * (K / 32));
+      // Pointers, not the thread_local vectors: a helper thread naming those would get its own.
+      const auto row = [x = xin.data(), s = xsum.data(), q = xq.data(), d = xd.data(), b = xb.data(), K, bits,
+                        group_size](int m) { prepare_row_int8(x, m, K, bits, group_size, s, q, d, b); };
+      if (M >= 16 && g_threads > 1) {  // a prompt's rows
+        pool().run(M, row);
+      } else {
+        for (int m = 0; m < M; ++m) {
+          row(m);
+        }
+      }
     }
     const int8_t* xqp = integer ? xq.data() : nullptr;
     const float* xdp = integer ? xd.data() : nullptr;
+    const float* xbp = integer ? xb.data() : nullptr;
     // Row-contiguous scales and biases are read in place in their dtype; others are gathered.
     auto gather = [](const mx::array& a, std::vector<float>& dst) -> const void* {
       gather_floats(a, dst);
@@ -371,7 +382,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     thread_local std::vector<Problem> problems;
     problems.clear();
     if (indices == nullptr) {
-      problems.push_back({xf.data(), xsum.data(), xqp, xdp, w.data<uint8_t>(), sp, bp, op, M, N, K, G,
+      problems.push_back({xf.data(), xsum.data(), xqp, xdp, xbp, w.data<uint8_t>(), sp, bp, op, M, N, K, G,
                           bits, group_size, row_bytes});
     } else {
       // Row block r (M / R input rows) times expert indices[r]'s matrix.
@@ -385,6 +396,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
         }
         problems.push_back({xf.data() + r * rows * K, xsum.data() + r * rows * G,
                             integer ? xqp + r * rows * K : nullptr, integer ? xdp + r * rows * (K / 32) : nullptr,
+                            integer ? xbp + r * rows * (K / 32) : nullptr,
                             w.data<uint8_t>() + size_t(e) * N * row_bytes, sp.plus(size_t(e) * N * G),
                             bp.plus(size_t(e) * N * G), op + r * rows * N, rows, N, K, G, bits,
                             group_size, row_bytes});
@@ -516,8 +528,8 @@ NB_MODULE(_mlxr_qmm, m) {
   m.def("quantized_matmul", &quantized_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a,
         "group_size"_a, "bits"_a, "int8"_a = false,
         "x [..., K] @ dequantize(w).T for MLX affine packing (transpose=True), on the CPU; with int8, "
-        "rows of a decode step (under 4) are rounded to int8 per 32-element block where the CPU has "
-        "integer dot products (int8_decode()).");
+        "the rows are rounded to int8 per 32-element block where the CPU has integer dot products "
+        "(int8_decode()), for 4 and 8 bits.");
   m.def("gather_matmul", &gather_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "indices"_a,
         "group_size"_a, "bits"_a, "int8"_a = false,
         "x [..., M, K] @ dequantize(w[indices[...]]).T per batch entry, on the CPU (int8: as "

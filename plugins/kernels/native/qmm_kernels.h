@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -163,10 +164,12 @@ struct Groups {
 struct Problem {
   const float* x;      // [M, K]
   const float* xsum;   // [M, G]
-  // The input as int8 (see prepare_input_int8), or null: each 32-element block's integers [M, K]
-  // and scale [M, K / 32].
+  // The input as int8 (see prepare_row_int8), or null: each 32-element block's integers [M, K]
+  // and scale [M, K / 32], and per block the sum of its group's inputs where it starts the group,
+  // else 0 [M, K / 32] (the bias term, added at the group's first block).
   const int8_t* xq;
   const float* xd;
+  const float* xb;
   const uint8_t* w;    // [N, K * bits / 8]
   Groups scales;       // [N, G]
   Groups biases;       // [N, G]
@@ -513,168 +516,228 @@ inline void tile_bytes(const Problem& p, int n0, int m0) {
 // the weight to floats. Each block's sum is then scaled by the weight's group scale times the
 // input block's scale; the bias term stays exact (the float input's group sums).
 
-// The combined scales of blocks blk .. blk + 3: scale of the weight's group times the input block's.
-template <int NB>
-inline __m128 block_scales4(const Problem& p, const RowGroups<NB>& groups, int i, int blk, const float* xd) {
-  const int g = blk * 32 / p.group_size;
-  __m128 s;
-  if (p.group_size == 32) {
-    s = _mm_loadu_ps(groups.s[i] + (g - groups.base));
-  } else if (p.group_size == 64) {
-    const float s0 = groups.scale(i, g), s1 = groups.scale(i, g + 1);
-    s = _mm_setr_ps(s0, s0, s1, s1);
-  } else {
-    s = _mm_set1_ps(groups.scale(i, g));
-  }
-  return _mm_mul_ps(s, _mm_loadu_ps(xd + blk));
-}
-
-// Sum of the group biases times the input's group sums, for output row n.
-inline float bias_term(const Problem& p, int n, const float* xs) {
-  alignas(64) float buf[64];
-  float total = 0.0f;
-  for (int g0 = 0; g0 < p.G; g0 += 64) {
-    const int count = std::min(64, p.G - g0);
-    const float* b = p.biases.chunk(n, p.G, g0, count, buf);
-    for (int g = 0; g < count; ++g) {
-      total += b[g] * xs[g0 + g];
-    }
-  }
-  return total;
-}
-
-// An int8 tile's operands and running sums: input row m's integers and block scales, NB weight
-// rows, a vector of scaled block sums per row and a float for the blocks after the last chunk.
-template <int NB>
+// An int8 tile's operands and running sums: MB input rows' integers and block scales, NB weight
+// rows, per (weight row, input row) a vector of scaled block sums and a float for the blocks after
+// the last whole chunk. Every output is summed in the same order whatever MB is (a row's result
+// does not depend on the rows beside it in the call).
+template <int NB, int MB>
 struct Int8Sums {
-  const int8_t* xq;
-  const float* xd;
+  const int8_t* xq[MB];
+  const float* xd[MB];
+  const float* xb[MB];
   const uint8_t* rows[NB];
-  __m512 acc[NB];
-  float tail[NB];
+  __m512 acc[NB][MB];
+  float tail[NB][MB];
 
-  Int8Sums(const Problem& p, int n0, int m) : xq(p.xq + size_t(m) * p.K), xd(p.xd + size_t(m) * (p.K / 32)) {
+  Int8Sums(const Problem& p, int n0, int m0) {
+    #pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      xq[j] = p.xq + size_t(m0 + j) * p.K;
+      xd[j] = p.xd + size_t(m0 + j) * (p.K / 32);
+      xb[j] = p.xb + size_t(m0 + j) * (p.K / 32);
+    }
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
       rows[i] = p.w + size_t(n0 + i) * p.row_bytes;
-      acc[i] = _mm512_setzero_ps();
-      tail[i] = 0.0f;
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        acc[i][j] = _mm512_setzero_ps();
+        tail[i][j] = 0.0f;
+      }
     }
   }
 
-  void store(const Problem& p, int n0, int m) const {
-    const float* xs = p.xsum + size_t(m) * p.G;
+  // A block after the last whole chunk: its integer dot product times its combined scale, and its
+  // bias term, each one rounding (explicit fused multiply-adds: the compiler may not contract
+  // these differently for different MB).
+  void add_tail(int i, int j, int dot, float scale, float bias, float xb) {
+    tail[i][j] = std::fma(float(dot), scale, tail[i][j]);
+    tail[i][j] = std::fma(bias, xb, tail[i][j]);
+  }
+
+  void store(const Problem& p, int n0, int m0) const {
     #pragma GCC unroll 8
-    for (int i = 0; i < NB; ++i) {
-      p.out[size_t(m) * p.N + n0 + i] = _mm512_reduce_add_ps(acc[i]) + tail[i] + bias_term(p, n0 + i, xs);
+    for (int j = 0; j < MB; ++j) {
+      #pragma GCC unroll 8
+      for (int i = 0; i < NB; ++i) {
+        p.out[size_t(m0 + j) * p.N + n0 + i] = _mm512_reduce_add_ps(acc[i][j]) + tail[i][j];
+      }
     }
   }
 };
 
-// 4-bit, NB output rows, input row m. A 128-element chunk of the input is stored as its 64 even
-// elements, then its 64 odd ones (prepare_input_int8), so the low nibbles of 64 weight bytes (4
-// blocks) multiply the first half and the high nibbles the second; a last 1-3 blocks are stored
-// as 16 evens and 16 odds each and done 16 bytes at a time.
+// The weight's scales of blocks blk .. blk + 3 of row i (one per block: a group's repeated).
 template <int NB>
-inline void tile_q4_int8(const Problem& p, int n0, int m) {
+inline __m128 weight_scales4(const Problem& p, const RowGroups<NB>& groups, int i, int blk) {
+  const int g = blk * 32 / p.group_size;
+  if (p.group_size == 32) {
+    return _mm_loadu_ps(groups.s[i] + (g - groups.base));
+  }
+  if (p.group_size == 64) {
+    const float s0 = groups.scale(i, g), s1 = groups.scale(i, g + 1);
+    return _mm_setr_ps(s0, s0, s1, s1);
+  }
+  return _mm_set1_ps(groups.scale(i, g));
+}
+
+// The weight's bias of each of blocks blk .. blk + 3 of row i that starts a group, else 0.
+template <int NB>
+inline __m128 weight_biases4(const Problem& p, const RowGroups<NB>& groups, int i, int blk) {
+  const int g = blk * 32 / p.group_size;
+  if (p.group_size == 32) {
+    return _mm_loadu_ps(groups.b[i] + (g - groups.base));
+  }
+  if (p.group_size == 64) {
+    return _mm_setr_ps(groups.bias(i, g), 0.0f, groups.bias(i, g + 1), 0.0f);
+  }
+  return _mm_setr_ps(blk * 32 % p.group_size == 0 ? groups.bias(i, g) : 0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// The weight's bias for a block after the last whole chunk (0 unless the block starts a group).
+template <int NB>
+inline float block_bias(const Problem& p, const RowGroups<NB>& groups, int i, int blk) {
+  return blk * 32 % p.group_size == 0 ? groups.bias(i, blk * 32 / p.group_size) : 0.0f;
+}
+
+// A 16-byte block pair's dot product (4 lanes) summed to one integer.
+inline int sum4(__m128i dot) {
+  dot = _mm_add_epi32(dot, _mm_shuffle_epi32(dot, 0x4E));
+  dot = _mm_add_epi32(dot, _mm_shuffle_epi32(dot, 0xB1));
+  return _mm_cvtsi128_si32(dot);
+}
+
+// Lanes 0, 4, 8, 12: one per block of a 4-block chunk (a block's bias term is added once).
+constexpr __mmask16 kFirstLanes = 0x1111;
+
+// 4-bit, NB output rows x MB input rows from m0. A 128-element chunk of the input is stored as its
+// 64 even elements, then its 64 odd ones (prepare_row_int8), so the low nibbles of 64 weight
+// bytes (4 blocks) multiply the first half and the high nibbles the second; a last 1-3 blocks are
+// stored as 16 evens and 16 odds each and done 16 bytes at a time. The weight's nibbles are
+// unpacked once for the MB input rows.
+template <int NB, int MB>
+inline void tile_q4_int8(const Problem& p, int n0, int m0) {
   RowGroups<NB> groups(p, n0);
-  Int8Sums<NB> sums(p, n0, m);
-  const int8_t* xq = sums.xq;
-  const float* xd = sums.xd;
-  auto& rows = sums.rows;
-  auto& acc = sums.acc;
-  auto& tail = sums.tail;
+  Int8Sums<NB, MB> sums(p, n0, m0);
   const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const int blocks = p.K / 32;
   int blk = 0;
   for (; blk + 4 <= blocks; blk += 4) {
     groups.reach(blk * 32 / p.group_size);
-    const __m512i evens = _mm512_loadu_si512(xq + blk * 32);
-    const __m512i odds = _mm512_loadu_si512(xq + blk * 32 + 64);
+    __m512i low[NB], high[NB];
+    __m512 ws[NB], wb[NB];
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      prefetch_ahead(rows[i] + blk * 16);
-      const __m512i w = _mm512_loadu_si512(rows[i] + blk * 16);
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(w, nibble), evens);
-      dot = _mm512_dpbusd_epi32(dot, _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble), odds);
-      const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(block_scales4(p, groups, i, blk, xd)));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[i]);
+      prefetch_ahead(sums.rows[i] + blk * 16);
+      const __m512i w = _mm512_loadu_si512(sums.rows[i] + blk * 16);
+      low[i] = _mm512_and_si512(w, nibble);
+      high[i] = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      ws[i] = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(weight_scales4(p, groups, i, blk)));
+      wb[i] = _mm512_maskz_permutexvar_ps(kFirstLanes, spread, _mm512_castps128_ps512(weight_biases4(p, groups, i, blk)));
+    }
+    #pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      const __m512i evens = _mm512_loadu_si512(sums.xq[j] + blk * 32);
+      const __m512i odds = _mm512_loadu_si512(sums.xq[j] + blk * 32 + 64);
+      const __m512 xs = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sums.xd[j] + blk)));
+      const __m512 xb = _mm512_maskz_permutexvar_ps(kFirstLanes, spread, _mm512_castps128_ps512(_mm_loadu_ps(sums.xb[j] + blk)));
+      #pragma GCC unroll 8
+      for (int i = 0; i < NB; ++i) {
+        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), low[i], evens);
+        dot = _mm512_dpbusd_epi32(dot, high[i], odds);
+        sums.acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(ws[i], xs), sums.acc[i][j]);
+        sums.acc[i][j] = _mm512_fmadd_ps(wb[i], xb, sums.acc[i][j]);
+      }
     }
   }
   const __m128i nibble16 = _mm_set1_epi8(0x0F);
   for (; blk < blocks; ++blk) {
     const int g = blk * 32 / p.group_size;
     groups.reach(g);
-    const __m128i evens = _mm_loadu_si128((const __m128i*)(xq + blk * 32));
-    const __m128i odds = _mm_loadu_si128((const __m128i*)(xq + blk * 32 + 16));
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      const __m128i w = _mm_loadu_si128((const __m128i*)(rows[i] + blk * 16));
-      __m128i dot = _mm_dpbusd_epi32(_mm_setzero_si128(), _mm_and_si128(w, nibble16), evens);
-      dot = _mm_dpbusd_epi32(dot, _mm_and_si128(_mm_srli_epi16(w, 4), nibble16), odds);
-      dot = _mm_add_epi32(dot, _mm_shuffle_epi32(dot, 0x4E));
-      dot = _mm_add_epi32(dot, _mm_shuffle_epi32(dot, 0xB1));
-      tail[i] += float(_mm_cvtsi128_si32(dot)) * groups.scale(i, g) * xd[blk];
+      const __m128i w = _mm_loadu_si128((const __m128i*)(sums.rows[i] + blk * 16));
+      const __m128i low = _mm_and_si128(w, nibble16), high = _mm_and_si128(_mm_srli_epi16(w, 4), nibble16);
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        const __m128i evens = _mm_loadu_si128((const __m128i*)(sums.xq[j] + blk * 32));
+        const __m128i odds = _mm_loadu_si128((const __m128i*)(sums.xq[j] + blk * 32 + 16));
+        const __m128i dot = _mm_dpbusd_epi32(_mm_dpbusd_epi32(_mm_setzero_si128(), low, evens), high, odds);
+        sums.add_tail(i, j, sum4(dot), groups.scale(i, g) * sums.xd[j][blk], block_bias(p, groups, i, blk), sums.xb[j][blk]);
+      }
     }
   }
-  sums.store(p, n0, m);
+  sums.store(p, n0, m0);
 }
 
-// 8-bit, NB output rows, input row m: the input in its own order, 64 bytes (2 blocks) a step.
-template <int NB>
-inline void tile_q8_int8(const Problem& p, int n0, int m) {
+// 8-bit, NB output rows x MB input rows from m0: the input in its own order, 64 bytes (2 blocks)
+// a step.
+template <int NB, int MB>
+inline void tile_q8_int8(const Problem& p, int n0, int m0) {
   RowGroups<NB> groups(p, n0);
-  Int8Sums<NB> sums(p, n0, m);
-  const int8_t* xq = sums.xq;
-  const float* xd = sums.xd;
-  auto& rows = sums.rows;
-  auto& acc = sums.acc;
-  auto& tail = sums.tail;
+  Int8Sums<NB, MB> sums(p, n0, m0);
   const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const __m512i second = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
   const int blocks = p.K / 32;
   int blk = 0;
   for (; blk + 4 <= blocks; blk += 4) {
     groups.reach(blk * 32 / p.group_size);
-    const __m512i x0 = _mm512_loadu_si512(xq + blk * 32);
-    const __m512i x1 = _mm512_loadu_si512(xq + blk * 32 + 64);
+    __m512i w0[NB], w1[NB];
+    __m512 ws0[NB], ws1[NB], wb[NB];
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      prefetch_ahead(rows[i] + blk * 32);
-      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(rows[i] + blk * 32), x0);
-      const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(rows[i] + blk * 32 + 64), x1);
-      const __m512 scales = _mm512_castps128_ps512(block_scales4(p, groups, i, blk, xd));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_permutexvar_ps(first, scales), acc[i]);
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_permutexvar_ps(second, scales), acc[i]);
+      prefetch_ahead(sums.rows[i] + blk * 32);
+      w0[i] = _mm512_loadu_si512(sums.rows[i] + blk * 32);
+      w1[i] = _mm512_loadu_si512(sums.rows[i] + blk * 32 + 64);
+      const __m512 scales = _mm512_castps128_ps512(weight_scales4(p, groups, i, blk));
+      ws0[i] = _mm512_permutexvar_ps(first, scales);
+      ws1[i] = _mm512_permutexvar_ps(second, scales);
+      wb[i] = _mm512_zextps128_ps512(weight_biases4(p, groups, i, blk));
+    }
+    #pragma GCC unroll 8
+    for (int j = 0; j < MB; ++j) {
+      const __m512i x0 = _mm512_loadu_si512(sums.xq[j] + blk * 32);
+      const __m512i x1 = _mm512_loadu_si512(sums.xq[j] + blk * 32 + 64);
+      const __m512 d = _mm512_castps128_ps512(_mm_loadu_ps(sums.xd[j] + blk));
+      const __m512 xs0 = _mm512_permutexvar_ps(first, d), xs1 = _mm512_permutexvar_ps(second, d);
+      const __m512 xb = _mm512_maskz_loadu_ps(0x000F, sums.xb[j] + blk);
+      #pragma GCC unroll 8
+      for (int i = 0; i < NB; ++i) {
+        const __m512i d0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0[i], x0);
+        const __m512i d1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w1[i], x1);
+        sums.acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0), _mm512_mul_ps(ws0[i], xs0), sums.acc[i][j]);
+        sums.acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1), _mm512_mul_ps(ws1[i], xs1), sums.acc[i][j]);
+        sums.acc[i][j] = _mm512_fmadd_ps(wb[i], xb, sums.acc[i][j]);
+      }
     }
   }
   for (; blk < blocks; ++blk) {
     const int g = blk * 32 / p.group_size;
     groups.reach(g);
-    const __m256i x = _mm256_loadu_si256((const __m256i*)(xq + blk * 32));
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
-                                        _mm256_loadu_si256((const __m256i*)(rows[i] + blk * 32)), x);
-      __m128i half = _mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1));
-      half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4E));
-      half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xB1));
-      tail[i] += float(_mm_cvtsi128_si32(half)) * groups.scale(i, g) * xd[blk];
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(sums.rows[i] + blk * 32));
+      #pragma GCC unroll 8
+      for (int j = 0; j < MB; ++j) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(sums.xq[j] + blk * 32));
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+        const int total = sum4(_mm_add_epi32(_mm256_castsi256_si128(dot), _mm256_extracti128_si256(dot, 1)));
+        sums.add_tail(i, j, total, groups.scale(i, g) * sums.xd[j][blk], block_bias(p, groups, i, blk), sums.xb[j][blk]);
+      }
     }
   }
-  sums.store(p, n0, m);
+  sums.store(p, n0, m0);
 }
 #endif
 
 template <int NB, int MB>
 inline void tile(const Problem& p, int n0, int m0) {
 #if MLXR_INT8
-  if (p.xq != nullptr && MB == 1 && (p.bits == 4 || p.bits == 8)) {
+  if (p.xq != nullptr) {
     if (p.bits == 4) {
-      tile_q4_int8<NB>(p, n0, m0);
+      tile_q4_int8<NB, MB>(p, n0, m0);
     } else {
-      tile_q8_int8<NB>(p, n0, m0);
+      tile_q8_int8<NB, MB>(p, n0, m0);
     }
     return;
   }
@@ -858,7 +921,35 @@ inline void prefill_rows(const Problem& p, int n_begin, int n_end) {
 // Output rows [n_begin, n_end) for every input row: 4 input rows or more through a dequantized
 // panel (prefill_rows); fewer one at a time from the packed weight, 4 output rows at a time (the
 // decode shape).
+#if MLXR_INT8
+// NB output rows from n for every input row, 3 input rows a tile (its registers' worth).
+template <int NB>
+inline void int8_rows(const Problem& p, int n) {
+  int m = 0;
+  for (; m + 3 <= p.M; m += 3) {
+    tile<NB, 3>(p, n, m);
+  }
+  if (p.M - m == 2) {
+    tile<NB, 2>(p, n, m);
+  } else if (p.M - m == 1) {
+    tile<NB, 1>(p, n, m);
+  }
+}
+#endif
+
 inline void run_rows(const Problem& p, int n_begin, int n_end) {
+#if MLXR_INT8
+  if (p.xq != nullptr) {  // int8 inputs: the same tiles for any number of rows
+    int n = n_begin;
+    for (; n + 4 <= n_end; n += 4) {
+      int8_rows<4>(p, n);
+    }
+    for (; n < n_end; ++n) {
+      int8_rows<1>(p, n);
+    }
+    return;
+  }
+#endif
   if (p.M >= 4) {
     prefill_rows(p, n_begin, n_end);
     return;
@@ -904,44 +995,57 @@ inline void prepare_input(const float* x, int M, int K, int group_size, int bits
   }
 }
 
-// x [M, K] float32 (K a multiple of 32) -> xq [M, K] int8 and xd [M, K / 32]: each 32-element
-// block rounded to int8 with the scale max |x| / 127. For 4 bits each whole 128-element chunk is
-// stored as its 64 even elements, then its 64 odd ones, and each block after the last whole chunk
-// as 16 evens, then 16 odds (tile_q4_int8's order); other widths in their own order.
-inline void prepare_input_int8(const float* x, int M, int K, int bits, int8_t* xq, float* xd) {
+// Input row m of x [M, K] float32 (K a multiple of 32) -> its int8 form (Problem::xq, xd, xb):
+// each 32-element block rounded to int8 with the scale max |x| / 127 (to nearest, ties to even).
+// For 4 bits each whole 128-element chunk is stored as its 64 even elements, then its 64 odd ones,
+// and each block after the last whole chunk as 16 evens, then 16 odds (tile_q4_int8's order);
+// other widths in their own order. xsum: the row's group sums (prepare_input).
+inline void prepare_row_int8(const float* x, int m, int K, int bits, int group_size, const float* xsum, int8_t* xq,
+                             float* xd, float* xb) {
   const int blocks = K / 32;
+  const float* src = x + size_t(m) * K;
+  int8_t* dst = xq + size_t(m) * K;
   alignas(64) int8_t q[128];
-  for (int m = 0; m < M; ++m) {
-    const float* src = x + size_t(m) * K;
-    int8_t* dst = xq + size_t(m) * K;
-    for (int blk = 0; blk < blocks; ++blk) {
-      float top = 0.0f;
-      for (int e = 0; e < 32; ++e) {
-        top = std::max(top, std::abs(src[blk * 32 + e]));
+  for (int blk = 0; blk < blocks; ++blk) {
+    const float* in = src + blk * 32;
+    int8_t* out = q + (blk % 4) * 32;
+#if MLXR_INT8
+    const __m512 a = _mm512_loadu_ps(in), b = _mm512_loadu_ps(in + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+#else
+    float top = 0.0f;
+    for (int e = 0; e < 32; ++e) {
+      top = std::max(top, std::abs(in[e]));
+    }
+#endif
+    const float d = top / 127.0f;
+    const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
+#if MLXR_INT8
+    const __m512 scale = _mm512_set1_ps(inverse);
+    _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, scale))));
+    _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, scale))));
+#else
+    for (int e = 0; e < 32; ++e) {
+      out[e] = int8_t(std::nearbyint(in[e] * inverse));
+    }
+#endif
+    const size_t at = size_t(m) * blocks + blk;
+    xd[at] = d;
+    xb[at] = blk * 32 % group_size == 0 ? xsum[size_t(m) * (K / group_size) + blk * 32 / group_size] : 0.0f;
+    if (bits != 4) {
+      std::memcpy(dst + blk * 32, out, 32);
+    } else if (blk % 4 == 3) {  // a whole 128-element chunk: its evens, then its odds
+      int8_t* chunk = dst + (blk - 3) * 32;
+      for (int j = 0; j < 64; ++j) {
+        chunk[j] = q[2 * j];
+        chunk[64 + j] = q[2 * j + 1];
       }
-      const float d = top / 127.0f;
-      const float inverse = d > 0.0f ? 1.0f / d : 0.0f;
-      xd[size_t(m) * blocks + blk] = d;
-      for (int e = 0; e < 32; ++e) {
-        q[(blk % 4) * 32 + e] = int8_t(std::nearbyint(src[blk * 32 + e] * inverse));
-      }
-      const bool chunk_done = blk % 4 == 3;
-      const bool last = blk == blocks - 1;
-      if (bits != 4) {
-        std::memcpy(dst + blk * 32, q + (blk % 4) * 32, 32);
-      } else if (chunk_done) {  // a whole 128-element chunk: its evens, then its odds
-        int8_t* out = dst + (blk - 3) * 32;
-        for (int j = 0; j < 64; ++j) {
-          out[j] = q[2 * j];
-          out[64 + j] = q[2 * j + 1];
-        }
-      } else if (last) {  // the blocks after the last whole chunk, one by one
-        for (int b = blk - blk % 4; b <= blk; ++b) {
-          const int8_t* in = q + (b % 4) * 32;
-          for (int j = 0; j < 16; ++j) {
-            dst[b * 32 + j] = in[2 * j];
-            dst[b * 32 + 16 + j] = in[2 * j + 1];
-          }
+    } else if (blk == blocks - 1) {  // the blocks after the last whole chunk, one by one
+      for (int c = blk - blk % 4; c <= blk; ++c) {
+        const int8_t* block = q + (c % 4) * 32;
+        for (int j = 0; j < 16; ++j) {
+          dst[c * 32 + j] = block[2 * j];
+          dst[c * 32 + 16 + j] = block[2 * j + 1];
         }
       }
     }

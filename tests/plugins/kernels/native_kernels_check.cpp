@@ -79,8 +79,8 @@ std::vector<uint8_t> pack(const std::vector<unsigned>& q, int N, int K, int bits
   return out;
 }
 
-// With int8 (4 and 8 bits, fewer than 4 rows, where the layer has integer dot products), the
-// input is rounded to int8 per 32-element block (prepare_input_int8) and the sum is checked against
+// With int8 (4 and 8 bits, any number of rows, where the layer has integer dot products), the
+// input is rounded to int8 per 32-element block (prepare_row_int8) and the sum is checked against
 // the rounded input's (the bias term keeps the exact input's group sums).
 int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt19937& rng, bool int8 = false) {
   const int G = K / group_size;
@@ -98,10 +98,12 @@ int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt
   std::vector<float> xf(x.size()), xsum(size_t(M) * G), out(size_t(M) * N, NAN);
   prepare_input(x.data(), M, K, group_size, bits, xf.data(), xsum.data());
   std::vector<int8_t> xq(x.size());
-  std::vector<float> xd(x.size() / 32);
+  std::vector<float> xd(x.size() / 32), xb(x.size() / 32);
   std::vector<double> rounded(x.begin(), x.end());  // the input the scaled term sees
   if (int8) {
-    prepare_input_int8(x.data(), M, K, bits, xq.data(), xd.data());
+    for (int m = 0; m < M; ++m) {
+      prepare_row_int8(x.data(), m, K, bits, group_size, xsum.data(), xq.data(), xd.data(), xb.data());
+    }
     for (size_t blk = 0; blk < x.size() / 32; ++blk) {
       float top = 0.0f;
       for (int e = 0; e < 32; ++e) top = std::max(top, std::fabs(x[blk * 32 + e]));
@@ -109,7 +111,8 @@ int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt
       for (int e = 0; e < 32; ++e) rounded[blk * 32 + e] = double(d) * std::nearbyint(x[blk * 32 + e] * inverse);
     }
   }
-  const Problem p{xf.data(), xsum.data(), int8 ? xq.data() : nullptr, int8 ? xd.data() : nullptr, w.data(),
+  const Problem p{xf.data(), xsum.data(), int8 ? xq.data() : nullptr, int8 ? xd.data() : nullptr,
+                  int8 ? xb.data() : nullptr, w.data(),
                   Groups{scales_raw.data(), type},
                   Groups{biases_raw.data(), type}, out.data(), M, N, K, G, bits, group_size,
                   size_t(K) * bits / 8};
@@ -169,7 +172,7 @@ int main() {
       for (int group_size : {32, 64, 128}) {
         for (ScaleType type : {ScaleType::f32, ScaleType::f16, ScaleType::bf16}) {
           for (int K : {128, 384, 576, 640, 8192}) {
-            for (int M : {1, 3}) {
+            for (int M : {1, 3, 4, 7}) {  // tiles of 3 input rows and the 1-2 after them
               for (int N : {1, 7, 21}) {
                 if (K % group_size == 0 && check(bits, group_size, type, M, N, K, rng, true)) {
                   return 1;

@@ -42,7 +42,7 @@ def build_and_run(tmp_path: Path, compiler: str, flags: list[str], runner: list[
 
 
 #: The int8 decode cases the check runs on a layer with integer dot products.
-INT8_CASES = 514
+INT8_CASES = 1018
 
 X86_LAYERS = {
     "native": (["-march=native"], None),  # this machine's: AVX-512 or AVX2 where it has them
