@@ -18,11 +18,19 @@ state cannot do (:meth:`LayerCache.is_trimmable`). The KV budget reserves
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from math import prod
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import mlx.core as mx
+
+from mlxr_core.model.masks import window_mask
+
+#: An attention kernel's ``into_cache``: ``(queries, keys, values, k_buffer, v_buffer, start, *,
+#: scale, mask) -> (out, k_buffer, v_buffer)`` with the new positions written at ``start`` and
+#: attention over the first ``start + L``, or None where it declines (see
+#: :meth:`mlxr_plugins.kernels.cpu_native.Attention.into_cache`).
+IntoCache = Callable[..., "tuple[mx.array, mx.array, mx.array] | None"]
 
 
 @runtime_checkable
@@ -133,7 +141,60 @@ def reserve_bytes(caches: Sequence[Any], tokens: int, kv_per_token: int, itemsiz
 CACHE_STEP = 264
 
 
-class KVCache:
+class WritesAndAttends:
+    """``write_and_attend`` for a cache of two buffers ``keys``, ``values`` (``[B, H, C, D]``)
+    written from a position on: :meth:`_written`, :meth:`_make_room` and :meth:`_advance` say
+    where, make the room and move on."""
+
+    keys: Any
+    values: Any
+
+    def write_and_attend(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        into_cache: IntoCache,
+        *,
+        scale: float,
+        mask: str | mx.array | None,
+        window: int | None = None,
+    ) -> mx.array | None:
+        """``update_and_fetch`` and the attention of ``queries`` over the result (``window``:
+        each query's last positions only) in one call of an attention kernel's ``into_cache``,
+        which writes the buffers in place (held here alone, as a slice update's are). None, with
+        nothing written, where the kernel declines, or where a subclass stores positions its own
+        way (its own ``update_and_fetch``)."""
+        for cls in type(self).__mro__:
+            if "update_and_fetch" in cls.__dict__:
+                if "_advance" not in cls.__dict__:
+                    return None
+                break
+        start, length = self._written(), keys.shape[2]
+        self._make_room(keys, values, start + length)
+        if window is not None:
+            mask = window_mask(mask, queries.shape[2], start + length, window)
+        result = into_cache(queries, keys, values, self.keys, self.values, start, scale=scale, mask=mask)
+        if result is None:
+            return None
+        out, self.keys, self.values = result
+        self._advance(start + length)
+        return out
+
+    def _written(self) -> int:
+        """Where the next positions go."""
+        raise NotImplementedError
+
+    def _make_room(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        """Buffers shaped for ``keys``, ``values`` and holding at least ``needed`` positions."""
+        raise NotImplementedError
+
+    def _advance(self, length: int) -> None:
+        """``length`` positions are now written."""
+        raise NotImplementedError
+
+
+class KVCache(WritesAndAttends):
     """Keys and values of one layer, ``[B, H, S, D]``, grown in steps of :attr:`step` positions.
 
     The buffers are pre-allocated so a decode step writes one position in place instead of
@@ -163,6 +224,16 @@ class KVCache:
         self.keys[:, :, start : self.offset] = keys
         self.values[:, :, start : self.offset] = values
         return self.keys[:, :, : self.offset], self.values[:, :, : self.offset]
+
+    def _written(self) -> int:
+        return self.offset
+
+    def _make_room(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        if self.keys is None or self.values is None or needed > self.keys.shape[2]:
+            self._grow(keys, values, needed)
+
+    def _advance(self, length: int) -> None:
+        self.offset = length
 
     def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
         capacity = -(-needed // self.step) * self.step
@@ -272,7 +343,7 @@ class RightAlignedRows:
         return (positions[None, :] >= pads[:, None])[:, None, None, :]
 
 
-class BatchKVCache(RightAlignedRows):
+class BatchKVCache(RightAlignedRows, WritesAndAttends):
     """Keys and values of one layer for a batch of sequences of different lengths.
 
     Rows are right-aligned: every row ends at position :attr:`length`, and row ``i`` starts after
@@ -315,6 +386,19 @@ class BatchKVCache(RightAlignedRows):
         self.keys[:, :, start : self.length] = keys  # explicit slices: see KVCache
         self.values[:, :, start : self.length] = values
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def _written(self) -> int:
+        return self.length
+
+    def _make_room(self, keys: mx.array, values: mx.array, needed: int) -> None:
+        if self.keys.shape[2] == 0:
+            self._shape_like(keys, values)
+        if needed > self.keys.shape[2]:
+            self._reserve(needed)
+
+    def _advance(self, length: int) -> None:
+        self.length = length
+        self._offset = None
 
     def _shape_like(self, keys: mx.array, values: mx.array) -> None:
         """Give a cache with no positions allocated the heads and head size of ``keys`` and

@@ -23,6 +23,11 @@ step on a 2-core x86-64 from 30-34 ms to 23-25 ms (compiled or eager, load under
 query over 160 cached positions (9/3 heads, D=64) takes 41 us against the fallback's 130 us, and
 stays ahead up to prompts (128 queries over 128 keys: 3.5 vs 5.8 ms; 512 over 512: 42 vs 75 ms).
 Other dtypes, attention sinks and shapes they do not take go to ``mlx_fast`` (RoPE to ``cpu_blas``).
+The attention kernel also writes a step's keys and values into a layer cache's buffers in the same
+primitive (:meth:`Attention.into_cache`, which :class:`mlxr_core.model.cache.KVCache` and the
+batch cache call through ``write_and_attend``): two slice updates and two slices fewer per layer
+and token (SmolLM2's decode step: 594 primitives to 474), the buffers donated as a slice update's
+are.
 
 So is the MLP's gated activation, ``silu(gate) * up`` or ``gelu_tanh(gate) * up``, where MLX's
 cost is its scalar exp (24-37 ns an element: ~40% of a 128-token prompt of SmolLM2 or Gemma 3
@@ -202,29 +207,69 @@ def rope(
     return out
 
 
-def attention(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    *,
-    scale: float,
-    mask: str | mx.array | None = None,
-    sinks: mx.array | None = None,
-) -> mx.array:
-    """``mx.fast.scaled_dot_product_attention`` (bottom-right causal mask) as one primitive for
-    float32 without sinks; anything else through ``mlx_fast``."""
-    module, _ = native.load()
+def _native_attention_takes(q: mx.array, k: mx.array, v: mx.array, mask: str | mx.array | None) -> bool:
+    """Whether the C++ attention takes these operands (float32, a bool/float32 mask or causal)."""
     array_mask = isinstance(mask, mx.array)
-    if (
-        module is None
-        or sinks is not None
-        or not q.dtype == k.dtype == v.dtype == mx.float32
-        or (array_mask and (mask.dtype not in (mx.bool_, mx.float32) or mask.ndim > 4))  # type: ignore[union-attr]
-        or (mask is not None and not array_mask and mask != "causal")
-    ):
-        return mlx_fast.attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
-    out: mx.array = module.attention(q, k, v, scale, mask == "causal", mask if array_mask else None)
-    return out
+    return (
+        q.dtype == k.dtype == v.dtype == mx.float32
+        and not (array_mask and (mask.dtype not in (mx.bool_, mx.float32) or mask.ndim > 4))  # type: ignore[union-attr]
+        and (mask is None or array_mask or mask == "causal")
+    )
+
+
+class Attention:
+    """``mx.fast.scaled_dot_product_attention`` (bottom-right causal mask) as one primitive for
+    float32 without sinks; anything else through ``mlx_fast``. :meth:`into_cache` also writes a
+    decode step's keys and values into a cache's buffers, in the same primitive."""
+
+    def __call__(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        *,
+        scale: float,
+        mask: str | mx.array | None = None,
+        sinks: mx.array | None = None,
+    ) -> mx.array:
+        module, _ = native.load()
+        if module is None or sinks is not None or not _native_attention_takes(q, k, v, mask):
+            return mlx_fast.attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+        out: mx.array = module.attention(q, k, v, scale, mask == "causal", mask if isinstance(mask, mx.array) else None)
+        return out
+
+    def into_cache(
+        self,
+        q: mx.array,
+        k: mx.array,
+        v: mx.array,
+        k_cache: mx.array,
+        v_cache: mx.array,
+        start: int,
+        *,
+        scale: float,
+        mask: str | mx.array | None = None,
+    ) -> tuple[mx.array, mx.array, mx.array] | None:
+        """``k``, ``v`` (``[B, Hkv, L, D]``) written into the buffers ``k_cache``, ``v_cache``
+        (``[B, Hkv, C, D]``) at ``start``, and attention of ``q`` over their first ``start + L``
+        positions, as one primitive: ``(out, k_cache, v_cache)``, the buffers updated in place
+        where the cache holds them alone (see :meth:`mlxr_core.model.cache.KVCache.write_and_attend`).
+        None where the operands are not the C++ attention's (the caller then writes and attends
+        apart)."""
+        module, _ = native.load()
+        if (
+            module is None
+            or not _native_attention_takes(q, k, v, mask)
+            or not k_cache.dtype == v_cache.dtype == mx.float32
+        ):
+            return None
+        array_mask = mask if isinstance(mask, mx.array) else None
+        out, keys, values = module.attention_into_cache(q, k, v, k_cache, v_cache, start, scale, mask == "causal", array_mask)
+        return out, keys, values
+
+
+#: The C++ attention (a callable object: :meth:`Attention.into_cache` rides along with the kernel).
+attention = Attention()
 
 
 def gated_activation(gate: mx.array, up: mx.array, *, activation: str) -> mx.array:

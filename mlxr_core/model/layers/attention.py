@@ -4,6 +4,8 @@ The forward pass is :meth:`Attention.attention_inputs` (projections, per-head no
 :meth:`Attention.attention` (the part that reads and writes the cache, and the kernel), then
 :meth:`Attention.output` (heads merged, output projection): a compiled decode step runs the first
 and the last inside compiled graphs and the middle one eagerly (see :mod:`mlxr_core.model.compiled`).
+Where the attention kernel offers ``into_cache`` (a cache write and the attention as one primitive:
+``cpu_native``'s) and the cache ``write_and_attend``, the middle part is that one call.
 """
 
 from __future__ import annotations
@@ -151,11 +153,21 @@ class Attention(nn.Module):
                 attention=self._attention, **extra,
             )  # fmt: skip
         if cache is not None:
+            # A kernel that writes the cache and attends in one primitive (cpu_native's), for a
+            # cache that hands it its buffers: a one-token step's fewest primitives.
+            into_cache = getattr(self._attention, "into_cache", None)
+            write_and_attend = getattr(cache, "write_and_attend", None)
+            if into_cache is not None and write_and_attend is not None and not extra:
+                out: mx.array | None = write_and_attend(
+                    queries, keys, values, into_cache, scale=self.scale, mask=mask, window=self.window
+                )
+                if out is not None:
+                    return out
             keys, values = cache.update_and_fetch(keys, values)
         if self.window is not None:
             mask = window_mask(mask, queries.shape[2], keys.shape[2], self.window)
-        out: mx.array = self._attention(queries, keys, values, scale=self.scale, mask=mask, **extra)
-        return out
+        attended: mx.array = self._attention(queries, keys, values, scale=self.scale, mask=mask, **extra)
+        return attended
 
     def output(self, out: mx.array) -> mx.array:
         """Attention's ``[B, heads, L, D]`` -> ``[B, L, hidden]``: heads merged, projected."""

@@ -105,7 +105,8 @@ inline float sum_of_squares(const float* a, int n) {
 }
 
 // The operands' dispatch as in MLX's own CPU primitives: inputs and outputs registered with the
-// stream's encoder, the work run on the stream's thread.
+// stream's encoder, the work run on the stream's thread. Outputs given a buffer already (an
+// input's, donated) keep it; the others get one of their own.
 template <class F>
 void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs, F&& work) {
   auto& encoder = mx::cpu::get_command_encoder(stream);
@@ -113,7 +114,9 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, std::vect
     encoder.set_input_array(in);
   }
   for (auto& out : outputs) {
-    out.set_data(mx::allocator::malloc(out.nbytes()));
+    if (out.data_shared_ptr() == nullptr) {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
     encoder.set_output_array(out);
   }
   std::vector<mx::array> ins, outs;
@@ -594,27 +597,51 @@ void weighted_values(int G, const float* p, int stride, const float* v, int64_t 
   }
 }
 
-void attend(const mx::array& qa, const mx::array& ka, const mx::array& va, const mx::array* mask, float scale,
-            bool causal, mx::array& output) {
-  std::vector<float> qs;
-  const int B = qa.shape(0), Hq = qa.shape(1), L = qa.shape(2), D = qa.shape(3);
-  const int Hkv = ka.shape(1), S = ka.shape(2), Dv = va.shape(3);
-  const int G = Hq / Hkv;
-  const float* q = dense(qa, qs);
-  const float* k = ka.data<float>();
-  const float* v = va.data<float>();
-  const int64_t k_stride = ka.strides()[2], v_stride = va.strides()[2];
-  // Strides of a mask aligned to [B, Hq, L, S] from the right, 0 where it broadcasts.
+// One attention call's operands: q [B, Hq, L, D] dense; k and v [B, Hkv, S, D|Dv] through their
+// strides (axes 0-2; the last is contiguous); an optional bool or additive float mask through its
+// strides aligned to [B, Hq, L, S] (0 where it broadcasts); out [B, Hq, L, Dv] dense.
+struct Attend {
+  const float* q;
+  int B, Hq, L, D;
+  const float* k;
+  const float* v;
+  int Hkv, S, Dv;
+  int64_t k_strides[3], v_strides[3];
+  const bool* mask_bool = nullptr;
+  const float* mask_add = nullptr;
   int64_t mask_strides[4] = {0, 0, 0, 0};
-  if (mask != nullptr) {
-    for (int d = 0; d < mask->ndim(); ++d) {
-      const int at = 4 - mask->ndim() + d;
-      mask_strides[at] = mask->shape(d) == 1 ? 0 : mask->strides()[d];
-    }
+  float scale;
+  bool causal;
+  float* out;
+};
+
+// The mask's part of an Attend (none when mask is null).
+void set_mask(Attend& a, const mx::array* mask) {
+  if (mask == nullptr) {
+    return;
   }
-  const bool* mask_bool = mask != nullptr && mask->dtype() == mx::bool_ ? mask->data<bool>() : nullptr;
-  const float* mask_add = mask != nullptr && mask->dtype() == mx::float32 ? mask->data<float>() : nullptr;
-  float* o = output.data<float>();
+  for (int d = 0; d < mask->ndim(); ++d) {
+    const int at = 4 - mask->ndim() + d;
+    a.mask_strides[at] = mask->shape(d) == 1 ? 0 : mask->strides()[d];
+  }
+  a.mask_bool = mask->dtype() == mx::bool_ ? mask->data<bool>() : nullptr;
+  a.mask_add = mask->dtype() == mx::float32 ? mask->data<float>() : nullptr;
+}
+
+void attend(const Attend& a) {
+  const int B = a.B, Hq = a.Hq, L = a.L, D = a.D, Hkv = a.Hkv, S = a.S, Dv = a.Dv;
+  const int G = Hq / Hkv;
+  const float* q = a.q;
+  const float* k = a.k;
+  const float* v = a.v;
+  const int64_t k_stride = a.k_strides[2], v_stride = a.v_strides[2];
+  const int64_t* mask_strides = a.mask_strides;
+  const bool* mask_bool = a.mask_bool;
+  const float* mask_add = a.mask_add;
+  const bool has_mask = mask_bool != nullptr || mask_add != nullptr;
+  const float scale = a.scale;
+  const bool causal = a.causal;
+  float* o = a.out;
 
   // Work units: a group (b, key head, l) over a range of positions.
   const int groups = B * Hkv * L;
@@ -641,12 +668,12 @@ void attend(const mx::array& qa, const mx::array& ka, const mx::array& va, const
       for (int g = 0; g < G; ++g) {
         qrows[g] = q + ((size_t(b) * Hq + kv * G + g) * L + l) * D;
       }
-      const float* kb = k + b * ka.strides()[0] + kv * ka.strides()[1];
-      const float* vb = v + b * va.strides()[0] + kv * va.strides()[1];
+      const float* kb = k + b * a.k_strides[0] + kv * a.k_strides[1];
+      const float* vb = v + b * a.v_strides[0] + kv * a.v_strides[1];
       group_scores(qrows.data(), G, kb, k_stride, D, s0, s1, scale, scores.data(), n);
       for (int g = 0; g < G; ++g) {
         float* row = scores.data() + size_t(g) * n;
-        if (mask != nullptr) {
+        if (has_mask) {
           const int64_t mask_row = b * mask_strides[0] + (kv * G + g) * mask_strides[1] + l * mask_strides[2];
           for (int s = s0; s < s1; ++s) {
             const int64_t at = mask_row + s * mask_strides[3];
@@ -731,7 +758,16 @@ class Attention : public mx::UnaryPrimitive {
     std::vector<mx::array> outputs{output};
     dispatch(stream(), inputs, outputs, [scale = scale_, causal = causal_](
                                             std::vector<mx::array>& in, std::vector<mx::array>& out) {
-      attend(in[0], in[1], in[2], in.size() == 4 ? &in[3] : nullptr, scale, causal, out[0]);
+      std::vector<float> qs;
+      const mx::array &q = in[0], &k = in[1], &v = in[2];
+      Attend a{dense(q, qs), q.shape(0), q.shape(1), q.shape(2), q.shape(3), k.data<float>(), v.data<float>(),
+               k.shape(1), k.shape(2), v.shape(3),
+               {k.strides()[0], k.strides()[1], k.strides()[2]}, {v.strides()[0], v.strides()[1], v.strides()[2]}};
+      a.scale = scale;
+      a.causal = causal;
+      a.out = out[0].data<float>();
+      set_mask(a, in.size() == 4 ? &in[3] : nullptr);
+      attend(a);
     });
   }
 
@@ -759,6 +795,23 @@ class Attention : public mx::UnaryPrimitive {
   bool causal_;
 };
 
+// A mask must be bool or float32 and broadcast to [B, Hq, L, S].
+void check_mask(const mx::array& mask, const mx::array& q, int S) {
+  if (mask.dtype() != mx::bool_ && mask.dtype() != mx::float32) {
+    throw std::invalid_argument("[mlxr attention] the mask must be bool or float32");
+  }
+  if (mask.ndim() > 4) {
+    throw std::invalid_argument("[mlxr attention] the mask must broadcast to [B, Hq, L, S]");
+  }
+  const int target[4] = {q.shape(0), q.shape(1), q.shape(2), S};
+  for (int d = 0; d < mask.ndim(); ++d) {
+    const int extent = mask.shape(d);
+    if (extent != 1 && extent != target[4 - mask.ndim() + d]) {
+      throw std::invalid_argument("[mlxr attention] the mask must broadcast to [B, Hq, L, S]");
+    }
+  }
+}
+
 mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale, bool causal,
                     const std::optional<mx::array>& mask) {
   require_float32("attention", {&q, &k, &v});
@@ -771,25 +824,151 @@ mx::array attention(const mx::array& q, const mx::array& k, const mx::array& v, 
   }
   std::vector<mx::array> inputs{q, k, v};
   if (mask) {
-    if (mask->dtype() != mx::bool_ && mask->dtype() != mx::float32) {
-      throw std::invalid_argument("[mlxr attention] the mask must be bool or float32");
-    }
-    if (mask->ndim() > 4) {
-      throw std::invalid_argument("[mlxr attention] the mask must broadcast to [B, Hq, L, S]");
-    }
-    const int target[4] = {q.shape(0), q.shape(1), q.shape(2), k.shape(2)};
-    for (int d = 0; d < mask->ndim(); ++d) {
-      const int extent = mask->shape(d);
-      if (extent != 1 && extent != target[4 - mask->ndim() + d]) {
-        throw std::invalid_argument("[mlxr attention] the mask must broadcast to [B, Hq, L, S]");
-      }
-    }
+    check_mask(*mask, q, k.shape(2));
     inputs.push_back(*mask);
   }
   auto shape = q.shape();
   shape.back() = v.shape(3);
   return mx::array(std::move(shape), mx::float32,
                    std::make_shared<Attention>(cpu_stream("attention"), scale, causal), std::move(inputs));
+}
+
+// `in`'s elements (any strides) into the row-contiguous `out` of its shape.
+void copy_dense(const mx::array& in, mx::array& out) {
+  float* dst = out.data<float>();
+  if (in.flags().row_contiguous) {
+    std::memcpy(dst, in.data<float>(), out.nbytes());
+    return;
+  }
+  std::vector<float> scratch;
+  std::memcpy(dst, dense(in, scratch), out.nbytes());
+}
+
+// A decode step's cache write and attention as one primitive. inputs: q [B, Hq, L, D], the new
+// keys and values k [B, Hkv, L, D], v [B, Hkv, L, Dv] (any strides), a layer cache's buffers
+// k_cache [B, Hkv, C, D], v_cache [B, Hkv, C, Dv] (C >= start + L), optionally a
+// mask for [B, Hq, L, start + L]; outputs: attention over the first start + L positions after k and
+// v are written at [start, start + L), and the two buffers, written in place where MLX may donate
+// them (the cache holds them alone, as a slice update's), else copied first. Instead of two slice
+// updates, two slices and the attention: 4 primitives fewer per layer and token.
+class CacheAttention : public mx::Primitive {
+ public:
+  CacheAttention(mx::Stream stream, int start, float scale, bool causal)
+      : mx::Primitive(stream), start_(start), scale_(scale), causal_(causal) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    // Each output holds a copy of the inputs (MLX's siblings), so a buffer would never look
+    // donatable: drop the copies held by the outputs not being evaluated (MLX detaches every
+    // sibling's inputs after this call anyway); the buffers are then donated when the cache held
+    // them alone, as a slice update's are.
+    for (auto& out : outputs) {
+      if (&out.inputs() != &inputs) {
+        out.inputs().clear();
+      }
+    }
+    bool donated[2];
+    for (int c = 0; c < 2; ++c) {
+      const mx::array& buffer = inputs[3 + c];
+      donated[c] = buffer.is_donatable() && buffer.flags().row_contiguous;
+      if (donated[c]) {
+        outputs[1 + c].copy_shared_buffer(buffer);
+      }
+    }
+    dispatch(stream(), inputs, outputs, [start = start_, scale = scale_, causal = causal_, copy_k = !donated[0],
+                                         copy_v = !donated[1]](std::vector<mx::array>& ins,
+                                                               std::vector<mx::array>& outs) {
+      const mx::array &q = ins[0], &k = ins[1], &v = ins[2];
+      mx::array &kc = outs[1], &vc = outs[2];
+      if (copy_k) {
+        copy_dense(ins[3], kc);
+      }
+      if (copy_v) {
+        copy_dense(ins[4], vc);
+      }
+      const int B = q.shape(0), Hkv = k.shape(1), L = q.shape(2), D = k.shape(3), Dv = v.shape(3);
+      const int C = kc.shape(2);
+      // The new positions into the buffers (a row of D or Dv floats at a time).
+      for (int b = 0; b < B; ++b) {
+        for (int h = 0; h < Hkv; ++h) {
+          for (int l = 0; l < L; ++l) {
+            const size_t row = (size_t(b) * Hkv + h) * L + l;
+            float* kd = kc.data<float>() + ((size_t(b) * Hkv + h) * C + start + l) * D;
+            float* vd = vc.data<float>() + ((size_t(b) * Hkv + h) * C + start + l) * Dv;
+            const float* ks = k.data<float>();
+            const float* vs = v.data<float>();
+            for (int d = 0; d < D; ++d) {
+              kd[d] = ks[mlxr::element_offset(k, row * D + d)];
+            }
+            for (int d = 0; d < Dv; ++d) {
+              vd[d] = vs[mlxr::element_offset(v, row * Dv + d)];
+            }
+          }
+        }
+      }
+      std::vector<float> qs;
+      Attend a{dense(q, qs), B, q.shape(1), L, q.shape(3), kc.data<float>(), vc.data<float>(), Hkv, start + L, Dv,
+               {int64_t(Hkv) * C * D, int64_t(C) * D, D}, {int64_t(Hkv) * C * Dv, int64_t(C) * Dv, Dv}};
+      a.scale = scale;
+      a.causal = causal;
+      a.out = outs[0].data<float>();
+      set_mask(a, ins.size() == 6 ? &ins[5] : nullptr);
+      attend(a);
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("[mlxr attention_into_cache] runs on the CPU only");
+  }
+
+  const char* name() const override {
+    return "MlxrCacheAttention";
+  }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const CacheAttention&>(other);
+    return start_ == o.start_ && scale_ == o.scale_ && causal_ == o.causal_;
+  }
+
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override {
+    auto shape = inputs[0].shape();
+    shape.back() = inputs[2].shape(3);
+    return {shape, inputs[3].shape(), inputs[4].shape()};
+  }
+
+ private:
+  int start_;
+  float scale_;
+  bool causal_;
+};
+
+std::vector<mx::array> attention_into_cache(const mx::array& q, const mx::array& k, const mx::array& v,
+                                            const mx::array& k_cache, const mx::array& v_cache, int start,
+                                            float scale, bool causal, const std::optional<mx::array>& mask) {
+  require_float32("attention_into_cache", {&q, &k, &v, &k_cache, &v_cache});
+  const bool shapes_ok = q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4 && k_cache.ndim() == 4 &&
+                         v_cache.ndim() == 4 && k.shape(0) == q.shape(0) && v.shape(0) == q.shape(0) &&
+                         k.shape(2) == q.shape(2) && v.shape(2) == q.shape(2) && k.shape(3) == q.shape(3) &&
+                         v.shape(1) == k.shape(1) && k.shape(1) > 0 && q.shape(1) % k.shape(1) == 0 &&
+                         k_cache.shape(0) == q.shape(0) && k_cache.shape(1) == k.shape(1) &&
+                         k_cache.shape(3) == k.shape(3) && v_cache.shape(0) == q.shape(0) &&
+                         v_cache.shape(1) == k.shape(1) && v_cache.shape(3) == v.shape(3) &&
+                         v_cache.shape(2) == k_cache.shape(2);
+  if (!shapes_ok || start < 0 || start + q.shape(2) > k_cache.shape(2)) {
+    throw std::invalid_argument(
+        "[mlxr attention_into_cache] expected q [B, Hq, L, D], k [B, Hkv, L, D], v [B, Hkv, L, Dv] and caches "
+        "[B, Hkv, C, D|Dv] with start + L <= C");
+  }
+  std::vector<mx::array> inputs{q, k, v, k_cache, v_cache};
+  if (mask) {
+    check_mask(*mask, q, start + q.shape(2));
+    inputs.push_back(*mask);
+  }
+  auto out = q.shape();
+  out.back() = v.shape(3);
+  return mx::array::make_arrays({out, k_cache.shape(), v_cache.shape()}, {mx::float32, mx::float32, mx::float32},
+                                std::make_shared<CacheAttention>(cpu_stream("attention_into_cache"), start, scale,
+                                                                 causal),
+                                std::move(inputs));
 }
 
 
@@ -995,6 +1174,10 @@ void register_ops(nb::module_& m) {
         "mx.fast.rope of x [B, N, T, D] at int32 offset (one, or one per row) (float32).");
   m.def("attention", &attention, "q"_a, "k"_a, "v"_a, "scale"_a, "causal"_a, "mask"_a = nb::none(),
         "Softmax attention of q over k, v (GQA), bottom-right causal or masked (float32).");
+  m.def("attention_into_cache", &attention_into_cache, "q"_a, "k"_a, "v"_a, "k_cache"_a, "v_cache"_a, "start"_a,
+        "scale"_a, "causal"_a, "mask"_a = nb::none(),
+        "k and v written into the caches at start, then attention over their first start + L positions: "
+        "(out, k_cache, v_cache), the caches updated in place where MLX donates them (float32).");
   m.def("gated_activation", &gated_activation, "gate"_a, "up"_a, "activation"_a,
         "act(gate) * up, act 'silu' or 'gelu_tanh' (float32, float16, bfloat16; strided rows read in place).");
 }

@@ -77,3 +77,56 @@ def test_an_empty_batch_row_takes_the_shape_of_its_layer():
     assert keys.shape == (1, 2, 1, 4) and values.shape == (1, 2, 1, 3)
     alone.extend(BatchKVCache.from_cache(KVCache.from_arrays(*kv(2))))
     assert alone.keys.shape[:2] == (2, 2) and alone.left_padding == [1, 0]
+
+
+def reference_into_cache(q, k, v, k_buffer, v_buffer, start, *, scale, mask):
+    """An ``into_cache`` made of the reference ops (slice updates, then attention)."""
+    from mlxr_plugins.kernels import reference
+
+    k_buffer[:, :, start : start + k.shape[2]] = k
+    v_buffer[:, :, start : start + k.shape[2]] = v
+    S = start + k.shape[2]
+    return reference.attention(q, k_buffer[:, :, :S], v_buffer[:, :, :S], scale=scale, mask=mask), k_buffer, v_buffer
+
+
+def test_write_and_attend_is_update_and_fetch_then_attention_with_the_window():
+    """KVCache and BatchKVCache (left-padded rows) hand their buffers to an attention kernel's
+    into_cache; the sliding window joins the mask as the attention layer makes it."""
+    from mlxr_core.model.cache import BatchKVCache
+    from mlxr_core.model.masks import window_mask
+    from mlxr_plugins.kernels import reference
+
+    mx.random.seed(3)
+    for window in (None, 4):
+        single, batch = KVCache(), BatchKVCache.empty()
+        fetched_single, fetched_batch = KVCache(), BatchKVCache.empty()
+        for length in (6, 1, 1, 1):  # a prompt, then decode steps past the window
+            B = 1
+            q = mx.random.normal((B, 4, length, 8))
+            k, v = mx.random.normal((B, 2, length, 8)), mx.random.normal((B, 2, length, 8))
+            mask = "causal" if length > 1 else None
+            out = single.write_and_attend(q, k, v, reference_into_cache, scale=0.3, mask=mask, window=window)
+            keys, values = fetched_single.update_and_fetch(k, v)
+            full = window_mask(mask, length, keys.shape[2], window) if window else mask
+            np.testing.assert_allclose(np.array(out), np.array(reference.attention(q, keys, values, scale=0.3, mask=full)), atol=1e-6)
+            out = batch.write_and_attend(q, k, v, reference_into_cache, scale=0.3, mask=mask, window=window)
+            keys, values = fetched_batch.update_and_fetch(k, v)
+            np.testing.assert_allclose(np.array(out), np.array(reference.attention(q, keys, values, scale=0.3, mask=full)), atol=1e-6)
+        assert single.offset == fetched_single.offset == batch.length == 9
+
+
+def test_write_and_attend_writes_nothing_when_the_kernel_declines():
+    cache = KVCache()
+    cache.update_and_fetch(*kv(3))
+    declined = cache.write_and_attend(*(mx.zeros((1, 2, 1, 4)),) * 3, lambda *a, **kw: None, scale=1.0, mask=None)
+    assert declined is None and cache.offset == 3
+
+
+def test_a_subclass_storing_positions_its_own_way_is_not_bypassed():
+    class Doubling(KVCache):
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(keys * 2, values)
+
+    cache = Doubling()
+    assert cache.write_and_attend(*(mx.zeros((1, 2, 1, 4)),) * 3, reference_into_cache, scale=1.0, mask=None) is None
+    assert cache.offset == 0

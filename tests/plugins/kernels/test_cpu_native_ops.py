@@ -216,3 +216,66 @@ def test_bad_operands_are_refused_by_name(module):
     with pytest.raises(ValueError, match="'silu' or 'gelu_tanh'"):
         cpu_native.gated_activation(mx.zeros((2, 8)), mx.zeros((2, 8)), activation="relu")
 
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "padding", "additive"])
+@pytest.mark.parametrize("B,Hq,Hkv,L,start,C", [(1, 9, 3, 1, 40, 256), (2, 4, 2, 3, 0, 8), (2, 8, 2, 5, 11, 16)])
+def test_attention_into_cache_writes_then_attends(module, mask, B, Hq, Hkv, L, start, C):
+    """One primitive for a layer's cache write and attention: the buffers hold the new keys and
+    values at ``start`` and nothing else changes; the output is attention over the first
+    ``start + L`` positions."""
+    mx.random.seed(B + L + start)
+    k_cache, v_cache = mx.random.normal((B, Hkv, C, 64)), mx.random.normal((B, Hkv, C, 32))
+    before_k, before_v = np.array(k_cache), np.array(v_cache)
+    q = mx.random.normal((B, Hq, L, 64))
+    k = mx.random.normal((B, L, Hkv, 64)).transpose(0, 2, 1, 3)  # strided, as a projection's heads
+    v = mx.random.normal((B, Hkv, L, 32))
+    S = start + L
+    m = masks(B, Hq, L, S)[mask]
+    if isinstance(m, mx.array) and m.dtype == mx.bool_:
+        m[..., -1] = True
+    out, keys, values = cpu_native.attention.into_cache(q, k, v, k_cache, v_cache, start, scale=0.125, mask=m)
+    want_k, want_v = before_k.copy(), before_v.copy()
+    want_k[:, :, start:S], want_v[:, :, start:S] = np.array(k), np.array(v)
+    np.testing.assert_array_equal(np.array(keys), want_k)
+    np.testing.assert_array_equal(np.array(values), want_v)
+    want = reference.attention(q, mx.array(want_k[:, :, :S]), mx.array(want_v[:, :, :S]), scale=0.125, mask=m)
+    assert_close(out, want)
+    # k_cache was still held here: written into a copy, the original unchanged
+    np.testing.assert_array_equal(np.array(k_cache), before_k)
+
+
+def buffer_address(a: mx.array) -> int:
+    """Where ``a``'s data lies (through the buffer protocol; the view is dropped at once, so it
+    holds no reference that would stop MLX from donating the buffer)."""
+    view = memoryview(a)
+    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
+    view.release()
+    return int(address)
+
+
+def test_attention_into_cache_writes_a_buffer_it_alone_holds_in_place(module):
+    """A cache's buffer held by nothing else is donated: the same memory step after step (no copy
+    per token: a 50 MB cache would be copied every step); one held elsewhere too is copied first,
+    and the holder's contents stay as they were."""
+    from mlxr_core.model.cache import KVCache
+
+    cache, plain = KVCache(), KVCache()
+    cache.step = plain.step = 4096
+    addresses = []
+    for _ in range(3):
+        q, k, v = (mx.random.normal((1, n, 1, 64)) for n in (4, 2, 2))
+        out = cache.write_and_attend(q, k, v, cpu_native.attention.into_cache, scale=0.125, mask=None)
+        keys, values = plain.update_and_fetch(k, v)
+        assert_close(out, reference.attention(q, keys, values, scale=0.125))
+        mx.eval(out, cache.keys)
+        addresses.append(buffer_address(cache.keys))
+    assert cache.offset == plain.offset == 3 and len(set(addresses)) == 1
+    np.testing.assert_array_equal(np.array(cache.keys[:, :, :3]), np.array(plain.keys[:, :, :3]))
+    held = cache.keys
+    before = np.array(held)
+    q, k, v = (mx.random.normal((1, n, 1, 64)) for n in (4, 2, 2))
+    mx.eval(cache.write_and_attend(q, k, v, cpu_native.attention.into_cache, scale=0.125, mask=None), cache.keys)
+    assert buffer_address(cache.keys) != buffer_address(held)
+    np.testing.assert_array_equal(np.array(held), before)
+    np.testing.assert_array_equal(np.array(cache.keys[:, :, 3:4]), np.array(k))
