@@ -2,19 +2,21 @@
 on a CPU.
 
 Every input row is rounded to int8 per 32-element block, each block with its own scale (max |x| /
-127), and each block's dot product with a 4- or 8-bit weight's integers is one AVX-512 VNNI
+127), and each block's dot product with a 4-, 5- or 8-bit weight's integers is one AVX-512 VNNI
 instruction per 64 byte pairs instead of a conversion of the weight to floats and float
-multiply-adds (``native/qmm_kernels.h``: ``tile_q4_int8``, ``tile_q8_int8``, 4 weight rows by 3
-input rows a tile); the bias term stays exact (the float input's group sums). One row of a 4-bit
+multiply-adds (``native/qmm_kernels.h``: ``tile_q4_int8``, ``tile_bytes_int8``, 4 weight rows by 3
+input rows a tile; 5-bit fields are cut into bytes with AVX-512 VBMI, three instructions per 64,
+where the CPU has it); the bias term stays exact (the float input's group sums). One row of a 4-bit
 32768 x 2048 matrix on 2 threads: 1.6 ms against 3.2 ms; Gemma 3's 8-bit LM head (262144 x 640):
-13.5 against 14.8 ms (``bench/cpu_qmm_scales.py --int8``); 128 rows: from 1.6x faster (K = 2048)
-to 1.3x slower (K = 576, where the float path's dequantized panels win).
+9.4 against 11.9 ms (``bench/cpu_qmm_scales.py --int8``); Gemma 3's 5-bit gate and up projections
+(4096 x 640): 112 against 330 us. 128 rows: from 1.6x faster (K = 2048) to 1.3x slower (K = 576,
+where the float path's dequantized panels win).
 
 The price is the input's rounding: outputs move by about 1% of their largest value on random
 inputs (the rounding llama.cpp's CPU backend applies to every matmul's input). A row's result does
 not depend on the rows beside it in the call (a prompt, a batch of streams, one decode step): the
-same tiles compute every row, in the same order. Other widths (2/3/5/6 bits) keep ``cpu_native``'s
-float path, and so do CPUs without AVX-512 VNNI, where ``supports()`` says so.
+same tiles compute every row, in the same order. Other widths (2/3/6 bits, and 5 without VBMI) keep
+``cpu_native``'s float path, and so do CPUs without AVX-512 VNNI, where ``supports()`` says so.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <atomic>
@@ -344,8 +345,9 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     xf.resize(size_t(M) * K);
     xsum.resize(size_t(M) * G);
     prepare_input(xin.data(), M, K, group_size, bits, xf.data(), xsum.data());
-    // Every row as int8 where asked and the CPU has integer dot products (4- and 8-bit weights).
-    const bool integer = int8 && kInt8 && (bits == 4 || bits == 8);
+    // Every row as int8 where asked and the CPU has integer dot products (4- and 8-bit weights;
+    // 5-bit where it also picks bytes in a register).
+    const bool integer = int8 && kInt8 && (bits == 4 || bits == 8 || (bits == 5 && kInt8Five));
     if (integer) {
       xq.resize(size_t(M) * K);
       xd.resize(size_t(M) * (K / 32));
@@ -538,5 +540,9 @@ NB_MODULE(_mlxr_qmm, m) {
   m.def("num_threads", []() { return g_threads; });
   m.def("isa", []() { return std::string(kIsa); });
   m.def("int8_decode", []() { return kInt8; }, "Whether int8=True takes effect on this CPU.");
+  m.def(
+      "int8_bits",
+      []() { return kInt8 ? (kInt8Five ? std::vector<int>{4, 5, 8} : std::vector<int>{4, 8}) : std::vector<int>{}; },
+      "The weight widths int8=True takes effect for on this CPU.");
   register_ops(m);
 }

@@ -44,6 +44,13 @@ constexpr const char* kIsa = "scalar";
 #define MLXR_INT8 0
 #endif
 constexpr bool kInt8 = MLXR_INT8;
+// 5-bit weights too where bytes can be picked and bit fields cut from them in a register (VBMI).
+#if MLXR_INT8 && defined(__AVX512VBMI__)
+#define MLXR_INT8_FIVE 1
+#else
+#define MLXR_INT8_FIVE 0
+#endif
+constexpr bool kInt8Five = MLXR_INT8_FIVE;
 // The SIMD paths read a 4-bit block's low nibbles against the input's even elements and its high
 // nibbles against the odd ones, so the input is stored evens first (prepare_input).
 constexpr bool kNibbleOrder = MLXR_SIMD;
@@ -670,10 +677,38 @@ inline void tile_q4_int8(const Problem& p, int n0, int m0) {
   sums.store(p, n0, m0);
 }
 
-// 8-bit, NB output rows x MB input rows from m0: the input in its own order, 64 bytes (2 blocks)
-// a step.
-template <int NB, int MB>
-inline void tile_q8_int8(const Problem& p, int n0, int m0) {
+#if MLXR_INT8_FIVE
+// 5-bit weights through the int8 tiles: 64 elements (40 bytes) to bytes in three instructions.
+
+// 64 5-bit elements from q (element i at bits 5i..5i+4; `bytes` of the 40 read, the rest 0) as 64
+// bytes: each 8-byte lane gets the 5 bytes of its 8 elements, then each of its bytes the 8 bits
+// from its element's offset (vpmultishiftqb), masked to 5.
+inline __m512i five_bits_to_bytes(const uint8_t* q, __mmask64 bytes) {
+  alignas(64) static const uint8_t pick[64] = {
+      0,  1,  2,  3,  4,  4,  4,  4,  5,  6,  7,  8,  9,  9,  9,  9,  10, 11, 12, 13, 14, 14,
+      14, 14, 15, 16, 17, 18, 19, 19, 19, 19, 20, 21, 22, 23, 24, 24, 24, 24, 25, 26, 27, 28,
+      29, 29, 29, 29, 30, 31, 32, 33, 34, 34, 34, 34, 35, 36, 37, 38, 39, 39, 39, 39};
+  const __m512i spread = _mm512_permutexvar_epi8(_mm512_load_si512(pick), _mm512_maskz_loadu_epi8(bytes, q));
+  const __m512i offsets = _mm512_set1_epi64(int64_t(0x231E19140F0A0500));  // 0, 5, .. 35 per byte
+  return _mm512_and_si512(_mm512_multishift_epi64_epi8(offsets, spread), _mm512_set1_epi8(0x1F));
+}
+#endif
+
+// 64 weight elements of a row (BITS 8: 64 bytes; 5: 40 bytes) as bytes.
+template <int BITS>
+inline __m512i weight_bytes(const uint8_t* row, int element) {
+#if MLXR_INT8_FIVE
+  if constexpr (BITS == 5) {
+    return five_bits_to_bytes(row + element * 5 / 8, (__mmask64(1) << 40) - 1);
+  }
+#endif
+  return _mm512_loadu_si512(row + element);
+}
+
+// 8- or 5-bit, NB output rows x MB input rows from m0: the input in its own order, 64 elements (2
+// blocks) a step.
+template <int NB, int MB, int BITS>
+inline void tile_bytes_int8(const Problem& p, int n0, int m0) {
   RowGroups<NB> groups(p, n0);
   Int8Sums<NB, MB> sums(p, n0, m0);
   const __m512i first = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -686,9 +721,9 @@ inline void tile_q8_int8(const Problem& p, int n0, int m0) {
     __m512 ws0[NB], ws1[NB], wb[NB];
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      prefetch_ahead(sums.rows[i] + blk * 32);
-      w0[i] = _mm512_loadu_si512(sums.rows[i] + blk * 32);
-      w1[i] = _mm512_loadu_si512(sums.rows[i] + blk * 32 + 64);
+      prefetch_ahead(sums.rows[i] + blk * 32 * BITS / 8);
+      w0[i] = weight_bytes<BITS>(sums.rows[i], blk * 32);
+      w1[i] = weight_bytes<BITS>(sums.rows[i], blk * 32 + 64);
       const __m512 scales = _mm512_castps128_ps512(weight_scales4(p, groups, i, blk));
       ws0[i] = _mm512_permutexvar_ps(first, scales);
       ws1[i] = _mm512_permutexvar_ps(second, scales);
@@ -716,7 +751,16 @@ inline void tile_q8_int8(const Problem& p, int n0, int m0) {
     groups.reach(g);
     #pragma GCC unroll 8
     for (int i = 0; i < NB; ++i) {
-      const __m256i w = _mm256_loadu_si256((const __m256i*)(sums.rows[i] + blk * 32));
+      __m256i w;
+#if MLXR_INT8_FIVE
+      if constexpr (BITS == 5) {  // one block: 20 bytes, 32 elements
+        w = _mm512_castsi512_si256(five_bits_to_bytes(sums.rows[i] + blk * 20, (__mmask64(1) << 20) - 1));
+      } else {
+        w = _mm256_loadu_si256((const __m256i*)(sums.rows[i] + blk * 32));
+      }
+#else
+      w = _mm256_loadu_si256((const __m256i*)(sums.rows[i] + blk * 32));
+#endif
       #pragma GCC unroll 8
       for (int j = 0; j < MB; ++j) {
         const __m256i x = _mm256_loadu_si256((const __m256i*)(sums.xq[j] + blk * 32));
@@ -736,8 +780,10 @@ inline void tile(const Problem& p, int n0, int m0) {
   if (p.xq != nullptr) {
     if (p.bits == 4) {
       tile_q4_int8<NB, MB>(p, n0, m0);
+    } else if (p.bits == 5) {
+      tile_bytes_int8<NB, MB, 5>(p, n0, m0);
     } else {
-      tile_q8_int8<NB, MB>(p, n0, m0);
+      tile_bytes_int8<NB, MB, 8>(p, n0, m0);
     }
     return;
   }

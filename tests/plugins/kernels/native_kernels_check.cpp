@@ -79,7 +79,8 @@ std::vector<uint8_t> pack(const std::vector<unsigned>& q, int N, int K, int bits
   return out;
 }
 
-// With int8 (4 and 8 bits, any number of rows, where the layer has integer dot products), the
+// With int8 (4 and 8 bits, and 5 with VBMI; any number of rows, where the layer has integer dot
+// products), the
 // input is rounded to int8 per 32-element block (prepare_row_int8) and the sum is checked against
 // the rounded input's (the bias term keeps the exact input's group sums).
 int check(int bits, int group_size, ScaleType type, int M, int N, int K, std::mt19937& rng, bool int8 = false) {
@@ -168,7 +169,10 @@ int main() {
   // int8 decode rows: whole 128-element chunks and 1-3 blocks after them, several chunks of groups.
   int int8_cases = 0;
   if (kInt8) {
-    for (int bits : {4, 8}) {
+    for (int bits : {4, 5, 8}) {
+      if (bits == 5 && !kInt8Five) {
+        continue;
+      }
       for (int group_size : {32, 64, 128}) {
         for (ScaleType type : {ScaleType::f32, ScaleType::f16, ScaleType::bf16}) {
           for (int K : {128, 384, 576, 640, 8192}) {
@@ -185,10 +189,15 @@ int main() {
       }
     }
     for (int K : {32, 64, 96, 160, 224}) {  // shorter than a chunk, groups of 32
-      if (check(4, 32, ScaleType::f32, 1, 9, K, rng, true) || check(8, 32, ScaleType::f32, 1, 9, K, rng, true)) {
-        return 1;
+      for (int bits : {4, 5, 8}) {
+        if (bits == 5 && !kInt8Five) {
+          continue;
+        }
+        if (check(bits, 32, ScaleType::f32, 1, 9, K, rng, true)) {
+          return 1;
+        }
+        ++int8_cases;
       }
-      int8_cases += 2;
     }
   }
   std::printf("%s: %d cases ok, %d int8 cases ok\n", kIsa, cases, int8_cases);
