@@ -148,6 +148,14 @@ class WritesAndAttends:
 
     keys: Any
     values: Any
+    #: False for a subclass that stores positions its own way (its own ``update_and_fetch``
+    #: without the hooks below): it keeps the plain path. Decided once per class.
+    _writes_in_place: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "update_and_fetch" in cls.__dict__:
+            cls._writes_in_place = "_advance" in cls.__dict__
 
     def write_and_attend(
         self,
@@ -165,11 +173,8 @@ class WritesAndAttends:
         which writes the buffers in place (held here alone, as a slice update's are). None, with
         nothing written, where the kernel declines, or where a subclass stores positions its own
         way (its own ``update_and_fetch``)."""
-        for cls in type(self).__mro__:
-            if "update_and_fetch" in cls.__dict__:
-                if "_advance" not in cls.__dict__:
-                    return None
-                break
+        if not self._writes_in_place:
+            return None
         start, length = self._written(), keys.shape[2]
         self._make_room(keys, values, start + length)
         if window is not None:

@@ -887,23 +887,15 @@ class CacheAttention : public mx::Primitive {
       }
       const int B = q.shape(0), Hkv = k.shape(1), L = q.shape(2), D = k.shape(3), Dv = v.shape(3);
       const int C = kc.shape(2);
-      // The new positions into the buffers (a row of D or Dv floats at a time).
-      for (int b = 0; b < B; ++b) {
-        for (int h = 0; h < Hkv; ++h) {
-          for (int l = 0; l < L; ++l) {
-            const size_t row = (size_t(b) * Hkv + h) * L + l;
-            float* kd = kc.data<float>() + ((size_t(b) * Hkv + h) * C + start + l) * D;
-            float* vd = vc.data<float>() + ((size_t(b) * Hkv + h) * C + start + l) * Dv;
-            const float* ks = k.data<float>();
-            const float* vs = v.data<float>();
-            for (int d = 0; d < D; ++d) {
-              kd[d] = ks[mlxr::element_offset(k, row * D + d)];
-            }
-            for (int d = 0; d < Dv; ++d) {
-              vd[d] = vs[mlxr::element_offset(v, row * Dv + d)];
-            }
-          }
-        }
+      // The new positions into the buffers, a row of D or Dv floats at a time (dense: k and v may
+      // be views of a projection's heads).
+      std::vector<float> k_rows, v_rows;
+      const float* ks = dense(k, k_rows);
+      const float* vs = dense(v, v_rows);
+      for (int bh = 0; bh < B * Hkv; ++bh) {
+        std::memcpy(kc.data<float>() + (size_t(bh) * C + start) * D, ks + size_t(bh) * L * D, size_t(L) * D * sizeof(float));
+        std::memcpy(vc.data<float>() + (size_t(bh) * C + start) * Dv, vs + size_t(bh) * L * Dv,
+                    size_t(L) * Dv * sizeof(float));
       }
       std::vector<float> qs;
       Attend a{dense(q, qs), B, q.shape(1), L, q.shape(3), kc.data<float>(), vc.data<float>(), Hkv, start + L, Dv,

@@ -342,12 +342,12 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     const int N = w.shape(-2);
     const int G = K / group_size;
     gather_floats(x, xin);
-    xf.resize(size_t(M) * K);
-    xsum.resize(size_t(M) * G);
-    prepare_input(xin.data(), M, K, group_size, bits, xf.data(), xsum.data());
     // Every row as int8 where asked and the CPU has integer dot products (4- and 8-bit weights;
-    // 5-bit where it also picks bytes in a register).
+    // 5-bit where it also picks bytes in a register); the float copy only for the float tiles.
     const bool integer = int8 && kInt8 && (bits == 4 || bits == 8 || (bits == 5 && kInt8Five));
+    xf.resize(integer ? 0 : size_t(M) * K);
+    xsum.resize(size_t(M) * G);
+    prepare_input(xin.data(), M, K, group_size, bits, integer ? nullptr : xf.data(), xsum.data());
     if (integer) {
       xq.resize(size_t(M) * K);
       xd.resize(size_t(M) * (K / 32));
@@ -384,7 +384,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     thread_local std::vector<Problem> problems;
     problems.clear();
     if (indices == nullptr) {
-      problems.push_back({xf.data(), xsum.data(), xqp, xdp, xbp, w.data<uint8_t>(), sp, bp, op, M, N, K, G,
+      problems.push_back({integer ? nullptr : xf.data(), xsum.data(), xqp, xdp, xbp, w.data<uint8_t>(), sp, bp, op, M, N, K, G,
                           bits, group_size, row_bytes});
     } else {
       // Row block r (M / R input rows) times expert indices[r]'s matrix.
@@ -396,7 +396,7 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
         if (int(e) >= E) {
           throw std::out_of_range("[mlxr gather_matmul] expert index out of range");
         }
-        problems.push_back({xf.data() + r * rows * K, xsum.data() + r * rows * G,
+        problems.push_back({integer ? nullptr : xf.data() + r * rows * K, xsum.data() + r * rows * G,
                             integer ? xqp + r * rows * K : nullptr, integer ? xdp + r * rows * (K / 32) : nullptr,
                             integer ? xbp + r * rows * (K / 32) : nullptr,
                             w.data<uint8_t>() + size_t(e) * N * row_bytes, sp.plus(size_t(e) * N * G),

@@ -169,7 +169,7 @@ struct Groups {
 
 // One call's operands, the input already float32 and reordered.
 struct Problem {
-  const float* x;      // [M, K]
+  const float* x;      // [M, K] (null where xq is set)
   const float* xsum;   // [M, G]
   // The input as int8 (see prepare_row_int8), or null: each 32-element block's integers [M, K]
   // and scale [M, K / 32], and per block the sum of its group's inputs where it starts the group,
@@ -1014,7 +1014,7 @@ inline void run_rows(const Problem& p, int n_begin, int n_end) {
 }
 
 // x [M, K] float32 -> xf (the kernels' input order: each 32-element block of a 4-bit problem
-// evens first, then odds, when kNibbleOrder) and xsum [M, K / group_size] (each group's sum, for
+// evens first, then odds, when kNibbleOrder; none when xf is null) and xsum [M, K / group_size] (each group's sum, for
 // the bias term).
 inline void prepare_input(const float* x, int M, int K, int group_size, int bits, float* xf, float* xsum) {
   const int G = K / group_size;
@@ -1027,6 +1027,9 @@ inline void prepare_input(const float* x, int M, int K, int group_size, int bits
         sum += src[g * group_size + e];
       }
       xsum[size_t(m) * G + g] = sum;
+    }
+    if (xf == nullptr) {  // the int8 tiles read their own copy (prepare_row_int8)
+      continue;
     }
     if (kNibbleOrder && bits == 4) {
       for (int k = 0; k < K; k += 32) {
