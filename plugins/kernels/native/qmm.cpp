@@ -335,32 +335,43 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     // Per-thread scratch, reused across calls: the float32 input, its group sums, the float32
     // scales and biases (when strided), the float32 output (when in another dtype), the int8
     // input and its block scales.
-    thread_local std::vector<float> xin, xf, xsum, sf, bf, of, xd, xb;
-    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> xin, xf, xsum, sf, bf, of, xd, xb, xdt, xbt;
+    thread_local std::vector<int8_t> xq, xt;
     const int K = x.shape(-1);
     const int M = int(x.size() / K);
     const int N = w.shape(-2);
     const int G = K / group_size;
-    gather_floats(x, xin);
+    // The input where it lies when float32 and dense, else gathered as float32.
+    const float* xp = x.dtype() == mx::float32 && x.flags().row_contiguous ? x.data<float>() : nullptr;
+    if (xp == nullptr) {
+      gather_floats(x, xin);
+      xp = xin.data();
+    }
     // Every row as int8 where asked and the CPU has integer dot products (4- and 8-bit weights;
     // 5-bit where it also picks bytes in a register); the float copy only for the float tiles.
     const bool integer = int8 && kInt8 && (bits == 4 || bits == 8 || (bits == 5 && kInt8Five));
     xf.resize(integer ? 0 : size_t(M) * K);
     xsum.resize(size_t(M) * G);
-    prepare_input(xin.data(), M, K, group_size, bits, integer ? nullptr : xf.data(), xsum.data());
     if (integer) {
       xq.resize(size_t(M) * K);
       xd.resize(size_t(M) * (K / 32));
       xb.resize(size_t(M) * (K / 32));
-      // Pointers, not the thread_local vectors: a helper thread naming those would get its own.
-      const auto row = [x = xin.data(), s = xsum.data(), q = xq.data(), d = xd.data(), b = xb.data(), K, bits,
-                        group_size](int m) { prepare_row_int8(x, m, K, bits, group_size, s, q, d, b); };
-      if (M >= 16 && g_threads > 1) {  // a prompt's rows
-        pool().run(M, row);
-      } else {
-        for (int m = 0; m < M; ++m) {
-          row(m);
-        }
+    }
+    // Row by row (a prompt's rows on the pool's threads). Pointers, not the thread_local vectors:
+    // a helper thread naming those would get its own.
+    const auto row = [x = xp, f = integer ? nullptr : xf.data(), s = xsum.data(), q = xq.data(), d = xd.data(),
+                      b = xb.data(), K, G, bits, group_size, integer](int m) {
+      prepare_input(x + size_t(m) * K, 1, K, group_size, bits, f == nullptr ? nullptr : f + size_t(m) * K,
+                    s + size_t(m) * G);
+      if (integer) {
+        prepare_row_int8(x, m, K, bits, group_size, s, q, d, b);
+      }
+    };
+    if (M >= 16 && g_threads > 1) {
+      pool().run(M, row);
+    } else {
+      for (int m = 0; m < M; ++m) {
+        row(m);
       }
     }
     const int8_t* xqp = integer ? xq.data() : nullptr;
@@ -403,6 +414,34 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
                             bp.plus(size_t(e) * N * G), op + r * rows * N, rows, N, K, G, bits,
                             group_size, row_bytes});
       }
+    }
+    // A prompt's int8 rows (per expert row block in the gather form) through AMX where it runs.
+    if (integer && problems.front().M >= kAmxRows && amx_ready()) {
+      const int blocks = K / 32;
+      size_t tiles = 0;
+      for (const auto& p : problems) {
+        tiles += size_t(p.M + 15) / 16;
+      }
+      xt.resize(tiles * blocks * 512);
+      xdt.resize(tiles * blocks * 16);
+      xbt.resize(tiles * blocks * 16);
+      size_t at = 0;
+      for (auto& p : problems) {
+        p.xt = xt.data() + at * blocks * 512;
+        p.xdt = xdt.data() + at * blocks * 16;
+        p.xbt = xbt.data() + at * blocks * 16;
+        at += size_t(p.M + 15) / 16;
+      }
+      // Tile i: tile i % per_problem of problem i / per_problem (every problem has as many rows).
+      const int per_problem = (problems.front().M + 15) / 16;
+      mlxr::parallel_for(int(problems.size()) * per_problem,
+                         [ps = problems.data(), per_problem, blocks, K, bits, t = xt.data(), d = xdt.data(),
+                          b = xbt.data()](int i) {
+                           const Problem& p = ps[i / per_problem];
+                           const size_t first = size_t(i - i % per_problem);
+                           prepare_amx_input(p.xq, p.xd, p.xb, p.M, K, bits, t + first * blocks * 512,
+                                             d + first * blocks * 16, b + first * blocks * 16, i % per_problem);
+                         });
     }
     run(problems);
     if (!direct) {
@@ -540,6 +579,9 @@ NB_MODULE(_mlxr_qmm, m) {
   m.def("num_threads", []() { return g_threads; });
   m.def("isa", []() { return std::string(kIsa); });
   m.def("int8_decode", []() { return kInt8; }, "Whether int8=True takes effect on this CPU.");
+  m.def("int8_amx", []() { return amx_ready(); },
+        "Whether int8=True takes calls of int8_amx_rows() rows or more through AMX's tiles here.");
+  m.def("int8_amx_rows", []() { return kAmxRows; });
   m.def(
       "int8_bits",
       []() { return kInt8 ? (kInt8Five ? std::vector<int>{4, 5, 8} : std::vector<int>{4, 8}) : std::vector<int>{}; },

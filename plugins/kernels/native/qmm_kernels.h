@@ -22,6 +22,10 @@
 #if defined(__aarch64__) && defined(__ARM_NEON)
 #include <arm_neon.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace mlxr::qmm {
 #if defined(__AVX512F__)
@@ -51,6 +55,16 @@ constexpr bool kInt8 = MLXR_INT8;
 #define MLXR_INT8_FIVE 0
 #endif
 constexpr bool kInt8Five = MLXR_INT8_FIVE;
+// Many int8 input rows (a prompt) through AMX's tile products where the CPU has them (and the
+// kernel lets the process use them: amx_ready()).
+#if MLXR_INT8 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define MLXR_AMX 1
+#else
+#define MLXR_AMX 0
+#endif
+constexpr bool kAmx = MLXR_AMX;
+// Calls of this many input rows or more take the AMX path (amx_rows) when it is ready.
+constexpr int kAmxRows = 16;
 // The SIMD paths read a 4-bit block's low nibbles against the input's even elements and its high
 // nibbles against the odd ones, so the input is stored evens first (prepare_input).
 constexpr bool kNibbleOrder = MLXR_SIMD;
@@ -183,6 +197,12 @@ struct Problem {
   float* out;          // [M, N]
   int M, N, K, G, bits, group_size;
   size_t row_bytes;
+  // The int8 input in AMX's order (prepare_amx_input), or null: per 16 input rows and block, the
+  // block's integers as 8 rows of 16 x 4 bytes [ceil(M / 16), K / 32, 512], its scales and bias
+  // terms [ceil(M / 16), K / 32, 16] (rows past M zero).
+  const int8_t* xt = nullptr;
+  const float* xdt = nullptr;
+  const float* xbt = nullptr;
 };
 
 // The scales and biases of output rows n0 .. n0 + NB - 1 as float32, kChunk groups at a time
@@ -774,6 +794,263 @@ inline void tile_bytes_int8(const Problem& p, int n0, int m0) {
 }
 #endif
 
+#if MLXR_AMX
+// A prompt's int8 rows through AMX (Sapphire Rapids and later), whose tile product multiplies 16
+// rows of bytes by 16 columns of bytes, 16 x 16 x 32 multiply-adds an instruction here. Each
+// product is one 32-element block: 16 weight rows (unsigned bytes, tile A) times the block of 16
+// input rows (tile B: their bytes in groups of 4, the 16 rows side by side), giving the exact
+// 32-bit block sum of every (weight row, input row). AVX-512 then scales each block's sums by the
+// weight's group scale times the input block's scale and adds the bias term at a group's first
+// block, in block order: every output is summed the same way whatever the call's other rows (the
+// decode tiles above sum each block's lanes apart: their results differ from these by float
+// rounding, not by the rounded inputs or the integer sums).
+
+// Whether this process may use the tile registers (Linux gives them to a process that asks).
+inline bool amx_ready() {
+  static const bool ready = [] {
+    constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return ready;
+}
+
+// Tiles 0-1: block sums (16 x 16 int32); 2-3: weight bytes (16 rows x 32); 4-5: an input block (8
+// rows of 16 x 4 bytes).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 32, 32, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 8, 8};
+};
+
+// Where bytes 4r .. 4r + 3 of block blk lie in an int8 row (prepare_row_int8's order), taking a
+// 4-bit block's bytes as its 16 even elements, then its 16 odd ones (amx_weight_bytes's order).
+inline int amx_offset(int bits, int K, int blk, int r) {
+  if (bits != 4 || blk >= K / 128 * 4) {  // natural order, or a 4-bit block stored evens, odds
+    return blk * 32 + 4 * r;
+  }
+  const int chunk = blk / 4 * 128, i = blk % 4;
+  return r < 4 ? chunk + 16 * i + 4 * r : chunk + 64 + 16 * i + 4 * (r - 4);
+}
+
+// Rows 16t .. 16t + 15 of M int8 rows (xq, xd, xb as prepare_row_int8 left them) in AMX's order
+// (Problem::xt, xdt, xbt).
+inline void prepare_amx_input(const int8_t* xq, const float* xd, const float* xb, int M, int K, int bits, int8_t* xt,
+                              float* xdt, float* xbt, int t) {
+  const int blocks = K / 32;
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i row_starts = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(K));
+  const __m512i block_rows = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(blocks));
+  {
+    const __mmask16 valid = __mmask16((1u << std::min(16, M - t * 16)) - 1);
+    const int8_t* rows = xq + size_t(t) * 16 * K;
+    for (int blk = 0; blk < blocks; ++blk) {
+      const size_t at = size_t(t) * blocks + blk;
+      for (int r = 0; r < 8; ++r) {
+        const __m512i bytes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid, row_starts,
+                                                          rows + amx_offset(bits, K, blk, r), 1);
+        _mm512_storeu_si512(xt + at * 512 + 64 * r, bytes);
+      }
+      const size_t first = size_t(t) * 16 * blocks + blk;
+      _mm512_storeu_ps(xdt + at * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, block_rows, xd + first, 4));
+      _mm512_storeu_ps(xbt + at * 16, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, block_rows, xb + first, 4));
+    }
+  }
+}
+
+// 16 weight rows from n0 as bytes, K a row (rows past N zero), each 4-bit block as its 16 low
+// nibbles (the even elements), then its 16 high ones.
+inline void amx_weight_bytes(const Problem& p, int n0, uint8_t* dst) {
+  const int blocks = p.K / 32;
+  for (int i = 0; i < 16; ++i) {
+    uint8_t* out = dst + size_t(i) * p.K;
+    if (n0 + i >= p.N) {
+      std::memset(out, 0, size_t(p.K));
+      continue;
+    }
+    const uint8_t* row = p.w + size_t(n0 + i) * p.row_bytes;
+    int blk = 0;
+    if (p.bits == 8) {
+      std::memcpy(out, row, size_t(p.K));
+    } else if (p.bits == 4) {
+      const __m512i nibble = _mm512_set1_epi8(0x0F);
+      const __m512i first = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11);
+      const __m512i second = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+      for (; blk + 4 <= blocks; blk += 4) {
+        const __m512i w = _mm512_loadu_si512(row + blk * 16);
+        const __m512i low = _mm512_and_si512(w, nibble), high = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+        _mm512_storeu_si512(out + blk * 32, _mm512_permutex2var_epi64(low, first, high));
+        _mm512_storeu_si512(out + blk * 32 + 64, _mm512_permutex2var_epi64(low, second, high));
+      }
+      const __m128i nibble16 = _mm_set1_epi8(0x0F);
+      for (; blk < blocks; ++blk) {
+        const __m128i w = _mm_loadu_si128((const __m128i*)(row + blk * 16));
+        _mm_storeu_si128((__m128i*)(out + blk * 32), _mm_and_si128(w, nibble16));
+        _mm_storeu_si128((__m128i*)(out + blk * 32 + 16), _mm_and_si128(_mm_srli_epi16(w, 4), nibble16));
+      }
+    } else {
+#if MLXR_INT8_FIVE  // 5 bits: 2 blocks (40 bytes) at a time
+      for (; blk + 2 <= blocks; blk += 2) {
+        _mm512_storeu_si512(out + blk * 32, five_bits_to_bytes(row + blk * 20, (__mmask64(1) << 40) - 1));
+      }
+      if (blk < blocks) {
+        _mm256_storeu_si256((__m256i*)(out + blk * 32),
+                            _mm512_castsi512_si256(five_bits_to_bytes(row + blk * 20, (__mmask64(1) << 20) - 1)));
+      }
+#endif
+    }
+  }
+}
+
+// Block blk's product (weight bytes through tile A, the input through tile B) into tile SUMS, then
+// out to sums: amx_product_even with tiles 2, 4 and 0; amx_product_odd with 3, 5 and 1, for the
+// next block while one is scaled. (A macro: GCC's tile intrinsics paste literal tile numbers into
+// the instruction's text.)
+#define MLXR_AMX_PRODUCT(NAME, SUMS, A, B)                                                                \
+  inline void NAME(const uint8_t* weights, int K, const int8_t* xt, int blk, int32_t (&sums)[16][16]) { \
+    _tile_loadd(A, weights + blk * 32, K);                                                                \
+    _tile_loadd(B, xt + size_t(blk) * 512, 64);                                                           \
+    _tile_zero(SUMS);                                                                                     \
+    _tile_dpbusd(SUMS, A, B);                                                                             \
+    _tile_stored(SUMS, sums, 64);                                                                         \
+  }
+MLXR_AMX_PRODUCT(amx_product_even, 0, 2, 4)
+MLXR_AMX_PRODUCT(amx_product_odd, 1, 3, 5)
+#undef MLXR_AMX_PRODUCT
+
+// One block's sums [16 weight rows][16 input rows] into the running outputs (acc[i]: weight row
+// i's outputs for the 16 input rows); ws, wb: the block's group's scale and bias of the first
+// weight row, the next row's `stride` further.
+inline __attribute__((always_inline)) void amx_scale(__m512 (&acc)[16], const int32_t (&sums)[16][16], const float* xd,
+                                                     const float* xb, const float* ws, const float* wb, int stride,
+                                                     bool starts_group) {
+  const __m512 d = _mm512_loadu_ps(xd);
+  #pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    const __m512 total = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i]));
+    acc[i] = _mm512_fmadd_ps(total, _mm512_mul_ps(d, _mm512_set1_ps(ws[i * stride])), acc[i]);
+  }
+  if (starts_group) {
+    const __m512 b = _mm512_loadu_ps(xb);
+    #pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(wb[i * stride]), b, acc[i]);
+    }
+  }
+}
+
+// c[j] = lane j of every r[i] (a 16 x 16 transpose in registers: 64 shuffles).
+inline __attribute__((always_inline)) void transpose16(const __m512 (&r)[16], __m512 (&c)[16]) {
+  __m512 t[16], u[16];
+  #pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) {  // per 128-bit lane: rows 2k, 2k + 1 interleaved
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  #pragma GCC unroll 4
+  for (int q = 0; q < 4; ++q) {  // u[4q + j], lane L: rows 4q .. 4q + 3 of column 4L + j
+    const __m512d a = _mm512_castps_pd(t[4 * q]), b = _mm512_castps_pd(t[4 * q + 1]);
+    const __m512d c2 = _mm512_castps_pd(t[4 * q + 2]), d = _mm512_castps_pd(t[4 * q + 3]);
+    u[4 * q] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c2));
+    u[4 * q + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c2));
+    u[4 * q + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    u[4 * q + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  #pragma GCC unroll 4
+  for (int j = 0; j < 4; ++j) {  // the 128-bit lanes gathered by column
+    const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x88), v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x88);
+    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xDD);
+    c[j] = _mm512_shuffle_f32x4(v0, v2, 0x88);
+    c[8 + j] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
+    c[4 + j] = _mm512_shuffle_f32x4(v1, v3, 0x88);
+    c[12 + j] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  }
+}
+
+// Output rows [n_begin, n_end) (n_begin a multiple of 16) for every input row, through the tiles.
+inline void amx_rows(const Problem& p, int n_begin, int n_end) {
+  static const TileConfig config;
+  _tile_loadconfig(&config);
+  const int blocks = p.K / 32;
+  const int group_shift = p.group_size == 32 ? 0 : p.group_size == 64 ? 1 : 2;  // blocks a group: 1 << shift
+  thread_local std::vector<uint8_t> weight_buffer;
+  thread_local std::vector<float> scale_buffer;  // [16][G] scales, then [16][G] biases of the 16 rows
+  weight_buffer.resize(size_t(16) * p.K);
+  scale_buffer.resize(size_t(32) * p.G);
+  uint8_t* const weights = weight_buffer.data();
+  float* const ws = scale_buffer.data();
+  float* const wb = ws + size_t(16) * p.G;
+  alignas(64) int32_t sums[2][16][16];
+  for (int n0 = n_begin; n0 < n_end; n0 += 16) {
+    amx_weight_bytes(p, n0, weights);
+    for (int i = 0; i < 16; ++i) {
+      float* s = ws + size_t(i) * p.G;
+      float* b = wb + size_t(i) * p.G;
+      if (n0 + i >= p.N) {
+        std::fill(s, s + p.G, 0.0f);
+        std::fill(b, b + p.G, 0.0f);
+        continue;
+      }
+      const float* from = p.scales.chunk(n0 + i, p.G, 0, p.G, s);
+      if (from != s) {
+        std::memcpy(s, from, size_t(p.G) * sizeof(float));
+      }
+      from = p.biases.chunk(n0 + i, p.G, 0, p.G, b);
+      if (from != b) {
+        std::memcpy(b, from, size_t(p.G) * sizeof(float));
+      }
+    }
+    for (int t = 0; t * 16 < p.M; ++t) {
+      __m512 acc[16];
+      #pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+      }
+      const int8_t* xt = p.xt + size_t(t) * blocks * 512;
+      const float* xd = p.xdt + size_t(t) * blocks * 16;
+      const float* xb = p.xbt + size_t(t) * blocks * 16;
+      // Each block's product is stored a block before its sums are read (a tile store is not
+      // forwarded to vector loads: reading it right away waited for the store).
+      amx_product_even(weights, p.K, xt, 0, sums[0]);
+      for (int blk = 0; blk < blocks; blk += 2) {
+        const bool second = blk + 1 < blocks;
+        if (second) {
+          amx_product_odd(weights, p.K, xt, blk + 1, sums[1]);
+        }
+        const int g = blk >> group_shift;
+        amx_scale(acc, sums[0], xd + blk * 16, xb + blk * 16, ws + g, wb + g, p.G,
+                  (blk & ((1 << group_shift) - 1)) == 0);
+        if (second) {
+          if (blk + 2 < blocks) {
+            amx_product_even(weights, p.K, xt, blk + 2, sums[0]);
+          }
+          const int g1 = (blk + 1) >> group_shift;
+          amx_scale(acc, sums[1], xd + (blk + 1) * 16, xb + (blk + 1) * 16, ws + g1, wb + g1, p.G,
+                    ((blk + 1) & ((1 << group_shift) - 1)) == 0);
+        }
+      }
+      // Transposed, so that each input row's 16 outputs are one store (scattering the columns
+      // into the output's rows wrote every cache line 16 times: 2.6x slower in all).
+      __m512 rows[16];
+      transpose16(acc, rows);
+      const __mmask16 columns = __mmask16((1u << std::min(16, p.N - n0)) - 1);
+      for (int m = 0; m < 16 && t * 16 + m < p.M; ++m) {
+        _mm512_mask_storeu_ps(p.out + size_t(t * 16 + m) * p.N + n0, columns, rows[m]);
+      }
+    }
+  }
+  _tile_release();
+}
+#else
+inline bool amx_ready() {
+  return false;
+}
+inline void prepare_amx_input(const int8_t*, const float*, const float*, int, int, int, int8_t*, float*, float*, int) {}
+#endif
+
 template <int NB, int MB>
 inline void tile(const Problem& p, int n0, int m0) {
 #if MLXR_INT8
@@ -984,6 +1261,12 @@ inline void int8_rows(const Problem& p, int n) {
 #endif
 
 inline void run_rows(const Problem& p, int n_begin, int n_end) {
+#if MLXR_AMX
+  if (p.xt != nullptr) {  // a prompt's int8 rows in AMX's order
+    amx_rows(p, n_begin, n_end);
+    return;
+  }
+#endif
 #if MLXR_INT8
   if (p.xq != nullptr) {  // int8 inputs: the same tiles for any number of rows
     int n = n_begin;

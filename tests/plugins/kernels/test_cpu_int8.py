@@ -64,7 +64,7 @@ def assert_close(got: mx.array, want: mx.array, atol: float = 1e-5) -> None:
 
 
 @pytest.mark.parametrize("scale_dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 37])
 # K: whole 128-element chunks, and 1-2 blocks after them.
 @pytest.mark.parametrize(
     "K,group_size", [(K, g) for K in (128, 576, 640, 1536) for g in (32, 64, 128) if K % g == 0]
@@ -93,16 +93,27 @@ def test_a_block_of_zeros_is_no_division_by_zero(module):
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_a_row_gets_the_same_result_in_any_call(module, bits):
-    """Prompts are rounded too, by the same tiles: a row's output does not depend on how many rows
-    share its call (a batch of streams, a prompt, one decode step), to the last bit."""
+    """A row's output does not depend on the other rows of its call, to the last bit: a decode
+    step's rows (fewer than int8_amx_rows()) alone or together; a prompt's rows (AMX's tiles where
+    the CPU has them) whatever rows share their call and wherever they sit in it."""
     w, scales, biases = packed(203, 576, bits, 32)
-    rows = mx.random.normal((20, 576))
     kwargs = {"transpose": True, "group_size": 32, "bits": bits}
+    few = module.int8_amx_rows() - 1
+    rows = mx.random.normal((few, 576))
     together = np.array(cpu_int8.quantized_matmul(rows, w, scales, biases, **kwargs))
     alone = np.concatenate([np.array(cpu_int8.quantized_matmul(rows[i : i + 1], w, scales, biases, **kwargs))
-                            for i in range(20)])
+                            for i in range(few)])
     np.testing.assert_array_equal(together, alone)
     assert_close(mx.array(together), expected(rows, w, scales, biases, 32, bits))
+
+    prompt = mx.random.normal((40, 576))
+    whole = np.array(cpu_int8.quantized_matmul(prompt, w, scales, biases, **kwargs))
+    order = np.random.default_rng(0).permutation(40)
+    shuffled = np.array(cpu_int8.quantized_matmul(prompt[mx.array(order)], w, scales, biases, **kwargs))
+    np.testing.assert_array_equal(shuffled, whole[order])
+    part = np.array(cpu_int8.quantized_matmul(prompt[5:25], w, scales, biases, **kwargs))
+    np.testing.assert_array_equal(part, whole[5:25])
+    assert_close(mx.array(whole), expected(prompt, w, scales, biases, 32, bits))
 
 
 def test_other_widths_keep_the_float_path(module):
@@ -113,11 +124,12 @@ def test_other_widths_keep_the_float_path(module):
     np.testing.assert_array_equal(np.array(got), np.array(cpu_native.quantized_matmul(x, w, scales, biases, **kwargs)))
 
 
-def test_gather_form_rounds_each_row(module):
+@pytest.mark.parametrize("rows", [1, 20], ids=["decode", "prompt"])
+def test_gather_form_rounds_each_row(module, rows):
     E, N, K = 4, 40, 256
     w, scales, biases = packed(E * N, K, 4, 32)
     w, scales, biases = (a.reshape(E, N, -1) for a in (w, scales, biases))
-    x = mx.random.normal((3, 1, 1, K))
+    x = mx.random.normal((3, 1, rows, K))
     indices = mx.array([[2, 0], [1, 3], [3, 3]], dtype=mx.uint32)
     got = cpu_int8.gather_matmul(x, w, scales, biases, indices=indices, group_size=32, bits=4)
     for b in range(3):
