@@ -139,26 +139,53 @@ def backends_for(registry: Registry, op: str) -> list[tuple[str, int]]:
     return sorted(found, key=lambda item: -item[1])
 
 
+def kernel_preferences(choice: str) -> list[str]:
+    """The backends a choice names, in order: ``"cpu_int8"``, ``"auto"``, or a preference list
+    ``"cpu_int8, auto"`` (the first of them that can run here)."""
+    return [name.strip() for name in choice.split(",")]
+
+
 def select_kernel(registry: Registry, ctx: KernelContext, choice: str = "auto") -> tuple[str, Any]:
-    """Pick the backend for ``ctx.op``: the named one (validated) or the first supported by priority.
+    """Pick the backend for ``ctx.op``: the named one (validated), the first of a preference list
+    (``"cpu_int8, auto"``) that can run, or with ``auto`` the first supported by priority.
 
     :raises UnknownName: ``choice`` names no registered backend of the op.
-    :raises KernelUnavailable: the named backend, or with ``auto`` every backend, cannot run in
-        ``ctx``; the message lists each one's reasons.
+    :raises KernelUnavailable: the named backend, every one of the list, or with ``auto`` every
+        backend, cannot run in ``ctx``; the message lists each one's reasons.
     """
     candidates = backends_for(registry, ctx.op)
-    if choice != "auto":
-        if choice not in {name for name, _ in candidates}:
-            raise UnknownName(f"{ctx.op} kernel backend", choice, [name for name, _ in candidates])
-        backend = registry.get(f"{ctx.op}:{choice}")
+    preferences = kernel_preferences(choice)
+    for name in preferences:
+        if name != "auto" and name not in {name for name, _ in candidates}:
+            raise UnknownName(f"{ctx.op} kernel backend", name, [name for name, _ in candidates])
+    passed: list[str] = []
+    for name in preferences:
+        if name == "auto":
+            return _first_supported(registry, ctx, candidates, passed)
+        backend = registry.get(f"{ctx.op}:{name}")
         reasons = backend.supports(ctx)
-        if reasons:
+        if not reasons:
+            if passed:
+                log.info("kernel %s: chose %s (skipped %s)", ctx.op, name, " | ".join(passed))
+            return name, backend
+        if len(preferences) == 1:
             raise KernelUnavailable(
                 f"kernels.{ctx.op}: backend {choice!r} cannot run here: " + "; ".join(reasons)
                 + " (choose another backend or auto; `mlxr kernels` lists what runs here)"
             )
-        return choice, backend
-    rejected: list[str] = []
+        passed.append(f"{name}: {'; '.join(reasons)}")
+    raise KernelUnavailable(
+        f"kernels.{ctx.op}: none of {choice!r} can run here: " + " | ".join(passed)
+        + " (add auto to the list, or choose another backend; `mlxr kernels` lists what runs here)"
+    )
+
+
+def _first_supported(
+    registry: Registry, ctx: KernelContext, candidates: list[tuple[str, int]], passed: list[str]
+) -> tuple[str, Any]:
+    """``auto``: the first backend by priority that can run in ``ctx`` (after the ``passed`` ones of
+    a preference list)."""
+    rejected = list(passed)
     for name, _ in candidates:
         backend = registry.get(f"{ctx.op}:{name}")
         reasons = backend.supports(ctx)

@@ -108,6 +108,7 @@ def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
     """Names in ``config`` that no loaded plugin registered, with what is available."""
     from mlxr_core.config.structure import Problem
     from mlxr_core.errors import UnknownName
+    from mlxr_core.kernels import kernel_preferences
     from mlxr_core.model.kv_storage import kv_cache_problems
 
     registries = host.registries
@@ -126,8 +127,10 @@ def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
         for op, backend in choices.items():
             if op not in backends:
                 problems.append(Problem((*path, op), str(UnknownName("kernel op", op, backends))))
-            elif backend != "auto":
-                check((*path, op), f"{op} kernel backend", backend, backends[op])
+            else:
+                for name in kernel_preferences(backend):
+                    if name != "auto":
+                        check((*path, op), f"{op} kernel backend", name, backends[op])
 
     for index, api in enumerate(config.apis):
         check(("apis", index), "API", api, registries.apis.names())

