@@ -231,22 +231,39 @@ def host_load(processes: int, cpus: set[int] | None) -> Iterator[None]:
             proc.wait()
 
 
-def server_steps(base: str) -> tuple[float, float]:
-    """The server's ``mlxr_engine_steps_total`` and ``mlxr_engine_step_seconds_total``."""
+#: The engine's step counters, as /metrics names them and Engine.stats() keys them.
+STEP_COUNTERS = {
+    "mlxr_engine_steps_total": "steps",
+    "mlxr_engine_step_seconds_total": "step_seconds",
+    "mlxr_engine_between_steps_seconds_total": "between_steps_seconds",
+}
+
+
+def server_steps(base: str) -> tuple[float, ...]:
+    """The server's step counters (``STEP_COUNTERS``)."""
     values = {}
     for line in httpx.get(f"{base}/metrics", timeout=10).text.splitlines():
         name, _, value = line.partition(" ")
-        if name in ("mlxr_engine_steps_total", "mlxr_engine_step_seconds_total"):
+        if name in STEP_COUNTERS:
             values[name] = float(value)
-    return values.get("mlxr_engine_steps_total", 0.0), values.get("mlxr_engine_step_seconds_total", 0.0)
+    return tuple(values.get(name, 0.0) for name in STEP_COUNTERS)
 
 
-def step_figures(before: tuple[float, float], after: tuple[float, float]) -> dict[str, float]:
-    """Steps run between two readings of the counters and the mean milliseconds of one: a step
-    slowed by the server's work (the GIL shared with the event loop) shows here, whatever the
-    clients' own delays."""
-    steps, seconds = after[0] - before[0], after[1] - before[1]
-    return {"steps": steps, "step_ms": 1000 * seconds / steps if steps else float("nan")}
+def engine_steps(engine: Any) -> tuple[float, ...]:
+    """The in-process engine's step counters (``STEP_COUNTERS``)."""
+    counters = engine.stats()
+    return tuple(float(counters.get(key, 0.0)) for key in STEP_COUNTERS.values())
+
+
+def step_figures(before: tuple[float, ...], after: tuple[float, ...]) -> dict[str, float]:
+    """Steps run between two readings of the counters, the mean milliseconds of one, and the mean
+    milliseconds the engine's loop spent between one step and the next while the batch ran: a
+    step slowed by the server's work (the GIL shared with the event loop) shows in the first, a
+    loop held up between steps in the second, whatever the clients' own delays."""
+    steps, seconds, between = (b - a for a, b in zip(before, after, strict=True))
+    if not steps:
+        return {"steps": steps, "step_ms": float("nan"), "between_steps_ms": float("nan")}
+    return {"steps": steps, "step_ms": 1000 * seconds / steps, "between_steps_ms": 1000 * between / steps}
 
 
 def model_settings(args: argparse.Namespace) -> dict[str, str]:
@@ -420,23 +437,19 @@ def main(argv: list[str] | None = None) -> int:
                     time.sleep(0.5)  # an engine process reports its counters every 0.25 s
                     row.update(step_figures(before, server_steps(base)))
                     if engine is not None:
-                        counters = engine.stats()
-                        before = (counters["steps"], counters["step_seconds"])
+                        before = engine_steps(engine)
                         alone = engine_level(engine, "bench", n, args.gen_tokens, ids, args.logprobs)
-                        counters = engine.stats()
-                        alone.update(step_figures(before, (counters["steps"], counters["step_seconds"])))
+                        alone.update(step_figures(before, engine_steps(engine)))
                         row["engine"] = alone
                         row["http_vs_engine"] = row["aggregate_decode_tps"] / alone["aggregate_decode_tps"]
                         row["per_stream_http_vs_engine"] = (
                             row["per_stream_decode_tps_median"] / alone["per_stream_decode_tps_median"]
                         )
                         if args.engine_under_load:
-                            counters = engine.stats()
-                            before = (counters["steps"], counters["step_seconds"])
+                            before = engine_steps(engine)
                             with host_load(min(args.client_processes, n), client_cpus):
                                 loaded = engine_level(engine, "bench", n, args.gen_tokens, ids, args.logprobs)
-                            counters = engine.stats()
-                            loaded.update(step_figures(before, (counters["steps"], counters["step_seconds"])))
+                            loaded.update(step_figures(before, engine_steps(engine)))
                             row["engine_loaded"] = loaded
                             row["http_vs_engine_loaded"] = (
                                 row["aggregate_decode_tps"] / loaded["aggregate_decode_tps"]
@@ -479,7 +492,7 @@ def device_name() -> str:
 
 def print_table(levels: list[dict[str, Any]]) -> None:
     print(f"\n{'streams':>7} {'http tok/s':>10} {'engine':>8} {'http/eng':>8} {'per-stream':>10} {'engine':>8} "
-          f"{'ttft p50':>8} {'ttft p99':>8} {'eng ttft p99':>12} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8} {'http/loaded':>11} {'loaded step':>11}")
+          f"{'ttft p50':>8} {'ttft p99':>8} {'eng ttft p99':>12} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8} {'between':>8} {'eng betw':>8} {'http/loaded':>11} {'loaded step':>11}")
     nan = float("nan")
     for row in levels:
         alone: dict[str, float] = row.get("engine", {})
@@ -489,6 +502,7 @@ def print_table(levels: list[dict[str, Any]]) -> None:
             f"{alone.get('per_stream_decode_tps_median', nan):>8.1f} {row['ttft_p50_s']:>7.2f}s {row['ttft_p99_s']:>7.2f}s "
             f"{alone.get('ttft_p99_s', nan):>11.2f}s {row['itl_p50_ms']:>6.1f}ms {row['itl_p99_ms']:>6.1f}ms {alone.get('itl_p99_ms', nan):>9.1f}ms "
             f"{row.get('step_ms', nan):>6.2f}ms {alone.get('step_ms', nan):>6.2f}ms "
+            f"{row.get('between_steps_ms', nan):>6.2f}ms {alone.get('between_steps_ms', nan):>6.2f}ms "
             f"{row.get('http_vs_engine_loaded', nan):>11.2f} {row.get('engine_loaded', {}).get('step_ms', nan):>9.2f}ms"
         )
 

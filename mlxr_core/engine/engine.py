@@ -489,6 +489,7 @@ class Engine:
             "kv_bytes_reserved": scheduler.reserved_kv_bytes,
             "steps": scheduler.steps,
             "step_seconds": scheduler.step_seconds,
+            "between_steps_seconds": scheduler.between_steps_seconds,
             #: Draft tokens proposed and accepted, per model and drafting decoder.
             "decoders": scheduler.decoder_stats(),
             "lifecycle": self.lifecycle.stats() if self.lifecycle is not None else {},

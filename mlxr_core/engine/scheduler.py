@@ -67,6 +67,11 @@ class Scheduler:
         #: Batch steps run and the seconds they took, events handed over included (/metrics).
         self.steps = 0
         self.step_seconds = 0.0
+        #: Seconds the loop spent between a step and the next while a batch kept running (taking
+        #: requests in, jobs, and any wait for the GIL there): with step_seconds, a busy engine's
+        #: whole time.
+        self.between_steps_seconds = 0.0
+        self._last_step_end: float | None = None  # None: the last step left no batch running
         self.waiting: deque[RequestHandle] = deque()
         #: Jobs whose model is not loaded yet (see :mod:`mlxr_core.engine.lifecycle`).
         self.held_jobs: list[EngineJob] = []
@@ -331,10 +336,14 @@ class Scheduler:
 
     def _step(self, name: str, runner: BatchRunner) -> None:
         started = time.perf_counter()
+        if self._last_step_end is not None:
+            self.between_steps_seconds += started - self._last_step_end
         with delivered_together():  # the step's tokens reach each consumer loop in one hand-over
             self._step_once(name, runner)
-        self.step_seconds += time.perf_counter() - started
+        ended = time.perf_counter()
+        self.step_seconds += ended - started
         self.steps += 1
+        self._last_step_end = ended if any(r.busy for r in self.runners.values()) else None
 
     def _step_once(self, name: str, runner: BatchRunner) -> None:
         try:

@@ -157,6 +157,9 @@ class EngineCollector(Collector):
                                   "and decode steps of all running requests together).", value=stats.get("steps", 0))
         yield CounterMetricFamily("mlxr_engine_step_seconds", "Seconds the engine spent in batch steps, "
                                   "handing their events over included.", value=stats.get("step_seconds", 0.0))
+        yield CounterMetricFamily("mlxr_engine_between_steps_seconds", "Seconds the engine's loop spent "
+                                  "between one step and the next while a batch kept running.",
+                                  value=stats.get("between_steps_seconds", 0.0))
         yield from _prefix_cache_metrics(stats.get("prefix_cache") or {})
         yield from _lifecycle_metrics(stats.get("lifecycle") or {})
         yield from _rank_metrics(stats.get("ranks") or [])

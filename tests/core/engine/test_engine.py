@@ -191,3 +191,20 @@ def test_prompt_ids_that_are_not_token_ids_are_refused_before_queueing(engine, p
         engine.submit(bad)
     _, done, _ = collect(engine.submit(request(PROMPT, max_tokens=2)))
     assert isinstance(done, Finished)
+
+
+def test_the_loop_counts_its_time_between_steps_only_while_a_batch_runs(tiny_path):
+    eng = make_engine(tiny_path)
+    try:
+        collect(eng.submit(request(PROMPT, max_tokens=8, extra={"ignore_eos": True})))
+        stats = eng.stats()
+        assert stats["steps"] >= 8 and stats["step_seconds"] > 0
+        # Seven gaps at least between the request's steps, each a positive interval of the clock.
+        between = stats["between_steps_seconds"]
+        assert between > 0
+        time.sleep(0.3)  # idle: the loop waits for requests, which is not time between steps
+        assert eng.stats()["between_steps_seconds"] == between
+        collect(eng.submit(request(PROMPT, max_tokens=4, extra={"ignore_eos": True})))
+        assert eng.stats()["between_steps_seconds"] > between
+    finally:
+        eng.stop()
