@@ -1003,6 +1003,9 @@ inline void amx_rows(const Problem& p, int n_begin, int n_end) {
         std::memcpy(b, from, size_t(p.G) * sizeof(float));
       }
     }
+    // GCC's _tile_loadd does not tell the compiler it reads memory: the weight bytes just written
+    // must not be reordered past the tile loads below.
+    asm volatile("" ::: "memory");
     for (int t = 0; t * 16 < p.M; ++t) {
       __m512 acc[16];
       #pragma GCC unroll 16
