@@ -11,6 +11,11 @@ HTTP; ``http_vs_engine`` is the HTTP aggregate over the engine's. Levels alterna
 within a round (``--rounds``); the ratios are medians over rounds. Both aggregates are
 N x (gen - 1) tokens over first first token to last token. Loopback only, bounded in count and time.
 
+Where the time goes, per level: the engine's mean step and its loop's mean time between steps
+(``step_ms``, ``between_steps_ms``; the server's from /metrics, the engine alone's from its
+counters), and the server's event loop's CPU time per token streamed (``loop_cpu_us_per_token``,
+its main thread's from /proc) with the whole server process's (``server_cpu_s``).
+
 Each client process opens its connections (``/health``) a second before the streams start, so that
 a fresh process's first request does not stagger them. ``--engine-under-load`` runs each engine
 level a second time with as many busy-looping processes as client processes, on the clients' CPUs:
@@ -133,7 +138,10 @@ async def streams(
 
 
 def _client(job: tuple[str, str, int, int, str, bool, float]) -> list[dict[str, Any]]:
-    return asyncio.run(streams(*job))
+    try:
+        return asyncio.run(streams(*job))
+    except httpx.HTTPStatusError as exc:  # not picklable: the pool would hang on it
+        raise RuntimeError(f"{exc} ({exc.response.text[:200]})") from None
 
 
 def summarize(n: int, gen: int, results: list[dict[str, Any]], started: float) -> dict[str, Any]:
@@ -229,6 +237,27 @@ def host_load(processes: int, cpus: set[int] | None) -> Iterator[None]:
             proc.kill()
         for proc in busy:
             proc.wait()
+
+
+def server_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of the server's main thread (its event loop: parsing requests, detokenizing,
+    encoding and writing every chunk) and of its whole process so far (Linux's /proc; zeros
+    elsewhere)."""
+    def seconds(stat: Path) -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    try:
+        return seconds(Path(f"/proc/{pid}/task/{pid}/stat")), seconds(Path(f"/proc/{pid}/stat"))
+    except OSError:
+        return 0.0, 0.0
+
+
+def cpu_figures(before: tuple[float, float], after: tuple[float, float], tokens: int) -> dict[str, float]:
+    """The server's CPU time during a level: its event loop's per token streamed, and the whole
+    process's (the engine's thread included when it runs in one) per second of the level."""
+    loop, process = after[0] - before[0], after[1] - before[1]
+    return {"loop_cpu_us_per_token": 1e6 * loop / tokens, "server_cpu_s": process}
 
 
 #: The engine's step counters, as /metrics names them and Engine.stats() keys them.
@@ -431,11 +460,13 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 rows = []
                 for n in levels:
-                    before = server_steps(base)
+                    before, cpu_before = server_steps(base), server_cpu(server.pid)
                     row = http_level(base, "bench", n, args.gen_tokens, args.prompt, args.logprobs,
                                      args.client_processes, client_cpus)
                     time.sleep(0.5)  # an engine process reports its counters every 0.25 s
+                    cpu_after = server_cpu(server.pid)  # before /metrics renders on the event loop
                     row.update(step_figures(before, server_steps(base)))
+                    row.update(cpu_figures(cpu_before, cpu_after, n * args.gen_tokens))
                     if engine is not None:
                         before = engine_steps(engine)
                         alone = engine_level(engine, "bench", n, args.gen_tokens, ids, args.logprobs)
@@ -492,7 +523,7 @@ def device_name() -> str:
 
 def print_table(levels: list[dict[str, Any]]) -> None:
     print(f"\n{'streams':>7} {'http tok/s':>10} {'engine':>8} {'http/eng':>8} {'per-stream':>10} {'engine':>8} "
-          f"{'ttft p50':>8} {'ttft p99':>8} {'eng ttft p99':>12} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8} {'between':>8} {'eng betw':>8} {'http/loaded':>11} {'loaded step':>11}")
+          f"{'ttft p50':>8} {'ttft p99':>8} {'eng ttft p99':>12} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8} {'between':>8} {'eng betw':>8} {'loop cpu':>9} {'http/loaded':>11} {'loaded step':>11}")
     nan = float("nan")
     for row in levels:
         alone: dict[str, float] = row.get("engine", {})
@@ -503,6 +534,7 @@ def print_table(levels: list[dict[str, Any]]) -> None:
             f"{alone.get('ttft_p99_s', nan):>11.2f}s {row['itl_p50_ms']:>6.1f}ms {row['itl_p99_ms']:>6.1f}ms {alone.get('itl_p99_ms', nan):>9.1f}ms "
             f"{row.get('step_ms', nan):>6.2f}ms {alone.get('step_ms', nan):>6.2f}ms "
             f"{row.get('between_steps_ms', nan):>6.2f}ms {alone.get('between_steps_ms', nan):>6.2f}ms "
+            f"{row.get('loop_cpu_us_per_token', nan):>6.1f}us "
             f"{row.get('http_vs_engine_loaded', nan):>11.2f} {row.get('engine_loaded', {}).get('step_ms', nan):>9.2f}ms"
         )
 
