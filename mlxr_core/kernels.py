@@ -154,10 +154,11 @@ def select_kernel(registry: Registry, ctx: KernelContext, choice: str = "auto") 
         backend, cannot run in ``ctx``; the message lists each one's reasons.
     """
     candidates = backends_for(registry, ctx.op)
+    known = [known_name for known_name, _ in candidates]
     preferences = kernel_preferences(choice)
     for name in preferences:
-        if name != "auto" and name not in {name for name, _ in candidates}:
-            raise UnknownName(f"{ctx.op} kernel backend", name, [name for name, _ in candidates])
+        if name != "auto" and name not in known:
+            raise UnknownName(f"{ctx.op} kernel backend", name, known)
     passed: list[str] = []
     for name in preferences:
         if name == "auto":

@@ -417,31 +417,26 @@ class QuantizedMatmul : public mx::UnaryPrimitive {
     }
     // A prompt's int8 rows (per expert row block in the gather form) through AMX where it runs.
     if (integer && problems.front().M >= kAmxRows && amx_ready()) {
+      // Every problem has as many rows: problem k's tiles of 16 rows are k * per_problem onwards.
       const int blocks = K / 32;
-      size_t tiles = 0;
-      for (const auto& p : problems) {
-        tiles += size_t(p.M + 15) / 16;
-      }
+      const int per_problem = (problems.front().M + 15) / 16;
+      const size_t tiles = problems.size() * per_problem;
       xt.resize(tiles * blocks * 512);
       xdt.resize(tiles * blocks * 16);
       xbt.resize(tiles * blocks * 16);
-      size_t at = 0;
-      for (auto& p : problems) {
-        p.xt = xt.data() + at * blocks * 512;
-        p.xdt = xdt.data() + at * blocks * 16;
-        p.xbt = xbt.data() + at * blocks * 16;
-        at += size_t(p.M + 15) / 16;
+      for (size_t k = 0; k < problems.size(); ++k) {
+        const size_t first = k * per_problem;
+        problems[k].xt = xt.data() + first * blocks * 512;
+        problems[k].xdt = xdt.data() + first * blocks * 16;
+        problems[k].xbt = xbt.data() + first * blocks * 16;
       }
-      // Tile i: tile i % per_problem of problem i / per_problem (every problem has as many rows).
-      const int per_problem = (problems.front().M + 15) / 16;
-      mlxr::parallel_for(int(problems.size()) * per_problem,
-                         [ps = problems.data(), per_problem, blocks, K, bits, t = xt.data(), d = xdt.data(),
-                          b = xbt.data()](int i) {
-                           const Problem& p = ps[i / per_problem];
-                           const size_t first = size_t(i - i % per_problem);
-                           prepare_amx_input(p.xq, p.xd, p.xb, p.M, K, bits, t + first * blocks * 512,
-                                             d + first * blocks * 16, b + first * blocks * 16, i % per_problem);
-                         });
+      mlxr::parallel_for(int(tiles), [ps = problems.data(), per_problem, blocks, K, bits, t = xt.data(),
+                                      d = xdt.data(), b = xbt.data()](int i) {
+        const Problem& p = ps[i / per_problem];
+        const size_t first = size_t(i - i % per_problem);
+        prepare_amx_input(p.xq, p.xd, p.xb, p.M, K, bits, t + first * blocks * 512, d + first * blocks * 16,
+                          b + first * blocks * 16, i % per_problem);
+      });
     }
     run(problems);
     if (!direct) {
