@@ -141,8 +141,8 @@ class BatchRunner:
         self.fresh: list[bool] = []  # row's token is its last prompt token, not a generated one
         #: Per row, what its rotary position adds to its cache position (M-RoPE after images).
         self.shifts: list[int] = []
-        #: Per row, the (lazy) logprob arrays of its token in ``tokens``, for rows that asked.
-        self.logprobs: list[tuple[mx.array, ...] | None] = []
+        #: Per row that asked, its token in ``tokens``'s logprobs: the step's arrays and its row in them.
+        self.logprobs: list[tuple[StepLogprobs, int] | None] = []
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -297,8 +297,8 @@ class BatchRunner:
         shift = mx.array(self.shifts) if any(self.shifts) else None
         logits = self.model.decode(tokens, caches, mask, shift)
         following = self._sample(logits, failed)
-        following_logprobs = self._logprobs(logits, following)
-        mx.async_eval(following, *[a for lp in following_logprobs if lp is not None for a in lp])
+        following_logprobs, step_logprobs = self._logprobs(logits, following)
+        mx.async_eval(following, *(step_logprobs.arrays if step_logprobs is not None else ()))
 
         keep: list[int] = []
         if values is None:
@@ -315,10 +315,11 @@ class BatchRunner:
                 self.fresh[row] = False
                 keep.append(row)
                 continue
-            arrays = self.logprobs[row]
+            asked = self.logprobs[row]
             logprob = None
-            if arrays is not None:
-                logprob = to_token_logprob(token, [array.tolist()[0] for array in arrays])  # type: ignore[index]
+            if asked is not None:
+                step_logprobs, index = asked
+                logprob = to_token_logprob(token, step_logprobs.row(index, seq.sampler.logprobs or 0))
             try:
                 reason = seq.accept(token, logprob)
             except Exception as exc:
@@ -362,13 +363,37 @@ class BatchRunner:
             rows.append(mx.argmax(row, axis=-1).astype(mx.int32))
         return mx.concatenate(rows)
 
-    def _logprobs(self, logits: mx.array, tokens: mx.array) -> list[tuple[mx.array, ...] | None]:
-        """For the rows that asked for logprobs, those of their sampled token (lazy)."""
-        out: list[tuple[mx.array, ...] | None] = []
-        for i, seq in enumerate(self.running):
-            top = seq.sampler.logprobs
-            out.append(None if top is None else token_logprobs(logits[i : i + 1], tokens[i : i + 1], top))
-        return out
+    def _logprobs(
+        self, logits: mx.array, tokens: mx.array
+    ) -> tuple[list[tuple[StepLogprobs, int] | None], StepLogprobs | None]:
+        """For the rows that asked for logprobs, those of their sampled token: one set of (lazy)
+        arrays for the whole batch, with as many top alternatives as the row asking most, and
+        each row's index in it (a handful of ops a step, not a handful per row)."""
+        tops = [seq.sampler.logprobs for seq in self.running]
+        asking = [top for top in tops if top is not None]
+        if not asking:
+            return [None] * len(tops), None
+        step = StepLogprobs(token_logprobs(logits, tokens, max(asking)))
+        return [None if top is None else (step, row) for row, top in enumerate(tops)], step
+
+
+class StepLogprobs:
+    """One decode step's :func:`token_logprobs` arrays for every row of the batch, read back from
+    the device once, when the first row asks."""
+
+    def __init__(self, arrays: tuple[mx.array, ...]):
+        self.arrays = arrays
+        self._values: list[list[Any]] | None = None
+
+    def row(self, index: int, top: int) -> list[Any]:
+        """Row ``index``'s chosen logprob and its ``top`` best alternatives (ids, logprobs), as
+        :func:`to_token_logprob` reads them."""
+        if self._values is None:
+            self._values = [array.tolist() for array in self.arrays]  # type: ignore[misc]
+        values = self._values
+        if top <= 0 or len(values) < 3:
+            return [values[0][index]]
+        return [values[0][index], values[1][index][:top], values[2][index][:top]]
 
 
 def fail_sequence(seq: Sequence, exc: BaseException) -> None:

@@ -16,6 +16,9 @@ path here (one query position, ``L == 1``) is one launch of ``mlxr_flash_decode`
    an atomic counter, merges all chunks and writes the output. One launch instead of a split and a
    reduce kernel matters as much as the GPU time: MLX spends a few microseconds of CPU per
    primitive, and a decode step is many small primitives.
+   Where the batch alone gives the GPU enough blocks (32 rows x 8 KV heads), the sequence is not
+   split: each block writes its output, and there is no workspace for MLX to zero-fill first (two
+   fill kernels fewer per call).
 
 K and V are read in place through their strides (``ensure_row_contiguous=False``): the KV cache
 hands attention ``keys[..., :offset, :]``, a view of a larger pre-allocated buffer, and a
@@ -102,10 +105,13 @@ __device__ __forceinline__ bool vectorizable(const T* p, const Strides& st, bool
 
 # Template: T (dtype), D (head dim), HPB (query heads per block), NT (threads), U (K/V rows per
 # row group per step), SCALE_BITS (the softmax scale's float32 bits: a float cannot be a template
-# argument, and a model's scale never changes, so this costs one compilation per model).
-# Outputs: o [B, Hq, 1, D] and ws, a float32 workspace MLX zero-fills (init_value=0): per query
-# head and split the unnormalized output, max and sum (D + 2 floats), then one arrival counter
-# per (batch row, KV head, head group).
+# argument, and a model's scale never changes, so this costs one compilation per model), SPLIT
+# (1: the sequence is split over several blocks, merged by the last to finish; 0: one block per
+# group, which writes its output directly).
+# Outputs: o [B, Hq, 1, D] and ws, a float32 workspace. Split, MLX zero-fills it (init_value=0):
+# per query head and split the unnormalized output, max and sum (D + 2 floats), then one arrival
+# counter per (batch row, KV head, head group). Unsplit, ws is one float, never read or written,
+# and nothing is filled: the call is one launch, not three.
 _SOURCE = r"""
   constexpr int EPT = 8;                    // features per thread
   constexpr int P = EPT * sizeof(T) / 16;   // 16-byte registers per row slice: 1, or 2 in float32
@@ -297,6 +303,11 @@ _SOURCE = r"""
         out += w * s_acc[r][h][d];
       }
     }
+    if (!SPLIT) {  // the block saw every key of its group: the output, normalized
+      // A row that masks every key: 0, as the merge below writes.
+      o[(long long)(b * Hq + hq0 + h) * D + d] = static_cast<T>(sum > 0.f ? out / sum : 0.f);
+      continue;
+    }
     float* part = partials + ((long long)(b * Hq + hq0 + h) * n_splits + split) * (D + 2);
     part[d] = out;
     if (d == 0) {
@@ -305,6 +316,7 @@ _SOURCE = r"""
     }
   }
 
+  if (!SPLIT) return;
   // The last block of the group to finish merges every split (threadFenceReduction pattern):
   // one launch, no second kernel.
   __threadfence();
@@ -505,8 +517,11 @@ def decode_plan(
     if not (scale > 0 and math.isfinite(scale)):
         return f"scale {scale} (fused: positive and finite)"
     layout = layout_for(B, Hq, Hkv, D, q.dtype, scale, max_heads_per_block, keys_per_step)
-    # Enough splits to give the GPU ~target_blocks blocks, each at least one tile of keys.
-    n_splits = min(-(-S // layout.tile), -(-target_blocks // layout.blocks_per_split), MAX_SPLITS)
+    # Enough splits to give the GPU about target_blocks blocks (the nearest count: a batch of 32
+    # rows with 8 KV heads has 256 groups, and runs unsplit in one launch), each at least one
+    # tile of keys.
+    wanted = max(1, (target_blocks + layout.blocks_per_split // 2) // layout.blocks_per_split)
+    n_splits = min(-(-S // layout.tile), wanted, MAX_SPLITS)
     return DecodePlan(B, Hq, Hkv, S, D, layout, n_splits)
 
 
@@ -538,15 +553,20 @@ def flash_decode(
             mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
         inputs.append(mask)
         template.append(("MASK_KIND", 1 if mask.dtype == mx.bool_ else 2))
-    # MLX zero-fills both outputs (init_value): the arrival counters must start at 0.
+    if n_splits == 1:  # one block per group writes the output: no workspace to fill
+        template.append(("SPLIT", 0))
+        workspace, init = 1, None
+    else:  # MLX zero-fills both outputs (init_value): the arrival counters must start at 0
+        template.append(("SPLIT", 1))
+        workspace, init = B * Hq * n_splits * (D + 2) + blocks_per_split, 0.0
     out, _ = _kernel(mask is not None)(
         inputs=inputs,
         template=template,
         grid=(n_splits * THREADS, blocks_per_split, 1),
         threadgroup=(THREADS, 1, 1),
-        output_shapes=[(B, Hq, 1, D), (B * Hq * n_splits * (D + 2) + blocks_per_split,)],
+        output_shapes=[(B, Hq, 1, D), (workspace,)],
         output_dtypes=[q.dtype, mx.float32],
-        init_value=0.0,
+        init_value=init,
     )
     return out
 

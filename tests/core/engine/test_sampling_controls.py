@@ -138,24 +138,50 @@ def test_invalid_sampling_parameters_are_refused_at_submit(engine):
         run(engine, repetition_penalty=0.0)
 
 
-def test_logprobs_match_a_full_forward_pass(engine, tiny_path):
-    deltas = events_of(run(engine, max_tokens=8, logprobs=3))
+def check_logprobs(model, prompt, deltas, top):
+    """Each token's logprob and its ``top`` alternatives against one forward pass over prompt +
+    output, independent of the engine's cache and batch."""
     tokens = [t for d in deltas for t in d.token_ids]
     logprobs = [lp for d in deltas for lp in d.logprobs]
-    assert len(logprobs) == len(tokens) == 8
-
-    # Independent of the engine's cache and batch: one forward pass over prompt + output.
-    model = load_model(ModelConfig(path=str(tiny_path), name="tiny"), load_plugins().registries)
-    logits = model.model(mx.array([PROMPT + tokens[:-1]]))[0, len(PROMPT) - 1 :, :].astype(mx.float32)
+    assert len(logprobs) == len(tokens)
+    logits = model.model(mx.array([list(prompt) + tokens[:-1]]))[0, len(prompt) - 1 :, :].astype(mx.float32)
     expected = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
         assert lp.token == token
         assert math.isclose(lp.logprob, expected[i, token].item(), abs_tol=2e-3)
-        assert len(lp.top) == 3
-        assert lp.top[0][0] == token  # greedy: the chosen token is the most likely
-        best = mx.argsort(-expected[i])[:3].tolist()
-        assert [t for t, _ in lp.top] == best
-        assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:], strict=False))
+        assert len(lp.top) == top
+        if top:
+            assert lp.top[0][0] == token  # greedy: the chosen token is the most likely
+            best = mx.argsort(-expected[i])[:top].tolist()
+            assert [t for t, _ in lp.top] == best
+            assert all(a[1] >= b[1] for a, b in zip(lp.top, lp.top[1:], strict=False))
+            for t, value in lp.top:
+                assert math.isclose(value, expected[i, t].item(), abs_tol=2e-3)
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_path):
+    return load_model(ModelConfig(path=str(tiny_path), name="tiny"), load_plugins().registries)
+
+
+def test_logprobs_match_a_full_forward_pass(engine, reference_model):
+    deltas = events_of(run(engine, max_tokens=8, logprobs=3))
+    assert sum(len(d.token_ids) for d in deltas) == 8
+    check_logprobs(reference_model, PROMPT, deltas, 3)
+
+
+def test_logprobs_of_rows_sharing_a_batch(engine, reference_model):
+    """One step's logprobs are computed for the whole batch at once: rows asking for different
+    numbers of alternatives (or none), with prompts of different lengths, each get their own."""
+    asks = [(PROMPT, 3), (PROMPT[:4], 0), ([9, 3, 14, 15, 92, 6, 5, 35, 8], None), ([7, 7, 2], 1)]
+    handles = [run(engine, prompt=prompt, max_tokens=10, logprobs=top) for prompt, top in asks]
+    for (prompt, top), handle in zip(asks, handles, strict=True):
+        deltas = events_of(handle)
+        assert sum(len(d.token_ids) for d in deltas) == 10
+        if top is None:
+            assert all(d.logprobs == () for d in deltas)
+        else:
+            check_logprobs(reference_model, prompt, deltas, top)
 
 
 def test_logprobs_zero_gives_the_chosen_token_only(engine):

@@ -80,9 +80,22 @@ def test_decode_with_no_mask_or_causal_is_fused(mask, D):
     assert (plan.B, plan.Hq, plan.Hkv, plan.S, plan.D) == (1, 32, 8, 1000, D)
     # Enough chunks to fill the GPU, each at least one tile, never more than the merge holds.
     assert 1 <= plan.n_splits <= min(math.ceil(1000 / plan.layout.tile), cuda.MAX_SPLITS)
-    assert plan.n_splits * plan.layout.blocks_per_split >= min(
-        cuda.TARGET_BLOCKS, math.ceil(1000 / plan.layout.tile) * plan.layout.blocks_per_split
+    blocks = plan.layout.blocks_per_split
+    assert abs(plan.n_splits * blocks - cuda.TARGET_BLOCKS) <= blocks / 2 or (
+        plan.n_splits == math.ceil(1000 / plan.layout.tile)
     )
+
+
+def test_a_batch_with_enough_groups_runs_unsplit():
+    """32 rows x 8 KV heads are 256 blocks without splitting the sequence: one launch that
+    writes the output, no workspace to zero-fill; 8 rows split it in four."""
+    q, k, v = qkv(B=32, D=64, S=150)
+    plan = cuda.decode_plan(q, k, v, scale=0.125, mask=mx.ones((32, 1, 1, 150), dtype=mx.bool_))
+    assert isinstance(plan, cuda.DecodePlan) and plan.layout.blocks_per_split == 256
+    assert plan.n_splits == 1
+    q, k, v = qkv(B=8, D=64, S=1000)
+    plan = cuda.decode_plan(q, k, v, scale=0.125, mask=None)
+    assert isinstance(plan, cuda.DecodePlan) and plan.n_splits == 4
 
 
 @pytest.mark.parametrize("case, expected", [
@@ -232,6 +245,21 @@ def test_cuda_masked_decode_parity(dtype, kind, D, S):
     out = cuda.attention(q, k, v, scale=D**-0.5, mask=mask)
     assert out.shape == q.shape and out.dtype == dtype
     close(out, reference.attention(q, k, v, scale=D**-0.5, mask=mask), dtype)
+
+
+@pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("B, S", [(32, 150), (32, 3000), (4, 1000)])
+def test_cuda_padded_batch_parity(dtype, B, S):
+    """A batch of rows that joined at different steps, as the engine decodes it: 32 rows unsplit
+    (each block writes its output), 4 rows with the sequence split over blocks."""
+    q, k, v = qkv(B=B, Hq=32, Hkv=8, S=S, D=64, dtype=dtype, seed=S)
+    pads = mx.array([(row * 7) % (S // 2) for row in range(B)])
+    mask = (mx.arange(S)[None, :] >= pads[:, None])[:, None, None, :]
+    plan = cuda.decode_plan(q, k, v, scale=0.125, mask=mask)
+    assert isinstance(plan, cuda.DecodePlan) and (plan.n_splits == 1) == (B == 32)
+    out = cuda.attention(q, k, v, scale=0.125, mask=mask)
+    close(out, reference.attention(q, k, v, scale=0.125, mask=mask), dtype)
 
 
 @pytest.mark.skipif(PLATFORM != "metal", reason=METAL_REASON or "needs Metal")
