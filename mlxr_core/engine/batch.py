@@ -3,7 +3,11 @@
 A request is first prefilled on its own, one chunk per engine step so a long prompt never stalls
 the running streams; then its caches join the batch (each layer's
 :meth:`~mlxr_core.model.cache.LayerCache.to_batch`: attention rows right-aligned, recurrent states
-stacked), and every step decodes one token for all rows in one forward pass. The step is double-buffered:
+stacked), and every step decodes one token for all rows in one forward pass. Requests that arrive
+together, with whole prompts within a step's budget, are prefilled together: one forward pass over
+their prompts right-aligned in a batch cache (where the model's caches are plain attention caches:
+a recurrent state or a packed cache would take in the padding), which then joins the batch as it
+is; 32 short prompts take one pass instead of 32. The step is double-buffered:
 the graph of step n+1 is queued (``mx.async_eval``) before the tokens of step n are read back.
 A failure that belongs to one request (its prefill, its sampler, its detokenizing) ends that request
 alone; the scheduler fails the whole batch only for a failure of the batch's own forward pass.
@@ -21,6 +25,7 @@ import mlx.core as mx
 from mlxr_core.engine.decoding import SamplerContext, make_sampler, to_token_logprob, token_logprobs
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.images import PromptImages
+from mlxr_core.engine.prefix_cache import MIN_REUSE
 from mlxr_core.engine.request import (
     Delta,
     Failed,
@@ -32,7 +37,14 @@ from mlxr_core.engine.request import (
 )
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
-from mlxr_core.model.cache import BatchLayerCache, batch_mask, reserve_bytes
+from mlxr_core.model.cache import (
+    BatchKVCache,
+    BatchLayerCache,
+    KVCache,
+    batch_mask,
+    prompts_mask,
+    reserve_bytes,
+)
 from mlxr_core.model.vision import logits_with_images
 
 if TYPE_CHECKING:
@@ -141,6 +153,8 @@ class BatchRunner:
         self.fresh: list[bool] = []  # row's token is its last prompt token, not a generated one
         #: Per row, what its rotary position adds to its cache position (M-RoPE after images).
         self.shifts: list[int] = []
+        #: Requests whose prompts were prefilled together with others' (:meth:`_prefill_together`).
+        self.prompts_together = 0
         #: Per row that asked, its token in ``tokens``'s logprobs: the step's arrays and its row in them.
         self.logprobs: list[tuple[StepLogprobs, int] | None] = []
 
@@ -182,7 +196,7 @@ class BatchRunner:
         """Advance every request by one unit of work: one prefill chunk and/or one decode token."""
         self._drop_cancelled_prefills()
         # Several short prompts may share one step's prefill budget; a long one takes it all.
-        budget = self.config.prefill_chunk
+        budget = self.config.prefill_chunk - self._prefill_together(self.config.prefill_chunk)
         while self.prefilling and budget > 0:
             seq = self.prefilling[0]
             try:
@@ -245,6 +259,65 @@ class BatchRunner:
             self._join(seq)
         return max(chunk, 1)
 
+    def _prefill_together(self, budget: int) -> int:
+        """Prefill the whole prompts of the first waiting requests in one forward pass, when two
+        or more can (:meth:`_together`), and join them to the batch; the tokens it took of
+        ``budget`` (padding included), 0 when it did nothing."""
+        group = self._together(budget)
+        if len(group) < 2:
+            return 0
+        lengths = [seq.pending_prompt for seq in group]
+        longest = max(lengths)
+        pads = [longest - length for length in lengths]
+        ids = mx.array(
+            [[0] * pad + seq.prompt[:length] for pad, length, seq in zip(pads, lengths, group, strict=True)],
+            dtype=mx.int32,
+        )
+        layers = len(group[0].cache or ())
+        caches = [BatchKVCache.for_prompts(pads) for _ in range(layers)]
+        for seq in group:
+            self.prefilling.remove(seq)
+        try:
+            self.model.model(ids, cache=caches, mask=prompts_mask(pads, longest) if any(pads) else None)
+            mx.eval([array for cache in caches for array in cache.state])
+        except Exception as exc:  # these requests' own prefill: the batch is untouched
+            for seq in group:
+                fail_sequence(seq, exc)
+            return len(group) * longest
+        prefix = self.prefix_cache
+        for row, (seq, length) in enumerate(zip(group, lengths, strict=True)):
+            seq.prefilled = length
+            if prefix is not None and length >= MIN_REUSE:
+                rows: list[Any] = [cache.extract(row) for cache in caches]
+                if prefix.store(self._cache_key(seq)[:length], rows):
+                    seq.written = length
+        self._append_rows(group, caches)
+        self.prompts_together += len(group)
+        return len(group) * longest
+
+    def _together(self, budget: int) -> list[Sequence]:
+        """The waiting requests, from the first on, whose whole prompts one forward pass can
+        prefill: text only, nothing reused from the prefix cache, plain attention caches, within
+        ``budget`` and the batch's free rows (padding counted)."""
+        if self.model.vision is not None:
+            return []
+        room = min(budget, self.config.max_batch_tokens - len(self.running))
+        free = self.config.max_batch_size - len(self.running)
+        group: list[Sequence] = []
+        longest = 0
+        for seq in self.prefilling:
+            if len(group) >= free or seq.images is not None:
+                break
+            if seq.cache is None:
+                seq.cache = self._start_cache(seq)
+            if seq.prefilled or seq.pending_prompt < 1 or not all(type(cache) is KVCache for cache in seq.cache):
+                break
+            longest = max(longest, seq.pending_prompt)
+            if (len(group) + 1) * longest > room:
+                break
+            group.append(seq)
+        return group
+
     def _start_cache(self, seq: Sequence) -> list[Any]:
         if self.prefix_cache is not None:
             reused, caches = self.prefix_cache.lookup(
@@ -261,19 +334,24 @@ class BatchRunner:
         return seq.prompt if seq.images is None else seq.images.cache_key(seq.prompt)
 
     def _join(self, seq: Sequence) -> None:
-        last = mx.array([seq.prompt[-1]], dtype=mx.int32)
-        rows = [cache.to_batch() for cache in seq.cache or self.model.make_cache()]
+        self._append_rows([seq], [cache.to_batch() for cache in seq.cache or self.model.make_cache()])
+
+    def _append_rows(self, seqs: list[Sequence], rows: list[Any]) -> None:
+        """Add ``seqs``, prefilled in the batch caches ``rows`` (one per layer, a row each), to
+        the running batch; each decodes its prompt's last token first."""
+        last = mx.array([seq.prompt[-1] for seq in seqs], dtype=mx.int32)
         if self.caches is None or self.tokens is None:
             self.caches, self.tokens = rows, last
         else:
             for batch, row in zip(self.caches, rows, strict=True):
                 batch.extend(row)
             self.tokens = mx.concatenate([self.tokens, last])
-        seq.cache = None
-        self.running.append(seq)
-        self.fresh.append(True)
-        self.logprobs.append(None)
-        self.shifts.append(seq.images.shift if seq.images is not None else 0)
+        for seq in seqs:
+            seq.cache = None
+            self.running.append(seq)
+            self.fresh.append(True)
+            self.logprobs.append(None)
+            self.shifts.append(seq.images.shift if seq.images is not None else 0)
 
     def _decode(self) -> None:
         assert self.caches is not None and self.tokens is not None

@@ -490,6 +490,7 @@ class Engine:
             "steps": scheduler.steps,
             "step_seconds": scheduler.step_seconds,
             "between_steps_seconds": scheduler.between_steps_seconds,
+            "prompts_prefilled_together": scheduler.prompts_prefilled_together,
             #: Draft tokens proposed and accepted, per model and drafting decoder.
             "decoders": scheduler.decoder_stats(),
             "lifecycle": self.lifecycle.stats() if self.lifecycle is not None else {},

@@ -72,6 +72,8 @@ class Scheduler:
         #: whole time.
         self.between_steps_seconds = 0.0
         self._last_step_end: float | None = None  # None: the last step left no batch running
+        #: Requests prefilled together with others by the runners of unloaded models (/metrics).
+        self._retired_together = 0
         self.waiting: deque[RequestHandle] = deque()
         #: Jobs whose model is not loaded yet (see :mod:`mlxr_core.engine.lifecycle`).
         self.held_jobs: list[EngineJob] = []
@@ -105,6 +107,8 @@ class Scheduler:
         """Stop serving the idle model ``name``: its prefix cache goes to its disk tier, its
         decoders drop their arrays, and nothing here refers to it any more."""
         runner = self.runners.pop(name, None)
+        if runner is not None:
+            self._retired_together += runner.prompts_together
         if runner is not None and runner.prefix_cache is not None:
             try:
                 runner.prefix_cache.close()
@@ -151,6 +155,11 @@ class Scheduler:
     @property
     def kv_bytes(self) -> int:
         return sum(runner.kv_bytes for runner in list(self.runners.values()))
+
+    @property
+    def prompts_prefilled_together(self) -> int:
+        """Requests whose prompts were prefilled in one forward pass with others'."""
+        return self._retired_together + sum(runner.prompts_together for runner in list(self.runners.values()))
 
     @property
     def reserved_kv_bytes(self) -> int:

@@ -160,6 +160,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("mlxr_engine_between_steps_seconds", "Seconds the engine's loop spent "
                                   "between one step and the next while a batch kept running.",
                                   value=stats.get("between_steps_seconds", 0.0))
+        yield CounterMetricFamily("mlxr_engine_prompts_prefilled_together", "Requests whose prompts were "
+                                  "prefilled in one forward pass with other requests' (arriving together).",
+                                  value=stats.get("prompts_prefilled_together", 0))
         yield from _prefix_cache_metrics(stats.get("prefix_cache") or {})
         yield from _lifecycle_metrics(stats.get("lifecycle") or {})
         yield from _rank_metrics(stats.get("ranks") or [])

@@ -123,6 +123,18 @@ def batch_mask(caches: Sequence[Any]) -> mx.array | None:
     return mask
 
 
+def prompts_mask(left_padding: Sequence[int], length: int) -> mx.array:
+    """Boolean ``[B, 1, length, length]`` mask of a batch of prompts prefilled together,
+    right-aligned after ``left_padding[i]`` padding positions: each position sees the earlier
+    positions of its own prompt and itself. A padding position sees itself only, so that no
+    row of attention is empty (its output is never used, but must stay finite)."""
+    positions = mx.arange(length)
+    rows, cols = positions[:, None], positions[None, :]
+    pads = mx.array(list(left_padding))[:, None, None]
+    mask: mx.array = ((cols <= rows) & (cols >= pads)) | (cols == rows)
+    return mask[:, None]
+
+
 def reserve_bytes(caches: Sequence[Any], tokens: int, kv_per_token: int, itemsize: int) -> int:
     """Bytes one sequence of ``tokens`` positions needs in ``caches`` (a fresh ``make_cache()``):
     ``kv_per_token`` per position for the attention layers, plus each other layer's own."""
@@ -372,6 +384,14 @@ class BatchKVCache(RightAlignedRows, WritesAndAttends):
         """A one-row batch from a single-sequence cache (e.g. after its prefill)."""
         assert cache.keys is not None and cache.values is not None
         return cls(cache.keys, cache.values, [0] * cache.keys.shape[0], cache.offset)
+
+    @classmethod
+    def for_prompts(cls, left_padding: list[int]) -> BatchKVCache:
+        """Rows with no positions yet, to prefill together: row ``i``'s prompt is written after
+        ``left_padding[i]`` padding positions, so that every row ends at the same position (its
+        heads and dtype are taken from the first keys written)."""
+        nothing = mx.zeros((len(left_padding), 1, 0, 1))
+        return cls(nothing, nothing, list(left_padding), 0)
 
     @classmethod
     def empty(cls) -> BatchKVCache:

@@ -175,3 +175,96 @@ def test_cancelling_one_row_keeps_the_others(tiny_path, solo):
         assert tokens_of(kept) == solo[1]
     finally:
         eng.stop()
+
+
+# -- prompts prefilled together -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_path):
+    from mlxr_core.model.loader import load_model
+
+    return load_model(ModelConfig(path=str(tiny_path), name="tiny", context_length=256), load_plugins().registries)
+
+
+def runner_for(model, prefix_cache=None, **engine):
+    from mlxr_core.engine.batch import BatchRunner
+
+    return BatchRunner(model, EngineConfig(**engine), load_plugins().registries.samplers, prefix_cache)
+
+
+def greedy_reference(model, prompt, count):
+    """``count`` greedy tokens after ``prompt``, each from one forward pass over everything before
+    it: no cache, no batch."""
+    import mlx.core as mx
+
+    tokens = list(prompt)
+    for _ in range(count):
+        tokens.append(int(mx.argmax(model.model(mx.array([tokens]))[0, -1]).item()))
+    return tokens[len(prompt):]
+
+
+def test_prompts_waiting_together_are_prefilled_in_one_pass(tiny_model):
+    """Prompts of different lengths waiting at a step are prefilled in one forward pass
+    (right-aligned, the shorter ones after padding) and decode on as the model computes each
+    alone; a one-token prompt (nothing to prefill) ends the group and joins as before."""
+    from mlxr_core.engine.request import RequestHandle
+
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], [9, 8, 7, 6]]
+    runner = runner_for(tiny_model, max_batch_size=8)
+    calls = []
+    forward = tiny_model.model
+
+    class Counting:
+        def __call__(self, *args, **kwargs):
+            calls.append(args[0].shape)
+            return forward(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(forward, name)
+
+    handles = [RequestHandle(request(p, max_tokens=6)) for p in prompts]
+    for handle in handles:
+        runner.add(handle)
+    tiny_model.model = Counting()
+    try:
+        runner.step()
+    finally:
+        tiny_model.model = forward
+    # One pass for the first three (12 positions, the longest prompt's but its last token), then
+    # PROMPTS[3] joins with nothing to prefill and [9, 8, 7, 6] is prefilled on its own.
+    assert calls[:2] == [(3, 12), (1, 3)], calls
+    assert runner.prompts_together == 3 and len(runner.running) == 5
+    while runner.busy:
+        runner.step()
+    for prompt, handle in zip(prompts, handles, strict=True):
+        assert tokens_of(handle) == greedy_reference(tiny_model, prompt, 6)
+
+
+def test_prompts_prefilled_together_are_stored_in_the_prefix_cache(tiny_model):
+    """Each prompt of a group is stored in the prefix cache as its own (its padding left out):
+    a later request sharing it reuses it and decodes the same."""
+    from mlxr_core.engine.prefix_cache import PrefixCache
+    from mlxr_core.engine.request import RequestHandle
+
+    system = [(i * 13) % 250 + 3 for i in range(40)]
+    prompts = [[*system, 5, 6, 7], [*system[:20], 9, 9], [*system[:30], 1, 2, 3, 4]]
+    prefix = PrefixCache(max_bytes=1 << 30)
+    runner = runner_for(tiny_model, prefix, max_batch_size=4)
+    handles = [RequestHandle(request(p, max_tokens=5)) for p in prompts]
+    for handle in handles:
+        runner.add(handle)
+    while runner.busy:
+        runner.step()
+    assert runner.prompts_together == 3
+    first = [tokens_of(h) for h in handles]
+    assert first == [greedy_reference(tiny_model, p, 5) for p in prompts]
+    again = RequestHandle(request([*prompts[1][:-1], 4, 4], max_tokens=5))
+    runner.add(again)
+    while runner.busy:
+        runner.step()
+    events = list(again)
+    assert events[-1].usage.cached_tokens == len(prompts[1]) - 1
+    assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == greedy_reference(
+        tiny_model, [*prompts[1][:-1], 4, 4], 5
+    )
