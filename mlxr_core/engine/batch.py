@@ -196,8 +196,12 @@ class BatchRunner:
         """Advance every request by one unit of work: one prefill chunk and/or one decode token."""
         self._drop_cancelled_prefills()
         # Several short prompts may share one step's prefill budget; a long one takes it all.
-        budget = self.config.prefill_chunk - self._prefill_together(self.config.prefill_chunk)
+        budget = self.config.prefill_chunk
         while self.prefilling and budget > 0:
+            used = self._prefill_together(budget)
+            if used:
+                budget -= used
+                continue
             seq = self.prefilling[0]
             try:
                 budget -= self._prefill_chunk(seq, budget)
@@ -298,7 +302,8 @@ class BatchRunner:
     def _together(self, budget: int) -> list[Sequence]:
         """The waiting requests, from the first on, whose whole prompts one forward pass can
         prefill: text only, nothing reused from the prefix cache, plain attention caches, within
-        ``budget`` and the batch's free rows (padding counted)."""
+        ``budget`` and the batch's free rows (padding counted), as many as the largest power of
+        two that fits."""
         if self.model.vision is not None:
             return []
         room = min(budget, self.config.max_batch_tokens - len(self.running))
@@ -316,7 +321,9 @@ class BatchRunner:
             if (len(group) + 1) * longest > room:
                 break
             group.append(seq)
-        return group
+        # A power of two (the rest form the next group): a backend that builds its kernels per
+        # input shape (MLX's CUDA attention through cuDNN) then meets few batch sizes.
+        return group[: 1 << (len(group).bit_length() - 1)] if group else group
 
     def _start_cache(self, seq: Sequence) -> list[Any]:
         if self.prefix_cache is not None:

@@ -207,10 +207,11 @@ def greedy_reference(model, prompt, count):
 def test_prompts_waiting_together_are_prefilled_in_one_pass(tiny_model):
     """Prompts of different lengths waiting at a step are prefilled in one forward pass
     (right-aligned, the shorter ones after padding) and decode on as the model computes each
-    alone; a one-token prompt (nothing to prefill) ends the group and joins as before."""
+    alone; a one-token prompt (nothing to prefill) ends the group and joins as before; groups
+    are powers of two."""
     from mlxr_core.engine.request import RequestHandle
 
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], [9, 8, 7, 6]]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [9, 8, 7, 6], PROMPTS[3], [1, 2, 3], [4, 5, 6, 7], [8, 9]]
     runner = runner_for(tiny_model, max_batch_size=8)
     calls = []
     forward = tiny_model.model
@@ -231,10 +232,10 @@ def test_prompts_waiting_together_are_prefilled_in_one_pass(tiny_model):
         runner.step()
     finally:
         tiny_model.model = forward
-    # One pass for the first three (12 positions, the longest prompt's but its last token), then
-    # PROMPTS[3] joins with nothing to prefill and [9, 8, 7, 6] is prefilled on its own.
-    assert calls[:2] == [(3, 12), (1, 3)], calls
-    assert runner.prompts_together == 3 and len(runner.running) == 5
+    # One pass for the first four (12 positions: the longest prompt but its last token), then
+    # PROMPTS[3] joins with nothing to prefill; of the last three, two go together, one alone.
+    assert calls == [(4, 12), (2, 3), (1, 1)], calls
+    assert runner.prompts_together == 6 and len(runner.running) == 8
     while runner.busy:
         runner.step()
     for prompt, handle in zip(prompts, handles, strict=True):
@@ -256,7 +257,7 @@ def test_prompts_prefilled_together_are_stored_in_the_prefix_cache(tiny_model):
         runner.add(handle)
     while runner.busy:
         runner.step()
-    assert runner.prompts_together == 3
+    assert runner.prompts_together == 2  # a group of two, and one alone
     first = [tokens_of(h) for h in handles]
     assert first == [greedy_reference(tiny_model, p, 5) for p in prompts]
     again = RequestHandle(request([*prompts[1][:-1], 4, 4], max_tokens=5))
