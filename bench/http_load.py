@@ -322,13 +322,14 @@ def resolve_model(args: argparse.Namespace, tmp: Path) -> str:
 
 def start_server(
     path: str, settings: dict[str, str], port: int, max_batch: int, tmp: Path, switch_interval: float | None = None,
-    core: str = "thread",
+    core: str = "thread", burst_gap_ms: float = 0.0,
 ) -> subprocess.Popen[bytes]:
     model = {"name": "bench", "path": path, **settings}
     config = {
         "server": {"port": port, "log_level": "warning"},
         "models": [model],
-        "engine": {"max_batch_size": max_batch, "max_queue": 4 * max_batch, "core": core},
+        "engine": {"max_batch_size": max_batch, "max_queue": 4 * max_batch, "core": core,
+                   "burst_gap_ms": burst_gap_ms},
     }
     config_path = tmp / "bench.yaml"
     config_path.write_text(json.dumps(config))  # JSON is YAML
@@ -354,14 +355,14 @@ def start_server(
     raise RuntimeError("mlxr serve did not become healthy in 600 s")
 
 
-def start_engine(path: str, settings: dict[str, str], max_batch: int) -> Any:
+def start_engine(path: str, settings: dict[str, str], max_batch: int, burst_gap_ms: float = 0.0) -> Any:
     from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
     from mlxr_core.engine.engine import Engine
     from mlxr_core.plugins import load_plugins
 
     config = Config(
         models=[ModelConfig(name="bench", path=path, **settings)],  # type: ignore[arg-type]
-        engine=EngineConfig(max_batch_size=max_batch, max_queue=4 * max_batch),
+        engine=EngineConfig(max_batch_size=max_batch, max_queue=4 * max_batch, burst_gap_ms=burst_gap_ms),
     )
     engine = Engine(config, load_plugins())
     engine.start()
@@ -404,6 +405,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="client processes sharing each level's streams (so the client is not the limit)")
     parser.add_argument("--core", choices=("thread", "process"), default="thread",
                         help="the server's engine.core: the engine in a thread of the server or a process of its own")
+    parser.add_argument("--burst-gap-ms", type=float, default=0.0, metavar="MS",
+                        help="engine.burst_gap_ms for the server and the engine alone: an idle engine waits this "
+                             "long for each next request of a burst, so the streams start together")
     parser.add_argument("--server-cpus", type=cpu_list, default=None, metavar="LIST",
                         help="run the server (and the engine alone) on these CPUs, e.g. 0-7, and the "
                         "clients on the others: what the step costs without clients on the same cores")
@@ -434,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model, "path": path if args.model != "synthetic" else f"synthetic {args.shape}",
             "quant": args.quant if args.model == "synthetic" else None, "settings": settings,
             "gen_tokens": args.gen_tokens, "logprobs": args.logprobs, "client_processes": args.client_processes,
-            "rounds": args.rounds, "core": args.core, "loadavg_1min_start": loadavg(),
+            "rounds": args.rounds, "core": args.core, "burst_gap_ms": args.burst_gap_ms,
+            "loadavg_1min_start": loadavg(),
         }
         if args.switch_interval is not None:
             sys.setswitchinterval(args.switch_interval)
@@ -445,12 +450,12 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, args.server_cpus)
             report["server_cpus"], report["client_cpus"] = sorted(args.server_cpus), sorted(client_cpus)
         port = free_port()
-        server = start_server(path, settings, port, max_batch, tmp, args.switch_interval, args.core)
+        server = start_server(path, settings, port, max_batch, tmp, args.switch_interval, args.core, args.burst_gap_ms)
         base = f"http://127.0.0.1:{port}"
         engine = None
         try:
             if args.engine:
-                engine = start_engine(path, settings, max_batch)
+                engine = start_engine(path, settings, max_batch, args.burst_gap_ms)
                 ids = engine.encode("bench", args.prompt)  # as the server tokenizes the prompt
             # Warm-up, every level at full length once, left out: on a GPU the first round of a
             # level otherwise pays one-time costs (on an H200, after a 4-token warm-up, the engine

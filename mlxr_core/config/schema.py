@@ -279,6 +279,12 @@ class EngineConfig:
     #: process of its own, so the server's per-token work never waits on the GIL with the step
     #: being built: :mod:`mlxr_core.engine.remote`; not under ``distributed:``).
     core: str = attrs.field(default="thread", converter=_lower, validator=v.in_(ENGINE_CORES))
+    #: Milliseconds an idle engine waits for the next request of a burst: requests arriving
+    #: within this of each other (for at most :data:`~mlxr_core.engine.scheduler.BURST_LIMIT`
+    #: times it in all) start together, their prompts prefilled in one pass, instead of in waves
+    #: as the server parses them. A request alone waits this much longer for its first token.
+    #: 0 (the default): an idle engine starts on the first request at once.
+    burst_gap_ms: float = attrs.field(default=0.0, validator=[v.ge(0.0), v.le(100.0)])
 
 
 #: ``mx.distributed`` backends ``mlx.launch`` starts; ``auto``: NCCL with CUDA, else ring.

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The most gaps of ``engine.burst_gap_ms`` an idle engine waits for a burst's requests in all.
+BURST_LIMIT = 16
+
 
 class Scheduler:
     """Runs on the engine thread only."""
@@ -290,8 +293,26 @@ class Scheduler:
             else:
                 self.lifecycle[0].want(job.model)
 
+    def _gather_burst(self) -> None:
+        """An idle engine's first request may be the first of a burst (clients started together,
+        a batch job): take the requests that follow within ``engine.burst_gap_ms`` of each other,
+        for at most :data:`BURST_LIMIT` gaps, so that they start in one step."""
+        gap = self.config.burst_gap_ms / 1000
+        if gap <= 0:
+            return
+        deadline = time.perf_counter() + BURST_LIMIT * gap
+        while (left := deadline - time.perf_counter()) > 0:
+            try:
+                handle = self.requests.get(timeout=min(gap, left))
+            except queue.Empty:
+                return
+            if handle is None:  # a wake-up (the engine stopping): the loop sees to it
+                return
+            self.waiting.append(handle)
+
     def _admit(self, *, block: bool) -> None:
         """Move queued requests into the waiting line, then as many as fit into their runners."""
+        idle = block and not self.waiting
         try:
             while True:
                 handle = self.requests.get(block=block and not self.waiting, timeout=0.05)
@@ -300,6 +321,8 @@ class Scheduler:
                     self.waiting.append(handle)
         except queue.Empty:
             pass
+        if idle and self.waiting:
+            self._gather_burst()
         while self.waiting:
             handle = self.waiting[0]
             if handle.cancelled:

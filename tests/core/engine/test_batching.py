@@ -269,3 +269,28 @@ def test_prompts_prefilled_together_are_stored_in_the_prefix_cache(tiny_model):
     assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == greedy_reference(
         tiny_model, [*prompts[1][:-1], 4, 4], 5
     )
+
+
+def test_an_idle_engine_can_wait_for_the_rest_of_a_burst(tiny_path):
+    """With ``engine.burst_gap_ms``, requests arriving a few milliseconds apart at an idle engine
+    start in one step, their prompts prefilled together; without, the first starts at once (and
+    the others join it in later steps)."""
+    def submit_apart(eng, apart):
+        handles = []
+        for prompt in [*PROMPTS[:3], [9, 8, 7, 6]]:
+            handles.append(eng.submit(request(prompt, max_tokens=4)))
+            time.sleep(apart)
+        for handle in handles:
+            tokens_of(handle)
+        return eng.stats()["prompts_prefilled_together"]
+
+    eng = start(tiny_path, max_batch_size=4, burst_gap_ms=100.0)
+    try:
+        assert submit_apart(eng, 0.005) == 4  # 5 ms apart, within the 100 ms gap
+    finally:
+        eng.stop()
+    eng = start(tiny_path, max_batch_size=4)
+    try:
+        assert submit_apart(eng, 0.3) < 4
+    finally:
+        eng.stop()
