@@ -38,11 +38,10 @@ from mlxr_core.engine.request import (
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
 from mlxr_core.model.cache import (
-    BatchKVCache,
     BatchLayerCache,
-    KVCache,
     batch_mask,
-    prompts_mask,
+    plain_attention,
+    prefill_together,
     reserve_bytes,
 )
 from mlxr_core.model.vision import logits_with_images
@@ -271,23 +270,17 @@ class BatchRunner:
         if len(group) < 2:
             return 0
         lengths = [seq.pending_prompt for seq in group]
-        longest = max(lengths)
-        pads = [longest - length for length in lengths]
-        ids = mx.array(
-            [[0] * pad + seq.prompt[:length] for pad, length, seq in zip(pads, lengths, group, strict=True)],
-            dtype=mx.int32,
-        )
         layers = len(group[0].cache or ())
-        caches = [BatchKVCache.for_prompts(pads) for _ in range(layers)]
         for seq in group:
             self.prefilling.remove(seq)
         try:
-            self.model.model(ids, cache=caches, mask=prompts_mask(pads, longest) if any(pads) else None)
-            mx.eval([array for cache in caches for array in cache.state])
+            caches = prefill_together(
+                self.model.model, [seq.prompt[:length] for seq, length in zip(group, lengths, strict=True)], layers
+            )
         except Exception as exc:  # these requests' own prefill: the batch is untouched
             for seq in group:
                 fail_sequence(seq, exc)
-            return len(group) * longest
+            return len(group) * max(lengths)
         prefix = self.prefix_cache
         for row, (seq, length) in enumerate(zip(group, lengths, strict=True)):
             seq.prefilled = length
@@ -297,7 +290,7 @@ class BatchRunner:
                     seq.written = length
         self._append_rows(group, caches)
         self.prompts_together += len(group)
-        return len(group) * longest
+        return len(group) * max(lengths)
 
     def _together(self, budget: int) -> list[Sequence]:
         """The waiting requests, from the first on, whose whole prompts one forward pass can
@@ -315,7 +308,7 @@ class BatchRunner:
                 break
             if seq.cache is None:
                 seq.cache = self._start_cache(seq)
-            if seq.prefilled or seq.pending_prompt < 1 or not all(type(cache) is KVCache for cache in seq.cache):
+            if seq.prefilled or seq.pending_prompt < 1 or not plain_attention(seq.cache):
                 break
             longest = max(longest, seq.pending_prompt)
             if (len(group) + 1) * longest > room:

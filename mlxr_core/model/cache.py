@@ -135,6 +135,25 @@ def prompts_mask(left_padding: Sequence[int], length: int) -> mx.array:
     return mask[:, None]
 
 
+def plain_attention(caches: Sequence[Any]) -> bool:
+    """Whether every layer's cache is a plain :class:`KVCache` (what :func:`prefill_together`
+    takes: a recurrent state or a packed cache would take in the padding)."""
+    return all(type(cache) is KVCache for cache in caches)
+
+
+def prefill_together(model: Any, prompts: Sequence[Sequence[int]], layers: int) -> list[BatchKVCache]:
+    """``prompts`` prefilled by one forward pass of ``model`` into a batch cache per layer (of
+    ``layers``), right-aligned: the shorter ones after padding, which :func:`prompts_mask` hides
+    (evaluated). The rows then decode as the engine's batch does (:func:`batch_mask`)."""
+    longest = max(len(prompt) for prompt in prompts)
+    pads = [longest - len(prompt) for prompt in prompts]
+    ids = mx.array([[0] * pad + list(prompt) for pad, prompt in zip(pads, prompts, strict=True)], dtype=mx.int32)
+    caches = [BatchKVCache.for_prompts(pads) for _ in range(layers)]
+    model(ids, cache=caches, mask=prompts_mask(pads, longest) if any(pads) else None)
+    mx.eval([array for cache in caches for array in cache.state])
+    return caches
+
+
 def reserve_bytes(caches: Sequence[Any], tokens: int, kv_per_token: int, itemsize: int) -> int:
     """Bytes one sequence of ``tokens`` positions needs in ``caches`` (a fresh ``make_cache()``):
     ``kv_per_token`` per position for the attention layers, plus each other layer's own."""

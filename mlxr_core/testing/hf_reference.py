@@ -131,9 +131,12 @@ def check_reference(
 ) -> None:
     """Raise AssertionError naming the first of these that differs from transformers: one-pass
     logits of each prompt; prefill of half, then one token at a time; both prompts prefilled alone,
-    joined in a left-padded batch and decoded together; a prefix-cache hit continued."""
+    joined in a left-padded batch and decoded together; both prefilled together in one pass
+    (right-aligned, the shorter after padding, as the engine prefills requests arriving together:
+    where the model's caches are plain attention caches) and decoded together; a prefix-cache hit
+    continued."""
     from mlxr_core.engine.prefix_cache import PrefixCache
-    from mlxr_core.model.cache import batch_mask
+    from mlxr_core.model.cache import plain_attention, prefill_together
 
     loaded = load_reference_model(reference, registries, backend)
     model, arch = loaded.model, loaded.arch
@@ -158,11 +161,10 @@ def check_reference(
     batch = rows[0]
     for layer, other in zip(batch, rows[1], strict=True):
         layer.extend(other)
-    for step in range(6):
-        tokens = mx.array([[ids[n + step]] for ids, n in zip(prompts, prefill, strict=True)])
-        out = np.array(model(tokens, cache=batch, mask=batch_mask(batch))[:, -1])
-        for row, n in enumerate(prefill):
-            _close(out[row], expected[row][n + step], atol, f"batched decoding, row {row}, step {step}")
+    _decode_together(model, batch, prompts, expected, prefill, atol, "batched decoding")
+    if plain_attention(arch.make_cache(model)):
+        together = prefill_together(model, [ids[:n] for ids, n in zip(prompts, prefill, strict=True)], len(batch))
+        _decode_together(model, together, prompts, expected, prefill, atol, "prefilled together, decoding")
 
     ids, want = prompts[0], expected[0]
     prefix = PrefixCache(max_bytes=1 << 24)
@@ -172,6 +174,21 @@ def check_reference(
     reused, caches = prefix.lookup(ids, limit=len(ids) - 1, make_cache=lambda: arch.make_cache(model))
     assert reused == 16 and caches is not None, f"the prefix cache reused {reused} tokens, not 16"
     _close(np.array(model(mx.array([ids[16:]]), cache=caches)[0]), want[16:], atol, "a prefix-cache hit")
+
+
+def _decode_together(
+    model: Any, batch: list[Any], prompts: list[list[int]], expected: list[np.ndarray], prefill: list[int],
+    atol: float, what: str,
+) -> None:
+    """Six steps of the batch ``batch`` (row ``i`` holding ``prompts[i][:prefill[i]]``), each
+    row's logits against transformers'."""
+    from mlxr_core.model.cache import batch_mask
+
+    for step in range(6):
+        tokens = mx.array([[ids[n + step]] for ids, n in zip(prompts, prefill, strict=True)])
+        out = np.array(model(tokens, cache=batch, mask=batch_mask(batch))[:, -1])
+        for row, n in enumerate(prefill):
+            _close(out[row], expected[row][n + step], atol, f"{what}, row {row}, step {step}")
 
 
 def _close(got: np.ndarray, want: np.ndarray, atol: float, what: str) -> None:
