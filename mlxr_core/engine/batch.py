@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlxr_core.engine.decoding import SamplerContext, make_sampler, to_token_logprob, token_logprobs
+from mlxr_core.engine.decoding import SamplerContext, make_sampler, to_token_logprob, top_logprobs
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.images import PromptImages
 from mlxr_core.engine.prefix_cache import MIN_REUSE
@@ -80,6 +80,10 @@ class Sequence:
         #: Prompt tokens the prefix cache gave, and that this request stored in it (the usage).
         self.cached = self.written = 0
         self.generated = 0
+        #: Prefilled on its own, not with others (:meth:`BatchRunner._prefill_together` failed).
+        self.alone = False
+        #: Why its prefix-cache lookup failed (raised when it is prefilled).
+        self.cache_error: Exception | None = None
         self.started = time.perf_counter()
         self.first_token_at = 0.0
 
@@ -154,6 +158,7 @@ class BatchRunner:
         self.shifts: list[int] = []
         #: Requests whose prompts were prefilled together with others' (:meth:`_prefill_together`).
         self.prompts_together = 0
+        self._plain: bool | None = None
         #: Per row that asked, its token in ``tokens``'s logprobs: the step's arrays and its row in them.
         self.logprobs: list[tuple[StepLogprobs, int] | None] = []
 
@@ -232,6 +237,8 @@ class BatchRunner:
     def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
         """Prefill up to ``budget`` of ``seq``'s prompt tokens; join the batch when done.
         Returns the tokens used."""
+        if seq.cache_error is not None:
+            raise seq.cache_error
         if seq.cache is None:
             seq.cache = self._start_cache(seq)
         room = max(1, self.config.max_batch_tokens - len(self.running))
@@ -265,30 +272,41 @@ class BatchRunner:
     def _prefill_together(self, budget: int) -> int:
         """Prefill the whole prompts of the first waiting requests in one forward pass, when two
         or more can (:meth:`_together`), and join them to the batch; the tokens it took of
-        ``budget`` (padding included), 0 when it did nothing."""
+        ``budget`` (padding included), 0 when it did nothing. Should the pass fail, the requests
+        go back to be prefilled one by one (the cause may be the batching: memory for the padded
+        pass, a backend refusing its mask), and fail there if they fail alone."""
         group = self._together(budget)
         if len(group) < 2:
             return 0
         lengths = [seq.pending_prompt for seq in group]
         layers = len(group[0].cache or ())
-        for seq in group:
-            self.prefilling.remove(seq)
         try:
             caches = prefill_together(
                 self.model.model, [seq.prompt[:length] for seq, length in zip(group, lengths, strict=True)], layers
             )
-        except Exception as exc:  # these requests' own prefill: the batch is untouched
+        except Exception:
+            log.warning("prefilling %d prompts together failed; prefilling them one by one", len(group), exc_info=True)
             for seq in group:
-                fail_sequence(seq, exc)
+                seq.alone = True
             return len(group) * max(lengths)
+        for seq in group:
+            self.prefilling.remove(seq)
         prefix = self.prefix_cache
         for row, (seq, length) in enumerate(zip(group, lengths, strict=True)):
             seq.prefilled = length
             if prefix is not None and length >= MIN_REUSE:
-                rows: list[Any] = [cache.extract(row) for cache in caches]
-                if prefix.store(self._cache_key(seq)[:length], rows):
-                    seq.written = length
-        self._append_rows(group, caches)
+                try:
+                    if prefix.store(self._cache_key(seq)[:length], [cache.extract(row) for cache in caches]):
+                        seq.written = length
+                except Exception:  # the request goes on; only later reuse is lost
+                    log.exception("request %s: its prompt could not be stored in the prefix cache", seq.handle.id)
+        try:
+            self._append_rows(group, caches)
+        except BaseException as exc:  # the batch's state is in doubt: the scheduler fails it all
+            for seq in group:
+                if seq not in self.running:
+                    fail_sequence(seq, exc)
+            raise
         self.prompts_together += len(group)
         return len(group) * max(lengths)
 
@@ -296,27 +314,46 @@ class BatchRunner:
         """The waiting requests, from the first on, whose whole prompts one forward pass can
         prefill: text only, nothing reused from the prefix cache, plain attention caches, within
         ``budget`` and the batch's free rows (padding counted), as many as the largest power of
-        two that fits."""
-        if self.model.vision is not None:
+        two that fits. A prompt that begins as an earlier one of the group does (a shared system
+        prompt, long enough to be stored) ends the group: prefilled after the group's prompts are
+        in the prefix cache, it reuses what they share."""
+        if self.model.vision is not None or not self._plain_caches():
             return []
         room = min(budget, self.config.max_batch_tokens - len(self.running))
         free = self.config.max_batch_size - len(self.running)
         group: list[Sequence] = []
+        heads: set[tuple[int, ...]] = set()
         longest = 0
         for seq in self.prefilling:
-            if len(group) >= free or seq.images is not None:
+            if len(group) >= free or seq.images is not None or seq.alone or seq.prefilled:
+                break
+            pending = len(seq.prompt) - 1  # nothing reused yet
+            if pending < 1 or (len(group) + 1) * max(longest, pending) > room:
+                break
+            head = tuple(seq.prompt[:MIN_REUSE])
+            if self.prefix_cache is not None and pending >= MIN_REUSE and head in heads:
                 break
             if seq.cache is None:
-                seq.cache = self._start_cache(seq)
-            if seq.prefilled or seq.pending_prompt < 1 or not plain_attention(seq.cache):
-                break
-            longest = max(longest, seq.pending_prompt)
-            if (len(group) + 1) * longest > room:
-                break
+                try:
+                    seq.cache = self._start_cache(seq)
+                except Exception as exc:  # this request's lookup: it fails alone
+                    seq.alone = True
+                    seq.cache_error = exc
+                    break
+                if seq.prefilled:  # a prefix-cache hit: prefilled alone from it
+                    break
+            longest = max(longest, pending)
+            heads.add(head)
             group.append(seq)
         # A power of two (the rest form the next group): a backend that builds its kernels per
         # input shape (MLX's CUDA attention through cuDNN) then meets few batch sizes.
         return group[: 1 << (len(group).bit_length() - 1)] if group else group
+
+    def _plain_caches(self) -> bool:
+        """Whether the model's caches are all plain attention caches (decided once)."""
+        if self._plain is None:
+            self._plain = plain_attention(self.model.make_cache())
+        return self._plain
 
     def _start_cache(self, seq: Sequence) -> list[Any]:
         if self.prefix_cache is not None:
@@ -445,22 +482,31 @@ class BatchRunner:
         self, logits: mx.array, tokens: mx.array
     ) -> tuple[list[tuple[StepLogprobs, int] | None], StepLogprobs | None]:
         """For the rows that asked for logprobs, those of their sampled token: one set of (lazy)
-        arrays for the whole batch, with as many top alternatives as the row asking most, and
-        each row's index in it (a handful of ops a step, not a handful per row)."""
+        arrays for the whole batch (:class:`StepLogprobs`), and each row's index in it."""
         tops = [seq.sampler.logprobs for seq in self.running]
-        asking = [top for top in tops if top is not None]
-        if not asking:
+        if all(top is None for top in tops):
             return [None] * len(tops), None
-        step = StepLogprobs(token_logprobs(logits, tokens, max(asking)))
+        step = StepLogprobs(logits, tokens, tops)
         return [None if top is None else (step, row) for row, top in enumerate(tops)], step
 
 
 class StepLogprobs:
-    """One decode step's :func:`token_logprobs` arrays for every row of the batch, read back from
-    the device once, when the first row asks."""
+    """One decode step's logprobs: every row's sampled token's (a handful of ops for the whole
+    batch, not per row), and the best alternatives of the rows that ask for some (only theirs:
+    the vocabulary is partitioned for those rows alone), read back from the device once, when the
+    first row asks."""
 
-    def __init__(self, arrays: tuple[mx.array, ...]):
-        self.arrays = arrays
+    def __init__(self, logits: mx.array, tokens: mx.array, tops: list[int | None]):
+        logprobs = logits.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
+        wide = [row for row, top in enumerate(tops) if top]
+        #: Row of the batch -> its row in the alternatives' arrays.
+        self.wide = {row: i for i, row in enumerate(wide)}
+        self.arrays: tuple[mx.array, ...] = (chosen,)
+        if wide:
+            best, values = top_logprobs(logprobs[mx.array(wide)], max(tops[row] or 0 for row in wide))
+            self.arrays = (chosen, best, values)
         self._values: list[list[Any]] | None = None
 
     def row(self, index: int, top: int) -> list[Any]:
@@ -469,9 +515,10 @@ class StepLogprobs:
         if self._values is None:
             self._values = [array.tolist() for array in self.arrays]  # type: ignore[misc]
         values = self._values
-        if top <= 0 or len(values) < 3:
+        if top <= 0 or index not in self.wide:
             return [values[0][index]]
-        return [values[0][index], values[1][index][:top], values[2][index][:top]]
+        i = self.wide[index]
+        return [values[0][index], values[1][i][:top], values[2][i][:top]]
 
 
 def fail_sequence(seq: Sequence, exc: BaseException) -> None:

@@ -132,20 +132,18 @@ def validate_sampling(params: SamplingParams, samplers: Registry, context: Sampl
             validate(params, context)
 
 
-def token_logprobs(logits: mx.array, tokens: mx.array, top: int) -> tuple[mx.array, ...]:
-    """Log-probabilities of ``tokens`` ([B]) under ``[B, V]`` raw logits, and the ``top`` most likely
-    ids with theirs. Lazy: the caller evaluates them with the tokens."""
-    logprobs = logits.astype(mx.float32)
-    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logprobs, tokens.reshape(-1, 1).astype(mx.int32), axis=-1)[:, 0]
-    if top <= 0:
-        return (chosen,)
-    best = mx.argsort(-logprobs, axis=-1)[:, :top]
-    return chosen, best, mx.take_along_axis(logprobs, best, axis=-1)
+def top_logprobs(logprobs: mx.array, top: int) -> tuple[mx.array, mx.array]:
+    """The ``top`` most likely ids of each row of ``[R, V]`` logprobs and their logprobs, most
+    likely first (lazy): the vocabulary partitioned around the ``top``-th, then those sorted."""
+    part = mx.argpartition(-logprobs, top - 1, axis=-1)[:, :top]
+    values = mx.take_along_axis(logprobs, part, axis=-1)
+    order = mx.argsort(-values, axis=-1)
+    return mx.take_along_axis(part, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
 
 
 def to_token_logprob(token: int, values: Sequence[Any]) -> TokenLogprob:
-    """One row of :func:`token_logprobs`'s arrays, read back as a :class:`TokenLogprob`."""
+    """One row's logprob, then its alternatives' ids and logprobs (read back from the arrays of
+    :class:`~mlxr_core.engine.batch.StepLogprobs`), as a :class:`TokenLogprob`."""
     from mlxr_core.engine.request import TokenLogprob
 
     chosen = float(values[0])

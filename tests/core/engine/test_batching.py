@@ -242,33 +242,80 @@ def test_prompts_waiting_together_are_prefilled_in_one_pass(tiny_model):
         assert tokens_of(handle) == greedy_reference(tiny_model, prompt, 6)
 
 
-def test_prompts_prefilled_together_are_stored_in_the_prefix_cache(tiny_model):
-    """Each prompt of a group is stored in the prefix cache as its own (its padding left out):
-    a later request sharing it reuses it and decodes the same."""
-    from mlxr_core.engine.prefix_cache import PrefixCache
+def run_all(runner, prompts, max_tokens=5):
     from mlxr_core.engine.request import RequestHandle
 
-    system = [(i * 13) % 250 + 3 for i in range(40)]
-    prompts = [[*system, 5, 6, 7], [*system[:20], 9, 9], [*system[:30], 1, 2, 3, 4]]
-    prefix = PrefixCache(max_bytes=1 << 30)
-    runner = runner_for(tiny_model, prefix, max_batch_size=4)
-    handles = [RequestHandle(request(p, max_tokens=5)) for p in prompts]
+    handles = [RequestHandle(request(p, max_tokens=max_tokens)) for p in prompts]
     for handle in handles:
         runner.add(handle)
     while runner.busy:
         runner.step()
+    return [list(handle) for handle in handles]
+
+
+def tokens_in(events):
+    return [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+
+
+def test_prompts_prefilled_together_are_stored_in_the_prefix_cache(tiny_model):
+    """Each prompt of a group is stored in the prefix cache as its own (its padding left out):
+    a later request sharing it reuses it and decodes the same."""
+    from mlxr_core.engine.prefix_cache import PrefixCache
+
+    prompts = [[(i * k) % 250 + 3 for i in range(n)] for k, n in ((13, 43), (7, 22), (11, 34))]
+    runner = runner_for(tiny_model, PrefixCache(max_bytes=1 << 30), max_batch_size=4)
+    first = run_all(runner, prompts)
     assert runner.prompts_together == 2  # a group of two, and one alone
-    first = [tokens_of(h) for h in handles]
-    assert first == [greedy_reference(tiny_model, p, 5) for p in prompts]
-    again = RequestHandle(request([*prompts[1][:-1], 4, 4], max_tokens=5))
-    runner.add(again)
-    while runner.busy:
-        runner.step()
-    events = list(again)
+    assert [tokens_in(e) for e in first] == [greedy_reference(tiny_model, p, 5) for p in prompts]
+    later = [*prompts[1][:-1], 4, 4]
+    (events,) = run_all(runner, [later])
     assert events[-1].usage.cached_tokens == len(prompts[1]) - 1
-    assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == greedy_reference(
-        tiny_model, [*prompts[1][:-1], 4, 4], 5
-    )
+    assert tokens_in(events) == greedy_reference(tiny_model, later, 5)
+
+
+def test_a_burst_sharing_a_system_prompt_reuses_it_instead(tiny_model):
+    """Prompts that begin alike (a system prompt long enough to store) are not prefilled
+    together: each later one is prefilled after the earlier is stored, and reuses the prefix."""
+    from mlxr_core.engine.prefix_cache import PrefixCache
+
+    system = [(i * 13) % 250 + 3 for i in range(40)]
+    prompts = [[*system, 5, 6, 7], [*system[:20], 9, 9], [*system[:30], 1, 2, 3, 4]]
+    runner = runner_for(tiny_model, PrefixCache(max_bytes=1 << 30), max_batch_size=4)
+    events = run_all(runner, prompts)
+    assert runner.prompts_together == 0
+    assert [e[-1].usage.cached_tokens for e in events] == [0, 20, 30]
+    assert [tokens_in(e) for e in events] == [greedy_reference(tiny_model, p, 5) for p in prompts]
+
+
+def test_a_failed_pass_together_falls_back_to_one_by_one(tiny_model, monkeypatch):
+    """Should the pass over the prompts together fail (memory for the padded batch, say), the
+    requests are prefilled one by one and decode as they would have."""
+    from mlxr_core.engine import batch
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory for the padded pass")
+
+    monkeypatch.setattr(batch, "prefill_together", fails)
+    runner = runner_for(tiny_model, max_batch_size=4)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    events = run_all(runner, prompts)
+    assert runner.prompts_together == 0
+    assert [tokens_in(e) for e in events] == [greedy_reference(tiny_model, p, 5) for p in prompts]
+
+
+def test_a_prefix_cache_that_cannot_store_loses_no_request(tiny_model):
+    """A failing prefix-cache store after prompts prefilled together costs only the reuse."""
+    from mlxr_core.engine.prefix_cache import PrefixCache
+
+    class Broken(PrefixCache):
+        def store(self, tokens, caches):
+            raise OSError("disk full")
+
+    prompts = [[(i * k) % 250 + 3 for i in range(n)] for k, n in ((13, 43), (7, 22))]
+    runner = runner_for(tiny_model, Broken(max_bytes=1 << 30), max_batch_size=4)
+    events = run_all(runner, prompts)
+    assert runner.prompts_together == 2
+    assert [tokens_in(e) for e in events] == [greedy_reference(tiny_model, p, 5) for p in prompts]
 
 
 def test_an_idle_engine_can_wait_for_the_rest_of_a_burst(tiny_path):

@@ -170,11 +170,26 @@ def test_logprobs_match_a_full_forward_pass(engine, reference_model):
     check_logprobs(reference_model, PROMPT, deltas, 3)
 
 
-def test_logprobs_of_rows_sharing_a_batch(engine, reference_model):
+def test_logprobs_of_rows_sharing_a_batch(tiny_path, reference_model):
     """One step's logprobs are computed for the whole batch at once: rows asking for different
-    numbers of alternatives (or none), with prompts of different lengths, each get their own."""
+    numbers of alternatives (or none), with prompts of different lengths, each get their own.
+    (The engine waits for the burst, so the four start, and decode, together.)"""
+    config = Config(
+        models=[ModelConfig(path=str(tiny_path), name="tiny", context_length=256)],
+        engine=EngineConfig(max_batch_size=4, burst_gap_ms=100.0, prefix_cache=PrefixCacheConfig(enabled=False)),
+    )
+    together = Engine(config, load_plugins())
+    together.start()
     asks = [(PROMPT, 3), (PROMPT[:4], 0), ([9, 3, 14, 15, 92, 6, 5, 35, 8], None), ([7, 7, 2], 1)]
-    handles = [run(engine, prompt=prompt, max_tokens=10, logprobs=top) for prompt, top in asks]
+    try:
+        handles = [run(together, prompt=prompt, max_tokens=10, logprobs=top) for prompt, top in asks]
+        check_rows(asks, handles, reference_model)
+        assert together.stats()["prompts_prefilled_together"] == 4
+    finally:
+        together.stop()
+
+
+def check_rows(asks, handles, reference_model):
     for (prompt, top), handle in zip(asks, handles, strict=True):
         deltas = events_of(handle)
         assert sum(len(d.token_ids) for d in deltas) == 10
