@@ -283,7 +283,8 @@ class EngineConfig:
     #: within this of each other (for at most :data:`~mlxr_core.engine.scheduler.BURST_LIMIT`
     #: times it in all) start together, their prompts prefilled in one pass, instead of in waves
     #: as the server parses them. A request alone waits this much longer for its first token.
-    #: 0 (the default): an idle engine starts on the first request at once.
+    #: 0 (the default): an idle engine starts on the first request at once. Not under
+    #: ``distributed:`` (rank 0 takes requests in step by step with the other ranks).
     burst_gap_ms: float = attrs.field(default=0.0, validator=[v.ge(0.0), v.le(100.0)])
 
 
