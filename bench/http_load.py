@@ -11,7 +11,9 @@ HTTP; ``http_vs_engine`` is the HTTP aggregate over the engine's. Levels alterna
 within a round (``--rounds``); the ratios are medians over rounds. Both aggregates are
 N x (gen - 1) tokens over first first token to last token. Loopback only, bounded in count and time.
 
-Where the time goes, per level: the engine's mean step and its loop's mean time between steps
+Where the time goes, per level: how far apart the streams' first tokens came
+(``first_token_spread_ms``: requests reaching the engine over several steps start in waves, which
+stretches the aggregate's window), the engine's mean step and its loop's mean time between steps
 (``step_ms``, ``between_steps_ms``; the server's from /metrics, the engine alone's from its
 counters), and the server's event loop's CPU time per token streamed (``loop_cpu_us_per_token``,
 its main thread's from /proc) with the whole server process's (``server_cpu_s``).
@@ -161,6 +163,9 @@ def summarize(n: int, gen: int, results: list[dict[str, Any]], started: float) -
         "itl_p50_ms": 1000 * statistics.median(gaps) if gaps else float("nan"),
         "itl_p99_ms": 1000 * percentile(gaps, 0.99),
         "wall_s": last - started,
+        # The streams' first tokens from the earliest to the latest: requests that reached the
+        # engine over several steps start in waves, which the aggregate's window counts.
+        "first_token_spread_ms": 1000 * (max(float(r["first"]) for r in results) - first),
     }
 
 
@@ -532,7 +537,7 @@ def device_name() -> str:
 
 def print_table(levels: list[dict[str, Any]]) -> None:
     print(f"\n{'streams':>7} {'http tok/s':>10} {'engine':>8} {'http/eng':>8} {'per-stream':>10} {'engine':>8} "
-          f"{'ttft p50':>8} {'ttft p99':>8} {'eng ttft p99':>12} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8} {'between':>8} {'eng betw':>8} {'loop cpu':>9} {'http/loaded':>11} {'loaded step':>11}")
+          f"{'ttft p50':>8} {'ttft p99':>8} {'eng ttft p99':>12} {'itl p50':>8} {'itl p99':>8} {'eng itl p99':>11} {'step':>8} {'eng step':>8} {'between':>8} {'eng betw':>8} {'spread':>8} {'eng sprd':>8} {'loop cpu':>9} {'http/loaded':>11} {'loaded step':>11}")
     nan = float("nan")
     for row in levels:
         alone: dict[str, float] = row.get("engine", {})
@@ -543,6 +548,7 @@ def print_table(levels: list[dict[str, Any]]) -> None:
             f"{alone.get('ttft_p99_s', nan):>11.2f}s {row['itl_p50_ms']:>6.1f}ms {row['itl_p99_ms']:>6.1f}ms {alone.get('itl_p99_ms', nan):>9.1f}ms "
             f"{row.get('step_ms', nan):>6.2f}ms {alone.get('step_ms', nan):>6.2f}ms "
             f"{row.get('between_steps_ms', nan):>6.2f}ms {alone.get('between_steps_ms', nan):>6.2f}ms "
+            f"{row.get('first_token_spread_ms', nan):>6.1f}ms {alone.get('first_token_spread_ms', nan):>6.1f}ms "
             f"{row.get('loop_cpu_us_per_token', nan):>6.1f}us "
             f"{row.get('http_vs_engine_loaded', nan):>11.2f} {row.get('engine_loaded', {}).get('step_ms', nan):>9.2f}ms"
         )
