@@ -82,8 +82,6 @@ class Sequence:
         self.generated = 0
         #: Prefilled on its own, not with others (:meth:`BatchRunner._prefill_together` failed).
         self.alone = False
-        #: Why its prefix-cache lookup failed (raised when it is prefilled).
-        self.cache_error: Exception | None = None
         self.started = time.perf_counter()
         self.first_token_at = 0.0
 
@@ -237,8 +235,6 @@ class BatchRunner:
     def _prefill_chunk(self, seq: Sequence, budget: int) -> int:
         """Prefill up to ``budget`` of ``seq``'s prompt tokens; join the batch when done.
         Returns the tokens used."""
-        if seq.cache_error is not None:
-            raise seq.cache_error
         if seq.cache is None:
             seq.cache = self._start_cache(seq)
         room = max(1, self.config.max_batch_tokens - len(self.running))
@@ -327,7 +323,7 @@ class BatchRunner:
         for seq in self.prefilling:
             if len(group) >= free or seq.images is not None or seq.alone or seq.prefilled:
                 break
-            pending = len(seq.prompt) - 1  # nothing reused yet
+            pending = seq.pending_prompt  # nothing reused yet
             if pending < 1 or (len(group) + 1) * max(longest, pending) > room:
                 break
             head = tuple(seq.prompt[:MIN_REUSE])
@@ -336,9 +332,8 @@ class BatchRunner:
             if seq.cache is None:
                 try:
                     seq.cache = self._start_cache(seq)
-                except Exception as exc:  # this request's lookup: it fails alone
+                except Exception:  # looked up again when prefilled alone, where a failure is its own
                     seq.alone = True
-                    seq.cache_error = exc
                     break
                 if seq.prefilled:  # a prefix-cache hit: prefilled alone from it
                     break

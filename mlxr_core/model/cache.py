@@ -416,8 +416,7 @@ class BatchKVCache(RightAlignedRows, WritesAndAttends):
     def empty(cls) -> BatchKVCache:
         """One row with no positions (a one-token prompt's): its heads and dtype are taken from
         the first keys written to it or from the rows it joins."""
-        nothing = mx.zeros((1, 1, 0, 1))
-        return cls(nothing, nothing, [0], 0)
+        return cls.for_prompts([0])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         start, length = self.length, keys.shape[2]
