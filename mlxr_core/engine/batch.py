@@ -34,6 +34,7 @@ from mlxr_core.engine.request import (
     TokenLogprob,
     Tokens,
     Usage,
+    deliver_events,
 )
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
@@ -197,6 +198,8 @@ class BatchRunner:
     def step(self) -> None:
         """Advance every request by one unit of work: one prefill chunk and/or one decode token."""
         self._drop_cancelled_prefills()
+        if self.prefilling:
+            deliver_events()  # the last step's tokens do not wait for this step's prefill
         # Several short prompts may share one step's prefill budget; a long one takes it all.
         budget = self.config.prefill_chunk
         while self.prefilling and budget > 0:
@@ -409,6 +412,7 @@ class BatchRunner:
         following = self._sample(logits, failed)
         following_logprobs, step_logprobs = self._logprobs(logits, following)
         mx.async_eval(following, *(step_logprobs.arrays if step_logprobs is not None else ()))
+        deliver_events()  # the last step's tokens, handed over while the device computes this one
 
         keep: list[int] = []
         if values is None:

@@ -185,6 +185,10 @@ class ModelLifecycle:
         self._make_room(slot, engine, strict=True)
         self._load(slot, engine, strict=True)
 
+    def has_work(self) -> bool:
+        """A command posted or a load pending: :meth:`tick` has more to do than look."""
+        return bool(self._pending) or not self._commands.empty()
+
     def tick(self, engine: Loader) -> None:
         """Apply posted commands, unload idle models whose keep-alive ran out, and start the
         first pending load that fits."""

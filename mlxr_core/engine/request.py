@@ -173,6 +173,8 @@ class _Outbox(threading.local):
 
     def __init__(self) -> None:
         self.pending: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event | Tokens]]] | None = None
+        #: Held by :func:`hold_events` (until :func:`release_events`), not by a block.
+        self.holding = False
 
 
 _outbox = _Outbox()
@@ -186,7 +188,7 @@ def delivered_together() -> Iterator[None]:
     The engine wraps each batch step in it: a step of N streams then wakes the server's event loop
     once, not N times, each wake-up taking the GIL from the thread building the next step. Events
     keep their order per request; sync consumers are not held back. Nested uses deliver at the end
-    of the outermost one.
+    of the outermost one; inside :func:`hold_events`, at :func:`deliver_events`.
     """
     if _outbox.pending is not None:
         yield
@@ -199,6 +201,36 @@ def delivered_together() -> Iterator[None]:
         _outbox.pending = None
         for loop, items in pending.items():
             _post(loop, items)
+
+
+def hold_events() -> None:
+    """Hold back this thread's events for async consumers until :func:`deliver_events` or
+    :func:`release_events`, across :func:`delivered_together` blocks (which then deliver nothing
+    themselves).
+
+    The engine holds a decode step's tokens until the next step's graph is queued on the device
+    (:func:`deliver_events` there): the consumers' loops then turn them into HTTP chunks while the
+    engine thread waits for the device with the GIL released, instead of while it builds the graph.
+    """
+    if _outbox.pending is None:
+        _outbox.pending = {}
+        _outbox.holding = True
+
+
+def deliver_events() -> None:
+    """Hand over the events held so far, and go on holding."""
+    pending = _outbox.pending
+    if pending and _outbox.holding:
+        _outbox.pending = {}
+        for loop, items in pending.items():
+            _post(loop, items)
+
+
+def release_events() -> None:
+    """Hand over the events held so far and stop holding."""
+    if _outbox.holding:
+        deliver_events()
+        _outbox.pending, _outbox.holding = None, False
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestHandle, Event | Tokens]]) -> None:

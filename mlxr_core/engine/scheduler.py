@@ -20,7 +20,14 @@ from mlxr_core.engine.batch import BatchRunner, Sequence
 from mlxr_core.engine.jobs import EngineJob, run_jobs
 from mlxr_core.engine.prefix_cache import PrefixCache
 from mlxr_core.engine.prefix_disk import DiskPrefixStore, model_identity
-from mlxr_core.engine.request import Failed, Finished, RequestHandle, Usage, delivered_together
+from mlxr_core.engine.request import (
+    Failed,
+    Finished,
+    RequestHandle,
+    Usage,
+    hold_events,
+    release_events,
+)
 from mlxr_core.errors import EngineStopped, MlxrError
 
 if TYPE_CHECKING:
@@ -236,6 +243,7 @@ class Scheduler:
         try:
             self._loop()
         finally:
+            release_events()
             self.close_prefix_caches()
             if self.lockstep is not None:
                 self.lockstep.close()
@@ -244,6 +252,8 @@ class Scheduler:
         while True:
             busy = any(runner.busy for runner in self.runners.values())
             idle = not busy and self.jobs.empty() and not self.running_jobs
+            if not (busy and self._straight_to_step()):
+                release_events()  # held only from one decode step to the next
             if self.lockstep is not None:
                 self.lockstep.exchange(block=idle and not self.waiting)
             if self.abort.is_set():
@@ -262,6 +272,13 @@ class Scheduler:
                 self._hold_jobs()  # after the tick: a job let through finds its model loaded
             run_jobs(self.jobs, self.models, self.running_jobs)
             self._step_all()
+
+    def _straight_to_step(self) -> bool:
+        """Nothing but the next step to do (no job to run, no model to load): the events the
+        last step held can wait for it."""
+        if self.running_jobs or not self.jobs.empty():
+            return False
+        return self.lifecycle is None or not self.lifecycle[0].has_work()
 
     def _step_all(self) -> None:
         # A method of its own: a runner left in the loop's locals would keep an unloaded model alive.
@@ -370,8 +387,15 @@ class Scheduler:
         started = time.perf_counter()
         if self._last_step_end is not None:
             self.between_steps_seconds += started - self._last_step_end
-        with delivered_together():  # the step's tokens reach each consumer loop in one hand-over
+        # The step's events reach each consumer loop in one hand-over; a decode step's tokens are
+        # held until the next step's graph is queued (the runner hands them over there), so that
+        # the consumers take them while this thread waits for the device.
+        hold_events()
+        try:
             self._step_once(name, runner)
+        finally:
+            if runner.tokens is None:  # no decode step follows to hand them over at
+                release_events()
         ended = time.perf_counter()
         self.step_seconds += ended - started
         self.steps += 1
@@ -391,6 +415,7 @@ class Scheduler:
 
     def _run_alone(self, seq: Sequence, name: str, decoder: Any) -> None:
         """A decoder that cannot batch gets the engine to itself for this request."""
+        release_events()  # the batch's held tokens do not wait for this whole request
         if (name, "") not in self._warned:
             self._warned.add((name, ""))
             log.info("decoder %s does not run in continuous batching: its requests run alone", name)

@@ -20,7 +20,10 @@ from mlxr_core.engine.request import (
     SamplingParams,
     Tokens,
     Usage,
+    deliver_events,
     delivered_together,
+    hold_events,
+    release_events,
 )
 from mlxr_core.plugins import load_plugins
 
@@ -54,6 +57,32 @@ def test_a_steps_events_reach_a_loop_in_one_call_in_order() -> None:
     assert [e.text for e in texts if isinstance(e, Delta)] == ["a", "b"]
     handles[1]._emit(Delta("c", (1,)))  # outside: at once
     assert loop.calls == 2
+
+
+def test_held_events_wait_for_deliver_or_release_across_blocks() -> None:
+    loop = CountingLoop()
+    handle = RequestHandle(GenerationRequest("m", [1]), loop=loop)  # type: ignore[arg-type]
+    hold_events()
+    try:
+        with delivered_together():  # inside a hold, a block delivers nothing itself
+            handle._emit(Delta("a", (1,)))
+        handle._emit(Delta("b", (2,)))
+        assert loop.calls == 0
+        deliver_events()
+        assert loop.calls == 1
+        deliver_events()  # nothing held: no call
+        assert loop.calls == 1
+        handle._emit(Delta("c", (3,)))
+        assert loop.calls == 1
+    finally:
+        release_events()
+    assert loop.calls == 2
+    handle._emit(Delta("d", (4,)))  # no longer held: at once
+    assert loop.calls == 3
+    texts = []
+    while not handle._async_queue.empty():  # type: ignore[union-attr]
+        texts.append(handle._async_queue.get_nowait().text)  # type: ignore[union-attr]
+    assert texts == ["a", "b", "c", "d"]
 
 
 def test_a_closed_loop_cancels_the_requests_it_held() -> None:
@@ -126,3 +155,52 @@ def test_text_detokenized_on_the_consumer_equals_the_engines(engine: Any, monkey
     assert on_consumer == on_engine
     assert len(on_consumer[1]) == 24
     assert consumer_threads == {threading.current_thread().name}
+
+
+def test_a_decode_steps_tokens_are_handed_over_once_the_next_step_is_queued(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine holds a step's tokens until the next step's graph is queued on the device, so the
+    consumer's loop takes them while the engine waits for the device; the last ones when the batch
+    ends. Every token arrives, in order."""
+    from mlxr_core.engine import batch
+
+    order: list[str] = []
+    async_eval = batch.mx.async_eval
+
+    def queued(*arrays: Any) -> None:
+        async_eval(*arrays)
+        order.append("queued")
+
+    done = threading.Event()
+    received: list[int] = []
+
+    class RecordingLoop:
+        def call_soon_threadsafe(self, callback: Any, items: Any) -> None:
+            order.append("handed")
+            for _, event in items:
+                if isinstance(event, Tokens | Delta):
+                    received.extend(event.token_ids)
+                else:
+                    done.set()
+
+    accept = batch.Sequence.accept
+
+    def accepted(self: Any, *args: Any) -> Any:
+        order.append("accepted")
+        return accept(self, *args)
+
+    monkeypatch.setattr(batch.mx, "async_eval", queued)
+    monkeypatch.setattr(batch.Sequence, "accept", accepted)
+    params = SamplingParams(max_tokens=12, temperature=0.0, extra={"ignore_eos": True})
+    engine.submit(GenerationRequest("tiny", [1, 5, 9, 13], params), loop=RecordingLoop())
+    assert done.wait(60)
+    assert len(received) == 12
+    # Every hand-over of tokens but the last (the batch ended) comes right after a step is queued,
+    # before that step's tokens are read back and accepted.
+    handed = [i for i, what in enumerate(order) if what == "handed"]
+    assert len(handed) >= 10
+    assert all(order[i - 1] == "queued" for i in handed[:-1]), " ".join(order)
+    # A consumer reading from the engine thread directly is never held back: the same tokens.
+    alone = engine.submit(GenerationRequest("tiny", [1, 5, 9, 13], params))
+    assert received == [token for event in alone if isinstance(event, Delta) for token in event.token_ids]
