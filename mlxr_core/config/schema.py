@@ -286,6 +286,11 @@ class EngineConfig:
     #: 0 (the default): an idle engine starts on the first request at once. Not under
     #: ``distributed:`` (rank 0 takes requests in step by step with the other ranks).
     burst_gap_ms: float = attrs.field(default=0.0, validator=[v.ge(0.0), v.le(100.0)])
+    #: Milliseconds at most an idle engine waits, before its first step, for the requests the
+    #: server has received and is still getting through (reading, tokenizing, rendering a chat
+    #: template): a burst then starts together. A request with none behind it does not wait.
+    #: 0 turns it off. Not under ``distributed:``.
+    arrivals_wait_ms: float = attrs.field(default=100.0, validator=[v.ge(0.0), v.le(1000.0)])
 
 
 #: ``mx.distributed`` backends ``mlx.launch`` starts; ``auto``: NCCL with CUDA, else ring.

@@ -26,6 +26,8 @@ import attrs
 from mlxr_core.engine.embedding import Embeddings, check_pooling
 from mlxr_core.engine.jobs import EngineJob, refuse_jobs
 from mlxr_core.engine.request import (
+    ARRIVING,
+    Arrivals,
     GenerationRequest,
     PromptImage,
     RequestHandle,
@@ -120,6 +122,8 @@ class Engine:
         #: Per model, the fixed bytes of one sequence's recurrent layers (0 for attention only).
         self._state_bytes: dict[str, int] = {}
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
+        #: Requests the server has received and not yet submitted: see :class:`Arrivals`.
+        self.arrivals = Arrivals()
         self._jobs: queue.Queue[EngineJob] = queue.Queue()
         self._jobs_lock = threading.Lock()
         self._jobs_open = True
@@ -295,7 +299,11 @@ class Engine:
     ) -> RequestHandle:
         """Validate and queue a request; raises ModelNotFound, ContextLengthExceeded, Overloaded
         or EngineStopped before anything is queued."""
-        return self.enqueue(RequestHandle(request, loop=loop))
+        handle = self.enqueue(RequestHandle(request, loop=loop))
+        arrival = ARRIVING.get()
+        if arrival is not None:  # counted out once queued: a gathering engine finds it queued
+            arrival.leave()
+        return handle
 
     def enqueue(self, handle: RequestHandle) -> RequestHandle:
         """:meth:`submit` for a handle made by the caller (a subclass that sends its events on:
@@ -523,6 +531,7 @@ class Engine:
             self._abort,
             jobs=self._jobs,
             lockstep=self._lockstep(),
+            arrivals=self.arrivals,
         )
         scheduler._plugin_config = self.config.plugins.config  # for decoders' setup as models load
         self.scheduler = scheduler

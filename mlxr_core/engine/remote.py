@@ -12,8 +12,9 @@ the engine, which must stop decoding at one.
 :class:`RemoteEngine` is the server process's engine: the same methods as :class:`Engine`, over
 one duplex pipe (``multiprocessing.Pipe``, pickled messages):
 
-- server -> core: ``("submit", rid, request)``, ``("cancel", rid)``, ``("post", call, command,
-  name, value)`` (load, unload, keep-alive), ``("job", call, work, what, model)`` (embeddings,
+- server -> core: ``("submit", rid, request, arriving)`` (``arriving``: the requests the server has
+  received and not yet submitted, :class:`~mlxr_core.engine.request.Arrivals`),
+  ``("cancel", rid)``, ``("post", call, command, name, value)`` (load, unload, keep-alive), ``("job", call, work, what, model)`` (embeddings,
   scores), ``("cancel_job", call)``, ``("stop", timeout)``;
 - core -> server: ``("events", [...])``, one message per engine step holding every event the step
   emitted (new tokens as ids: the server's handle detokenizes them), ``("snapshot", Snapshot)``
@@ -44,6 +45,7 @@ from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.engine.jobs import EngineJob
 from mlxr_core.engine.lifecycle import ModelSlot
 from mlxr_core.engine.request import (
+    ARRIVING,
     Delta,
     Failed,
     GenerationRequest,
@@ -260,14 +262,18 @@ class Core:
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "submit":
-            _, rid, request = message
+            _, rid, request, arriving = message
             handle = _CoreHandle(request, rid, self)
             self._handles[rid] = handle
+            # This request counts as arriving until it is queued: an idle engine that takes it in
+            # sees the server's count of those behind it, one that is gathering waits for it.
+            self.engine.arrivals.set(arriving + 1)
             try:
                 self.engine.enqueue(handle)
             except MlxrError as exc:
                 self._handles.pop(rid, None)
                 self.send(("events", [(rid, "x", encode_error(exc))]))
+            self.engine.arrivals.set(arriving)
         elif kind == "cancel":
             cancelled = self._handles.get(message[1])
             if cancelled is not None:
@@ -423,7 +429,10 @@ class RemoteEngine(Engine):
         info = self._validate(request)
         handle = RemoteHandle(request, self, info, loop)
         self._handles[handle.rid] = handle
-        if not self._send(("submit", handle.rid, request)):
+        arrival = ARRIVING.get()
+        if arrival is not None:  # the count the core gets excludes this request
+            arrival.leave()
+        if not self._send(("submit", handle.rid, request, self.arrivals.pending)):
             self._handles.pop(handle.rid, None)
             raise EngineStopped("the engine process is gone")
         return handle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import queue
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -166,6 +167,58 @@ class Tokens:
             return Delta(tail) if tail else None
         text = "".join(self.detokenizer.add(token) for token in self.token_ids)
         return Delta(text, self.token_ids, self.logprobs)
+
+
+class Arrivals:
+    """Requests a server has received and not yet submitted (their bodies read, their prompts
+    tokenized or chat templates rendered): an idle engine whose first request has more behind it
+    takes those in before its first step, so that they are prefilled and decode together instead
+    of in waves as the server gets through them (:meth:`Scheduler._gather_burst`).
+
+    The server counts each request in (:meth:`arrive`) and out when it submits, answers or ends
+    (:meth:`Arrival.leave`); an engine in a process of its own gets the count with each submit.
+    """
+
+    def __init__(self) -> None:
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> int:
+        return self._count
+
+    def arrive(self) -> Arrival:
+        with self._lock:
+            self._count += 1
+        return Arrival(self)
+
+    def set(self, count: int) -> None:
+        """The count as another process saw it (the server's, sent with a submit)."""
+        with self._lock:
+            self._count = max(0, count)
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._count = max(0, self._count - 1)
+
+
+class Arrival:
+    """One request counted in :class:`Arrivals`; :meth:`leave` counts it out, once."""
+
+    __slots__ = ("_arrivals",)
+
+    def __init__(self, arrivals: Arrivals):
+        self._arrivals: Arrivals | None = arrivals
+
+    def leave(self) -> None:
+        arrivals, self._arrivals = self._arrivals, None
+        if arrivals is not None:
+            arrivals._leave()
+
+
+#: The request the current task serves, while it is counted as arriving (set by the server's
+#: outermost middleware, read when the request is submitted).
+ARRIVING: contextvars.ContextVar[Arrival | None] = contextvars.ContextVar("mlxr_arriving", default=None)
 
 
 class _Outbox(threading.local):

@@ -21,6 +21,7 @@ from mlxr_core.engine.jobs import EngineJob, run_jobs
 from mlxr_core.engine.prefix_cache import PrefixCache
 from mlxr_core.engine.prefix_disk import DiskPrefixStore, model_identity
 from mlxr_core.engine.request import (
+    Arrivals,
     Failed,
     Finished,
     RequestHandle,
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 #: The most gaps of ``engine.burst_gap_ms`` an idle engine waits for a burst's requests in all.
 BURST_LIMIT = 16
+#: How often an idle engine waiting for requests the server is still getting through looks again.
+ARRIVAL_POLL_S = 0.001
 
 
 class Scheduler:
@@ -57,6 +60,7 @@ class Scheduler:
         jobs: queue.Queue[EngineJob] | None = None,
         lifecycle: tuple[ModelLifecycle, Loader] | None = None,
         lockstep: Lockstep | None = None,
+        arrivals: Arrivals | None = None,
     ):
         self.config = config
         self.models = models
@@ -69,6 +73,8 @@ class Scheduler:
         #: Under ``distributed:``, the exchange keeping every rank's loop taking the same inputs:
         #: requests, cancellations and shutdown come from it (see :mod:`mlxr_core.engine.lockstep`).
         self.lockstep = lockstep
+        #: Requests the server has received and not yet submitted (not under ``distributed:``).
+        self.arrivals = arrivals if lockstep is None else None
         if lockstep is not None:
             self.requests, self.stop, self.abort = lockstep.requests, lockstep.stop, lockstep.abort
             self.jobs = lockstep.jobs
@@ -312,18 +318,35 @@ class Scheduler:
 
     def _gather_burst(self) -> None:
         """An idle engine's first request may be the first of a burst (clients started together,
-        a batch job): take the requests that follow within ``engine.burst_gap_ms`` of each other,
-        for at most :data:`BURST_LIMIT` gaps, so that they start in one step."""
+        a batch job): take the requests the server has received and is still getting through
+        (:class:`Arrivals`, for at most ``engine.arrivals_wait_ms``), and those that follow within
+        ``engine.burst_gap_ms`` of each other (for at most :data:`BURST_LIMIT` gaps), so that they
+        start in one step."""
         gap = self.config.burst_gap_ms / 1000
-        if gap <= 0:
+        wait = self.config.arrivals_wait_ms / 1000 if self.arrivals is not None else 0.0
+        if gap <= 0 and wait <= 0:
             return
-        deadline = time.perf_counter() + BURST_LIMIT * gap
-        while (left := deadline - time.perf_counter()) > 0:
+        start = last = time.perf_counter()
+        while True:
+            now = time.perf_counter()
+            coming = wait > 0 and self.arrivals is not None and self.arrivals.pending > 0 and now - start < wait
+            in_gap = gap > 0 and now - last < gap and now - start < BURST_LIMIT * gap
+            if not (coming or in_gap):
+                break
             try:
-                handle = self.requests.get(timeout=min(gap, left))
+                handle = self.requests.get(timeout=ARRIVAL_POLL_S if coming else gap - (now - last))
+            except queue.Empty:
+                continue
+            if handle is None:  # a wake-up (the engine stopping): the loop sees to it
+                return
+            self.waiting.append(handle)
+            last = time.perf_counter()
+        while True:  # a request queued as the count fell to zero
+            try:
+                handle = self.requests.get_nowait()
             except queue.Empty:
                 return
-            if handle is None:  # a wake-up (the engine stopping): the loop sees to it
+            if handle is None:
                 return
             self.waiting.append(handle)
 

@@ -27,9 +27,11 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlxr_core.engine.request import ARRIVING
 from mlxr_core.errors import MlxrError
 
 if TYPE_CHECKING:
+    from mlxr_core.engine.request import Arrivals
     from mlxr_core.http.metrics import Metrics
 
 access_log = logging.getLogger("mlxr.access")
@@ -155,10 +157,15 @@ def api_key_guard(keys: ApiKeys) -> Any:
 class RequestLog:
     """Outermost ASGI middleware: request id, HTTP metrics and one access-log line per request."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, *, log_requests: bool = True):
+    def __init__(
+        self, app: ASGIApp, metrics: Metrics, *, log_requests: bool = True, arrivals: Arrivals | None = None
+    ):
         self.app = app
         self.metrics = metrics
         self.log_requests = log_requests
+        #: The engine's count of requests received and not yet submitted: each POST is counted in
+        #: here, and out when it is submitted, answered or ends.
+        self.arrivals = arrivals
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -171,9 +178,14 @@ class RequestLog:
         sent = 0
         started = time.perf_counter()
 
+        arrival = self.arrivals.arrive() if self.arrivals is not None and scope.get("method") == "POST" else None
+        arriving = ARRIVING.set(arrival)
+
         async def send_with_id(message: Message) -> None:
             nonlocal status, sent
             if message["type"] == "http.response.start":
+                if arrival is not None:
+                    arrival.leave()
                 status = message["status"]
                 message = {**message, "headers": [*message.get("headers", []), header]}  # type: ignore[typeddict-item]
             elif message["type"] == "http.response.body":
@@ -185,6 +197,9 @@ class RequestLog:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            if arrival is not None:
+                arrival.leave()
+            ARRIVING.reset(arriving)
             seconds = time.perf_counter() - started
             # Litestar writes the matched route's template into the scope while routing.
             endpoint = scope.get("path_template") or UNMATCHED  # type: ignore[typeddict-item]

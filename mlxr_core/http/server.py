@@ -81,7 +81,9 @@ def build_app(ctx: ServerContext) -> Litestar:
     )
     # Outermost, around Litestar's own exception and CORS layers: app-level Litestar middleware
     # only wraps matched routes, and the access log must see 404s and 405s too.
-    app.asgi_handler = RequestLog(app.asgi_handler, ctx.metrics, log_requests=server.access_log)
+    app.asgi_handler = RequestLog(
+        app.asgi_handler, ctx.metrics, log_requests=server.access_log, arrivals=ctx.engine.arrivals
+    )
     return app
 
 

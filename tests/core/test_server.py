@@ -27,6 +27,7 @@ from litestar.testing import TestClient
 from mlxr_core.cli import serve
 from mlxr_core.cli.main import main
 from mlxr_core.config.schema import Config, ModelConfig
+from mlxr_core.engine.request import Arrivals
 from mlxr_core.errors import ConfigError, MlxrError, PluginLoadError, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.errors import exception_handlers
@@ -43,6 +44,7 @@ class LifecycleEngine:
         self.error: BaseException | None = None
         self.queue_depth = 0
         self.calls: list[str] = []
+        self.arrivals = Arrivals()
 
     @property
     def served(self) -> list[str]:

@@ -341,3 +341,42 @@ def test_an_idle_engine_can_wait_for_the_rest_of_a_burst(tiny_path):
         assert submit_apart(eng, 0.3) < 4
     finally:
         eng.stop()
+
+
+def test_an_idle_engine_takes_in_the_requests_still_arriving(tiny_path):
+    """Requests the server has received and not yet submitted (``engine.arrivals``) keep an idle
+    engine from starting, up to ``engine.arrivals_wait_ms``: four submitted 0.1 s apart while
+    counted start in one step, their prompts prefilled together; with the wait off they do not.
+    A count that never falls (a request that never submits) holds the first back only that long."""
+    from mlxr_core.engine.request import ARRIVING
+
+    def submit_counted(eng, apart):
+        tickets = [eng.arrivals.arrive() for _ in range(4)]
+        handles = []
+        for prompt, ticket in zip([*PROMPTS[:3], [9, 8, 7, 6]], tickets, strict=True):
+            token = ARRIVING.set(ticket)
+            try:
+                handles.append(eng.submit(request(prompt, max_tokens=4)))
+            finally:
+                ARRIVING.reset(token)
+            time.sleep(apart)
+        outputs = [tokens_of(handle) for handle in handles]
+        assert eng.arrivals.pending == 0
+        return eng.stats()["prompts_prefilled_together"], outputs
+
+    eng = start(tiny_path, max_batch_size=4, arrivals_wait_ms=1000.0)
+    try:
+        together, outputs = submit_counted(eng, 0.1)
+        assert together == 4
+        stuck = eng.arrivals.arrive()  # never submitted: the wait ends at its bound
+        assert len(tokens_of(eng.submit(request(PROMPTS[0], max_tokens=4)))) == 4
+        stuck.leave()
+    finally:
+        eng.stop()
+    eng = start(tiny_path, max_batch_size=4, arrivals_wait_ms=0.0)
+    try:
+        together, alone = submit_counted(eng, 0.1)
+        assert together < 4
+        assert alone == outputs
+    finally:
+        eng.stop()

@@ -119,6 +119,34 @@ def test_greedy_and_seeded_tokens_match_the_engine_thread(tiny_path: Path, remot
         thread.stop()
 
 
+def test_requests_still_arriving_at_the_server_reach_the_core_together(remote: RemoteEngine) -> None:
+    """The server's count of requests received and not yet submitted crosses with each submit: the
+    idle core waits for those still counted (up to its 100 ms default), and four submitted 20 ms
+    apart start in one step."""
+    from mlxr_core.engine.request import ARRIVING
+
+    def together() -> int:
+        return int(remote.stats()["prompts_prefilled_together"])
+
+    before = together()
+    tickets = [remote.arrivals.arrive() for _ in range(4)]
+    handles = []
+    for prompt, ticket in zip([[5, 6], [12, 13], [20, 21], [30, 31]], tickets, strict=True):  # one step's budget
+        token = ARRIVING.set(ticket)
+        try:
+            handles.append(remote.submit(request(prompt, temperature=0.0, max_tokens=3)))
+        finally:
+            ARRIVING.reset(token)
+        time.sleep(0.02)
+    for handle in handles:
+        assert isinstance(list(handle)[-1], Finished)
+    assert remote.arrivals.pending == 0
+    deadline = time.monotonic() + 10
+    while together() < before + 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert together() == before + 4, str(remote.stats())
+
+
 def attrs_copy(r: GenerationRequest) -> GenerationRequest:
     return request(r.prompt_ids, **{k: getattr(r.params, k) for k in ("temperature", "top_p", "seed", "stop", "max_tokens", "logprobs")})
 

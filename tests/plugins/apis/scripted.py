@@ -15,6 +15,8 @@ from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.engine.engine import ModelInfo
 from mlxr_core.engine.lifecycle import ModelSlot
 from mlxr_core.engine.request import (
+    ARRIVING,
+    Arrivals,
     Delta,
     Failed,
     Finished,
@@ -68,6 +70,9 @@ class FakeEngine:
         self.endless = False  # emit tokens until cancelled
         self.token_delay_s = 0.0  # pause after each token
         self.running = 0
+        self.arrivals = Arrivals()
+        #: ``arrivals.pending`` as each request was submitted (itself still counted).
+        self.arriving_at_submit: list[int] = []
 
     def stats(self) -> dict[str, Any]:
         return {"running": self.running, "queued": self.queue_depth, "kv_bytes": 1024 * self.running}
@@ -122,6 +127,10 @@ class FakeEngine:
         if params.max_tokens > room or room < 1:
             raise ContextLengthExceeded.tokens(len(request.prompt_ids), params.max_tokens, info.context_length)
         self.requests.append(request)
+        self.arriving_at_submit.append(self.arrivals.pending)
+        arrival = ARRIVING.get()
+        if arrival is not None:
+            arrival.leave()
         handle = RequestHandle(request, loop=loop)
         self.handles.append(handle)
         threading.Thread(target=self._run, args=(handle,), daemon=True).start()

@@ -178,6 +178,23 @@ def test_each_request_gets_an_id_and_one_access_log_line(fake: FakeEngine, caplo
     assert " GET /missing 404 " in lines[3]
 
 
+def test_a_post_counts_as_arriving_until_it_is_submitted_or_answered(fake: FakeEngine) -> None:
+    """The outermost middleware counts each POST in the engine's arrivals (so an idle engine can
+    wait for a burst still being read and tokenized) and out once submitted, or answered without
+    being submitted (a 4xx), or ended; GETs are not counted."""
+    with app_client(fake) as client:
+        assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+        assert fake.arriving_at_submit == [1]  # counted while it was read, up to its submit
+        assert fake.arrivals.pending == 0
+        assert client.post("/v1/chat/completions", json={**CHAT, "temperature": "hot"}).status_code == 400
+        assert client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
+        client.get("/health")
+        assert fake.arrivals.pending == 0
+        assert client.post("/v1/completions", json={"model": "fake", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert fake.arriving_at_submit == [1, 1]
+        assert fake.arrivals.pending == 0
+
+
 def test_the_access_log_can_be_turned_off(fake: FakeEngine, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="mlxr.access"), app_client(fake, access_log=False) as client:
         assert client.get("/health").headers["x-request-id"]
