@@ -288,8 +288,9 @@ class EngineConfig:
     burst_gap_ms: float = attrs.field(default=0.0, validator=[v.ge(0.0), v.le(100.0)])
     #: Milliseconds at most an idle engine waits, before its first step, for the requests the
     #: server has received and is still getting through (reading, tokenizing, rendering a chat
-    #: template): a burst then starts together. A request with none behind it does not wait.
-    #: 0 turns it off. Not under ``distributed:``.
+    #: template): a burst then starts together. A request with none behind it does not wait; one
+    #: arriving while another still uploads a large body waits at most this. 0 turns it off. Not
+    #: under ``distributed:``.
     arrivals_wait_ms: float = attrs.field(default=100.0, validator=[v.ge(0.0), v.le(1000.0)])
 
 

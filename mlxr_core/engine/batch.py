@@ -398,6 +398,7 @@ class BatchRunner:
         if any(seq.sampler.stateful for seq in self.running):
             # Stateful processors (penalties, grammars) must see token n before processing the
             # logits of token n+1: read the tokens back first, giving up the overlap this step.
+            deliver_events()  # the last step's tokens do not wait for this read
             values = tokens.tolist()  # type: ignore[assignment]
             assert values is not None
             for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):

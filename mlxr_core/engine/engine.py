@@ -26,11 +26,12 @@ import attrs
 from mlxr_core.engine.embedding import Embeddings, check_pooling
 from mlxr_core.engine.jobs import EngineJob, refuse_jobs
 from mlxr_core.engine.request import (
-    ARRIVING,
     Arrivals,
     GenerationRequest,
     PromptImage,
     RequestHandle,
+    handed_over,
+    release_events,
 )
 from mlxr_core.engine.scoring import Scores
 from mlxr_core.errors import (
@@ -300,9 +301,7 @@ class Engine:
         """Validate and queue a request; raises ModelNotFound, ContextLengthExceeded, Overloaded
         or EngineStopped before anything is queued."""
         handle = self.enqueue(RequestHandle(request, loop=loop))
-        arrival = ARRIVING.get()
-        if arrival is not None:  # counted out once queued: a gathering engine finds it queued
-            arrival.leave()
+        handed_over()  # counted out once queued: a gathering engine finds it queued
         return handle
 
     def enqueue(self, handle: RequestHandle) -> RequestHandle:
@@ -461,6 +460,7 @@ class Engine:
                 raise EngineStopped("the server is shutting down")
             self._jobs.put(job)
         self._queue.put(None)  # wakes the scheduler if it waits for requests
+        handed_over()  # an embedding request is no longer arriving either
         return job
 
     def _close_jobs(self) -> None:
@@ -604,6 +604,8 @@ class Engine:
         """Load ``slot``'s model and serve it; returns its footprint (:func:`model_footprint`)."""
         import mlx.core as mx
 
+        release_events()  # the running models' held tokens do not wait for the load
+
         from mlxr_core.engine.batch import kv_bytes_per_token, sequence_bytes
         from mlxr_core.engine.lifecycle import model_footprint
         from mlxr_core.model.loader import load_model
@@ -653,6 +655,8 @@ class Engine:
     def unload(self, slot: ModelSlot) -> None:
         """Stop serving ``slot``'s idle model and free its memory (its :class:`ModelInfo` stays)."""
         import mlx.core as mx
+
+        release_events()  # nor for an unload (a prefix cache written to disk)
 
         assert self.scheduler is not None
         self.scheduler.remove_model(slot.name)

@@ -48,6 +48,7 @@ from mlxr_core.engine.request import (
     GenerationRequest,
     RequestHandle,
     Tokens,
+    release_events,
 )
 from mlxr_core.errors import MlxrError, RankLost
 
@@ -396,6 +397,7 @@ class Lockstep:
             if caller is not None and not caller.future.done():
                 caller.future.set_exception(error)
         refuse_jobs(self._submitted_jobs, error)
+        release_events()  # on the engine thread, the errors it held reach their clients first
         if self._exit_on_loss:
             time.sleep(EXIT_GRACE_S)
             logging.shutdown()

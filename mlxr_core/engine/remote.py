@@ -14,7 +14,8 @@ one duplex pipe (``multiprocessing.Pipe``, pickled messages):
 
 - server -> core: ``("submit", rid, request, arriving)`` (``arriving``: the requests the server has
   received and not yet submitted, :class:`~mlxr_core.engine.request.Arrivals`),
-  ``("cancel", rid)``, ``("post", call, command, name, value)`` (load, unload, keep-alive), ``("job", call, work, what, model)`` (embeddings,
+  ``("arrivals", 0)`` (the count emptied without a submit), ``("cancel", rid)``,
+  ``("post", call, command, name, value)`` (load, unload, keep-alive), ``("job", call, work, what, model)`` (embeddings,
   scores), ``("cancel_job", call)``, ``("stop", timeout)``;
 - core -> server: ``("events", [...])``, one message per engine step holding every event the step
   emitted (new tokens as ids: the server's handle detokenizes them), ``("snapshot", Snapshot)``
@@ -53,6 +54,7 @@ from mlxr_core.engine.request import (
     TokenLogprob,
     Tokens,
     delivered_together,
+    handed_over,
 )
 from mlxr_core.errors import EngineStopped, MlxrError
 
@@ -274,6 +276,8 @@ class Core:
                 self._handles.pop(rid, None)
                 self.send(("events", [(rid, "x", encode_error(exc))]))
             self.engine.arrivals.set(arriving)
+        elif kind == "arrivals":
+            self.engine.arrivals.set(message[1])
         elif kind == "cancel":
             cancelled = self._handles.get(message[1])
             if cancelled is not None:
@@ -375,6 +379,9 @@ class RemoteEngine(Engine):
         #: Called (from the pipe's reader thread) when the core process dies: ``mlxr serve``
         #: stops the server, which then exits non-zero with :attr:`error`.
         self.on_lost: Any = None
+        # The core knows the count only from each submit: it is told when the count empties
+        # without one (a request answered without being submitted, a client that left).
+        self.arrivals.on_empty = self._arrivals_emptied
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -430,12 +437,18 @@ class RemoteEngine(Engine):
         handle = RemoteHandle(request, self, info, loop)
         self._handles[handle.rid] = handle
         arrival = ARRIVING.get()
-        if arrival is not None:  # the count the core gets excludes this request
+        counted = arrival is not None and arrival.counted
+        others = max(0, self.arrivals.pending - counted)  # the count the core gets excludes this request
+        sent = self._send(("submit", handle.rid, request, others))
+        if arrival is not None:  # after the submit: a core told the count emptied has it queued
             arrival.leave()
-        if not self._send(("submit", handle.rid, request, self.arrivals.pending)):
+        if not sent:
             self._handles.pop(handle.rid, None)
             raise EngineStopped("the engine process is gone")
         return handle
+
+    def _arrivals_emptied(self) -> None:
+        self._send(("arrivals", 0))
 
     def enqueue(self, handle: RequestHandle) -> RequestHandle:
         raise TypeError("the engine process streams to handles of its own: submit() the request")
@@ -447,6 +460,7 @@ class RemoteEngine(Engine):
         if self.state != "ready":
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
         call = self._call(job.future, "job", job.work, job.what, job.model)
+        handed_over()
 
         def cancelled(done: Future[Any]) -> None:
             if done.cancelled():

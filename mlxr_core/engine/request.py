@@ -7,7 +7,7 @@ import contextlib
 import contextvars
 import queue
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import attrs
@@ -182,6 +182,8 @@ class Arrivals:
     def __init__(self) -> None:
         self._count = 0
         self._lock = threading.Lock()
+        #: Called when the count falls to zero (an engine in another process is told).
+        self.on_empty: Callable[[], None] | None = None
 
     @property
     def pending(self) -> int:
@@ -200,6 +202,9 @@ class Arrivals:
     def _leave(self) -> None:
         with self._lock:
             self._count = max(0, self._count - 1)
+            empty = self._count == 0
+        if empty and self.on_empty is not None:
+            self.on_empty()
 
 
 class Arrival:
@@ -210,6 +215,10 @@ class Arrival:
     def __init__(self, arrivals: Arrivals):
         self._arrivals: Arrivals | None = arrivals
 
+    @property
+    def counted(self) -> bool:
+        return self._arrivals is not None
+
     def leave(self) -> None:
         arrivals, self._arrivals = self._arrivals, None
         if arrivals is not None:
@@ -219,6 +228,14 @@ class Arrival:
 #: The request the current task serves, while it is counted as arriving (set by the server's
 #: outermost middleware, read when the request is submitted).
 ARRIVING: contextvars.ContextVar[Arrival | None] = contextvars.ContextVar("mlxr_arriving", default=None)
+
+
+def handed_over() -> None:
+    """The current task's request has reached the engine (queued, or sent to its process): count
+    it out of its :class:`Arrivals`."""
+    arrival = ARRIVING.get()
+    if arrival is not None:
+        arrival.leave()
 
 
 class _Outbox(threading.local):

@@ -371,6 +371,13 @@ def test_an_idle_engine_takes_in_the_requests_still_arriving(tiny_path):
         stuck = eng.arrivals.arrive()  # never submitted: the wait ends at its bound
         assert len(tokens_of(eng.submit(request(PROMPTS[0], max_tokens=4)))) == 4
         stuck.leave()
+        embedding = eng.arrivals.arrive()  # an embedding request counts out once its job is queued
+        token = ARRIVING.set(embedding)
+        try:
+            assert len(eng.embed("tiny", [[5, 6, 7]]).vectors) == 1
+        finally:
+            ARRIVING.reset(token)
+        assert eng.arrivals.pending == 0
     finally:
         eng.stop()
     eng = start(tiny_path, max_batch_size=4, arrivals_wait_ms=0.0)

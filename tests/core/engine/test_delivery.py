@@ -157,12 +157,15 @@ def test_text_detokenized_on_the_consumer_equals_the_engines(engine: Any, monkey
     assert consumer_threads == {threading.current_thread().name}
 
 
+@pytest.mark.parametrize("stateful", [False, True])
 def test_a_decode_steps_tokens_are_handed_over_once_the_next_step_is_queued(
-    engine: Any, monkeypatch: pytest.MonkeyPatch
+    engine: Any, monkeypatch: pytest.MonkeyPatch, stateful: bool
 ) -> None:
     """The engine holds a step's tokens until the next step's graph is queued on the device, so the
     consumer's loop takes them while the engine waits for the device; the last ones when the batch
-    ends. Every token arrives, in order."""
+    ends. A penalty (a sampler that must see each token before the next step is built) reads the
+    tokens back first: the held ones are handed over before that wait. Every token arrives, in
+    order."""
     from mlxr_core.engine import batch
 
     order: list[str] = []
@@ -192,7 +195,9 @@ def test_a_decode_steps_tokens_are_handed_over_once_the_next_step_is_queued(
 
     monkeypatch.setattr(batch.mx, "async_eval", queued)
     monkeypatch.setattr(batch.Sequence, "accept", accepted)
-    params = SamplingParams(max_tokens=12, temperature=0.0, extra={"ignore_eos": True})
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, presence_penalty=0.5 if stateful else 0.0, extra={"ignore_eos": True}
+    )
     engine.submit(GenerationRequest("tiny", [1, 5, 9, 13], params), loop=RecordingLoop())
     assert done.wait(60)
     assert len(received) == 12
@@ -200,7 +205,10 @@ def test_a_decode_steps_tokens_are_handed_over_once_the_next_step_is_queued(
     # before that step's tokens are read back and accepted.
     handed = [i for i, what in enumerate(order) if what == "handed"]
     assert len(handed) >= 10
-    assert all(order[i - 1] == "queued" for i in handed[:-1]), " ".join(order)
+    if stateful:  # before the read-back, which comes before the step is built and queued
+        assert all(order[i + 1] == "queued" for i in handed[:-1]), " ".join(order)
+    else:
+        assert all(order[i - 1] == "queued" for i in handed[:-1]), " ".join(order)
     # A consumer reading from the engine thread directly is never held back: the same tokens.
     alone = engine.submit(GenerationRequest("tiny", [1, 5, 9, 13], params))
     assert received == [token for event in alone if isinstance(event, Delta) for token in event.token_ids]

@@ -147,6 +147,33 @@ def test_requests_still_arriving_at_the_server_reach_the_core_together(remote: R
     assert together() == before + 4, str(remote.stats())
 
 
+def test_the_core_is_told_when_the_count_empties_without_a_submit(
+    remote: RemoteEngine, tiny_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request counted when another was submitted, that then ends without a submit (a 400, a
+    /tokenize, a client that left), must not keep an idle core waiting: the server tells the core
+    the count emptied, and the core sets it."""
+    from mlxr_core.engine.remote import Core
+
+    sent: list[tuple[object, ...]] = []
+    monkeypatch.setattr(remote, "_send", lambda message: sent.append(message) or True)
+    first, second = remote.arrivals.arrive(), remote.arrivals.arrive()
+    first.leave()
+    assert sent == []  # one still counted
+    second.leave()
+    assert sent == [("arrivals", 0)]
+
+    class Pipe:
+        def send(self, message: object) -> None:
+            pass
+
+    engine = Engine(tiny_config(tiny_path, "thread"), load_plugins())  # not started: only its count
+    core = Core(engine, Pipe())  # type: ignore[arg-type]
+    engine.arrivals.set(1)  # what a submit said while the other request was still being read
+    core._handle(("arrivals", 0))
+    assert engine.arrivals.pending == 0
+
+
 def attrs_copy(r: GenerationRequest) -> GenerationRequest:
     return request(r.prompt_ids, **{k: getattr(r.params, k) for k in ("temperature", "top_p", "seed", "stop", "max_tokens", "logprobs")})
 
