@@ -26,6 +26,8 @@ from mlxr_core.engine.request import (
     RequestHandle,
     SamplingParams,
     Usage,
+    hold_events,
+    release_events,
 )
 from mlxr_core.errors import MlxrError, RankLost
 from mlxr_core.plugins import load_plugins
@@ -113,6 +115,35 @@ def test_a_failed_collective_ends_every_request_with_rank_lost(monkeypatch: pyte
         assert isinstance(event, Failed) and isinstance(event.error, RankLost)
         assert event.error.status == 503 and "connection to a peer was lost" in str(event.error)
     assert lockstep.abort.is_set()
+
+
+def test_a_lost_rank_hands_over_the_events_its_engine_thread_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine thread holds a decode step's tokens until the next step; a collective failing at
+    the exchange in between ends the process after a grace period: the held tokens and the
+    RankLost error reach the client's loop before it."""
+    received: list[str] = []
+
+    class Loop:
+        def call_soon_threadsafe(self, callback: object, items: list[tuple[object, object]]) -> None:
+            received.extend(type(event).__name__ for _, event in items)
+
+    lockstep, submitted, _ = make_lockstep()
+    caller = RequestHandle(GenerationRequest("m", [1, 2]), loop=Loop())  # type: ignore[arg-type]
+    submitted.put(caller)
+    lockstep.exchange(block=False)
+    (mirror,) = taken(lockstep)
+
+    def lost(data: bytes, size: int) -> bytes:
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    monkeypatch.setattr(lockstep, "_all_sum", lost)
+    hold_events()  # as the engine thread after a decode step
+    try:
+        mirror._emit(Delta("x", (7,)))
+        lockstep.exchange(block=False)
+        assert received == ["Delta", "Failed"]
+    finally:
+        release_events()
 
 
 def test_the_watchdog_ends_requests_when_no_step_completes_in_time() -> None:
