@@ -382,6 +382,7 @@ class RemoteEngine(Engine):
         # The core knows the count only from each submit: it is told when the count empties
         # without one (a request answered without being submitted, a client that left).
         self.arrivals.on_empty = self._arrivals_emptied
+        self._core_arrivals = 0  # the count the core was last given
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -439,6 +440,7 @@ class RemoteEngine(Engine):
         arrival = ARRIVING.get()
         counted = arrival is not None and arrival.counted
         others = max(0, self.arrivals.pending - counted)  # the count the core gets excludes this request
+        self._core_arrivals = others
         sent = self._send(("submit", handle.rid, request, others))
         if arrival is not None:  # after the submit: a core told the count emptied has it queued
             arrival.leave()
@@ -448,7 +450,9 @@ class RemoteEngine(Engine):
         return handle
 
     def _arrivals_emptied(self) -> None:
-        self._send(("arrivals", 0))
+        if self._core_arrivals:  # the core waits for requests that will not come
+            self._core_arrivals = 0
+            self._send(("arrivals", 0))
 
     def enqueue(self, handle: RequestHandle) -> RequestHandle:
         raise TypeError("the engine process streams to handles of its own: submit() the request")

@@ -258,8 +258,10 @@ class Scheduler:
         while True:
             busy = any(runner.busy for runner in self.runners.values())
             idle = not busy and self.jobs.empty() and not self.running_jobs
-            if not (busy and self._straight_to_step()):
-                release_events()  # held only from one decode step to the next
+            if self.lockstep is not None or not (busy and self._straight_to_step()):
+                # Held only from one decode step to the next; not across the ranks' exchange, which
+                # a watchdog may end on its own thread, and which NCCL queues behind the step.
+                release_events()
             if self.lockstep is not None:
                 self.lockstep.exchange(block=idle and not self.waiting)
             if self.abort.is_set():

@@ -337,11 +337,13 @@ def build_model(
         except ModelLoadError as exc:
             raise ModelLoadError(exc.detail, path=str(checkpoint.path), key=exc.key) from None
         weights = shard_weights(weights, plan, model)
-    # A weight that is a view into a larger tensor (experts split from a fused gate/up stack) is
-    # copied out, the larger one then freed: MLX's CUDA ``gather_mm`` with sorted indices reads such
-    # a view at the wrong offset (0.32.4: Gemma 4's experts, gpt-oss's fused GGUF layout). A weight
-    # that owns its memory is passed through as it is.
-    weights = {key: mx.contiguous(value) for key, value in weights.items()}
+    if current_platform()[1] == "cuda":
+        # A weight that is a view into a larger tensor (experts split from a fused gate/up stack)
+        # is copied out: MLX's CUDA ``gather_mm`` with sorted indices reads such a view at the wrong
+        # offset (0.32.4: Gemma 4's experts, gpt-oss's fused GGUF layout). A weight that owns its
+        # memory is passed through as it is. The copies and the fused tensors they came from are
+        # both held until the load ends: such a checkpoint's split tensors count twice at its peak.
+        weights = {key: mx.contiguous(value) for key, value in weights.items()}
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:

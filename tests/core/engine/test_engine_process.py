@@ -155,13 +155,26 @@ def test_the_core_is_told_when_the_count_empties_without_a_submit(
     the count emptied, and the core sets it."""
     from mlxr_core.engine.remote import Core
 
+    from mlxr_core.engine.request import ARRIVING
+
     sent: list[tuple[object, ...]] = []
     monkeypatch.setattr(remote, "_send", lambda message: sent.append(message) or True)
+
+    def submit_counted() -> None:
+        token = ARRIVING.set(first)
+        try:
+            remote.submit(request([5, 6], max_tokens=1)).cancel()  # the pipe is stubbed: never runs
+        finally:
+            ARRIVING.reset(token)
+
     first, second = remote.arrivals.arrive(), remote.arrivals.arrive()
-    first.leave()
-    assert sent == []  # one still counted
-    second.leave()
-    assert sent == [("arrivals", 0)]
+    submit_counted()
+    assert [m[0] for m in sent] == ["submit", "cancel"] and sent[0][3] == 1  # the second still counted
+    second.leave()  # answered without a submit
+    assert sent[2:] == [("arrivals", 0)]
+    first, sent[:] = remote.arrivals.arrive(), []
+    submit_counted()  # alone: the submit told the core 0 already
+    assert [m[0] for m in sent] == ["submit", "cancel"] and sent[0][3] == 0
 
     class Pipe:
         def send(self, message: object) -> None:
