@@ -604,11 +604,11 @@ class Engine:
         """Load ``slot``'s model and serve it; returns its footprint (:func:`model_footprint`)."""
         import mlx.core as mx
 
-        release_events()  # the running models' held tokens do not wait for the load
-
         from mlxr_core.engine.batch import kv_bytes_per_token, sequence_bytes
         from mlxr_core.engine.lifecycle import model_footprint
         from mlxr_core.model.loader import load_model
+
+        release_events()  # the running models' held tokens do not wait for the load
 
         assert self.scheduler is not None
         with mx.stream(self._load_stream):

@@ -15,8 +15,9 @@ one duplex pipe (``multiprocessing.Pipe``, pickled messages):
 - server -> core: ``("submit", rid, request, arriving)`` (``arriving``: the requests the server has
   received and not yet submitted, :class:`~mlxr_core.engine.request.Arrivals`),
   ``("arrivals", 0)`` (the count emptied without a submit), ``("cancel", rid)``,
-  ``("post", call, command, name, value)`` (load, unload, keep-alive), ``("job", call, work, what, model)`` (embeddings,
-  scores), ``("cancel_job", call)``, ``("stop", timeout)``;
+  ``("post", call, command, name, value)`` (load, unload, keep-alive),
+  ``("job", call, work, what, model)`` (embeddings, scores), ``("cancel_job", call)``,
+  ``("stop", timeout)``;
 - core -> server: ``("events", [...])``, one message per engine step holding every event the step
   emitted (new tokens as ids: the server's handle detokenizes them), ``("snapshot", Snapshot)``
   (state, models, slots and counters, every :data:`SNAPSHOT_INTERVAL_S` and before each reply),
@@ -442,8 +443,7 @@ class RemoteEngine(Engine):
         others = max(0, self.arrivals.pending - counted)  # the count the core gets excludes this request
         self._core_arrivals = others
         sent = self._send(("submit", handle.rid, request, others))
-        if arrival is not None:  # after the submit: a core told the count emptied has it queued
-            arrival.leave()
+        handed_over()  # after the submit: a core told the count emptied has it queued
         if not sent:
             self._handles.pop(handle.rid, None)
             raise EngineStopped("the engine process is gone")
