@@ -274,11 +274,9 @@ def choose(registry: Any, choice: str, template: str | None) -> str | None:
     return best
 
 
-def validate_parser_choices(config: Any, registries: Any) -> None:
-    """Refuse ``models[].tool_parser`` / ``reasoning_parser`` values no loaded plugin registered.
-
-    :raises ConfigError: naming the key (``models[0].tool_parser``) and the known parsers.
-    """
+def parser_problems(config: Any, registries: Any) -> list[Problem]:
+    """``models[].tool_parser`` / ``reasoning_parser`` values no loaded plugin registered, with the
+    known parsers."""
     problems = []
     for i, model in enumerate(config.models):
         for key, registry in (
@@ -295,5 +293,14 @@ def validate_parser_choices(config: Any, registries: Any) -> None:
                     f"unknown parser {value!r} (available: {', '.join(known)}){close_matches(value, known)}",
                 )
             )
+    return problems
+
+
+def validate_parser_choices(config: Any, registries: Any) -> None:
+    """Refuse ``models[].tool_parser`` / ``reasoning_parser`` values no loaded plugin registered.
+
+    :raises ConfigError: naming the key (``models[0].tool_parser``) and the known parsers.
+    """
+    problems = parser_problems(config, registries)
     if problems:
         raise config_error(config, problems)

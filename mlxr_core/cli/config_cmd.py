@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
 from mlxr_core.cli.commands import Subparsers
-
-if TYPE_CHECKING:
-    from mlxr_core.config.schema import Config
-    from mlxr_core.config.structure import Problem
-    from mlxr_core.plugins import PluginHost
 
 EXIT_INVALID = 2
 
@@ -47,12 +41,8 @@ def add_parser(subparsers: Subparsers) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     """Handle ``mlxr config check``."""
-    from mlxr_core.config.loader import (
-        ConfigProblems,
-        config_error,
-        load_config,
-        validate_plugin_sections,
-    )
+    from mlxr_core.config.checks import check_config
+    from mlxr_core.config.loader import load_config
     from mlxr_core.errors import PluginLoadError
     from mlxr_core.plugins import load_plugins
 
@@ -70,16 +60,7 @@ def run_check(args: argparse.Namespace) -> int:
         names = ", ".join(info.name for info in host.failed)
         print(f"mlxr: error: {args.file}: plugins.strict is set and plugin(s) failed: {names}", file=sys.stderr)
         return EXIT_INVALID
-    lines: list[str] = []
-    try:
-        validate_plugin_sections(config, host.registries)
-    except ConfigProblems as exc:
-        lines += exc.problems
-    problems = [*unregistered_names(config, host), *missing_models(config)]
-    if problems:
-        lines += config_error(config, problems).problems
-    if lines:
-        raise ConfigProblems(lines)
+    check_config(config, host)
     from mlxr_core.model.paths import default_model_name, resolve_model_path
 
     # The names clients use, unnamed models' defaults included (every path resolved above).
@@ -102,70 +83,3 @@ def run_show(args: argparse.Namespace) -> int:
         server["api_keys"] = ["***"] * len(server["api_keys"])
     print(yaml.safe_dump(shown, sort_keys=False), end="")
     return 0
-
-
-def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
-    """Names in ``config`` that no loaded plugin registered, with what is available."""
-    from mlxr_core.config.structure import Problem
-    from mlxr_core.errors import UnknownName
-    from mlxr_core.kernels import kernel_preferences
-    from mlxr_core.model.kv_storage import kv_cache_problems
-
-    registries = host.registries
-    problems = []
-
-    def check(path: tuple[str | int, ...], what: str, name: str, available: list[str]) -> None:
-        if name not in available:
-            problems.append(Problem(path, str(UnknownName(what, name, available))))
-
-    backends: dict[str, list[str]] = {}
-    for name in registries.kernels.names():
-        op, _, backend = name.partition(":")
-        backends.setdefault(op, []).append(backend)
-
-    def check_kernels(path: tuple[str | int, ...], choices: dict[str, str]) -> None:
-        for op, backend in choices.items():
-            if op not in backends:
-                problems.append(Problem((*path, op), str(UnknownName("kernel op", op, backends))))
-            else:
-                for name in kernel_preferences(backend):
-                    if name != "auto":
-                        check((*path, op), f"{op} kernel backend", name, backends[op])
-
-    for index, api in enumerate(config.apis):
-        check(("apis", index), "API", api, registries.apis.names())
-    check_kernels(("kernels",), config.kernels)
-    for index, model in enumerate(config.models):
-        where = ("models", index)
-        if model.format != "auto":
-            check((*where, "format"), "format", model.format, registries.formats.names())
-        if model.arch != "auto" and model.arch not in fallback_model_types(host):
-            names = [*registries.archs.names(), *registries.arch_fallbacks.names()]
-            check((*where, "arch"), "architecture", model.arch, names)
-        check((*where, "decoder"), "decoder", model.decoder, registries.decoders.names())
-        check_kernels((*where, "kernels"), model.kernels)
-    return [*problems, *kv_cache_problems(config, registries)]
-
-
-def fallback_model_types(host: PluginHost) -> set[str]:
-    """The model types the architecture fallbacks say they serve (the mlx-lm bridge's)."""
-    return {name for entry in host.registries.arch_fallbacks for name in entry.meta.get("model_types") or ()}
-
-
-def missing_models(config: Config) -> list[Problem]:
-    """Model paths (and ``mmproj`` projector paths) that do not resolve to a file or folder."""
-    from mlxr_core.config.structure import Problem
-    from mlxr_core.errors import ModelLoadError
-    from mlxr_core.model.paths import resolve_model_path
-
-    problems = []
-    for index, model in enumerate(config.models):
-        paths = {"path": model.path}
-        if model.mmproj is not None and model.mmproj.lower() != "none":
-            paths["mmproj"] = model.mmproj
-        for key, spec in paths.items():
-            try:
-                resolve_model_path(spec, join=False)  # a check writes nothing
-            except ModelLoadError as exc:
-                problems.append(Problem(("models", index, key), str(exc)))
-    return problems

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     the config itself is wrong) and 1 for the others, a model that fails to load included.
     """
     from mlxr_core.cli.logs import parse_level, setup_logging
-    from mlxr_core.config.loader import load_config, validate_plugin_sections
+    from mlxr_core.config.loader import load_config
 
     overrides = {
         key: value
@@ -104,24 +104,24 @@ def run(args: argparse.Namespace) -> int:
     world = join_world(config.distributed)  # under mlx.launch: waits for every rank
     if world is not None and not world.leader:
         return follow(config, world)
+    from mlxr_core.config.checks import check_config
+    from mlxr_core.plugins import load_plugins
+
+    host = load_plugins(
+        disable=config.plugins.disable,
+        strict=True if config.plugins.strict else None,
+        require=config.plugins.require,
+    )
+    # Every name and path the config uses, before the port opens: a misspelled kernel backend,
+    # decoder, format or architecture is a config error now, not when (or if) its model loads.
+    sections = check_config(config, host)
     listener = bind(config.server)
     with listener:  # closed by uvicorn when it serves; here when anything before that fails
+        log_plugins(host)
         from mlxr_core.engine.remote import make_engine
         from mlxr_core.http.context import ServerContext
         from mlxr_core.http.server import build_app
-        from mlxr_core.model.kv_storage import validate_kv_cache_choices
-        from mlxr_core.parsing import validate_parser_choices
-        from mlxr_core.plugins import load_plugins
 
-        host = load_plugins(
-            disable=config.plugins.disable,
-            strict=True if config.plugins.strict else None,
-            require=config.plugins.require,
-        )
-        log_plugins(host)
-        sections = validate_plugin_sections(config, host.registries)
-        validate_parser_choices(config, host.registries)
-        validate_kv_cache_choices(config, host.registries)
         engine = make_engine(config, host, world=world)
         ctx = ServerContext(config=config, host=host, engine=engine, plugin_config=sections)
         return serve(build_app(ctx), ctx, log_level=level, listener=listener)

@@ -264,27 +264,48 @@ def test_an_unknown_api_exits_2_before_loading_models(
     monkeypatch.setattr("mlxr_core.engine.engine.Engine.start", lambda *a, **kw: pytest.fail("engine started"))
     config = tmp_path / "server.yaml"
     config.write_text("models:\n  - path: /nowhere.gguf\napis: [openia]\n")
-    assert main(["serve", "--config", str(config), "--port", "0"]) == 2  # the port is bound first
-    assert "apis: unknown API 'openia'" in capsys.readouterr().err
+    assert main(["serve", "--config", str(config), "--port", "0"]) == 2
+    assert "apis[0]: unknown API 'openia'" in capsys.readouterr().err
+
+
+def test_a_misspelled_kernel_backend_exits_2_before_the_port_opens(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("mlxr_core.cli.serve.bind", lambda *a, **kw: pytest.fail("port bound"))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    config = tmp_path / "server.yaml"
+    config.write_text(f"models:\n  - path: {model}\n    kernels:\n      quantized_matmul: cpu_nativ\n")
+    assert main(["serve", "--config", str(config), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(
+        r":4: models\[0\]\.kernels\.quantized_matmul: unknown quantized_matmul kernel backend 'cpu_nativ' "
+        r"\(available: [^)]*\bcpu_native\b[^)]*\); did you mean cpu_native\?",
+        err,
+    ), err
 
 
 def test_a_model_that_fails_to_load_stops_the_server_with_status_1(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    model = tmp_path / "broken.gguf"
+    model.write_bytes(b"GGUF")  # there, so the config check passes; unreadable when it loads
     config = tmp_path / "server.yaml"
-    config.write_text(f"models:\n  - path: {tmp_path / 'nowhere.gguf'}\n")
+    config.write_text(f"models:\n  - path: {model}\n")
     started = time.monotonic()
     assert main(["serve", "--config", str(config), "--port", "0", "--log-level", "WARNING"]) == 1
     assert time.monotonic() - started < 15
-    assert "nowhere.gguf" in capsys.readouterr().err
+    assert "broken.gguf" in capsys.readouterr().err
 
 
-def test_a_port_in_use_is_one_error_before_anything_loads(
+def test_a_port_in_use_is_one_error_before_any_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("mlxr_core.plugins.load_plugins", lambda **kw: pytest.fail("plugins loaded"))
+    monkeypatch.setattr("mlxr_core.engine.remote.make_engine", lambda *a, **kw: pytest.fail("engine made"))
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
     config = tmp_path / "server.yaml"
-    config.write_text(f"models:\n  - path: {tmp_path / 'nowhere.gguf'}\n")
+    config.write_text(f"models:\n  - path: {model}\n")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
