@@ -103,13 +103,17 @@ class PrefixCache:
         )
         passed_over = max(passed_over, disk_passed)
         layers = self._entries[best_key].layers if best_key is not None else None
+        restored = False
         if on_disk > best and on_disk >= MIN_REUSE and self.disk is not None:
             found = next(entry for entry in disk_entries if entry.file == disk_key)
             loaded = self.disk.load(found)
-            if loaded is not None:
+            if loaded is not None and self._restored(caches, loaded, on_disk):
                 self._stats.disk_hits += 1
                 self._insert(found.tokens, loaded, found.nbytes, disk_file=found.file)
-                layers, best, best_key = loaded, on_disk, None
+                layers, best, best_key, restored = loaded, on_disk, None, True
+            elif loaded is not None:
+                self.disk.quarantine(found, "does not fit this model's caches")
+                caches = make_cache()  # the failed restore may have filled some layers
         if passed_over >= MIN_REUSE and passed_over > best:
             self._stats.partial_unusable += 1
         if best < MIN_REUSE or layers is None:
@@ -119,9 +123,22 @@ class PrefixCache:
             self._entries.move_to_end(best_key)
         self._stats.hits += 1
         self._stats.reused_tokens += best
-        for cache, arrays in zip(caches, layers, strict=True):
-            cache.restore(arrays, best)
+        if not restored:
+            for cache, arrays in zip(caches, layers, strict=True):
+                cache.restore(arrays, best)
         return best, caches
+
+    @staticmethod
+    def _restored(caches: list[Any], layers: list[tuple[mx.array, ...]], length: int) -> bool:
+        """Restore a disk entry's ``layers`` into ``caches``; False where they do not fit (a file
+        that passed its checks may still hold arrays of another count or shape: the lookup then
+        goes on without it)."""
+        try:
+            for cache, arrays in zip(caches, layers, strict=True):
+                cache.restore(arrays, length)
+        except Exception:
+            return False
+        return True
 
     def store(self, tokens: Sequence[int], caches: list[LayerCache]) -> bool:
         """Keep a snapshot of ``caches`` (holding exactly ``tokens``) unless it is too short to

@@ -13,23 +13,33 @@ crash leaves no half file under an indexed name), records the row and evicts the
 used entries past ``max_bytes``. Reading happens on the engine thread at lookup: the file's hash
 is checked before ``mx.load``; a corrupt, truncated or unreadable file is moved to
 ``quarantine/``, its row removed, and logged, never served.
+
+The index is not trusted: a row must name a file this store writes (:data:`ENTRY_NAME`, directly
+in the folder) with a plausible size, else it is dropped at start and its file never touched
+outside the folder. A file is opened without following a symlink, and its size must be what its
+header and its row's ``nbytes`` give before any of it is read; whatever goes wrong while an entry
+loads quarantines it, and the request goes on without it.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import logging
 import os
 import queue
+import re
 import sqlite3
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import closing, contextmanager, suppress
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import attrs
 import mlx.core as mx
@@ -43,6 +53,11 @@ log = logging.getLogger(__name__)
 
 INDEX = "index.sqlite3"
 QUARANTINE = "quarantine"
+#: The names :meth:`DiskPrefixStore._write` gives entry files; an index row naming anything else is
+#: not ours.
+ENTRY_NAME = re.compile(r"[0-9a-f]{32}\.safetensors")
+#: safetensors' own bound on a file's header (ours are a few KB).
+MAX_HEADER = 100 * 2**20
 #: Bytes read from each end of a weights file for :func:`model_identity` (a full hash of GBs of
 #: weights would cost seconds at every start).
 SAMPLE_BYTES = 2**20
@@ -115,6 +130,10 @@ def model_identity(model: LoadedModel) -> str:
     return digest.hexdigest()
 
 
+class UnfitEntry(Exception):
+    """An entry file that disagrees with its index row (the message says how)."""
+
+
 class DiskPrefixStore:
     """One model's entries in a prefix-cache folder (folders may be shared by models and
     processes; ``max_bytes`` bounds the whole folder)."""
@@ -125,22 +144,96 @@ class DiskPrefixStore:
         self.identity = identity
         self.counters = DiskCounters()
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._root = self.folder.resolve()
         self._lock = threading.Lock()
         self._entries: dict[str, DiskEntry] = {}
         with self._connect() as db:
             db.executescript(SCHEMA)
-            rows = db.execute(
-                "SELECT file, tokens, nbytes, sha256 FROM entries WHERE identity = ?", (identity,)
-            ).fetchall()
-            for file, tokens, nbytes, sha256 in rows:
-                if not (self.folder / file).is_file():  # removed by hand, or quarantined before its row went
-                    db.execute("DELETE FROM entries WHERE file = ?", (file,))
-                    continue
-                self._entries[file] = DiskEntry(file, np.frombuffer(tokens, dtype=np.int64), nbytes, sha256)
+            self._scan(db)
         self.counters.nbytes = sum(entry.nbytes for entry in self._entries.values())
         self._queue: queue.Queue[tuple[str, Any] | None] = queue.Queue(queue_size)
         self._writer = threading.Thread(target=self._run, name="mlxr-prefix-disk", daemon=True)
         self._writer.start()
+
+    def _scan(self, db: sqlite3.Connection) -> None:
+        """Take this model's entries from the index, dropping every row (any model's) that is not
+        one this store could have written, and this model's rows whose file is gone or unfit."""
+        dropped = 0
+        rows = db.execute("SELECT rowid, file, identity, tokens, nbytes, sha256 FROM entries").fetchall()
+        for rowid, file, identity, tokens, nbytes, sha256 in rows:
+            entry = self._entry(file, tokens, nbytes, sha256)
+            if entry is None:
+                dropped += 1
+                db.execute("DELETE FROM entries WHERE rowid = ?", (rowid,))
+                if self._path(file) is not None:
+                    self._set_aside(file)
+                continue
+            if identity != self.identity:
+                continue
+            try:
+                with self._open(entry):
+                    pass
+            except FileNotFoundError:  # removed by hand, or quarantined before its row went
+                db.execute("DELETE FROM entries WHERE rowid = ?", (rowid,))
+                continue
+            except Exception as exc:
+                self.quarantine(entry, str(exc), forget=False)
+                db.execute("DELETE FROM entries WHERE rowid = ?", (rowid,))
+                continue
+            self._entries[entry.file] = entry
+        if dropped:
+            log.warning("prefix cache: dropped %d index row(s) in %s that name no entry file of this cache "
+                        "or give an impossible size", dropped, self.folder)  # fmt: skip
+
+    def _entry(self, file: object, tokens: object, nbytes: object, sha256: object) -> DiskEntry | None:
+        """The row as an entry, or None where it is not one this store writes: a name of
+        :data:`ENTRY_NAME`, whole int64 token ids, a size within ``max_bytes`` and a hex digest."""
+        path = self._path(file)
+        if path is None or not isinstance(tokens, bytes) or len(tokens) % 8:
+            return None
+        if not isinstance(nbytes, int) or not 0 < nbytes <= self.max_bytes:
+            return None
+        if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            return None
+        return DiskEntry(path.name, np.frombuffer(tokens, dtype=np.int64), nbytes, sha256)
+
+    def _path(self, file: object) -> Path | None:
+        """``file``'s path in the folder, or None where it is no name this store writes. The path
+        itself is not resolved: a symlink in its place is refused on reading, and moved or
+        removed as the link it is, never followed."""
+        if not isinstance(file, str) or not ENTRY_NAME.fullmatch(file):
+            return None
+        path = self._root / file
+        return path if Path(os.path.normpath(path)).parent == self._root else None
+
+    def _open(self, entry: DiskEntry) -> BinaryIO:
+        """The entry's file, opened without following a symlink (nor waiting on a FIFO), checked
+        to be a regular file of the size its safetensors header and ``nbytes`` give; raises
+        :class:`UnfitEntry` (or the ``OSError``) otherwise. Positioned at its start."""
+        path = self._path(entry.file)
+        if path is None:
+            raise UnfitEntry("is not an entry file name")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnfitEntry("is a symlink (never followed)") from exc
+            raise
+        handle = os.fdopen(fd, "rb")
+        try:
+            status = os.fstat(fd)
+            if not stat.S_ISREG(status.st_mode):
+                raise UnfitEntry("is not a regular file")
+            size = status.st_size
+            header = int.from_bytes(handle.read(8), "little")
+            if not 0 < header <= MAX_HEADER or size != 8 + header + entry.nbytes:
+                raise UnfitEntry(f"has {size} bytes where its header and index row give "
+                                 f"{8 + header + entry.nbytes} (its size disagrees with its index)")  # fmt: skip
+            handle.seek(0)
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
@@ -179,21 +272,24 @@ class DiskPrefixStore:
 
     def load(self, entry: DiskEntry) -> list[tuple[mx.array, ...]] | None:
         """The entry's per-layer arrays, or None where its file is gone (evicted meanwhile) or
-        fails its check (then quarantined)."""
-        path = self.folder / entry.file
+        fails its check or fails to load for any reason (then quarantined)."""
         try:
-            data = path.read_bytes()
+            with self._open(entry) as handle:
+                data = handle.read()
         except FileNotFoundError:
             self._forget(entry.file)
             return None
-        except OSError as exc:
-            self._quarantine(entry, f"cannot be read: {exc}")
+        except UnfitEntry as exc:
+            self.quarantine(entry, str(exc))
+            return None
+        except Exception as exc:  # MemoryError included: never a failed request, never again
+            self.quarantine(entry, f"cannot be read: {exc!r}")
             return None
         if hashlib.sha256(data).hexdigest() != entry.sha256:
-            self._quarantine(entry, "does not match its checksum (corrupt or truncated)")
+            self.quarantine(entry, "does not match its checksum (corrupt or truncated)")
             return None
-        try:
-            loaded: Any = mx.load(str(path), format="safetensors", return_metadata=True)
+        try:  # from the bytes checked, not the path again (which may have changed meanwhile)
+            loaded: Any = mx.load(io.BytesIO(data), format="safetensors", return_metadata=True)
             arrays: dict[str, mx.array] = loaded[0]
             metadata: dict[str, str] = loaded[1]
             layers: list[list[mx.array]] = [[] for _ in range(int(metadata["layers"]))]
@@ -201,7 +297,7 @@ class DiskPrefixStore:
                 layers[int(name.split(".")[0])].append(arrays[name])
             mx.eval(list(arrays.values()))
         except Exception as exc:  # passed the hash but is no entry of ours: never serve it
-            self._quarantine(entry, f"cannot be loaded: {exc}")
+            self.quarantine(entry, f"cannot be loaded: {exc}")
             return None
         self.touch(entry.file)
         return [tuple(layer) for layer in layers]
@@ -214,16 +310,29 @@ class DiskPrefixStore:
         with suppress(queue.Full):  # else the row of a missing file is dropped at the next start
             self._queue.put_nowait(("forget", file))
 
-    def _quarantine(self, entry: DiskEntry, why: str) -> None:
+    def quarantine(self, entry: DiskEntry, why: str, *, forget: bool = True) -> None:
+        """Set ``entry`` aside (its file moved to ``quarantine/``; with ``forget``, its row dropped
+        by the writer) and log ``why``: it is never served again."""
         log.warning("prefix cache: entry %s %s; moved to %s", entry.file, why, QUARANTINE)
         self.counters.quarantined += 1
-        aside = self.folder / QUARANTINE
+        self._set_aside(entry.file)
+        if forget:
+            self._forget(entry.file)
+
+    def _set_aside(self, file: str) -> None:
+        """Move ``file`` (a symlink as itself) into ``quarantine/``, else remove it."""
+        path = self._path(file)
+        if path is None:
+            return
+        aside = self._root / QUARANTINE
         try:
             aside.mkdir(exist_ok=True)
-            os.replace(self.folder / entry.file, aside / entry.file)
+            if aside.is_symlink() or not aside.is_dir():
+                raise NotADirectoryError(aside)
+            os.replace(path, aside / file)
         except OSError:
-            (self.folder / entry.file).unlink(missing_ok=True)
-        self._forget(entry.file)
+            with suppress(OSError):
+                path.unlink(missing_ok=True)
 
     def flush(self) -> None:
         """Wait until everything queued is written (tests, benchmarks; not the engine's path)."""
@@ -300,7 +409,9 @@ class DiskPrefixStore:
 
     def _delete(self, db: sqlite3.Connection, file: str) -> None:
         db.execute("DELETE FROM entries WHERE file = ?", (file,))
-        (self.folder / file).unlink(missing_ok=True)
+        path = self._path(file)  # a row naming anything else loses only itself
+        if path is not None:
+            path.unlink(missing_ok=True)
         with self._lock:
             entry = self._entries.pop(file, None)
             if entry is not None:

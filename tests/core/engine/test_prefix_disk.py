@@ -6,7 +6,11 @@ waits for the writer."""
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
+import sys
 import threading
+from contextlib import closing
 
 import mlx.core as mx
 import numpy as np
@@ -93,7 +97,8 @@ def test_a_damaged_entry_is_quarantined_and_never_served(tmp_path, caplog, damag
     restarted = PrefixCache(ENTRY_BYTES, open_store(tmp_path))
     with caplog.at_level(logging.WARNING, logger="mlxr_core.engine.prefix_disk"):
         assert lookup(restarted, [*tokens(1), 5]) == (0, None)
-    assert file.name in caplog.text and "checksum" in caplog.text
+    assert file.name in caplog.text
+    assert ("checksum" if damage == "flip" else "size disagrees with its index") in caplog.text
     assert not file.exists() and (tmp_path / QUARANTINE / file.name).exists()
     assert restarted.stats.disk_quarantined == 1 and restarted.stats.disk_hits == 0
     restarted.close()
@@ -170,6 +175,162 @@ def test_a_full_queue_drops_and_counts_instead_of_waiting(tmp_path, monkeypatch)
     release.set()
     cache.close()
     assert cache.stats.disk_writes == 3  # the two queued, and the one memory held at close
+
+
+# -- an index and files that cannot be trusted ------------------------------------------------
+
+
+def written_entry(folder) -> str:
+    """The file name of one entry (tokens(1)) written to ``folder``."""
+    cache = PrefixCache(ENTRY_BYTES, open_store(folder))
+    cache.store(tokens(1), caches_for(1))
+    cache.close()
+    [file] = folder.glob("*.safetensors")
+    return file.name
+
+
+def update_index(folder, sql: str, *params) -> None:
+    with closing(sqlite3.connect(folder / INDEX)) as db, db:
+        db.execute(sql, params)
+
+
+def test_a_row_naming_a_file_outside_the_folder_never_deletes_it(tmp_path):
+    folder = tmp_path / "cache"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not the cache's")
+    file = written_entry(folder)
+    # the row points outside and claims a size that forces an eviction at the next write
+    update_index(folder, "UPDATE entries SET file = ?, nbytes = ? WHERE file = ?", "../victim.txt", 10**12, file)
+    store = open_store(folder)
+    assert len(store) == 0
+    assert store.put(np.array(tokens(2), dtype=np.int64), [c.snapshot() for c in caches_for(2)], block=True)
+    store.flush()
+    assert store.counters.writes == 1 and store.counters.evictions == 0
+    store.close()
+    assert victim.read_text() == "not the cache's"
+    with closing(sqlite3.connect(folder / INDEX)) as db:
+        assert [row[0] for row in db.execute("SELECT file FROM entries")] != ["../victim.txt"]
+        assert db.execute("SELECT COUNT(*) FROM entries WHERE file LIKE '%/%'").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize(
+    ("column", "value"),
+    [
+        ("file", "/etc/hostname"),
+        ("file", "../x.safetensors"),
+        ("file", "ABCDEF0123456789ABCDEF0123456789.safetensors"),
+        ("nbytes", -1),
+        ("nbytes", 10**15),
+        ("nbytes", "many"),
+        ("tokens", b"\x01\x02\x03"),
+        ("sha256", None),
+    ],
+)
+def test_rows_that_are_no_entry_of_ours_are_dropped_at_start(tmp_path, column, value):
+    file = written_entry(tmp_path)
+    second = PrefixCache(ENTRY_BYTES, open_store(tmp_path))  # a good entry beside the bad one
+    second.store(tokens(2), caches_for(2))
+    second.close()
+    if column == "sha256":  # NOT NULL in the schema: a row of another shape
+        update_index(tmp_path, "UPDATE entries SET sha256 = 'zz' WHERE file = ?", file)
+    else:
+        update_index(tmp_path, f"UPDATE entries SET {column} = ? WHERE file = ?", value, file)
+    store = open_store(tmp_path)
+    assert [tuple(entry.tokens) for entry in store.entries()] == [tuple(tokens(2))]
+    store.close()
+    with closing(sqlite3.connect(tmp_path / INDEX)) as db:
+        assert db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 1
+
+
+def test_rows_of_another_model_that_are_no_entry_of_ours_are_dropped_too(tmp_path):
+    file = written_entry(tmp_path)
+    update_index(tmp_path, "UPDATE entries SET identity = 'model-b', file = '../victim.txt' WHERE file = ?", file)
+    open_store(tmp_path).close()
+    with closing(sqlite3.connect(tmp_path / INDEX)) as db:
+        assert db.execute("SELECT COUNT(*) FROM entries").fetchone()[0] == 0
+
+
+@pytest.fixture
+def address_space_cap():
+    """Cap this process's address space a little above its use, as a memory-capped server is."""
+    resource = pytest.importorskip("resource")
+    with open("/proc/self/status") as status:
+        used = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (used + 2 * 2**30, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="caps the address space through /proc")
+def test_a_huge_sparse_entry_is_quarantined_and_the_lookup_goes_on(tmp_path, caplog, address_space_cap):
+    file = tmp_path / written_entry(tmp_path)
+    with file.open("r+b") as handle:
+        handle.truncate(20 * 2**30)  # 20 GB, sparse
+    cache = PrefixCache(ENTRY_BYTES, open_store(tmp_path, max_bytes=2**40))
+    with caplog.at_level(logging.WARNING, logger="mlxr_core.engine.prefix_disk"):
+        assert lookup(cache, [*tokens(1), 5]) == (0, None)
+    assert "size disagrees with its index" in caplog.text
+    assert not file.exists() and (tmp_path / QUARANTINE / file.name).exists()
+    assert cache.stats.disk_quarantined == 1
+    cache.close()
+    assert len(open_store(tmp_path)) == 0  # and after a restart it is not tried again
+
+
+@pytest.mark.parametrize("when", ["at start", "after start"])
+def test_a_symlinked_entry_is_never_followed(tmp_path, when):
+    folder = tmp_path / "cache"
+    file = folder / written_entry(folder)
+    genuine = tmp_path / "elsewhere.safetensors"  # a copy whose hash matches its row
+    genuine.write_bytes(file.read_bytes())
+
+    def swap() -> None:
+        file.unlink()
+        file.symlink_to(genuine)
+
+    if when == "at start":
+        swap()
+    cache = PrefixCache(ENTRY_BYTES, open_store(folder))
+    if when == "after start":
+        swap()
+    assert lookup(cache, [*tokens(1), 5]) == (0, None)
+    assert cache.stats.disk_hits == 0 and cache.stats.disk_quarantined == 1
+    assert genuine.exists() and (folder / QUARANTINE / file.name).is_symlink()
+    cache.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs")
+def test_a_fifo_in_an_entrys_place_does_not_hold_the_lookup(tmp_path):
+    file = tmp_path / written_entry(tmp_path)
+    cache = PrefixCache(ENTRY_BYTES, open_store(tmp_path))
+    file.unlink()
+    os.mkfifo(file)
+    result: list[object] = []
+    looking = threading.Thread(target=lambda: result.append(lookup(cache, [*tokens(1), 5])), daemon=True)
+    looking.start()
+    looking.join(10)
+    if looking.is_alive():  # let the blocked reader go before failing
+        os.close(os.open(file, os.O_WRONLY | os.O_NONBLOCK))
+        looking.join(10)
+        pytest.fail("the lookup waited on a FIFO")
+    assert result == [(0, None)] and cache.stats.disk_quarantined == 1
+    cache.close()
+
+
+def test_an_entry_that_does_not_fit_the_models_caches_is_quarantined(tmp_path):
+    store = open_store(tmp_path)
+    three_layers = [*caches_for(1), *caches_for(1)[:1]]
+    assert store.put(np.array(tokens(1), dtype=np.int64), [c.snapshot() for c in three_layers], block=True)
+    store.close()
+    cache = PrefixCache(ENTRY_BYTES, open_store(tmp_path, max_bytes=20 * ENTRY_BYTES))
+    assert cache.store(tokens(1)[:30], caches_for(7, 30))  # a shorter match in memory still serves
+    reused, caches = lookup(cache, [*tokens(1), 5])
+    assert reused == 30 and caches is not None
+    assert mx.array_equal(caches[0].keys[..., :30, :], mx.full((1, HEADS, 30, HEAD_DIM), 7.0))
+    assert cache.stats.disk_quarantined == 1 and cache.stats.disk_hits == 0
+    cache.close()
 
 
 # -- the engine, restarted ------------------------------------------------------------------
