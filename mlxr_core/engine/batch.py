@@ -30,11 +30,11 @@ from mlxr_core.engine.request import (
     Delta,
     Failed,
     Finished,
+    Outbox,
     RequestHandle,
     TokenLogprob,
     Tokens,
     Usage,
-    deliver_events,
 )
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
@@ -142,8 +142,11 @@ class BatchRunner:
         config: EngineConfig,
         samplers: Registry,
         prefix_cache: PrefixCache | None,
+        outbox: Outbox | None = None,
     ):
         self.model = model
+        #: The scheduler's: a decode step's tokens are handed over once the next step is queued.
+        self.outbox = outbox if outbox is not None else Outbox()
         self.config = config
         self.samplers = samplers
         self.prefix_cache = prefix_cache
@@ -199,7 +202,7 @@ class BatchRunner:
         """Advance every request by one unit of work: one prefill chunk and/or one decode token."""
         self._drop_cancelled_prefills()
         if self.prefilling:
-            deliver_events()  # the last step's tokens do not wait for this step's prefill
+            self.outbox.deliver()  # the last step's tokens do not wait for this step's prefill
         # Several short prompts may share one step's prefill budget; a long one takes it all.
         budget = self.config.prefill_chunk
         while self.prefilling and budget > 0:
@@ -398,7 +401,7 @@ class BatchRunner:
         if any(seq.sampler.stateful for seq in self.running):
             # Stateful processors (penalties, grammars) must see token n before processing the
             # logits of token n+1: read the tokens back first, giving up the overlap this step.
-            deliver_events()  # the last step's tokens do not wait for this read
+            self.outbox.deliver()  # the last step's tokens do not wait for this read
             values = tokens.tolist()  # type: ignore[assignment]
             assert values is not None
             for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):
@@ -413,7 +416,7 @@ class BatchRunner:
         following = self._sample(logits, failed)
         following_logprobs, step_logprobs = self._logprobs(logits, following)
         mx.async_eval(following, *(step_logprobs.arrays if step_logprobs is not None else ()))
-        deliver_events()  # the last step's tokens, handed over while the device computes this one
+        self.outbox.deliver()  # the last step's tokens, handed over while the device computes this one
 
         keep: list[int] = []
         if values is None:

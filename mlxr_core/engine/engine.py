@@ -31,7 +31,6 @@ from mlxr_core.engine.request import (
     PromptImage,
     RequestHandle,
     handed_over,
-    release_events,
 )
 from mlxr_core.engine.scoring import Scores
 from mlxr_core.errors import (
@@ -46,6 +45,7 @@ from mlxr_core.errors import (
     RequestError,
     Unsupported,
 )
+from mlxr_core.model.tokenizer import encode_within
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
@@ -101,6 +101,18 @@ class ModelInfo:
                 "can hold; shorten it",
                 field=param,
             )
+
+    def encode(self, text: str, *, add_special_tokens: bool = True, param: str | None = "messages") -> list[int]:
+        """``text``'s ids; ContextLengthExceeded naming ``param`` for a text of more tokens than the
+        context holds, found by tokenizing a head of it, never all of it (:func:`encode_within`)."""
+        self.check_prompt_text(text, param=param)
+        ids = encode_within(self.tokenizer, text, self.context_length, add_special_tokens=add_special_tokens)
+        if len(ids) > self.context_length:
+            raise ContextLengthExceeded(
+                f"the text has more tokens than this model's context length ({self.context_length}); shorten it",
+                field=param,
+            )
+        return ids
 
 
 class Engine:
@@ -263,16 +275,16 @@ class Engine:
         truncate: bool = False,
         param: str = "prompt",
     ) -> list[int]:
-        """``text``'s token ids; RequestError naming ``param``, without tokenizing, for a text the
-        context cannot hold. With ``truncate`` (the caller keeps the first ``context_length`` ids)
-        such a text's head is tokenized instead: twice what the context can hold, so the cut is
-        far from the ids kept."""
+        """``text``'s token ids; ContextLengthExceeded naming ``param`` for a text the context cannot
+        hold (:meth:`ModelInfo.encode`). With ``truncate`` (the caller keeps the first
+        ``context_length`` ids) such a text's head is tokenized instead, and its first
+        ``context_length`` + 1 ids returned."""
         info = self.model(model)
-        if truncate and info.longest_token_bytes:
+        if not truncate:
+            return info.encode(text, add_special_tokens=add_special_tokens, param=param)
+        if info.longest_token_bytes:
             text = text[: 2 * info.context_length * info.longest_token_bytes]
-        else:
-            info.check_prompt_text(text, param=param)
-        return info.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return encode_within(info.tokenizer, text, info.context_length, add_special_tokens=add_special_tokens)
 
     def encode_chat(
         self, model: str, messages: list[dict[str, Any]], *, images: Sequence[PromptImage] = (), **template_kwargs: Any
@@ -287,8 +299,7 @@ class Engine:
         )
         if images and info.image_tokens is not None:
             prompt = info.image_tokens.expand_for(prompt, [image.pixels for image in images])
-        info.check_prompt_text(prompt)
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = info.encode(prompt, add_special_tokens=False)
         # Most templates write BOS themselves; add it for a model that wants one when they don't.
         bos = tokenizer.bos_token_id
         if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
@@ -608,9 +619,9 @@ class Engine:
         from mlxr_core.engine.lifecycle import model_footprint
         from mlxr_core.model.loader import load_model
 
-        release_events()  # the running models' held tokens do not wait for the load
-
         assert self.scheduler is not None
+        self.scheduler.outbox.release()  # the running models' held tokens do not wait for the load
+
         with mx.stream(self._load_stream):
             loaded = load_model(
                 slot.config, self.host.registries, kernel_choices=self.config.kernels,
@@ -656,9 +667,9 @@ class Engine:
         """Stop serving ``slot``'s idle model and free its memory (its :class:`ModelInfo` stays)."""
         import mlx.core as mx
 
-        release_events()  # nor for an unload (a prefix cache written to disk)
-
         assert self.scheduler is not None
+        self.scheduler.outbox.release()  # nor for an unload (a prefix cache written to disk)
+
         self.scheduler.remove_model(slot.name)
         gc.collect()
         mx.clear_cache()

@@ -46,9 +46,9 @@ from mlxr_core.engine.request import (
     Failed,
     Finished,
     GenerationRequest,
+    Outbox,
     RequestHandle,
     Tokens,
-    release_events,
 )
 from mlxr_core.errors import MlxrError, RankLost
 
@@ -128,6 +128,8 @@ class Lockstep:
         exit_on_loss: bool = True,
     ):
         self.world = world
+        #: The engine thread's events; the scheduler gives it its own (:attr:`Scheduler.outbox`).
+        self.outbox = Outbox()
         #: The jobs every rank runs, as the scheduler reads them (:attr:`Scheduler.jobs`).
         self.jobs: queue.Queue[EngineJob] = queue.Queue()
         self._submitted_jobs: queue.Queue[EngineJob] = jobs if jobs is not None else queue.Queue()
@@ -397,7 +399,7 @@ class Lockstep:
             if caller is not None and not caller.future.done():
                 caller.future.set_exception(error)
         refuse_jobs(self._submitted_jobs, error)
-        release_events()  # on the engine thread, the errors it held reach their clients first
+        self.outbox.release()  # on the engine thread, the errors it held reach their clients first
         if self._exit_on_loss:
             time.sleep(EXIT_GRACE_S)
             logging.shutdown()

@@ -51,10 +51,10 @@ from mlxr_core.engine.request import (
     Delta,
     Failed,
     GenerationRequest,
+    Outbox,
     RequestHandle,
     TokenLogprob,
     Tokens,
-    delivered_together,
     handed_over,
 )
 from mlxr_core.errors import EngineStopped, MlxrError
@@ -205,7 +205,7 @@ class Core:
                 handle.cancel()
 
     def call_soon_threadsafe(self, callback: Any, items: list[tuple[RequestHandle, Any]]) -> None:
-        """Where :func:`~mlxr_core.engine.request.delivered_together` hands a step's events."""
+        """Where the engine thread's :class:`~mlxr_core.engine.request.Outbox` hands a step's events."""
         out = []
         for handle, event in items:
             rid = handle.rid  # type: ignore[attr-defined]
@@ -377,6 +377,8 @@ class RemoteEngine(Engine):
         self._calls: dict[int, Future[Any]] = {}
         self._snapshot: Snapshot | None = None
         self._stopping = False
+        #: The reader thread's: each message's events reach each loop in one hand-over.
+        self._outbox = Outbox()
         #: Called (from the pipe's reader thread) when the core process dies: ``mlxr serve``
         #: stops the server, which then exits non-zero with :attr:`error`.
         self.on_lost: Any = None
@@ -523,6 +525,10 @@ class RemoteEngine(Engine):
     # -- the pipe's reader thread ------------------------------------------------------------
 
     def _read(self) -> None:
+        with self._outbox.installed():
+            self._read_messages()
+
+    def _read_messages(self) -> None:
         assert self._conn is not None
         while True:
             try:
@@ -544,7 +550,7 @@ class RemoteEngine(Engine):
             self._lose()
 
     def _deliver(self, items: list[tuple[Any, ...]]) -> None:
-        with delivered_together():
+        with self._outbox.together():
             for rid, kind, *payload in items:
                 handle = self._handles.get(rid)
                 if handle is None:
@@ -595,7 +601,8 @@ class RemoteEngine(Engine):
 
     def _end_all(self, error: MlxrError) -> None:
         handles, self._handles = self._handles, {}
-        with delivered_together():
+        outbox = Outbox()  # on whichever thread ends them: the reader's, or the one stopping
+        with outbox.installed(), outbox.together():
             for handle in handles.values():
                 handle._emit(Failed(error))
         calls, self._calls = self._calls, {}

@@ -238,69 +238,98 @@ def handed_over() -> None:
         arrival.leave()
 
 
-class _Outbox(threading.local):
-    """Per thread: the async consumers' events held back by :func:`delivered_together`, by loop."""
+class Outbox:
+    """The async consumers' events one thread emits, handed to each consumer's event loop in one
+    ``call_soon_threadsafe`` per loop instead of one per event.
+
+    The scheduler owns the engine thread's outbox and passes it to its batch runners and its
+    lockstep; the engine process's pipe reader has its own. Events are taken only on the thread
+    that installed the outbox (:meth:`installed`); other threads' events go straight to their loop.
+    Sync consumers are never held back, and events keep their order per request.
+    """
 
     def __init__(self) -> None:
-        self.pending: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event | Tokens]]] | None = None
-        #: Held by :func:`hold_events` (until :func:`release_events`), not by a block.
-        self.holding = False
+        self._owner: int | None = None
+        #: The events held back, by loop; None: nothing is being collected.
+        self._pending: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event | Tokens]]] | None = None
+        #: Collecting from :meth:`hold` until :meth:`release`, not for a :meth:`together` block.
+        self._holding = False
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Route the events the current thread emits, inside, through this outbox."""
+        previous = _installed.outbox
+        _installed.outbox, self._owner = self, threading.get_ident()
+        try:
+            yield
+        finally:
+            _installed.outbox = previous
+
+    def _here(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    @contextlib.contextmanager
+    def together(self) -> Iterator[None]:
+        """Hand the events emitted inside over at the end, in one call per loop.
+
+        A step of N streams then wakes the server's event loop once, not N times, each wake-up
+        taking the GIL from the thread building the next step. Nested blocks deliver at the end of
+        the outermost one; inside :meth:`hold`, at :meth:`deliver`.
+        """
+        if self._pending is not None or not self._here():
+            yield
+            return
+        pending: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event | Tokens]]] = {}
+        self._pending = pending
+        try:
+            yield
+        finally:
+            self._pending = None
+            for loop, items in pending.items():
+                _post(loop, items)
+
+    def hold(self) -> None:
+        """Hold back the events until :meth:`deliver` or :meth:`release`, across :meth:`together`
+        blocks (which then deliver nothing themselves).
+
+        The scheduler holds a decode step's tokens until the next step's graph is queued on the
+        device (the batch runner's :meth:`deliver` there): the consumers' loops then turn them into
+        HTTP chunks while the engine thread waits for the device, not while it builds the graph.
+        """
+        if self._pending is None and self._here():
+            self._pending = {}
+            self._holding = True
+
+    def deliver(self) -> None:
+        """Hand over the events held so far, and go on holding."""
+        pending = self._pending
+        if pending and self._holding and self._here():
+            self._pending = {}
+            for loop, items in pending.items():
+                _post(loop, items)
+
+    def release(self) -> None:
+        """Hand over the events held so far and stop holding."""
+        if self._holding and self._here():
+            self.deliver()
+            self._pending, self._holding = None, False
+
+    def take(self, handle: RequestHandle, loop: asyncio.AbstractEventLoop, event: Event | Tokens) -> bool:
+        """Keep ``event`` for ``loop`` if collecting on this thread; False: it goes out at once."""
+        pending = self._pending
+        if pending is None or not self._here():
+            return False
+        pending.setdefault(loop, []).append((handle, event))
+        return True
 
 
-_outbox = _Outbox()
+class _Installed(threading.local):
+    """Per thread: the outbox its events go through (:meth:`Outbox.installed`), if any."""
+
+    outbox: Outbox | None = None
 
 
-@contextlib.contextmanager
-def delivered_together() -> Iterator[None]:
-    """Hand the events this thread emits inside to each consumer's event loop in one
-    ``call_soon_threadsafe`` at the end, instead of one per event.
-
-    The engine wraps each batch step in it: a step of N streams then wakes the server's event loop
-    once, not N times, each wake-up taking the GIL from the thread building the next step. Events
-    keep their order per request; sync consumers are not held back. Nested uses deliver at the end
-    of the outermost one; inside :func:`hold_events`, at :func:`deliver_events`.
-    """
-    if _outbox.pending is not None:
-        yield
-        return
-    pending: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Event | Tokens]]] = {}
-    _outbox.pending = pending
-    try:
-        yield
-    finally:
-        _outbox.pending = None
-        for loop, items in pending.items():
-            _post(loop, items)
-
-
-def hold_events() -> None:
-    """Hold back this thread's events for async consumers until :func:`deliver_events` or
-    :func:`release_events`, across :func:`delivered_together` blocks (which then deliver nothing
-    themselves).
-
-    The engine holds a decode step's tokens until the next step's graph is queued on the device
-    (:func:`deliver_events` there): the consumers' loops then turn them into HTTP chunks while the
-    engine thread waits for the device with the GIL released, instead of while it builds the graph.
-    """
-    if _outbox.pending is None:
-        _outbox.pending = {}
-        _outbox.holding = True
-
-
-def deliver_events() -> None:
-    """Hand over the events held so far, and go on holding."""
-    pending = _outbox.pending
-    if pending and _outbox.holding:
-        _outbox.pending = {}
-        for loop, items in pending.items():
-            _post(loop, items)
-
-
-def release_events() -> None:
-    """Hand over the events held so far and stop holding."""
-    if _outbox.holding:
-        deliver_events()
-        _outbox.pending, _outbox.holding = None, False
+_installed = _Installed()
 
 
 def _post(loop: asyncio.AbstractEventLoop, items: list[tuple[RequestHandle, Event | Tokens]]) -> None:
@@ -323,7 +352,7 @@ class RequestHandle:
 
     The engine thread calls :meth:`_emit`; events cross threads through a thread-safe queue and,
     for async consumers, are handed to the consumer's event loop with ``call_soon_threadsafe``, a
-    step's events for one loop in one call (:func:`delivered_together`). ``loop`` may be anything
+    step's events for one loop in one call (:class:`Outbox`). ``loop`` may be anything
     with an event loop's ``call_soon_threadsafe(callback, items)``: the engine process hands a
     step's events to its pipe that way (:mod:`mlxr_core.engine.remote`).
     """
@@ -346,10 +375,8 @@ class RequestHandle:
 
     def _emit(self, event: Event | Tokens) -> None:
         if self._loop is not None:
-            pending = _outbox.pending
-            if pending is not None:
-                pending.setdefault(self._loop, []).append((self, event))
-            else:
+            outbox = _installed.outbox
+            if outbox is None or not outbox.take(self, self._loop, event):
                 _post(self._loop, [(self, event)])
         else:
             self._sync_queue.put(event)

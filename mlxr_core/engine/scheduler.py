@@ -24,10 +24,9 @@ from mlxr_core.engine.request import (
     Arrivals,
     Failed,
     Finished,
+    Outbox,
     RequestHandle,
     Usage,
-    hold_events,
-    release_events,
 )
 from mlxr_core.errors import EngineStopped, MlxrError
 
@@ -73,6 +72,11 @@ class Scheduler:
         #: Under ``distributed:``, the exchange keeping every rank's loop taking the same inputs:
         #: requests, cancellations and shutdown come from it (see :mod:`mlxr_core.engine.lockstep`).
         self.lockstep = lockstep
+        #: The engine thread's async consumers' events, a step's handed over together; the batch
+        #: runners hand a decode step's tokens over once the next step is queued.
+        self.outbox = Outbox()
+        if lockstep is not None:
+            lockstep.outbox = self.outbox
         #: Requests the server has received and not yet submitted (not under ``distributed:``).
         self.arrivals = arrivals if lockstep is None else None
         if lockstep is not None:
@@ -106,7 +110,7 @@ class Scheduler:
     def _add_runner(self, model: LoadedModel) -> None:
         budget = self.config.prefix_cache.max_bytes if self.config.prefix_cache.enabled else 0
         prefix = PrefixCache(budget, open_disk_tier(self.config, model)) if budget > 0 else None
-        self.runners[model.name] = BatchRunner(model, self.config, self.registries.samplers, prefix)
+        self.runners[model.name] = BatchRunner(model, self.config, self.registries.samplers, prefix, self.outbox)
 
     # -- models loaded and unloaded while serving (engine thread) ----------------------------
 
@@ -246,10 +250,14 @@ class Scheduler:
                     log.exception("prefix cache of %s: could not be written to disk", runner.model.name)
 
     def run(self) -> None:
+        with self.outbox.installed():
+            self._run()
+
+    def _run(self) -> None:
         try:
             self._loop()
         finally:
-            release_events()
+            self.outbox.release()
             self.close_prefix_caches()
             if self.lockstep is not None:
                 self.lockstep.close()
@@ -261,7 +269,7 @@ class Scheduler:
             if self.lockstep is not None or not (busy and self._straight_to_step()):
                 # Held only from one decode step to the next; not across the ranks' exchange, which
                 # a watchdog may end on its own thread, and which NCCL queues behind the step.
-                release_events()
+                self.outbox.release()
             if self.lockstep is not None:
                 self.lockstep.exchange(block=idle and not self.waiting)
             if self.abort.is_set():
@@ -415,12 +423,12 @@ class Scheduler:
         # The step's events reach each consumer loop in one hand-over; a decode step's tokens are
         # held until the next step's graph is queued (the runner hands them over there), so that
         # the consumers take them while this thread waits for the device.
-        hold_events()
+        self.outbox.hold()
         try:
             self._step_once(name, runner)
         finally:
             if runner.tokens is None:  # no decode step follows to hand them over at
-                release_events()
+                self.outbox.release()
         ended = time.perf_counter()
         self.step_seconds += ended - started
         self.steps += 1
@@ -440,7 +448,7 @@ class Scheduler:
 
     def _run_alone(self, seq: Sequence, name: str, decoder: Any) -> None:
         """A decoder that cannot batch gets the engine to itself for this request."""
-        release_events()  # the batch's held tokens do not wait for this whole request
+        self.outbox.release()  # the batch's held tokens do not wait for this whole request
         if (name, "") not in self._warned:
             self._warned.add((name, ""))
             log.info("decoder %s does not run in continuous batching: its requests run alone", name)

@@ -16,14 +16,11 @@ from mlxr_core.engine.request import (
     Failed,
     Finished,
     GenerationRequest,
+    Outbox,
     RequestHandle,
     SamplingParams,
     Tokens,
     Usage,
-    deliver_events,
-    delivered_together,
-    hold_events,
-    release_events,
 )
 from mlxr_core.plugins import load_plugins
 
@@ -42,14 +39,16 @@ class CountingLoop:
 def test_a_steps_events_reach_a_loop_in_one_call_in_order() -> None:
     loop = CountingLoop()
     handles = [RequestHandle(GenerationRequest("m", [1]), loop=loop) for _ in range(3)]  # type: ignore[arg-type]
-    with delivered_together():
-        for index, handle in enumerate(handles):
-            handle._emit(Delta("a", (index,)))
-            handle._emit(Delta("b", (index,)))
-        with delivered_together():  # nested: delivered with the outer one
-            handles[0]._emit(Finished("length", Usage(1, 2)))
-        assert loop.calls == 0
-    assert loop.calls == 1
+    outbox = Outbox()
+    with outbox.installed():
+        with outbox.together():
+            for index, handle in enumerate(handles):
+                handle._emit(Delta("a", (index,)))
+                handle._emit(Delta("b", (index,)))
+            with outbox.together():  # nested: delivered with the outer one
+                handles[0]._emit(Finished("length", Usage(1, 2)))
+            assert loop.calls == 0
+        assert loop.calls == 1
     texts = []
     while not handles[0]._async_queue.empty():  # type: ignore[union-attr]
         texts.append(handles[0]._async_queue.get_nowait())  # type: ignore[union-attr]
@@ -62,23 +61,25 @@ def test_a_steps_events_reach_a_loop_in_one_call_in_order() -> None:
 def test_held_events_wait_for_deliver_or_release_across_blocks() -> None:
     loop = CountingLoop()
     handle = RequestHandle(GenerationRequest("m", [1]), loop=loop)  # type: ignore[arg-type]
-    hold_events()
-    try:
-        with delivered_together():  # inside a hold, a block delivers nothing itself
-            handle._emit(Delta("a", (1,)))
-        handle._emit(Delta("b", (2,)))
-        assert loop.calls == 0
-        deliver_events()
-        assert loop.calls == 1
-        deliver_events()  # nothing held: no call
-        assert loop.calls == 1
-        handle._emit(Delta("c", (3,)))
-        assert loop.calls == 1
-    finally:
-        release_events()
-    assert loop.calls == 2
-    handle._emit(Delta("d", (4,)))  # no longer held: at once
-    assert loop.calls == 3
+    outbox = Outbox()
+    with outbox.installed():
+        outbox.hold()
+        try:
+            with outbox.together():  # inside a hold, a block delivers nothing itself
+                handle._emit(Delta("a", (1,)))
+            handle._emit(Delta("b", (2,)))
+            assert loop.calls == 0
+            outbox.deliver()
+            assert loop.calls == 1
+            outbox.deliver()  # nothing held: no call
+            assert loop.calls == 1
+            handle._emit(Delta("c", (3,)))
+            assert loop.calls == 1
+        finally:
+            outbox.release()
+        assert loop.calls == 2
+        handle._emit(Delta("d", (4,)))  # no longer held: at once
+        assert loop.calls == 3
     texts = []
     while not handle._async_queue.empty():  # type: ignore[union-attr]
         texts.append(handle._async_queue.get_nowait().text)  # type: ignore[union-attr]
@@ -91,7 +92,8 @@ def test_a_closed_loop_cancels_the_requests_it_held() -> None:
             raise RuntimeError("Event loop is closed")
 
     handle = RequestHandle(GenerationRequest("m", [1]), loop=Closed())  # type: ignore[arg-type]
-    with delivered_together():
+    outbox = Outbox()
+    with outbox.installed(), outbox.together():
         handle._emit(Delta("a", (1,)))
     assert handle.cancelled
 

@@ -26,8 +26,6 @@ from mlxr_core.engine.request import (
     RequestHandle,
     SamplingParams,
     Usage,
-    hold_events,
-    release_events,
 )
 from mlxr_core.errors import MlxrError, RankLost
 from mlxr_core.plugins import load_plugins
@@ -137,13 +135,14 @@ def test_a_lost_rank_hands_over_the_events_its_engine_thread_held(monkeypatch: p
         raise RuntimeError("[ring] connection to a peer was lost")
 
     monkeypatch.setattr(lockstep, "_all_sum", lost)
-    hold_events()  # as the engine thread after a decode step
-    try:
-        mirror._emit(Delta("x", (7,)))
-        lockstep.exchange(block=False)
-        assert received == ["Delta", "Failed"]
-    finally:
-        release_events()
+    with lockstep.outbox.installed():
+        lockstep.outbox.hold()  # as the engine thread after a decode step
+        try:
+            mirror._emit(Delta("x", (7,)))
+            lockstep.exchange(block=False)
+            assert received == ["Delta", "Failed"]
+        finally:
+            lockstep.outbox.release()
 
 
 def test_the_watchdog_ends_requests_when_no_step_completes_in_time() -> None:
