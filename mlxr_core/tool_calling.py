@@ -318,8 +318,7 @@ def prepare_chat(
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) + prefill
     if images and info.image_tokens is not None:
         prompt = info.image_tokens.expand_for(prompt, [image.pixels for image in images])
-    info.check_prompt_text(prompt)
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    ids = info.encode(prompt, add_special_tokens=False)
     bos = tokenizer.bos_token_id
     if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
         ids.insert(0, bos)  # as Engine.encode_chat does

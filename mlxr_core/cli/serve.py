@@ -79,8 +79,8 @@ def run(args: argparse.Namespace) -> int:
     exits 2 for a :class:`~mlxr_core.errors.ConfigError` (before any plugin or model is loaded when
     the config itself is wrong) and 1 for the others, a model that fails to load included.
     """
-    from mlxr_core.cli.logs import parse_level, setup_logging
     from mlxr_core.config.loader import load_config
+    from mlxr_core.logs import parse_level, setup_logging
 
     overrides = {
         key: value

@@ -492,8 +492,6 @@ class Engine:
 
     def memory(self) -> dict[str, int]:
         """MLX's memory counters in the process that runs the models (/health, /metrics)."""
-        from mlxr_core.http.metrics import mlx_memory
-
         return mlx_memory()
 
     def stats(self) -> dict[str, Any]:
@@ -747,3 +745,18 @@ async def _wait(job: EngineJob) -> Any:
     except asyncio.CancelledError:
         job.cancel()
         raise
+
+
+def mlx_memory() -> dict[str, int]:
+    """MLX allocator counters, in bytes.
+
+    Safe from any thread once the engine has loaded: each call reads a counter of the allocator
+    singleton (already built by the engine thread) and touches no stream, graph or device queue.
+    """
+    import mlx.core as mx
+
+    return {
+        "active_bytes": int(mx.get_active_memory()),
+        "peak_bytes": int(mx.get_peak_memory()),
+        "cache_bytes": int(mx.get_cache_memory()),
+    }

@@ -14,14 +14,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
 from litestar import Request
 from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine, ModelInfo
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import ready_engine, unless_disconnected
+from mlxr_core.http.frontend import prepare_in_thread, ready_engine, unless_disconnected
 from mlxr_plugins.apis.ollama import schemas as s
 
 #: The router's model lookup (name, alias, ``NAME:latest``) -> the served model.
@@ -76,7 +75,7 @@ async def create_embed(
     if not texts:
         return EmbedResponse(info.name, [], time.perf_counter_ns() - started, 0, 0)
     encode = functools.partial(_token_lists, engine, info, texts, truncate=body.truncate)
-    token_lists = await anyio.to_thread.run_sync(encode)
+    token_lists = await prepare_in_thread(ctx, request, encode)
     submitted = time.perf_counter_ns()
     result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
     total = time.perf_counter_ns() - started
@@ -92,21 +91,22 @@ async def create_embeddings(
     if not body.prompt:
         return EmbeddingsResponse([])
     encode = functools.partial(_token_lists, engine, info, [body.prompt], truncate=True)
-    token_lists = await anyio.to_thread.run_sync(encode)
+    token_lists = await prepare_in_thread(ctx, request, encode)
     result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
     return EmbeddingsResponse(result.vectors[0])
 
 
 def _token_lists(engine: Engine, info: ModelInfo, texts: list[str], *, truncate: bool) -> list[list[int]]:
-    """Each text's ids; with ``truncate``, cut to the model's context length."""
-    token_lists = [engine.encode(info.name, text, truncate=truncate, param="input") for text in texts]
+    """Each text's ids; with ``truncate``, cut to the model's context length. A long text's head
+    alone is tokenized either way (:meth:`~mlxr_core.engine.engine.Engine.encode`)."""
+    token_lists = [engine.encode(info.name, text, truncate=True, param="input") for text in texts]
     if truncate:
         return [ids[: info.context_length] for ids in token_lists]
     for i, ids in enumerate(token_lists):
         if len(ids) > info.context_length:
             raise RequestError(
-                f"input[{i}] has {len(ids)} tokens, more than the context length "
-                f"({info.context_length}); shorten it or set truncate",
+                f"input[{i}] has more tokens than the context length ({info.context_length}); "
+                "shorten it or set truncate",
                 field="input",
             )
     return token_lists
