@@ -178,9 +178,9 @@ def fetch_image(url: str, field: str, max_bytes: int, timeout: float, *, private
 
 def pin_host(url: str, field: str, *, private_hosts: bool = False) -> tuple[str, str, str | None]:
     """``url`` with its host replaced by the address it resolves to, the ``Host`` header to send,
-    and the TLS server name (https only). The host's addresses must all be public (``is_global``,
-    an IPv4-mapped IPv6 address judged as its IPv4 one) unless ``private_hosts``; otherwise a
-    RequestError naming ``field``."""
+    and the TLS server name (https only). The host's addresses must all be public
+    (:func:`is_public_address`) unless ``private_hosts``; otherwise a RequestError naming
+    ``field``."""
     parts = urllib.parse.urlsplit(url)
     host = parts.hostname
     if not host:
@@ -194,8 +194,7 @@ def pin_host(url: str, field: str, *, private_hosts: bool = False) -> tuple[str,
     addresses = [ipaddress.ip_address(str(info[4][0]).partition("%")[0]) for info in found]
     if not private_hosts:
         for address in addresses:
-            judged = getattr(address, "ipv4_mapped", None) or address
-            if not judged.is_global:
+            if not is_public_address(address):
                 raise RequestError(
                     f"the image URL's host {host!r} is at {address}, not a public address; this server "
                     "fetches images from public addresses only (server.remote_image_private_hosts is off)",
@@ -209,6 +208,28 @@ def pin_host(url: str, field: str, *, private_hosts: bool = False) -> tuple[str,
     if ":" in host:
         header = f"[{host}]" if parts.port is None else f"[{host}]:{parts.port}"
     return pinned, header, host if https else None
+
+
+#: IPv6 prefixes whose last 32 bits are an IPv4 address the packets reach: IPv4-compatible,
+#: IPv4-mapped, IPv4-translated (SIIT) and NAT64's well-known prefix.
+IPV4_IN_LOW_BITS = [ipaddress.IPv6Network(net) for net in ("::/96", "::ffff:0:0/96", "::ffff:0:0:0/96", "64:ff9b::/96")]
+#: IPv6 prefixes refused whatever they embed: local-use NAT64 (the IPv4 address may sit at any of
+#: RFC 6052's offsets) and Teredo (a relay on to a client behind NAT).
+NEVER_PUBLIC = [ipaddress.IPv6Network(net) for net in ("64:ff9b:1::/48", "2001::/32")]
+
+
+def is_public_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether ``address`` is on the public internet (``is_global``); an IPv6 address that
+    carries an IPv4 one (:data:`IPV4_IN_LOW_BITS`, 6to4's ``2002::/16``) is judged by that IPv4
+    address, since the packets end there, and :data:`NEVER_PUBLIC` prefixes never are."""
+    if isinstance(address, ipaddress.IPv6Address):
+        if any(address in net for net in NEVER_PUBLIC):
+            return False
+        if address.sixtofour is not None:
+            return address.sixtofour.is_global
+        if any(address in net for net in IPV4_IN_LOW_BITS):
+            return ipaddress.IPv4Address(address.packed[12:]).is_global
+    return address.is_global
 
 
 def _check_scheme(url: str, field: str) -> None:
