@@ -24,6 +24,7 @@ import functools
 import hashlib
 import io
 import ipaddress
+import re
 import socket
 import time
 import urllib.parse
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 MAX_ASPECT = 200
 #: Redirects followed at most when fetching an image URL.
 MAX_REDIRECTS = 3
+#: A Python object's repr in a library's message (``<_io.BytesIO object at 0x7f...>``).
+OBJECT_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
 
 
 @attrs.frozen
@@ -263,5 +266,15 @@ def decode_image(raw: bytes, field: str, processor: ImageProcessor, max_pixels: 
             f"the image claims more than server.max_image_pixels ({max_pixels}) pixels", field=field
         ) from None
     except (OSError, SyntaxError, ValueError) as exc:  # not an image, an unknown format, truncated
-        raise RequestError(f"the image cannot be read: {exc}", field=field) from None
+        raise _unreadable(exc, field) from None
     return PromptImage(pixels, hashlib.sha256(raw).hexdigest())
+
+
+def _unreadable(exc: BaseException, field: str) -> RequestError:
+    from PIL import UnidentifiedImageError
+
+    if isinstance(exc, UnidentifiedImageError):
+        why = "it is in no format Pillow reads (PNG, JPEG, WebP, GIF, BMP ...)"
+    else:
+        why = OBJECT_REPR.sub("", str(exc)) or type(exc).__name__
+    return RequestError(f"the image cannot be read: {why}", field=field)
