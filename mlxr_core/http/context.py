@@ -10,6 +10,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import attrs
 
 from mlxr_core.engine.request import Failed
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
     from mlxr_core.engine.engine import Engine
     from mlxr_core.engine.request import RequestHandle
     from mlxr_core.plugins import PluginHost
+
+#: Threads that prepare long bodies at once: many such requests queue for these, not for the
+#: worker threads every other request is prepared on.
+LONG_BODY_THREADS = 4
 
 
 class InflightRequests:
@@ -93,6 +98,8 @@ class ServerContext:
     plugin_config: dict[str, Any] = attrs.field(factory=dict)
     #: Generation requests being served (see :mod:`mlxr_core.http.frontend`); drained at shutdown.
     inflight: InflightRequests = attrs.field(factory=InflightRequests)
+    #: The worker threads that prepare long bodies (:func:`mlxr_core.http.frontend.prepare_in_thread`).
+    long_bodies: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(LONG_BODY_THREADS))
     #: This server's Prometheus metrics.
     metrics: Metrics = attrs.field(init=False)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,6 +58,9 @@ _NAMED = re.compile(r"^Object (?:missing required|contains unknown) field `(?P<f
 #: far inside the recursion limits of the decoder and of what later walks the values.
 MAX_BODY_DEPTH = 100
 _JSON = msgspec.json.Encoder()
+#: A body longer than this is prepared (templated, tokenized) on the server's few threads for long
+#: bodies (:attr:`~mlxr_core.http.context.ServerContext.long_bodies`): a real chat is far shorter.
+LONG_BODY_BYTES = 128 * 1024
 
 
 class ClientDisconnected(MlxrError):
@@ -193,6 +196,14 @@ async def loaded_model(ctx: ServerContext, name: str) -> ModelInfo:
             ) from None
     future.result()  # its load's error, if it failed
     return engine.model(name)
+
+
+async def prepare_in_thread(ctx: ServerContext, request: Request[Any, Any, Any], work: Callable[[], T]) -> T:
+    """``work()`` (a prompt's templating and tokenizing) in a worker thread; a long body's on the
+    server's few threads for long bodies, so that however many come, they wait for each other while
+    every other request keeps the shared worker threads."""
+    long = len(await request.body()) > LONG_BODY_BYTES  # read already: the handler's typed body
+    return await anyio.to_thread.run_sync(work, limiter=ctx.long_bodies if long else None)
 
 
 def cap_max_tokens(ctx: ServerContext, requested: int | None) -> int | None:

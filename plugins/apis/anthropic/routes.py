@@ -24,7 +24,6 @@ import functools
 import uuid
 from typing import Any
 
-import anyio
 from litestar import Request, Response, Router, post
 from litestar.params import JSONBody
 
@@ -37,6 +36,7 @@ from mlxr_core.http.frontend import (
     collect,
     json_response,
     loaded_model,
+    prepare_in_thread,
     ready_engine,
     room_for,
     submit,
@@ -62,10 +62,10 @@ def make_router(ctx: ServerContext) -> Router:
         return await create_message(ctx, data, request)
 
     @post("/messages/count_tokens", status_code=200, operation_class=documented(error=s.ErrorBody))
-    async def count_tokens(data: JSONBody[s.CountTokensRequest]) -> s.CountTokensResponse:
+    async def count_tokens(data: JSONBody[s.CountTokensRequest], request: Request[Any, Any, Any]) -> s.CountTokensResponse:
         engine = ready_engine(ctx)
         info = await loaded_model(ctx, data.model)
-        setup, _ = await prepare(ctx, engine, info, data)
+        setup, _ = await prepare(ctx, request, engine, info, data)
         return s.CountTokensResponse(len(setup.prompt_ids))
 
     return Router(
@@ -88,7 +88,7 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
     )
     engine = ready_engine(ctx)
     info = await loaded_model(ctx, body.model)  # an unknown model is a 404 before any templating
-    setup, images = await prepare(ctx, engine, info, body)
+    setup, images = await prepare(ctx, request, engine, info, body)
     params.max_tokens = cap_max_tokens(ctx, room_for(engine, body.model, setup.prompt_ids, body.max_tokens))
     params.constraint = setup.constraint
     handle = submit(ctx, GenerationRequest(
@@ -106,7 +106,7 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
 
 
 async def prepare(
-    ctx: ServerContext, engine: Engine, info: ModelInfo, body: s.CountTokensRequest
+    ctx: ServerContext, request: Request[Any, Any, Any], engine: Engine, info: ModelInfo, body: s.CountTokensRequest
 ) -> tuple[ChatSetup, list[PromptImage]]:
     """The conversation, with its tools, rendered with the model's chat template and tokenized
     (in a worker thread), and its ``image`` blocks loaded (decoded and preprocessed under the
@@ -128,7 +128,7 @@ async def prepare(
         prepare_chat, engine, info, model_parsers(ctx, info), messages,
         tools=tools, choice=choice, parallel=parallel, prefill=prefill, template_kwargs=variables, images=images,
     )  # fmt: skip
-    return await anyio.to_thread.run_sync(render), images
+    return await prepare_in_thread(ctx, request, render), images
 
 
 def tool_request(body: s.CountTokensRequest) -> tuple[list[Tool], ToolChoice, bool]:

@@ -26,7 +26,6 @@ import functools
 import logging
 from typing import Any
 
-import anyio
 import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
@@ -41,6 +40,7 @@ from mlxr_core.http.frontend import (
     collect,
     json_response,
     loaded_model,
+    prepare_in_thread,
     ready_engine,
     room_for,
     submit,
@@ -154,7 +154,7 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
         prepare_chat, engine, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools),
         template_kwargs=think_variables(body), images=images,
     )
-    setup = await anyio.to_thread.run_sync(prepare)
+    setup = await prepare_in_thread(ctx, request, prepare)
     params.constraint = setup.constraint or params.constraint
     prompt_ids = setup.prompt_ids
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
@@ -188,7 +188,7 @@ async def create_generation(
     inputs = [ImageInput(data, f"images[{k}]") for k, data in enumerate(body.images or [])]
     images = await load_images(ctx.config.server, info, inputs)
     encode = functools.partial(_generate_prompt_ids, engine, info, body, images)
-    prompt_ids = await anyio.to_thread.run_sync(encode)
+    prompt_ids = await prepare_in_thread(ctx, request, encode)
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
     handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params, images=images))
     timer.submitted()

@@ -13,14 +13,18 @@ import functools
 import struct
 from typing import Any, Literal
 
-import anyio
 from litestar import Request
 from msgspec import Struct
 
 from mlxr_core.engine.engine import Engine
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import loaded_model, ready_engine, unless_disconnected
+from mlxr_core.http.frontend import (
+    loaded_model,
+    prepare_in_thread,
+    ready_engine,
+    unless_disconnected,
+)
 from mlxr_plugins.apis.openai.schemas import ModelName
 
 #: OpenAI's limit on inputs per request.
@@ -68,7 +72,7 @@ async def create_embeddings(
     texts = [(i, item) for i, item in enumerate(inputs) if isinstance(item, str)]
     if texts:
         encode = functools.partial(_encode_all, engine, info.name, [text for _, text in texts])
-        for (i, _), ids in zip(texts, await anyio.to_thread.run_sync(encode), strict=True):
+        for (i, _), ids in zip(texts, await prepare_in_thread(ctx, request, encode), strict=True):
             inputs[i] = ids
     token_lists: list[list[int]] = inputs  # type: ignore[assignment]
     result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))

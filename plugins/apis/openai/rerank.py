@@ -5,6 +5,8 @@
   ``top_n``, ``return_documents``): documents by relevance, best first.
 - ``POST /v1/score`` and ``/score`` (vLLM's: ``text_1`` against each of ``text_2``).
 - ``POST /tokenize`` and ``/detokenize`` (vLLM's: a prompt or chat messages to ids, ids to text).
+  A text of more tokens than the model's context length is refused (400), found from a head of
+  it: an answer holds at most ``max_model_len`` ids.
 
 A relevance score is a causal LM's probability of ``yes`` against ``no`` as the next token after
 the chat that asks whether the document answers the query (the Qwen3-Reranker method,
@@ -18,7 +20,6 @@ import functools
 import uuid
 from typing import Any
 
-import anyio
 from litestar import Request, Router, post
 from litestar.params import JSONBody
 from msgspec import Struct
@@ -27,7 +28,12 @@ from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.scoring import relevance_messages
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
-from mlxr_core.http.frontend import loaded_model, ready_engine, unless_disconnected
+from mlxr_core.http.frontend import (
+    loaded_model,
+    prepare_in_thread,
+    ready_engine,
+    unless_disconnected,
+)
 from mlxr_core.http.openapi import documented
 from mlxr_core.tool_calling import model_config_of
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
@@ -135,7 +141,7 @@ async def scores_of(
     info = await loaded_model(ctx, model)  # an unknown model is a 404 before any templating
     configured = model_config_of(ctx, info)
     prompt = configured.rerank_prompt if configured else "judge"
-    ids = await anyio.to_thread.run_sync(functools.partial(relevance_ids, engine, model, pairs, instruction, prompt))
+    ids = await prepare_in_thread(ctx, request, functools.partial(relevance_ids, engine, model, pairs, instruction, prompt))
     scored = await unless_disconnected(request, engine.score_async(model, ids))
     return scored.scores, scored.prompt_tokens
 
@@ -173,7 +179,7 @@ def make_router(ctx: ServerContext) -> Router:
         return ScoreResponse(f"score-{uuid.uuid4().hex}", body.model, items, RerankUsage(tokens, tokens))
 
     @post("/tokenize", status_code=200, operation_class=ERRORS)
-    async def tokenize(data: JSONBody[TokenizeRequest]) -> TokenizeResponse:
+    async def tokenize(data: JSONBody[TokenizeRequest], request: Request[Any, Any, Any]) -> TokenizeResponse:
         body = data
         engine = ready_engine(ctx)
         info = await loaded_model(ctx, body.model)
@@ -182,11 +188,11 @@ def make_router(ctx: ServerContext) -> Router:
         if body.messages is not None:
             render = functools.partial(info.tokenizer.apply_chat_template, body.messages,
                                        add_generation_prompt=body.add_generation_prompt)  # fmt: skip
-            text, special = await anyio.to_thread.run_sync(render), False
+            text, special = await prepare_in_thread(ctx, request, render), False
         else:
             text, special = body.prompt or "", body.add_special_tokens
         encode = functools.partial(engine.encode, body.model, text, add_special_tokens=special)
-        ids = await anyio.to_thread.run_sync(encode)
+        ids = await prepare_in_thread(ctx, request, encode)
         strs = [info.tokenizer.decode([i], skip_special_tokens=False) for i in ids] if body.return_token_strs else None
         return TokenizeResponse(len(ids), info.context_length, ids, strs)
 

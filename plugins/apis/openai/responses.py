@@ -44,6 +44,7 @@ from mlxr_core.http.frontend import (
     collect,
     json_response,
     loaded_model,
+    prepare_in_thread,
     ready_engine,
     shutdown_cancelled,
     submit,
@@ -373,7 +374,7 @@ class Responses:
             prepare_chat, engine, info, model_parsers(ctx, info), _without_image_data(chat), tools=tools,
             choice=choice, parallel=parallel, template_kwargs=variables, images=images,
         )  # fmt: skip
-        setup: ChatSetup = await anyio.to_thread.run_sync(prepare)
+        setup: ChatSetup = await prepare_in_thread(ctx, request, prepare)
         params.constraint = setup.constraint or params.constraint
         generation = GenerationRequest(
             body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images

@@ -13,7 +13,6 @@ import functools
 import uuid
 from typing import Any
 
-import anyio
 import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
@@ -28,6 +27,7 @@ from mlxr_core.http.frontend import (
     collect,
     json_response,
     loaded_model,
+    prepare_in_thread,
     ready_engine,
     submit,
 )
@@ -133,7 +133,7 @@ async def create_chat_completion(
         prepare_chat, engine, info, model_parsers(ctx, info), messages,
         tools=tools, choice=tool_choice, parallel=parallel, template_kwargs=variables, images=images,
     )
-    setup = await anyio.to_thread.run_sync(prepare)
+    setup = await prepare_in_thread(ctx, request, prepare)
     params.constraint = setup.constraint or params.constraint
     generation = GenerationRequest(
         body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images
@@ -170,7 +170,7 @@ async def create_completion(
     engine = ready_engine(ctx)
     info = await loaded_model(ctx, body.model)
     if isinstance(prompt, str):
-        prompt_ids = await anyio.to_thread.run_sync(functools.partial(engine.encode, body.model, prompt))
+        prompt_ids = await prepare_in_thread(ctx, request, functools.partial(engine.encode, body.model, prompt))
     else:
         vocab = info.tokenizer.vocab_size
         if any(not 0 <= token < vocab for token in prompt):
