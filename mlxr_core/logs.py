@@ -1,4 +1,5 @@
-"""Logging for the ``mlxr`` commands: mlxr's loggers and uvicorn's, never other libraries' levels."""
+"""Logging for mlxr: its loggers and uvicorn's, never other libraries' levels (set up by the
+``mlxr`` commands and by the engine process)."""
 
 from __future__ import annotations
 

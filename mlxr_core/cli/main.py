@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     debug = debug or args.debug
     if debug or env_flag("MLXR_TRACE_HOOKS"):
-        from mlxr_core.cli.logs import setup_logging
+        from mlxr_core.logs import setup_logging
 
         # Hook traces are info lines: show them for every command, not only `mlxr serve`.
         setup_logging("debug" if debug else "info")

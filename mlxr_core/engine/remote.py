@@ -155,7 +155,7 @@ def core_main(conn: Connection, config: Config, log_level: str) -> None:
     process group must drain, not kill the engine under running requests."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    from mlxr_core.cli.logs import setup_logging
+    from mlxr_core.logs import setup_logging
     from mlxr_core.plugins import load_plugins
 
     setup_logging(log_level)
@@ -390,7 +390,7 @@ class RemoteEngine(Engine):
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, *, wait: bool = True, timeout: float | None = None) -> None:
-        from mlxr_core.cli.logs import level_name
+        from mlxr_core.logs import level_name
 
         self.state = "loading"
         context = multiprocessing.get_context("spawn")

@@ -268,18 +268,3 @@ def _prefix_cache_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:
                 )
             families[name].add_metric([model], float(value))
     yield from families.values()
-
-
-def mlx_memory() -> dict[str, int]:
-    """MLX allocator counters, in bytes.
-
-    Safe from any thread once the engine has loaded: each call reads a counter of the allocator
-    singleton (already built by the engine thread) and touches no stream, graph or device queue.
-    """
-    import mlx.core as mx
-
-    return {
-        "active_bytes": int(mx.get_active_memory()),
-        "peak_bytes": int(mx.get_peak_memory()),
-        "cache_bytes": int(mx.get_cache_memory()),
-    }

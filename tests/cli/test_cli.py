@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxr_core.cli.logs import LOGGERS, setup_logging
 from mlxr_core.cli.main import main
 from mlxr_core.errors import ConfigError
+from mlxr_core.logs import LOGGERS, setup_logging
 from mlxr_core.testing.fake_dist import write_fake_dist
 
 REPO = Path(__file__).resolve().parents[2]

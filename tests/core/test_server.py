@@ -59,7 +59,7 @@ class LifecycleEngine:
         self.state = "stopped"
 
     def memory(self) -> dict[str, int]:
-        from mlxr_core.http.metrics import mlx_memory
+        from mlxr_core.engine.engine import mlx_memory
 
         return mlx_memory()
 
@@ -220,7 +220,7 @@ def restore_logging() -> Any:
     """``mlxr serve`` configures mlxr's and uvicorn's loggers; give other tests theirs back."""
     import logging
 
-    from mlxr_core.cli.logs import LOGGERS
+    from mlxr_core.logs import LOGGERS
 
     saved = {name: (lg.level, lg.propagate, list(lg.handlers)) for name in LOGGERS for lg in [logging.getLogger(name)]}
     yield

@@ -78,7 +78,7 @@ class FakeEngine:
         return {"running": self.running, "queued": self.queue_depth, "kv_bytes": 1024 * self.running}
 
     def memory(self) -> dict[str, int]:
-        from mlxr_core.http.metrics import mlx_memory
+        from mlxr_core.engine.engine import mlx_memory
 
         return mlx_memory()
 

@@ -142,7 +142,7 @@ def test_mlxr_info_prints_one_error_line_naming_the_key(good_gguf: Path, tmp_pat
 def test_mlxr_serve_exits_1_naming_the_key(
     good_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("mlxr_core.cli.logs.setup_logging", lambda *args, **kwargs: 0)  # keep pytest's
+    monkeypatch.setattr("mlxr_core.logs.setup_logging", lambda *args, **kwargs: 0)  # keep pytest's
     path = rewrite_gguf(good_gguf, tmp_path / "heads.gguf", {"llama.attention.head_count": 0})
     config = tmp_path / "server.yaml"
     config.write_text(f"models:\n  - path: {path}\n")
