@@ -117,8 +117,12 @@
   const QUOTE = /^ {0,3}> ?(.*)$/;
 
   const cells = (line) => line.trim().replace(/^\|/, "").replace(/\|$/, "").split("|").map((c) => inline(c.trim()));
+  // Block quotes and list items nest by recursion: deeper than this, their text is shown as it is
+  // (5,000 ">" in a reply must not exhaust the stack).
+  const MAX_NESTING = 16;
 
-  function markdown(source) {
+  function markdown(source, depth = 0) {
+    if (depth >= MAX_NESTING) return `<p>${inline(source.replace(/\0/g, ""))}</p>`;
     const lines = source.replace(/\0/g, "").replace(/\r\n?/g, "\n").split("\n");
     const out = [];
     let i = 0;
@@ -145,7 +149,7 @@
       } else if (QUOTE.test(line)) {
         const quoted = [];
         for (; i < lines.length && (m = QUOTE.exec(lines[i])); i += 1) quoted.push(m[1]);
-        out.push(`<blockquote>${markdown(quoted.join("\n"))}</blockquote>`);
+        out.push(`<blockquote>${markdown(quoted.join("\n"), depth + 1)}</blockquote>`);
       } else if ((m = ITEM.exec(line))) {
         const ordered = /\d/.test(m[2]);
         const indent = m[1].length;
@@ -165,7 +169,7 @@
             body.push(next.slice(Math.min(indent + 2, next.length - next.trimStart().length)));
           }
           // A tight item's single paragraph stays inline.
-          items.push(`<li>${markdown(body.join("\n")).replace(/^<p>([\s\S]*?)<\/p>/, "$1")}</li>`);
+          items.push(`<li>${markdown(body.join("\n"), depth + 1).replace(/^<p>([\s\S]*?)<\/p>/, "$1")}</li>`);
         }
         const start = ordered && parseInt(m[2], 10) !== 1 ? ` start="${parseInt(m[2], 10)}"` : "";
         out.push(ordered ? `<ol${start}>${items.join("")}</ol>` : `<ul>${items.join("")}</ul>`);
@@ -245,7 +249,7 @@
     const thinking = article.querySelector(".thinking");
     thinking.hidden = !message.reasoning;
     thinking.querySelector(".thinking-text").textContent = message.reasoning ?? "";
-    article.querySelector(".body").innerHTML = markdown(message.content);
+    article.querySelector(".body").innerHTML = rendered(message.content);
     const meta = [];
     if (message.tokens) meta.push(`${message.tokens} tokens`);
     if (message.tokens_per_s) meta.push(`${message.tokens_per_s.toFixed(1)} tokens/s`);
@@ -256,6 +260,16 @@
     article.querySelector(".meta").textContent = meta.join(" · ");
     article.classList.toggle("failed", Boolean(message.error));
     article.classList.toggle("streaming", Boolean(message.streaming));
+  }
+
+  // One message that cannot be rendered (a stored conversation from an older page, a renderer bug)
+  // shows as plain text instead of breaking the whole conversation, on every reload.
+  function rendered(content) {
+    try {
+      return markdown(content);
+    } catch {
+      return `<p>${escapeHtml(String(content ?? "")).replace(/\n/g, "<br>")}</p>`;
+    }
   }
 
   function renderChat() {
