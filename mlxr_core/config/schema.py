@@ -98,6 +98,12 @@ class ServerConfig:
     max_images_per_request: int = attrs.field(default=8, validator=v.ge(1))
     max_image_bytes: int = attrs.field(default=10_000_000, validator=v.ge(1))
     max_image_pixels: int = attrs.field(default=40_000_000, validator=v.ge(1))
+    #: Bytes of decoded pixels all requests may hold at once (the decoded image and one RGB copy,
+    #: reckoned from its header before decoding, until the model's processor is done with it). A
+    #: request past it waits up to ``decoded_image_wait_s``, then gets a 429; one image needing
+    #: more than all of it is a 400. 1 GiB: three images of ``max_image_pixels`` at once.
+    max_decoded_image_bytes: int = attrs.field(default=2**30, validator=v.ge(1))
+    decoded_image_wait_s: float = attrs.field(default=5.0, validator=v.ge(0.0))
     #: Fetch ``http(s)`` image URLs (under ``max_image_bytes``, ``remote_image_timeout_s`` for the
     #: whole fetch, at most 3 redirects); off, an image URL is a 400 asking for the image inline.
     allow_remote_images: bool = False

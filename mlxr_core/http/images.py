@@ -7,6 +7,15 @@ A hostile image is a :class:`~mlxr_core.errors.RequestError` (400) naming its fi
 before decoding: a decompression bomb never expands), a side more than :data:`MAX_ASPECT` times
 the other, text that is not base64, a file Pillow cannot read or that ends early.
 
+Decoded pixels are the memory an image costs (a 131 KB PNG of 6300x6300 decodes to 159 MB), so
+each image reserves its share of ``server.max_decoded_image_bytes`` (:data:`DECODE_BUDGET`,
+reckoned from its header) before it is decoded, and gives it back once the processor has made
+the model's pixels from it; the images of a request are decoded one at a time. A request that
+finds the budget taken waits for it on the event loop (holding no worker thread) up to
+``server.decoded_image_wait_s``, then is a 429; an image that alone needs more is a 400. A JPEG
+is decoded at the smallest scale that keeps twice what the processor resizes it to, where the
+processor says (:class:`~mlxr_core.model.vision.DraftsImages`).
+
 An ``http(s)`` URL is refused unless ``server.allow_remote_images`` is on; then it is fetched in
 the same worker thread (:func:`fetch_image`) under the same byte limit and
 ``server.remote_image_timeout_s``. A host that resolves to an address off the public internet
@@ -26,17 +35,21 @@ import io
 import ipaddress
 import re
 import socket
+import threading
 import time
 import urllib.parse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import attrs
 
 from mlxr_core.engine.request import PromptImage
-from mlxr_core.errors import RequestError
+from mlxr_core.errors import Overloaded, RequestError
+from mlxr_core.model.vision import DraftsImages
 
 if TYPE_CHECKING:
+    from PIL import Image
+
     from mlxr_core.config.schema import ServerConfig
     from mlxr_core.engine.engine import ModelInfo
     from mlxr_core.model.vision import ImageProcessor
@@ -45,8 +58,57 @@ if TYPE_CHECKING:
 MAX_ASPECT = 200
 #: Redirects followed at most when fetching an image URL.
 MAX_REDIRECTS = 3
-#: A Python object's repr in a library's message (``<_io.BytesIO object at 0x7f...>``).
-OBJECT_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
+#: Seconds between looks at the budget while a request waits for its share.
+BUDGET_POLL_S = 0.02
+#: Decoded no smaller than this many times what the processor resizes to (``Image.thumbnail``'s
+#: ``reducing_gap``: the resize still averages over several source pixels).
+DRAFT_GAP = 2
+
+
+class DecodeBudget:
+    """Bytes of decoded pixels in flight in this process (one server per process: its memory),
+    each take checked against the limit its caller names; thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        #: Bytes taken and not yet given back.
+        self.in_flight = 0
+
+    def try_take(self, nbytes: int, limit: int) -> bool:
+        """Take ``nbytes`` if they fit under ``limit`` with those in flight; whether they did."""
+        with self._lock:
+            if self.in_flight + nbytes > limit:
+                return False
+            self.in_flight += nbytes
+            return True
+
+    def give_back(self, nbytes: int) -> None:
+        """Give back ``nbytes`` taken before."""
+        with self._lock:
+            self.in_flight -= nbytes
+
+    async def take(self, nbytes: int, server: ServerConfig, field: str) -> None:
+        """Take ``nbytes`` of ``server.max_decoded_image_bytes``, waiting up to
+        ``server.decoded_image_wait_s`` for others to give theirs back: Overloaded (429) then, a
+        RequestError (400) where ``nbytes`` alone is more than the limit."""
+        limit = server.max_decoded_image_bytes
+        if nbytes > limit:
+            raise RequestError(
+                f"the image needs {nbytes} bytes decoded, more than server.max_decoded_image_bytes "
+                f"({limit}); send it smaller", field=field,
+            )  # fmt: skip
+        deadline = time.monotonic() + server.decoded_image_wait_s
+        while not self.try_take(nbytes, limit):
+            if time.monotonic() >= deadline:
+                raise Overloaded(
+                    f"the server is decoding as many image bytes as server.max_decoded_image_bytes "
+                    f"({limit}) allows; retry later", field=field,
+                )  # fmt: skip
+            await anyio.sleep(BUDGET_POLL_S)
+
+
+#: The process's decoded pixels in flight.
+DECODE_BUDGET = DecodeBudget()
 
 
 @attrs.frozen
@@ -87,7 +149,29 @@ async def load_images(server: ServerConfig, info: ModelInfo, inputs: list[ImageI
                 "image URLs are not fetched by this server (server.allow_remote_images is off); send "
                 "the image inline as a data URI (data:image/png;base64,...)", field=image.field,
             )  # fmt: skip
-    return await anyio.to_thread.run_sync(functools.partial(_decode_all, inputs, processor, server))
+    opened = await _in_thread(functools.partial(_open_all, inputs, processor, server), inputs[0].field)
+    try:
+        images = []
+        for image in opened:
+            await DECODE_BUDGET.take(image.nbytes, server, image.field)
+            try:  # decode closes the image: its pixels are gone when the budget is given back
+                images.append(await _in_thread(functools.partial(image.decode, processor), image.field))
+            finally:
+                DECODE_BUDGET.give_back(image.nbytes)
+        return images
+    finally:
+        for image in opened:
+            image.close()
+
+
+async def _in_thread(work: functools.partial[Any], field: str) -> Any:
+    """``work()`` in a worker thread; Overloaded (429) where the process cannot start one."""
+    try:
+        return await anyio.to_thread.run_sync(work)
+    except RuntimeError as exc:
+        if "can't start new thread" not in str(exc):
+            raise
+        raise Overloaded("the server cannot start a thread to decode images now; retry later", field=field) from None
 
 
 def check_takes_images(info: ModelInfo, inputs: list[ImageInput]) -> None:
@@ -100,21 +184,26 @@ def check_takes_images(info: ModelInfo, inputs: list[ImageInput]) -> None:
         )  # fmt: skip
 
 
-def _decode_all(inputs: list[ImageInput], processor: ImageProcessor, server: ServerConfig) -> list[PromptImage]:
-    images = []
-    for image in inputs:
-        if image.url:
-            raw = fetch_image(
-                image.data,
-                image.field,
-                server.max_image_bytes,
-                server.remote_image_timeout_s,
-                private_hosts=server.remote_image_private_hosts,
-            )
-        else:
-            raw = decode_base64(image.data, image.field, server.max_image_bytes)
-        images.append(decode_image(raw, image.field, processor, server.max_image_pixels))
-    return images
+def _open_all(inputs: list[ImageInput], processor: ImageProcessor, server: ServerConfig) -> list[OpenedImage]:
+    opened: list[OpenedImage] = []
+    try:
+        for image in inputs:
+            if image.url:
+                raw = fetch_image(
+                    image.data,
+                    image.field,
+                    server.max_image_bytes,
+                    server.remote_image_timeout_s,
+                    private_hosts=server.remote_image_private_hosts,
+                )
+            else:
+                raw = decode_base64(image.data, image.field, server.max_image_bytes)
+            opened.append(OpenedImage.open(raw, image.field, processor, server.max_image_pixels))
+    except BaseException:
+        for done in opened:
+            done.close()
+        raise
+    return opened
 
 
 def _too_large(max_bytes: int, field: str) -> RequestError:
@@ -240,14 +329,42 @@ def _check_scheme(url: str, field: str) -> None:
         raise RequestError(f"only http and https image URLs are fetched, not {url[:100]!r}", field=field)
 
 
-def decode_image(raw: bytes, field: str, processor: ImageProcessor, max_pixels: int) -> PromptImage:
-    """The image's bytes -> the processor's pixels and the SHA-256 of the bytes."""
-    from PIL import Image
+#: Bytes Pillow keeps per pixel, by mode: 4 for RGB (padded) and every mode not named here.
+PIXEL_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
+#: A Python object's repr in a library's message (``<_io.BytesIO object at 0x7f...>``).
+OBJECT_REPR = re.compile(r"\s*<[^<>]*\bat 0x[0-9a-fA-F]+>")
 
-    # Pillow refuses a header claiming more than twice this many pixels itself (before decoding).
-    Image.MAX_IMAGE_PIXELS = max_pixels
-    try:
-        with Image.open(io.BytesIO(raw)) as image:
+
+@attrs.define
+class OpenedImage:
+    """An image whose header is read and checked but whose pixels are not decoded yet, with
+    ``nbytes``, what decoding it takes: its pixels as Pillow keeps them, and an RGB copy (image
+    processors convert to RGB)."""
+
+    raw: bytes
+    image: Image.Image
+    field: str
+    nbytes: int
+
+    @classmethod
+    def open(cls, raw: bytes, field: str, processor: ImageProcessor, max_pixels: int) -> OpenedImage:
+        """The image in ``raw``, refused (RequestError) past ``max_pixels`` or :data:`MAX_ASPECT`,
+        set to decode at a smaller scale where the format can and ``processor`` allows."""
+        from PIL import Image
+
+        # Pillow refuses a header claiming more than twice this many pixels itself (before decoding).
+        Image.MAX_IMAGE_PIXELS = max_pixels
+        try:
+            image = Image.open(io.BytesIO(raw))
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+            raise RequestError(
+                f"the image claims more than server.max_image_pixels ({max_pixels}) pixels", field=field
+            ) from None
+        except MemoryError:
+            raise _out_of_memory(field) from None
+        except (OSError, SyntaxError, ValueError) as exc:
+            raise _unreadable(exc, field) from None
+        try:
             width, height = image.size
             if width * height > max_pixels:
                 raise RequestError(
@@ -259,15 +376,35 @@ def decode_image(raw: bytes, field: str, processor: ImageProcessor, max_pixels: 
                     f"the image is {width}x{height} pixels: one side is more than {MAX_ASPECT} times the other",
                     field=field,
                 )  # fmt: skip
-            image.load()
-            pixels = processor(image)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise RequestError(
-            f"the image claims more than server.max_image_pixels ({max_pixels}) pixels", field=field
-        ) from None
-    except (OSError, SyntaxError, ValueError) as exc:  # not an image, an unknown format, truncated
-        raise _unreadable(exc, field) from None
-    return PromptImage(pixels, hashlib.sha256(raw).hexdigest())
+            if isinstance(processor, DraftsImages):
+                draft_width, draft_height = processor.draft_size()
+                image.draft(None, (draft_width * DRAFT_GAP, draft_height * DRAFT_GAP))  # JPEG only
+        except BaseException:
+            image.close()
+            raise
+        width, height = image.size
+        return cls(raw, image, field, width * height * (PIXEL_BYTES.get(image.mode, 4) + 4))
+
+    def decode(self, processor: ImageProcessor) -> PromptImage:
+        """The processor's pixels and the SHA-256 of the bytes; the decoded image closed after.
+        A MemoryError is an Overloaded (429), a broken image a RequestError."""
+        try:
+            self.image.load()
+            pixels = processor(self.image)
+        except MemoryError:
+            raise _out_of_memory(self.field) from None
+        except (OSError, SyntaxError, ValueError) as exc:  # truncated, a broken stream
+            raise _unreadable(exc, self.field) from None
+        finally:
+            self.close()
+        return PromptImage(pixels, hashlib.sha256(self.raw).hexdigest())
+
+    def close(self) -> None:
+        self.image.close()
+
+
+def _out_of_memory(field: str) -> Overloaded:
+    return Overloaded("the server ran out of memory decoding the image; retry later, or send it smaller", field=field)
 
 
 def _unreadable(exc: BaseException, field: str) -> RequestError:

@@ -1,11 +1,13 @@
-"""mlxr_core.http.images without a server: the public address check for remote images, and
-what an unreadable image's error says."""
+"""mlxr_core.http.images without a server: the budget of decoded pixels in flight, the public
+address check for remote images, and what an unreadable image's error says."""
 
 from __future__ import annotations
 
 import base64
 import io
 import ipaddress
+import threading
+import time
 from typing import Any
 
 import anyio
@@ -13,9 +15,10 @@ import numpy as np
 import pytest
 
 from mlxr_core.config.schema import ServerConfig
-from mlxr_core.errors import RequestError
+from mlxr_core.errors import Overloaded, RequestError
 from mlxr_core.http import images
 from mlxr_core.http.images import ImageInput, is_public_address, load_images
+from mlxr_core.model.vision import ResizeNormalize
 
 Image = pytest.importorskip("PIL.Image", reason="image input needs Pillow")
 
@@ -111,3 +114,87 @@ def test_an_unreadable_image_error_holds_no_object_repr() -> None:
         load(server_config(), Recording(), base64.b64encode(b"not an image at all").decode())
     assert "0x" not in caught.value.message and "BytesIO" not in caught.value.message
     assert caught.value.field == "images[0]"
+
+
+# N3: decoded pixels count against a server-wide budget.
+
+
+def test_an_image_larger_than_the_whole_budget_is_a_400_naming_the_key() -> None:
+    # 64x64 RGB: 16 KB decoded (Pillow keeps 4 bytes a pixel) and as much again for an RGB copy.
+    server = server_config(max_decoded_image_bytes=20_000)
+    with pytest.raises(RequestError, match="max_decoded_image_bytes") as caught:
+        load(server, Recording(), encoded(64, 64))
+    assert caught.value.status == 400 and caught.value.field == "images[0]"
+    assert images.DECODE_BUDGET.in_flight == 0
+
+
+def test_images_within_the_budget_are_decoded_one_after_another_and_give_it_back() -> None:
+    server = server_config(max_decoded_image_bytes=40_000)  # one 64x64 at a time, not two
+    processor = Recording()
+    assert len(load(server, processor, encoded(64, 64), encoded(64, 64), encoded(64, 64))) == 3
+    assert processor.sizes == [(64, 64)] * 3
+    assert images.DECODE_BUDGET.in_flight == 0
+
+
+def test_a_request_over_a_budget_others_hold_waits_then_is_a_429() -> None:
+    server = server_config(max_decoded_image_bytes=40_000, decoded_image_wait_s=0.2)
+    assert images.DECODE_BUDGET.try_take(30_000, 40_000)
+    try:
+        started = time.monotonic()
+        with pytest.raises(Overloaded, match="max_decoded_image_bytes") as caught:
+            load(server, Recording(), encoded(64, 64))
+        assert 0.2 <= time.monotonic() - started < 2
+        assert caught.value.status == 429 and caught.value.field == "images[0]"
+    finally:
+        images.DECODE_BUDGET.give_back(30_000)
+    assert images.DECODE_BUDGET.in_flight == 0
+
+
+def test_a_request_waiting_for_the_budget_goes_on_once_it_is_given_back() -> None:
+    server = server_config(max_decoded_image_bytes=40_000, decoded_image_wait_s=5.0)
+    assert images.DECODE_BUDGET.try_take(30_000, 40_000)
+    threading.Timer(0.2, images.DECODE_BUDGET.give_back, (30_000,)).start()
+    assert len(load(server, Recording(), encoded(64, 64))) == 1
+    assert images.DECODE_BUDGET.in_flight == 0
+
+
+@pytest.mark.parametrize("fail", [MemoryError(), OSError("broken data stream")])
+def test_a_failed_decode_is_a_clean_error_and_gives_the_budget_back(fail: BaseException) -> None:
+    with pytest.raises((RequestError, Overloaded)) as caught:
+        load(server_config(), Recording(fail), encoded(64, 64))
+    assert caught.value.status in (400, 429) and caught.value.field == "images[0]"
+    if isinstance(fail, MemoryError):
+        assert caught.value.status == 429 and "memory" in caught.value.message
+    assert images.DECODE_BUDGET.in_flight == 0
+
+
+def test_no_thread_to_decode_in_is_a_429(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def no_thread(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(images.anyio.to_thread, "run_sync", no_thread)
+    with pytest.raises(Overloaded, match="thread") as caught:
+        load(server_config(), Recording(), encoded(64, 64))
+    assert caught.value.status == 429
+
+
+def test_a_truncated_image_gives_the_budget_back() -> None:
+    raw = base64.b64decode(encoded(64, 64))
+    with pytest.raises(RequestError, match="cannot be read"):
+        load(server_config(), Recording(), base64.b64encode(raw[: len(raw) // 2]).decode())
+    assert images.DECODE_BUDGET.in_flight == 0
+
+
+def test_a_large_jpeg_is_decoded_no_larger_than_the_processor_needs() -> None:
+    # A 1024x1024 JPEG for a 16x16 tower: decoded at 1/8 (128x128, at least twice 16 a side).
+    resize = ResizeNormalize((16, 16))
+
+    class Drafting(Recording):
+        def draft_size(self) -> tuple[int, int]:
+            return resize.draft_size()
+
+    processor = Drafting()
+    server = server_config(max_decoded_image_bytes=1024 * 1024 * 4)  # the full decode would not fit
+    load(server, processor, encoded(1024, 1024, "JPEG"))
+    assert processor.sizes == [(128, 128)]
+    assert load(server_config(), resize, encoded(1024, 1024, "JPEG"))[0].pixels.shape == (3, 16, 16)

@@ -170,6 +170,34 @@ def test_too_many_images_are_a_400(server: str) -> None:
     assert reply.status_code == 400 and "max_images_per_request" in reply.json()["error"]["message"]
 
 
+def test_images_past_the_decoded_bytes_budget_are_a_429_or_400_in_each_api_shape(
+    server: str, vision_config: Config, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxr_core.http import images
+
+    # png() is 40x30: 4,800 bytes decoded as Pillow keeps RGB, 9,600 with an RGB copy.
+    monkeypatch.setattr(vision_config.server, "max_decoded_image_bytes", 10_000)
+    monkeypatch.setattr(vision_config.server, "decoded_image_wait_s", 0.1)
+    content = [{"type": "text", "text": "t5"}, {"type": "image_url", "image_url": {"url": data_uri(png())}}]
+    body = {"model": "vision", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    ollama = {"model": "vision", "stream": False, "messages": [{"role": "user", "content": "t5", "images": [base64.b64encode(png()).decode()]}]}
+    assert images.DECODE_BUDGET.try_take(5_000, 10_000)  # other requests' images being decoded
+    try:
+        reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 429 and reply.headers["retry-after"] == "1", reply.text
+        error = reply.json()["error"]
+        assert "max_decoded_image_bytes" in error["message"] and error["param"] == "messages[0].content[1].image_url"
+        reply = httpx.post(f"{server}/api/chat", json=ollama, timeout=60)
+        assert reply.status_code == 429 and "max_decoded_image_bytes" in reply.json()["error"]
+    finally:
+        images.DECODE_BUDGET.give_back(5_000)
+    assert httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).status_code == 200
+    monkeypatch.setattr(vision_config.server, "max_decoded_image_bytes", 9_000)  # less than one image
+    reply = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "max_decoded_image_bytes (9000)" in reply.json()["error"]["message"]
+    assert images.DECODE_BUDGET.in_flight == 0
+
+
 def test_the_ollama_client_sends_an_image(server: str) -> None:
     ollama = pytest.importorskip("ollama")
     client = ollama.Client(host=server, timeout=60)
