@@ -2,7 +2,9 @@
 
 - :func:`api_key_guard` is a Litestar guard on every route. It raises :class:`Unauthorized`, a
   :class:`~mlxr_core.errors.MlxrError`, so each API plugin's own exception handlers answer the 401
-  in that API's wire format (OpenAI, Ollama and Anthropic clients each read their own).
+  in that API's wire format (OpenAI, Ollama and Anthropic clients each read their own). It notes
+  which key a request came with as an owner id (:func:`key_owner`: a hash, never the key), for
+  data a key keeps on the server, such as stored responses, that other keys must not reach.
 - :func:`json_body_guard`, likewise on every route, answers 415 to a POST, PUT or PATCH whose
   ``Content-Type`` is not JSON: a web page can send ``text/plain`` or a form across sites without
   asking (no CORS preflight), never ``application/json``.
@@ -57,7 +59,9 @@ class ApiKeys:
     """
 
     def __init__(self, keys: Iterable[str], exempt: Iterable[str] = ()):
-        self._digests = [_digest(key) for key in keys if key]
+        present = [key for key in keys if key]
+        self._digests = [_digest(key) for key in present]
+        self._owners = [owner_id(key) for key in present]
         self.exempt = frozenset(exempt)
 
     @property
@@ -65,17 +69,23 @@ class ApiKeys:
         return bool(self._digests)
 
     def matches(self, presented: str) -> bool:
+        return self.owner(presented) is not None
+
+    def owner(self, presented: str) -> str | None:
+        """The :func:`owner_id` of the configured key ``presented`` is, or None."""
         digest = _digest(presented)
-        found = False
-        for known in self._digests:
-            found |= hmac.compare_digest(digest, known)
+        found = None
+        for known, owner in zip(self._digests, self._owners, strict=True):
+            if hmac.compare_digest(digest, known):
+                found = owner
         return found
 
-    def check(self, path: str, headers: Any) -> None:
+    def check(self, path: str, headers: Any) -> str | None:
         """Raise :class:`Unauthorized` unless ``path`` is exempt or ``headers`` carry a valid key
-        (``Authorization: Bearer KEY`` or ``x-api-key: KEY``)."""
+        (``Authorization: Bearer KEY`` or ``x-api-key: KEY``); the key's :func:`owner_id`, or
+        None where no key is needed."""
         if not self._digests or path in self.exempt:
-            return
+            return None
         candidates = []
         authorization = headers.get("authorization")
         if authorization:
@@ -89,8 +99,10 @@ class ApiKeys:
             raise Unauthorized(
                 "missing API key: send it as 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
             )
-        if not any(self.matches(candidate) for candidate in candidates):
+        owner = next((owner for owner in map(self.owner, candidates) if owner is not None), None)
+        if owner is None:
             raise Unauthorized("invalid API key")
+        return owner
 
 
 class UnsupportedMediaType(MlxrError):
@@ -137,6 +149,24 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
+def owner_id(key: str) -> str:
+    """The id under which data made with API key ``key`` is kept: a hash of the key, slowed (once
+    per key, at start) so a copied data file does not cheaply confirm guesses of a weak key."""
+    digest = hashlib.pbkdf2_hmac("sha256", key.encode("utf-8", "surrogatepass"), b"mlxr key owner", 20_000)
+    return digest.hex()
+
+
+#: Where :func:`api_key_guard` leaves the request's :func:`owner_id` in the ASGI scope's state.
+KEY_OWNER = "mlxr.key_owner"
+
+
+def key_owner(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    """The :func:`owner_id` of the API key ``connection`` came with, or None where the server
+    has no keys (or the route needs none): data kept for it belongs to that key alone."""
+    owner: str | None = connection.scope.get("state", {}).get(KEY_OWNER)
+    return owner
+
+
 #: A GET route handler with ``opt={PUBLIC: True}`` is served without a key: only for files that hold
 #: no data and are the same for everyone, such as the web page's own HTML (a browser cannot add a
 #: header to a page it navigates to); the requests that page makes for data still need the key.
@@ -149,7 +179,9 @@ def api_key_guard(keys: ApiKeys) -> Any:
     def guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
         if handler.opt.get(PUBLIC) is True and connection.scope.get("method") in ("GET", "HEAD"):
             return
-        keys.check(connection.scope["path"], connection.headers)
+        owner = keys.check(connection.scope["path"], connection.headers)
+        if owner is not None:
+            connection.scope.setdefault("state", {})[KEY_OWNER] = owner
 
     return guard
 

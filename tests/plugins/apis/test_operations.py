@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from scripted import FakeEngine, make_ctx, wait_until
 
 from mlxr_core.config.schema import ServerConfig
-from mlxr_core.http.access import ApiKeys, Unauthorized
+from mlxr_core.http.access import ApiKeys, Unauthorized, owner_id
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.server import build_app, drain, end_now
 
@@ -81,6 +81,16 @@ def test_api_keys_compare_whole_keys() -> None:
     with pytest.raises(Unauthorized, match="missing API key"):
         keys.check("/v1/models", {})
     keys.check("/v1/models", {"x-api-key": f" {KEY} "})  # surrounding whitespace is not part of a key
+
+
+def test_a_key_is_known_to_stored_data_by_a_hash_of_its_own() -> None:
+    keys = ApiKeys([KEY, "b"], exempt=["/health"])
+    owner = keys.check("/v1/responses", {"authorization": f"Bearer {KEY}"})
+    assert owner == owner_id(KEY) and KEY not in str(owner)
+    assert keys.check("/v1/responses", {"x-api-key": "b"}) == owner_id("b") != owner
+    # a wrong bearer beside a right x-api-key: the key that matched
+    assert keys.check("/v1/responses", {"authorization": "Bearer nope", "x-api-key": "b"}) == owner_id("b")
+    assert keys.check("/health", {}) is None and ApiKeys([]).check("/v1/responses", {}) is None
 
 
 def test_official_clients_send_keys_their_way(fake: FakeEngine) -> None:
