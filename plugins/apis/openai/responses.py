@@ -11,7 +11,9 @@ parsers (reasoning, tool calls) and told as output items: ``reasoning``, ``messa
 ``response.in_progress``, per item ``output_item.added``, its deltas and ``output_item.done``, then
 ``response.completed`` (or ``incomplete`` / ``failed``), each numbered.
 With ``store`` (the default) the response, its input items and the conversation are kept in a
-bounded SQLite store (:mod:`mlxr_plugins.apis.openai.store`).
+bounded SQLite store (:mod:`mlxr_plugins.apis.openai.store`), each response for the API key that
+made it alone: to any other key (retrieve, ``input_items``, ``previous_response_id``, delete) it
+is a 404, as if it did not exist.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from mlxr_core.engine.request import (
 )
 from mlxr_core.engine.request import Usage as EngineUsage
 from mlxr_core.errors import MlxrError, RequestError
+from mlxr_core.http.access import key_owner
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     collect,
@@ -358,7 +361,8 @@ class Responses:
     async def create(self, body: r.ResponsesRequest, params: Any, request: Any) -> Any:
         """Answer ``body`` (``params``: its SamplingParams, from the shared mapping)."""
         ctx = self.ctx
-        previous = await self._previous(body.previous_response_id)
+        owner = key_owner(request)
+        previous = await self._previous(body.previous_response_id, owner)
         inputs = _history_images(previous.messages) if previous else []
         messages, listed = input_messages(body.input, inputs)
         history = (previous.messages if previous else []) + messages
@@ -382,27 +386,30 @@ class Responses:
         handle = submit(ctx, generation)
         response = self._response(body, tools, choice)
         if body.stream:
-            return self._stream(handle, setup.reader(), response, history, listed, info.tokenizer)
+            return self._stream(handle, setup.reader(), response, history, listed, info.tokenizer, owner)
         reply = await collect(ctx, handle, request)
         builder = OutputBuilder(response)
         reader = setup.reader()
         builder.feed(reader.feed(reply.text) + reader.finish())
         builder.finish()
         settle(response, reply.finished, _count(info.tokenizer, response.output))
-        await self._keep(body, response, listed, history)
+        await self._keep(body, response, listed, history, owner)
         return response
 
-    async def get(self, response_id: str) -> r.Response:
-        stored = await self._load(response_id)
+    # ``owner``: the requesting API key's owner id (None without keys); another key's responses
+    # are not found.
+
+    async def get(self, response_id: str, owner: str | None) -> r.Response:
+        stored = await self._load(response_id, owner)
         return msgspec.convert(stored.response, r.Response)
 
-    async def input_items(self, response_id: str) -> r.InputItemList:
-        items = (await self._load(response_id)).input_items
+    async def input_items(self, response_id: str, owner: str | None) -> r.InputItemList:
+        items = (await self._load(response_id, owner)).input_items
         return r.InputItemList(items[::-1], items[-1]["id"] if items else None, items[0]["id"] if items else None)
 
-    async def delete(self, response_id: str) -> r.Deleted:
+    async def delete(self, response_id: str, owner: str | None) -> r.Deleted:
         store = self._store()
-        if not await anyio.to_thread.run_sync(store.delete, response_id):
+        if not await anyio.to_thread.run_sync(store.delete, response_id, owner):
             raise ResponseNotFound(response_id)
         return r.Deleted(response_id)
 
@@ -413,21 +420,22 @@ class Responses:
             raise RequestError("stored responses are off on this server (openai.responses_store)", field="store")
         return self.store
 
-    async def _load(self, response_id: str, param: str | None = None) -> Stored:
-        stored = await anyio.to_thread.run_sync(self._store().get, response_id)
+    async def _load(self, response_id: str, owner: str | None, param: str | None = None) -> Stored:
+        stored = await anyio.to_thread.run_sync(self._store().get, response_id, owner)
         if stored is None:
             raise ResponseNotFound(response_id, param)
         return stored
 
-    async def _previous(self, response_id: str | None) -> Stored | None:
-        return None if response_id is None else await self._load(response_id, "previous_response_id")
+    async def _previous(self, response_id: str | None, owner: str | None) -> Stored | None:
+        return None if response_id is None else await self._load(response_id, owner, "previous_response_id")
 
     async def _keep(
-        self, body: r.ResponsesRequest, response: r.Response, listed: list[dict[str, Any]], history: list[dict[str, Any]]
-    ) -> None:
+        self, body: r.ResponsesRequest, response: r.Response, listed: list[dict[str, Any]],
+        history: list[dict[str, Any]], owner: str | None,
+    ) -> None:  # fmt: skip
         if body.store and self.store is not None:
             item = Stored(response.id, response.model, msgspec.to_builtins(response), listed,
-                          history + output_messages(response.output))  # fmt: skip
+                          history + output_messages(response.output), owner)  # fmt: skip
             await anyio.to_thread.run_sync(self.store.put, item)
 
     def _response(self, body: r.ResponsesRequest, tools: list[Tool], choice: ToolChoice) -> r.Response:
@@ -453,6 +461,7 @@ class Responses:
         history: list[dict[str, Any]],
         listed: list[dict[str, Any]],
         tokenizer: Any,
+        owner: str | None,
     ) -> Stream:
         builder = OutputBuilder(response)
         body_store = response.store
@@ -477,7 +486,7 @@ class Responses:
                     settle(response, event, _count(tokenizer, response.output))
                     if body_store and self.store is not None:
                         item = Stored(response.id, response.model, msgspec.to_builtins(response), listed,
-                                      history + output_messages(response.output))  # fmt: skip
+                                      history + output_messages(response.output), owner)  # fmt: skip
                         await anyio.to_thread.run_sync(self.store.put, item)
                     kind = "response.completed" if response.status == "completed" else "response.incomplete"
                     yield builder.event(kind, response=response)
@@ -540,15 +549,15 @@ def response_routes(ctx: ServerContext) -> list[Any]:
     errors = documented(error=ErrorBody)
 
     @get(paths(path), operation_class=errors)
-    async def retrieve(response_id: FromPath[str]) -> r.Response:
-        return await api().get(response_id)
+    async def retrieve(response_id: FromPath[str], request: Request[Any, Any, Any]) -> r.Response:
+        return await api().get(response_id, key_owner(request))
 
     @delete(paths(path), status_code=200, operation_class=errors)
-    async def remove(response_id: FromPath[str]) -> r.Deleted:
-        return await api().delete(response_id)
+    async def remove(response_id: FromPath[str], request: Request[Any, Any, Any]) -> r.Deleted:
+        return await api().delete(response_id, key_owner(request))
 
     @get(paths(path + "/input_items"), operation_class=errors)
-    async def input_items(response_id: FromPath[str]) -> r.InputItemList:
-        return await api().input_items(response_id)
+    async def input_items(response_id: FromPath[str], request: Request[Any, Any, Any]) -> r.InputItemList:
+        return await api().input_items(response_id, key_owner(request))
 
     return [create, retrieve, remove, input_items]

@@ -2,7 +2,10 @@
 ``GET``/``DELETE /v1/responses/{id}``, ``input_items``): one SQLite file, bounded.
 
 Each row keeps a response's JSON, its input items and the whole conversation it continued (the
-chat messages a follow-up turn renders before its own input). Writes evict the oldest rows past
+chat messages a follow-up turn renders before its own input), and its owner: the
+:func:`~mlxr_core.http.access.owner_id` of the API key that made it (NULL on a server without
+keys). A row is found only by its owner, as if absent to any other; rows from before owners were
+kept have none, so on a server with keys no key finds them. Writes evict the oldest rows past
 ``max_age_s`` and, oldest first, past ``max_bytes`` of stored JSON or ``max_items`` rows, so the
 file cannot grow without bound. A connection serves one thread at a time (a lock); handlers call
 it from worker threads.
@@ -27,7 +30,8 @@ CREATE TABLE IF NOT EXISTS responses (
     response TEXT NOT NULL,
     input_items TEXT NOT NULL,
     messages TEXT NOT NULL,
-    size INTEGER NOT NULL
+    size INTEGER NOT NULL,
+    owner TEXT
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created);
 """
@@ -43,6 +47,8 @@ class Stored:
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
     messages: list[dict[str, Any]]
+    #: The API key's owner id it belongs to; None on a server without keys.
+    owner: str | None = None
 
 
 class ResponseStore:
@@ -65,6 +71,19 @@ class ResponseStore:
         if self.path != ":memory:":
             self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(_SCHEMA)
+        self._add_owner_column()
+
+    def _add_owner_column(self) -> None:
+        """Give a store written before owners were kept its ``owner`` column (its rows: none)."""
+        with self._lock:
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
+            if "owner" in columns:
+                return
+            try:
+                self._db.execute("ALTER TABLE responses ADD COLUMN owner TEXT")
+            except sqlite3.OperationalError as exc:  # another process added it meanwhile
+                if "duplicate column" not in str(exc):
+                    raise
 
     def put(self, item: Stored) -> None:
         """Store ``item`` (replacing one of its id), then evict past the limits. An item larger
@@ -75,27 +94,31 @@ class ResponseStore:
             return
         with self._lock:
             self._db.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (item.id, time.time(), item.model, *row, size),
+                "INSERT OR REPLACE INTO responses (id, created, model, response, input_items, messages, size, owner)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (item.id, time.time(), item.model, *row, size, item.owner),
             )
             self._evict()
 
-    def get(self, response_id: str) -> Stored | None:
-        """The stored response ``response_id``, or None (never stored, deleted, or evicted)."""
+    def get(self, response_id: str, owner: str | None = None) -> Stored | None:
+        """The stored response ``response_id`` of ``owner``, or None (never stored, deleted,
+        evicted, or another owner's)."""
         with self._lock:
             self._expire()
             found = self._db.execute(
-                "SELECT id, model, response, input_items, messages FROM responses WHERE id = ?", (response_id,)
+                "SELECT id, model, response, input_items, messages FROM responses WHERE id = ? AND owner IS ?",
+                (response_id, owner),
             ).fetchone()
         if found is None:
             return None
         rid, model, response, items, messages = found
-        return Stored(rid, model, json.loads(response), json.loads(items), json.loads(messages))
+        return Stored(rid, model, json.loads(response), json.loads(items), json.loads(messages), owner)
 
-    def delete(self, response_id: str) -> bool:
-        """Forget ``response_id``; whether it was there."""
+    def delete(self, response_id: str, owner: str | None = None) -> bool:
+        """Forget ``response_id`` of ``owner``; whether it was there (another owner's is not)."""
         with self._lock:
-            return self._db.execute("DELETE FROM responses WHERE id = ?", (response_id,)).rowcount > 0
+            deleted = self._db.execute("DELETE FROM responses WHERE id = ? AND owner IS ?", (response_id, owner))
+            return deleted.rowcount > 0
 
     def stats(self) -> tuple[int, int]:
         """``(rows, bytes of stored JSON)``."""

@@ -1,9 +1,15 @@
-"""The Responses API's store: round trips, deletion, and its age, size and count bounds."""
+"""The Responses API's store: round trips, deletion, its age, size and count bounds, rows found
+only by their owner, and a store from before owners were kept."""
 
 from __future__ import annotations
 
+import json
+import sqlite3
 import threading
+import time
+from contextlib import closing
 
+import attrs
 import pytest
 
 from mlxr_plugins.apis.openai.store import ResponseStore, Stored
@@ -72,3 +78,35 @@ def test_threads_share_one_store(tmp_path):
     for thread in threads:
         thread.join()
     assert store.stats()[0] == 200
+
+
+def test_a_response_is_found_only_by_its_owner(tmp_path):
+    store = ResponseStore(tmp_path / "r.sqlite3")
+    mine = attrs.evolve(item(1), owner="alice")
+    store.put(mine)
+    store.put(item(2))  # made on a server without keys
+    assert store.get("resp_1", "alice") == mine
+    assert store.get("resp_1", "bob") is None and store.get("resp_1") is None
+    assert store.get("resp_2") == item(2) and store.get("resp_2", "alice") is None
+    assert not store.delete("resp_1", "bob") and not store.delete("resp_1")
+    assert store.delete("resp_1", "alice") and store.get("resp_1", "alice") is None
+
+
+def test_a_store_written_before_owners_gains_the_column_and_keeps_its_rows(tmp_path):
+    path = tmp_path / "r.sqlite3"
+    with closing(sqlite3.connect(path)) as db, db:  # the schema as it was
+        db.executescript("""
+            CREATE TABLE responses (id TEXT PRIMARY KEY, created REAL NOT NULL, model TEXT NOT NULL,
+                response TEXT NOT NULL, input_items TEXT NOT NULL, messages TEXT NOT NULL, size INTEGER NOT NULL);
+            CREATE INDEX responses_created ON responses (created);
+        """)
+        old = item(1)
+        row = [json.dumps(value) for value in (old.response, old.input_items, old.messages)]
+        db.execute("INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", ("resp_1", time.time(), "tiny", *row, 10))
+    store = ResponseStore(path)
+    assert store.get("resp_1") == old  # as before, on a server without keys
+    assert store.get("resp_1", "alice") is None  # no key owns what was kept before owners
+    store.put(attrs.evolve(item(2), owner="alice"))
+    store.close()
+    again = ResponseStore(path)  # opening it again finds the column there
+    assert again.get("resp_2", "alice") is not None and again.get("resp_1") == old

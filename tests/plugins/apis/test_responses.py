@@ -134,6 +134,49 @@ def test_bad_requests_get_openai_errors_naming_the_field(client: openai.OpenAI, 
     assert error.value.body["param"] == param  # type: ignore[index]
 
 
+def test_a_stored_response_belongs_to_the_key_that_made_it(fake: FakeEngine, tmp_path: Path) -> None:
+    server = ServerConfig(api_keys=["key-alice", "key-bob"], responses_store=store_config(tmp_path).responses_store)
+    with ThreadedServer(build_app(make_ctx(fake, server=server))) as url:
+        alice, bob = (openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+                      for key in ("key-alice", "key-bob"))  # fmt: skip
+        made = alice.responses.create(model="fake", max_output_tokens=64, input="the code is 4242")
+        with alice.responses.stream(model="fake", max_output_tokens=64, input="streamed") as stream:
+            list(stream)
+            streamed = stream.get_final_response()
+        for rid in (made.id, streamed.id):
+            # to another key each is a 404 in OpenAI's shape, exactly as an id never stored
+            for absent in (rid, "resp_nope"):
+                with pytest.raises(openai.NotFoundError) as missing:
+                    bob.responses.retrieve(absent)
+                assert missing.value.body == {  # type: ignore[comparison-overlap]
+                    "message": f"no stored response with id {absent!r}", "type": "invalid_request_error",
+                    "param": None, "code": None}  # fmt: skip
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.input_items.list(rid)
+            with pytest.raises(openai.NotFoundError) as missing:
+                bob.responses.create(model="fake", max_output_tokens=64, input="and?", previous_response_id=rid)
+            assert missing.value.body["param"] == "previous_response_id"  # type: ignore[index]
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.delete(rid)
+            # still there for its owner, who can read, continue and delete it
+            assert alice.responses.retrieve(rid).id == rid
+            assert alice.responses.input_items.list(rid).data
+        assert "4242" not in prompt_of(fake)  # bob's turns never rendered alice's conversation
+        follow = alice.responses.create(model="fake", max_output_tokens=64, input="and?", previous_response_id=made.id)
+        assert prompt_of(fake) == f"<user>the code is 4242<assistant>{REPLY}<user>and?<assistant>"
+        mine = bob.responses.create(model="fake", max_output_tokens=64, input="mine")
+        assert bob.responses.retrieve(mine.id).id == mine.id
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.retrieve(mine.id)
+        alice.responses.delete(follow.id)
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.retrieve(follow.id)
+    # the store keeps a hash of the key, never the key
+    raw = (tmp_path / "responses.sqlite3").read_bytes() + b"".join(
+        path.read_bytes() for path in tmp_path.glob("responses.sqlite3-*"))  # fmt: skip
+    assert b"key-alice" not in raw and b"key-bob" not in raw
+
+
 # -- on the real engine --------------------------------------------------------------------------
 
 WEATHER = {
