@@ -32,7 +32,8 @@ from mlxr_core.parsing import (
 )
 
 if TYPE_CHECKING:
-    from mlxr_core.engine.engine import Engine, ModelInfo
+    from mlxr_core.engine.admission import ModelInfo
+    from mlxr_core.engine.client import EngineClient
     from mlxr_core.http.context import ServerContext
     from mlxr_core.model.tokenizer import Tokenizer
 
@@ -278,7 +279,7 @@ def renders_tools(template: str | None) -> bool:
 
 
 def prepare_chat(
-    engine: Engine,
+    engine: EngineClient,
     info: ModelInfo,
     parsers: ModelParsers,
     messages: list[dict[str, Any]],

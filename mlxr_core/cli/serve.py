@@ -36,7 +36,7 @@ from mlxr_core.errors import MlxrError
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config, ServerConfig
     from mlxr_core.distributed import World
-    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.client import EngineClient
     from mlxr_core.http.context import ServerContext
     from mlxr_core.plugins import PluginHost
 
@@ -279,7 +279,7 @@ def _graceful_server_class() -> type[Any]:
     return Server
 
 
-def _announce_when_ready(server: Any, engine: Engine, apis: str) -> None:
+def _announce_when_ready(server: Any, engine: EngineClient, apis: str) -> None:
     """Print the URL once the models are loaded and the socket is bound; stop the server if
     loading failed."""
     try:

@@ -9,19 +9,18 @@ own plugins and the models) and the server process keeps the rest: tokenizing an
 requests, detokenizing, encoding responses and writing them. Stop strings are still matched by
 the engine, which must stop decoding at one.
 
-:class:`RemoteEngine` is the server process's engine: the same methods as :class:`Engine`, over
-one duplex pipe (``multiprocessing.Pipe``, pickled messages):
+:class:`RemoteEngine` is the server process's engine: an
+:class:`~mlxr_core.engine.client.EngineClient` like :class:`Engine`, whose caller-thread half
+(:class:`~mlxr_core.engine.client.EngineCaller`, admission included) it shares, over one duplex
+pipe (``multiprocessing.Pipe``) carrying the typed messages below, pickled:
 
-- server -> core: ``("submit", rid, request, arriving)`` (``arriving``: the requests the server has
-  received and not yet submitted, :class:`~mlxr_core.engine.request.Arrivals`),
-  ``("arrivals", 0)`` (the count emptied without a submit), ``("cancel", rid)``,
-  ``("post", call, command, name, value)`` (load, unload, keep-alive),
-  ``("job", call, work, what, model)`` (embeddings, scores), ``("cancel_job", call)``,
-  ``("stop", timeout)``;
-- core -> server: ``("events", [...])``, one message per engine step holding every event the step
-  emitted (new tokens as ids: the server's handle detokenizes them), ``("snapshot", Snapshot)``
-  (state, models, slots and counters, every :data:`SNAPSHOT_INTERVAL_S` and before each reply),
-  ``("reply", call, result, error)``.
+- server -> core: :class:`Submit` (with the requests the server has received and not yet
+  submitted, :class:`~mlxr_core.engine.request.Arrivals`), :class:`ArrivalsEmptied`,
+  :class:`Cancel`, :class:`Post` (load, unload, keep-alive), :class:`Job` (embeddings, scores),
+  :class:`CancelJob`, :class:`Stop`; the core answers each kind through one dispatch table;
+- core -> server: :class:`Events`, one message per engine step holding every event the step emitted
+  (new tokens as ids: the server's handle detokenizes them), :class:`Snapshot` (state, models,
+  slots and counters, every :data:`SNAPSHOT_INTERVAL_S` and before each reply), :class:`Reply`.
 
 A core that dies (killed, out of memory) closes the pipe: every request still running ends with an
 :class:`EngineStopped` error event, the engine's state becomes ``failed`` and the server stops and
@@ -37,17 +36,22 @@ import logging
 import multiprocessing
 import signal
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mlxr_core.engine.admission import ModelInfo, check_request
+from mlxr_core.engine.client import EngineCaller, EngineClient
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
-from mlxr_core.engine.engine import Engine, ModelInfo
+from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.jobs import EngineJob
 from mlxr_core.engine.lifecycle import ModelSlot
 from mlxr_core.engine.request import (
     ARRIVING,
+    Arrivals,
     Delta,
     Failed,
     GenerationRequest,
@@ -82,7 +86,7 @@ def uses_own_process(config: Config) -> bool:
     return config.engine.core == "process"
 
 
-def make_engine(config: Config, host: PluginHost, world: Any = None) -> Engine:
+def make_engine(config: Config, host: PluginHost, world: Any = None) -> EngineClient:
     """The server's engine: a :class:`RemoteEngine` where :func:`uses_own_process`, else the
     engine thread."""
     if world is None and uses_own_process(config):
@@ -93,6 +97,71 @@ def make_engine(config: Config, host: PluginHost, world: Any = None) -> Engine:
 
 
 # -- what crosses the pipe -------------------------------------------------------------------
+
+
+@attrs.frozen
+class Submit:
+    """A request to run; ``arriving``: the requests the server has received behind it."""
+
+    rid: int
+    request: GenerationRequest
+    arriving: int
+
+
+@attrs.frozen
+class ArrivalsEmptied:
+    """The server's count of arriving requests emptied without a submit."""
+
+
+@attrs.frozen
+class Cancel:
+    rid: int
+
+
+@attrs.frozen
+class Post:
+    """A lifecycle command (``load``, ``unload``, ``keep_alive``) for a model; answered by a Reply."""
+
+    call: int
+    command: str
+    name: str
+    value: Any = None
+
+
+@attrs.frozen
+class Job:
+    """Embedding or scoring work (a picklable value); answered by a Reply."""
+
+    call: int
+    work: Any
+    what: str
+    model: str | None
+
+
+@attrs.frozen
+class CancelJob:
+    call: int
+
+
+@attrs.frozen
+class Stop:
+    """Stop, letting running requests finish for up to ``timeout`` seconds."""
+
+    timeout: float
+
+
+@attrs.frozen
+class Events:
+    """One engine step's events, as plain tuples (:func:`_encode_event`)."""
+
+    items: list[tuple[Any, ...]]
+
+
+@attrs.frozen
+class Reply:
+    call: int
+    result: Any
+    error: tuple[str, str, tuple[Any, ...], dict[str, Any]] | None
 
 
 @attrs.define
@@ -192,8 +261,17 @@ class Core:
         #: The ModelInfo objects already sent, by model name.
         self._sent: dict[str, ModelInfo] = {}
         self._closed = threading.Event()
+        #: What the core does with each kind of message from the server (:class:`Stop` ends it).
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Submit: self._submit,
+            ArrivalsEmptied: self._arrivals_emptied,
+            Cancel: self._cancel,
+            Post: self._post,
+            Job: self._job,
+            CancelJob: self._cancel_job,
+        }
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: Any) -> None:
         if self._closed.is_set():
             return
         try:
@@ -212,7 +290,7 @@ class Core:
             out.append(_encode_event(rid, event))
             if not isinstance(event, (Tokens, Delta)):
                 self._handles.pop(rid, None)
-        self.send(("events", out))
+        self.send(Events(out))
 
     def snapshot(self) -> None:
         engine = self.engine
@@ -225,7 +303,7 @@ class Core:
                 slots[name] = attrs.evolve(slot, waiters=[], unload_waiters=[])
         stats = engine.stats()
         memory = engine.memory() if engine.state == "ready" else {}
-        self.send(("snapshot", Snapshot(
+        self.send(Snapshot(
             state=engine.state,
             error=encode_error(engine.error) if engine.error is not None else None,
             models=new,
@@ -234,9 +312,9 @@ class Core:
             lifecycle=lifecycle.stats() if lifecycle is not None else {},
             stats=stats,
             memory=memory,
-            kv_bytes_per_token=dict(engine._kv_bytes_per_token),
-            state_bytes=dict(engine._state_bytes),
-        )))  # fmt: skip
+            kv_bytes_per_token=dict(engine.kv_bytes_per_token),
+            state_bytes=dict(engine.state_bytes),
+        ))  # fmt: skip
 
     def serve(self) -> None:
         """Answer the server until it says stop (then stop the engine, draining as told) or the
@@ -250,61 +328,72 @@ class Core:
                 log.warning("the server process is gone; stopping the engine")
                 self._closed.set()
                 break
-            if message[0] == "stop":
-                timeout = message[1]
+            if isinstance(message, Stop):
+                timeout = message.timeout
                 break
-            try:
-                self._handle(message)
-            except Exception:  # a bad message must not end the engine
-                log.exception("engine process: message %r failed", message[0])
+            self.handle(message)
         self.engine.stop(timeout)
         self.snapshot()
         self._closed.set()
         self.conn.close()
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "submit":
-            _, rid, request, arriving = message
-            handle = _CoreHandle(request, rid, self)
-            self._handles[rid] = handle
-            # This request counts as arriving until it is queued: an idle engine that takes it in
-            # sees the server's count of those behind it, one that is gathering waits for it.
-            self.engine.arrivals.set(arriving + 1)
-            try:
-                self.engine.enqueue(handle)
-            except MlxrError as exc:
-                self._handles.pop(rid, None)
-                self.send(("events", [(rid, "x", encode_error(exc))]))
-            self.engine.arrivals.set(arriving)
-        elif kind == "arrivals":
-            self.engine.arrivals.set(message[1])
-        elif kind == "cancel":
-            cancelled = self._handles.get(message[1])
-            if cancelled is not None:
-                cancelled.cancel()
-        elif kind == "post":
-            _, call, command, name, value = message
-            lifecycle = self.engine.lifecycle
-            if lifecycle is None:
-                self.send(("reply", call, None, encode_error(EngineStopped("the engine is not running"))))
-                return
-            lifecycle.post(command, name, value).add_done_callback(lambda future: self._reply(call, future))
-        elif kind == "job":
-            _, call, work, what, model = message
-            job = EngineJob(work, what=what, model=model)
-            self._jobs[call] = job
-            job.future.add_done_callback(lambda future: self._reply(call, future))
-            try:
-                self.engine._queue_job(job)
-            except MlxrError as exc:
-                job.refuse(exc)
-        elif kind == "cancel_job":
-            unwanted = self._jobs.get(message[1])
-            if unwanted is not None:
-                unwanted.cancel()
-        else:
-            log.error("engine process: unknown message %r", kind)
+    def handle(self, message: Any) -> None:
+        """Do what ``message`` from the server asks, through the dispatch table; a message that
+        fails is logged and the engine goes on."""
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            log.error("engine process: unknown message %r", type(message).__name__)
+            return
+        try:
+            handler(message)
+        except Exception:  # a bad message must not end the engine
+            log.exception("engine process: message %s failed", type(message).__name__)
+
+    def _submit(self, message: Submit) -> None:
+        rid = message.rid
+        handle = _CoreHandle(message.request, rid, self)
+        self._handles[rid] = handle
+        # This request counts as arriving until it is queued: an idle engine that takes it in
+        # sees the server's count of those behind it, one that is gathering waits for it.
+        self.engine.arrivals.set(message.arriving + 1)
+        try:
+            self.engine.enqueue(handle)
+        except MlxrError as exc:
+            self._handles.pop(rid, None)
+            self.send(Events([(rid, "x", encode_error(exc))]))
+        self.engine.arrivals.set(message.arriving)
+
+    def _arrivals_emptied(self, message: ArrivalsEmptied) -> None:
+        self.engine.arrivals.set(0)
+
+    def _cancel(self, message: Cancel) -> None:
+        cancelled = self._handles.get(message.rid)
+        if cancelled is not None:
+            cancelled.cancel()
+
+    def _post(self, message: Post) -> None:
+        call = message.call
+        lifecycle = self.engine.lifecycle
+        if lifecycle is None:
+            self.send(Reply(call, None, encode_error(EngineStopped("the engine is not running"))))
+            return
+        future = lifecycle.post(message.command, message.name, message.value)
+        future.add_done_callback(lambda future: self._reply(call, future))
+
+    def _job(self, message: Job) -> None:
+        call = message.call
+        job = EngineJob(message.work, what=message.what, model=message.model)
+        self._jobs[call] = job
+        job.future.add_done_callback(lambda future: self._reply(call, future))
+        try:
+            self.engine.queue_job(job)
+        except MlxrError as exc:
+            job.refuse(exc)
+
+    def _cancel_job(self, message: CancelJob) -> None:
+        unwanted = self._jobs.get(message.call)
+        if unwanted is not None:
+            unwanted.cancel()
 
     def _reply(self, call: int, future: Future[Any]) -> None:
         self._jobs.pop(call, None)
@@ -314,7 +403,7 @@ class Core:
             error = future.exception()
         self.snapshot()  # a load's reply must find its model in the server's view
         result = None if error is not None else future.result()
-        self.send(("reply", call, result, encode_error(error) if error is not None else None))
+        self.send(Reply(call, result, encode_error(error) if error is not None else None))
 
     def _report(self) -> None:
         while not self._closed.is_set():
@@ -336,7 +425,7 @@ class _LifecycleView:
 
     def post(self, command: str, name: str, value: Any = None) -> Future[None]:
         future: Future[None] = Future()
-        self._engine._call(future, "post", command, name, value)
+        self._engine._call(future, lambda call: Post(call, command, name, value))
         return future
 
     def loaded(self) -> list[ModelSlot]:
@@ -359,15 +448,26 @@ class RemoteHandle(RequestHandle):
     def cancel(self) -> None:
         if not self._cancelled.is_set():
             super().cancel()
-            self._engine._send(("cancel", self.rid))
+            self._engine._send(Cancel(self.rid))
 
 
-class RemoteEngine(Engine):
+class RemoteEngine(EngineCaller):
     """The server's engine when it runs in a process of its own (see the module)."""
 
     def __init__(self, config: Config, host: PluginHost):
-        super().__init__(config, host)
-        self.lifecycle: _LifecycleView = _LifecycleView(self)  # type: ignore[assignment]
+        self.config = config
+        self.host = host
+        self.state = "created"
+        self.error: BaseException | None = None
+        self.models: dict[str, ModelInfo] = {}
+        self.names: dict[str, str] = {}
+        self.started_at = time.time()
+        self.kv_bytes_per_token: dict[str, int] = {}
+        self.state_bytes: dict[str, int] = {}
+        self.distributed = False
+        self.arrivals = Arrivals()
+        self._ready = threading.Event()
+        self.lifecycle: _LifecycleView = _LifecycleView(self)
         self._process: Any = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
@@ -381,7 +481,7 @@ class RemoteEngine(Engine):
         self._outbox = Outbox()
         #: Called (from the pipe's reader thread) when the core process dies: ``mlxr serve``
         #: stops the server, which then exits non-zero with :attr:`error`.
-        self.on_lost: Any = None
+        self.on_lost: Callable[[], None] | None = None
         # The core knows the count only from each submit: it is told when the count empties
         # without one (a request answered without being submitted, a client that left).
         self.arrivals.on_empty = self._arrivals_emptied
@@ -421,7 +521,7 @@ class RemoteEngine(Engine):
         self._stopping = True
         if not lost:
             self.host.notify("mlxr_engine_stopping", engine=self)
-            self._send(("stop", timeout))
+            self._send(Stop(timeout))
         self._process.join(timeout + STOP_GRACE_S)
         self._kill()
         self._end_all(EngineStopped("the server is shutting down"))
@@ -437,14 +537,21 @@ class RemoteEngine(Engine):
     # -- requests ----------------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
-        info = self._validate(request)
+        """Check ``request`` here, as :meth:`Engine.submit` does, and send it to the core."""
+        self.check_ready()
+        info = self.model(request.model)
+        check_request(
+            info, request, config=self.config.engine, samplers=self.host.registries.samplers,
+            kv_bytes_per_token=self.kv_bytes_per_token.get(info.name, 0),
+            state_bytes=self.state_bytes.get(info.name, 0), queue_depth=self.queue_depth,
+        )  # fmt: skip
         handle = RemoteHandle(request, self, info, loop)
         self._handles[handle.rid] = handle
         arrival = ARRIVING.get()
         counted = arrival is not None and arrival.counted
         others = max(0, self.arrivals.pending - counted)  # the count the core gets excludes this request
         self._core_arrivals = others
-        sent = self._send(("submit", handle.rid, request, others))
+        sent = self._send(Submit(handle.rid, request, others))
         handed_over()  # after the submit: a core told the count emptied has it queued
         if not sent:
             self._handles.pop(handle.rid, None)
@@ -454,32 +561,29 @@ class RemoteEngine(Engine):
     def _arrivals_emptied(self) -> None:
         if self._core_arrivals:  # the core waits for requests that will not come
             self._core_arrivals = 0
-            self._send(("arrivals", 0))
+            self._send(ArrivalsEmptied())
 
-    def enqueue(self, handle: RequestHandle) -> RequestHandle:
-        raise TypeError("the engine process streams to handles of its own: submit() the request")
-
-    def _queue_job(self, job: EngineJob) -> EngineJob:
+    def queue_job(self, job: EngineJob) -> EngineJob:
         """Run ``job`` in the core: its ``work`` (a picklable value: :class:`EmbeddingWork`,
         :class:`ScoringWork`) crosses; the result comes back into ``job.future``, and a cancelled
         ``job.future`` cancels the core's job."""
         if self.state != "ready":
             raise EngineStopped(f"the engine is {self.state}; not accepting requests")
-        call = self._call(job.future, "job", job.work, job.what, job.model)
+        call = self._call(job.future, lambda call: Job(call, job.work, job.what, job.model))
         handed_over()
 
         def cancelled(done: Future[Any]) -> None:
             if done.cancelled():
-                self._send(("cancel_job", call))
+                self._send(CancelJob(call))
 
         job.future.add_done_callback(cancelled)
         return job
 
-    def _call(self, future: Future[Any], kind: str, *args: Any) -> int:
-        """Send ``(kind, call, *args)``; the core's reply settles ``future``. Returns ``call``."""
+    def _call(self, future: Future[Any], message: Callable[[int], Any]) -> int:
+        """Send ``message(call)``; the core's :class:`Reply` settles ``future``. Returns ``call``."""
         call = self._new_id()
         self._calls[call] = future
-        if not self._send((kind, call, *args)):
+        if not self._send(message(call)):
             self._calls.pop(call, None)
             _settle(future, error=EngineStopped("the engine process is gone"))
         return call
@@ -489,7 +593,7 @@ class RemoteEngine(Engine):
             self._ids += 1
             return self._ids
 
-    def _send(self, message: tuple[Any, ...]) -> bool:
+    def _send(self, message: Any) -> bool:
         conn = self._conn
         if conn is None:
             return False
@@ -535,16 +639,15 @@ class RemoteEngine(Engine):
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = message[0]
-            if kind == "events":
-                self._deliver(message[1])
-            elif kind == "snapshot":
-                self._apply(message[1])
-            elif kind == "reply":
-                _, call, result, error = message
-                future = self._calls.pop(call, None)
+            if isinstance(message, Events):
+                self._deliver(message.items)
+            elif isinstance(message, Snapshot):
+                self._apply(message)
+            elif isinstance(message, Reply):
+                future = self._calls.pop(message.call, None)
                 if future is not None:
-                    _settle(future, result, decode_error(error) if error is not None else None)
+                    error = decode_error(message.error) if message.error is not None else None
+                    _settle(future, message.result, error)
         self._conn.close()
         if not self._stopping:
             self._lose()
@@ -573,8 +676,8 @@ class RemoteEngine(Engine):
         self.names = snapshot.names
         self.lifecycle.slots = snapshot.slots
         self.lifecycle._stats = snapshot.lifecycle
-        self._kv_bytes_per_token = snapshot.kv_bytes_per_token
-        self._state_bytes = snapshot.state_bytes
+        self.kv_bytes_per_token = snapshot.kv_bytes_per_token
+        self.state_bytes = snapshot.state_bytes
         snapshot.models = {}
         self._snapshot = snapshot
         if snapshot.error is not None and self.error is None:

@@ -19,7 +19,7 @@ from mlxr_core.http.metrics import Metrics, RequestTimer
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
-    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.client import EngineClient
     from mlxr_core.engine.request import RequestHandle
     from mlxr_core.plugins import PluginHost
 
@@ -91,7 +91,7 @@ class ServerContext:
 
     config: Config
     host: PluginHost
-    engine: Engine
+    engine: EngineClient
     #: ``time.time()`` when the server context was made; /health reports the uptime from it.
     started_at: float = attrs.field(factory=time.time)
     #: Plugin name -> its validated ``plugins.config.<name>`` section (an instance of its schema).

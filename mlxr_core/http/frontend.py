@@ -48,7 +48,8 @@ from mlxr_core.http.context import ServerContext
 from mlxr_core.http.metrics import RequestTimer
 
 if TYPE_CHECKING:
-    from mlxr_core.engine.engine import Engine, ModelInfo
+    from mlxr_core.engine.admission import ModelInfo
+    from mlxr_core.engine.client import EngineClient
 
 T = TypeVar("T")
 
@@ -165,7 +166,7 @@ def json_response(value: Any) -> Response[bytes]:
     return Response(_JSON.encode(value), media_type="application/json")
 
 
-def ready_engine(ctx: ServerContext) -> Engine:
+def ready_engine(ctx: ServerContext) -> EngineClient:
     """The engine, or :class:`EngineStopped` (503) while it loads, failed, stops or the server drains."""
     engine = ctx.engine
     state = engine.state
@@ -217,7 +218,7 @@ def cap_max_tokens(ctx: ServerContext, requested: int | None) -> int | None:
     return min(requested, cap)
 
 
-def room_for(engine: Engine, model: str, prompt_ids: list[int], requested: int | None) -> int | None:
+def room_for(engine: EngineClient, model: str, prompt_ids: list[int], requested: int | None) -> int | None:
     """``requested`` clamped to the context left after the prompt, for APIs whose ``max_tokens`` is
     an upper bound rather than a promise (Anthropic, Ollama). A prompt that fills the context is
     left to the engine, which refuses it naming the context length."""

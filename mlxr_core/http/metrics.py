@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ DURATION_BUCKETS = (0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0
 class Metrics:
     """The metrics of one server. Safe to call from any thread (prometheus-client locks)."""
 
-    def __init__(self, engine: Engine, inflight: Callable[[], int] = lambda: 0):
+    def __init__(self, engine: EngineClient, inflight: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         registry = self.registry
         self.http_requests = Counter(
@@ -133,7 +133,7 @@ class RequestTimer:
 class EngineCollector(Collector):
     """Levels read from the engine at each scrape."""
 
-    def __init__(self, engine: Engine, inflight: Callable[[], int]):
+    def __init__(self, engine: EngineClient, inflight: Callable[[], int]):
         self.engine = engine
         self.inflight = inflight
 
@@ -174,7 +174,7 @@ class EngineCollector(Collector):
             yield memory
 
 
-def _engine_stats(engine: Engine) -> dict[str, Any]:
+def _engine_stats(engine: EngineClient) -> dict[str, Any]:
     try:
         return engine.stats()
     except Exception:  # a racing engine thread must not fail the scrape; the levels read 0

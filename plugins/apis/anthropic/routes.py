@@ -27,7 +27,8 @@ from typing import Any
 from litestar import Request, Response, Router, post
 from litestar.params import JSONBody
 
-from mlxr_core.engine.engine import Engine, ModelInfo
+from mlxr_core.engine.admission import ModelInfo
+from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.request import GenerationRequest, PromptImage
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
@@ -106,7 +107,7 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
 
 
 async def prepare(
-    ctx: ServerContext, request: Request[Any, Any, Any], engine: Engine, info: ModelInfo, body: s.CountTokensRequest
+    ctx: ServerContext, request: Request[Any, Any, Any], engine: EngineClient, info: ModelInfo, body: s.CountTokensRequest
 ) -> tuple[ChatSetup, list[PromptImage]]:
     """The conversation, with its tools, rendered with the model's chat template and tokenized
     (in a worker thread), and its ``image`` blocks loaded (decoded and preprocessed under the

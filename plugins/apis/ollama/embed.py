@@ -17,7 +17,8 @@ from typing import Any
 from litestar import Request
 from msgspec import Struct
 
-from mlxr_core.engine.engine import Engine, ModelInfo
+from mlxr_core.engine.admission import ModelInfo
+from mlxr_core.engine.client import EngineClient
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import prepare_in_thread, ready_engine, unless_disconnected
@@ -96,7 +97,7 @@ async def create_embeddings(
     return EmbeddingsResponse(result.vectors[0])
 
 
-def _token_lists(engine: Engine, info: ModelInfo, texts: list[str], *, truncate: bool) -> list[list[int]]:
+def _token_lists(engine: EngineClient, info: ModelInfo, texts: list[str], *, truncate: bool) -> list[list[int]]:
     """Each text's ids; with ``truncate``, cut to the model's context length. A long text's head
     alone is tokenized either way (:meth:`~mlxr_core.engine.engine.Engine.encode`)."""
     token_lists = [engine.encode(info.name, text, truncate=True, param="input") for text in texts]

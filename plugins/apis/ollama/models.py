@@ -11,7 +11,7 @@ import hashlib
 import os
 import time
 
-from mlxr_core.engine.engine import ModelInfo
+from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.lifecycle import ModelSlot
 from mlxr_plugins.apis.ollama import schemas as s
 from mlxr_plugins.apis.ollama.streaming import rfc3339

@@ -30,7 +30,8 @@ import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
 
-from mlxr_core.engine.engine import Engine, ModelInfo
+from mlxr_core.engine.admission import ModelInfo
+from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.lifecycle import parse_keep_alive
 from mlxr_core.engine.request import Constraint, GenerationRequest, PromptImage, SamplingParams
 from mlxr_core.errors import ModelNotFound, RequestError
@@ -207,7 +208,7 @@ async def resolve_model(ctx: ServerContext, name: str) -> ModelInfo:
     return await loaded_model(ctx, served_name(ready_engine(ctx), name))
 
 
-def served_name(engine: Engine, name: str) -> str:
+def served_name(engine: EngineClient, name: str) -> str:
     """The served model's name for ``name`` (a name or an alias); Ollama's default tag
     ``:latest`` may be appended."""
     if not name:
@@ -310,7 +311,7 @@ def _clamp(value: float, low: float, high: float) -> float:
 
 
 def _max_tokens(
-    ctx: ServerContext, engine: Engine, info: ModelInfo, prompt_ids: list[int], options: s.Options | None
+    ctx: ServerContext, engine: EngineClient, info: ModelInfo, prompt_ids: list[int], options: s.Options | None
 ) -> int | None:
     """``num_predict``: positive is a bound, -1 and -2 mean "up to the context's end" (Ollama's
     "until the model stops" and "fill the context"), unset or 0 the server's default."""
@@ -321,7 +322,7 @@ def _max_tokens(
 
 
 def _generate_prompt_ids(
-    engine: Engine, info: ModelInfo, body: s.GenerateRequest, loaded: list[PromptImage] | None = None
+    engine: EngineClient, info: ModelInfo, body: s.GenerateRequest, loaded: list[PromptImage] | None = None
 ) -> list[int]:
     """The prompt's ids: ``context`` from an earlier reply, then the prompt, templated as one user
     turn (after ``system``) unless ``raw`` or the model has no chat template; ``loaded``: the

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from litestar import Request
 from msgspec import Struct
 
-from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.client import EngineClient
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
@@ -113,7 +113,7 @@ def _is_token(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _encode_all(engine: Engine, model: str, texts: list[str]) -> list[list[int]]:
+def _encode_all(engine: EngineClient, model: str, texts: list[str]) -> list[list[int]]:
     return [engine.encode(model, text, param="input") for text in texts]
 
 

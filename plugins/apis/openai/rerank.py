@@ -24,7 +24,7 @@ from litestar import Request, Router, post
 from litestar.params import JSONBody
 from msgspec import Struct
 
-from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.scoring import relevance_messages
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
@@ -122,7 +122,7 @@ class DetokenizeResponse(Struct):
 
 
 def relevance_ids(
-    engine: Engine, model: str, pairs: list[tuple[str, str]], instruction: str | None, prompt: str = "judge"
+    engine: EngineClient, model: str, pairs: list[tuple[str, str]], instruction: str | None, prompt: str = "judge"
 ) -> list[list[int]]:
     """Each (query, document) pair's scoring prompt (``models[].rerank_prompt``), rendered and
     tokenized (a worker thread)."""

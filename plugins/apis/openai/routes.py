@@ -17,7 +17,7 @@ import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
 
-from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
 from mlxr_core.errors import ContextLengthExceeded, RequestError
 from mlxr_core.http.constraints import request_constraint
@@ -351,7 +351,7 @@ def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
         raise RequestError(f"only best_of=1 is supported, got {body.best_of}", field="best_of")
 
 
-def _card(engine: Engine, name: str) -> s.ModelCard:
+def _card(engine: EngineClient, name: str) -> s.ModelCard:
     """The served model ``name``; one never loaded yet (``load: lazy``) is known by name only."""
     info = engine.models.get(name)
     if info is None:

@@ -147,7 +147,7 @@ def test_prefix_cache_reuses_a_shared_prompt_and_changes_nothing(tiny_path):
 
 def test_kv_budget_refuses_what_can_never_fit_and_queues_what_can(tiny_path):
     probe = start(tiny_path)
-    per_token = probe._kv_bytes_per_token["tiny"]
+    per_token = probe.kv_bytes_per_token["tiny"]
     probe.stop()
     eng = start(tiny_path, max_kv_bytes=per_token * 40, max_batch_size=4)
     try:

@@ -157,10 +157,10 @@ def test_the_core_is_told_when_the_count_empties_without_a_submit(
     """A request counted when another was submitted, that then ends without a submit (a 400, a
     /tokenize, a client that left), must not keep an idle core waiting: the server tells the core
     the count emptied, and the core sets it."""
-    from mlxr_core.engine.remote import Core
+    from mlxr_core.engine.remote import ArrivalsEmptied, Cancel, Core, Submit
     from mlxr_core.engine.request import ARRIVING
 
-    sent: list[tuple[object, ...]] = []
+    sent: list[object] = []
     monkeypatch.setattr(remote, "_send", lambda message: sent.append(message) or True)
 
     def submit_counted() -> None:
@@ -172,12 +172,12 @@ def test_the_core_is_told_when_the_count_empties_without_a_submit(
 
     first, second = remote.arrivals.arrive(), remote.arrivals.arrive()
     submit_counted()
-    assert [m[0] for m in sent] == ["submit", "cancel"] and sent[0][3] == 1  # the second still counted
+    assert [type(m) for m in sent] == [Submit, Cancel] and sent[0].arriving == 1  # type: ignore[attr-defined]  # the second still counted
     second.leave()  # answered without a submit
-    assert sent[2:] == [("arrivals", 0)]
+    assert sent[2:] == [ArrivalsEmptied()]
     first, sent[:] = remote.arrivals.arrive(), []
     submit_counted()  # alone: the submit told the core 0 already
-    assert [m[0] for m in sent] == ["submit", "cancel"] and sent[0][3] == 0
+    assert [type(m) for m in sent] == [Submit, Cancel] and sent[0].arriving == 0  # type: ignore[attr-defined]
 
     class Pipe:
         def send(self, message: object) -> None:
@@ -186,7 +186,7 @@ def test_the_core_is_told_when_the_count_empties_without_a_submit(
     engine = Engine(tiny_config(tiny_path, "thread"), load_plugins())  # not started: only its count
     core = Core(engine, Pipe())  # type: ignore[arg-type]
     engine.arrivals.set(1)  # what a submit said while the other request was still being read
-    core._handle(("arrivals", 0))
+    core.handle(ArrivalsEmptied())
     assert engine.arrivals.pending == 0
 
 

@@ -113,7 +113,7 @@ def test_the_kv_budget_counts_packed_bytes(tiny_path):
                            ("turboquant3", KVCacheConfig(method="turboquant", bits=3))]:  # fmt: skip
         eng = start(tiny_path, kv_cache)
         try:
-            per_token[name] = eng._kv_bytes_per_token["tiny"]
+            per_token[name] = eng.kv_bytes_per_token["tiny"]
         finally:
             eng.stop()
     # float32 activations, head size 32, group 32: 128 bytes per head and position in full

@@ -265,7 +265,7 @@ def test_error_bodies_carry_no_traceback_or_path(
 
 def test_a_request_beyond_the_kv_budget_is_a_clean_400_and_the_server_stays_healthy(engine: Engine) -> None:
     budget = engine.config.engine
-    per_token = engine._kv_bytes_per_token["tiny"]
+    per_token = engine.kv_bytes_per_token["tiny"]
     saved = budget.max_kv_bytes
     budget.max_kv_bytes = per_token * 40  # prompt + max_tokens must stay under 40 positions
     try:

@@ -1,0 +1,344 @@
+"""The engine as its callers see it: :class:`EngineClient`, what HTTP and the CLI use, and
+:class:`EngineCaller`, the caller-thread half both engines share.
+
+Two engines implement the client: :class:`~mlxr_core.engine.engine.Engine`, the engine thread in
+this process, and :class:`~mlxr_core.engine.remote.RemoteEngine`, the client of an engine in a
+process of its own (``engine.core: process``). Each checks a request in the caller's thread
+(:mod:`mlxr_core.engine.admission`) and hands it on: to its queue, or down its pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Protocol
+
+from mlxr_core.engine.admission import ModelInfo, check_inputs
+from mlxr_core.engine.embedding import Embeddings, check_pooling
+from mlxr_core.engine.jobs import EngineJob
+from mlxr_core.engine.scoring import Scores
+from mlxr_core.errors import (
+    EngineStopped,
+    ModelNotFound,
+    ModelUnavailable,
+    RequestError,
+    Unsupported,
+)
+from mlxr_core.model.tokenizer import encode_within
+
+if TYPE_CHECKING:
+    from mlxr_core.config.schema import Config
+    from mlxr_core.engine.lifecycle import ModelSlot
+    from mlxr_core.engine.request import Arrivals, GenerationRequest, PromptImage, RequestHandle
+    from mlxr_core.plugins import PluginHost
+
+
+class LifecycleState(Protocol):
+    """Which models are loaded, as a caller reads it: the engine's
+    :class:`~mlxr_core.engine.lifecycle.ModelLifecycle`, or the engine process's last report."""
+
+    slots: dict[str, ModelSlot]
+
+    def post(self, command: str, name: str, value: Any = None) -> Future[None]: ...
+
+    def loaded(self) -> list[ModelSlot]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class EngineClient(Protocol):
+    """What the server and the CLI may ask of an engine, from any thread.
+
+    States: ``created`` -> ``loading`` -> ``ready`` -> ``stopping`` -> ``stopped`` (or ``failed``).
+    """
+
+    config: Config
+    host: PluginHost
+    state: str
+    error: BaseException | None
+    #: Every served model loaded at least once, by its name.
+    models: dict[str, ModelInfo]
+    started_at: float
+    #: Requests the server has received and not yet submitted (:class:`Arrivals`).
+    arrivals: Arrivals
+    #: Called when the engine is lost while serving (``mlxr serve`` stops the server then).
+    on_lost: Callable[[], None] | None
+
+    @property
+    def lifecycle(self) -> LifecycleState | None: ...
+
+    def start(self, *, wait: bool = True, timeout: float | None = None) -> None: ...
+
+    def wait_ready(self, timeout: float | None = None) -> None: ...
+
+    def stop(self, timeout: float = 30.0) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def resolve(self, name: str) -> str: ...
+
+    def model(self, name: str) -> ModelInfo: ...
+
+    @property
+    def served(self) -> list[str]: ...
+
+    def ensure_loaded(self, name: str) -> Future[None]: ...
+
+    def unload_model(self, name: str) -> Future[None]: ...
+
+    def set_keep_alive(self, name: str, seconds: float | None) -> Future[None]: ...
+
+    def loaded_models(self) -> list[tuple[ModelInfo, ModelSlot]]: ...
+
+    def encode(
+        self, model: str, text: str, *, add_special_tokens: bool = True, truncate: bool = False, param: str = "prompt"
+    ) -> list[int]: ...
+
+    def encode_chat(
+        self, model: str, messages: list[dict[str, Any]], *, images: Sequence[PromptImage] = (), **template_kwargs: Any
+    ) -> list[int]: ...
+
+    def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle: ...
+
+    def embed(
+        self, model: str, inputs: Sequence[Sequence[int]], *, pooling: str = "mean", timeout: float | None = None
+    ) -> Embeddings: ...
+
+    async def embed_async(self, model: str, inputs: Sequence[Sequence[int]], *, pooling: str = "mean") -> Embeddings: ...
+
+    def score(self, model: str, inputs: Sequence[Sequence[int]], *, timeout: float | None = None) -> Scores: ...
+
+    async def score_async(self, model: str, inputs: Sequence[Sequence[int]]) -> Scores: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def running(self) -> int: ...
+
+    def memory(self) -> dict[str, int]: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+
+class EngineCaller:
+    """The part of an :class:`EngineClient` that runs in the caller's thread, the same for both
+    engines: names, tokenizing, admission of embedding and scoring work. An engine gives it its
+    state (the attributes below) and :meth:`queue_job`, where checked work goes."""
+
+    config: Config
+    host: PluginHost
+    state: str
+    error: BaseException | None
+    models: dict[str, ModelInfo]
+    #: Every name and alias a client may ask for -> the served model's name.
+    names: dict[str, str]
+    #: Per model, the bytes of KV cache one token takes, and the fixed bytes of one sequence's
+    #: recurrent layers (0 for attention only): a request's admission reads them.
+    kv_bytes_per_token: dict[str, int]
+    state_bytes: dict[str, int]
+    #: Whether several processes serve together (``distributed:``): then models are never unloaded.
+    distributed: bool
+    _ready: threading.Event
+
+    #: Which models are loaded (None before the engine thread starts).
+    lifecycle: LifecycleState | None
+
+    def queue_job(self, job: EngineJob) -> EngineJob:
+        """Hand a checked job to the engine thread; see the engines."""
+        raise NotImplementedError
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Block until the models are loaded, raising their error."""
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not finish loading in time")
+        if self.error is not None:
+            raise self.error
+
+    def check_ready(self) -> None:
+        if self.state != "ready":
+            raise EngineStopped(f"the engine is {self.state}; not accepting requests")
+
+    def resolve(self, name: str) -> str:
+        """The served model's name for ``name`` (a name or an alias); every API resolves a request's
+        ``model`` here. Raises :class:`ModelNotFound` (404) listing the served models."""
+        try:
+            return self.names[name]
+        except KeyError:
+            raise ModelNotFound(name, self.models) from None
+
+    def model(self, name: str) -> ModelInfo:
+        """The served model ``name`` (a name or an alias) names; raises :class:`ModelNotFound`,
+        and :class:`ModelUnavailable` for a model never loaded yet (:meth:`ensure_loaded` first)."""
+        served = self.resolve(name)
+        try:
+            return self.models[served]
+        except KeyError:
+            raise ModelUnavailable(f"model {served!r} is not loaded yet; retry shortly") from None
+
+    @property
+    def served(self) -> list[str]:
+        """Every configured model's name, loaded or not, once the engine has started."""
+        lifecycle = self.lifecycle
+        return list(lifecycle.slots) if lifecycle is not None else sorted(self.models)
+
+    def ensure_loaded(self, name: str) -> Future[None]:
+        """Ask for the model ``name`` (a name or an alias) to be loaded and count it as used now;
+        the future is done once it is loaded, or holds why it could not be."""
+        served = self.resolve(name)
+        lifecycle = self.lifecycle
+        if lifecycle is None:
+            raise EngineStopped(f"the engine is {self.state}; not accepting requests")
+        slot = lifecycle.slots[served]
+        if slot.state == "loaded" and served in self.models:
+            slot.last_used = time.monotonic()
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        if self.state != "ready":
+            raise ModelUnavailable(f"model {served!r} is not loaded: the engine is {self.state}")
+        return lifecycle.post("load", served)
+
+    def unload_model(self, name: str) -> Future[None]:
+        """Ask for the model ``name`` to be unloaded (once its running requests end)."""
+        return self._post("unload", name)
+
+    def set_keep_alive(self, name: str, seconds: float | None) -> Future[None]:
+        """Unload the model ``name`` after ``seconds`` idle from now on (None: never; 0: once idle)."""
+        return self._post("keep_alive", name, seconds)
+
+    def _post(self, command: str, name: str, value: Any = None) -> Future[None]:
+        served = self.resolve(name)
+        lifecycle = self.lifecycle
+        if lifecycle is None or self.state != "ready":
+            raise EngineStopped(f"the engine is {self.state}; not accepting requests")
+        if self.distributed:  # every rank keeps every model; rank 0 alone must not unload
+            if command == "unload":
+                raise Unsupported("unloading a model is not supported across processes (distributed:)")
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return lifecycle.post(command, served, value)
+
+    def loaded_models(self) -> list[tuple[ModelInfo, ModelSlot]]:
+        """The models loaded now, with their slots (footprint, keep-alive), by name."""
+        lifecycle = self.lifecycle
+        if lifecycle is None:
+            return []
+        slots = sorted(lifecycle.loaded(), key=lambda slot: slot.name)
+        return [(self.models[slot.name], slot) for slot in slots if slot.name in self.models]
+
+    def encode(
+        self,
+        model: str,
+        text: str,
+        *,
+        add_special_tokens: bool = True,
+        truncate: bool = False,
+        param: str = "prompt",
+    ) -> list[int]:
+        """``text``'s token ids; ContextLengthExceeded naming ``param`` for a text the context cannot
+        hold (:meth:`ModelInfo.encode`). With ``truncate`` (the caller keeps the first
+        ``context_length`` ids) such a text's head is tokenized instead, and its first
+        ``context_length`` + 1 ids returned."""
+        info = self.model(model)
+        if not truncate:
+            return info.encode(text, add_special_tokens=add_special_tokens, param=param)
+        if info.longest_token_bytes:
+            text = text[: 2 * info.context_length * info.longest_token_bytes]
+        return encode_within(info.tokenizer, text, info.context_length, add_special_tokens=add_special_tokens)
+
+    def encode_chat(
+        self, model: str, messages: list[dict[str, Any]], *, images: Sequence[PromptImage] = (), **template_kwargs: Any
+    ) -> list[int]:
+        """Render ``messages`` with the model's chat template and tokenize the result; with
+        ``images`` (the request's, loaded, in order), the image markers the template writes
+        become those images' tokens."""
+        info = self.model(model)
+        tokenizer = info.tokenizer
+        prompt = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **template_kwargs
+        )
+        if images and info.image_tokens is not None:
+            prompt = info.image_tokens.expand_for(prompt, [image.pixels for image in images])
+        ids = info.encode(prompt, add_special_tokens=False)
+        # Most templates write BOS themselves; add it for a model that wants one when they don't.
+        bos = tokenizer.bos_token_id
+        if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)
+        return ids
+
+    def embed(
+        self,
+        model: str,
+        inputs: Sequence[Sequence[int]],
+        *,
+        pooling: str = "mean",
+        timeout: float | None = None,
+    ) -> Embeddings:
+        """The pooled, L2-normalized final hidden states of each token list (see
+        :mod:`mlxr_core.engine.embedding`), computed on the engine thread between batch steps.
+
+        :param model: a served model's name or alias.
+        :param pooling: ``"mean"`` over the positions, or ``"last"``: the last position's state.
+        :raises MlxrError: ModelNotFound, RequestError (empty input, ids outside the vocabulary),
+            ContextLengthExceeded, EngineStopped, or what the computation raised.
+        """
+        return self._embedding_job(model, inputs, pooling).future.result(timeout)  # type: ignore[no-any-return]
+
+    async def embed_async(
+        self, model: str, inputs: Sequence[Sequence[int]], *, pooling: str = "mean"
+    ) -> Embeddings:
+        """:meth:`embed` for an event loop: waits without blocking it; cancelling the wait (a
+        client that left) stops the job before its next forward pass."""
+        return await _wait(self._embedding_job(model, inputs, pooling))  # type: ignore[no-any-return]
+
+    def score(
+        self, model: str, inputs: Sequence[Sequence[int]], *, timeout: float | None = None
+    ) -> Scores:
+        """How much the model prefers ``yes`` to ``no`` as the next token after each token list
+        (see :mod:`mlxr_core.engine.scoring`), on the engine thread between batch steps.
+
+        :raises MlxrError: as :meth:`embed` does, and RequestError for a vocabulary in which
+            ``yes`` and ``no`` share their first token.
+        """
+        return self._scoring_job(model, inputs).future.result(timeout)  # type: ignore[no-any-return]
+
+    async def score_async(self, model: str, inputs: Sequence[Sequence[int]]) -> Scores:
+        """:meth:`score` for an event loop, cancelled with its wait as :meth:`embed_async` is."""
+        return await _wait(self._scoring_job(model, inputs))  # type: ignore[no-any-return]
+
+    def _embedding_job(self, model: str, inputs: Sequence[Sequence[int]], pooling: str) -> EngineJob:
+        from mlxr_core.engine.embedding import EmbeddingWork
+
+        check_pooling(pooling)
+        self.check_ready()
+        info = self.model(model)
+        token_lists = check_inputs(info, inputs)
+        work = EmbeddingWork(info.name, token_lists, self.config.engine.prefill_chunk, pooling)
+        return self.queue_job(EngineJob(work, what=f"embedding with model {info.name}", model=info.name))
+
+    def _scoring_job(self, model: str, inputs: Sequence[Sequence[int]]) -> EngineJob:
+        from mlxr_core.engine.scoring import ScoringWork, answer_ids
+
+        self.check_ready()
+        info = self.model(model)
+        token_lists = check_inputs(info, inputs)
+        try:
+            yes, no = answer_ids(info.tokenizer)
+        except ValueError as exc:
+            raise RequestError(f"model {info.name!r} cannot score relevance: {exc}", field="model") from None
+        work = ScoringWork(info.name, token_lists, yes, no, self.config.engine.prefill_chunk)
+        return self.queue_job(EngineJob(work, what=f"scoring with model {info.name}", model=info.name))
+
+
+async def _wait(job: EngineJob) -> Any:
+    """``job``'s result, awaited; a cancelled wait (a client that left) cancels the job."""
+    try:
+        return await asyncio.wrap_future(job.future)
+    except asyncio.CancelledError:
+        job.cancel()
+        raise
