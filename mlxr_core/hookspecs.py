@@ -1,10 +1,11 @@
 """Every hook an mlxr plugin can implement.
 
 A plugin is any importable object (usually a module) listed in the ``mlxr`` entry-point group whose
-functions are marked with :data:`mlxr_core.plugins.hookimpl`. Capability hooks receive a
-``register`` callback bound to the calling plugin, so every registered item records which plugin
-provided it. Registration must be cheap: register ``"package.module:attr"`` strings (imported only
-when the item is used) rather than importing MLX, model graphs or kernels at registration time.
+functions are marked with :data:`mlxr_core.plugin_api.hookimpl` (that module gathers every
+contract named below too). Capability hooks receive a ``register`` callback bound to the calling
+plugin, so every registered item records which plugin provided it. Registration must be cheap:
+register ``"package.module:attr"`` strings (imported only when the item is used) rather than
+importing MLX, model graphs or kernels at registration time.
 
 Hooks assemble the runtime once. Nothing here is called per token.
 """
@@ -12,9 +13,13 @@ Hooks assemble the runtime once. Nothing here is called per token.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pluggy
+
+if TYPE_CHECKING:
+    from mlxr_core.engine.client import EngineClient
+    from mlxr_core.model.loader import LoadedModel
 
 hookspec = pluggy.HookspecMarker("mlxr")
 
@@ -236,7 +241,7 @@ def mlxr_config_sections(register: RegisterSection) -> None:
 
 
 @hookspec
-def mlxr_model_loaded(name: str, model: Any) -> None:
+def mlxr_model_loaded(name: str, model: LoadedModel) -> None:
     """Observe a model that finished loading.
 
     Called each time a served model's weights are loaded: at startup for ``load: eager`` models,
@@ -252,7 +257,7 @@ def mlxr_model_loaded(name: str, model: Any) -> None:
 
 
 @hookspec
-def mlxr_engine_started(engine: Any) -> None:
+def mlxr_engine_started(engine: EngineClient) -> None:
     """Observe the engine start.
 
     Called once, after the engine thread has loaded every model and accepts requests. Like every
@@ -264,7 +269,7 @@ def mlxr_engine_started(engine: Any) -> None:
 
 
 @hookspec
-def mlxr_engine_stopping(engine: Any) -> None:
+def mlxr_engine_stopping(engine: EngineClient) -> None:
     """Observe the engine stop.
 
     Called once, when shutdown begins and before queued requests are drained or cancelled, in a
