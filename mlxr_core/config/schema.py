@@ -81,7 +81,11 @@ class ServerConfig:
     header_timeout: float = attrs.field(default=10.0, validator=v.gt(0.0))
     #: Seconds a request has to send its whole body once its head is in; then it is closed.
     body_timeout: float = attrs.field(default=60.0, validator=v.gt(0.0))
-    #: Open connections at most; beyond it the one idle longest is closed so new clients get in
+    #: Bytes per second a request body must keep up after a grace of ``header_timeout`` (a body of
+    #: n bytes so far is closed, answered 408, after ``header_timeout + n / body_min_rate`` s); 0: none.
+    body_min_rate: float = attrs.field(default=500.0, validator=v.ge(0.0))
+    #: Open connections at most; beyond it the one idle longest, else the slowest upload, is closed
+    #: so new clients get in, and uploads may hold all but an eighth of it
     #: (:mod:`mlxr_core.http.connections`). None: the process's file limit less 64.
     max_connections: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
     #: Upper bound on any request's ``max_tokens`` (larger asks are lowered to it); None: no cap.

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from PIL import Image
 
     from mlxr_core.config.schema import ServerConfig
-    from mlxr_core.engine.engine import ModelInfo
+    from mlxr_core.engine.admission import ModelInfo
     from mlxr_core.model.vision import ImageProcessor
 
 #: The most one side of an image may exceed the other (Qwen2-VL's processor refuses beyond 200).
