@@ -263,7 +263,7 @@ def mlxr_engine_started(engine: EngineClient) -> None:
     Called once, after the engine thread has loaded every model and accepts requests. Like every
     lifecycle hook, it runs in a helper thread, bounded by ``PluginHost.hook_timeout`` seconds.
 
-    :param engine: the :class:`mlxr_core.engine.engine.Engine`.
+    :param engine: the engine as its callers see it, a :class:`mlxr_core.engine.client.EngineClient`.
     :return: nothing. An exception is logged and ignored; a hang is logged and left behind.
     """
 
@@ -275,6 +275,6 @@ def mlxr_engine_stopping(engine: EngineClient) -> None:
     Called once, when shutdown begins and before queued requests are drained or cancelled, in a
     helper thread bounded by ``PluginHost.hook_timeout`` seconds.
 
-    :param engine: the :class:`mlxr_core.engine.engine.Engine`.
+    :param engine: the engine as its callers see it, a :class:`mlxr_core.engine.client.EngineClient`.
     :return: nothing. An exception is logged and ignored; a hang is logged and left behind.
     """

@@ -37,6 +37,7 @@ from mlxr_core.plugins import Registries, hookimpl
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import KVCacheConfig
+    from mlxr_core.engine.client import EngineClient
     from mlxr_core.engine.decoding import (
         Decoder,
         DraftStats,
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
         RequestSampler,
         SamplerContext,
     )
-    from mlxr_core.engine.engine import Engine
     from mlxr_core.engine.request import SamplingParams
     from mlxr_core.http.context import ServerContext
     from mlxr_core.http.errors import exception_handlers
@@ -103,7 +103,7 @@ _LAZY = {
         "mlxr_core.engine.decoding": (
             "Decoder", "DraftStats", "LogitsProcessor", "RequestSampler", "SamplerContext",
         ),
-        "mlxr_core.engine.engine": ("Engine",),
+        "mlxr_core.engine.client": ("EngineClient",),
         "mlxr_core.engine.request": ("SamplingParams",),
         "mlxr_core.http.context": ("ServerContext",),
         "mlxr_core.http.errors": ("exception_handlers",),
@@ -163,7 +163,7 @@ __all__ = [
     "DefaultChatTemplate",
     "DraftStats",
     "DraftsImages",
-    "Engine",
+    "EngineClient",
     "EngineStopped",
     "Format",
     "ImageProcessor",
