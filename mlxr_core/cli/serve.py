@@ -199,11 +199,12 @@ def serve(app: Any, ctx: ServerContext, *, log_level: str, listener: socket.sock
 
 def uvicorn_config(app: Any, server_config: ServerConfig, *, log_level: str) -> Any:
     """uvicorn's settings for ``app``: the bind address, mlxr's logging, the shutdown backstop and
-    the connections' read deadlines (:mod:`mlxr_core.http.connections`)."""
+    the connections' read deadlines and budget (:mod:`mlxr_core.http.connections`)."""
     import uvicorn
 
-    from mlxr_core.http.connections import protocol_with_deadlines
+    from mlxr_core.http.connections import protocol_with_deadlines, quiet_accept_errors
 
+    quiet_accept_errors()
     return uvicorn.Config(
         app,
         host=server_config.host,
@@ -214,7 +215,10 @@ def uvicorn_config(app: Any, server_config: ServerConfig, *, log_level: str) -> 
         lifespan="on",
         timeout_graceful_shutdown=math.ceil(server_config.shutdown_timeout) + UVICORN_GRACE_S,
         http=protocol_with_deadlines(
-            server_config.header_timeout, server_config.body_timeout, server_config.max_connections
+            server_config.header_timeout,
+            server_config.body_timeout,
+            server_config.max_connections,
+            server_config.body_min_rate,
         ),
     )
 

@@ -5,7 +5,8 @@ Modules, lowest first; a module imports only modules above it in this list:
 - :mod:`~mlxr_core.http.errors`: exception handlers an API mounts around its own error body;
 - :mod:`~mlxr_core.http.openapi`: the OpenAPI document, msgspec's schema of each struct, and what
   a route's annotations cannot say (its API's errors, streamed replies);
-- :mod:`~mlxr_core.http.connections`: read deadlines and a budget for uvicorn's connections;
+- :mod:`~mlxr_core.http.connections`: read deadlines, a minimum body rate and a budget for
+  uvicorn's connections, and a quiet log of a process out of file descriptors;
 - :mod:`~mlxr_core.http.metrics`: the Prometheus metrics of one server (``GET /metrics``);
 - :mod:`~mlxr_core.http.access`: API keys, the JSON body guard, request ids and the access log;
 - :mod:`~mlxr_core.http.context`: :class:`~mlxr_core.http.context.ServerContext`, what every API
