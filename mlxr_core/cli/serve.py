@@ -198,15 +198,17 @@ def serve(app: Any, ctx: ServerContext, *, log_level: str, listener: socket.sock
 
 
 def uvicorn_config(app: Any, server_config: ServerConfig, *, log_level: str) -> Any:
-    """uvicorn's settings for ``app``: the bind address, mlxr's logging, the shutdown backstop and
-    the connections' read deadlines and budget (:mod:`mlxr_core.http.connections`)."""
+    """uvicorn's settings for ``app``: the bind address, mlxr's logging, the shutdown backstop,
+    the connections' read deadlines and budget (:mod:`mlxr_core.http.connections`) and the ``Host``
+    names answered (:mod:`mlxr_core.http.hosts`)."""
     import uvicorn
 
     from mlxr_core.http.connections import protocol_with_deadlines, quiet_accept_errors
+    from mlxr_core.http.hosts import HostCheck, allowed_hosts
 
     quiet_accept_errors()
     return uvicorn.Config(
-        app,
+        HostCheck(app, allowed_hosts(server_config)),
         host=server_config.host,
         port=server_config.port,
         log_level=log_level,

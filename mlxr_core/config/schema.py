@@ -88,6 +88,10 @@ class ServerConfig:
     #: so new clients get in, and uploads may hold all but an eighth of it
     #: (:mod:`mlxr_core.http.connections`). None: the process's file limit less 64.
     max_connections: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
+    #: ``Host`` names answered besides localhost and the server's addresses (``.example.com``: it
+    #: and its subdomains; ``*``: any). A loopback-bound server refuses other names with a 403 (DNS
+    #: rebinding, :mod:`mlxr_core.http.hosts`); another bind checks only when this is set.
+    allowed_hosts: list[str] = attrs.field(factory=list, validator=_no_empty_name)
     #: Upper bound on any request's ``max_tokens`` (larger asks are lowered to it); None: no cap.
     max_tokens_cap: int | None = attrs.field(default=None, validator=v.optional(v.ge(1)))
     #: One log line per request (method, path, status, duration, request id) on ``mlxr.access``.

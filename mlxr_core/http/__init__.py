@@ -7,6 +7,7 @@ Modules, lowest first; a module imports only modules above it in this list:
   a route's annotations cannot say (its API's errors, streamed replies);
 - :mod:`~mlxr_core.http.connections`: read deadlines, a minimum body rate and a budget for
   uvicorn's connections, and a quiet log of a process out of file descriptors;
+- :mod:`~mlxr_core.http.hosts`: the ``Host`` names a server answers (against DNS rebinding);
 - :mod:`~mlxr_core.http.metrics`: the Prometheus metrics of one server (``GET /metrics``);
 - :mod:`~mlxr_core.http.access`: API keys, the JSON body guard, request ids and the access log;
 - :mod:`~mlxr_core.http.context`: :class:`~mlxr_core.http.context.ServerContext`, what every API
