@@ -41,7 +41,7 @@ def add_parser(subparsers: Subparsers) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     """Handle ``mlxr config check``."""
-    from mlxr_core.config.checks import check_config
+    from mlxr_core.checks import check_config
     from mlxr_core.config.loader import load_config
     from mlxr_core.errors import PluginLoadError
     from mlxr_core.plugins import load_plugins

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     world = join_world(config.distributed)  # under mlx.launch: waits for every rank
     if world is not None and not world.leader:
         return follow(config, world)
-    from mlxr_core.config.checks import check_config
+    from mlxr_core.checks import check_config
     from mlxr_core.plugins import load_plugins
 
     host = load_plugins(

@@ -201,7 +201,7 @@ def test_without_mlx_lm_the_error_says_how_to_install_it(registries, tmp_path, m
 
 def test_config_check_accepts_what_the_bridge_serves():
     """``models[].arch`` may name a model type the bridge serves, or the bridge itself."""
-    from mlxr_core.config.checks import unregistered_names
+    from mlxr_core.checks import unregistered_names
     from mlxr_core.config.schema import Config
 
     models = [ModelConfig(path="x", arch=arch) for arch in ("olmoe", "mlx-lm", "llama", "no_such_model")]

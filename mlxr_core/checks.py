@@ -1,4 +1,5 @@
-"""One check of a server config against the loaded plugins' registries.
+"""One check of a server config against the loaded plugins' registries (it sits above config/,
+model/ and the parsers, whose names it checks).
 
 :func:`check_config` is what ``mlxr serve`` runs before it binds its port and what ``mlxr config
 check`` prints: each plugin's own section, every name the config uses (APIs, kernel ops and
