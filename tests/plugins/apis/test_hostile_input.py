@@ -5,6 +5,7 @@ whose template reaches for Python internals fails the request, not the server.""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,6 +34,11 @@ EVIL_TEMPLATES = {
     # Bounded by the render deadline (shortened to RENDER_SECONDS here), not by any one operation.
     "nested_loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
     "doubling_macro": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(60) }}",
+    # Work inside filters and globals (issue 42, N2): a request took 140 s to be refused.
+    "filter_chain": "{{ ((range(100000)|list)*160)" + "|map('string')|map('length')" * 3 + "|sum }}",
+    "filter_chain_in_limits": "{{ ((range(100000)|list)*10)" + "|map('string')|map('length')" * 12 + "|sum }}",
+    "center": "{{ 'x'|center(1000000000) }}",
+    "lipsum": "{{ lipsum(n=2000000) }}",
 }
 RENDER_SECONDS = 0.5
 
@@ -223,7 +229,9 @@ def test_hostile_chat_templates_fail_the_request_not_the_server(
     client: TestClient, api_name: str, template: str
 ) -> None:
     api = APIS[api_name]
+    started = time.monotonic()
     response = client.post(api["path"], json={**api["body"], "model": f"evil-{template}"})
+    assert time.monotonic() - started < RENDER_SECONDS + 5  # refused within the render deadline
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
     assert api["shape"](response.json())
     assert "Traceback" not in response.text and "uid=" not in response.text
