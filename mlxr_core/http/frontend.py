@@ -46,6 +46,7 @@ from mlxr_core.engine.request import (
 from mlxr_core.errors import EngineStopped, MlxrError, ModelUnavailable, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.metrics import RequestTimer
+from mlxr_core.http.offload import offload
 
 if TYPE_CHECKING:
     from mlxr_core.engine.admission import ModelInfo
@@ -202,9 +203,10 @@ async def loaded_model(ctx: ServerContext, name: str) -> ModelInfo:
 async def prepare_in_thread(ctx: ServerContext, request: Request[Any, Any, Any], work: Callable[[], T]) -> T:
     """``work()`` (a prompt's templating and tokenizing) in a worker thread; a long body's on the
     server's few threads for long bodies, so that however many come, they wait for each other while
-    every other request keeps the shared worker threads."""
+    every other request keeps the shared worker threads. A daemon thread that a shutdown abandons
+    (:func:`~mlxr_core.http.offload.offload`): the request ends with a 503 as the drain begins."""
     long = len(await request.body()) > LONG_BODY_BYTES  # read already: the handler's typed body
-    return await anyio.to_thread.run_sync(work, limiter=ctx.long_bodies if long else None)
+    return await offload(work, limiter=ctx.long_bodies if long else None)
 
 
 def cap_max_tokens(ctx: ServerContext, requested: int | None) -> int | None:
