@@ -59,6 +59,31 @@ class ResponsesStoreConfig:
 
 
 @attrs.define
+class ConstraintLimits:
+    """Bounds on a request's output constraint (JSON schema, grammar, regular expression, choices),
+    measured before the grammar library sees it (:mod:`mlxr_core.engine.constraint_limits`): one
+    past a bound is a 400 naming it. Each is capped below what the library survives."""
+
+    #: Bytes of the constraint: a schema as compact JSON, a grammar or pattern as UTF-8, choices'.
+    max_bytes: int = attrs.field(default=128 * 2**10, validator=[v.ge(1), v.le(2**20)])
+    #: Levels of nesting: a schema's objects and arrays, each ``$ref`` followed as one; a grammar's
+    #: rules reached through one another, and its parentheses; a pattern's groups.
+    max_depth: int = attrs.field(default=256, validator=[v.ge(1), v.le(1024)])
+    #: Rules of a Lark or GBNF grammar.
+    max_rules: int = attrs.field(default=1000, validator=[v.ge(1), v.le(10_000)])
+    #: Alternatives: choices, ``|`` in a grammar or pattern, a schema's ``enum``, ``anyOf`` and
+    #: ``oneOf`` entries.
+    max_alternatives: int = attrs.field(default=10_000, validator=[v.ge(1), v.le(50_000)])
+    #: Items one counted repetition (``{n}``, ``{n,m}``, ``~n``) stands for, those nested in it
+    #: multiplied: ``(a{100}){100}`` repeats 10,000. Regular expressions, a schema's ``pattern``s,
+    #: a grammar's rules and ``/regex/``.
+    max_repetition: int = attrs.field(default=10_000, validator=[v.ge(1), v.le(100_000)])
+    #: Seconds a new constraint may take to be converted and checked (in a child process, killed
+    #: past it); a 400 beyond it.
+    compile_timeout_s: float = attrs.field(default=10.0, validator=[v.gt(0.0), v.le(600.0)])
+
+
+@attrs.define
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8000, validator=[v.ge(0), v.le(65535)])
@@ -277,6 +302,8 @@ class EngineConfig:
     default_max_tokens: int = attrs.field(default=512, validator=v.ge(1))
     #: KV-cache bytes all running requests may reserve (prompt + max_tokens each); 0: no limit.
     max_kv_bytes: int = attrs.field(default=0, validator=v.ge(0))
+    #: Bounds on a request's output constraint (``response_format``, ``format``, grammars).
+    constraint_limits: ConstraintLimits = attrs.field(factory=ConstraintLimits)
     prefix_cache: PrefixCacheConfig = attrs.field(factory=PrefixCacheConfig)
     #: MLX's buffer cache limit (``mx.set_cache_limit``); None keeps MLX's default.
     mlx_cache_limit_bytes: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))

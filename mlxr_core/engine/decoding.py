@@ -23,6 +23,7 @@ import attrs
 import mlx.core as mx
 
 if TYPE_CHECKING:
+    from mlxr_core.config.schema import ConstraintLimits
     from mlxr_core.engine.request import SamplingParams, TokenLogprob
     from mlxr_core.model.loader import LoadedModel
     from mlxr_core.registry import Registry
@@ -38,6 +39,9 @@ class SamplerContext:
     tokenizer: Any = None
     #: Width of the model's logits (rows of the embedding table; may exceed the vocabulary).
     vocab_size: int = 0
+    #: The bounds on an output constraint (``engine.constraint_limits``) for the plugin that
+    #: enforces constraints to refuse one past them at submit; None: their defaults.
+    constraint_limits: ConstraintLimits | None = None
 
 
 class LogitsProcessor(Protocol):
