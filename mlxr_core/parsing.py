@@ -259,19 +259,9 @@ def split_all(splitter: OutputSplitter, text: str) -> tuple[str, str, list[ToolC
 
 def choose(registry: Any, choice: str, template: str | None) -> str | None:
     """The parser name ``choice`` selects for a model whose chat template is ``template``: the
-    name itself, None for ``none``, and for ``auto`` the parser whose ``detect`` scores highest."""
-    if choice == NONE:
-        return None
-    if choice != AUTO:
-        return choice
-    if not template:
-        return None
-    best, best_score = None, 0
-    for name in registry.names():
-        score = int(registry.get(name).detect(template))
-        if score > best_score:
-            best, best_score = name, score
-    return best
+    name itself, None for ``none``, and for ``auto`` the parser whose ``detect`` scores highest
+    (:meth:`~mlxr_core.registry.Registry.choose`)."""
+    return registry.choose(choice, template)  # type: ignore[no-any-return]
 
 
 def parser_problems(config: Any, registries: Any) -> list[Problem]:

@@ -104,6 +104,23 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._entries)
 
+    def choose(self, choice: str, template: str | None) -> str | None:
+        """The name ``choice`` selects for a model whose chat template is ``template``: the name
+        itself, None for ``none``, and for ``auto`` the entry whose ``detect(template)`` scores
+        highest (None when none scores above 0). Parsers are chosen this way."""
+        if choice == "none":
+            return None
+        if choice != "auto":
+            return choice
+        if not template:
+            return None
+        best, best_score = None, 0
+        for name in self.names():
+            score = int(self.get(name).detect(template))
+            if score > best_score:
+                best, best_score = name, score
+        return best
+
     def by_plugin(self, plugin: str) -> list[str]:
         return [name for name, entry in sorted(self._entries.items()) if entry.plugin == plugin]
 

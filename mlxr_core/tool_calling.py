@@ -28,7 +28,6 @@ from mlxr_core.parsing import (
     Tool,
     ToolCall,
     ToolParser,
-    choose,
 )
 
 if TYPE_CHECKING:
@@ -80,32 +79,21 @@ class ModelParsers:
 
 
 def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
-    """The parsers ``models[].tool_parser`` / ``reasoning_parser`` choose for the model ``info``."""
+    """The parsers chosen for the model ``info`` when it loaded (:attr:`ModelInfo.tool_parser`,
+    :attr:`ModelInfo.reasoning_parser`), and its config's template variables."""
     model_config = model_config_of(ctx, info)
     registries = ctx.host.registries
-    template = info.tokenizer.chat_template
-    tool = choose(registries.tool_parsers, model_config.tool_parser if model_config else "auto", template)
-    reasoning = choose(
-        registries.reasoning_parsers, model_config.reasoning_parser if model_config else "auto", template
-    )
     return ModelParsers(
-        tool=registries.tool_parsers.get(tool) if tool else None,
-        reasoning=registries.reasoning_parsers.get(reasoning) if reasoning else None,
+        tool=registries.tool_parsers.get(info.tool_parser) if info.tool_parser else None,
+        reasoning=registries.reasoning_parsers.get(info.reasoning_parser) if info.reasoning_parser else None,
         template_kwargs=dict(model_config.chat_template_kwargs) if model_config else {},
     )
 
 
 def model_config_of(ctx: ServerContext, info: ModelInfo) -> Any:
-    """The ``models[]`` entry that loaded ``info``: by name, else by position (the engine serves
-    ``models`` in order, whenever each loads, and names an unnamed one after its file)."""
+    """The ``models[]`` entry that loaded ``info`` (None for a model built without one)."""
     models = ctx.config.models
-    for model_config in models:
-        if model_config.name == info.name:
-            return model_config
-    served = list(ctx.engine.served)
-    if info.name in served and len(served) == len(models):
-        return models[served.index(info.name)]
-    return None
+    return models[info.config_index] if 0 <= info.config_index < len(models) else None
 
 
 def constraints_supported(ctx: ServerContext, kind: str | None = None) -> bool:

@@ -52,6 +52,13 @@ class ModelInfo:
     #: tokens; None for a text-only model.
     image_processor: ImageProcessor | None = None
     image_tokens: ImageTokens | None = None
+    #: The ``models[]`` entry it was loaded from (its index; -1: none, a model built by hand).
+    config_index: int = -1
+    #: The tool and reasoning parsers chosen for it when it loaded (``models[].tool_parser``,
+    #: ``reasoning_parser``; ``auto`` resolved against its chat template), by registered name;
+    #: None: off.
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def check_prompt_text(self, text: str, param: str | None = "messages") -> None:
         """Refuse, before tokenizing it, a text the context cannot hold whatever its tokens: no

@@ -319,7 +319,7 @@ class Engine(EngineCaller):
                 self._loaded.pop(name, None)
                 raise
         self._warm_decode(loaded)
-        self.models[name] = self._model_info(loaded)
+        self.models[name] = self._model_info(loaded, slot.index)
         self.host.notify("mlxr_model_loaded", name=name, model=loaded)
         return model_footprint(
             self.config.engine, loaded.nbytes, loaded.context_length, per_token, state
@@ -365,8 +365,11 @@ class Engine(EngineCaller):
         if self.scheduler is not None:
             self.scheduler.fail_waiting(slot.name, error)
 
-    def _model_info(self, m: LoadedModel) -> ModelInfo:
+    def _model_info(self, m: LoadedModel, index: int) -> ModelInfo:
         name = m.name
+        model_config = self.config.models[index]
+        registries = self.host.registries
+        template = m.tokenizer.chat_template
         return ModelInfo(
             name=name,
             context_length=m.context_length,
@@ -383,6 +386,9 @@ class Engine(EngineCaller):
             longest_token_bytes=max(map(len, m.tokenizer.token_bytes().pieces), default=0),
             image_processor=m.vision.processor if m.vision else None,
             image_tokens=m.vision.tokens if m.vision else None,
+            config_index=index,
+            tool_parser=registries.tool_parsers.choose(model_config.tool_parser, template),
+            reasoning_parser=registries.reasoning_parsers.choose(model_config.reasoning_parser, template),
         )
 
     def _add_names(self, index: int, name: str, aliases: Sequence[str]) -> None:

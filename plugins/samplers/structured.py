@@ -13,11 +13,14 @@ JSON schemas compile strictly: a keyword llguidance does not implement (``unique
 never silently ignored. JSON is generated compact (no whitespace between tokens); a schema's own
 ``x-guidance`` options may ask for other separators or whitespace. Every refusal names the
 constraint's :attr:`~mlxr_core.engine.request.Constraint.field`.
+
+A client's constraint is measured against ``engine.constraint_limits`` and checked in a child
+process at submit (:mod:`mlxr_plugins.samplers.grammars`) before this process compiles it: a
+grammar too deep or too large for the library is a 400, never a crash.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import weakref
@@ -27,34 +30,30 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxr_core.config.schema import ConstraintLimits
 from mlxr_core.engine.decoding import SamplerContext
 from mlxr_core.engine.request import Constraint, SamplingParams
-from mlxr_core.errors import MissingDependency, RequestError
+from mlxr_core.errors import RequestError
+from mlxr_plugins.samplers.grammars import (
+    KINDS,
+    checked_grammar,
+    first_line,
+    grammar_text,
+    load_llguidance,
+    on_large_stack,
+    parser_limits,
+    unsupported,
+)
+
+__all__ = ["KINDS", "GrammarMask", "Vocabulary", "grammar_text", "structured", "vocabulary"]
 
 log = logging.getLogger(__name__)
 
-#: The constraint kinds this plugin enforces (its registry meta ``constraints``).
-KINDS = ("json_object", "json_schema", "regex", "lark", "gbnf", "choice")
-#: How a refusal names a constraint of each kind (a kind not listed: by its name).
-_KIND_NAMES = {"json_schema": "JSON schema", "json_object": "JSON schema", "gbnf": "grammar"}
 #: Compiled grammars kept per tokenizer (least recently used dropped first).
 CACHE_SIZE = 64
 
-# Defaults for every JSON schema (a schema's ``x-guidance`` may change them) and what no schema
-# may change: ``lenient`` would ignore the keywords llguidance does not implement.
-_JSON_DEFAULTS = {"whitespace_flexible": False}
-_JSON_OVERRIDES = {"lenient": False}
-
 _lock = threading.Lock()
 _vocabularies: weakref.WeakKeyDictionary[Any, Vocabulary] = weakref.WeakKeyDictionary()
-
-
-def _llguidance() -> Any:
-    try:
-        import llguidance
-    except ImportError:
-        raise MissingDependency("llguidance", "structured output (response_format, grammars, format)") from None
-    return llguidance
 
 
 class _Encoder:
@@ -79,7 +78,7 @@ class Vocabulary:
     """A model's vocabulary as llguidance sees it, and the grammars compiled against it."""
 
     def __init__(self, tokenizer: Any):
-        llguidance = _llguidance()
+        llguidance = load_llguidance()
         vocab = tokenizer.token_bytes()
         self.eos_ids = sorted(tokenizer.eos_token_ids)
         if not self.eos_ids:
@@ -94,29 +93,35 @@ class Vocabulary:
         self._matchers: OrderedDict[str, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def matcher(self, constraint: Constraint) -> Any:
-        """A fresh matcher at the start of ``constraint``'s grammar; RequestError if it does not
-        compile. Compiled grammars are cached; each request gets its own copy."""
-        grammar = grammar_text(constraint)
+    def matcher(
+        self, constraint: Constraint, limits: ConstraintLimits | None = None, *, isolate: bool = False
+    ) -> Any:
+        """A fresh matcher at the start of ``constraint``'s grammar; RequestError if it passes
+        ``limits`` or does not compile (:func:`~mlxr_plugins.samplers.grammars.checked_grammar`,
+        ``isolate``: checked in a child process first). Compiled grammars are cached; each request
+        gets its own copy."""
+        grammar = checked_grammar(constraint, limits, isolate=isolate)
         with self._lock:
             compiled = self._matchers.get(grammar)
             if compiled is not None:
                 self._matchers.move_to_end(grammar)
                 return compiled.deep_copy()
-        llguidance = _llguidance()
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.ll_tokenizer
-        )
-        if is_error:
-            raise RequestError(_unsupported(constraint, messages), field=constraint.field)
-        compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        compiled = on_large_stack(lambda: self._compile(grammar))
         if compiled.is_error():
-            raise RequestError(_unsupported(constraint, [compiled.get_error()]), field=constraint.field)
+            raise RequestError(unsupported(constraint, [compiled.get_error()]), field=constraint.field)
         with self._lock:
             self._matchers[grammar] = compiled
             while len(self._matchers) > CACHE_SIZE:
                 self._matchers.popitem(last=False)
             return compiled.deep_copy()
+
+    def _compile(self, grammar: str) -> Any:
+        """A matcher of ``grammar``, its first mask computed: the lexer is built lazily, so a grammar
+        too costly for it fails here, at submit, not in the engine's first step."""
+        matcher = load_llguidance().LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=parser_limits())
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        return matcher
 
 
 def vocabulary(tokenizer: Any) -> Vocabulary:
@@ -126,56 +131,6 @@ def vocabulary(tokenizer: Any) -> Vocabulary:
         if found is None:
             found = _vocabularies[tokenizer] = Vocabulary(tokenizer)
         return found
-
-
-def grammar_text(constraint: Constraint) -> str:
-    """The llguidance grammar of a constraint (raises RequestError for a malformed one)."""
-    Matcher = _llguidance().LLMatcher
-    kind, value, field = constraint.kind, constraint.value, constraint.field
-    if kind == "json_object":
-        schema: Any = {"type": "object"}
-    elif kind == "json_schema":
-        schema = value
-        if not isinstance(schema, dict | bool):
-            raise RequestError("a JSON schema must be a JSON object", field=field)
-    elif kind == "choice":
-        if not isinstance(value, list | tuple) or not value or not all(isinstance(v, str) for v in value):
-            raise RequestError("choices must be a non-empty list of strings", field=field)
-        # Lark's string literals are JSON's (llguidance's own choice grammar is written so).
-        return str(Matcher.grammar_from_lark("start: " + " | ".join(json.dumps(v) for v in value)))
-    elif kind in ("regex", "lark", "gbnf"):
-        if not isinstance(value, str):
-            raise RequestError(f"a {kind} constraint must be a string", field=field)
-        if kind == "regex":
-            return str(Matcher.grammar_from_regex(value))
-        return str(Matcher.grammar_from_lark(value if kind == "lark" else _gbnf_as_lark(value, field)))
-    else:
-        raise RequestError(f"unknown constraint kind {kind!r} (supported: {', '.join(KINDS)})", field=field)
-    try:
-        return str(
-            Matcher.grammar_from_json_schema(
-                json.dumps(schema), defaults=_JSON_DEFAULTS, overrides=_JSON_OVERRIDES
-            )
-        )
-    except (ValueError, TypeError) as exc:
-        raise RequestError(f"invalid JSON schema: {exc}", field=field) from None
-
-
-def _gbnf_as_lark(grammar: str, field: str | None) -> str:
-    """A GBNF grammar in Lark (llguidance's converter); one already in Lark (a ``start`` rule or
-    ``%llguidance``, as llama.cpp passes such grammars to llguidance) as it is."""
-    from llguidance.gbnf_to_lark import any_to_lark
-
-    try:
-        return any_to_lark(grammar)
-    except Exception as exc:  # the converter raises bare Exception, IndexError ... on bad input
-        raise RequestError(f"this GBNF grammar does not parse: {exc}", field=field) from None
-
-
-def _unsupported(constraint: Constraint, messages: list[str]) -> str:
-    what = _KIND_NAMES.get(constraint.kind, constraint.kind)
-    detail = "; ".join(message.strip() for message in messages) or "rejected"
-    return f"this {what} cannot be enforced: {detail}"
 
 
 class GrammarMask:
@@ -220,9 +175,8 @@ class GrammarMask:
         log.warning("token %d does not follow the grammar: %s", token, self.matcher.get_error())
 
     def _gave_up(self) -> RequestError:
-        error = str(self.matcher.get_error()).strip().splitlines()
         return RequestError(
-            f"the constraint can no longer be enforced: {error[0] if error else 'matcher error'}",
+            f"the constraint can no longer be enforced: {first_line(str(self.matcher.get_error()))}",
             field=self.field,
         )
 
@@ -236,9 +190,13 @@ def structured(params: SamplingParams, context: SamplerContext) -> GrammarMask |
 
 
 def _validate_structured(params: SamplingParams, context: SamplerContext) -> None:
-    """Compile the request's grammar now, so one that cannot be enforced is a 400 at submit."""
+    """Measure the request's constraint against the server's limits, check it in a child process
+    and compile it now, so one that cannot be enforced is a 400 at submit and never reaches the
+    engine."""
     if params.constraint is not None:
-        _vocabulary(params.constraint, context).matcher(params.constraint)
+        vocab = _vocabulary(params.constraint, context)
+        limits = context.constraint_limits or ConstraintLimits()
+        vocab.matcher(params.constraint, limits, isolate=True)
 
 
 def _vocabulary(constraint: Constraint, context: SamplerContext) -> Vocabulary:

@@ -3,11 +3,11 @@ request's override them, and the names the rendering sets itself are refused."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.errors import RequestError
 from mlxr_core.model.chat_template import render_chat_template
 from mlxr_core.tool_calling import ModelParsers, prepare_chat
@@ -32,7 +32,7 @@ class Tokenizer:
 
 
 def prompt(model: dict[str, Any], request: dict[str, Any] | None) -> str:
-    info = SimpleNamespace(tokenizer=Tokenizer(), check_prompt_text=lambda text: None)
+    info = ModelInfo("m", 1 << 16, 0, Tokenizer(), "test", "test")
     parsers = ModelParsers(template_kwargs=model)
     messages = [{"role": "user", "content": "hi"}]
     return prepare_chat(None, info, parsers, messages, template_kwargs=request).prompt  # type: ignore[arg-type]

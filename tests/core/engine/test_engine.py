@@ -208,3 +208,29 @@ def test_the_loop_counts_its_time_between_steps_only_while_a_batch_runs(tiny_pat
         assert eng.stats()["between_steps_seconds"] > between
     finally:
         eng.stop()
+
+
+def test_a_models_parsers_are_chosen_once_when_it_loads(tiny_path):
+    """The parsers a model's config names (or ``auto`` picks from its chat template) are resolved
+    when it loads and carried by its ModelInfo, with the index of its ``models[]`` entry."""
+    config = Config(
+        models=[
+            ModelConfig(path=str(tiny_path), name="other", context_length=64),
+            ModelConfig(
+                path=str(tiny_path), name="tiny", context_length=64, tool_parser="hermes", reasoning_parser="none"
+            ),
+        ]
+    )
+    eng = Engine(config, load_plugins())
+    eng.start()
+    try:
+        info = eng.model("tiny")
+        assert (info.config_index, info.tool_parser, info.reasoning_parser) == (1, "hermes", None)
+        other = eng.model("other")
+        registries = eng.host.registries
+        template = other.tokenizer.chat_template
+        assert other.config_index == 0
+        assert other.tool_parser == registries.tool_parsers.choose("auto", template)
+        assert other.reasoning_parser == registries.reasoning_parsers.choose("auto", template)
+    finally:
+        eng.stop()

@@ -11,8 +11,10 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
+import attrs
+
 from mlxr_core.config.schema import Config, ModelConfig
-from mlxr_core.engine.engine import ModelInfo
+from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.lifecycle import ModelSlot
 from mlxr_core.engine.request import (
     ARRIVING,
@@ -56,11 +58,13 @@ class FakeEngine:
     def __init__(self, context_length: int = 64):
         self.state = "ready"
         self.error: BaseException | None = None
+        #: The server's config (make_ctx sets it), whose first model this engine's models load from.
+        self.config: Config | None = None
         self.queue_depth = 0
         self.models = {
             "fake": ModelInfo(
                 name="fake", context_length=context_length, created=1700000000,
-                tokenizer=FakeTokenizer(), format="fake", model_type="fake",  # type: ignore[arg-type]
+                tokenizer=FakeTokenizer(), format="fake", model_type="fake", config_index=0,  # type: ignore[arg-type]
             )
         }
         self.requests: list[GenerationRequest] = []
@@ -85,7 +89,18 @@ class FakeEngine:
     def model(self, name: str) -> ModelInfo:
         if name not in self.models:
             raise ModelNotFound(name, self.models)
-        return self.models[name]
+        # As the engine does when a model loads: its parsers chosen by its config (the context's
+        # first model, set by make_ctx) against its chat template.
+        info, registries = self.models[name], plugin_host().registries
+        template = getattr(info.tokenizer, "chat_template", None)
+        configured = self.config.models[0] if self.config is not None and self.config.models else None
+        return attrs.evolve(
+            info,
+            tool_parser=registries.tool_parsers.choose(configured.tool_parser if configured else "auto", template),
+            reasoning_parser=registries.reasoning_parsers.choose(
+                configured.reasoning_parser if configured else "auto", template
+            ),
+        )
 
     # Every model is loaded, pinned and stays so (mlxr_core.engine.lifecycle is not scripted).
     lifecycle = None
@@ -175,6 +190,8 @@ def make_ctx(engine: Any, **config: Any) -> ServerContext:
     """A server context over ``engine`` with every built-in API mounted unless ``apis`` is given."""
     config.setdefault("apis", ["openai", "ollama", "anthropic"])
     cfg = Config(models=[ModelConfig(path="unused")], **config)
+    if isinstance(engine, FakeEngine):
+        engine.config = cfg
     return ServerContext(config=cfg, host=plugin_host(), engine=engine)
 
 

@@ -187,3 +187,65 @@ def test_the_grammar_fields_are_in_the_openapi_document(tiny_app: TestClient) ->
         outputs = fields["structured_outputs"]["anyOf"][0]
         assert set(outputs["properties"]) == {"json", "regex", "choice", "grammar", "json_object"}
         assert outputs["additionalProperties"] is False
+
+
+def defs_chain(n: int) -> dict[str, Any]:
+    """Issue 42's schema: ``$defs`` ``d0`` .. ``dn``, each holding the next through a ``$ref``."""
+    defs: dict[str, Any] = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}},
+                                      "required": ["a"]} for i in range(n)}  # fmt: skip
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+#: The issue's 3,000-deep chain (286 KB) and the same 700 deep (under the byte limit, over the depth).
+DEEP_SCHEMAS = [defs_chain(3000), defs_chain(700)]
+LARK_CHAIN = "\n".join(["start: a0", *(f'a{i}: "(" a{i + 1} ")" | "x"' for i in range(3000)), 'a3000: "x"'])
+LARK_SEQUENCE = "\n".join(["start: a0", *(f'a{i}: "x" a{i + 1}' for i in range(3000)), 'a3000: "y"'])
+GBNF_CHAIN = "\n".join(["root ::= a0", *(f'a{i} ::= "x" a{i + 1}' for i in range(20_000)), 'a20000 ::= "y"'])
+
+
+def refusal(r: Any) -> str:
+    """The refusal's message, which carries no panic nor backtrace."""
+    assert r.status_code == 400, r.text[:300]
+    assert "panic" not in r.text and "backtrace" not in r.text and "\\n" not in r.text
+    error = r.json()["error"]
+    message: str = error if isinstance(error, str) else error["message"]
+    return message
+
+
+@pytest.mark.parametrize("schema", DEEP_SCHEMAS, ids=["3000-deep", "700-deep"])
+def test_a_deep_schema_is_a_400_on_every_route_not_a_crash(tiny_app: TestClient, schema: dict[str, Any]) -> None:
+    """N1: the server died (SIGSEGV) on these, through each API's own field."""
+    says = "engine.constraint_limits.max_"
+    chat = body(CHAT, 0, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    r = tiny_app.post(CHAT, json=chat)
+    assert says in refusal(r) and r.json()["error"]["param"] == "response_format"
+    r = tiny_app.post("/api/chat", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "JSON"}], "stream": False, "format": schema})  # fmt: skip
+    assert says in refusal(r) and r.json()["error"].startswith("format: ")
+    r = tiny_app.post("/v1/responses", json={
+        "model": "tiny", "input": "JSON", "max_output_tokens": 8,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}})  # fmt: skip
+    assert says in refusal(r)
+    assert tiny_app.post(CHAT, json=body(CHAT, 0, json_schema={"type": "integer"})).status_code == 200  # alive
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "says"),
+    [
+        ({"structured_outputs": {"grammar": LARK_CHAIN}}, "structured_outputs.grammar", "nests 3,002 levels"),
+        ({"grammar": LARK_SEQUENCE}, "grammar", "max_depth (256)"),
+        ({"grammar": GBNF_CHAIN}, "grammar", "max_bytes (131,072)"),
+        # N9: 100,000 choices and a 1 MB grammar of 110,000 alternatives took 8-11 s and told a panic.
+        ({"structured_outputs": {"choice": [f"option {i}" for i in range(100_000)]}}, "structured_outputs.choice",
+         "max_bytes"),
+        ({"grammar": "root ::= " + " | ".join(f'"alternative{i}"' for i in range(110_000))}, "grammar", "max_bytes"),
+        ({"guided_choice": [str(i) for i in range(12_000)]}, "guided_choice", "max_alternatives (10,000)"),
+        ({"guided_regex": "(a{1024}){1024}"}, "guided_regex", "max_repetition (10,000)"),
+    ],
+)  # fmt: skip
+def test_a_huge_or_deep_grammar_is_a_400_naming_the_limit(
+    tiny_app: TestClient, fields: dict[str, Any], param: str, says: str
+) -> None:
+    r = tiny_app.post(COMPLETIONS, json=body(COMPLETIONS, 0, **fields))
+    assert says in refusal(r) and r.json()["error"]["param"] == param

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.parsing import OutputSplitter, Text, Tool, ToolCall, choose, merge
 from mlxr_core.testing.tiny import tiny_gpt2_vocab
@@ -155,8 +156,6 @@ SPECIAL = ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>"
 def test_the_engine_keeps_the_markup_for_the_parsers() -> None:
     """Gemma 4's markers are special tokens, which the detokenizer leaves out of the text unless
     asked: a chat with these parsers asks it to keep exactly their markers."""
-    from types import SimpleNamespace
-
     from mlxr_core.tool_calling import prepare_chat
 
     tokens, types, merges = tiny_gpt2_vocab(SPECIAL)
@@ -170,7 +169,7 @@ def test_the_engine_keeps_the_markup_for_the_parsers() -> None:
     )  # fmt: skip
     weather = Tool("get_weather", "Weather of a city", {"type": "object", "properties": {"city": {"type": "string"}}})
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    info = SimpleNamespace(tokenizer=tokenizer, check_prompt_text=lambda text: None)
+    info = ModelInfo("m", 1 << 16, 0, tokenizer, "test", "test")
     chat = prepare_chat(None, info, ModelParsers(TOOLS, THINKING), messages, tools=[weather])  # type: ignore[arg-type]
     assert chat.keep_special == special_ids(tokenizer, MARKUP) and len(chat.keep_special) == len(MARKUP)
     reply = f"<|channel>thought\nAsk the tool 😀.<channel|><|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"

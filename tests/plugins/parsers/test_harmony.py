@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.request import Constraint
 from mlxr_core.model.chat_template import render_chat_template
@@ -217,8 +218,6 @@ def test_markup_tokens_survive_detokenizing_for_the_parser_only(tokenizer: Any) 
 
 
 def test_a_chat_renders_in_harmony_and_asks_the_engine_to_keep_the_markup(tokenizer: Any) -> None:
-    from types import SimpleNamespace
-
     from mlxr_core.tool_calling import prepare_chat
 
     parser = HarmonyParser()
@@ -228,7 +227,7 @@ def test_a_chat_renders_in_harmony_and_asks_the_engine_to_keep_the_markup(tokeni
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "21"},
     ]  # fmt: skip
-    info = SimpleNamespace(tokenizer=tokenizer, check_prompt_text=lambda text: None)
+    info = ModelInfo("m", 1 << 16, 0, tokenizer, "test", "test")
     chat = prepare_chat(None, info, ModelParsers(parser, parser), messages, tools=[WEATHER])  # type: ignore[arg-type]
     assert chat.prompt.endswith(
         '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}'
