@@ -65,7 +65,7 @@ class ConstraintLimits:
     past a bound is a 400 naming it. Each is capped below what the library survives."""
 
     #: Bytes of the constraint: a schema as compact JSON, a grammar or pattern as UTF-8, choices'.
-    max_bytes: int = attrs.field(default=128 * 2**10, validator=[v.ge(1), v.le(2**20)])
+    max_bytes: int = attrs.field(default=128 * 2**10, validator=[v.ge(1), v.le(512 * 2**10)])
     #: Levels of nesting: a schema's objects and arrays, each ``$ref`` followed as one; a grammar's
     #: rules reached through one another, and its parentheses; a pattern's groups.
     max_depth: int = attrs.field(default=256, validator=[v.ge(1), v.le(1024)])
@@ -73,7 +73,7 @@ class ConstraintLimits:
     max_rules: int = attrs.field(default=1000, validator=[v.ge(1), v.le(10_000)])
     #: Alternatives: choices, ``|`` in a grammar or pattern, a schema's ``enum``, ``anyOf`` and
     #: ``oneOf`` entries.
-    max_alternatives: int = attrs.field(default=10_000, validator=[v.ge(1), v.le(50_000)])
+    max_alternatives: int = attrs.field(default=10_000, validator=[v.ge(1), v.le(20_000)])
     #: Items one counted repetition (``{n}``, ``{n,m}``, ``~n``) stands for, those nested in it
     #: multiplied: ``(a{100}){100}`` repeats 10,000. Regular expressions, a schema's ``pattern``s,
     #: a grammar's rules and ``/regex/``.

@@ -26,9 +26,10 @@ from mlxr_core.engine.request import Constraint
 from mlxr_core.errors import RequestError
 
 #: The largest value of each limit a config may set (and what the sampler enforces when it is
-#: given none): below what llguidance survives on a 16 MiB stack, with room to spare.
+#: given none): depths below what llguidance survives on a 16 MiB stack with room to spare, sizes
+#: whose compiling stays within seconds (bench/fuzz_constraints.py --limits ceilings).
 CEILINGS = ConstraintLimits(
-    max_bytes=2**20, max_depth=1024, max_rules=10_000, max_alternatives=50_000,
+    max_bytes=512 * 2**10, max_depth=1024, max_rules=10_000, max_alternatives=20_000,
     max_repetition=100_000, compile_timeout_s=600.0,
 )  # fmt: skip
 #: How a message names a constraint of each kind.

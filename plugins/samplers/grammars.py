@@ -62,7 +62,7 @@ CHECKERS = 2
 #: tenths of a second rather than holding the engine for ten.
 LEXER_FUEL = 250_000
 #: Earley items one row of the parser may hold: the library's 2,000 fails a choice of more options
-#: (or an object of more than ~500 properties) at its first token; the limits allow 50,000.
+#: (or an object of more than ~500 properties) at its first token; the limits allow 20,000.
 ROW_ITEMS = 50_000
 #: Seconds a checker process may take to start (import the library) before it is given up.
 START_TIMEOUT_S = 60.0
