@@ -65,7 +65,7 @@ class ConstraintLimits:
     past a bound is a 400 naming it. Each is capped below what the library survives."""
 
     #: Bytes of the constraint: a schema as compact JSON, a grammar or pattern as UTF-8, choices'.
-    max_bytes: int = attrs.field(default=128 * 2**10, validator=[v.ge(1), v.le(512 * 2**10)])
+    max_bytes: int = attrs.field(default=128 * 2**10, validator=[v.ge(1), v.le(256 * 2**10)])
     #: Levels of nesting: a schema's objects and arrays, each ``$ref`` followed as one; a grammar's
     #: rules reached through one another, and its parentheses; a pattern's groups.
     max_depth: int = attrs.field(default=256, validator=[v.ge(1), v.le(1024)])

@@ -29,7 +29,7 @@ from mlxr_core.errors import RequestError
 #: given none): depths below what llguidance survives on a 16 MiB stack with room to spare, sizes
 #: whose compiling stays within seconds (bench/fuzz_constraints.py --limits ceilings).
 CEILINGS = ConstraintLimits(
-    max_bytes=512 * 2**10, max_depth=1024, max_rules=10_000, max_alternatives=20_000,
+    max_bytes=256 * 2**10, max_depth=1024, max_rules=10_000, max_alternatives=20_000,
     max_repetition=100_000, compile_timeout_s=600.0,
 )  # fmt: skip
 #: How a message names a constraint of each kind.
@@ -327,11 +327,16 @@ class _Repetition:
 
 #: How llguidance (and llama.cpp) tell a Lark grammar from a GBNF one.
 _LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")
-#: What holds no rules: Lark's literals, comments, regular expressions and special tokens; GBNF's
-#: literals, character classes and comments. Each is read as one item (``@``), a comment as none.
+#: Comments (``//`` in Lark, ``#`` in GBNF), found past literals (group 1, kept) that may hold them.
+_COMMENT = {
+    True: re.compile(r'("(?:\\.|[^"\\\n])*"i?)|//[^\n]*'),
+    False: re.compile(r'("(?:\\.|[^"\\\n])*"|\[(?:\\.|[^\]\\])*\])|\#[^\n]*'),
+}
+#: What holds no rules, each read as one item (``@``): Lark's literals, regular expressions (group
+#: 1) and special tokens; GBNF's literals and character classes.
 _OPAQUE = {
-    True: re.compile(r'(?P<comment>//[^\n]*)|"(?:\\.|[^"\\\n])*"i?|(?P<regex>/(?:\\.|[^/\\\n])+/)[imslux]*|<[^<>\n]*>'),
-    False: re.compile(r'(?P<comment>\#[^\n]*)|"(?:\\.|[^"\\\n])*"|\[(?:\\.|[^\]\\])*\]'),
+    True: re.compile(r'"(?:\\.|[^"\\\n])*"i?|/((?:\\.|[^/\\\n])+)/[imslux]*|<[^<>\n]*>'),
+    False: re.compile(r'"(?:\\.|[^"\\\n])*"|\[(?:\\.|[^\]\\])*\]()'),
 }
 #: A rule's definition: Lark's ``name:`` (``?name``, ``!name``, ``name.2``) at a line's start, GBNF's
 #: ``name ::=``.
@@ -361,18 +366,9 @@ def grammar_size(text: str, *, lark: bool, data_bytes: int | None = None) -> Con
     schemas: list[tuple[int, Shape]] = []  # where each %json schema is, and its shape
     if lark and "%" in text:
         text = _blank_json_arguments(text, schemas)
-    inner = Shape()
-
-    def opaque(match: re.Match[str]) -> str:
-        nonlocal inner
-        if match.group("comment") is not None:
-            return " "
-        if lark and match.group("regex") is not None:
-            shape = regex_shape(match.group("regex")[1:-1])
-            inner = Shape(max(inner.depth, shape.depth), 0, max(inner.repetition, shape.repetition))
-        return "@"
-
-    text = _OPAQUE[lark].sub(opaque, text)
+    text = _COMMENT[lark].sub(r"\1", text)
+    inner = [regex_shape(pattern) for pattern in _OPAQUE[lark].findall(text) if pattern]
+    text = _OPAQUE[lark].sub("@", text)
     definitions = list(_DEFINITION[lark].finditer(text))
     numbers: dict[str, int] = {}
     for definition in definitions:
@@ -380,7 +376,7 @@ def grammar_size(text: str, *, lark: bool, data_bytes: int | None = None) -> Con
     base = [1] * len(numbers)
     children: list[list[int]] = [[] for _ in numbers]
     extra: list[list[int]] = [[] for _ in numbers]
-    bars, repetition = 0, inner.repetition
+    bars, repetition = 0, max((shape.repetition for shape in inner), default=0)
     for i, definition in enumerate(definitions):
         number = numbers[definition.group(1)]
         end = definitions[i + 1].start() if i + 1 < len(definitions) else len(text)
@@ -418,7 +414,7 @@ def grammar_size(text: str, *, lark: bool, data_bytes: int | None = None) -> Con
             base[number] = max(base[number], 1 + shape.depth)
         bars += shape.alternatives
         repetition = max(repetition, shape.repetition)
-    depth = max(_longest(list(range(len(numbers))), base, children, extra), inner.depth)
+    depth = max([_longest(list(range(len(numbers))), base, children, extra), *(shape.depth for shape in inner)])
     return ConstraintSize(size, depth, len(numbers), bars + len(numbers), repetition)
 
 
