@@ -6,8 +6,7 @@ plugin; :mod:`mlxr_gpt2_arch.gpt2` is imported when a ``gpt2`` checkpoint is loa
 
 from __future__ import annotations
 
-from mlxr_core.hookspecs import RegisterName
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import RegisterName, hookimpl
 
 
 @hookimpl

@@ -14,9 +14,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxr_core.errors import ModelLoadError
-from mlxr_core.kernels import KernelSet
-from mlxr_core.model.cache import KVCache
+from mlxr_core.plugin_api import KernelSet, KVCache, ModelLoadError
 
 #: Projections Hugging Face stores as ``Conv1D`` (``[in, out]``).
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")

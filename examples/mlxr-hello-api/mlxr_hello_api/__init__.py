@@ -10,8 +10,7 @@ from __future__ import annotations
 import attrs
 from attrs import validators as v
 
-from mlxr_core.hookspecs import RegisterName, RegisterSection
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import RegisterName, RegisterSection, hookimpl
 
 
 @attrs.define

@@ -11,9 +11,7 @@ import msgspec
 from litestar import Router, get, post
 from litestar.params import JSONBody
 
-from mlxr_core.errors import EngineStopped, MlxrError
-from mlxr_core.http.context import ServerContext
-from mlxr_core.http.errors import exception_handlers
+from mlxr_core.plugin_api import EngineStopped, MlxrError, ServerContext, exception_handlers
 from mlxr_hello_api import HelloConfig
 
 

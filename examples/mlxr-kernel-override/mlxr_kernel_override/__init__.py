@@ -8,8 +8,7 @@ The target is a ``"module:attr"`` string, so MLX is imported only when a model b
 
 from __future__ import annotations
 
-from mlxr_core.hookspecs import RegisterKernel
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import RegisterKernel, hookimpl
 
 
 @hookimpl
