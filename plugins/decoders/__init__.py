@@ -1,7 +1,7 @@
 """Built-in decoding strategies: ``plain``, and the drafting ``prompt_lookup`` and ``speculative``
 (configured under ``plugins.config.decoders``; see :mod:`mlxr_plugins.decoders.config`)."""
 
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import hookimpl
 from mlxr_plugins.decoders.config import DecodersConfig
 
 #: Plain decoding is every model's default: this plugin cannot be disabled.

@@ -13,11 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import hookimpl
 
 if TYPE_CHECKING:
-    from mlxr_core.hookspecs import RegisterKernel
-    from mlxr_core.kernels import KernelContext
+    from mlxr_core.plugin_api import KernelContext, RegisterKernel
 
 #: Kernels are needed to run any model; ``--disable kernels`` would leave nothing to bind.
 MLXR_ESSENTIAL = True

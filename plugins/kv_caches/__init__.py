@@ -3,7 +3,7 @@ in groups (:mod:`mlxr_core.model.quantized_cache`), and ``turboquant``, rotated 
 Lloyd-Max codebooks with a 1-bit sign sketch of the keys' residuals
 (:mod:`mlxr_plugins.kv_caches.turboquant`)."""
 
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import hookimpl
 
 
 @hookimpl

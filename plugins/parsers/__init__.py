@@ -12,8 +12,7 @@ how ``auto`` chooses.
 
 from __future__ import annotations
 
-from mlxr_core.hookspecs import RegisterName
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import RegisterName, hookimpl
 
 TOOLS = "mlxr_plugins.parsers.tools"
 HARMONY = "mlxr_plugins.parsers.harmony:HarmonyParser"

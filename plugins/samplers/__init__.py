@@ -7,7 +7,7 @@ processor, or None when the request does not use it. The engine builds the chain
 and draws the token after it (argmax at temperature 0). Bias and penalties come before temperature.
 """
 
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import hookimpl
 
 #: The sampler chain is how every request picks tokens: this plugin cannot be disabled.
 MLXR_ESSENTIAL = True

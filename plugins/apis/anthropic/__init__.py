@@ -7,8 +7,7 @@ imported only when the server builds its app.
 
 from __future__ import annotations
 
-from mlxr_core.hookspecs import RegisterName
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import RegisterName, hookimpl
 
 
 @hookimpl

@@ -8,8 +8,7 @@ an ``apis:`` without it turns it off. The page talks to the server through the `
 
 from __future__ import annotations
 
-from mlxr_core.hookspecs import RegisterName
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import RegisterName, hookimpl
 
 
 @hookimpl

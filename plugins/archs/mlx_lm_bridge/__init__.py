@@ -17,10 +17,10 @@ import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import hookimpl
 
 if TYPE_CHECKING:
-    from mlxr_core.hookspecs import RegisterName
+    from mlxr_core.plugin_api import RegisterName
 
 MLXR_HOOK_API = "1.1"
 #: How to get the bridge's one dependency.

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlxr_core.plugins import hookimpl
+from mlxr_core.plugin_api import hookimpl
 
 if TYPE_CHECKING:
-    from mlxr_core.hookspecs import RegisterName
+    from mlxr_core.plugin_api import RegisterName
 
 
 @hookimpl
