@@ -29,10 +29,14 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   when ``transpose``). ``w`` is ``[E, out, in]`` (packed on the last axis); ``x`` ``[..., 1, in]``
   broadcasts against ``indices`` ``[...]``; returns ``[..., 1, out]``. Every mixture-of-experts
   layer's expert matmuls go through it.
-- ``route(logits, *, top_k, scoring, normalize) -> (indices, weights)``: a mixture of experts'
-  router: ``logits`` ``[..., E]`` scored by ``softmax`` (over all experts) or ``sigmoid``, in
-  float32, the ``top_k`` best experts ``[..., k]`` (uint32, in any order) and their scores
-  (float32), rescaled to sum to 1 when ``normalize``.
+- ``route(logits, *, top_k, scoring, normalize, bias=None, groups=1, top_groups=1) -> (indices,
+  weights)``: a mixture of experts' router: ``logits`` ``[..., E]`` scored by ``softmax`` (over
+  all experts) or ``sigmoid``, in float32, the ``top_k`` best experts ``[..., k]`` (uint32, in
+  any order) and their scores (float32), rescaled to sum to 1 when ``normalize``. DeepSeek-V3's
+  choice: ``bias`` ``[E]`` added to the scores the experts are chosen on (not to their
+  weights); ``groups`` > 1 equal groups of experts, ranked by the sum of their two best biased
+  scores, of which only the ``top_groups`` best are chosen from. Those three are passed only by
+  a layer that uses them (see :func:`mlxr_core.model.layers.moe.route`).
 - ``gated_delta(q, k, v, g, beta, state) -> (out, state)``: the gated delta rule, the recurrence of
   Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5). ``q``, ``k`` ``[B, L, Hk, Dk]``, already
   L2-normalized per head by the caller, ``q`` also scaled by ``Dk**-0.5`` (the op normalizes

@@ -285,6 +285,20 @@ def _cases(op: str) -> Iterator[Case]:
                 return (logits,), {"top_k": k, "scoring": scoring, "normalize": normalize}
 
             yield Case(f"rows={rows} experts={experts} top-{k} {scoring} normalize={normalize}", {}, make_route)
+        # DeepSeek-V3's choice: a correction bias, the best 4 of 8 groups (and of 1: no grouping).
+        for rows, experts, k, groups, top_groups in ((1, 256, 8, 8, 4), (24, 64, 6, 8, 4), (3, 16, 2, 1, 1)):
+
+            def make_biased(dtype: Any, rows: int = rows, experts: int = experts, k: int = k, groups: int = groups,
+                            top_groups: int = top_groups) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                rng = np.random.default_rng(17)
+                order = rng.permuted(np.tile(np.arange(experts), (rows, 1)), axis=1)
+                logits = mx.array(order * (4.0 / experts) - 2.0).astype(dtype)
+                bias = mx.array(rng.permutation(experts) * (0.3 / experts), dtype=mx.float32)
+                return (logits,), {"top_k": k, "scoring": "sigmoid", "normalize": True, "bias": bias,
+                                   "groups": groups, "top_groups": top_groups}
+
+            name = f"rows={rows} experts={experts} top-{k} biased, {top_groups} of {groups} groups"
+            yield Case(name, {}, make_biased)
     elif op == "gated_delta":
         # Decode (one position onto a state), a short prompt, one across a chunk boundary; one and two
         # value heads per key head; head dims the fused kernels take and one they hand on (32).

@@ -103,13 +103,23 @@ def _route_kernel() -> Any:
 
 
 def route(
-    logits: mx.array, *, top_k: int, scoring: str = "softmax", normalize: bool = True
+    logits: mx.array,
+    *,
+    top_k: int,
+    scoring: str = "softmax",
+    normalize: bool = True,
+    bias: mx.array | None = None,
+    groups: int = 1,
+    top_groups: int = 1,
 ) -> tuple[mx.array, mx.array]:
     """The fused router for up to :data:`MAX_EXPERTS` experts and :data:`MAX_TOP_K` picks, else
-    the mx ops."""
+    the mx ops (and for DeepSeek's biased, group-limited choice)."""
     experts = logits.shape[-1]
-    if experts > MAX_EXPERTS or top_k > MAX_TOP_K or scoring not in ("softmax", "sigmoid"):
-        return mx_route(logits, top_k, scoring=scoring, normalize=normalize)
+    plain = bias is None and groups == 1
+    if experts > MAX_EXPERTS or top_k > MAX_TOP_K or scoring not in ("softmax", "sigmoid") or not plain:
+        return mx_route(
+            logits, top_k, scoring=scoring, normalize=normalize, bias=bias, groups=groups, top_groups=top_groups
+        )
     lead = logits.shape[:-1]
     flat = logits.reshape(-1, experts)
     rows = flat.shape[0]

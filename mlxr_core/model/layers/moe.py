@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,13 +29,26 @@ SORT_FROM = 64
 
 
 def route(
-    logits: mx.array, top_k: int, *, scoring: str = "softmax", normalize: bool = True
+    logits: mx.array,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    normalize: bool = True,
+    bias: mx.array | None = None,
+    groups: int = 1,
+    top_groups: int = 1,
 ) -> tuple[mx.array, mx.array]:
     """The ``top_k`` experts of each token and their weights, from router logits ``[..., E]``.
 
     ``scoring`` is ``softmax`` (over all experts) or ``sigmoid`` (each expert alone), in float32;
     ``normalize`` rescales the chosen experts' scores to sum to 1 (softmax-then-renormalize is
     softmax over the top-k logits: Mixtral's and gpt-oss's rule; Qwen's with ``norm_topk_prob``).
+
+    DeepSeek-V3's router (``noaux_tc``) adds two rules that only change which experts are chosen,
+    never their weights: ``bias`` ``[E]`` (``e_score_correction_bias``) is added to the scores
+    the choice is made on, and with ``groups`` > 1 the experts are split into that many equal
+    groups, each group ranked by the sum of its two best biased scores, and only the experts of
+    the ``top_groups`` best groups can be chosen.
     Returns ``(indices [..., k] uint32, weights [..., k] float32)``."""
     logits = logits.astype(mx.float32)
     if scoring == "softmax":
@@ -43,7 +57,15 @@ def route(
         scores = mx.sigmoid(logits)
     else:
         raise ValueError(f"unknown router scoring {scoring!r} (softmax, sigmoid)")
-    indices = mx.argpartition(-scores, kth=top_k - 1, axis=-1)[..., :top_k]
+    choice = scores if bias is None else scores + bias.astype(mx.float32)
+    if groups > 1 and top_groups < groups:
+        experts = choice.shape[-1]
+        grouped = choice.reshape(*choice.shape[:-1], groups, experts // groups)
+        ranks = mx.topk(grouped, 2, axis=-1).sum(axis=-1, keepdims=True)  # [..., groups, 1]
+        dropped = mx.argpartition(ranks, kth=groups - top_groups - 1, axis=-2)[..., : groups - top_groups, :]
+        grouped = mx.put_along_axis(grouped, dropped, mx.array(-math.inf, dtype=mx.float32), axis=-2)
+        choice = grouped.reshape(choice.shape)
+    indices = mx.argpartition(-choice, kth=top_k - 1, axis=-1)[..., :top_k]
     weights = mx.take_along_axis(scores, indices, axis=-1)
     if normalize:
         weights = weights / weights.sum(axis=-1, keepdims=True)
@@ -179,10 +201,29 @@ class SwitchGLU(nn.Module):
         return out.reshape(*lead, k, hidden)
 
 
+class CorrectedRouter(nn.Module):
+    """DeepSeek-V3's router ``gate``: ``weight [experts, hidden]`` and the choice's bias
+    ``e_score_correction_bias [experts]`` (see :func:`route`), logits computed in float32. Not a
+    linear layer, so no quantization policy packs it (transformers keeps it in float32 too)."""
+
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.weight = mx.zeros((experts, hidden))
+        self.e_score_correction_bias = mx.zeros((experts,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return x.astype(mx.float32) @ self.weight.astype(mx.float32).T
+
+
 class SparseMoE(nn.Module):
     """A mixture-of-experts feed-forward layer: router ``gate`` (``[hidden] -> [experts]``),
-    stacked experts ``switch_mlp``, and optionally a ``shared_expert`` run on every token, scaled
-    by ``sigmoid(shared_expert_gate(x))`` when ``shared_gate`` (Qwen2-MoE)."""
+    stacked experts ``switch_mlp``, and optionally a shared expert run on every token (named
+    ``shared_name``: Qwen's ``shared_expert``, DeepSeek's ``shared_experts``), scaled by
+    ``sigmoid(shared_expert_gate(x))`` when ``shared_gate`` (Qwen2-MoE).
+
+    DeepSeek-V3's routing: ``corrected`` makes ``gate`` a :class:`CorrectedRouter`, whose bias
+    and ``groups`` / ``top_groups`` decide the choice (:func:`route`); ``scale`` multiplies the
+    chosen experts' weights (``routed_scaling_factor``)."""
 
     def __init__(
         self,
@@ -197,28 +238,45 @@ class SparseMoE(nn.Module):
         router_bias: bool = False,
         shared_expert: nn.Module | None = None,
         shared_gate: bool = False,
+        shared_name: str = "shared_expert",
         activation: Callable[[mx.array, mx.array], mx.array] = swiglu,
         expert_bias: bool = False,
+        corrected: bool = False,
+        groups: int = 1,
+        top_groups: int = 1,
+        scale: float = 1.0,
     ):
         super().__init__()
         self.top_k, self.scoring, self.normalize = top_k, scoring, normalize
+        self.groups, self.top_groups, self.scale = groups, top_groups, scale
         self._route = kernels.route
-        self.gate = nn.Linear(hidden, experts, bias=router_bias)
+        self.gate = (
+            CorrectedRouter(hidden, experts) if corrected else nn.Linear(hidden, experts, bias=router_bias)
+        )
         self.switch_mlp = SwitchGLU(
             hidden, inner, experts, kernels=kernels, activation=activation, bias=expert_bias, top_k=top_k
         )
+        self.shared_name = shared_name
         if shared_expert is not None:
-            self.shared_expert = shared_expert
+            setattr(self, shared_name, shared_expert)
             if shared_gate:
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
     def __call__(self, x: mx.array) -> mx.array:
+        # DeepSeek's options only where set: a route backend written before them still serves the rest.
+        extra: dict[str, Any] = {}
+        if isinstance(self.gate, CorrectedRouter):
+            extra["bias"] = self.gate.e_score_correction_bias
+        if self.groups > 1:
+            extra.update(groups=self.groups, top_groups=self.top_groups)
         indices, weights = self._route(
-            self.gate(x), top_k=self.top_k, scoring=self.scoring, normalize=self.normalize
+            self.gate(x), top_k=self.top_k, scoring=self.scoring, normalize=self.normalize, **extra
         )
+        if self.scale != 1.0:
+            weights = weights * self.scale
         out = weighted_sum(self.switch_mlp(x, indices), weights)
-        if "shared_expert" in self:
-            shared = self.shared_expert(x)
+        if self.shared_name in self:
+            shared = self[self.shared_name](x)
             if "shared_expert_gate" in self:
                 shared = mx.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
