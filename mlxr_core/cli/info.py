@@ -96,7 +96,7 @@ def describe_model(
     from mlx.utils import tree_flatten
 
     from mlxr_core.kernels import bind_kernels
-    from mlxr_core.model.cache import reserve_bytes
+    from mlxr_core.model.cache import position_bytes, reserve_bytes
     from mlxr_core.model.layers.moe import active_share
     from mlxr_core.model.loader import (
         DTYPES,
@@ -150,7 +150,8 @@ def describe_model(
     layers = len(caches)
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
     attention = sum(1 for cache in caches if cache.attends)
-    full_per_token = 2 * attention * int(shapes["n_kv_heads"]) * int(shapes["head_dim"]) * itemsize
+    # A cache may declare its width (a latent, not heads): see position_bytes.
+    full_per_token = position_bytes(caches, int(shapes["n_kv_heads"]), int(shapes["head_dim"]), itemsize)
     state = reserve_bytes(caches, 0, 0, itemsize)  # recurrent layers' fixed state per sequence
     context = context or arch.context_length(config)
     kv_per_token, kept = full_per_token, 0

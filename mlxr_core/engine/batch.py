@@ -42,6 +42,7 @@ from mlxr_core.model.cache import (
     BatchLayerCache,
     batch_mask,
     plain_attention,
+    position_bytes,
     prefill_together,
     reserve_bytes,
 )
@@ -542,11 +543,12 @@ def kv_bytes_per_token(model: LoadedModel, *, full_precision: bool = False) -> i
     """Bytes of keys and values one position costs across the attention layers: packed under
     ``models[].kv_cache`` (unless ``full_precision``)."""
     shapes = model.arch.kernel_context(model.config)
-    layers = sum(1 for cache in model.make_cache() if cache.attends)
+    caches = model.make_cache()
+    layers = sum(1 for cache in caches if cache.attends)
     heads, head_dim, itemsize = int(shapes["n_kv_heads"]), int(shapes["head_dim"]), _itemsize(model)
     if model.kv_cache is not None and not full_precision:
         return layers * model.kv_cache.bytes_per_position(heads, head_dim, itemsize)
-    return 2 * layers * heads * head_dim * itemsize
+    return position_bytes(caches, heads, head_dim, itemsize)
 
 
 def sequence_bytes(model: LoadedModel, tokens: int, kv_per_token: int) -> int:

@@ -13,7 +13,10 @@ with :meth:`LayerCache.restore`; a recurrent state holds exactly the positions i
 can be restored only at the end of the stored prefix, never part way (:attr:`partial_reuse`). The
 drafting decoders roll back rejected draft tokens with :meth:`LayerCache.trim`, which a recurrent
 state cannot do (:meth:`LayerCache.is_trimmable`). The KV budget reserves
-:func:`reserve_bytes` per request.
+:func:`reserve_bytes` per request. An attention layer that stores something else than a key and
+a value per head (multi-head latent attention: one latent and one rotary key a position) keeps
+them in a :class:`KVCache` that declares its width, which the budget counts
+(:func:`position_bytes`).
 """
 
 from __future__ import annotations
@@ -154,6 +157,15 @@ def prefill_together(model: Any, prompts: Sequence[Sequence[int]], layers: int) 
     return caches
 
 
+def position_bytes(caches: Sequence[Any], heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes one position takes in the attention layers of ``caches`` (a fresh ``make_cache()``),
+    activations of ``itemsize`` bytes: a cache's declared :attr:`KVCache.width`, else a key and a
+    value of ``head_dim`` for each of ``heads`` key/value heads."""
+    return sum(
+        (getattr(cache, "width", None) or 2 * heads * head_dim) * itemsize for cache in caches if cache.attends
+    )
+
+
 def reserve_bytes(caches: Sequence[Any], tokens: int, kv_per_token: int, itemsize: int) -> int:
     """Bytes one sequence of ``tokens`` positions needs in ``caches`` (a fresh ``make_cache()``):
     ``kv_per_token`` per position for the attention layers, plus each other layer's own."""
@@ -242,11 +254,15 @@ class KVCache(WritesAndAttends):
     #: Positions added each time the buffers grow.
     step: int = CACHE_STEP
 
-    def __init__(self) -> None:
+    def __init__(self, width: int | None = None) -> None:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         #: Number of valid positions.
         self.offset = 0
+        #: Elements one position stores, keys and values together, where the layer declares it
+        #: (multi-head latent attention keeps one latent and one rotary key, not a key and a
+        #: value per head); None: a key and a value per key/value head (see :func:`position_bytes`).
+        self.width = width
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Append ``keys``/``values`` (``[B, H, L, D]``) and return every valid position so far."""
