@@ -1,5 +1,6 @@
 """The building blocks of the built-in architectures: config classes, norms, rotary embeddings,
-cached attention, gated MLPs, mixtures of experts, decoder blocks and the causal LM on top.
+cached attention (and multi-head latent attention), gated MLPs, mixtures of experts, decoder
+blocks and the causal LM on top.
 
 An architecture file composes them (its config, its attention, its MLP or MoE, its block, its
 model) and reads top to bottom; third-party architectures may use them too.
@@ -9,6 +10,7 @@ from mlxr_core.model.layers.args import ConfigArgs, TransformerArgs
 from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.layers.block import AttentionBlock, PreNormBlock, SandwichBlock
 from mlxr_core.model.layers.family import DecoderArchitecture
+from mlxr_core.model.layers.latent_attention import LatentAttention
 from mlxr_core.model.layers.mlp import GATED_ACTIVATIONS, GatedMLP, geglu
 from mlxr_core.model.layers.model import CausalLM, DecoderModel
 from mlxr_core.model.layers.moe import (
@@ -31,6 +33,7 @@ __all__ = [
     "DecoderArchitecture",
     "DecoderModel",
     "GatedMLP",
+    "LatentAttention",
     "PreNormBlock",
     "RMSNorm",
     "Rotary",

@@ -9,22 +9,41 @@ the next block's input norm (:meth:`AttentionBlock.add_attention_inputs`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from mlxr_core.model.cache import KVCache
-from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.layers.norms import RMSNorm
+
+
+class SelfAttention(Protocol):
+    """What a block needs of its ``self_attn``: the cut of
+    :class:`~mlxr_core.model.layers.attention.Attention` (or of
+    :class:`~mlxr_core.model.layers.latent_attention.LatentAttention`)."""
+
+    def attention_inputs(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The three arrays :meth:`attention` takes, from the block's normed input."""
+        ...
+
+    def attention(
+        self, queries: mx.array, keys: mx.array, values: mx.array, mask: str | mx.array | None, cache: Any, /
+    ) -> mx.array:
+        """The cache update and the attention kernel."""
+        ...
+
+    def output(self, out: mx.array) -> mx.array:
+        """:meth:`attention`'s output -> ``[B, L, hidden]``."""
+        ...
 
 
 class AttentionBlock(nn.Module):
     """The attention half every block shares: ``input_layernorm`` (an :class:`RMSNorm`) and
-    ``self_attn`` (an :class:`Attention`). A subclass defines ``after_attention_parts``."""
+    ``self_attn`` (a :class:`SelfAttention`). A subclass defines ``after_attention_parts``."""
 
     input_layernorm: RMSNorm
-    self_attn: Attention
+    self_attn: SelfAttention
 
     def attention_inputs(
         self, x: mx.array, offset: int | mx.array
@@ -64,7 +83,7 @@ class PreNormBlock(AttentionBlock):
     """``h = x + attn(norm(x)); out = h + mlp(norm(h))`` (Llama and most families). ``mlp`` is
     any module ``[B, L, hidden] -> [B, L, hidden]``: a gated MLP or a mixture of experts."""
 
-    def __init__(self, attention: Attention, mlp: nn.Module, hidden: int, eps: float, kernels: Any):
+    def __init__(self, attention: SelfAttention, mlp: nn.Module, hidden: int, eps: float, kernels: Any):
         super().__init__()
         self.self_attn = attention
         self.mlp = mlp
@@ -85,7 +104,7 @@ class SandwichBlock(AttentionBlock):
 
     def __init__(
         self,
-        attention: Attention,
+        attention: SelfAttention,
         mlp: nn.Module,
         hidden: int,
         eps: float,
