@@ -14,7 +14,8 @@ mlx-lm's quantized folders store each quantized module as a packed ``weight`` (u
 
 Hugging Face's MXFP4 folders (gpt-oss: ``quantization_config.quant_method`` ``mxfp4``) store packed
 tensors as ``*_blocks`` and ``*_scales``; MLX's ``mxfp4`` packing holds the same bytes, so they are
-handed over packed too (:func:`repack_mxfp4`).
+handed over packed too (:func:`repack_mxfp4`). Block-scaled FP8 folders (DeepSeek-V3's
+``quant_method`` ``fp8``) are dequantized as they load (:mod:`.fp8`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, ShardPlan, TensorShards
+from mlxr_plugins.formats.safetensors import fp8
 from mlxr_plugins.formats.safetensors.files import read_json
 from mlxr_plugins.formats.safetensors.tokenizer import read_chat_template, tokenizer_spec
 
@@ -196,7 +198,8 @@ def read_weights(
                         path=str(file),
                         tensor=name,
                     )
-                array = array.astype(dtype)
+                # FP8 block scales stay float32 until their weights are dequantized (fp8.py).
+                array = array if name.endswith(fp8.SCALES) else array.astype(dtype)
             weights[name] = array
     if unsplit:
         log.info("%d tensors to split are read whole, their layout does not split there: %s%s",
@@ -355,7 +358,7 @@ def quantization_specs(
         if method is not None:
             raise ModelLoadError(
                 f"quantization_config.quant_method {method!r} is not supported (supported: MLX "
-                f"quantization as mlx-lm writes it, mxfp4; dequantize the model or convert it)",
+                f"quantization as mlx-lm writes it, mxfp4, fp8; dequantize the model or convert it)",
                 path=str(folder / CONFIG),
             )
         block = hf_block  # some mlx-lm releases wrote only this spelling
@@ -448,8 +451,13 @@ class SafetensorsFormat:
         files = weight_files(folder, path)
         shares = plan(config) if plan is not None else None
         weights, origin, file_metadata, shard_bytes = read_weights(files, DTYPES[dtype], shares)
+        sources: dict[str, str] = {}
         if hf_quant_method(config) == "mxfp4":
             quantization = repack_mxfp4(weights, origin)
+        elif hf_quant_method(config) == "fp8":
+            blocks = fp8.block_size(config, folder / CONFIG)
+            sources = fp8.dequantize_fp8(weights, origin, blocks, DTYPES[dtype])
+            quantization = {}
         else:
             quantization = quantization_specs(config, weights, origin, folder)
 
@@ -470,6 +478,8 @@ class SafetensorsFormat:
             config_keys=keys,
             weights=weights,
             quantization=quantization,
+            suggested_quantization=dict.fromkeys(sources, fp8.SUGGESTED),
+            source_types=sources,
             tokenizer=tokenizer,
             chat_template=read_chat_template(folder, tokenizer_config),
             metadata={
