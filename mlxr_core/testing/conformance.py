@@ -91,6 +91,16 @@ TINY_CONFIG: dict[str, Any] = {
     "full_attention_interval": 2,
     # M-RoPE (Qwen2.5-VL): how many of a head's 4 frequencies read the temporal, height and width positions.
     "mrope_section": [1, 1, 2],
+    # Multi-head latent attention (DeepSeek-V3): latent, query bottleneck and per-head widths; its
+    # experts in 2 groups of 2, one group chosen; the first layer dense.
+    "kv_lora_rank": 16,
+    "q_lora_rank": 24,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 6,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
 }
 #: Prompt lengths of the two batch rows: different, and longer than the sliding window.
 LENGTHS = (11, 6)

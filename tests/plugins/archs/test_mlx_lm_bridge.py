@@ -1,13 +1,12 @@
 """The mlx-lm bridge: model types mlx-lm implements and mlxr has no architecture for, served through
 mlx-lm's own model classes by mlxr's engine.
 
-Five such families are written by transformers with tiny O(1) random weights, loaded through mlxr's
+Four such families are written by transformers with tiny O(1) random weights, loaded through mlxr's
 safetensors format and loader, and compared with transformers (one pass, cached decoding, a
 left-padded batch, a prefix-cache hit: :func:`~mlxr_core.testing.hf_reference.check_reference`),
 then served by the engine with four concurrent greedy streams, each getting its solo tokens:
 OLMoE (a mixture of experts with query/key norms), Granite-MoE (embedding, attention, residual and
-logit multipliers), DeepSeek-V3 (latent attention whose cache holds a latent and a rotary key of
-different widths, grouped routing, a shared expert), OLMo 3 (sliding-window layers, for which
+logit multipliers), OLMo 3 (sliding-window layers, for which
 mlx-lm makes a rotating cache and the bridge a full one with a window mask), Cohere 2 (tied
 embeddings, a window pattern, parallel blocks), and two hybrids whose recurrent layers keep their
 state in mlxr's ``StateCache`` as mlx-lm's layers use theirs: LFM2 (short convolutions beside
@@ -55,14 +54,6 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "GraniteMoeConfig",
         {"num_local_experts": 6, "num_experts_per_tok": 2, "embedding_multiplier": 2.0,
          "logits_scaling": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3},
-    ),
-    "deepseek_v3": (
-        "DeepseekV3ForCausalLM",
-        "DeepseekV3Config",
-        {"num_key_value_heads": 4, "n_routed_experts": 6, "num_experts_per_tok": 2,
-         "moe_intermediate_size": 32, "first_k_dense_replace": 1, "n_shared_experts": 1,
-         "n_group": 2, "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 48,
-         "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16},
     ),
     "olmo3": (
         "Olmo3ForCausalLM",
