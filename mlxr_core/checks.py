@@ -43,9 +43,9 @@ def check_config(config: Config, host: PluginHost) -> dict[str, Any]:
 
 def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
     """Names in ``config`` that no loaded plugin registered, with what is available."""
+    from mlxr_core.chat.parsing import parser_problems
     from mlxr_core.kernels import kernel_preferences
     from mlxr_core.model.kv_storage import kv_cache_problems
-    from mlxr_core.parsing import parser_problems
 
     registries = host.registries
     problems = []

@@ -175,7 +175,7 @@ def mlxr_register_tool_parsers(register: RegisterName) -> None:
 
     :param register: ``register(name, target, *, override=False)``. ``name`` is what
         ``models[].tool_parser`` names (``"hermes"``); ``target`` implements
-        :class:`mlxr_core.parsing.ToolParser`: ``detect(template)`` scores a chat template for
+        :class:`mlxr_core.chat.parsing.ToolParser`: ``detect(template)`` scores a chat template for
         ``auto`` selection, ``stream()`` makes one request's incremental parser, and
         ``system_prompt``/``render_calls``/``render_result`` write tools into prompts whose
         template renders none.
@@ -191,7 +191,7 @@ def mlxr_register_reasoning_parsers(register: RegisterName) -> None:
 
     :param register: ``register(name, target, *, override=False)``. ``name`` is what
         ``models[].reasoning_parser`` names (``"think"``); ``target`` implements
-        :class:`mlxr_core.parsing.ReasoningParser`: ``detect(template)`` for ``auto`` selection and
+        :class:`mlxr_core.chat.parsing.ReasoningParser`: ``detect(template)`` for ``auto`` selection and
         ``stream(prompt)`` making one request's splitter of reasoning and content.
     :return: nothing.
     """

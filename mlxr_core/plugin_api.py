@@ -36,6 +36,17 @@ from mlxr_core.hookspecs import HOOK_API_VERSION, RegisterKernel, RegisterName, 
 from mlxr_core.plugins import Registries, hookimpl
 
 if TYPE_CHECKING:
+    from mlxr_core.chat.parsing import (
+        ChannelParser,
+        ReasoningParser,
+        ReasoningStream,
+        SpecialMarkup,
+        Text,
+        Tool,
+        ToolCall,
+        ToolParser,
+        ToolStream,
+    )
     from mlxr_core.config.schema import KVCacheConfig
     from mlxr_core.engine.client import EngineClient
     from mlxr_core.engine.decoding import (
@@ -83,17 +94,6 @@ if TYPE_CHECKING:
         ProvidesVision,
         VisionArchitecture,
     )
-    from mlxr_core.parsing import (
-        ChannelParser,
-        ReasoningParser,
-        ReasoningStream,
-        SpecialMarkup,
-        Text,
-        Tool,
-        ToolCall,
-        ToolParser,
-        ToolStream,
-    )
 
 #: Where each contract is defined; imported from there on first use.
 _LAZY = {
@@ -126,7 +126,7 @@ _LAZY = {
         "mlxr_core.model.vision": (
             "DraftsImages", "ImageProcessor", "ImageTokens", "ProvidesVision", "VisionArchitecture",
         ),
-        "mlxr_core.parsing": (
+        "mlxr_core.chat.parsing": (
             "ChannelParser", "ReasoningParser", "ReasoningStream", "SpecialMarkup", "Text", "Tool",
             "ToolCall", "ToolParser", "ToolStream",
         ),

@@ -17,9 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mlxr_core.engine.request import Constraint, PromptImage
-from mlxr_core.errors import RequestError
-from mlxr_core.parsing import (
+from mlxr_core.chat.parsing import (
     ChannelParser,
     OutputSplitter,
     ReasoningParser,
@@ -29,10 +27,12 @@ from mlxr_core.parsing import (
     ToolCall,
     ToolParser,
 )
+from mlxr_core.chat.prompt import render_prompt
+from mlxr_core.engine.request import Constraint, PromptImage
+from mlxr_core.errors import RequestError
 
 if TYPE_CHECKING:
     from mlxr_core.engine.admission import ModelInfo
-    from mlxr_core.engine.client import EngineClient
     from mlxr_core.http.context import ServerContext
     from mlxr_core.model.tokenizer import Tokenizer
 
@@ -267,7 +267,6 @@ def renders_tools(template: str | None) -> bool:
 
 
 def prepare_chat(
-    engine: EngineClient,
     info: ModelInfo,
     parsers: ModelParsers,
     messages: list[dict[str, Any]],
@@ -304,13 +303,7 @@ def prepare_chat(
             kwargs["tools"] = [tool.as_openai() for tool in shown]
     else:
         messages = _inline_tools(messages, shown, parsers.tool)
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs) + prefill
-    if images and info.image_tokens is not None:
-        prompt = info.image_tokens.expand_for(prompt, [image.pixels for image in images])
-    ids = info.encode(prompt, add_special_tokens=False)
-    bos = tokenizer.bos_token_id
-    if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-        ids.insert(0, bos)  # as Engine.encode_chat does
+    prompt, ids = render_prompt(info, messages, template_kwargs=kwargs, prefill=prefill, images=images)
     keep = special_ids(tokenizer, parsers.markup_tokens)
     return ChatSetup(prompt, ids, parsers, tools, choice, parallel, keep)
 

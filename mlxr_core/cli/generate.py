@@ -144,7 +144,9 @@ def _encode(engine: Engine, name: str, prompt: str, *, chat: bool | None, system
         raise MlxrError(f"the model {name!r} has no chat template; use --no-chat for raw completion")
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    return engine.encode_chat(name, messages)
+    from mlxr_core.chat.prompt import encode_chat
+
+    return encode_chat(engine.model(name), messages)
 
 
 def _print_stats(finished: Finished, wall_s: float) -> None:

@@ -32,7 +32,7 @@ from mlxr_core.model.tokenizer import encode_within
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
     from mlxr_core.engine.lifecycle import ModelSlot
-    from mlxr_core.engine.request import Arrivals, GenerationRequest, PromptImage, RequestHandle
+    from mlxr_core.engine.request import Arrivals, GenerationRequest, RequestHandle
     from mlxr_core.plugins import PluginHost
 
 
@@ -95,10 +95,6 @@ class EngineClient(Protocol):
 
     def encode(
         self, model: str, text: str, *, add_special_tokens: bool = True, truncate: bool = False, param: str = "prompt"
-    ) -> list[int]: ...
-
-    def encode_chat(
-        self, model: str, messages: list[dict[str, Any]], *, images: Sequence[PromptImage] = (), **template_kwargs: Any
     ) -> list[int]: ...
 
     def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle: ...
@@ -250,26 +246,6 @@ class EngineCaller:
         if info.longest_token_bytes:
             text = text[: 2 * info.context_length * info.longest_token_bytes]
         return encode_within(info.tokenizer, text, info.context_length, add_special_tokens=add_special_tokens)
-
-    def encode_chat(
-        self, model: str, messages: list[dict[str, Any]], *, images: Sequence[PromptImage] = (), **template_kwargs: Any
-    ) -> list[int]:
-        """Render ``messages`` with the model's chat template and tokenize the result; with
-        ``images`` (the request's, loaded, in order), the image markers the template writes
-        become those images' tokens."""
-        info = self.model(model)
-        tokenizer = info.tokenizer
-        prompt = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, **template_kwargs
-        )
-        if images and info.image_tokens is not None:
-            prompt = info.image_tokens.expand_for(prompt, [image.pixels for image in images])
-        ids = info.encode(prompt, add_special_tokens=False)
-        # Most templates write BOS themselves; add it for a model that wants one when they don't.
-        bos = tokenizer.bos_token_id
-        if tokenizer.add_bos and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)
-        return ids
 
     def embed(
         self,

@@ -22,11 +22,11 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta, Struct
 
+from mlxr_core.chat.tools import constraints_supported
 from mlxr_core.engine.request import Constraint
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import MAX_BODY_DEPTH, body_depth
-from mlxr_core.tool_calling import constraints_supported
 
 #: A JSON Schema: the object, or (as vLLM takes it) its JSON text.
 Schema = dict[str, Any] | str

@@ -89,7 +89,7 @@ def template_variables(
     (Qwen3-style templates; Ollama's ``think``, Anthropic's ``thinking.type``) and ``effort`` as
     ``reasoning_effort`` (Harmony's templates; OpenAI's ``reasoning_effort``, Ollama's
     ``think: "high"``). The model's ``models[].chat_template_kwargs`` lie under all of them
-    (:func:`mlxr_core.tool_calling.prepare_chat`)."""
+    (:func:`mlxr_core.chat.tools.prepare_chat`)."""
     variables: dict[str, Any] = {}
     if thinking is not None:
         variables["enable_thinking"] = thinking

@@ -6,7 +6,7 @@ optionally after ``<|python_tag|>``), ``mistral`` (``[TOOL_CALLS][{...}]``) and 
 (``[get_weather(city="Paris")]``, Gemma 3's documented format), ``gemma4``
 (``<|tool_call>call:f{...}<tool_call|>``). Reasoning: ``think`` (``<think>...</think>``),
 ``gemma4`` (``<|channel>thought ... <channel|>``). Both: ``harmony`` (gpt-oss's channels:
-reasoning, answer and calls in one markup). See :mod:`mlxr_core.parsing` for the contracts and
+reasoning, answer and calls in one markup). See :mod:`mlxr_core.chat.parsing` for the contracts and
 how ``auto`` chooses.
 """
 

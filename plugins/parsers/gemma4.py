@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from mlxr_core.parsing import Text, Tool, ToolCall
+from mlxr_core.chat.parsing import Text, Tool, ToolCall
 from mlxr_plugins.parsers.tools import MarkupStream, Result, _arguments, held_back
 
 CALL, CALL_END, RESPONSE = "<|tool_call>", "<tool_call|>", "<|tool_response>"

@@ -19,8 +19,8 @@ import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from mlxr_core.chat.parsing import Text, Tool, ToolCall
 from mlxr_core.model.chat_template import render_chat_template
-from mlxr_core.parsing import Text, Tool, ToolCall
 from mlxr_plugins.parsers.harmony_template import TOOLS_TEMPLATE
 from mlxr_plugins.parsers.tools import held_back
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mlxr_core.parsing import Text
+from mlxr_core.chat.parsing import Text
 from mlxr_plugins.parsers.tools import held_back
 
 OPEN, CLOSE = "<think>", "</think>"

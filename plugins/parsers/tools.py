@@ -14,8 +14,8 @@ import json
 import re
 from typing import Any
 
-from mlxr_core.parsing import Text, Tool, ToolCall, new_call_id
-from mlxr_core.tool_calling import call_from_object
+from mlxr_core.chat.parsing import Text, Tool, ToolCall, new_call_id
+from mlxr_core.chat.tools import call_from_object
 
 _DECODER = json.JSONDecoder()
 #: What may separate a model's leading calls (Llama 3 writes ``{...}; {...}``).

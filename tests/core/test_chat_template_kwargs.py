@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from mlxr_core.chat.tools import ModelParsers, prepare_chat
 from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.errors import RequestError
 from mlxr_core.model.chat_template import render_chat_template
-from mlxr_core.tool_calling import ModelParsers, prepare_chat
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
@@ -35,7 +35,7 @@ def prompt(model: dict[str, Any], request: dict[str, Any] | None) -> str:
     info = ModelInfo("m", 1 << 16, 0, Tokenizer(), "test", "test")
     parsers = ModelParsers(template_kwargs=model)
     messages = [{"role": "user", "content": "hi"}]
-    return prepare_chat(None, info, parsers, messages, template_kwargs=request).prompt  # type: ignore[arg-type]
+    return prepare_chat(info, parsers, messages, template_kwargs=request).prompt  # type: ignore[arg-type]
 
 
 def test_the_models_variables_and_the_requests_over_them() -> None:

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from mlxr_core.chat.parsing import Tool, closed_objects
+from mlxr_core.chat.tools import call_schema
 from mlxr_core.engine.decoding import SamplerContext
 from mlxr_core.engine.request import Constraint, Delta, Finished, GenerationRequest, SamplingParams
-from mlxr_core.parsing import Tool, closed_objects
-from mlxr_core.tool_calling import call_schema
 from mlxr_plugins.samplers.structured import GrammarMask, structured
 
 #: As clients send it: silent on additionalProperties, like most tools in the wild.

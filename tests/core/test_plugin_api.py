@@ -20,8 +20,8 @@ CONTRACTS = {
     "mlxr_register_samplers": ("LogitsProcessor", "mlxr_core.engine.decoding"),
     "mlxr_register_decoders": ("Decoder", "mlxr_core.engine.decoding"),
     "mlxr_register_apis": ("ServerContext", "mlxr_core.http.context"),
-    "mlxr_register_tool_parsers": ("ToolParser", "mlxr_core.parsing"),
-    "mlxr_register_reasoning_parsers": ("ReasoningParser", "mlxr_core.parsing"),
+    "mlxr_register_tool_parsers": ("ToolParser", "mlxr_core.chat.parsing"),
+    "mlxr_register_reasoning_parsers": ("ReasoningParser", "mlxr_core.chat.parsing"),
     "mlxr_register_kv_caches": ("KVCacheMethod", "mlxr_core.model.kv_storage"),
 }
 

@@ -11,7 +11,7 @@ leaves after the prompt (and to ``server.max_tokens_cap``), and the reply says `
 is reached.
 
 Tools: client tools (``tools`` with an ``input_schema``) are offered to the model through its chat
-template or its tool parser (:mod:`mlxr_core.tool_calling`); its calls come back as ``tool_use``
+template or its tool parser (:mod:`mlxr_core.chat.tools`); its calls come back as ``tool_use``
 blocks (``stop_reason: "tool_use"``), ``tool_choice`` ``any``/``tool`` force a call (the output is
 constrained to one), and ``tool_result`` blocks feed the answers back. Thinking: text inside the
 model's reasoning markers comes back as ``thinking`` blocks, never inside ``text``. Image and
@@ -27,6 +27,8 @@ from typing import Any
 from litestar import Request, Response, Router, post
 from litestar.params import JSONBody
 
+from mlxr_core.chat.parsing import Tool
+from mlxr_core.chat.tools import ChatSetup, ToolChoice, model_parsers, prepare_chat
 from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.request import GenerationRequest, PromptImage
@@ -45,8 +47,6 @@ from mlxr_core.http.frontend import (
 from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
-from mlxr_core.parsing import Tool
-from mlxr_core.tool_calling import ChatSetup, ToolChoice, model_parsers, prepare_chat
 from mlxr_plugins.apis.anthropic import schemas as s
 from mlxr_plugins.apis.anthropic.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.anthropic.streaming import MessageMeta, message, sse_response
@@ -126,7 +126,7 @@ async def prepare(
     thinking = None if body.thinking is None else body.thinking.type == "enabled"
     variables = template_variables(body.chat_template_kwargs, thinking=thinking)
     render = functools.partial(
-        prepare_chat, engine, info, model_parsers(ctx, info), messages,
+        prepare_chat, info, model_parsers(ctx, info), messages,
         tools=tools, choice=choice, parallel=parallel, prefill=prefill, template_kwargs=variables, images=images,
     )  # fmt: skip
     return await prepare_in_thread(ctx, request, render), images
@@ -154,7 +154,7 @@ def tool_request(body: s.CountTokensRequest) -> tuple[list[Tool], ToolChoice, bo
 
 
 def chat_messages(body: s.CountTokensRequest, images: list[ImageInput] | None = None) -> list[dict[str, Any]]:
-    """``system`` then the turns, as the dicts :func:`~mlxr_core.tool_calling.prepare_chat` takes:
+    """``system`` then the turns, as the dicts :func:`~mlxr_core.chat.tools.prepare_chat` takes:
     same-role text turns merged, ``tool_use`` blocks as the assistant's ``tool_calls``,
     ``tool_result`` blocks as ``tool`` turns (before the user's text in the same turn), a user
     turn with ``image`` blocks as text and ``{"type": "image"}`` parts in their order (Hugging

@@ -19,11 +19,11 @@ import attrs
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from mlxr_core.chat.parsing import Text, ToolCall, merge
+from mlxr_core.chat.tools import ReplyReader
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import shutdown_cancelled, tracked_events
-from mlxr_core.parsing import Text, ToolCall, merge
-from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.anthropic import schemas as s
 from mlxr_plugins.apis.anthropic.errors import error_body
 

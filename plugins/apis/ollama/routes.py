@@ -30,6 +30,8 @@ import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
 
+from mlxr_core.chat.prompt import encode_chat
+from mlxr_core.chat.tools import constraints_supported, model_parsers, prepare_chat
 from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.lifecycle import parse_keep_alive
@@ -49,7 +51,6 @@ from mlxr_core.http.frontend import (
 from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
-from mlxr_core.tool_calling import constraints_supported, model_parsers, prepare_chat
 from mlxr_plugins.apis.ollama import embed as embedding
 from mlxr_plugins.apis.ollama import models
 from mlxr_plugins.apis.ollama import schemas as s
@@ -152,7 +153,7 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
     params.constraint = format_constraint(ctx, body.format)
     tools = tools_of(body.tools)
     prepare = functools.partial(
-        prepare_chat, engine, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools),
+        prepare_chat, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools),
         template_kwargs=think_variables(body), images=images,
     )
     setup = await prepare_in_thread(ctx, request, prepare)
@@ -342,7 +343,7 @@ def _generate_prompt_ids(
     else:
         messages = [{"role": "system", "content": body.system}] if body.system else []
         content: Any = [*images, {"type": "text", "text": prompt}] if images else prompt
-        ids = engine.encode_chat(info.name, [*messages, {"role": "user", "content": content}], images=loaded or ())
+        ids = encode_chat(info, [*messages, {"role": "user", "content": content}], images=loaded or ())
         if context and ids and ids[0] == tokenizer.bos_token_id:
             ids = ids[1:]  # one BOS, at the start of the conversation
     return context + ids

@@ -15,10 +15,10 @@ from datetime import datetime, timezone
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from mlxr_core.chat.tools import ReplyReader
 from mlxr_core.engine.request import Delta, Failed, Finished, RequestHandle
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import shutdown_cancelled, tracked_events
-from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.ollama import schemas as s
 from mlxr_plugins.apis.ollama.errors import error_line
 from mlxr_plugins.apis.ollama.tools import assistant

@@ -1,4 +1,4 @@
-"""Ollama's ``tools``, ``tool_calls`` and ``think`` <-> :mod:`mlxr_core.tool_calling`.
+"""Ollama's ``tools``, ``tool_calls`` and ``think`` <-> :mod:`mlxr_core.chat.tools`.
 
 Ollama has no ``tool_choice``: offered tools are ``auto`` unless the mlxr extension
 ``options.tool_choice`` says otherwise (``none``, ``required`` or a tool's name). ``message.thinking`` carries the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlxr_core.chat.parsing import Text, Tool, ToolCall
+from mlxr_core.chat.tools import ToolChoice
 from mlxr_core.errors import RequestError
-from mlxr_core.parsing import Text, Tool, ToolCall
-from mlxr_core.tool_calling import ToolChoice
 from mlxr_plugins.apis.ollama import schemas as s
 
 

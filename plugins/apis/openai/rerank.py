@@ -24,6 +24,8 @@ from litestar import Request, Router, post
 from litestar.params import JSONBody
 from msgspec import Struct
 
+from mlxr_core.chat.prompt import encode_chat
+from mlxr_core.chat.tools import model_config_of
 from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.scoring import relevance_messages
 from mlxr_core.errors import RequestError
@@ -35,7 +37,6 @@ from mlxr_core.http.frontend import (
     unless_disconnected,
 )
 from mlxr_core.http.openapi import documented
-from mlxr_core.tool_calling import model_config_of
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.schemas import ErrorBody
 
@@ -126,7 +127,8 @@ def relevance_ids(
 ) -> list[list[int]]:
     """Each (query, document) pair's scoring prompt (``models[].rerank_prompt``), rendered and
     tokenized (a worker thread)."""
-    return [engine.encode_chat(model, relevance_messages(query, doc, instruction, prompt)) for query, doc in pairs]
+    info = engine.model(model)
+    return [encode_chat(info, relevance_messages(query, doc, instruction, prompt)) for query, doc in pairs]
 
 
 async def scores_of(

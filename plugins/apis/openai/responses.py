@@ -31,6 +31,15 @@ from litestar.background_tasks import BackgroundTask
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
+from mlxr_core.chat.parsing import Text, Tool, ToolCall
+from mlxr_core.chat.tools import (
+    ChatSetup,
+    ReplyReader,
+    ToolChoice,
+    constraints_supported,
+    model_parsers,
+    prepare_chat,
+)
 from mlxr_core.engine.request import (
     Constraint,
     Delta,
@@ -58,15 +67,6 @@ from mlxr_core.http.openapi import Stream as EventStream
 from mlxr_core.http.openapi import documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.model.paths import data_dir
-from mlxr_core.parsing import Text, Tool, ToolCall
-from mlxr_core.tool_calling import (
-    ChatSetup,
-    ReplyReader,
-    ToolChoice,
-    constraints_supported,
-    model_parsers,
-    prepare_chat,
-)
 from mlxr_plugins.apis.openai import responses_schemas as r
 from mlxr_plugins.apis.openai.errors import error_body
 from mlxr_plugins.apis.openai.schemas import ErrorBody
@@ -367,7 +367,7 @@ class Responses:
         messages, listed = input_messages(body.input, inputs)
         history = (previous.messages if previous else []) + messages
         chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
-        engine = ready_engine(ctx)
+        ready_engine(ctx)  # a 503 while the engine is not ready
         info = await loaded_model(ctx, body.model)
         images = await load_images(ctx.config.server, info, inputs)
         tools, choice, parallel = tool_request(body)
@@ -375,7 +375,7 @@ class Responses:
         effort = body.reasoning.effort if body.reasoning is not None else None
         variables = template_variables(body.chat_template_kwargs, effort=effort)
         prepare = functools.partial(
-            prepare_chat, engine, info, model_parsers(ctx, info), _without_image_data(chat), tools=tools,
+            prepare_chat, info, model_parsers(ctx, info), _without_image_data(chat), tools=tools,
             choice=choice, parallel=parallel, template_kwargs=variables, images=images,
         )  # fmt: skip
         setup: ChatSetup = await prepare_in_thread(ctx, request, prepare)

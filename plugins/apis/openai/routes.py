@@ -17,6 +17,7 @@ import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
 
+from mlxr_core.chat.tools import model_parsers, prepare_chat
 from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
 from mlxr_core.errors import ContextLengthExceeded, RequestError
@@ -34,7 +35,6 @@ from mlxr_core.http.frontend import (
 from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
-from mlxr_core.tool_calling import model_parsers, prepare_chat
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
@@ -124,13 +124,13 @@ async def create_chat_completion(
         params.logprobs = body.top_logprobs or 0
     elif body.top_logprobs:
         raise RequestError("top_logprobs needs logprobs: true", field="top_logprobs")
-    engine = ready_engine(ctx)
+    ready_engine(ctx)  # a 503 while the engine is not ready
     info = await loaded_model(ctx, body.model)  # an unknown model is a 404 before any templating
     tools, tool_choice, parallel = tool_request(body)
     variables = template_variables(body.chat_template_kwargs, effort=body.reasoning_effort)
     images = await load_images(ctx.config.server, info, inputs)
     prepare = functools.partial(
-        prepare_chat, engine, info, model_parsers(ctx, info), messages,
+        prepare_chat, info, model_parsers(ctx, info), messages,
         tools=tools, choice=tool_choice, parallel=parallel, template_kwargs=variables, images=images,
     )
     setup = await prepare_in_thread(ctx, request, prepare)

@@ -21,12 +21,12 @@ import msgspec
 from litestar.background_tasks import BackgroundTask
 from litestar.response import Stream
 
+from mlxr_core.chat.parsing import Text, ToolCall
+from mlxr_core.chat.tools import ReplyReader
 from mlxr_core.engine.request import Delta, Event, Failed, Finished, RequestHandle, TokenLogprob
 from mlxr_core.engine.request import Usage as EngineUsage
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import shutdown_cancelled, tracked_events
-from mlxr_core.parsing import Text, ToolCall
-from mlxr_core.tool_calling import ReplyReader
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.errors import error_body
 from mlxr_plugins.apis.openai.logprobs import LogprobFormatter

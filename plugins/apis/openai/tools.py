@@ -1,13 +1,13 @@
-"""OpenAI's tool calling and reasoning fields <-> :mod:`mlxr_core.tool_calling`."""
+"""OpenAI's tool calling and reasoning fields <-> :mod:`mlxr_core.chat.tools`."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+from mlxr_core.chat.parsing import Text, Tool, ToolCall
+from mlxr_core.chat.tools import ReplyReader, ToolChoice
 from mlxr_core.errors import RequestError
-from mlxr_core.parsing import Text, Tool, ToolCall
-from mlxr_core.tool_calling import ReplyReader, ToolChoice
 from mlxr_plugins.apis.openai import schemas as s
 
 

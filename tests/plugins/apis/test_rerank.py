@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from litestar.testing import TestClient
 
+from mlxr_core.chat.prompt import encode_chat
 from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.scoring import answer_ids, relevance_messages
@@ -53,7 +54,7 @@ def expected_scores(path: str, engine: Engine, model: str, query: str, docs: lis
     yes, no = answer_ids(loaded.tokenizer)
     scores = []
     for doc in docs:
-        ids = engine.encode_chat(model, relevance_messages(query, doc, prompt=prompt))
+        ids = encode_chat(engine.model(model), relevance_messages(query, doc, prompt=prompt))
         logits = np.array(loaded.model(mx.array([ids]))[0, -1].astype(mx.float32)).astype(np.float64)
         probs = np.exp(logits - logits.max())
         p_yes, p_no = probs[yes].sum(), probs[no].sum()
@@ -87,7 +88,7 @@ def test_tokenize_and_detokenize_round_trip(tiny: tuple[TestClient, Engine]) -> 
     assert body["tokens"] == tokenizer.encode("the wine") and body["count"] == len(body["tokens"])
     assert body["max_model_len"] == 2048 and len(body["token_strs"]) == body["count"]
     chat = client.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).json()
-    assert chat["tokens"] == engine.encode_chat("tiny", [{"role": "user", "content": "hi"}])
+    assert chat["tokens"] == encode_chat(engine.model("tiny"), [{"role": "user", "content": "hi"}])
     text = client.post("/detokenize", json={"model": "tiny", "tokens": body["tokens"]}).json()["prompt"]
     assert text.endswith("the wine")
 

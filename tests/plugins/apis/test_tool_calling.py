@@ -12,10 +12,10 @@ import pytest
 from litestar.testing import TestClient
 from scripted import FakeEngine, FakeTokenizer, ThreadedServer, make_ctx
 
+from mlxr_core.chat.parsing import validate_parser_choices
 from mlxr_core.config.schema import Config, ModelConfig
 from mlxr_core.errors import ConfigError
 from mlxr_core.http.server import build_app
-from mlxr_core.parsing import validate_parser_choices
 from mlxr_core.plugins import load_plugins
 
 WEATHER = {

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from mlxr_core.chat.prompt import encode_chat
 from mlxr_core.errors import ModelLoadError, RequestError
 from mlxr_core.model.vision import logits_with_images
 from mlxr_core.plugins import load_plugins
@@ -201,7 +202,7 @@ def test_image_and_text_requests_batch_and_chunk_like_transformers(reference, lo
         # A chat message's image part becomes the image's tiles and tokens, as the processor writes them.
         parts = [{"type": "text", "text": LEAD}, {"type": "image"}, {"type": "text", "text": TAIL}]
         image = PromptImage(pixels[0], "0" * 64)
-        assert engine.encode_chat("vision", [{"role": "user", "content": parts}], images=[image]) == reference.ids["one"]
+        assert encode_chat(engine.model("vision"), [{"role": "user", "content": parts}], images=[image]) == reference.ids["one"]
         assert tokens(submit("two", [0, 1])) == reference.greedy["two"]  # alone
         handles = [submit("two", [0, 1]), submit("text", []), submit("one", [0])]
         assert [tokens(h) for h in handles] == [reference.greedy[name] for name in ("two", "text", "one")]

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
+from mlxr_core.chat.parsing import OutputSplitter, Text, Tool, ToolCall, choose, merge
+from mlxr_core.chat.tools import ModelParsers, special_ids
 from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
-from mlxr_core.parsing import OutputSplitter, Text, Tool, ToolCall, choose, merge
 from mlxr_core.testing.tiny import tiny_gpt2_vocab
-from mlxr_core.tool_calling import ModelParsers, special_ids
 from mlxr_plugins.formats.gguf.tokenizer import GGUFTokenizerBackend
 from mlxr_plugins.parsers.gemma4 import Gemma4ThinkingParser, Gemma4ToolParser
 
@@ -156,7 +156,7 @@ SPECIAL = ("<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>"
 def test_the_engine_keeps_the_markup_for_the_parsers() -> None:
     """Gemma 4's markers are special tokens, which the detokenizer leaves out of the text unless
     asked: a chat with these parsers asks it to keep exactly their markers."""
-    from mlxr_core.tool_calling import prepare_chat
+    from mlxr_core.chat.tools import prepare_chat
 
     tokens, types, merges = tiny_gpt2_vocab(SPECIAL)
     tokenizer = GGUFTokenizerBackend().build(
@@ -170,7 +170,7 @@ def test_the_engine_keeps_the_markup_for_the_parsers() -> None:
     weather = Tool("get_weather", "Weather of a city", {"type": "object", "properties": {"city": {"type": "string"}}})
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     info = ModelInfo("m", 1 << 16, 0, tokenizer, "test", "test")
-    chat = prepare_chat(None, info, ModelParsers(TOOLS, THINKING), messages, tools=[weather])  # type: ignore[arg-type]
+    chat = prepare_chat(info, ModelParsers(TOOLS, THINKING), messages, tools=[weather])  # type: ignore[arg-type]
     assert chat.keep_special == special_ids(tokenizer, MARKUP) and len(chat.keep_special) == len(MARKUP)
     reply = f"<|channel>thought\nAsk the tool 😀.<channel|><|tool_call>call:get_weather{{city:{Q}Paris{Q}}}<tool_call|>"
     detokenizer = StreamingDetokenizer(tokenizer, chat.keep_special)

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
+from mlxr_core.chat.parsing import Text, Tool, ToolCall, choose, merge
+from mlxr_core.chat.tools import ChatSetup, ModelParsers, ToolChoice, special_ids
 from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.request import Constraint
 from mlxr_core.model.chat_template import render_chat_template
-from mlxr_core.parsing import Text, Tool, ToolCall, choose, merge
 from mlxr_core.testing.tiny import HARMONY_SPECIAL_TOKENS, tiny_gpt2_vocab
-from mlxr_core.tool_calling import ChatSetup, ModelParsers, ToolChoice, special_ids
 from mlxr_plugins.formats.gguf.tokenizer import GGUFTokenizerBackend
 from mlxr_plugins.formats.safetensors.tokenizer import end_of_generation_ids
 from mlxr_plugins.parsers.harmony import MARKUP, HarmonyParser
@@ -218,7 +218,7 @@ def test_markup_tokens_survive_detokenizing_for_the_parser_only(tokenizer: Any) 
 
 
 def test_a_chat_renders_in_harmony_and_asks_the_engine_to_keep_the_markup(tokenizer: Any) -> None:
-    from mlxr_core.tool_calling import prepare_chat
+    from mlxr_core.chat.tools import prepare_chat
 
     parser = HarmonyParser()
     messages = [
@@ -228,7 +228,7 @@ def test_a_chat_renders_in_harmony_and_asks_the_engine_to_keep_the_markup(tokeni
         {"role": "tool", "tool_call_id": "call_1", "content": "21"},
     ]  # fmt: skip
     info = ModelInfo("m", 1 << 16, 0, tokenizer, "test", "test")
-    chat = prepare_chat(None, info, ModelParsers(parser, parser), messages, tools=[WEATHER])  # type: ignore[arg-type]
+    chat = prepare_chat(info, ModelParsers(parser, parser), messages, tools=[WEATHER])  # type: ignore[arg-type]
     assert chat.prompt.endswith(
         '<|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{"city": "Paris"}'
         "<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>21<|end|><|start|>assistant"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mlxr_core.parsing import OutputSplitter, Text, ToolCall, merge, split_all
+from mlxr_core.chat.parsing import OutputSplitter, Text, ToolCall, merge, split_all
 from mlxr_plugins.parsers.reasoning import ThinkParser
 from mlxr_plugins.parsers.tools import HermesParser, Llama3JsonParser, MistralParser, PythonicParser
 
@@ -156,7 +156,7 @@ def test_splitter_reads_calls_after_the_reasoning() -> None:
     ],
 )
 def test_auto_choice_follows_the_template(template: str, tool: str | None, reasoning: str | None) -> None:
-    from mlxr_core.parsing import choose
+    from mlxr_core.chat.parsing import choose
     from mlxr_core.plugins import load_plugins
 
     registries = load_plugins().registries
