@@ -3,10 +3,13 @@
 Writes random weights in the Llama 3.2 1B shape (bf16, and mlx-lm's 4-bit quantization of them) as
 mlx-lm folders (``--shape qwen3-30b-a3b``: a Qwen3-30B-A3B-shaped mixture of experts, 4-bit only;
 ``qwen3-moe-cpu``: a smaller one for a CPU; ``qwen3.5-35b-a3b`` and ``qwen3.5-moe-cpu``: the
-Qwen3.5 hybrid, Gated DeltaNet and attention layers with experts), then for each folder measures back to back: mlx-lm's ``generate_step`` and mlxr's
-engine, single stream (prompt ``--prompt-tokens``, ``--gen-tokens`` generated), and mlxr's aggregate
-decode at several concurrent streams. Prints JSON with tokens/s, the ratios, and the
-memory-bandwidth limit (weight bytes per token / measured copy bandwidth).
+Qwen3.5 hybrid, Gated DeltaNet and attention layers with experts; ``deepseek-v3``: DeepSeek-V3's
+latent attention and experts at 4 layers), then for each folder measures back to back: mlx-lm's
+``generate_step`` and mlxr's engine, single stream (prompt ``--prompt-tokens``, ``--gen-tokens``
+generated), and the aggregate decode at several concurrent streams, mlxr's engine and mlx-lm's
+``BatchGenerator``. Prints JSON with tokens/s, the ratios, how far the peers' greedy tokens agree,
+each peer's KV bytes per token, and the memory-bandwidth limit (weight bytes per token / measured
+copy bandwidth).
 
     python bench/gpu_decode.py --out results.json
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import queue
 import shutil
@@ -31,6 +35,7 @@ import mlx.core as mx
 
 import mlxr_core  # noqa: F401  (before mlx: preloads a fast BLAS on Linux CPUs)
 from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
+from mlxr_core.engine.batch import kv_bytes_per_token
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
 from mlxr_core.plugins import load_plugins
@@ -98,7 +103,7 @@ QWEN3_MOE_CPU = {
 #: Qwen3.5-35B-A3B's text model (``Qwen3_5MoeTextConfig``'s defaults): 40 layers, three Gated
 #: DeltaNet layers to one gated-attention layer, 256 experts of width 512, 8 per token, a shared
 #: expert. Written as the released checkpoints nest it (``text_config``).
-QWEN3_5_35B_A3B = {
+QWEN3_5_35B_A3B: dict[str, Any] = {
     "model_type": "qwen3_5_moe",
     "text_config": {
         "model_type": "qwen3_5_moe_text",
@@ -153,6 +158,74 @@ QWEN3_5_MOE_CPU = {
     },
 }
 
+#: DeepSeek-V3's attention and expert widths at 4 of its 61 layers (the first dense, the others
+#: 64 of its 256 routed experts in 8 groups, 8 per token from the best 4 groups, one shared), its
+#: YaRN RoPE and vocabulary: 11.6B parameters (23.2 GB in bf16, 6.6 GB in 4-bit g64), of which
+#: a token reads 3.3B (Qwen3-30B-A3B's active count). Two copies (mlxr's and mlx-lm's) fit an
+#: 80 GB GPU in bf16.
+DEEPSEEK_V3_4L = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 64,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "hidden_act": "silu",
+    "vocab_size": 129280,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+    },
+    "max_position_embeddings": 163840,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+#: ``--smoke`` for it: the same design, every width small but each divisible by the 4-bit group
+#: (64), so the query bottleneck, the per-head latent projections and the experts are all packed.
+DEEPSEEK_V3_SMOKE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 4,
+    "topk_group": 2,
+    "vocab_size": 512,
+}
+
 #: A tiny shape to check the script itself on a CPU (``--smoke``).
 SMOKE = {
     **LLAMA_1B,
@@ -166,7 +239,7 @@ SMOKE = {
 }
 
 
-#: ``--shape`` -> (config, smoke config).
+#: ``--shape`` -> config (``--smoke`` shrinks it: :func:`smoke_shape`).
 SHAPES = {
     "llama-3.2-1b": LLAMA_1B,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
@@ -174,7 +247,41 @@ SHAPES = {
     "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
     "qwen3.5-35b-a3b-8l": QWEN3_5_35B_A3B_8L,
     "qwen3.5-moe-cpu": QWEN3_5_MOE_CPU,
+    "deepseek-v3": DEEPSEEK_V3_4L,
 }
+
+
+def smoke_shape(shape: dict[str, Any]) -> dict[str, Any]:
+    """``shape``'s design at a size that decodes in a second on a CPU (``--smoke``)."""
+    if shape["model_type"] == "deepseek_v3":
+        return {**shape, **DEEPSEEK_V3_SMOKE}
+    smoke = {**shape, **{k: v for k, v in SMOKE.items() if k in shape}, "model_type": shape["model_type"]}
+    if "num_experts" in smoke:
+        smoke.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    return smoke
+
+
+def randomize_routers(model: Any) -> None:
+    """Random router weights and correction biases where mlx-lm initializes them to zeros
+    (DeepSeek's ``MoEGate``): with all scores tied, every token would take the same experts (a
+    batch would read 8 of them, not most) and the peers' tie-breaking would decide the tokens."""
+    for _, module in model.named_modules():
+        if "e_score_correction_bias" in module:
+            experts, hidden = module.weight.shape
+            module.weight = mx.random.normal((experts, hidden)) * hidden**-0.5
+            module.e_score_correction_bias = mx.random.normal((experts,)) * 0.1
+
+
+#: Modules the 4-bit folders keep in bf16: multi-head latent attention's per-head projections
+#: (``embed_q``, ``unembed_out``: ``[heads, out, in]``), which mlxr loads only unpacked and which
+#: packed need ``quantized_matmul`` with batched weights, which MLX 0.32's CUDA backend lacks (see
+#: ``mlxr_core/model/quantized_cache.py``). DeepSeek-V3-shaped: 134 MB of a 6.5 GB folder.
+UNPACKED = ("embed_q", "unembed_out")
+
+
+def packs(path: str, module: Any) -> bool:
+    """mlx-lm's ``quant_predicate`` for the 4-bit folders: everything it packs but :data:`UNPACKED`."""
+    return path.rpartition(".")[2] not in UNPACKED
 
 
 def write_folders(root: Path, shape: dict[str, object], names: tuple[str, ...] = ("bf16", "q4")) -> dict[str, Path]:
@@ -187,6 +294,7 @@ def write_folders(root: Path, shape: dict[str, object], names: tuple[str, ...] =
     family = importlib.import_module(f"mlx_lm.models.{shape['model_type']}")
     mx.random.seed(0)
     model = family.Model(family.ModelArgs.from_dict(shape))
+    randomize_routers(model)
     model.set_dtype(mx.bfloat16)
     folders = {}
     for name in names:
@@ -194,7 +302,7 @@ def write_folders(root: Path, shape: dict[str, object], names: tuple[str, ...] =
         folder.mkdir()
         config = dict(shape)
         if name == "q4":
-            model, config = quantize_model(model, config, 64, 4)
+            model, config = quantize_model(model, config, 64, 4, quant_predicate=packs)
         save_model(folder, model)
         save_config(config, folder / "config.json")
         for file in ("tokenizer.json", "tokenizer_config.json"):
@@ -227,7 +335,8 @@ def active_bytes(model: Any) -> int:
 
     shares = active_share(model)
     total = 0.0
-    for name, array in tree_flatten(model.parameters()):
+    parameters: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for name, array in parameters:
         share = next((s for prefix, s in shares.items() if name.startswith(prefix)), 1.0)
         total += array.nbytes * share
     return int(total)
@@ -246,23 +355,69 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes * n / (time.perf_counter() - start)
 
 
-def mlx_lm_decode(folder: Path, prompt: list[int], gen: int) -> dict[str, float]:
+def mlx_lm_decode(folder: Path, prompt: list[int], gen: int) -> dict[str, Any]:
+    """mlx-lm's ``generate_step`` on one greedy stream: its tokens, and the bytes one position
+    takes in its attention caches (``kv_bytes_per_token``)."""
     from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
     from mlx_lm.utils import load_model
 
     model, _ = load_model(folder)
     mx.eval(model.parameters())
     for _ in generate_step(mx.array(prompt), model, max_tokens=4):
         pass
+    cache = make_prompt_cache(model)
     start = time.perf_counter()
     first = 0.0
-    count = 0
-    for _token, _ in generate_step(mx.array(prompt), model, max_tokens=gen):
-        count += 1
-        if count == 1:
+    tokens = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=gen, prompt_cache=cache):
+        tokens.append(token)
+        if len(tokens) == 1:
             first = time.perf_counter()
     end = time.perf_counter()
-    return {"ttft_s": first - start, "decode_tps": (count - 1) / (end - first)}
+    attention: list[Any] = [c for c in cache if isinstance(c, KVCache) and c.keys is not None]
+    kv = sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in attention)
+    return {"ttft_s": first - start, "decode_tps": (len(tokens) - 1) / (end - first),
+            "tokens": tokens, "kv_bytes_per_token": kv}
+
+
+def mlx_lm_batch_decode(folder: Path, prompt: list[int], gen: int, counts: list[int]) -> dict[int, Any]:
+    """mlx-lm's continuous batching (``BatchGenerator``, greedy, no stop tokens) on ``n`` streams
+    of ``prompt`` for each ``n`` in ``counts``, the model loaded once: the aggregate decode
+    tokens/s from the step that gives every stream its first token to the last, and the tokens."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(folder)
+    mx.eval(model.parameters())
+
+    def run(streams: int, max_tokens: int) -> dict[str, Any]:
+        generator = BatchGenerator(
+            model, max_tokens=max_tokens, completion_batch_size=streams, prefill_batch_size=streams
+        )
+        try:
+            uids = generator.insert([list(prompt) for _ in range(streams)])
+            tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+            first = end = 0.0
+            after_first = 0
+            while responses := generator.next_generated():
+                for response in responses:
+                    tokens[response.uid].append(response.token)
+                if first:
+                    after_first += len(responses)
+                elif all(tokens.values()):
+                    first = time.perf_counter()
+            end = time.perf_counter()
+        finally:
+            generator.close()
+        return {"aggregate_decode_tps": after_first / (end - first),
+                "tokens": [tokens[uid] for uid in uids]}
+
+    results = {}
+    for n in counts:
+        run(n, 8)  # warm-up: first use of each batch shape
+        results[n] = run(n, gen)
+    return results
 
 
 def mlxr_bare_decode(
@@ -379,6 +534,19 @@ def agreement(single: list[int], batched: list[list[int]]) -> dict[str, float]:
             "mean_shared_prefix": statistics.mean(shared), "tokens_per_stream": len(single)}
 
 
+def crowd_ratios(ours: dict[str, Any], peer: dict[str, Any] | None, peer_single: float) -> dict[str, Any]:
+    """mlx-lm's batched decode at the same stream count beside mlxr's: its aggregate, its
+    multiple of its own best single stream, and mlxr's aggregate over it."""
+    if peer is None:
+        return {}
+    if "aggregate_decode_tps" not in peer:
+        return {"mlx_lm": peer}
+    return {
+        "mlx_lm": {**peer, "vs_single": peer["aggregate_decode_tps"] / peer_single},
+        "ratio_mlxr_over_mlx_lm": ours["aggregate_decode_tps"] / peer["aggregate_decode_tps"],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -393,6 +561,8 @@ def main() -> int:
     parser.add_argument("--bare", action="store_true", help="also time mlxr's model in a bare loop")
     parser.add_argument("--only", nargs="+", default=None, help="weights to run (bf16, q4)")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-1b")
+    parser.add_argument("--no-peer-batch", action="store_true",
+                        help="skip mlx-lm's batched decode at --streams (BatchGenerator)")
     parser.add_argument("--mlxr-defaults", action="store_true",
                         help="mlxr's dtype and weight policy for the device (on a CPU: float32, "
                              "weights dequantized) instead of bf16 with packed weights kept")
@@ -400,10 +570,7 @@ def main() -> int:
     prompt = [(i * 37) % 100 + 3 for i in range(args.prompt_tokens)]
     shape = SHAPES[args.shape]
     if args.smoke:
-        shape = {**shape, **{k: v for k, v in SMOKE.items() if k in shape or k == "model_type"},
-                 "model_type": shape["model_type"]}
-        if "num_experts" in shape:
-            shape.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+        shape = smoke_shape(shape)
     report: dict[str, object] = {
         "device": str(mx.default_device()),
         "shape": f"{args.shape} (smoke)" if args.smoke else args.shape,
@@ -412,6 +579,7 @@ def main() -> int:
     report["copy_bandwidth_GBps"] = bandwidth / 1e9
     with tempfile.TemporaryDirectory() as tmp:
         folders = write_folders(Path(tmp), shape, tuple(args.only or ("bf16", "q4")))
+        mx.clear_cache()  # the writer's weights: two copies of a large model must fit beside them
         for name, folder in folders.items():
             if args.only and name not in args.only:
                 continue
@@ -433,9 +601,12 @@ def main() -> int:
             weight_bytes = engine._loaded["bench"].nbytes
             active = active_bytes(engine._loaded["bench"].model)
             decode_step = "compiled" if engine._loaded["bench"].compiled_decode else "eager"
+            kv_per_token = kv_bytes_per_token(engine._loaded["bench"])
             try:
                 mlxr_decode(engine, prompt, 8, 1)  # warm-up
-                ours, peer, bare = [], [], []
+                ours: list[dict[str, Any]] = []
+                peer: list[dict[str, Any]] = []
+                bare: list[dict[str, Any]] = []
                 gen = args.gen_tokens
                 runs = [
                     (ours, functools.partial(mlxr_decode, engine, prompt, gen, 1)),
@@ -462,10 +633,30 @@ def main() -> int:
                     # against the single stream (reported, not asserted: see agreement()).
                     crowd[n]["agreement_with_single"] = agreement(
                         ours[0]["tokens"], crowd[n].pop("tokens"))
-                for result in (*ours, *bare):
+                # The peers' greedy tokens on one stream: equal but for near ties (bf16 sums in
+                # other orders), so how far they agree is reported, not asserted.
+                ours_tokens, peer_tokens = ours[0]["tokens"], peer[0]["tokens"]
+                peers_agree = agreement(ours_tokens, [peer_tokens])
+                for result in (*ours, *bare, *peer):
                     result.pop("tokens", None)
             finally:
                 engine.stop()
+            del engine  # its weights, before mlx-lm loads its own copy for the batched runs
+            gc.collect()
+            mx.clear_cache()
+            peer_crowd: dict[int, Any] = {}
+            if args.streams and not args.no_peer_batch:
+                try:
+                    peer_crowd = mlx_lm_batch_decode(folder, prompt, args.gen_tokens, args.streams)
+                except Exception as exc:  # a model mlx-lm cannot batch: reported, the run goes on
+                    peer_crowd = {n: {"error": repr(exc)} for n in args.streams}
+                for n, r in peer_crowd.items():
+                    if "tokens" in r:
+                        batched = r.pop("tokens")
+                        r["agreement_with_single"] = agreement(peer_tokens, batched)
+                        r["agreement_with_mlxr_single"] = agreement(ours_tokens, batched)
+                    print(f"{name} mlx-lm {n} streams: {r.get('aggregate_decode_tps', r.get('error'))}",
+                          file=sys.stderr, flush=True)
             best_ours = max(r["decode_tps"] for r in ours)
             best_peer = max(r["decode_tps"] for r in peer)
             report[name] = {
@@ -484,8 +675,13 @@ def main() -> int:
                     o["decode_tps"] / p["decode_tps"] for o, p in zip(ours, peer, strict=True)
                 ),
                 "decode_step": decode_step,
+                "greedy_agreement_mlxr_vs_mlx_lm": peers_agree,
+                # Bytes one position takes in the attention caches, each peer's own count.
+                "kv_bytes_per_token": {"mlxr": kv_per_token, "mlx_lm": peer[0]["kv_bytes_per_token"]},
                 "concurrent": {
-                    str(n): {**r, "vs_single": r["aggregate_decode_tps"] / best_ours}
+                    str(n): {**r, "vs_single": r["aggregate_decode_tps"] / best_ours,
+                             "vs_mlx_lm_single": r["aggregate_decode_tps"] / best_peer,
+                             **crowd_ratios(r, peer_crowd.get(n), best_peer)}
                     for n, r in crowd.items()
                 },
             }
