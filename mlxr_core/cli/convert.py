@@ -97,35 +97,26 @@ def _write_folder(model: str, folder: Path, *, quantize: str, dtype: str) -> dic
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from mlxr_core.kernels import bind_kernels
-    from mlxr_core.model.arch import DefaultChatTemplate
-    from mlxr_core.model.loader import build_model, pick_arch, pick_format
+    from mlxr_core.model.loader import build_model
     from mlxr_core.model.paths import resolve_model_path
     from mlxr_core.model.progress import step
+    from mlxr_core.model.stages import build_tokenizer, open_checkpoint, plan
     from mlxr_core.plugins import load_plugins
 
     registries = load_plugins().registries
     path = resolve_model_path(model)
-    _, fmt = pick_format(path, registries)
     with step(f"loading {path.name}"):
-        checkpoint = fmt.load(path, dtype=dtype)
-    arch = pick_arch(checkpoint, registries)
-    kernels = bind_kernels(
-        registries.kernels, dtype=dtype, shapes=arch.kernel_context(checkpoint.config)
-    )
+        # The text model alone: a projector beside a GGUF is not converted.
+        opened = open_checkpoint(path, registries, dtype=dtype, mmproj="none")
+    planned = plan(opened, registries)
+    checkpoint = planned.checkpoint
     with step(f"building the {checkpoint.config.get('model_type')} graph ({quantize})"):
-        built = build_model(checkpoint, arch, kernels, POLICIES[quantize], dtype)
+        built = build_model(checkpoint, planned.arch, planned.kernels, POLICIES[quantize], dtype)
 
     flat: list[tuple[str, mx.array]] = tree_flatten(built.parameters())  # type: ignore[assignment]
     with step("writing model.safetensors"):
         mx.save_safetensors(str(folder / "model.safetensors"), dict(flat), metadata={"format": "mlx"})
-    tokenizer = None
-    if checkpoint.tokenizer is not None:
-        chat_template = checkpoint.chat_template
-        if chat_template is None and isinstance(arch, DefaultChatTemplate):
-            chat_template = arch.default_chat_template(checkpoint.config)
-        backend = registries.tokenizers.get(checkpoint.tokenizer.kind)
-        tokenizer = backend.build(checkpoint.tokenizer.data, chat_template=chat_template)
+    tokenizer = build_tokenizer(planned, registries)
     config = mlx_config(checkpoint.config, built)
     if tokenizer is not None:
         # mlx-lm stops on config.json's eos_token_id: every id that ends a turn, not only EOS.

@@ -95,41 +95,25 @@ def describe_model(
     import attrs
     from mlx.utils import tree_flatten
 
-    from mlxr_core.kernels import bind_kernels
     from mlxr_core.model.cache import position_bytes, reserve_bytes
     from mlxr_core.model.layers.moe import active_share
-    from mlxr_core.model.loader import (
-        DTYPES,
-        attach_projector,
-        build_model,
-        check_config,
-        choose_arch,
-        default_dtype,
-        kv_quantization,
-        pick_format,
-    )
-    from mlxr_core.model.paths import resolve_model_path, resolve_projector
+    from mlxr_core.model.loader import DTYPES, build_model, kv_quantization
+    from mlxr_core.model.paths import resolve_model_path
     from mlxr_core.model.progress import step
+    from mlxr_core.model.stages import open_checkpoint, plan
     from mlxr_core.plugins import load_plugins
 
     registries = load_plugins().registries
     path = resolve_model_path(model)
-    format_name, fmt = pick_format(path, registries)
-    dtype = default_dtype() if dtype == "auto" else dtype
     with step(f"loading {path.name}"):
-        checkpoint = fmt.load(path, dtype=dtype)
-    projector = resolve_projector(mmproj, path)
-    if projector is not None:
-        checkpoint = attach_projector(checkpoint, projector, registries, dtype)
-    chosen = choose_arch(checkpoint, registries)
-    arch = chosen.arch
-    check_config(checkpoint, arch)
-    config = checkpoint.config
+        opened = open_checkpoint(path, registries, dtype=dtype, mmproj=mmproj)
+    planned = plan(opened, registries)
+    checkpoint, chosen, arch, config = planned.checkpoint, planned.chosen, planned.arch, planned.config
+    dtype = opened.dtype
     shapes = arch.kernel_context(config)
-    kernels = bind_kernels(registries.kernels, dtype=dtype, shapes=shapes)
     report: Counter[str] = Counter()
     with step(f"building the {config.get('model_type')} graph ({quantization} policy)"):
-        built = build_model(checkpoint, arch, kernels, quantization, dtype, report)
+        built = build_model(checkpoint, arch, planned.kernels, quantization, dtype, report)
 
     flat: list[tuple[str, Any]] = tree_flatten(built.parameters())  # type: ignore[assignment]
     bits = {name: module.bits for name, module in built.named_modules() if hasattr(module, "bits")}
@@ -164,7 +148,7 @@ def describe_model(
     return {
         **_vision_facts(checkpoint, arch, DTYPES[dtype]),
         "path": str(path),
-        "format": format_name,
+        "format": opened.format,
         "architecture": config.get("model_type"),
         "architecture_path": chosen.path,
         "architecture_reason": chosen.reason,

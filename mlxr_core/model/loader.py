@@ -1,17 +1,20 @@
 """The loading pipeline: model config -> checkpoint -> architecture -> kernels -> weights.
 
-Runs on the engine thread (it creates MLX arrays). Every step that can fail raises an
+The first stages, shared with ``mlxr info``, ``mlxr convert`` and the format check, are
+:mod:`mlxr_core.model.stages` (open the checkpoint, plan its architecture and kernels); this
+module builds the planned module, loads its weights and makes it ready to serve. Runs on the
+engine thread (it creates MLX arrays). Every step that can fail raises an
 :class:`~mlxr_core.errors.MlxrError` saying which file, tensor, plugin or key was at fault.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,39 +23,30 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlxr_core.errors import (
-    ArchitectureUnavailable,
-    ConfigError,
-    MlxrError,
-    ModelLoadError,
-    UnknownArchitecture,
-    UnsupportedFormat,
-)
-from mlxr_core.kernels import KernelSet, bind_kernels, current_platform
-from mlxr_core.model.arch import (
-    Architecture,
-    ChecksLoadedModel,
-    DefaultChatTemplate,
-    RenamesModules,
-)
-from mlxr_core.model.checkpoint import (
-    Checkpoint,
-    Format,
-    QuantSpec,
-    ReadsProjector,
-    ReadsShards,
-    Shard,
-    ShardPlan,
-    TensorShards,
-)
+from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
+from mlxr_core.kernels import KernelSet, current_platform
+from mlxr_core.model.arch import Architecture, ChecksLoadedModel, RenamesModules
+from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, TensorShards
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.kv_storage import KVStorage, configure_kv_storage
 from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.layers.mlp import route_gated_activations
-from mlxr_core.model.paths import default_model_name, resolve_model_path, resolve_projector
+from mlxr_core.model.paths import default_model_name, resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.quantized_cache import quantize_caches
+from mlxr_core.model.stages import (
+    ArchChoice,
+    OpenCheckpoint,
+    build_tokenizer,
+    naming_config,
+    open_checkpoint,
+    plan,
+)
+
+# Where callers found these before the stages had a module of their own.
+from mlxr_core.model.stages import choose_arch as choose_arch
+from mlxr_core.model.stages import pick_format as pick_format
 from mlxr_core.model.tokenizer import Tokenizer
 from mlxr_core.model.vision import Vision, load_vision
 
@@ -114,12 +108,6 @@ class LoadedModel:
         return sum(array.nbytes for module in modules for _, array in tree_flatten(module.parameters()))  # type: ignore[misc,union-attr,str-unpack]
 
 
-def default_dtype() -> str:
-    """float32 on CPU (float16 matmuls are pathologically slow there), bfloat16 on a GPU."""
-    device, _ = current_platform()
-    return "bfloat16" if device == "gpu" else "float32"
-
-
 def dequantize_weights(
     weights: dict[str, mx.array], quantization: Mapping[str, QuantSpec], dtype: mx.Dtype
 ) -> dict[str, mx.array]:
@@ -135,137 +123,6 @@ def dequantize_weights(
             packed, scales, biases, group_size=spec.group_size, bits=spec.bits, mode=spec.mode
         ).astype(dtype)
     return dense
-
-
-def attach_projector(checkpoint: Checkpoint, path: Path, registries: Registries, dtype: str) -> Checkpoint:
-    """``checkpoint`` with the vision tower and projector file at ``path`` (``models[].mmproj``),
-    read by the format that recognizes it; ConfigError when that format reads no projectors."""
-    name, fmt = pick_format(path, registries)
-    if not isinstance(fmt, ReadsProjector):
-        raise ConfigError(f"{path}: the {name} format reads no projector files; models[].mmproj takes llama.cpp's "
-                          "mmproj GGUF", field="models[].mmproj")
-    log.info("%s: vision tower and projector from %s", checkpoint.path.name, path.name)
-    return fmt.load_projector(checkpoint, path, dtype=dtype)
-
-
-def pick_format(path: Path, registries: Registries, choice: str = "auto") -> tuple[str, Format]:
-    """The format plugin named by ``choice``, or the first whose ``detect`` accepts ``path``."""
-    if choice != "auto":
-        return choice, registries.formats.get(choice)
-    for name in registries.formats.names():
-        fmt = registries.formats.get(name)
-        if fmt.detect(path):
-            return name, fmt
-    raise UnsupportedFormat(
-        f"{path}: no format plugin recognizes this model "
-        f"(installed formats: {', '.join(registries.formats.names()) or 'none'})"
-    )
-
-
-@attrs.frozen
-class ArchChoice:
-    """The architecture a checkpoint loads through, and why (the startup log, ``mlxr info``)."""
-
-    arch: Architecture
-    #: ``"native"``, or the name of the architecture fallback serving it (``"mlx-lm"``).
-    path: str
-    #: One line: the plugin providing it, or what the fallback builds and what does not apply.
-    reason: str
-
-
-def choose_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "auto") -> ArchChoice:
-    """The architecture registered under the checkpoint's ``model_type`` (or ``choice``); else the
-    first architecture fallback that serves that name (``mlxr_register_arch_fallbacks``), so a
-    native architecture always wins. A ``choice`` naming a fallback sends the checkpoint's own
-    ``model_type`` to it. Raises UnknownArchitecture listing the architectures and why each
-    fallback declined."""
-    model_type = checkpoint.config.get("model_type")
-    if model_type is not None and not isinstance(model_type, str):
-        raise ModelLoadError(f"{model_type!r} is not a string", path=str(checkpoint.path), key="model_type")
-    name = model_type if choice == "auto" else choice
-    if not name:
-        raise ModelLoadError(
-            "the checkpoint names no model_type; set models[].arch", path=str(checkpoint.path), key="model_type"
-        )
-    if name in registries.archs:
-        entry = registries.archs.entry(name)
-        return ArchChoice(entry.load(), "native", f"native architecture {name!r} (plugin {entry.plugin})")
-    fallbacks = list(registries.arch_fallbacks)
-    why = f"no architecture plugin registers {name!r}"
-    if name in registries.arch_fallbacks:
-        fallbacks, why = [registries.arch_fallbacks.entry(name)], f"models[].arch is {name!r}"
-        name = model_type
-        if not name:
-            raise ModelLoadError("the checkpoint names no model_type", path=str(checkpoint.path))
-    declined = []
-    for entry in fallbacks:
-        label = entry.meta.get("label", entry.name)
-        try:
-            arch, note = entry.load().resolve({**checkpoint.config, "model_type": name})
-        except ArchitectureUnavailable as exc:
-            declined.append(f"{label}: {exc}")
-            continue
-        return ArchChoice(arch, entry.name, f"{label} ({why}): {note}")
-    raise UnknownArchitecture(name, registries.archs.names(), declined, path=str(checkpoint.path))
-
-
-def pick_arch(checkpoint: Checkpoint, registries: Registries, choice: str = "auto") -> Architecture:
-    """The architecture of :func:`choose_arch`."""
-    return choose_arch(checkpoint, registries, choice).arch
-
-
-#: A layer's index in a weight name (``model.layers.12.mlp.up_proj.weight``).
-LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-@contextlib.contextmanager
-def naming_config(checkpoint: Checkpoint) -> Iterator[None]:
-    """While an architecture reads ``checkpoint.config``: a ModelLoadError naming no file gets the
-    config's file and the key as that file spells it (``llama.block_count``), and any other
-    exception (a graph dividing by a value nothing checked) becomes a ModelLoadError naming the file."""
-    where = str(checkpoint.config_path or checkpoint.path)
-    try:
-        yield
-    except ModelLoadError as exc:
-        if exc.path is not None:
-            raise
-        key = _file_key(checkpoint, exc.key)
-        tensor = exc.tensor
-        if tensor is None and key is not None and key.endswith(".weight"):
-            key, tensor = None, key
-        raise ModelLoadError(exc.detail, path=where, tensor=tensor, key=key) from exc
-    except (ArithmeticError, LookupError, TypeError, ValueError) as exc:
-        model_type = checkpoint.config.get("model_type")
-        raise ModelLoadError(
-            f"the {model_type} graph cannot be built from this config: {type(exc).__name__}: {exc}",
-            path=where,
-        ) from exc
-
-
-def _file_key(checkpoint: Checkpoint, key: str | None) -> str | None:
-    """``key`` (``rope_scaling.factor``, ``rope_freq_factors[3]``) as the checkpoint's file names it."""
-    keys = checkpoint.config_keys
-    if key is None or key in keys:
-        return keys.get(key) if key else None
-    root = re.split(r"[.\[]", key, maxsplit=1)[0]
-    return keys[root] + key[len(root) :] if root in keys else key
-
-
-def check_config(checkpoint: Checkpoint, arch: Architecture) -> None:
-    """Check a checkpoint's config before anything is built from it: the layers it declares have
-    weights, and the architecture reads it (its config class checks each value's type and range,
-    :mod:`mlxr_core.model.layers.args`). Raises ModelLoadError naming the file, key and value."""
-    config = checkpoint.config
-    with naming_config(checkpoint):
-        declared = config.get("num_hidden_layers")
-        stored = {int(m[1]) for name in checkpoint.weights if (m := LAYER_INDEX.search(name))}
-        if type(declared) is int and stored and declared > max(stored) + 1:
-            raise ModelLoadError(
-                f"{declared} layers declared, but the weights hold {max(stored) + 1}",
-                key="num_hidden_layers",
-            )
-        arch.kernel_context(config)
-        arch.context_length(config)
 
 
 def renamed_modules(arch: Architecture, table: Mapping[str, T]) -> Mapping[str, T]:
@@ -359,46 +216,43 @@ def build_model(
     return model
 
 
-def shard_plan(
-    model_config: ModelConfig,
+def tensor_shares(
+    probe: OpenCheckpoint,
     registries: Registries,
-    choices: Mapping[str, str],
-    dtype: str,
+    *,
+    arch: str,
+    kernels: Mapping[str, str],
     group: Any,
     name: str,
-    path: Path,
-    format_name: str,
-) -> ShardPlan:
-    """The :class:`ShardPlan` a format that reads shares follows: given the checkpoint's config,
-    the architecture's module is built (its parameters never evaluated) and planned by
-    :func:`~mlxr_core.model.tensor_parallel.plan_shards`, in the checkpoint's tensor names. A
-    model that cannot be split is refused then, before its weights are read; a config the
-    architecture cannot build reads every tensor whole, and the load reports why further on."""
+) -> TensorShards:
+    """The share of each tensor this rank of ``group`` reads, for a format that reads shares
+    (:class:`~mlxr_core.model.checkpoint.ReadsShards`): given the checkpoint's config (``probe``,
+    stage one without weights), the planned module is built (its parameters never evaluated) and
+    split by :func:`~mlxr_core.model.tensor_parallel.plan_shards`, in the checkpoint's tensor
+    names. A model that cannot be split is refused then, before its weights are read; a config
+    the architecture cannot build reads every tensor whole, and the load reports why further on."""
     from mlxr_core.model.tensor_parallel import plan_shards
 
-    def plan(config: dict[str, Any]) -> TensorShards:
-        probe = Checkpoint(path=path, format=format_name, config=config, weights={})
-        try:
-            arch = pick_arch(probe, registries, model_config.arch)
-            kernels = bind_kernels(registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices)
-            with naming_config(probe):
-                model = arch.build(config, kernels)
-        except MlxrError as exc:
-            log.debug("%s: reading every tensor whole: %s", path.name, exc)
-            return lambda tensor: None
-        try:
-            shards = plan_shards(model, group.size(), group.rank(), name=name)
-        except ModelLoadError as exc:  # refused before a byte of the weights is read
-            raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
+    path = probe.path
+    try:
+        planned = plan(probe, registries, arch=arch, kernels=kernels)
+        with naming_config(probe.checkpoint):
+            model = planned.arch.build(planned.config, planned.kernels)
+    except MlxrError as exc:
+        log.debug("%s: reading every tensor whole: %s", path.name, exc)
+        return lambda tensor: None
+    try:
+        shards = plan_shards(model, group.size(), group.rank(), name=name)
+    except ModelLoadError as exc:  # refused before a byte of the weights is read
+        raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
+    renames = planned.arch if isinstance(planned.arch, RenamesModules) else None
 
-        def share(tensor: str) -> Shard | None:
-            module, _, part = tensor.rpartition(".")
-            names = arch.sanitized_modules(module) if isinstance(arch, RenamesModules) else [module]
-            return shards.get(f"{names[0]}.{part}") if len(names) == 1 else None
+    def share(tensor: str) -> Shard | None:
+        module, _, part = tensor.rpartition(".")
+        names = renames.sanitized_modules(module) if renames is not None else [module]
+        return shards.get(f"{names[0]}.{part}") if len(names) == 1 else None
 
-        return share
-
-    return plan
+    return share
 
 
 def kv_quantization(
@@ -437,45 +291,26 @@ def load_model(
     ``pipeline_group``, its share of the layers (:mod:`mlxr_core.model.pipeline`)."""
     started = time.perf_counter()
     path = resolve_model_path(model_config.path)
-    format_name, fmt = pick_format(path, registries, model_config.format)
-    dtype = default_dtype() if model_config.dtype == "auto" else model_config.dtype
     name = model_config.name or default_model_name(path)
     choices = {**(kernel_choices or {}), **model_config.kernels}
-    if tensor_group is not None and isinstance(fmt, ReadsShards):
-        plan = shard_plan(model_config, registries, choices, dtype, tensor_group, name, path, format_name)
-        checkpoint = fmt.load_shards(path, plan, dtype=dtype)
-    else:
-        checkpoint = fmt.load(path, dtype=dtype)
-    projector = resolve_projector(model_config.mmproj, path)
-    if projector is not None:
-        checkpoint = attach_projector(checkpoint, projector, registries, dtype)
-    chosen = choose_arch(checkpoint, registries, model_config.arch)
-    arch = chosen.arch
-    log.info("%s: model type %r: %s", path.name, checkpoint.config.get("model_type"), chosen.reason)
-    check_config(checkpoint, arch)
-    config = checkpoint.config
+    shares = None
+    if tensor_group is not None:
+        shares = partial(
+            tensor_shares, registries=registries, arch=model_config.arch, kernels=choices, group=tensor_group, name=name
+        )
+    opened = open_checkpoint(
+        path, registries, format=model_config.format, dtype=model_config.dtype, mmproj=model_config.mmproj, shares=shares
+    )
+    planned = plan(opened, registries, arch=model_config.arch, kernels=choices)
+    checkpoint, chosen, arch, kernels = opened.checkpoint, planned.chosen, planned.arch, planned.kernels
+    format_name, dtype, config = opened.format, opened.dtype, checkpoint.config
+    log.info("%s: model type %r: %s", path.name, config.get("model_type"), chosen.reason)
 
-    if checkpoint.tokenizer is None:
+    tokenizer = build_tokenizer(planned, registries)
+    if tokenizer is None:
         # A GGUF without a tokenizer model (or one the reader could not take) lacks this key.
         key = "tokenizer.ggml.model" if checkpoint.format == "gguf" else None
         raise ModelLoadError("the checkpoint carries no tokenizer", path=str(path), key=key)
-    backend = registries.tokenizers.get(checkpoint.tokenizer.kind)
-    chat_template = checkpoint.chat_template
-    if chat_template is None and isinstance(arch, DefaultChatTemplate):
-        chat_template = arch.default_chat_template(config)
-        if chat_template is not None:
-            arch_name = config.get("model_type", "architecture's")
-            log.info("%s has no chat template; using the %s default", path.name, arch_name)
-    try:
-        tokenizer = backend.build(checkpoint.tokenizer.data, chat_template=chat_template)
-    except ModelLoadError as exc:
-        if exc.path is not None:
-            raise
-        raise ModelLoadError(exc.detail, path=str(path), tensor=exc.tensor, key=exc.key) from exc
-
-    kernels = bind_kernels(
-        registries.kernels, dtype=dtype, shapes=arch.kernel_context(config), choices=choices
-    )
     model = build_model(
         checkpoint, arch, kernels, model_config.quantization, dtype, tensor_group=tensor_group, name=name
     )

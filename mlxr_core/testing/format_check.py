@@ -10,6 +10,7 @@ from mlxr_core.model.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     from mlxr_core.model.checkpoint import Format
+    from mlxr_core.model.stages import OpenCheckpoint
     from mlxr_core.plugins import Registries
 
 #: ASCII text every byte-level or SentencePiece vocabulary encodes and decodes back unchanged.
@@ -34,6 +35,7 @@ def check_format(
     """
     import mlx.core as mx
 
+    from mlxr_core.model.stages import open_checkpoint
     from mlxr_core.plugins import load_plugins
 
     registries = registries if registries is not None else load_plugins().registries
@@ -53,11 +55,12 @@ def check_format(
         for other in (Path(scratch) / "missing", Path(scratch) / "empty", text):
             assert not fmt.detect(other), f"{fmt.name}: detect() accepts {other.name}"
 
-        checkpoint = fmt.load(path, dtype="float32")
+        opened = open_checkpoint(path, registries, format=fmt, dtype="float32", mmproj="none")
+        checkpoint = opened.checkpoint
         _check_checkpoint(fmt.name, checkpoint)
         _check_tokenizer(fmt.name, checkpoint, registries)
         if checkpoint.config["model_type"] in registries.archs:
-            _check_builds(checkpoint, registries)
+            _check_builds(opened, registries)
 
         save = getattr(fmt, "save", None)
         if callable(save):
@@ -112,18 +115,15 @@ def _check_tokenizer(name: str, checkpoint: Checkpoint, registries: Registries) 
     )
 
 
-def _check_builds(checkpoint: Checkpoint, registries: Registries) -> None:
+def _check_builds(opened: OpenCheckpoint, registries: Registries) -> None:
     import mlx.core as mx
 
-    from mlxr_core.kernels import bind_kernels
-    from mlxr_core.model.loader import build_model, pick_arch
+    from mlxr_core.model.loader import build_model
+    from mlxr_core.model.stages import plan
 
-    arch = pick_arch(checkpoint, registries)
-    kernels = bind_kernels(
-        registries.kernels, dtype="float32", shapes=arch.kernel_context(checkpoint.config),
-        choices={"attention": "reference", "rms_norm": "reference", "rope": "reference"},
-    )
-    model = build_model(checkpoint, arch, kernels, "keep", "float32")
+    reference = {"attention": "reference", "rms_norm": "reference", "rope": "reference"}
+    planned = plan(opened, registries, kernels=reference)
+    model = build_model(planned.checkpoint, planned.arch, planned.kernels, "keep", "float32")
     logits = model(mx.array([[1, 2, 3]]))
     assert logits.ndim == 3 and logits.shape[:2] == (1, 3), f"logits shape {logits.shape}"
     assert mx.all(mx.isfinite(logits)).item(), "the loaded model gives non-finite logits"
