@@ -8,7 +8,8 @@ its traceback and answered with a bare 500, never the traceback.
 
 A request no route matches never reaches a router's handlers: :func:`unmatched_route_handlers`, on
 the app, answers its 404 (or the 405 of a path that serves other methods) in the error shape of the
-API whose routes the path falls under.
+API whose routes the path falls under; :func:`allow_every_method` makes an ``OPTIONS`` answer list
+every method of its path.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from litestar import Request, Response, Router
+from litestar.datastructures import MutableScopeHeaders
 from litestar.exceptions import (
     HTTPException,
     MethodNotAllowedException,
     NotFoundException,
     ValidationException,
 )
-from litestar.types import ExceptionHandler, ExceptionHandlersMap
+from litestar.types import ExceptionHandler, ExceptionHandlersMap, Message, Scope
 
 from mlxr_core.errors import EngineStopped, MlxrError, ModelUnavailable, Overloaded, RequestError
 
@@ -141,6 +143,23 @@ def unmatched_route_handlers(routers: Sequence[Router], fallback: ExceptionHandl
         return answer(request, exc, MethodNotAllowed(message))
 
     return {NotFoundException: on_not_found, MethodNotAllowedException: on_method_not_allowed}
+
+
+async def allow_every_method(message: Message, scope: Scope) -> None:
+    """A ``before_send`` hook: the ``Allow`` of Litestar's answer to ``OPTIONS`` lists every method
+    the path answers. Litestar writes the methods of the handlers registered with the first one for
+    the path, so a path whose handlers come from two places (``/v1/models/{id}``: GET from the model
+    list, POST from model admin) answered ``Allow: GET, OPTIONS``."""
+    if message["type"] != "http.response.start" or scope.get("method") != "OPTIONS":
+        return
+    handler = scope.get("route_handler")
+    methods: set[str] = set()
+    for path in getattr(handler, "paths", ()):
+        methods.update(scope["litestar_app"].route_handler_method_map.get(path, {}))
+    if methods:
+        headers = MutableScopeHeaders.from_message(message)
+        if "allow" in headers:
+            headers["allow"] = ", ".join(sorted(methods))
 
 
 def _segments(path: str) -> list[str]:

@@ -81,6 +81,11 @@ def decode_body(body: bytes, schema: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=schema)
     except msgspec.ValidationError as exc:
+        if "got `float`" in str(exc):
+            try:
+                return msgspec.convert(_integers(msgspec.json.decode(body)), schema, strict=True)
+            except msgspec.ValidationError:
+                pass
         raise RequestError(f"invalid request: {exc}", field=_param_of(str(exc))) from None
     except msgspec.DecodeError as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
@@ -90,6 +95,19 @@ def decode_body(body: bytes, schema: type[T]) -> T:
         ) from None
     except RecursionError:  # a deep body on a deep stack: body_depth is the bound, this a backstop
         raise RequestError("the request body nests arrays and objects too deeply") from None
+
+
+def _integers(value: Any) -> Any:
+    """``value`` with every number that has no fraction (``5.0``) made an integer: JSON Schema's
+    ``"type": "integer"``, which the document states, counts ``5.0`` as one, and msgspec's strict
+    decoder does not. Only a body the decoder refused is read again this way."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    if isinstance(value, list):
+        return [_integers(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _integers(item) for key, item in value.items()}
+    return value
 
 
 class JsonRequest(Request[Any, Any, Any]):

@@ -11,7 +11,9 @@ API's own field name in the error.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from msgspec import Meta
 
 from mlxr_core.engine.request import Constraint, SamplingParams
 from mlxr_core.errors import RequestError
@@ -21,6 +23,11 @@ from mlxr_core.http.frontend import cap_max_tokens
 #: Stop strings a request may send, and characters per string (OpenAI allows 4 strings).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+#: Stop strings as an API's schema declares them (``stop``, ``stop_sequences``, ``options.stop``):
+#: one string or a list, the limits :func:`stop_strings` checks stated in the document.
+StopString = Annotated[str, Meta(extra_json_schema={"minLength": 1, "maxLength": MAX_STOP_CHARS})]
+StopList = Annotated[list[StopString], Meta(extra_json_schema={"maxItems": MAX_STOP_STRINGS})]
+StopStrings = StopString | StopList
 
 
 def sampling_params(

@@ -37,7 +37,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_503_SERVICE_UNAVAILABLE
 from mlxr_core.errors import ConfigError, EngineStopped, MlxrError, PluginLoadError, close_matches
 from mlxr_core.http.access import ApiKeys, RequestLog, api_key_guard, json_body_guard
 from mlxr_core.http.context import InflightRequests, ServerContext
-from mlxr_core.http.errors import unmatched_route_handlers
+from mlxr_core.http.errors import allow_every_method, unmatched_route_handlers
 from mlxr_core.http.frontend import JsonRequest
 from mlxr_core.http.metrics import CONTENT_TYPE
 from mlxr_core.http.openapi import StructSchemas
@@ -70,6 +70,7 @@ def build_app(ctx: ServerContext) -> Litestar:
         # Routes outside the API routers (/health, /metrics) answer errors as {"error": "..."}; a
         # path no route serves, in the shape of the API it falls under (/v1/..., /api/...).
         exception_handlers={MlxrError: _plain_error, **unmatched_route_handlers(routers, _plain_error)},
+        before_send=[allow_every_method],
         request_max_body_size=server.max_body_bytes,
         # Typed bodies (``data: JSONBody[Struct]``) decoded strictly, depth-bounded, errors naming the field.
         request_class=JsonRequest,

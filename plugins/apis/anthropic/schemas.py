@@ -1,7 +1,8 @@
 """Anthropic Messages API wire types: requests decoded strictly, responses and stream events.
 
 Unknown fields are ignored (clients send ``metadata``, ``service_tier`` and betas we need not
-read); known fields of the wrong type or out of range are a 400 naming them.
+read); known fields of the wrong type or out of range are a 400 naming them. Which block a turn may
+hold, and what each block needs, the routes check by hand and the document states (``if``/``then``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
+
+from mlxr_core.http.requests import StopList
 
 if TYPE_CHECKING:
     from mlxr_core.engine.request import Usage as EngineUsage
@@ -21,10 +24,28 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 TopK = Annotated[int, Meta(ge=0)]
 
 
+def when(field: str, value: Any, then: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema rule "when ``field`` is ``value``, ``then``"."""
+    return {"if": {"properties": {field: {"const": value}}, "required": [field]}, "then": then}
+
+
+def needs(**fields: dict[str, Any]) -> dict[str, Any]:
+    """Those fields, present and of those schemas."""
+    return {"required": list(fields), "properties": fields}
+
+
+STRING = {"type": "string"}
+NAME = {"type": "string", "minLength": 1}
+TEXT_BLOCK = {"type": "object", **needs(type={"const": "text"}, text=STRING)}
+#: The blocks a user turn and an assistant turn may hold (thinking: an earlier reply's, ignored).
+USER_BLOCKS = ["text", "image", "tool_result"]
+ASSISTANT_BLOCKS = ["text", "tool_use", "thinking", "redacted_thinking"]
+
+
 class ImageSource(Struct, forbid_unknown_fields=False):
     """An ``image`` block's source: ``base64`` (``media_type``, ``data``) or a ``url``."""
 
-    type: str
+    type: Literal["base64", "url"]
     media_type: str | None = None
     data: str | None = None
     url: str | None = None
@@ -51,6 +72,18 @@ class ContentBlock(Struct, forbid_unknown_fields=False):
     source: ImageSource | None = None
 
 
+#: A block as the routes read it: what its ``type`` needs is there.
+RequestBlock = Annotated[ContentBlock, Meta(extra_json_schema={"allOf": [
+    {"properties": {"type": {"enum": sorted({*USER_BLOCKS, *ASSISTANT_BLOCKS})}}},
+    when("type", "text", needs(text=STRING)),
+    when("type", "image", needs(source={"type": "object", "allOf": [
+        when("type", "base64", needs(data=STRING)), when("type", "url", needs(url=STRING))]})),
+    when("type", "tool_use", needs(id=NAME, name=NAME)),
+    when("type", "tool_result", needs(tool_use_id=NAME) | {"properties": {
+        "tool_use_id": NAME, "content": {"anyOf": [{"type": ["string", "null"]}, {"type": "array", "items": TEXT_BLOCK}]}}}),
+]})]  # fmt: skip
+
+
 class ToolDefinition(Struct, forbid_unknown_fields=False):
     """A client tool: its name, description and the JSON schema of its input. A ``type`` other
     than ``custom`` names one of Anthropic's server tools, which this server does not run."""
@@ -58,43 +91,75 @@ class ToolDefinition(Struct, forbid_unknown_fields=False):
     name: Annotated[str, Meta(min_length=1, max_length=128)]
     description: str | None = None
     input_schema: dict[str, Any] | None = None
-    type: str | None = None
+    #: Only client tools (``custom``, or no type): server tools are not run here.
+    type: Annotated[str | None, Meta(extra_json_schema={"enum": ["custom", None]})] = None
 
 
-class ToolChoice(Struct, forbid_unknown_fields=False):
+class ToolChoiceFields(Struct, forbid_unknown_fields=False):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Message(Struct, forbid_unknown_fields=False):
+#: ``tool_choice`` (or null): a ``tool`` one names the tool.
+ToolChoice = Annotated[ToolChoiceFields | None, Meta(extra_json_schema=when("type", "tool", needs(name=NAME)))]
+
+
+class MessageFields(Struct, forbid_unknown_fields=False):
     #: The system prompt is the top-level ``system`` field.
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: str | list[RequestBlock]
+
+
+def _blocks_of(role: str, kinds: list[str]) -> dict[str, Any]:
+    return when("role", role, {"properties": {"content": {"items": {"properties": {"type": {"enum": kinds}}}}}})
+
+
+#: A turn: the blocks its role may hold.
+Message = Annotated[MessageFields, Meta(extra_json_schema={
+    "allOf": [_blocks_of("user", USER_BLOCKS), _blocks_of("assistant", ASSISTANT_BLOCKS)]})]
+#: Assistant turns without calls alone: a prefill with nothing before it but, at most, the system prompt.
+LONE_PREFILL = {"items": {"properties": {"role": {"const": "assistant"}, "content": {"anyOf": [
+    {"type": "string"}, {"type": "array", "not": {"contains": {"properties": {"type": {"const": "tool_use"}}}}}]}}}}
+#: A conversation starts with a user turn or the system prompt (a lone prefill needs a system
+#: prompt), and a ``tool_choice`` that forces a call (``any``, ``tool``) needs tools.
+CONVERSATION = {"allOf": [
+    {"if": {"properties": {"messages": LONE_PREFILL}},
+     "then": needs(system={"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "minItems": 1}]})},
+    {"if": needs(tool_choice={"type": "object", "properties": {"type": {"enum": ["any", "tool"]}}}),
+     "then": needs(tools={"type": "array", "minItems": 1})},
+]}  # fmt: skip
 
 
 class Thinking(Struct, forbid_unknown_fields=False):
-    type: str
+    type: Annotated[str, Meta(extra_json_schema={"enum": ["enabled", "disabled"]})]
 
 
-class CountTokensRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+class CountTokensFields(Struct, forbid_unknown_fields=False, kw_only=True):
     model: Annotated[str, Meta(min_length=1)]
     messages: Annotated[list[Message], Meta(min_length=1)]
-    system: str | list[ContentBlock] | None = None
+    #: The system prompt: text, or text blocks.
+    system: Annotated[str | list[ContentBlock] | None, Meta(extra_json_schema={"allOf": [
+        {"anyOf": [{"type": ["string", "null"]}, {"type": "array", "items": TEXT_BLOCK}]}]})] = None  # fmt: skip
     tools: list[ToolDefinition] | None = None
-    tool_choice: ToolChoice | None = None
+    tool_choice: ToolChoice = None
     thinking: Thinking | None = None
     #: Chat template variables for this request (vLLM's field, an extension here), over the model's.
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class MessagesRequest(CountTokensRequest, forbid_unknown_fields=False, kw_only=True):
+class MessagesFields(CountTokensFields, forbid_unknown_fields=False, kw_only=True):
     max_tokens: PositiveInt
-    stop_sequences: list[str] | None = None
+    stop_sequences: StopList | None = None
     stream: bool = False
     temperature: Temperature | None = None
     top_p: TopP | None = None
     top_k: TopK | None = None
+
+
+#: The bodies of ``/v1/messages/count_tokens`` and ``/v1/messages``.
+CountTokensRequest = Annotated[CountTokensFields, Meta(extra_json_schema=CONVERSATION)]
+MessagesRequest = Annotated[MessagesFields, Meta(extra_json_schema=CONVERSATION)]
 
 
 # -- responses -------------------------------------------------------------------------------

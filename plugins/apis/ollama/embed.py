@@ -12,10 +12,10 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Request
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.client import EngineClient
@@ -30,11 +30,13 @@ Resolver = Callable[[ServerContext, str], Awaitable[ModelInfo]]
 
 class EmbedRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     model: s.ModelName
-    input: str | list[str] = ""
+    #: A text (empty: nothing to embed), or texts none of which is empty.
+    input: str | list[Annotated[str, Meta(extra_json_schema={"minLength": 1})]] = ""
     truncate: bool = True
     options: s.Options | None = None
-    keep_alive: str | int | float | None = None
-    dimensions: int | None = None
+    keep_alive: s.KeepAlive | None = None
+    #: Not supported (embeddings have the model's hidden size): 0, Ollama's "unset", or null.
+    dimensions: Annotated[int, Meta(extra_json_schema={"const": 0, "description": s.UNSUPPORTED})] | None = None
 
 
 class EmbedResponse(Struct):
@@ -51,7 +53,7 @@ class EmbeddingsRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     model: s.ModelName
     prompt: str = ""
     options: s.Options | None = None
-    keep_alive: str | int | float | None = None
+    keep_alive: s.KeepAlive | None = None
 
 
 class EmbeddingsResponse(Struct):
@@ -63,7 +65,7 @@ async def create_embed(
 ) -> EmbedResponse:
     """``POST /api/embed``; ``resolve(engine, name)`` is the router's model resolver."""
     started = time.perf_counter_ns()
-    if body.dimensions is not None:
+    if body.dimensions:
         raise RequestError("dimensions is not supported by this server", field="dimensions")
     engine = ready_engine(ctx)
     info = await resolve(ctx, body.model)

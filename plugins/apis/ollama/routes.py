@@ -6,7 +6,8 @@ submits to the engine and answers with one JSON object or, as Ollama does by def
 NDJSON lines (:mod:`mlxr_plugins.apis.ollama.streaming`).
 
 ``tools`` are offered to the model (its calls come back as ``message.tool_calls``), ``think``
-splits the reasoning into ``message.thinking`` for a model with a reasoning parser, and ``format``
+splits the reasoning into ``message.thinking`` for a model with a reasoning parser (a model that does
+not think answers as without it, where Ollama refuses: a 400 for a valid body), and ``format``
 (``"json"`` or a JSON schema) is enforced while decoding. An mlxr extension, ``options.tool_choice``,
 forces a call (Ollama has none). Differences from Ollama, each answered with a 400 naming the field
 rather than silently ignored: ``suffix`` and ``template`` are not supported (``images``, base64,
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 from typing import Any
 
 import attrs
@@ -140,9 +142,7 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
         return json_response(s.ChatChunk(body.model, timer.created_at, s.AssistantMessage(""), True, "unload"))
     info = await kept_alive(body)(ctx, body.model)
     parsers = model_parsers(ctx, info)
-    if body.think not in (None, False) and parsers.reasoning is None:
-        raise RequestError(f"{body.model!r} does not support thinking", field="think")
-    if body.think in (None, False):
+    if body.think in (None, False):  # a model that does not think ignores think (it has no thinking to show)
         parsers = attrs.evolve(parsers, reasoning=None)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
         return json_response(s.ChatChunk(info.name, timer.created_at, s.AssistantMessage(""), True, "load"))
@@ -235,6 +235,8 @@ def keep_alive_seconds(body: KeepsAlive, info: ModelInfo | None, ctx: ServerCont
         slot = ctx.engine.lifecycle.slots.get(info.name) if info and ctx.engine.lifecycle else None
         return slot.config.idle_unload_seconds if slot is not None else None
     try:
+        if isinstance(body.keep_alive, str) and not re.search(s.GO_DURATION, body.keep_alive):
+            raise ValueError(f"{body.keep_alive!r} is not a duration (a number of seconds, or like '5m', '1h30m', '0')")
         return parse_keep_alive(body.keep_alive)
     except ValueError as exc:
         raise RequestError(f"keep_alive: {exc}", field="keep_alive") from None

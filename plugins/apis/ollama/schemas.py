@@ -2,7 +2,7 @@
 
 Unknown fields and unknown ``options`` are ignored, as Ollama does; a known field of the wrong type
 or out of range is a 400 naming it (``options.temperature``). Fields we know but cannot honour are
-declared so the routes can refuse them by name.
+declared so the routes can refuse them by name, and the document says so (``suffix`` only empty).
 """
 
 from __future__ import annotations
@@ -12,11 +12,20 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from mlxr_core.http.requests import StopStrings
+
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 #: -1 is "until the model stops", -2 "until the context is full"; both mean the context's room here.
 NumPredict = Annotated[int, Meta(ge=-2)]
+#: ``keep_alive`` as a Go duration (``"5m"``, ``"1h30m"``, ``"-1s"``, ``"0"``); a number is seconds.
+GO_DURATION = r"^[+-]?(0|(([0-9]+\.?[0-9]*|\.[0-9]+)(ns|us|µs|μs|ms|s|m|h))+)$"
+KeepAlive = float | Annotated[str, Meta(extra_json_schema={"pattern": GO_DURATION})]
+#: ``think``: on or off, or gpt-oss's effort. A model that does not think ignores it.
+Think = bool | Literal["low", "medium", "high"]
+#: What this server cannot honour, stated in the document.
+UNSUPPORTED = "not supported by this server"
 
 
 class Options(Struct, forbid_unknown_fields=False, omit_defaults=True):
@@ -30,7 +39,7 @@ class Options(Struct, forbid_unknown_fields=False, omit_defaults=True):
     #: Negative: a random seed (Ollama's -1).
     seed: int | None = None
     num_predict: NumPredict | None = None
-    stop: str | list[str] | None = None
+    stop: StopStrings | None = None
     # Honoured only when a sampler plugin provides them; ignored otherwise (logged at debug).
     repeat_penalty: Annotated[float, Meta(gt=0.0)] | None = None
     presence_penalty: float | None = None
@@ -41,11 +50,19 @@ class Options(Struct, forbid_unknown_fields=False, omit_defaults=True):
     tool_choice: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
 
 
+#: A tool, and a call an earlier turn made: a function with a name (``parameters`` a JSON schema).
+FUNCTION = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string", "minLength": 1},
+            "parameters": {"type": ["object", "null"]}}}  # fmt: skip
+TOOL = {"type": "object", "required": ["function"], "properties": {"function": FUNCTION}}
+CALL = {"type": "object", "required": ["function"],
+        "properties": {"function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}  # fmt: skip
+
+
 class Message(Struct, forbid_unknown_fields=False):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     images: list[str] | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: Annotated[list[Any], Meta(extra_json_schema={"items": CALL})] | None = None
     thinking: str | None = None
     tool_name: str | None = None
 
@@ -59,27 +76,48 @@ class BaseRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     #: Ollama streams unless told not to.
     stream: bool = True
     options: Options | None = None
-    format: Any = None
-    keep_alive: float | str | None = None
-    think: bool | str | None = None
+    #: ``"json"``, or a JSON schema the reply follows (``""`` and null: free text).
+    format: Annotated[Any, Meta(extra_json_schema={"anyOf": [{"enum": ["json", "", None]}, {"type": "object"}]})] = None
+    keep_alive: KeepAlive | None = None
+    think: Think | None = None
     #: Chat template variables for this request (vLLM's field, an extension here), over the model's.
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class ChatRequest(BaseRequest, forbid_unknown_fields=False, kw_only=True):
+class ChatFields(BaseRequest, forbid_unknown_fields=False, kw_only=True):
     messages: list[Message] | None = None
-    tools: list[Any] | None = None
+    tools: Annotated[list[Any], Meta(extra_json_schema={"items": TOOL})] | None = None
 
 
-class GenerateRequest(BaseRequest, forbid_unknown_fields=False, kw_only=True):
+#: A chat body: ``options.tool_choice: "required"`` needs tools (with messages: without, the model
+#: is only loaded).
+ChatRequest = Annotated[ChatFields, Meta(extra_json_schema={
+    "if": {"properties": {"messages": {"type": "array", "minItems": 1},
+                          "options": {"type": "object", "required": ["tool_choice"],
+                                      "properties": {"tool_choice": {"const": "required"}}}},
+           "required": ["messages", "options"]},
+    "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+})]  # fmt: skip
+
+
+class GenerateFields(BaseRequest, forbid_unknown_fields=False, kw_only=True):
+    #: /api/generate does not split out thinking: ``think`` is off or unset.
+    think: Annotated[Think, Meta(extra_json_schema={"const": False, "description": UNSUPPORTED})] | None = None
     prompt: str | None = None
     system: str | None = None
-    suffix: str | None = None
-    template: str | None = None
+    suffix: Annotated[str, Meta(extra_json_schema={"maxLength": 0, "description": UNSUPPORTED})] | None = None
+    template: Annotated[str, Meta(extra_json_schema={"maxLength": 0, "description": UNSUPPORTED})] | None = None
     #: Token ids a previous /api/generate returned, continuing that conversation.
-    context: list[int] | None = None
+    context: list[Annotated[int, Meta(extra_json_schema={"minimum": 0})]] | None = None
     raw: bool = False
     images: list[str] | None = None
+
+
+#: A generate body: a ``raw`` prompt has no template to place images in.
+GenerateRequest = Annotated[GenerateFields, Meta(extra_json_schema={
+    "if": {"properties": {"raw": {"const": True}}, "required": ["raw"]},
+    "then": {"properties": {"images": {"type": ["array", "null"], "maxItems": 0}}},
+})]  # fmt: skip
 
 
 class ModelRequest(Struct, forbid_unknown_fields=False):

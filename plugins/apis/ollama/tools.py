@@ -23,8 +23,10 @@ def tools_of(tools: list[Any] | None) -> list[Tool]:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise RequestError("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}", field=f"tools[{i}]")
-        parameters = function.get("parameters") or {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        elif not isinstance(parameters, dict):
             raise RequestError("parameters must be a JSON schema object", field=f"tools[{i}].function.parameters")
         out.append(Tool(function["name"], str(function.get("description") or ""), parameters))
     return out

@@ -11,10 +11,10 @@ from __future__ import annotations
 import base64
 import functools
 import struct
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from litestar import Request
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from mlxr_core.engine.client import EngineClient
 from mlxr_core.errors import RequestError
@@ -31,11 +31,20 @@ from mlxr_plugins.apis.openai.schemas import ModelName
 MAX_INPUTS = 2048
 
 
+#: ``input``'s forms, as :func:`embedding_inputs` reads them: a text, token ids, or a list of
+#: texts and token-id lists, none of them empty.
+TEXT = {"type": "string", "minLength": 1}
+TOKENS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+INPUT_FORMS = {"anyOf": [TEXT, TOKENS, {"type": "array", "items": {"anyOf": [TEXT, TOKENS]}, "minItems": 1, "maxItems": MAX_INPUTS}]}
+#: ``dimensions`` is not supported (embeddings have the model's hidden size): null only.
+NOT_SUPPORTED = {"type": "null", "description": "not supported by this server: embeddings have the model's hidden size"}
+
+
 class EmbeddingRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     model: ModelName
-    input: str | list[Any]
+    input: Annotated[str | list[Any], Meta(extra_json_schema={"allOf": [INPUT_FORMS]})]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
+    dimensions: Annotated[int | None, Meta(extra_json_schema=NOT_SUPPORTED)] = None
     user: str | None = None
 
 
@@ -88,8 +97,8 @@ def embedding_inputs(value: str | list[Any]) -> list[str | list[int]]:
     """``input`` as a list of items, each a non-empty string or a non-empty list of token ids."""
     if isinstance(value, str):
         items: list[Any] = [value]
-    elif value and all(_is_token(token) for token in value):
-        items = [list(value)]
+    elif value and all(is_token(token) for token in value):
+        items = [[int(token) for token in value]]
     else:
         items = list(value)
     if not items:
@@ -100,7 +109,9 @@ def embedding_inputs(value: str | list[Any]) -> list[str | list[int]]:
         if isinstance(item, str):
             if not item:
                 raise RequestError(f"input[{i}] is an empty string", field="input")
-        elif not (isinstance(item, list) and item and all(_is_token(token) for token in item)):
+        elif isinstance(item, list) and item and all(is_token(token) for token in item):
+            items[i] = [int(token) for token in item]
+        else:
             raise RequestError(
                 "input must be a string, a list of strings, a list of token ids or a list of "
                 "token-id lists",
@@ -109,7 +120,10 @@ def embedding_inputs(value: str | list[Any]) -> list[str | list[int]]:
     return items
 
 
-def _is_token(value: Any) -> bool:
+def is_token(value: Any) -> bool:
+    """An integer, as JSON Schema's ``integer`` reads one (``5.0`` is one too)."""
+    if isinstance(value, float):
+        return value.is_integer()
     return isinstance(value, int) and not isinstance(value, bool)
 
 

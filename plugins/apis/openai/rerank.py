@@ -4,7 +4,8 @@
 - ``POST /v1/rerank`` and ``/rerank`` (Jina's and Cohere's shape: ``query``, ``documents``,
   ``top_n``, ``return_documents``): documents by relevance, best first.
 - ``POST /v1/score`` and ``/score`` (vLLM's: ``text_1`` against each of ``text_2``).
-- ``POST /tokenize`` and ``/detokenize`` (vLLM's: a prompt or chat messages to ids, ids to text).
+- ``POST /tokenize`` and ``/detokenize`` (vLLM's: a prompt or chat messages to ids, ids to text;
+  ids outside the model's vocabulary decode to nothing).
   A text of more tokens than the model's context length is refused (400), found from a head of
   it: an answer holds at most ``max_model_len`` ids.
 
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 import functools
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 from litestar import Request, Router, post
 from litestar.params import JSONBody
-from msgspec import Struct
+from msgspec import Meta, Struct
 
 from mlxr_core.chat.prompt import encode_chat
 from mlxr_core.chat.tools import model_config_of
@@ -48,11 +49,15 @@ class Document(Struct, forbid_unknown_fields=False):
     text: str
 
 
+#: Documents (or ``text_2`` entries) a request scores: one at least, :data:`MAX_DOCUMENTS` at most.
+DOCUMENTS = {"minItems": 1, "maxItems": MAX_DOCUMENTS}
+
+
 class RerankRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     model: str
     query: str
-    documents: list[str | Document]
-    top_n: int | None = None
+    documents: Annotated[list[str | Document], Meta(extra_json_schema=DOCUMENTS)]
+    top_n: Annotated[int, Meta(extra_json_schema={"minimum": 1})] | None = None
     return_documents: bool = True
     #: What relevance means here (Qwen3-Reranker's instruction); a default when left out.
     instruction: str | None = None
@@ -77,9 +82,12 @@ class RerankResponse(Struct):
 
 
 class ScoreRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+    """``text_1``: one text, or as many as ``text_2`` (a rule between two lengths, which JSON
+    schema cannot state: a 400 naming ``text_1``)."""
+
     model: str
-    text_1: str | list[str]
-    text_2: str | list[str]
+    text_1: str | Annotated[list[str], Meta(extra_json_schema=DOCUMENTS)]
+    text_2: str | Annotated[list[str], Meta(extra_json_schema=DOCUMENTS)]
     instruction: str | None = None
 
 
@@ -97,13 +105,20 @@ class ScoreResponse(Struct):
     object: str = "list"
 
 
-class TokenizeRequest(Struct, forbid_unknown_fields=False, kw_only=True):
+class TokenizeFields(Struct, forbid_unknown_fields=False, kw_only=True):
     model: str
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+
+
+#: A ``/tokenize`` body: ``prompt`` or ``messages``, exactly one of them.
+TokenizeRequest = Annotated[TokenizeFields, Meta(extra_json_schema={"oneOf": [
+    {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+    {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}},
+]})]  # fmt: skip
 
 
 class TokenizeResponse(Struct):
@@ -115,7 +130,8 @@ class TokenizeResponse(Struct):
 
 class DetokenizeRequest(Struct, forbid_unknown_fields=False, kw_only=True):
     model: str
-    tokens: list[int]
+    #: Ids outside the model's vocabulary decode to nothing.
+    tokens: list[Annotated[int, Meta(extra_json_schema={"minimum": 0})]]
 
 
 class DetokenizeResponse(Struct):
@@ -202,10 +218,11 @@ def make_router(ctx: ServerContext) -> Router:
     async def detokenize(data: JSONBody[DetokenizeRequest]) -> DetokenizeResponse:
         body = data
         info = await loaded_model(ctx, body.model)
+        if any(token < 0 for token in body.tokens):
+            raise RequestError("token ids must not be negative", field="tokens")
         vocab = info.tokenizer.vocab_size
-        if any(not 0 <= token < vocab for token in body.tokens):
-            raise RequestError(f"token ids must be in [0, {vocab})", field="tokens")
-        return DetokenizeResponse(info.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        known = [token for token in body.tokens if token < vocab]  # others decode to nothing
+        return DetokenizeResponse(info.tokenizer.decode(known, skip_special_tokens=False))
 
     return Router(
         path="/", route_handlers=[rerank, score, tokenize, detokenize],

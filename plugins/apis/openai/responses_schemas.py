@@ -1,6 +1,7 @@
 """Wire types of OpenAI's Responses API (``/v1/responses``): the request, decoded strictly with
 unknown fields ignored as the other OpenAI routes do, and the response, its output items and
-its streamed events."""
+its streamed events. What an input item of each type needs, and which parts it may hold, the routes
+check by hand and the document states (``if``/``then``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,43 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from mlxr_plugins.apis.openai.schemas import PositiveInt, Seed, Temperature, TopK, TopP
+from mlxr_plugins.apis.openai.schemas import (
+    FORCED_NEEDS_TOOLS,
+    PositiveInt,
+    Seed,
+    Temperature,
+    TopK,
+    TopP,
+    when,
+)
+
+#: Roles of an input message, and the content parts that carry text.
+ROLES = ["system", "developer", "user", "assistant"]
+TEXT_PARTS = ["input_text", "output_text", "text"]
+STRING = {"type": "string"}
+NAME = {"type": "string", "minLength": 1}
+#: A part of text (``output``, a reasoning item's ``content`` and ``summary``).
+TEXT_PART = {"type": "object", "required": ["type", "text"], "properties": {"type": {"enum": TEXT_PARTS}, "text": STRING}}
+#: A part of a message's content: text, or an image by URL.
+PART = {"type": "object", "required": ["type"], "properties": {"type": {"enum": [*TEXT_PARTS, "input_image"]}},
+        "allOf": [{"if": {"properties": {"type": {"enum": TEXT_PARTS}}}, "then": {"required": ["text"], "properties": {"text": STRING}}},
+                  when("type", "input_image", {"required": ["image_url"], "properties": {"image_url": STRING}})]}  # fmt: skip
+
+
+def parts(part: dict[str, Any]) -> dict[str, Any]:
+    """Content that is a string, or a list of such parts (or null)."""
+    return {"anyOf": [{"type": ["string", "null"]}, {"type": "array", "items": part}]}
+
+
+#: Each input item's needs by ``type`` (a message when it has none).
+ITEM_RULES = {"properties": {"type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]}}, "allOf": [
+    {"if": {"properties": {"type": {"const": "message"}}},
+     "then": {"required": ["role"], "properties": {"role": {"enum": ROLES}, "content": parts(PART)}}},
+    when("type", "function_call", {"required": ["call_id", "name"], "properties": {"call_id": NAME, "name": NAME}}),
+    when("type", "function_call_output", {"required": ["call_id"], "properties": {"call_id": NAME, "output": parts(TEXT_PART)}}),
+    when("type", "reasoning", {"properties": {"content": parts(TEXT_PART),
+                                              "summary": {"type": ["array", "null"], "items": TEXT_PART}}}),
+]}  # fmt: skip
 
 
 class ContentPart(Struct, forbid_unknown_fields=False):
@@ -42,19 +79,24 @@ class InputItem(Struct, forbid_unknown_fields=False):
     status: str | None = None
 
 
+Item = Annotated[InputItem, Meta(extra_json_schema=ITEM_RULES)]
+
+
 class FunctionTool(Struct, forbid_unknown_fields=False):
     """A function the model may call (``{"type": "function", "name", "parameters", ...}``)."""
 
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
-    type: str = "function"
+    type: Annotated[str, Meta(extra_json_schema={"const": "function"})] = "function"
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
 class NamedToolChoice(Struct, forbid_unknown_fields=False):
-    type: str
-    name: str | None = None
+    """``{"type": "function", "name": ...}``: the function the reply calls."""
+
+    type: Annotated[str, Meta(extra_json_schema={"const": "function"})]
+    name: Annotated[str, Meta(min_length=1)]
 
 
 class TextFormat(Struct, forbid_unknown_fields=False):
@@ -68,7 +110,9 @@ class TextFormat(Struct, forbid_unknown_fields=False):
 
 
 class TextConfig(Struct, forbid_unknown_fields=False):
-    format: TextFormat | None = None
+    #: ``json_schema`` carries its schema.
+    format: Annotated[TextFormat | None, Meta(extra_json_schema=when("type", "json_schema", {
+        "required": ["schema"], "properties": {"schema": {"type": "object"}}}))] = None  # fmt: skip
 
 
 class Reasoning(Struct, forbid_unknown_fields=False):
@@ -76,9 +120,9 @@ class Reasoning(Struct, forbid_unknown_fields=False):
     summary: str | None = None
 
 
-class ResponsesRequest(Struct, forbid_unknown_fields=False):
+class ResponsesFields(Struct, forbid_unknown_fields=False):
     model: str
-    input: str | list[InputItem]
+    input: str | Annotated[list[Item], Meta(extra_json_schema={"minItems": 1})]
     instructions: str | None = None
     max_output_tokens: PositiveInt | None = None
     temperature: Temperature | None = None
@@ -87,7 +131,7 @@ class ResponsesRequest(Struct, forbid_unknown_fields=False):
     top_k: TopK | None = None
     seed: Seed | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: str | NamedToolChoice | None = None
+    tool_choice: Annotated[str, Meta(extra_json_schema={"enum": ["none", "auto", "required"]})] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
@@ -99,6 +143,10 @@ class ResponsesRequest(Struct, forbid_unknown_fields=False):
     truncation: Literal["auto", "disabled"] | None = None
     #: Template variables for this request (vLLM's and llama.cpp's field), over the model's.
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+#: A Responses body: a ``tool_choice`` that forces a call needs tools.
+ResponsesRequest = Annotated[ResponsesFields, Meta(extra_json_schema=FORCED_NEEDS_TOOLS)]
 
 
 # -- the response ------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import re
 import uuid
 from typing import Any
 
@@ -36,7 +37,12 @@ from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_plugins.apis.openai import schemas as s
-from mlxr_plugins.apis.openai.embeddings import EmbeddingList, EmbeddingRequest, create_embeddings
+from mlxr_plugins.apis.openai.embeddings import (
+    EmbeddingList,
+    EmbeddingRequest,
+    create_embeddings,
+    is_token,
+)
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.logprobs import LogprobFormatter
 from mlxr_plugins.apis.openai.model_admin import model_admin_routes
@@ -282,8 +288,8 @@ def completion_prompt(prompt: str | list[Any]) -> str | list[int]:
         return prompt[0]
     if len(prompt) == 1 and isinstance(prompt[0], list):
         prompt = prompt[0]
-    if prompt and all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
-        return list(prompt)
+    if prompt and all(is_token(token) for token in prompt):
+        return [int(token) for token in prompt]
     if len(prompt) > 1 and all(isinstance(item, (str, list)) for item in prompt):
         raise RequestError("batched prompts are not supported; send one prompt per request", field="prompt")
     raise RequestError(
@@ -317,11 +323,9 @@ def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     plugin checks the ids against the model's vocabulary and the values' range."""
     parsed: dict[int, float] = {}
     for key, value in (bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", field="logit_bias") from None
-        parsed[token] = value
+        if not re.search(s.TOKEN_KEY, key):
+            raise RequestError(f"logit_bias keys must be token ids, got {key[:32]!r}", field="logit_bias")
+        parsed[int(key)] = value
     return parsed
 
 

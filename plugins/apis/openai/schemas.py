@@ -3,7 +3,9 @@
 Requests are decoded by msgspec with its strict type rules (``"5"`` is not an integer, ``1`` is not
 a boolean), so a wrong type or an out-of-range value becomes a 400 naming the field without hand
 validation. Unknown fields are ignored because OpenAI clients send many we do not use; the ones we
-know but cannot honour are declared here and refused by the routes when set.
+know but cannot honour are declared here and refused by the routes when set; the document says so
+(``echo`` only ``false``), and rules between fields are stated with ``if``/``then``, so a body the
+document allows is one the routes serve.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
 from mlxr_core.http.constraints import GrammarFields
+from mlxr_core.http.requests import StopStrings
 
 #: OpenAI's seed is an int64; MLX keys take a uint64, and the routes map one onto the other.
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
@@ -29,6 +32,16 @@ TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 #: -1 and 0 both mean "off" (vLLM clients send -1).
 TopK = Annotated[int, Meta(ge=-1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+#: ``logit_bias``: token ids (JSON object keys) to a bias OpenAI bounds at 100 either way (the
+#: routes and the logit_bias sampler check both, naming the field).
+TOKEN_KEY = r"^[0-9]+$"
+LogitBias = Annotated[dict[str, float], Meta(extra_json_schema={
+    "propertyNames": {"pattern": TOKEN_KEY}, "allOf": [{"additionalProperties": {"minimum": -100, "maximum": 100}}]})]  # fmt: skip
+
+
+def when(field: str, value: Any, then: dict[str, Any]) -> dict[str, Any]:
+    """The JSON schema rule "when ``field`` is ``value``, ``then``" (the field present)."""
+    return {"if": {"properties": {field: {"const": value}}, "required": [field]}, "then": then}
 
 
 #: What OpenAI's ``system_fingerprint`` says: the serving software and its version.
@@ -50,7 +63,7 @@ class Request(GrammarFields, forbid_unknown_fields=False):
     top_k: TopK | None = None
     min_p: Probability | None = None
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: StopStrings | None = None
     #: Choices per request (each its own generation, seeded ``seed + i`` when a seed is given).
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     stream: bool = False
@@ -59,12 +72,12 @@ class Request(GrammarFields, forbid_unknown_fields=False):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0)] | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
     user: str | None = None
     #: vLLM's extension for benchmarks: generate ``max_tokens`` tokens whatever the model says.
     ignore_eos: bool = False
     #: Structured output (chat and, as vLLM accepts it, completions).
-    response_format: ResponseFormat | None = None
+    response_format: Format = None
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):
@@ -81,9 +94,16 @@ class ContentPart(Struct, forbid_unknown_fields=False):
     """One part of a message's list content: ``{"type": "text", "text": ...}``, or
     ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`` for a vision model."""
 
-    type: str
+    type: Literal["text", "image_url"]
     text: str | None = None
     image_url: ImageURL | None = None
+
+
+#: A content part as the routes read it: its ``type``'s field is there.
+Part = Annotated[ContentPart, Meta(extra_json_schema={"allOf": [
+    when("type", "text", {"required": ["text"], "properties": {"text": {"type": "string"}}}),
+    when("type", "image_url", {"required": ["image_url"], "properties": {"image_url": {"type": "object"}}}),
+]})]  # fmt: skip
 
 
 class FunctionCall(Struct, forbid_unknown_fields=False):
@@ -103,7 +123,7 @@ class MessageToolCall(Struct, forbid_unknown_fields=False):
 class ChatMessage(Struct, forbid_unknown_fields=False):
     #: ``developer`` is OpenAI's new name for ``system``.
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | list[Part] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
     #: A ``tool`` turn: the call it answers.
@@ -118,7 +138,7 @@ class FunctionDefinition(Struct, forbid_unknown_fields=False):
 
 class ToolDefinition(Struct, forbid_unknown_fields=False):
     function: FunctionDefinition
-    type: str = "function"
+    type: Annotated[str, Meta(extra_json_schema={"const": "function"})] = "function"
 
 
 class NamedFunction(Struct, forbid_unknown_fields=False):
@@ -147,14 +167,21 @@ class ResponseFormat(Struct, forbid_unknown_fields=False):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
+#: ``response_format`` (or null): of type ``json_schema``, it carries its schema.
+Format = Annotated[ResponseFormat | None, Meta(extra_json_schema=when("type", "json_schema", {
+    "required": ["json_schema"],
+    "properties": {"json_schema": {"type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}},
+}))]  # fmt: skip
+
+
+class ChatCompletionFields(Request, forbid_unknown_fields=False, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = None
     top_logprobs: TopLogprobs | None = None
     tools: list[ToolDefinition] | None = None
     #: ``"none"``, ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
-    tool_choice: str | NamedToolChoice | None = None
+    tool_choice: Annotated[str, Meta(extra_json_schema={"enum": ["none", "auto", "required"]})] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     #: Chat template variables for this request (vLLM's and llama.cpp's field), over the model's.
     chat_template_kwargs: dict[str, Any] | None = None
@@ -162,12 +189,33 @@ class ChatCompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
 
 
+#: A ``tool_choice`` that forces a call (``required``, or a named function) needs tools to call.
+FORCED_NEEDS_TOOLS = {
+    "if": {"properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}}, "required": ["tool_choice"]},
+    "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+}  # fmt: skip
+#: A chat completion's body: ``top_logprobs`` (above 0) asks for ``logprobs: true``.
+ChatCompletionRequest = Annotated[ChatCompletionFields, Meta(extra_json_schema={"allOf": [FORCED_NEEDS_TOOLS, {
+    "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}]})]  # fmt: skip
+#: ``prompt``: a string, a list of one string, token ids, or a list of one list of token ids.
+PROMPT_FORMS = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+    {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+     "minItems": 1, "maxItems": 1},
+]}  # fmt: skip
+#: What this server cannot honour, stated: no echo, no suffix, one candidate.
+UNSUPPORTED = "not supported by this server"
+
+
 class CompletionRequest(Request, forbid_unknown_fields=False, kw_only=True):
-    #: A string, a list of one string, a list of token ids, or a list of one list of token ids.
-    prompt: str | list[Any]
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    prompt: Annotated[str | list[Any], Meta(extra_json_schema={"allOf": [PROMPT_FORMS]})]
+    echo: Annotated[bool, Meta(extra_json_schema={"const": False, "description": UNSUPPORTED})] = False
+    suffix: Annotated[str, Meta(extra_json_schema={"maxLength": 0, "description": UNSUPPORTED})] | None = None
+    best_of: Annotated[int, Meta(extra_json_schema={"const": 1, "description": UNSUPPORTED})] | None = None
     logprobs: TopLogprobs | None = None
 
 

@@ -1,0 +1,33 @@
+"""What fuzzing the OpenAPI document against the server may meet besides a schema mismatch: the
+refusals of bodies the document allows for rules no JSON schema can state, shared by the test suite
+(``tests/plugins/apis/test_fuzz_schema.py``) and the long run (``bench/schema_fuzz.py``)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+#: Why a body the document allows may still be a 400: rules that depend on the served model (its
+#: context, vocabulary, chat template, whether it takes images, whether its tokenizer adds BOS) or
+#: on a language inside a string (a grammar, a regex, JSON text), or that relate values no JSON
+#: schema can relate (two lists' lengths, names unique across items, a name among those offered).
+UNSTATABLE = re.compile("|".join([
+    "context length", "the prompt is empty", "ids must be in", "takes no images", "chat template",
+    "is not JSON", "does not parse", "cannot be enforced", "invalid JSON schema", "regex",
+    "text_1 must be one text or as many as text_2", "distinct names", "not among tools",
+    "an offered tool's name",
+    # Rules between the grammar fields (mlxr_core.http.constraints), to state with the constraint limits.
+    "send one output constraint per request", "structured_outputs needs one of",
+]))  # fmt: skip
+
+
+def refusal(body: bytes | str) -> str:
+    """The message of an error reply's body, in any API's shape (``{"error": "..."}``,
+    ``{"error": {"message": ...}}``, Anthropic's ``{"type": "error", "error": {...}}``)."""
+    try:
+        decoded: Any = json.loads(body)
+    except ValueError:
+        return body.decode(errors="replace") if isinstance(body, bytes) else body
+    error = decoded.get("error") if isinstance(decoded, dict) else None
+    return str(error.get("message") if isinstance(error, dict) else error)
