@@ -30,8 +30,9 @@ def top_k(params: SamplingParams) -> Processor | None:
     def process(logits: mx.array) -> mx.array:
         if k >= logits.shape[-1]:
             return logits
-        # The k-th largest value is the threshold; ties at the threshold are kept.
-        kth = mx.sort(logits, axis=-1)[..., -k : -k + 1]
+        # The k-th largest value is the threshold; ties at the threshold are kept. (A slice ending
+        # at -k + 1 is empty for k = 1.)
+        kth = mx.sort(logits, axis=-1)[..., -k:][..., :1]
         return mx.where(logits < kth, NEG_INF, logits)
 
     return process

@@ -284,6 +284,7 @@ AGREEMENT = [
     ("/v1/messages", {**CHAT, "max_tokens": 2, "thinking": {"type": "sometimes"}}, False),
     ("/v1/messages", {**CHAT, "max_tokens": 2, "thinking": {"type": "enabled"}}, True),
     ("/v1/messages", {**CHAT, "max_tokens": 2, "tool_choice": {"type": "any"}}, False),
+    ("/v1/messages", {**CHAT, "max_tokens": 2, "top_k": 1, "temperature": 1.0}, True),  # was a 500
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "assistant", "content": "x"}]}, False),
     ("/v1/messages/count_tokens", {"model": "tiny", "system": "s", "messages": [{"role": "assistant", "content": "x"}]}, True),
     ("/v1/messages/count_tokens", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "tool_use"}]}]}, False),

@@ -21,6 +21,12 @@ def test_top_k_keeps_the_k_largest():
     assert finite(proc(LOGITS)) == [1, 2]
 
 
+@pytest.mark.parametrize(("k", "kept"), [(1, [1]), (3, [1, 2, 3]), (4, [0, 1, 2, 3]), (5, [0, 1, 2, 3, 4])])
+def test_top_k_keeps_the_k_largest_for_every_k(k: int, kept: list[int]) -> None:
+    """k = 1 too (the threshold's slice was empty, and sampling failed with a broadcast error)."""
+    assert finite(basic.top_k(SamplingParams(top_k=k))(LOGITS)) == kept
+
+
 def test_top_k_off_and_greedy_do_not_build_a_processor():
     assert basic.top_k(SamplingParams(top_k=0)) is None
     assert basic.top_k(SamplingParams(top_k=3, temperature=0.0)) is None
