@@ -35,6 +35,8 @@ from mlxr_core.model.vision import VisionArchitecture
 #: Hugging Face's default ``sliding_window_pattern``: every 6th layer attends globally.
 GLOBAL_EVERY = 6
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+#: transformers' names of the activation Gemma's GeGLU computes.
+GEGLU = ("gelu_pytorch_tanh", "gelu_tanh", "gelu")
 
 
 @dataclasses.dataclass
@@ -42,6 +44,7 @@ class Gemma3Args(TransformerArgs):
     """Gemma 3's config keys (Hugging Face names), defaulted as in ``Gemma3TextConfig``."""
 
     family = "gemma3"
+    computes = {**TransformerArgs.computes, "hidden_act": GEGLU}
     head_dim: int | None = 256
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
@@ -62,25 +65,15 @@ class Gemma3Args(TransformerArgs):
         if self.attn_logit_softcapping:
             # The attention kernels compute softmax(q k^T) with no cap; Gemma 2 used one, Gemma 3 does not.
             raise ModelLoadError("attn_logit_softcapping is not supported by the gemma3 graph")
-        if self.hidden_activation not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu"):
+        if self.hidden_activation not in GEGLU:
             raise ModelLoadError(f"hidden_activation {self.hidden_activation!r} is not GeGLU")
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Gemma3Args:
-        """Build from a ``gemma3_text`` config, or a multimodal ``gemma3`` one's ``text_config``."""
-        text = {**config, **config.get("text_config", {})}
-        # transformers 5: {"full_attention": {rope_theta, scaling...}, "sliding_attention": {...}}.
-        rope = text.get("rope_parameters")
-        if isinstance(rope, dict) and "full_attention" in rope:
-            full = dict(rope["full_attention"])
-            text.setdefault("rope_theta", full.pop("rope_theta", cls.rope_theta))
-            if full.get("rope_type", "default") != "default":
-                text.setdefault("rope_scaling", full)
-            local = rope.get("sliding_attention", {})
-            text.setdefault(
-                "rope_local_base_freq", local.get("rope_theta", cls.rope_local_base_freq)
-            )
-        return super().from_config(text)
+        """Build from a ``gemma3_text`` config, or a multimodal ``gemma3`` one's ``text_config``
+        (transformers 5's per-layer-type ``rope_parameters`` give ``rope_theta``, ``rope_scaling``
+        and ``rope_local_base_freq``: :mod:`~mlxr_core.model.layers.config_eras`)."""
+        return super().from_config({**config, **config.get("text_config", {})})
 
     def is_sliding(self, layer: int) -> bool:
         """Whether ``layer`` attends within the sliding window (else over everything)."""

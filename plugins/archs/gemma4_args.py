@@ -28,6 +28,7 @@ class Gemma4Args(TransformerArgs):
     (saved by transformers 5, keyed by layer index strings)."""
 
     family = "gemma4"
+    computes = {**TransformerArgs.computes, "hidden_act": GEGLU}
     head_dim: int | None = 256
     global_head_dim: int = 512
     num_global_key_value_heads: int | None = None

@@ -61,7 +61,7 @@ class GptOssArgs(TransformerArgs):
     """gpt-oss's config keys (Hugging Face names), defaulted as in ``GptOssConfig``."""
 
     family = "gpt_oss"
-    aliases = {"num_local_experts": ("num_experts",)}
+    mlp_kind = "sparse"
     head_dim: int | None = 64
     rms_norm_eps: float = 1e-5
     rope_theta: float = 150_000.0
@@ -79,11 +79,8 @@ class GptOssArgs(TransformerArgs):
     def from_config(cls, config: dict[str, Any]) -> GptOssArgs:
         """Build from a config with ``rope_scaling`` and ``rope_theta``, transformers 5's
         ``rope_parameters`` (both in one dict) or neither (``GptOssConfig``'s YaRN)."""
-        config = dict(config)
-        rope = dict(config.get("rope_parameters") or {})
-        config.setdefault("rope_theta", rope.pop("rope_theta", cls.rope_theta))
-        if not config.get("rope_scaling"):
-            config["rope_scaling"] = rope or dict(DEFAULT_ROPE)
+        if config.get("rope_scaling") is None and config.get("rope_parameters") is None:
+            config = {**config, "rope_scaling": dict(DEFAULT_ROPE)}
         return super().from_config(config)
 
     def is_sliding(self, layer: int) -> bool:

@@ -41,6 +41,7 @@ class MixtralArgs(TransformerArgs):
     """The common keys plus the experts' (defaults as in ``MixtralConfig``)."""
 
     family = "mixtral"
+    mlp_kind = "sparse"
     rms_norm_eps: float = 1e-5
     rope_theta: float = 1e6
     max_position_embeddings: int = 32768

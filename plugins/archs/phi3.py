@@ -59,17 +59,6 @@ class Phi3Args(TransformerArgs):
         if self.attention_bias or self.mlp_bias:
             raise ModelLoadError("phi3: biased projections are not supported")
 
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Phi3Args:
-        """Build from a checkpoint config; transformers 5 keeps ``partial_rotary_factor`` and
-        ``original_max_position_embeddings`` inside the rope parameters."""
-        scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-        config = dict(config)
-        for key in ("partial_rotary_factor", "original_max_position_embeddings"):
-            if key not in config and key in scaling:
-                config[key] = scaling[key]
-        return super().from_config(config)
-
     @property
     def longrope_original(self) -> int:
         """The pre-training length LongRoPE extends (the context this graph serves with it)."""

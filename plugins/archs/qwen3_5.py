@@ -54,18 +54,9 @@ class Qwen35MoeArgs(Qwen3NextArgs):
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text model's keys: ``text_config`` (with its ``rope_parameters`` read as the top
-    level's are) over the top level's."""
+    """The text model's keys: ``text_config``'s over the top level's."""
     inner = config.get("text_config")
-    if not isinstance(inner, dict):
-        return config
-    merged = {**config, **inner}
-    rope = inner.get("rope_parameters")
-    if isinstance(rope, dict):
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if key in rope:
-                merged[key] = rope[key]
-    return merged
+    return {**config, **inner} if isinstance(inner, dict) else config
 
 
 #: Where the language model's weights sit in the released checkpoints (``model.language_model.``)

@@ -27,6 +27,7 @@ from mlxr_core.model.layers import (
     PreNormBlock,
     RMSNorm,
     SparseMoE,
+    TransformerArgs,
     args_rotary,
     stack_experts,
 )
@@ -37,8 +38,9 @@ from mlxr_plugins.archs.qwen3 import Qwen3Args, qwen3_attention
 EXPERT_NAMES = {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}
 
 
-class SparseLayers:
-    """Qwen's rule for which layers are sparse, over the config keys its MoE families share."""
+class SparseLayers(TransformerArgs):
+    """Qwen's rule for which layers are sparse, over the config keys its MoE families share (a
+    base of their config classes, before the family's own)."""
 
     num_experts: int
     decoder_sparse_step: int
@@ -51,6 +53,12 @@ class SparseLayers:
             and self.num_experts > 0
             and (layer + 1) % self.decoder_sparse_step == 0
         )
+
+    def layer_pattern(self, key: str) -> list[str] | None:
+        """``mlp_layer_types`` by :meth:`is_sparse`, which a config's own list must agree with."""
+        if key == "mlp_layer_types":
+            return ["sparse" if self.is_sparse(i) else "dense" for i in range(self.num_hidden_layers)]
+        return super().layer_pattern(key)
 
 
 def qwen_feed_forward(args: Any, layer: int, kernels: KernelSet, shared: int | None = None) -> nn.Module:
@@ -78,7 +86,6 @@ class Qwen3MoeArgs(Qwen3Args, SparseLayers):
     """Qwen3's keys plus the experts' (defaults as in ``Qwen3MoeConfig``)."""
 
     family = "qwen3_moe"
-    aliases = {"num_experts": ("num_local_experts",)}
     num_experts: int = 128
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768

@@ -44,7 +44,7 @@ LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclasses.dataclass
-class Qwen3NextArgs(TransformerArgs, SparseLayers):
+class Qwen3NextArgs(SparseLayers):
     """The keys of ``Qwen3NextConfig`` this graph reads (its defaults)."""
 
     family = "qwen3_next"

@@ -17,6 +17,7 @@ import typing
 from typing import Any, ClassVar, TypeVar
 
 from mlxr_core.errors import ModelLoadError
+from mlxr_core.model.layers.config_eras import FULL, SLIDING, current_config
 
 ArgsT = TypeVar("ArgsT", bound="ConfigArgs")
 
@@ -39,15 +40,20 @@ class ConfigArgs:
     #: field -> (lowest, highest) value a checkpoint may give a numeric field (inclusive); fields
     #: not listed only need the right type (and, for floats, to be finite).
     limits: ClassVar[dict[str, tuple[float, float]]] = {}
+    #: Keys that change the math, for a class that does not declare them: key -> the values under
+    #: which this graph computes what the checkpoint means (every entry of a list). Another value
+    #: is refused, naming the key: never served as if it were one of these.
+    computes: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @classmethod
     def from_config(cls: type[ArgsT], config: dict[str, Any]) -> ArgsT:
-        """Build from a checkpoint config, ignoring keys this graph does not use. A ``null`` for a
-        field that cannot be None counts as absent (the field's default); a value of the wrong
-        type or outside :attr:`limits` raises ModelLoadError naming the key (``exc.key``) and the
-        value."""
+        """Build from a checkpoint config of either transformers era
+        (:func:`~mlxr_core.model.layers.config_eras.current_config`), ignoring keys this graph does
+        not use unless they would change its math (:meth:`check_unread`). A ``null`` for a field
+        that cannot be None counts as absent (the field's default); a value of the wrong type or
+        outside :attr:`limits` raises ModelLoadError naming the key (``exc.key``) and the value."""
         fields = dataclasses.fields(cls)
-        config = dict(config)
+        config = current_config(config, {field.name for field in fields})
         for name, others in cls.aliases.items():
             for other in others:
                 if name not in config and other in config:
@@ -71,7 +77,36 @@ class ConfigArgs:
         ]
         if missing:
             raise ModelLoadError(f"the {cls.family} config lacks {', '.join(missing)}", key=missing[0])
-        return cls(**known)
+        args = cls(**known)
+        args.check_unread(config)
+        return args
+
+    def layer_pattern(self, key: str) -> list[str] | None:
+        """What this graph computes per layer for a per-layer key it does not declare
+        (``layer_types``, ``mlp_layer_types``), or None where it has no layers to say it of."""
+        return None
+
+    def check_unread(self, config: dict[str, Any]) -> None:
+        """Refuse, naming the key, a config key this class does not declare that asks for other
+        math than the graph computes: a value outside :attr:`computes`, or a per-layer pattern
+        other than :meth:`layer_pattern`'s."""
+        declared = {field.name for field in dataclasses.fields(self)}
+        for key, allowed in self.computes.items():
+            value = config.get(key)
+            if key in declared or value is None:
+                continue
+            wrong = [item for item in (value if isinstance(value, list) else [value]) if item not in allowed]
+            if wrong:
+                shown = ", ".join(map(repr, allowed))
+                raise ModelLoadError(f"{wrong[0]!r}: the {self.family} graph computes only {shown}", key=key)
+        for key in ("layer_types", "mlp_layer_types"):
+            value, pattern = config.get(key), self.layer_pattern(key)
+            if key in declared or value is None or pattern is None:
+                continue
+            if value != pattern:
+                raise ModelLoadError(
+                    f"{_short(value)} is not what the {self.family} graph computes ({_short(pattern)})", key=key
+                )
 
 
 _FIELD_TYPES: dict[type, dict[str, Any]] = {}
@@ -135,6 +170,20 @@ def _wrong(key: str, value: Any, expected: str) -> ModelLoadError:
     return ModelLoadError(f"{shown} is not {expected}", key=key)
 
 
+def _short(pattern: Any) -> str:
+    """A per-layer list, runs of one value counted: ``['dense', 3 x 'sparse']``."""
+    if not isinstance(pattern, list):
+        return repr(pattern)
+    runs: list[list[Any]] = []
+    for item in pattern:
+        if runs and runs[-1][0] == item:
+            runs[-1][1] += 1
+        else:
+            runs.append([item, 1])
+    shown = ", ".join(repr(item) if n == 1 else f"{n} x {item!r}" for item, n in runs)
+    return f"[{shown}]" if len(shown) <= 120 else f"[{shown[:117]}...]"
+
+
 def _number_in(low: float, high: float) -> str:
     above = "a positive number" if low == POSITIVE else f"a number >= {low:g}"
     return above if high == math.inf else f"{above} and <= {high:g}"
@@ -188,6 +237,11 @@ class TransformerArgs(ConfigArgs):
         "mlp_only_layers": (0, 1 << 12),
     }
 
+    #: The gated MLP's activation these graphs compute (SwiGLU), and attention as a causal LM's.
+    computes = {"hidden_act": ("silu", "swish"), "use_bidirectional_attention": (False,)}
+    #: Every layer's feed-forward kind (``mlp_layer_types``' words), where it is one for all.
+    mlp_kind: ClassVar[str] = "dense"
+
     hidden_size: int
     num_hidden_layers: int
     intermediate_size: int
@@ -239,6 +293,12 @@ class TransformerArgs(ConfigArgs):
             )
         if self.rope_scaling is not None:
             check_rope_scaling(self.rope_scaling)
+
+    def layer_pattern(self, key: str) -> list[str] | None:
+        """Every layer alike: attending within ``sliding_window`` where one is set (Mistral's
+        rule; families with other rules declare ``layer_types``), its MLP :attr:`mlp_kind`."""
+        kind = (SLIDING if self.sliding_window else FULL) if key == "layer_types" else self.mlp_kind
+        return [kind] * self.num_hidden_layers
 
     @property
     def kv_heads(self) -> int:

@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
+from mlxr_core.model.layers.config_eras import rope_type
 
 #: Every ``rope_type`` :func:`make_rotary` builds (``su`` is LongRoPE's older name).
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "su", "proportional")
@@ -160,12 +161,6 @@ class Rotary:
             return rotated * factor
         head, tail = rotated[..., : self.dims], rotated[..., self.dims :]
         return mx.concatenate([head * factor, tail], axis=-1)
-
-
-def rope_type(scaling: dict[str, Any] | None) -> str:
-    """The ``rope_type`` of a ``rope_scaling`` / ``rope_parameters`` dict (``default`` when none)."""
-    scaling = scaling or {}
-    return str(scaling.get("rope_type", scaling.get("type", "default")) or "default")
 
 
 def make_rotary(

@@ -32,6 +32,7 @@ import numpy as np
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, ShardPlan, TensorShards
+from mlxr_core.model.layers.config_eras import file_spellings
 from mlxr_plugins.formats.safetensors import fp8
 from mlxr_plugins.formats.safetensors.files import read_json
 from mlxr_plugins.formats.safetensors.tokenizer import read_chat_template, tokenizer_spec
@@ -72,25 +73,6 @@ def model_folder(path: Path) -> Path | None:
     if path.is_file() and (path.suffix == ".safetensors" or path.name == INDEX):
         return path.parent
     return None
-
-
-def normalize_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The config in the keys architectures read.
-
-    transformers 5 writes ``rope_parameters`` (``rope_theta`` and the scaling in one dict) where
-    earlier releases wrote ``rope_theta`` and ``rope_scaling``; both spellings reach the arch as the
-    latter. Per-layer-type ``rope_parameters`` (no ``rope_type`` at the top) are left as they are.
-    """
-    config = dict(config)
-    rope = config.get("rope_parameters")
-    if isinstance(rope, dict) and ("rope_type" in rope or "rope_theta" in rope):
-        for key in ("rope_theta", "partial_rotary_factor"):
-            if key in rope:
-                config.setdefault(key, rope[key])
-        scaling = {key: value for key, value in rope.items() if key not in ("rope_theta", "partial_rotary_factor")}
-        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            config.setdefault("rope_scaling", scaling)
-    return config
 
 
 def token_ids(value: Any) -> list[int]:
@@ -442,10 +424,10 @@ class SafetensorsFormat:
                 path=str(folder),
             )
         stored = read_json(folder / CONFIG)
-        config = normalize_config(stored)
-        # Errors about values moved out of rope_parameters name where the file holds them.
-        moved = {"rope_theta": "rope_parameters.rope_theta", "rope_scaling": "rope_parameters"}
-        keys = {key: at for key, at in moved.items() if key in config and key not in stored}
+        # The config as the file has it: each architecture's config class reads either
+        # transformers era's spelling (mlxr_core.model.layers.config_eras); errors about a value
+        # read under another key name the file's.
+        config, keys = stored, file_spellings(stored)
         generation = self._generation_config(folder)
 
         files = weight_files(folder, path)

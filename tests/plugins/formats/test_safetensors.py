@@ -19,7 +19,7 @@ from mlxr_core.model.checkpoint import QuantSpec
 from mlxr_core.model.loader import load_model, pick_format
 from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
-from mlxr_plugins.formats.safetensors.checkpoint import SafetensorsFormat, normalize_config
+from mlxr_plugins.formats.safetensors.checkpoint import SafetensorsFormat
 from mlxr_plugins.formats.safetensors.tokenizer import read_chat_template, tokenizer_spec
 
 TINY_HF = Path(__file__).parents[2] / "fixtures" / "tiny_hf"
@@ -96,17 +96,19 @@ def test_names_unchanged_floats_cast_integers_kept(tmp_path):
     )
 
 
-def test_config_is_tolerant_and_rope_parameters_become_rope_theta_and_scaling():
-    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
-    config = normalize_config({"rope_parameters": llama3, "some_future_key": [1]})
-    assert config["rope_theta"] == 5e5 and config["some_future_key"] == [1]
-    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0}
-    plain = normalize_config({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}})
-    assert plain["rope_theta"] == 1e6 and "rope_scaling" not in plain
-    # The older spelling wins where both are present; per-layer-type parameters are left alone.
-    assert normalize_config({"rope_theta": 1.0, "rope_parameters": llama3})["rope_theta"] == 1.0
-    per_layer = {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
-    assert "rope_theta" not in normalize_config({"rope_parameters": per_layer})
+def test_the_config_is_the_files_and_errors_name_its_keys(tmp_path, registries):
+    """transformers 5's ``rope_parameters`` stay as written (each config class reads either era's
+    spelling); an error about a value read from it names the file's key."""
+    llama3 = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0}
+    config = {**CONFIG, "num_hidden_layers": 1, "intermediate_size": 8, "num_attention_heads": 2,
+              "rope_parameters": llama3, "some_future_key": [1]}
+    folder = write_folder(tmp_path / "m", small_weights(), config)
+    checkpoint = SafetensorsFormat().load(folder)
+    assert checkpoint.config == config
+    assert checkpoint.config_keys["rope_scaling"] == "rope_parameters"
+    with pytest.raises(ModelLoadError, match=r"both 2\.0") as caught:
+        load_model(ModelConfig(path=str(folder), kernels=KERNELS), registries)
+    assert caught.value.key == "rope_parameters"
 
 
 def test_generation_config_gives_end_ids_and_sampling_defaults(tmp_path):
