@@ -80,6 +80,56 @@ def tiny_reference(
     return Reference(folder, prompts, logits, config.to_dict())
 
 
+@attrs.define
+class GreedyReference:
+    """A saved tiny model, a prompt, transformers' greedy tokens after it and the logits of the
+    first of them (float32)."""
+
+    folder: Path
+    prompt: list[int]
+    tokens: list[int]
+    logits: np.ndarray
+
+
+def greedy_reference(
+    model_type: str, keys: dict[str, Any], folder: Path, *, tokens: int = 12, seed: int = 0
+) -> GreedyReference:
+    """Save a tiny ``model_type`` as a user of transformers gets it: its config class's defaults
+    with ``keys`` over them (``AutoConfig.for_model``), O(1) random weights; record its greedy
+    tokens (``generate``, end of sequence ignored) after a random 9-token prompt. Skips the test
+    where torch or transformers is not installed."""
+    import pytest
+
+    torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+    transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(model_type, **keys)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    o1_init(model, torch)
+    model.save_pretrained(folder)
+    write_tokenizer(folder, config.vocab_size)
+    prompt = np.random.default_rng(seed + 1).integers(2, config.vocab_size, 9).tolist()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False, pad_token_id=0, eos_token_id=None)
+        logits = model(torch.tensor([prompt])).logits[0, -1].float().numpy()
+    return GreedyReference(folder, prompt, out[0, len(prompt):].tolist(), logits)
+
+
+def greedy_tokens(loaded: Any, prompt: list[int], count: int) -> tuple[list[int], np.ndarray]:
+    """``count`` greedy tokens of a :class:`~mlxr_core.model.loader.LoadedModel` after ``prompt``
+    (prefilled, then one token at a time through its cache), and the first step's logits."""
+    model, cache = loaded.model, loaded.make_cache()
+    step = model(mx.array([prompt]), cache=cache)[0, -1]
+    first = np.array(step)
+    tokens: list[int] = []
+    for _ in range(count):
+        tokens.append(int(mx.argmax(step)))
+        step = model(mx.array([tokens[-1:]]), cache=cache)[0, -1]
+    return tokens, first
+
+
 def family_reference(
     families: dict[str, tuple[str, str, dict[str, Any]]], base: dict[str, Any], family: str, folder: Path
 ) -> Reference:
@@ -110,7 +160,9 @@ def write_tokenizer(folder: Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
 
 
-def load_reference_model(reference: Reference, registries: Registries, backend: str = "mlx_fast") -> Any:
+def load_reference_model(
+    reference: Reference | GreedyReference, registries: Registries, backend: str = "mlx_fast"
+) -> Any:
     """The folder through mlxr's loader (format detection, sanitize, strict weights), float32,
     every kernel op on ``backend``. Returns the :class:`~mlxr_core.model.loader.LoadedModel`."""
     from mlxr_core.config.schema import ModelConfig

@@ -83,9 +83,11 @@ def qwen_feed_forward(args: Any, layer: int, kernels: KernelSet, shared: int | N
 
 @dataclasses.dataclass
 class Qwen3MoeArgs(Qwen3Args, SparseLayers):
-    """Qwen3's keys plus the experts' (defaults as in ``Qwen3MoeConfig``)."""
+    """Qwen3's keys plus the experts' (defaults as in ``Qwen3MoeConfig``, which has no
+    ``head_dim``: without one in the config, heads are ``hidden_size / num_attention_heads``)."""
 
     family = "qwen3_moe"
+    head_dim: int | None = None
     num_experts: int = 128
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 768

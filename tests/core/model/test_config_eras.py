@@ -82,6 +82,12 @@ def test_renamed_expert_counts_and_tagged_floats():
     assert decoded["time_step_limit"] == [0.0, math.inf] and decoded["x"] == {"__float__": "what"}
 
 
+def test_qwen3_moe_without_head_dim_divides_the_hidden_size():
+    """transformers 5 writes no head_dim for Qwen3-MoE; its attention uses hidden / heads."""
+    assert Qwen3MoeArgs.from_config(SHAPE).dims == 16
+    assert Qwen3MoeArgs.from_config({**SHAPE, "head_dim": 128}).dims == 128
+
+
 @pytest.mark.parametrize(
     ("args_class", "config", "key"),
     [
