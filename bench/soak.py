@@ -5,12 +5,16 @@ concurrent clients for ``--seconds``. Each client loops over requests drawn at r
 chat completions, Anthropic messages and Ollama chat, all streamed, and OpenAI embeddings; a
 share of the streams (``--disconnect``) is dropped by the client after its first events. Counted:
 completed requests (a stream's final event, an embedding's 200), intended disconnects, explicit
-rejections (429 or 503: the queue is full, in the API's error shape), and lost ones (any other
-status, a stream that ends without its final event, a transport error). After the
-run the server's gauges (``mlxr_requests_inflight``, ``_running``, ``mlxr_queue_depth``, KV bytes)
-must return to 0, and its resident memory is compared with its value after the warm-up.
+rejections (429 or 503: the queue is full, in the API's error shape), bad requests answered with
+their 4xx (``--bad``: broken JSON, an unknown model, a schema or grammar past the constraint
+limits, a negative ``max_tokens``), and lost ones (any other status, a stream that ends without its
+final event, a transport error). After the run the server's gauges (``mlxr_requests_inflight``,
+``_running``, ``mlxr_queue_depth``, KV bytes) must return to 0; its resident memory is sampled every
+``--sample`` seconds through the run and compared with its value after the warm-up (the samples
+and their least-squares slope, in MB per minute, are in the report).
 
     python bench/soak.py --clients 64 --seconds 600 --out bench/results/soak_smollm2_cpu.json
+    python bench/soak.py --clients 64 --seconds 600 --core process --out bench/results/soak_smollm2_cpu_process.json
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,9 +47,9 @@ def rss(pid: int) -> int:
     return 0
 
 
-def start(model: str | None) -> tuple[subprocess.Popen[str], str]:
+def start(model: str | None, core: str = "thread") -> tuple[subprocess.Popen[str], str]:
     command = [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--port", "0", "--log-level", "warning"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"MLXR_MODEL": model} if model else {})}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLXR_ENGINE__CORE": core, **({"MLXR_MODEL": model} if model else {})}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert process.stdout is not None
     deadline = time.monotonic() + 300
@@ -74,10 +79,44 @@ def request(kind: str, model: str, rng: random.Random) -> tuple[str, str, dict[s
     return "/v1/embeddings", kind, {"model": model, "input": [text] * rng.randint(1, 4)}
 
 
-async def client(index: int, url: str, model: str, until: float, disconnect: float, tally: dict[str, Any]) -> None:
+def bad_request(model: str, rng: random.Random) -> tuple[str, bytes]:
+    """(path, body) of a request the server must refuse with a 4xx."""
+    deep = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(3000)}
+    deep["d3000"] = {"type": "integer"}
+    chat = {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "JSON"}]}
+    bodies: list[tuple[str, Any]] = [
+        ("/v1/chat/completions", b'{"model": "' + model.encode() + b'", "messages": ['),
+        ("/v1/chat/completions", {**chat, "model": "no-such-model"}),
+        ("/v1/chat/completions", {**chat, "max_tokens": -1}),
+        ("/v1/chat/completions", {**chat, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"$defs": deep, "$ref": "#/$defs/d0"}}}}),
+        ("/api/chat", {"model": model, "messages": [{"role": "user", "content": "x"}], "format": {"$defs": deep, "$ref": "#/$defs/d0"}}),
+        ("/v1/messages", {"model": model, "messages": [{"role": "user", "content": "x"}]}),  # no max_tokens
+    ]
+    path, body = rng.choice(bodies)
+    return path, body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
+async def client(
+    index: int, url: str, model: str, until: float, disconnect: float, bad: float, tally: dict[str, Any]
+) -> None:
     rng = random.Random(index)
     async with httpx.AsyncClient(base_url=url, timeout=120) as http:
         while time.monotonic() < until:
+            if rng.random() < bad:
+                path, content = bad_request(model, rng)
+                try:
+                    reply = await http.post(path, content=content, headers={"content-type": "application/json"})
+                except httpx.HTTPError as exc:
+                    tally["lost"] += 1
+                    tally["lost_detail"].append(f"bad {path}: {type(exc).__name__}: {exc}")
+                    continue
+                if 400 <= reply.status_code < 500:
+                    tally["refused_bad"] += 1
+                else:
+                    tally["lost"] += 1
+                    tally["lost_detail"].append(f"bad {path}: {reply.status_code} {reply.text[:200]}")
+                continue
             kind = rng.choice(["openai", "anthropic", "ollama", "embeddings"])
             path, stream, body = request(kind, model, rng)
             leave = kind != "embeddings" and rng.random() < disconnect
@@ -128,11 +167,44 @@ def gauges(url: str) -> dict[str, float]:
     return values
 
 
-async def soak(url: str, model: str, clients: int, seconds: float, disconnect: float) -> dict[str, Any]:
-    tally: dict[str, Any] = {"completed": 0, "disconnected": 0, "rejected": 0, "lost": 0, "lost_detail": []}
+async def soak(url: str, model: str, clients: int, seconds: float, disconnect: float, bad: float) -> dict[str, Any]:
+    tally: dict[str, Any] = {
+        "completed": 0, "disconnected": 0, "rejected": 0, "refused_bad": 0, "lost": 0, "lost_detail": []
+    }
     until = time.monotonic() + seconds
-    await asyncio.gather(*(client(i, url, model, until, disconnect, tally) for i in range(clients)))
+    await asyncio.gather(*(client(i, url, model, until, disconnect, bad, tally) for i in range(clients)))
     return tally
+
+
+def sample_rss(pids: list[int], every: float, stop: threading.Event, samples: list[tuple[float, int]]) -> None:
+    """Append (seconds since start, resident bytes of ``pids`` together) every ``every`` seconds."""
+    started = time.monotonic()
+    while not stop.wait(every):
+        samples.append((round(time.monotonic() - started, 1), sum(rss(pid) for pid in pids)))
+
+
+def slope_mb_per_minute(samples: list[tuple[float, int]]) -> float | None:
+    """The least-squares slope of the samples, in MB per minute."""
+    if len(samples) < 2:
+        return None
+    n = len(samples)
+    mean_t = sum(t for t, _ in samples) / n
+    mean_b = sum(b for _, b in samples) / n
+    var = sum((t - mean_t) ** 2 for t, _ in samples)
+    if not var:
+        return None
+    cov = sum((t - mean_t) * (b - mean_b) for t, b in samples)
+    return round(cov / var * 60 / 1e6, 3)
+
+
+def server_pids(pid: int) -> list[int]:
+    """The server's process and its children (the engine process under ``--core process``)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children")
+    found = [pid]
+    if children.exists():
+        for child in children.read_text().split():
+            found += server_pids(int(child))
+    return found
 
 
 def main() -> int:
@@ -142,26 +214,38 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=600)
     parser.add_argument("--warmup", type=float, default=60, help="seconds of load before the memory baseline")
     parser.add_argument("--disconnect", type=float, default=0.2, help="share of streams the client drops")
+    parser.add_argument("--bad", type=float, default=0.1, help="share of requests that are bad (a 4xx expected)")
+    parser.add_argument("--sample", type=float, default=10.0, help="seconds between RSS samples")
+    parser.add_argument("--core", choices=("thread", "process"), default="thread", help="engine.core")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    process, url = start(args.model)
+    process, url = start(args.model, args.core)
     try:
         model = httpx.get(f"{url}/health").json()["models"][0]
-        warm = asyncio.run(soak(url, model, args.clients, args.warmup, args.disconnect))
-        baseline = rss(process.pid)
+        warm = asyncio.run(soak(url, model, args.clients, args.warmup, args.disconnect, args.bad))
+        pids = server_pids(process.pid)
+        baseline = sum(rss(pid) for pid in pids)
+        samples: list[tuple[float, int]] = [(0.0, baseline)]
+        stop = threading.Event()
+        sampler = threading.Thread(target=sample_rss, args=(pids, args.sample, stop, samples), daemon=True)
+        sampler.start()
         started = time.perf_counter()
-        tally = asyncio.run(soak(url, model, args.clients, args.seconds, args.disconnect))
+        tally = asyncio.run(soak(url, model, args.clients, args.seconds, args.disconnect, args.bad))
         elapsed = time.perf_counter() - started
+        stop.set()
+        sampler.join()
         deadline, after = time.monotonic() + 60, gauges(url)
         while any(after.values()) and time.monotonic() < deadline:
             time.sleep(0.5)
             after = gauges(url)
-        final = rss(process.pid)
+        final = sum(rss(pid) for pid in pids)
         report = {
             "model": model,
+            "core": args.core,
             "clients": args.clients,
             "seconds": round(elapsed, 1),
             "disconnect_share": args.disconnect,
+            "bad_share": args.bad,
             "warmup": {k: v for k, v in warm.items() if k != "lost_detail"},
             **{k: v for k, v in tally.items() if k != "lost_detail"},
             "lost_examples": tally["lost_detail"][:20],
@@ -169,6 +253,8 @@ def main() -> int:
             "rss_after_warmup_bytes": baseline,
             "rss_at_end_bytes": final,
             "rss_change": (final - baseline) / baseline if baseline else None,
+            "rss_slope_mb_per_minute": slope_mb_per_minute(samples),
+            "rss_samples_mb": [(t, round(b / 1e6, 1)) for t, b in samples],
         }
     finally:
         process.terminate()
