@@ -19,6 +19,8 @@ the checkpoint through the model's own ``sanitize``. What the engine needs from 
   Nemotron-H's and Falcon-H1's Mamba layers, Gated DeltaNet) gets mlxr's
   :class:`~mlxr_core.model.cache.StateCache`, which mlx-lm's layers use as they use theirs and
   which the engine batches, stores at a prefix's end and refuses to trim like mlxr's own.
+- Configs. transformers 5's config is put in the form mlx-lm's ``ModelArgs`` reads, and a config
+  whose math it would drop is refused naming the key (:mod:`.configs`).
 - Refusals. A model type with another kind of cache (a list of caches per layer, chunked or
   quantized caches) is refused when built, naming the cache class.
 - Kernels. The graph is mlx-lm's: mlxr's kernel choices do not apply inside it (packed linear
@@ -42,6 +44,7 @@ from mlxr_core.errors import ArchitectureUnavailable, MlxrError, ModelLoadError,
 from mlxr_core.kernels import KernelSet
 from mlxr_plugins.archs.mlx_lm_bridge import INSTALL, mlx_lm_folder, model_types
 from mlxr_plugins.archs.mlx_lm_bridge.caches import batch_problem, cache_layout, make_caches, views
+from mlxr_plugins.archs.mlx_lm_bridge.configs import mlx_lm_config
 
 #: What of mlxr does not apply on this path, said in the startup log and by ``mlxr info``.
 KERNELS_NOTE = (
@@ -110,7 +113,8 @@ class MlxLmArchitecture:
         self.module = module
 
     def _model(self, config: dict[str, Any]) -> nn.Module:
-        args = self.module.ModelArgs.from_dict(mlx_lm_config(config))
+        module = self.module.__name__.rsplit(".", 1)[-1]
+        args = self.module.ModelArgs.from_dict(mlx_lm_config(config, self.module.ModelArgs, module))
         model: nn.Module = bridged(self.module.Model)(args)
         return model
 
@@ -178,31 +182,6 @@ class MlxLmArchitecture:
             )
         hidden: mx.array = backbone(inputs, cache=views(model, cache))
         return hidden
-
-
-def mlx_lm_config(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` with what transformers 5 writes into ``rope_parameters`` also under the keys
-    earlier releases wrote and mlx-lm's model classes read: ``rope_theta``,
-    ``partial_rotary_factor`` and ``rope_scaling`` (null for plain RoPE). Per-layer-type
-    parameters (``{"full_attention": {...}, "sliding_attention": {...}}``) give the
-    full-attention layers' values. Keys the config has already are kept."""
-    rope = config.get("rope_parameters")
-    if not isinstance(rope, dict):
-        return config
-    entry: Any = rope
-    if "rope_type" not in rope and "rope_theta" not in rope:
-        entries = [value for value in rope.values() if isinstance(value, dict)]
-        entry = rope.get("full_attention", entries[0] if entries else None)
-    if not isinstance(entry, dict):
-        return config
-    config = dict(config)
-    for key in ("rope_theta", "partial_rotary_factor"):
-        if key in entry:
-            config.setdefault(key, entry[key])
-    scaling = {key: value for key, value in entry.items() if key not in ("rope_theta", "partial_rotary_factor")}
-    plain = scaling.get("rope_type", scaling.get("type", "default")) == "default"
-    config.setdefault("rope_scaling", None if plain else scaling)
-    return config
 
 
 def _first(config: dict[str, Any], keys: tuple[str, ...]) -> Any:
