@@ -136,7 +136,7 @@ class ResponsesFields(Struct, forbid_unknown_fields=False):
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     previous_response_id: str | None = None
-    store: bool = True
+    store: Annotated[bool, Meta(description="false: the response is not kept, so no later request finds it by id")] = True
     stream: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
