@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mlxr_core.engine.admission import ModelInfo, check_inputs
+from mlxr_core.engine.admission import ModelInfo, check_inputs, check_request
 from mlxr_core.engine.embedding import Embeddings, check_pooling
 from mlxr_core.engine.jobs import EngineJob
+from mlxr_core.engine.request import Arrivals
 from mlxr_core.engine.scoring import Scores
 from mlxr_core.errors import (
     EngineStopped,
@@ -32,7 +33,7 @@ from mlxr_core.model.tokenizer import encode_within
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
     from mlxr_core.engine.lifecycle import ModelSlot
-    from mlxr_core.engine.request import Arrivals, GenerationRequest, RequestHandle
+    from mlxr_core.engine.request import GenerationRequest, RequestHandle
     from mlxr_core.plugins import PluginHost
 
 
@@ -142,6 +143,36 @@ class EngineCaller:
 
     #: Which models are loaded (None before the engine thread starts).
     lifecycle: LifecycleState | None
+
+    def __init__(self, config: Config, host: PluginHost, *, distributed: bool = False):
+        self.config = config
+        self.host = host
+        self.distributed = distributed
+        self.state = "created"
+        self.error = None
+        self.models = {}
+        self.names = {}
+        self.started_at = time.time()
+        self.kv_bytes_per_token = {}
+        self.state_bytes = {}
+        self.arrivals = Arrivals()
+        self._ready = threading.Event()
+
+    def admit(self, request: GenerationRequest) -> ModelInfo:
+        """Check ``request`` in the caller's thread (:func:`check_request`) before it is queued or
+        sent on; its model's info."""
+        self.check_ready()
+        info = self.model(request.model)
+        check_request(
+            info, request, config=self.config.engine, samplers=self.host.registries.samplers,
+            kv_bytes_per_token=self.kv_bytes_per_token.get(info.name, 0),
+            state_bytes=self.state_bytes.get(info.name, 0), queue_depth=self.queue_depth,
+        )  # fmt: skip
+        return info
+
+    @property
+    def queue_depth(self) -> int:
+        raise NotImplementedError
 
     def queue_job(self, job: EngineJob) -> EngineJob:
         """Hand a checked job to the engine thread; see the engines."""

@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mlxr_core.engine.admission import ModelInfo, check_request
+from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.client import EngineCaller
 from mlxr_core.engine.jobs import EngineJob, refuse_jobs
 from mlxr_core.engine.request import (
-    Arrivals,
     GenerationRequest,
     RequestHandle,
     handed_over,
@@ -49,28 +48,14 @@ class Engine(EngineCaller):
     (or ``failed`` when a model does not load)."""
 
     def __init__(self, config: Config, host: PluginHost, world: World | None = None):
-        self.config = config
+        super().__init__(config, host, distributed=world is not None)
         #: This process's rank among several serving together (``distributed:``), or None.
         self.world = world
-        self.distributed = world is not None
-        self.host = host
-        self.state = "created"
-        self.error: BaseException | None = None
-        self.models: dict[str, ModelInfo] = {}
-        #: Every name and alias a client may ask for -> the served model's name.
-        self.names: dict[str, str] = {}
-        self.started_at = time.time()
         self._loaded: dict[str, LoadedModel] = {}
-        self.kv_bytes_per_token: dict[str, int] = {}
-        #: Per model, the fixed bytes of one sequence's recurrent layers (0 for attention only).
-        self.state_bytes: dict[str, int] = {}
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
-        #: Requests the server has received and not yet submitted: see :class:`Arrivals`.
-        self.arrivals = Arrivals()
         self._jobs: queue.Queue[EngineJob] = queue.Queue()
         self._jobs_lock = threading.Lock()
         self._jobs_open = True
-        self._ready = threading.Event()
         self._stop = threading.Event()
         self._abort = threading.Event()
         self._thread: threading.Thread | None = None
@@ -135,14 +120,7 @@ class Engine(EngineCaller):
     def enqueue(self, handle: RequestHandle) -> RequestHandle:
         """:meth:`submit` for a handle made by the caller (the engine process's, which sends its
         events on: :mod:`mlxr_core.engine.remote`)."""
-        self.check_ready()
-        request = handle.request
-        info = self.model(request.model)
-        check_request(
-            info, request, config=self.config.engine, samplers=self.host.registries.samplers,
-            kv_bytes_per_token=self.kv_bytes_per_token.get(info.name, 0),
-            state_bytes=self.state_bytes.get(info.name, 0), queue_depth=self.queue_depth,
-        )  # fmt: skip
+        self.admit(handle.request)
         self._queue.put(handle)
         return handle
 

@@ -36,14 +36,13 @@ import logging
 import multiprocessing
 import signal
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from mlxr_core.engine.admission import ModelInfo, check_request
+from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.client import EngineCaller, EngineClient
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.engine import Engine
@@ -51,7 +50,6 @@ from mlxr_core.engine.jobs import EngineJob
 from mlxr_core.engine.lifecycle import ModelSlot
 from mlxr_core.engine.request import (
     ARRIVING,
-    Arrivals,
     Delta,
     Failed,
     GenerationRequest,
@@ -455,18 +453,7 @@ class RemoteEngine(EngineCaller):
     """The server's engine when it runs in a process of its own (see the module)."""
 
     def __init__(self, config: Config, host: PluginHost):
-        self.config = config
-        self.host = host
-        self.state = "created"
-        self.error: BaseException | None = None
-        self.models: dict[str, ModelInfo] = {}
-        self.names: dict[str, str] = {}
-        self.started_at = time.time()
-        self.kv_bytes_per_token: dict[str, int] = {}
-        self.state_bytes: dict[str, int] = {}
-        self.distributed = False
-        self.arrivals = Arrivals()
-        self._ready = threading.Event()
+        super().__init__(config, host)
         self.lifecycle: _LifecycleView = _LifecycleView(self)
         self._process: Any = None
         self._conn: Connection | None = None
@@ -538,13 +525,7 @@ class RemoteEngine(EngineCaller):
 
     def submit(self, request: GenerationRequest, *, loop: asyncio.AbstractEventLoop | None = None) -> RequestHandle:
         """Check ``request`` here, as :meth:`Engine.submit` does, and send it to the core."""
-        self.check_ready()
-        info = self.model(request.model)
-        check_request(
-            info, request, config=self.config.engine, samplers=self.host.registries.samplers,
-            kv_bytes_per_token=self.kv_bytes_per_token.get(info.name, 0),
-            state_bytes=self.state_bytes.get(info.name, 0), queue_depth=self.queue_depth,
-        )  # fmt: skip
+        info = self.admit(request)
         handle = RemoteHandle(request, self, info, loop)
         self._handles[handle.rid] = handle
         arrival = ARRIVING.get()
