@@ -45,7 +45,7 @@ import attrs
 
 from mlxr_core.engine.request import PromptImage
 from mlxr_core.errors import Overloaded, RequestError
-from mlxr_core.model.vision import DraftsImages
+from mlxr_core.model.vision import DraftsImages, pillow_installed
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -138,6 +138,11 @@ async def load_images(server: ServerConfig, info: ModelInfo, inputs: list[ImageI
     check_takes_images(info, inputs)
     processor = info.image_processor
     assert processor is not None
+    if not pillow_installed():
+        raise RequestError(
+            "this server cannot decode images: the package 'Pillow' is not installed; install the "
+            "vision extra on the server (pip install 'mlxr[vision]') and restart it", field=inputs[0].field,
+        )  # fmt: skip
     if len(inputs) > server.max_images_per_request:
         raise RequestError(
             f"the request holds {len(inputs)} images, more than server.max_images_per_request "

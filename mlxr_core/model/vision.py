@@ -252,7 +252,27 @@ def load_vision(
         preprocessor = json.loads(found.read_text(encoding="utf-8"))
     if settings:
         preprocessor = {**(preprocessor or {}), **settings}
+    warn_without_pillow(checkpoint.path.name)
     return Vision(module, vision.processor(config, preprocessor), vision.image_tokens(config))
+
+
+def pillow_installed() -> bool:
+    """Whether Pillow, which every image is decoded with, can be imported."""
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def warn_without_pillow(model: str) -> bool:
+    """Log a warning when Pillow is missing, so a vision model's images would be refused (400);
+    whether it was."""
+    if pillow_installed():
+        return False
+    log.warning("%s has a vision tower but Pillow is not installed: requests with images will be "
+                "refused until you pip install 'mlxr[vision]'", model)
+    return True
 
 
 def file_tensor_name(checkpoint: Checkpoint, name: str) -> str:

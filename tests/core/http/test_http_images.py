@@ -198,3 +198,28 @@ def test_a_large_jpeg_is_decoded_no_larger_than_the_processor_needs() -> None:
     load(server, processor, encoded(1024, 1024, "JPEG"))
     assert processor.sizes == [(128, 128)]
     assert load(server_config(), resize, encoded(1024, 1024, "JPEG"))[0].pixels.shape == (3, 16, 16)
+
+
+# Issue 48, item 1: an image on an install without Pillow is a 400 naming the extra, never a 500.
+
+
+def test_an_image_without_pillow_installed_is_a_400_naming_the_vision_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    image = encoded(8, 8)
+    monkeypatch.setitem(sys.modules, "PIL", None)  # import PIL raises ImportError
+    with pytest.raises(RequestError, match=r"pip install 'mlxr\[vision\]'") as caught:
+        load(server_config(), Recording(), image)
+    assert caught.value.status == 400 and caught.value.field == "images[0]"
+
+
+def test_loading_a_vision_model_without_pillow_warns(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import sys
+
+    from mlxr_core.model.vision import warn_without_pillow
+
+    assert not warn_without_pillow("model.gguf")
+    monkeypatch.setitem(sys.modules, "PIL", None)
+    with caplog.at_level("WARNING", logger="mlxr_core.model.vision"):
+        assert warn_without_pillow("model.gguf")
+    assert "mlxr[vision]" in caplog.text and "model.gguf" in caplog.text
