@@ -144,6 +144,12 @@ class ServerConfig:
     #: With remote images on, also fetch from hosts at loopback, private, link-local and other
     #: non-public addresses (a trusted network); off, such a host is a 400 at every redirect.
     remote_image_private_hosts: bool = False
+    #: Audio in requests (``/v1/audio/transcriptions``): the bytes of one upload, the seconds it
+    #: may last and the channels it may have (read from the header before decoding, and the
+    #: samples read stop at the limit, so a compressed hour of silence never expands); 400 beyond.
+    max_audio_bytes: int = attrs.field(default=25_000_000, validator=v.ge(1))
+    max_audio_seconds: float = attrs.field(default=1800.0, validator=v.gt(0.0))
+    max_audio_channels: int = attrs.field(default=8, validator=v.ge(1))
     responses_store: ResponsesStoreConfig = attrs.field(factory=ResponsesStoreConfig)
 
 
