@@ -59,6 +59,8 @@ class ModelInfo:
     #: None: off.
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    #: The weights' parameter count, the vision side's included (packed ones as the values they hold).
+    parameters: int = 0
 
     def check_prompt_text(self, text: str, param: str | None = "messages") -> None:
         """Refuse, before tokenizing it, a text the context cannot hold whatever its tokens: no

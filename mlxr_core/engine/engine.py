@@ -344,6 +344,8 @@ class Engine(EngineCaller):
             self.scheduler.fail_waiting(slot.name, error)
 
     def _model_info(self, m: LoadedModel, index: int) -> ModelInfo:
+        from mlxr_core.model.quantize import parameter_count
+
         name = m.name
         model_config = self.config.models[index]
         registries = self.host.registries
@@ -367,6 +369,7 @@ class Engine(EngineCaller):
             config_index=index,
             tool_parser=registries.tool_parsers.choose(model_config.tool_parser, template),
             reasoning_parser=registries.reasoning_parsers.choose(model_config.reasoning_parser, template),
+            parameters=parameter_count(m.model, *([m.vision.module] if m.vision else [])),
         )
 
     def _add_names(self, index: int, name: str, aliases: Sequence[str]) -> None:

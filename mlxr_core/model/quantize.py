@@ -205,3 +205,20 @@ def route_quantized_linears(model: nn.Module, quantized_matmul: Any) -> int:
             object.__setattr__(module, "_quantized_matmul", quantized_matmul)
             count += 1
     return count
+
+
+def parameter_count(*modules: nn.Module) -> int:
+    """The parameters ``modules`` hold, a packed weight counted as the values it holds
+    (``32 / bits`` a uint32 word) and its quantization scales and biases not at all."""
+    total = 0
+    for module in modules:
+        for _, leaf in module.named_modules():
+            bits = int(getattr(leaf, "bits", 0) or 0)
+            for key, value in leaf.items():
+                if not isinstance(value, mx.array):
+                    continue
+                if bits and key in ("scales", "biases"):
+                    continue
+                packed = bits and key == "weight" and value.dtype == mx.uint32
+                total += value.size * 32 // bits if packed else value.size
+    return total

@@ -47,7 +47,9 @@ def running(info: ModelInfo, slot: ModelSlot) -> s.RunningModel:
     :mod:`mlxr_core.engine.lifecycle`), ``expires_at`` when it unloads if no request comes."""
     from mlxr_core.kernels import current_platform
 
-    resident = slot.footprint or info.nbytes or _size(info)
+    # The weights' bytes in memory (the reserve the memory budget counts for its KV cache and
+    # prefix cache is not memory the model holds).
+    resident = info.nbytes or _size(info)
     on_gpu = current_platform()[0] == "gpu"
     expires = slot.expires_at(time.monotonic())
     return s.RunningModel(
@@ -65,17 +67,44 @@ def shown(info: ModelInfo) -> s.ShowResponse:
         "general.name": str(info.metadata.get("name") or info.name),
         f"{family}.context_length": info.context_length,
     }
+    if info.parameters:
+        model_info["general.parameter_count"] = info.parameters
     return s.ShowResponse(
         modelfile="", parameters="", template=info.tokenizer.chat_template or "", details=details(info),
-        model_info=model_info, capabilities=["completion"], modified_at=rfc3339(info.created),
+        model_info=model_info, capabilities=capabilities(info), modified_at=rfc3339(info.created),
     )
+
+
+def capabilities(info: ModelInfo) -> list[str]:
+    """Ollama's names for what the model takes: ``tools`` where a tool-call parser was chosen for
+    it, ``vision`` with a vision tower, ``thinking`` with a reasoning parser."""
+    found = ["completion"]
+    if info.tool_parser:
+        found.append("tools")
+    if info.image_processor is not None:
+        found.append("vision")
+    if info.reasoning_parser:
+        found.append("thinking")
+    return found
 
 
 def details(info: ModelInfo) -> s.ModelDetails:
     return s.ModelDetails(
-        format=info.format, family=info.model_type, families=[info.model_type], parameter_size="",
-        quantization_level=quantization_level(info),
-    )
+        format=info.format, family=info.model_type, families=[info.model_type],
+        parameter_size=parameter_size(info.parameters), quantization_level=quantization_level(info),
+    )  # fmt: skip
+
+
+def parameter_size(count: int) -> str:
+    """A parameter count as Ollama's ``format.HumanNumber`` writes it (``134.52M``, ``8.0B``);
+    empty when unknown."""
+    if count <= 0:
+        return ""
+    for scale, suffix, digits in ((1e12, "T", 1), (1e9, "B", 1), (1e6, "M", 2), (1e3, "K", 0)):
+        if count >= scale:
+            number = count / scale
+            return f"{number:.0f}{suffix}" if number == int(number) else f"{number:.{digits}f}{suffix}"
+    return str(count)
 
 
 def quantization_level(info: ModelInfo) -> str:

@@ -151,6 +151,37 @@ def test_tags_show_ps_version(client: TestClient) -> None:
     assert re.fullmatch(r"\d+\.\d+\.\d+", client.get("/api/version").json()["version"])
 
 
+def test_show_names_the_model_capabilities_and_size_and_ps_its_weights_bytes(fake: FakeEngine) -> None:
+    import attrs
+
+    from mlxr_core.model.vision import ImageTokens
+
+    info = fake.models["fake"]
+    fake.models["fake"] = attrs.evolve(
+        info, parameters=134_515_008, nbytes=98_000_000, tool_parser="hermes", reasoning_parser="think",
+        image_processor=lambda image: image, image_tokens=ImageTokens(1, 1, "<image>", "<image>"),
+    )  # fmt: skip
+    with TestClient(build_app(make_ctx(fake))) as client:
+        show = client.post("/api/show", json={"model": "fake"}).json()
+        assert show["capabilities"] == ["completion", "tools", "vision", "thinking"]
+        assert show["details"]["parameter_size"] == "134.52M"
+        assert show["model_info"]["general.parameter_count"] == 134_515_008
+        assert client.get("/api/tags").json()["models"][0]["details"]["parameter_size"] == "134.52M"
+        # /api/ps: the weights' bytes, not the budget's KV and prefix cache reserve
+        assert client.get("/api/ps").json()["models"][0]["size"] == 98_000_000
+
+
+def test_parameter_count_counts_packed_weights_as_the_values_they_hold() -> None:
+    import mlx.nn as nn
+
+    from mlxr_core.model.quantize import parameter_count
+
+    dense = nn.Sequential(nn.Embedding(64, 32), nn.Linear(32, 64))
+    assert parameter_count(dense) == 64 * 32 + 32 * 64 + 64
+    nn.quantize(dense, group_size=32, bits=4)
+    assert parameter_count(dense) == 64 * 32 + 32 * 64 + 64
+
+
 # -- bad input -------------------------------------------------------------------------------------
 
 BAD_REQUESTS = [
