@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,3 +48,44 @@ def encode_chat(
 ) -> list[int]:
     """The prompt ids of ``messages`` (:func:`render_prompt`), for callers that need no text."""
     return render_prompt(info, messages, template_kwargs=template_kwargs, images=images)[1]
+
+
+#: The roles whose text :func:`without_volatile_spans` edits.
+SYSTEM_ROLES = ("system", "developer")
+
+
+def without_volatile_spans(messages: list[dict[str, Any]], patterns: Sequence[re.Pattern[str]]) -> list[dict[str, Any]]:
+    """``messages`` with each match of ``patterns`` removed from the system (and developer) turns'
+    text, or only the match's groups where the pattern has any (``engine.prefix_cache.
+    volatile_spans``): spans that change on every request and mean nothing to the model, removed
+    before tokenizing so the prompt's ids, and hence its cached prefix, do not change with them."""
+    if not patterns:
+        return messages
+    edited = []
+    for message in messages:
+        content = message.get("content")
+        if message.get("role") in SYSTEM_ROLES and isinstance(content, str):
+            message = {**message, "content": remove_spans(content, patterns)}
+        elif message.get("role") in SYSTEM_ROLES and isinstance(content, list):
+            parts = [
+                {**part, "text": remove_spans(part["text"], patterns)}
+                if isinstance(part, dict) and isinstance(part.get("text"), str) else part
+                for part in content
+            ]  # fmt: skip
+            message = {**message, "content": parts}
+        edited.append(message)
+    return edited
+
+
+def remove_spans(text: str, patterns: Sequence[re.Pattern[str]]) -> str:
+    """``text`` without the matches of ``patterns`` (a pattern with groups: without its groups)."""
+    for pattern in patterns:
+        spans = []
+        for match in pattern.finditer(text):
+            if pattern.groups:
+                spans += [match.span(g) for g in range(1, pattern.groups + 1) if match.start(g) >= 0]
+            else:
+                spans.append(match.span())
+        for start, end in sorted(spans, reverse=True):
+            text = text[:start] + text[end:]
+    return text

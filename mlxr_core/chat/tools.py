@@ -10,6 +10,7 @@ definitions in the system prompt, earlier calls as the model writes them, result
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -27,7 +28,7 @@ from mlxr_core.chat.parsing import (
     ToolCall,
     ToolParser,
 )
-from mlxr_core.chat.prompt import render_prompt
+from mlxr_core.chat.prompt import render_prompt, without_volatile_spans
 from mlxr_core.engine.request import Constraint, PromptImage
 from mlxr_core.errors import RequestError
 
@@ -53,12 +54,14 @@ class ToolChoice:
 
 @attrs.frozen
 class ModelParsers:
-    """The parsers one served model uses (None: off), and the variables its config gives every
-    chat's template (``models[].chat_template_kwargs``)."""
+    """The parsers one served model uses (None: off), the variables its config gives every
+    chat's template (``models[].chat_template_kwargs``) and the system prompt spans removed before
+    tokenizing (``engine.prefix_cache.volatile_spans``, compiled)."""
 
     tool: ToolParser | None = None
     reasoning: ReasoningParser | None = None
     template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    volatile_spans: tuple[re.Pattern[str], ...] = ()
 
     @property
     def channels(self) -> ChannelParser | None:
@@ -87,7 +90,14 @@ def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
         tool=registries.tool_parsers.get(info.tool_parser) if info.tool_parser else None,
         reasoning=registries.reasoning_parsers.get(info.reasoning_parser) if info.reasoning_parser else None,
         template_kwargs=dict(model_config.chat_template_kwargs) if model_config else {},
+        volatile_spans=compiled_spans(tuple(ctx.config.engine.prefix_cache.volatile_spans)),
     )
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_spans(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    """``engine.prefix_cache.volatile_spans`` compiled (checked when the config loaded)."""
+    return tuple(re.compile(pattern) for pattern in patterns)
 
 
 def model_config_of(ctx: ServerContext, info: ModelInfo) -> Any:
@@ -291,6 +301,7 @@ def prepare_chat(
     tools = list(tools or [])
     choice = choice or ToolChoice()
     _check_choice(tools, choice)
+    messages = without_volatile_spans(messages, parsers.volatile_spans)
     tokenizer = info.tokenizer
     shown = tools if choice.mode != "none" else []
     kwargs: dict[str, Any] = {**parsers.template_kwargs, **(template_kwargs or {})}

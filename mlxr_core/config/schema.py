@@ -7,6 +7,7 @@ naming the key path. Every field has a default except a model's ``path``.
 from __future__ import annotations
 
 import ipaddress
+import re
 from typing import Any
 
 import attrs
@@ -33,6 +34,14 @@ def _no_empty_key(instance: Any, attribute: attrs.Attribute[Any], keys: list[str
 def _no_empty_name(instance: Any, attribute: attrs.Attribute[Any], names: list[str]) -> None:
     if any(not name for name in names):
         raise ValueError(f"'{attribute.name}' must not hold an empty name")
+
+
+def _patterns(instance: Any, attribute: attrs.Attribute[Any], patterns: list[str]) -> None:
+    for i, pattern in enumerate(patterns):
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"'{attribute.name}[{i}]' is not a regular expression: {error}") from None
 
 
 def _absolute_paths(instance: Any, attribute: attrs.Attribute[Any], paths: list[str]) -> None:
@@ -267,6 +276,11 @@ class ModelConfig:
     pin: bool = False
 
 
+#: Claude Code's first system block, ``x-anthropic-billing-header: cc_version=2.1.37.0d9;
+#: cc_entrypoint=cli; cch=fa690;``: the hash differs on every request.
+DEFAULT_VOLATILE_SPANS = (r"x-anthropic-billing-header:[^\n]*?(\s?\bcch=[0-9A-Za-z]*;?)",)
+
+
 @attrs.define
 class PrefixDiskConfig:
     """The prefix cache's disk tier (:mod:`mlxr_core.engine.prefix_disk`): entries evicted from
@@ -287,6 +301,11 @@ class PrefixCacheConfig:
     max_bytes: int = attrs.field(default=256 * 2**20, validator=v.ge(0))
     #: Keep evicted entries on disk across restarts (``{path, max_bytes}``); None: memory only.
     disk: PrefixDiskConfig | None = None
+    #: Regular expressions for spans of system prompts that change on every request and mean
+    #: nothing to the model; each is removed before the prompt is tokenized, so consecutive
+    #: requests share their prefix (docs/agents.md). A pattern with groups removes only its
+    #: groups. The default removes the ``cch=<hash>;`` of Claude Code's billing header.
+    volatile_spans: list[str] = attrs.field(factory=lambda: list(DEFAULT_VOLATILE_SPANS), validator=_patterns)
 
 
 #: Where ``engine.core`` runs the engine.

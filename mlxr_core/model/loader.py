@@ -32,6 +32,7 @@ from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.kv_storage import KVStorage, configure_kv_storage
 from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.layers.mlp import route_gated_activations
+from mlxr_core.model.lora import AdapterSet
 from mlxr_core.model.paths import default_model_name, resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.quantized_cache import quantize_caches
@@ -85,6 +86,8 @@ class LoadedModel:
     kv_cache: KVStorage | None = None
     #: The image processor, vision module and image tokens of a multimodal model, or None.
     vision: Vision | None = None
+    #: The resident LoRA adapters of a model configured with some (``models[].adapters``), or None.
+    adapters: AdapterSet | None = None
 
     def make_cache(self) -> list[Any]:
         caches = self.arch.make_cache(self.model)
@@ -97,7 +100,8 @@ class LoadedModel:
         place) -> ``[B, vocab]`` logits; compiled when :attr:`compiled_decode` is set. ``shift``
         (``[B]``, or None for none) is what each row's rotary position adds to its cache position
         (M-RoPE's delta after images)."""
-        if self.compiled_decode is not None:
+        # The compiled step was traced without adapter rows: rows using adapters step eagerly.
+        if self.compiled_decode is not None and (self.adapters is None or self.adapters.current is None):
             return self.compiled_decode(tokens, caches, mask, shift)
         return eager_step(self.model, tokens, caches, mask, shift)
 
@@ -323,7 +327,8 @@ def load_model(
             split_layers(model, arch, pipeline_group, name=name)
         except ModelLoadError as exc:
             raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
-    if model_config.fuse_projections:
+    # An adapter updates q_proj, k_proj, ... one by one: a model serving adapters keeps them apart.
+    if model_config.fuse_projections and not model_config.adapters:
         log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
     compiled = None
     if model_config.compile_decode and pipeline_group is not None:
@@ -366,6 +371,7 @@ def load_model(
         arch_reason=chosen.reason,
         kv_cache=kv_cache,
         vision=vision,
+        adapters=AdapterSet(model, model_config.max_adapters) if model_config.adapters else None,
     )
     log.info(
         "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s, decode step %s",

@@ -12,12 +12,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 from gguf import GGMLQuantizationType as QType
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, ShardPlan, TokenizerSpec
+from mlxr_core.model.lora import AdapterCheckpoint
 from mlxr_core.model.progress import track
 from mlxr_plugins.formats.gguf.arch_settings import (
     config_keys,
@@ -50,6 +52,18 @@ class GGUFFormat:
     def detect(self, path: Path) -> bool:
         """True for a file that starts with the GGUF magic."""
         return Path(path).is_file() and detect(Path(path))
+
+    def detect_adapter(self, path: Path) -> bool:
+        """True for a llama.cpp LoRA GGUF (``general.type: adapter``)."""
+        from mlxr_plugins.formats.gguf import adapters
+
+        return adapters.is_adapter(Path(path))
+
+    def load_adapter(self, path: Path, *, base_config: dict[str, Any]) -> AdapterCheckpoint:
+        """Read a llama.cpp LoRA GGUF (:mod:`.adapters`)."""
+        from mlxr_plugins.formats.gguf import adapters
+
+        return adapters.load(Path(path), base_config)
 
     def load(self, path: Path, *, dtype: str = "float32") -> Checkpoint:
         """Read ``path``: exact MLX quantization where a block type has one, ``dtype`` arrays for the rest."""

@@ -33,7 +33,8 @@ import numpy as np
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, ShardPlan, TensorShards
 from mlxr_core.model.layers.config_eras import file_spellings
-from mlxr_plugins.formats.safetensors import fp8
+from mlxr_core.model.lora import AdapterCheckpoint
+from mlxr_plugins.formats.safetensors import adapters, fp8
 from mlxr_plugins.formats.safetensors.files import read_json
 from mlxr_plugins.formats.safetensors.tokenizer import read_chat_template, tokenizer_spec
 
@@ -404,6 +405,14 @@ class SafetensorsFormat:
     def load(self, path: Path, *, dtype: str = "float32") -> Checkpoint:
         """Read the folder: config, weights (floats as ``dtype``), quantization, tokenizer spec."""
         return self._read(Path(path), dtype, None)
+
+    def detect_adapter(self, path: Path) -> bool:
+        """True for a PEFT or mlx-lm LoRA adapter folder (:mod:`.adapters`)."""
+        return adapters.detect(Path(path))
+
+    def load_adapter(self, path: Path, *, base_config: dict[str, Any]) -> AdapterCheckpoint:
+        """Read a PEFT or mlx-lm LoRA adapter folder."""
+        return adapters.load(Path(path))
 
     def load_shards(self, path: Path, plan: ShardPlan, *, dtype: str = "float32") -> Checkpoint:
         """:meth:`load`, each tensor ``plan`` splits read as this process's share: rows or

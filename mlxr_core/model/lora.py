@@ -1,0 +1,361 @@
+"""LoRA adapters served over one base model: low-rank updates gathered per row of a batch.
+
+An adapter file (a PEFT folder, an mlx-lm adapter folder, a llama.cpp LoRA GGUF) is read by the
+format plugin that recognizes it (:class:`ReadsAdapters`) into an :class:`AdapterCheckpoint`: per
+linear module of the base, ``a [r, in]``, ``b [out, r]`` and the scale the file's alpha and rank
+give (``alpha / r``, ``alpha / sqrt(r)`` for rsLoRA). :func:`fit_adapter` checks each update against
+the loaded model (the module exists and is linear, the shapes fit) and refuses, naming the tensor,
+what does not fit.
+
+The base weights are never merged. Each targeted layer becomes a :class:`LowRankLinear` (its class
+changes, its parameters stay) that adds, per row ``i`` of its input, ``scale * (x_i @ A^T) @ B^T``
+for the adapter row ``i`` uses: the base matmul runs once for every row, and the updates are two
+``mx.gather_mm`` over the resident adapters' stacked ``A`` and ``B`` (ranks padded to the layer's
+largest). :class:`AdapterSet` holds those stacks (one slot per resident adapter) and, while a
+forward pass is built (:meth:`AdapterSet.rows`), which slot each row uses; rows with slot 0 (no
+adapter) and a pass with no adapter row at all add nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxr_core.errors import ConfigError, ModelLoadError, UnsupportedFormat
+from mlxr_core.model.quantize import KernelQuantizedLinear
+
+if TYPE_CHECKING:
+    from mlxr_core.model.arch import Architecture
+    from mlxr_core.plugins import Registries
+
+
+@attrs.frozen
+class LowRank:
+    """One linear module's update, ``y += scale * (x @ a.T) @ b.T``, with the file's names for
+    ``a`` and ``b`` (what a refusal names)."""
+
+    a: mx.array  # [r, in]
+    b: mx.array  # [out, r]
+    scale: float
+    names: tuple[str, str]
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@attrs.define
+class AdapterCheckpoint:
+    """An adapter as its format read it: updates by module, in the checkpoint's module names (those
+    of the base checkpoint's ``config.json`` layout)."""
+
+    path: Path
+    format: str
+    updates: dict[str, LowRank]
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(update.a.nbytes + update.b.nbytes for update in self.updates.values())
+
+
+@runtime_checkable
+class ReadsAdapters(Protocol):
+    """A format plugin that also reads LoRA adapter files of its kind."""
+
+    def detect_adapter(self, path: Path) -> bool:
+        """Whether ``path`` is an adapter this format reads."""
+
+    def load_adapter(self, path: Path, *, base_config: Mapping[str, Any]) -> AdapterCheckpoint:
+        """Read the adapter at ``path`` for a base with ``base_config`` (its checkpoint config:
+        head counts a format may need to put rows in the base's order). Raises ModelLoadError
+        naming the field or tensor it cannot serve (DoRA, a bias, a module saved whole)."""
+
+
+def read_adapter(
+    path: Path, registries: Registries, base_config: Mapping[str, Any]
+) -> AdapterCheckpoint:
+    """The adapter at ``path``, read by the first format plugin that recognizes it."""
+    if not path.exists():
+        raise ConfigError(
+            f"adapter {path}: no such file or folder", field="models[].adapters[].path"
+        )
+    for name in registries.formats.names():
+        fmt = registries.formats.get(name)
+        if isinstance(fmt, ReadsAdapters) and fmt.detect_adapter(path):
+            return fmt.load_adapter(path, base_config=base_config)
+    raise UnsupportedFormat(
+        f"{path}: not a LoRA adapter any format reads (a PEFT or mlx-lm folder with adapter_config.json, "
+        "or a llama.cpp LoRA GGUF)"
+    )
+
+
+def paired_tensors(
+    names: Iterable[str], a_suffix: str, b_suffix: str, path: Path
+) -> list[tuple[str, str]]:
+    """Each ``...<a_suffix>`` tensor name with its ``...<b_suffix>`` partner; ModelLoadError naming
+    a tensor that is neither, or one without its partner."""
+    names = set(names)
+    pairs = []
+    for name in sorted(names):
+        if name.endswith(b_suffix):
+            if name.removesuffix(b_suffix) + a_suffix not in names:
+                raise ModelLoadError(
+                    f"{b_suffix} without its {a_suffix}", path=str(path), tensor=name
+                )
+        elif not name.endswith(a_suffix):
+            raise ModelLoadError(f"not a LoRA matrix (only {a_suffix} and {b_suffix} are served)",
+                                 path=str(path), tensor=name)  # fmt: skip
+        elif name.removesuffix(a_suffix) + b_suffix not in names:
+            raise ModelLoadError(f"{a_suffix} without its {b_suffix}", path=str(path), tensor=name)
+        else:
+            pairs.append((name, name.removesuffix(a_suffix) + b_suffix))
+    return pairs
+
+
+def lora_scale(alpha: float, rank: int, *, rslora: bool = False) -> float:
+    """PEFT's scale: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA (Kalajdzievski 2023)."""
+    return alpha / math.sqrt(rank) if rslora else alpha / rank
+
+
+def linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    """``(out, in)`` of a linear layer, dense or packed; None for any other module."""
+    if isinstance(module, nn.QuantizedLinear):
+        return int(module["weight"].shape[0]), int(module["scales"].shape[-1]) * module.group_size
+    if isinstance(module, nn.Linear):
+        out, inputs = module["weight"].shape
+        return int(out), int(inputs)
+    return None
+
+
+def fit_adapter(
+    model: nn.Module, arch: Architecture, adapter: AdapterCheckpoint, dtype: mx.Dtype
+) -> dict[str, LowRank]:
+    """``adapter``'s updates under the loaded ``model``'s module names, in ``dtype``; refuses,
+    naming the tensor, an update whose module the model lacks or is not linear, or whose shapes do
+    not fit it."""
+    from mlxr_core.model.loader import renamed_modules
+
+    modules = dict(model.named_modules())
+    fitted: dict[str, LowRank] = {}
+    for module, update in renamed_modules(arch, adapter.updates).items():
+        a_name, b_name = update.names
+        target = modules.get(module)
+        if target is None:
+            raise ModelLoadError(f"the adapter targets {module}, which the base model does not have",
+                                 path=str(adapter.path), tensor=a_name)  # fmt: skip
+        shape = linear_shape(target)
+        if shape is None or not (type(target) in LOW_RANK or isinstance(target, LowRankLinear)):
+            raise ModelLoadError(f"the adapter targets {module}, a {type(target).__name__}: only linear "
+                                 "layers take LoRA updates here", path=str(adapter.path), tensor=a_name)  # fmt: skip
+        out, inputs = shape
+        if update.a.ndim != 2 or update.a.shape[1] != inputs:
+            raise ModelLoadError(f"shape {tuple(update.a.shape)} does not fit {module} ({inputs} inputs): "
+                                 f"expected [rank, {inputs}]", path=str(adapter.path), tensor=a_name)  # fmt: skip
+        if update.b.ndim != 2 or update.b.shape != (out, update.rank):
+            raise ModelLoadError(f"shape {tuple(update.b.shape)} does not fit {module} ({out} outputs, rank "
+                                 f"{update.rank}): expected [{out}, {update.rank}]",
+                                 path=str(adapter.path), tensor=b_name)  # fmt: skip
+        fitted[module] = attrs.evolve(update, a=update.a.astype(dtype), b=update.b.astype(dtype))
+    if not fitted:
+        raise ModelLoadError("the adapter holds no LoRA update", path=str(adapter.path))
+    return fitted
+
+
+class LayerUpdates:
+    """One layer's resident updates: ``a [S, in, R]`` and ``b [S, R, out]`` (``R`` the largest
+    rank, smaller ones zero-padded), and per adapter slot (``capacity + 1``, slot 0 none) its
+    index in them and its scale (0 where the slot's adapter does not target this layer)."""
+
+    def __init__(self, adapters: AdapterSet):
+        self.adapters = adapters
+        self.a: mx.array | None = None
+        self.b: mx.array | None = None
+        #: Adapter slot -> (index in the stacks, rank).
+        self.entries: dict[int, tuple[int, int]] = {}
+        self.scales: dict[int, float] = {}
+        self.index = mx.zeros((adapters.capacity + 1,), dtype=mx.uint32)
+        self.scale = mx.zeros((adapters.capacity + 1,))
+
+    @property
+    def nbytes(self) -> int:
+        return (self.a.nbytes + self.b.nbytes) if self.a is not None and self.b is not None else 0
+
+    def add(self, slot: int, update: LowRank) -> None:
+        r = update.rank
+        width = max(r, self.a.shape[-1] if self.a is not None else 0)
+        a, b = update.a.T[None], update.b.T[None]  # [1, in, r], [1, r, out]
+        a = mx.pad(a, [(0, 0), (0, 0), (0, width - r)])
+        b = mx.pad(b, [(0, 0), (0, width - r), (0, 0)])
+        if self.a is None or self.b is None:
+            self.a, self.b = a, b
+        else:
+            grow = width - self.a.shape[-1]
+            old_a = mx.pad(self.a, [(0, 0), (0, 0), (0, grow)]) if grow else self.a
+            old_b = mx.pad(self.b, [(0, 0), (0, grow), (0, 0)]) if grow else self.b
+            self.a, self.b = mx.concatenate([old_a, a]), mx.concatenate([old_b, b])
+        self.entries[slot] = (int(self.a.shape[0]) - 1, r)
+        self.scales[slot] = update.scale
+        self._tables()
+
+    def remove(self, slot: int) -> None:
+        if slot not in self.entries or self.a is None or self.b is None:
+            return
+        index, _ = self.entries.pop(slot)
+        self.scales.pop(slot)
+        if not self.entries:
+            self.a = self.b = None
+        else:
+            keep = [i for i in range(self.a.shape[0]) if i != index]
+            width = max(
+                rank for _, rank in self.entries.values()
+            )  # shrink the padding to what is left
+            self.a = self.a[mx.array(keep)][..., :width]
+            self.b = self.b[mx.array(keep)][:, :width]
+            self.entries = {s: (i - (i > index), rank) for s, (i, rank) in self.entries.items()}
+        self._tables()
+
+    def _tables(self) -> None:
+        index = [0] * (self.adapters.capacity + 1)
+        scale = [0.0] * (self.adapters.capacity + 1)
+        for slot, (i, _) in self.entries.items():
+            index[slot], scale[slot] = i, self.scales[slot]
+        self.index = mx.array(index, dtype=mx.uint32)
+        self.scale = mx.array(scale, dtype=self.a.dtype if self.a is not None else mx.float32)
+        if self.a is not None and self.b is not None:
+            mx.eval(self.a, self.b, self.index, self.scale)
+
+    def apply(self, x: mx.array, y: mx.array) -> mx.array:
+        """``y`` (the base layer's output for ``x [B, L, in]``) plus each row's update."""
+        rows = self.adapters.current
+        if rows is None or self.a is None or self.b is None:
+            return y
+        B = x.shape[0]
+        index, scale = self.index[rows], self.scale[rows]
+        every = mx.arange(B, dtype=mx.uint32)
+        low = mx.gather_mm(x, self.a, every, index)  # [B, L, R]
+        update = mx.gather_mm(low, self.b, every, index)  # [B, L, out]
+        return y + (update * scale[:, None, None]).astype(y.dtype)
+
+
+class LowRankLinear:
+    """A linear layer (dense or packed) plus its :class:`LayerUpdates`; what a targeted layer's
+    class becomes (a subclass of its own class: :data:`LOW_RANK`)."""
+
+    _updates: LayerUpdates
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y: mx.array = super().__call__(x)  # type: ignore[misc]
+        return self._updates.apply(x, y)
+
+
+class LowRankDense(LowRankLinear, nn.Linear):
+    pass
+
+
+class LowRankPacked(LowRankLinear, nn.QuantizedLinear):
+    pass
+
+
+class LowRankKernelPacked(LowRankLinear, KernelQuantizedLinear):
+    pass
+
+
+#: Linear layer classes and the class each becomes when an adapter targets it.
+LOW_RANK: dict[type, type] = {
+    nn.Linear: LowRankDense,
+    nn.QuantizedLinear: LowRankPacked,
+    KernelQuantizedLinear: LowRankKernelPacked,
+}
+
+
+@attrs.define
+class ResidentAdapter:
+    name: str
+    slot: int
+    modules: tuple[str, ...]
+    #: The adapter's own bytes (its A and B at their ranks).
+    nbytes: int
+
+
+class AdapterSet:
+    """A model's resident adapters, at most ``capacity`` (slots 1..capacity; 0 is no adapter), and
+    the rows of the forward pass being built."""
+
+    def __init__(self, model: nn.Module, capacity: int):
+        self.model = model
+        self.capacity = capacity
+        self.resident: dict[str, ResidentAdapter] = {}
+        self.layers: dict[str, LayerUpdates] = {}
+        #: ``[B]`` slots of the rows of the pass being built, or None: no row uses an adapter.
+        self.current: mx.array | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the stacked updates hold (the adapters' own bytes plus rank padding)."""
+        return sum(layer.nbytes for layer in self.layers.values())
+
+    def slot(self, name: str) -> int | None:
+        resident = self.resident.get(name)
+        return resident.slot if resident is not None else None
+
+    def add(self, name: str, updates: Mapping[str, LowRank]) -> int:
+        """Make ``updates`` (from :func:`fit_adapter`) resident as ``name``; its slot."""
+        if name in self.resident:
+            raise ValueError(f"adapter {name!r} is resident already")
+        free = sorted(set(range(1, self.capacity + 1)) - {r.slot for r in self.resident.values()})
+        if not free:
+            raise ValueError(f"all {self.capacity} adapter slots are taken")
+        slot = free[0]
+        modules = dict(self.model.named_modules())
+        for path, update in updates.items():
+            layer = self.layers.get(path)
+            if layer is None:
+                module = modules[path]
+                layer = self.layers[path] = LayerUpdates(self)
+                module.__class__ = LOW_RANK.get(type(module), type(module))
+                object.__setattr__(module, "_updates", layer)
+            layer.add(slot, update)
+        own = sum(update.a.nbytes + update.b.nbytes for update in updates.values())
+        self.resident[name] = ResidentAdapter(name, slot, tuple(updates), own)
+        return slot
+
+    def remove(self, name: str) -> None:
+        resident = self.resident.pop(name, None)
+        if resident is None:
+            return
+        for path in resident.modules:
+            self.layers[path].remove(resident.slot)
+
+    @contextmanager
+    def rows(self, slots: Sequence[int]) -> Iterator[None]:
+        """While a forward pass over rows using ``slots`` (one per row; 0: none) is built."""
+        previous = self.current
+        self.current = mx.array(list(slots), dtype=mx.uint32) if any(slots) else None
+        try:
+            yield
+        finally:
+            self.current = previous
+
+
+def load_adapter(loaded: Any, name: str, path: str | Path, registries: Registries) -> int:
+    """Read the adapter at ``path``, fit it to ``loaded`` (a LoadedModel served with adapters)
+    and make it resident as ``name``; its slot. Nothing changes when it is refused."""
+    from mlxr_core.model.loader import DTYPES
+    from mlxr_core.model.paths import resolve_model_path
+
+    adapters: AdapterSet | None = loaded.adapters
+    if adapters is None:
+        raise ConfigError(
+            f"model {loaded.name} serves no adapters (models[].adapters)", field="models[].adapters"
+        )
+    checkpoint = read_adapter(resolve_model_path(str(path)), registries, loaded.config)
+    updates = fit_adapter(loaded.model, loaded.arch, checkpoint, DTYPES[loaded.dtype])
+    return adapters.add(name, updates)
