@@ -4,7 +4,9 @@ A thin helper: it reads ``distributed:`` from the config and replaces itself wit
 ``mlx.launch [--backend B] (-n N | --hosts ... | --hostfile F) [--starting-port P] -- python -m
 mlxr_core.cli.main serve --config FILE``; ``--dry-run`` prints that command instead. Each rank then
 runs ``mlxr serve``, which joins the group (:mod:`mlxr_core.distributed`); rank 0 serves HTTP.
-``mlx.launch`` relays every rank's output and stops the others when one fails.
+``mlx.launch`` relays every rank's output and stops the others when one fails, but itself exits 0
+whatever its ranks did; ``mlxr launch`` reads its report of each rank (``Node with rank N exited
+with code C`` / ``was killed``) as it relays it and exits non-zero when a rank failed.
 
 Ranks started on this machine share its cores: each gets ``OPENBLAS_NUM_THREADS`` of its share
 (unless set), since OpenBLAS otherwise starts a busy-waiting thread per core in every rank, and
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,9 +70,26 @@ def run(args: argparse.Namespace) -> int:
         print(shlex.join(command))
         return 0
     sys.stdout.flush()
-    os.environ.update(thread_limits(config.distributed, os.environ))
-    os.execv(command[0], command)
-    return 1  # not reached
+    return run_ranks(command, {**os.environ, **thread_limits(config.distributed, os.environ)})
+
+
+#: How ``mlx.launch`` reports a rank that failed (on its standard error).
+RANK_FAILED = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+
+
+def run_ranks(command: list[str], env: Mapping[str, str]) -> int:
+    """Run ``mlx.launch``, relaying its standard error, and return non-zero when it reported a
+    failed rank (the first failed rank's code, 1 for a killed one) or itself failed."""
+    failed = 0
+    with subprocess.Popen(command, env=dict(env), stderr=subprocess.PIPE) as launcher:
+        assert launcher.stderr is not None
+        for line in iter(launcher.stderr.readline, b""):
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
+            found = RANK_FAILED.search(line.decode(errors="replace"))
+            if found and not failed:
+                failed = int(found.group(2) or 1) or 1
+    return failed or launcher.returncode
 
 
 def launch_command(distributed: DistributedConfig, *, config_path: str, serve_flags: list[str]) -> list[str]:

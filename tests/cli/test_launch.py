@@ -89,3 +89,20 @@ def test_serve_refuses_before_loading_what_cannot_run_across_ranks(
     assert main(["serve", "--config", str(config), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert key in err and words in err, err
+
+
+def test_launch_exits_non_zero_when_a_rank_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    """mlx.launch itself exits 0 after a rank failed; ``mlxr launch`` reads its report of it."""
+    from mlxr_core.cli import launch
+
+    script = tmp_path / "mlx.launch"
+    report = {"fails": "print('Node with rank 1 exited with code 3', file=sys.stderr)",
+              "killed": "print('Node with rank 0 was killed', file=sys.stderr)", "fine": "print('ok')"}  # fmt: skip
+    config = write(tmp_path, "  tensor_parallel: 2\n")
+    for case, expected in (("fails", 3), ("killed", 1), ("fine", 0)):
+        script.write_text(f"#!{sys.executable}\nimport sys\n{report[case]}\nsys.exit(0)\n")
+        script.chmod(0o755)
+        monkeypatch.setattr(launch, "_mlx_launch", lambda: str(script))
+        assert main(["launch", "--config", str(config)]) == expected, case
+    assert "rank 0 was killed" in capsys.readouterr().err
