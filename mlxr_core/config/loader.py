@@ -147,6 +147,8 @@ def load_config(
     """
     source, text = _read(path)
     data, origins = _parse_document(text, source)
+    if path is not None:
+        _overlay_defaults(data, origins)
     _apply_environment(data, os.environ if environ is None else environ, origins)
     for key, value in (overrides or {}).items():
         key_path = _split(key.split("."))
@@ -289,6 +291,16 @@ def _walk(
 
 
 # -- layering --------------------------------------------------------------------------------
+
+
+def _overlay_defaults(data: dict[str, Any], origins: _Origins) -> None:
+    """A file is laid over the embedded default: a top-level section it does not write
+    (``models:`` in a file changing one server setting) is the default's."""
+    default, default_origins = _parse_document(*reversed(_read(None)))
+    for key, value in default.items():
+        if key not in data:
+            data[key] = value
+            origins.marks.update({path: mark for path, mark in default_origins.marks.items() if path[:1] == (key,)})
 
 
 def _apply_environment(data: dict[str, Any], environ: Mapping[str, str], origins: _Origins) -> None:

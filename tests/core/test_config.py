@@ -107,7 +107,6 @@ def test_every_problem_is_reported_with_its_key_path_and_line(write):
         (MODEL + "server: 8000\n", "server: expected a mapping, got int 8000"),
         (MODEL + "server:\n", "server: expected a mapping, got null"),
         ("models: []\n", "models: must not be empty"),
-        ("server:\n  port: 1\n", "models: required key missing"),
         ("models:\n  - name: a\n", "models[0].path: required key missing"),
         (MODEL + "    context_length: 8\n", "models[0].context_length: must be >= 16, got 8"),
         (MODEL + "    rerank_prompt: plain\n", "models[0].rerank_prompt: must be one of judge, examples, got 'plain'"),
@@ -122,6 +121,17 @@ def test_every_problem_is_reported_with_its_key_path_and_line(write):
 def test_wrong_types_and_values_name_the_key(write, text, expected):
     (found,) = problems(write(text))
     assert expected in found
+
+
+def test_a_file_is_laid_over_the_default_so_it_need_not_repeat_models(write):
+    """A one-line change serves the embedded default's model; a file's models: replaces it."""
+    default = load_config(environ={})
+    config = load_config(write("server:\n  port: 9001\n"), environ={})
+    assert config.server.port == 9001 and config.models == default.models
+    config = load_config(write("distributed:\n  tensor_parallel: 2\n"), environ={})
+    assert config.distributed.tensor_parallel == 2 and config.models == default.models
+    (found,) = problems(write("server:\n  port: 1\nmodels:\n  - name: a\n"))
+    assert "models[0].path: required key missing" in found
 
 
 def test_floats_in_exponent_notation_are_numbers(write):
