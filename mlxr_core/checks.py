@@ -4,7 +4,8 @@ model/ and the parsers, whose names it checks).
 :func:`check_config` is what ``mlxr serve`` runs before it binds its port and what ``mlxr config
 check`` prints: each plugin's own section, every name the config uses (APIs, kernel ops and
 backends, formats, architectures, decoders, tool and reasoning parsers, kv-cache methods) against
-what a loaded plugin registered, and every model path. It reports every problem at once, each with
+what a loaded plugin registered, whether each kernel backend it names can run on this machine, and
+every model path. It reports every problem at once, each with
 its key and the file line it came from.
 """
 
@@ -33,7 +34,9 @@ def check_config(config: Config, host: PluginHost) -> dict[str, Any]:
         sections = validate_plugin_sections(config, host.registries)
     except ConfigProblems as exc:
         lines += exc.problems
-    problems = [*unregistered_names(config, host), *missing_models(config)]
+    problems = unregistered_names(config, host)
+    problems += unavailable_kernels(config, host) if not problems else []
+    problems += missing_models(config)
     if problems:
         lines += config_error(config, problems).problems
     if lines:
@@ -79,8 +82,40 @@ def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
             names = [*registries.archs.names(), *registries.arch_fallbacks.names()]
             check((*where, "arch"), "architecture", model.arch, names)
         check((*where, "decoder"), "decoder", model.decoder, registries.decoders.names())
+        if model.speculative is not None and model.speculative.method != "none":
+            drafting = [entry.name for entry in registries.decoders if entry.meta.get("drafts")]
+            check((*where, "speculative", "method"), "drafting decoder", model.speculative.method, drafting)
         check_kernels((*where, "kernels"), model.kernels)
     return [*problems, *parser_problems(config, registries), *kv_cache_problems(config, registries)]
+
+
+#: Shapes the kernel check asks backends about before any model is read (``mlxr kernels``'
+#: defaults: Llama-3-8B-like heads); a backend refusing only some shapes is not refused here.
+CHECK_SHAPES = {"head_dim": 128, "n_heads": 32, "n_kv_heads": 8, "rope_dims": 128, "masks": ("causal",)}
+
+
+def unavailable_kernels(config: Config, host: PluginHost) -> list[Problem]:
+    """Kernel backends the config names (``kernels:``, ``models[].kernels``) that cannot run on
+    this machine's device in the model's dtype, with their reasons (what ``mlxr serve`` would
+    refuse while loading the model, said before it starts)."""
+    from mlxr_core.errors import KernelUnavailable
+    from mlxr_core.kernels import KernelContext, current_platform, select_kernel
+
+    device, platform = current_platform()
+    problems = []
+    registry = host.registries.kernels
+    for index, model in enumerate(config.models):
+        dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if device == "gpu" else "float32")
+        for op, choice in {**config.kernels, **model.kernels}.items():
+            path: tuple[str | int, ...] = ("models", index, "kernels", op) if op in model.kernels else ("kernels", op)
+            ctx = KernelContext(op=op, device=device, platform=platform, dtype=dtype, shapes=CHECK_SHAPES)
+            try:
+                select_kernel(registry, ctx, choice)
+            except KernelUnavailable as exc:
+                problem = Problem(path, str(exc).removeprefix(f"kernels.{op}: "))
+                if problem not in problems:
+                    problems.append(problem)
+    return problems
 
 
 def fallback_model_types(host: PluginHost) -> set[str]:
