@@ -1,9 +1,9 @@
 """One batched decode step, alone: where its time goes at B rows.
 
     python bench/batched_step.py [--weights q4] [--rows 1 32] [--steps 200] [--rounds 3]
-        [--variants auto quantized_matmul=mlx_fast] [--smoke]
+        [--variants auto quantized_matmul=mlx_fast] [--shape llama-3.2-1b] [--smoke]
 
-Writes the Llama-3.2-1B-shaped random weights of ``gpu_decode.py``, loads them as the engine does
+Writes the random weights of ``gpu_decode.py`` (``--shape``, the Llama-3.2-1B shape by default), loads them as the engine does
 (mlxr's defaults for the device), prefills ``B`` rows and decodes them together through the
 model's decode step (``LoadedModel.decode``, what the engine's batch runner calls) on the engine's
 batch cache, without the engine: rows of one length (no mask) and rows of different lengths
@@ -14,7 +14,10 @@ graph, ``mx.async_eval``, and waiting for the previous step's tokens; then the m
 every step is waited for. ``--variants`` compares kernel choices in one process (one engine
 each, alternating per round, so that host drift hits them alike). ``--ncu-steps`` marks a run of
 steps for Nsight Compute instead, and ``--summarize-ncu`` sums each run's kernel times per step by
-kernel name: the device's busy time, against the step's wall time. A diagnostic for the engine's
+kernel name: the device's busy time, against the step's wall time, and the bandwidth it achieves:
+the weight bytes a step of ``B`` rows reads (every weight but the experts, and of each mixture-of-
+experts layer the share of experts ``B`` rows choose when routing is uniform,
+``1 - (1 - top_k / experts) ** B``) over that busy time. A diagnostic for the engine's
 aggregate throughput, not a peer comparison.
 """
 
@@ -104,6 +107,21 @@ def waited(model: Any, caches: list[Any], steps: int) -> float:
     return statistics.median(times[min(5, steps // 4):]) * 1e3
 
 
+def step_bytes(model: Any, rows: int) -> int:
+    """Weight bytes one decode step of ``rows`` rows reads: every weight, except that of each
+    mixture-of-experts layer only the experts the rows choose, counted as the expected share of
+    distinct experts under uniform routing (``1 - (1 - top_k / experts) ** rows``)."""
+    from mlx.utils import tree_flatten
+
+    from mlxr_core.model.layers.moe import active_share
+
+    shares = {prefix: 1 - (1 - share) ** rows for prefix, share in active_share(model).items()}
+    total = 0.0
+    for name, array in tree_flatten(model.parameters()):
+        total += array.nbytes * next((s for prefix, s in shares.items() if name.startswith(prefix)), 1.0)
+    return int(total)
+
+
 @functools.cache
 def _marker_kernel() -> Any:
     return mx.fast.cuda_kernel(name="mlxr_marker", input_names=["x"], output_names=["y"],
@@ -145,8 +163,12 @@ def summarize_ncu(csv_path: Path, labels: dict[int, dict[str, Any]]) -> dict[str
         kernels = ranges.get(index, {})
         steps = label["steps"]
         per_step = {name: sum(us) / steps for name, us in kernels.items()}
+        busy = sum(per_step.values())
         summary[label["label"]] = {
-            "device_us_per_step": sum(per_step.values()),
+            "device_us_per_step": busy,
+            "weight_bytes_per_step": label.get("weight_bytes_per_step"),
+            "achieved_GBps": (label["weight_bytes_per_step"] / busy * 1e-3
+                              if busy and label.get("weight_bytes_per_step") else None),
             "kernels_per_step": sum(len(us) for us in kernels.values()) / steps,
             "top": dict(sorted(per_step.items(), key=lambda item: -item[1])[:25]),
         }
@@ -168,6 +190,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1, help="alternating rounds per variant")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, to check the script")
+    parser.add_argument("--shape", default="llama-3.2-1b",
+                        help="a shape of gpu_decode.py's SHAPES (its 4-bit folder for a mixture of experts)")
     parser.add_argument(
         "--ncu-steps", type=int, default=0,
         help="instead of timing, run this many pipelined steps per variant and row count (rows of "
@@ -182,7 +206,7 @@ def main() -> int:
         print(json.dumps(summarize_ncu(args.summarize_ncu, labels), indent=1))
         return 0
 
-    from gpu_decode import LLAMA_1B, SMOKE, write_folders
+    from gpu_decode import SHAPES, smoke_shape, write_folders
 
     from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
     from mlxr_core.engine.engine import Engine
@@ -191,7 +215,10 @@ def main() -> int:
     report: dict[str, Any] = {"device": str(mx.default_device()), "weights": args.weights,
                               "variants": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = write_folders(Path(tmp), SMOKE if args.smoke else LLAMA_1B)[args.weights]
+        shape = SHAPES[args.shape]
+        folder = write_folders(Path(tmp), smoke_shape(shape) if args.smoke else shape,
+                               (args.weights,))[args.weights]
+        report["shape"] = args.shape
         engines = {}
         for variant in args.variants:
             choices = {} if variant == "auto" else dict(c.split("=", 1) for c in variant.split(","))
@@ -217,7 +244,8 @@ def main() -> int:
                             pipelined(model, caches, 4)
                             index = len(report["ncu_markers"]) + 1
                             report["ncu_markers"][index] = {
-                                "label": f"{variant} | {rows} rows", "steps": args.ncu_steps}
+                                "label": f"{variant} | {rows} rows", "steps": args.ncu_steps,
+                                "weight_bytes_per_step": step_bytes(model.model, rows)}
                             marker(index)
                             pipelined(model, caches, args.ncu_steps)
                             marker(0)

@@ -11,7 +11,8 @@ limits, a negative ``max_tokens``), and lost ones (any other status, a stream th
 final event, a transport error). After the run the server's gauges (``mlxr_requests_inflight``,
 ``_running``, ``mlxr_queue_depth``, KV bytes) must return to 0; its resident memory is sampled every
 ``--sample`` seconds through the run and compared with its value after the warm-up (the samples
-and their least-squares slope, in MB per minute, are in the report).
+and their least-squares slope, in MB per minute, are in the report). The server's own output (warnings
+and errors) goes to ``--out`` with the suffix ``.log``.
 
     python bench/soak.py --clients 64 --seconds 600 --out bench/results/soak_smollm2_cpu.json
     python bench/soak.py --clients 64 --seconds 600 --core process --out bench/results/soak_smollm2_cpu_process.json
@@ -47,20 +48,34 @@ def rss(pid: int) -> int:
     return 0
 
 
-def start(model: str | None, core: str = "thread") -> tuple[subprocess.Popen[str], str]:
+def start(model: str | None, core: str = "thread", log: Path | None = None) -> tuple[subprocess.Popen[str], str]:
+    """Start ``mlxr serve``; once it is ready, its output is copied to ``log`` (or dropped) by a
+    thread, so that a server that logs a lot never blocks on a full pipe."""
     command = [sys.executable, "-m", "mlxr_core.cli.main", "serve", "--port", "0", "--log-level", "warning"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "MLXR_ENGINE__CORE": core, **({"MLXR_MODEL": model} if model else {})}
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert process.stdout is not None
     deadline = time.monotonic() + 300
+    seen: list[str] = []
     while time.monotonic() < deadline:
         line = process.stdout.readline()
         if not line:
             break
+        seen.append(line)
         if match := re.search(r"serving .* at (http://\S+)", line):
+            threading.Thread(target=drain, args=(process.stdout, log, seen), daemon=True).start()
             return process, match[1]
     process.kill()
-    raise SystemExit("mlxr serve did not become ready")
+    raise SystemExit("mlxr serve did not become ready:\n" + "".join(seen[-20:]))
+
+
+def drain(stream: Any, log: Path | None, seen: list[str]) -> None:
+    """Copy the server's output to ``log`` until it closes."""
+    with open(log or os.devnull, "w") as out:
+        out.writelines(seen)
+        for line in stream:
+            out.write(line)
+            out.flush()
 
 
 def request(kind: str, model: str, rng: random.Random) -> tuple[str, str, dict[str, Any]]:
@@ -219,7 +234,7 @@ def main() -> int:
     parser.add_argument("--core", choices=("thread", "process"), default="thread", help="engine.core")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    process, url = start(args.model, args.core)
+    process, url = start(args.model, args.core, args.out.with_suffix(".log") if args.out else None)
     try:
         model = httpx.get(f"{url}/health").json()["models"][0]
         warm = asyncio.run(soak(url, model, args.clients, args.warmup, args.disconnect, args.bad))
