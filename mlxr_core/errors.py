@@ -121,6 +121,12 @@ class ModelLoadError(MlxrError):
         self.key = key
 
 
+class ExpertReadError(ModelLoadError):
+    """Streamed expert weights could not be read from their checkpoint file while serving (the
+    file unreadable, truncated or corrupt there); names the file and tensor. The requests that
+    needed them fail with it; the others go on."""
+
+
 class KernelUnavailable(MlxrError):
     """An explicitly chosen kernel backend cannot run here; lists the reasons."""
 

@@ -209,6 +209,35 @@ class KVCacheConfig:
     window: int = attrs.field(default=0, validator=v.ge(0))
 
 
+#: Where a mixture of experts' expert weights live (``models[].experts.residency``).
+EXPERT_RESIDENCIES = ("resident", "stream")
+#: Cache policies of streamed experts (:data:`mlxr_core.model.experts.cache.POLICIES`).
+EXPERT_CACHE_POLICIES = ("lru", "lfu")
+#: What streamed experts read ahead of the layer that needs them (``models[].experts.prefetch``).
+EXPERT_PREFETCH = ("none", "previous", "router")
+
+
+@attrs.define
+class ExpertsConfig:
+    """Where a mixture of experts' expert weights live (:mod:`mlxr_core.model.experts`):
+    ``resident`` (all in memory, the default) or ``stream``: every other weight resident, the
+    experts read from the checkpoint files on demand into a cache of ``cache_bytes``."""
+
+    residency: str = attrs.field(default="resident", converter=_lower, validator=v.in_(EXPERT_RESIDENCIES))
+    #: ``stream``: bytes of experts kept in memory; the experts of one layer's step always fit
+    #: (the cache holds them while they are used, then evicts down to this).
+    cache_bytes: int = attrs.field(default=2**30, validator=v.ge(1))
+    #: ``stream``: which cached expert goes first when the cache is full: ``lru`` (least recently
+    #: used) or ``lfu`` (least often used, ties by age).
+    policy: str = attrs.field(default="lru", converter=_lower, validator=v.in_(EXPERT_CACHE_POLICIES))
+    #: ``stream``: while layer l computes, read the experts layer l+1 will likely need:
+    #: ``previous`` (its choices at the previous step), ``router`` (its router applied to layer
+    #: l's input), or ``none``.
+    prefetch: str = attrs.field(default="previous", converter=_lower, validator=v.in_(EXPERT_PREFETCH))
+    #: ``stream``: reads in flight at once (a pool of threads over ``pread``).
+    read_threads: int = attrs.field(default=4, validator=[v.ge(1), v.le(64)])
+
+
 @attrs.define
 class ModelConfig:
     #: A file, a folder, or ``pkg:DISTRIBUTION[/relative/path]``.
@@ -265,6 +294,9 @@ class ModelConfig:
     #: Quantized keys and values (``{method: affine, bits: 8 | 4, group_size, start_after}`` or
     #: ``{method: turboquant, bits: 4 | 3 | 2, window}``); None: full precision.
     kv_cache: KVCacheConfig | None = None
+    #: Where the expert weights of a mixture of experts live: ``{residency: stream, cache_bytes:
+    #: N}`` reads them from the checkpoint files on demand (:mod:`mlxr_core.model.experts`).
+    experts: ExpertsConfig = attrs.field(factory=ExpertsConfig)
     #: ``eager``: loaded at startup; ``lazy``: loaded by its first request (or ``POST
     #: /v1/models/{id}/load``), which waits for it. See :mod:`mlxr_core.engine.lifecycle`.
     load: str = attrs.field(default="eager", converter=_lower, validator=v.in_(LOAD_MODES))

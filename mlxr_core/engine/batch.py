@@ -15,9 +15,11 @@ alone; the scheduler fails the whole batch only for a failure of the batch's own
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -392,6 +394,19 @@ class BatchRunner:
             self.logprobs.append(None)
             self.shifts.append(seq.images.shift if seq.images is not None else 0)
 
+    @contextlib.contextmanager
+    def _expert_failures(self, failed: dict[int, BaseException]) -> Iterator[None]:
+        """Rows whose streamed experts could not be read in this step join ``failed`` (the
+        others go on); see :meth:`mlxr_core.model.experts.store.ExpertStore.row_failures`."""
+        experts = self.model.experts
+        if experts is None:
+            yield
+            return
+        with experts.row_failures() as lost:
+            yield
+        for row, error in lost.items():
+            failed.setdefault(row, error)
+
     def _decode(self) -> None:
         assert self.caches is not None and self.tokens is not None
         tokens, caches = self.tokens, self.caches
@@ -413,7 +428,8 @@ class BatchRunner:
                         failed[row] = exc
         mask = batch_mask(caches)
         shift = mx.array(self.shifts) if any(self.shifts) else None
-        logits = self.model.decode(tokens, caches, mask, shift)
+        with self._expert_failures(failed):
+            logits = self.model.decode(tokens, caches, mask, shift)
         following = self._sample(logits, failed)
         following_logprobs, step_logprobs = self._logprobs(logits, following)
         mx.async_eval(following, *(step_logprobs.arrays if step_logprobs is not None else ()))

@@ -172,6 +172,8 @@ class Engine(EngineCaller):
             #: Draft tokens proposed and accepted, per model and drafting decoder.
             "decoders": scheduler.decoder_stats(),
             "lifecycle": self.lifecycle.stats() if self.lifecycle is not None else {},
+            #: Streamed experts' cache and reads, per model (``models[].experts``).
+            "experts": {name: m.experts.stats() for name, m in list(self._loaded.items()) if m.experts is not None},
             "ranks": scheduler.lockstep.rank_stats() if scheduler.lockstep is not None else [],
             "prefix_cache": {
                 name: attrs.asdict(stats) for name, stats in scheduler.prefix_stats().items()
@@ -242,6 +244,9 @@ class Engine(EngineCaller):
         scheduler.release_decoders()
         self.scheduler = None
         del scheduler
+        for loaded in self._loaded.values():
+            if loaded.experts is not None:
+                loaded.experts.close()
         self._loaded.clear()
         gc.collect()
         mx.clear_cache()
@@ -300,7 +305,7 @@ class Engine(EngineCaller):
         self.models[name] = self._model_info(loaded, slot.index)
         self.host.notify("mlxr_model_loaded", name=name, model=loaded)
         return model_footprint(
-            self.config.engine, loaded.nbytes, loaded.context_length, per_token, state
+            self.config.engine, loaded.memory_bytes, loaded.context_length, per_token, state
         )
 
     def _warm_decode(self, loaded: LoadedModel) -> None:
@@ -329,6 +334,9 @@ class Engine(EngineCaller):
         assert self.scheduler is not None
         self.scheduler.outbox.release()  # nor for an unload (a prefix cache written to disk)
 
+        loaded = self._loaded.get(slot.name)
+        if loaded is not None and loaded.experts is not None:
+            loaded.experts.close()
         self.scheduler.remove_model(slot.name)
         gc.collect()
         mx.clear_cache()

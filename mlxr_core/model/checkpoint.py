@@ -17,6 +17,7 @@ import attrs
 
 if TYPE_CHECKING:
     import mlx.core as mx
+    import numpy as np
 
 
 @attrs.frozen
@@ -59,6 +60,43 @@ class Shard:
 TensorShards = Callable[[str], "Shard | None"]
 #: Given a checkpoint's config as soon as the format has read it: that checkpoint's shares.
 ShardPlan = Callable[[dict[str, Any]], TensorShards]
+
+
+#: A host array a stored tensor decodes into and how it becomes an MLX array: ``float`` (cast to
+#: the model dtype), ``bf16`` (raw bfloat16 bits, then cast) or ``raw`` (as it is: packed words).
+HostPart = tuple["np.ndarray", str]
+
+
+@attrs.frozen(eq=False)
+class StoredTensor:
+    """Where a tensor left in its file lies (``offset``, ``nbytes``: its data, absolute in
+    ``file``) and how its bytes become arrays: ``decode(raw, shape)`` takes the bytes of a whole
+    tensor, or of one row of a stack (``raw`` uint8, ``shape`` its stored shape), and returns its
+    parts (``weight``, ``scales``, ``biases``; one, ``weight``, for a plain tensor) as
+    :data:`HostPart`. Runs off the MLX thread: numpy only. ``shape`` is the stored shape; a
+    stack of experts has them first."""
+
+    file: Path
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    decode: Callable[[np.ndarray, tuple[int, ...]], dict[str, HostPart]]
+    #: The file's name for it (``blk.0.ffn_up_exps.weight``), for errors.
+    name: str = ""
+
+    def row(self, index: int, rows: int) -> tuple[int, int, tuple[int, ...]]:
+        """``(offset, nbytes, shape)`` of row ``index`` of ``rows`` equal rows stacked first."""
+        size = self.nbytes // rows
+        return self.offset + index * size, size, self.shape[1:]
+
+
+@attrs.frozen
+class StoredPart:
+    """A checkpoint tensor left in its file: part ``part`` of what :attr:`StoredTensor.decode`
+    returns for ``source``."""
+
+    source: StoredTensor
+    part: str = "weight"
 
 
 @attrs.define
@@ -107,6 +145,9 @@ class Checkpoint:
     #: checkpoint carries them in another file (an mmproj's ``clip.vision.image_mean``); None: the
     #: folder's ``preprocessor_config.json``, if any.
     preprocessor: dict[str, Any] | None = None
+    #: Tensors the format left in their files (read on demand: streamed experts), by the name
+    #: they would have had in :attr:`weights`; see :class:`LeavesTensors`.
+    stored: dict[str, StoredPart] = attrs.field(factory=dict)
 
 
 class Format(Protocol):
@@ -147,4 +188,24 @@ class ReadsShards(Protocol):
         as that share alone, where its layout allows (the others whole, the loader slices them);
         ``metadata["shard_bytes"]`` is ``{"read": ..., "whole": ...}``: the bytes taken from the
         file for the shares, and what the whole tensors hold."""
+        ...
+
+
+#: Whether a tensor, by its name in the checkpoint (as :attr:`Checkpoint.weights` would hold
+#: it), is left in its file.
+LeavePredicate = Callable[[str], bool]
+
+
+@runtime_checkable
+class LeavesTensors(Protocol):
+    """An optional capability of a :class:`Format`: some tensors left in their files, unread,
+    their places recorded (streamed experts, :mod:`mlxr_core.model.experts`)."""
+
+    def load_leaving(self, path: Path, leave: LeavePredicate, *, dtype: str = "float32") -> Checkpoint:
+        """:meth:`Format.load`, but each tensor ``leave`` accepts is neither read nor checked: it
+        is in :attr:`Checkpoint.stored`, not in :attr:`Checkpoint.weights`, with its bytes'
+        place and a decoder giving what the load would have made of them (packed parts as
+        :attr:`Checkpoint.quantization` says, floats to be cast to ``dtype``). Its quantization
+        spec is recorded as for a loaded tensor. Raises ModelLoadError as :meth:`Format.load`
+        does, and where a left tensor's storage has no such decoder (naming it)."""
         ...

@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
 from mlxr_core.kernels import KernelSet, current_platform
 from mlxr_core.model.arch import Architecture, ChecksLoadedModel, RenamesModules
+from mlxr_core.model.audio import SpeechToText, load_speech
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, TensorShards
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.fuse import fuse_model
@@ -86,6 +87,8 @@ class LoadedModel:
     kv_cache: KVStorage | None = None
     #: The image processor, vision module and image tokens of a multimodal model, or None.
     vision: Vision | None = None
+    #: The front end and transcriber of a speech-to-text model (Whisper), or None.
+    speech: SpeechToText | None = None
     #: The resident LoRA adapters of a model configured with some (``models[].adapters``), or None.
     adapters: AdapterSet | None = None
 
@@ -352,6 +355,7 @@ def load_model(
     if model_config.vision.pan_and_scan and (vision is None or vision.tokens.several_views is None):
         raise ConfigError(f"{path.name}: models[].vision.pan_and_scan applies to Gemma 3's vision side only; "
                           "remove it", field="models[].vision.pan_and_scan")
+    speech = load_speech(checkpoint, arch, model, tokenizer)
     context_length = model_config.context_length or arch.context_length(config)
     kv_cache = kv_quantization(model_config, model, chosen, name, registries)
     loaded = LoadedModel(
@@ -371,6 +375,7 @@ def load_model(
         arch_reason=chosen.reason,
         kv_cache=kv_cache,
         vision=vision,
+        speech=speech,
         adapters=AdapterSet(model, model_config.max_adapters) if model_config.adapters else None,
     )
     log.info(

@@ -30,6 +30,8 @@ from mlxr_core.model.arch import Architecture, DefaultChatTemplate
 from mlxr_core.model.checkpoint import (
     Checkpoint,
     Format,
+    LeavePredicate,
+    LeavesTensors,
     ReadsProjector,
     ReadsShards,
     TensorShards,
@@ -104,15 +106,24 @@ def open_checkpoint(
     dtype: str = "auto",
     mmproj: str | None = None,
     shares: ShareChooser | None = None,
+    leave: LeavePredicate | None = None,
 ) -> OpenCheckpoint:
     """Read the model at ``path`` (resolved, see :func:`~mlxr_core.model.paths.resolve_model_path`)
     with the format ``format`` (a registered name, a :class:`Format`, or ``auto``: detected), its
     float weights in ``dtype`` (``auto``: :func:`default_dtype`), with the projector ``mmproj``
     names (as ``models[].mmproj``: unset takes the one beside a GGUF, ``none`` none). With
-    ``shares``, a format that reads shares (:class:`ReadsShards`) reads only those."""
+    ``shares``, a format that reads shares (:class:`ReadsShards`) reads only those. With
+    ``leave``, the tensors it accepts stay in their files (:class:`LeavesTensors`; ConfigError,
+    naming ``models[].experts``, for a format that cannot)."""
     format_name, fmt = pick_format(path, registries, format)
     dtype = default_dtype() if dtype == "auto" else dtype
-    if shares is not None and isinstance(fmt, ReadsShards):
+    if leave is not None:
+        if not isinstance(fmt, LeavesTensors) or shares is not None:
+            why = "under tensor parallelism" if shares is not None else f"from the {format_name} format"
+            raise ConfigError(f"{path.name}: experts cannot stream {why}; models[].experts.residency stream reads "
+                              "safetensors and GGUF checkpoints on one process", field="models[].experts")  # fmt: skip
+        checkpoint = fmt.load_leaving(path, leave, dtype=dtype)
+    elif shares is not None and isinstance(fmt, ReadsShards):
 
         def share_plan(config: dict[str, Any]) -> TensorShards:
             probe = Checkpoint(path=path, format=format_name, config=config, weights={})

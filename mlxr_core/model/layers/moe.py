@@ -182,23 +182,38 @@ class SwitchGLU(nn.Module):
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         """``x [..., hidden]`` and each token's experts ``indices [..., k]`` -> every chosen
         expert's output, ``[..., k, hidden]``."""
-        hidden, k = x.shape[-1], indices.shape[-1]
-        lead = indices.shape[:-1]
-        rows = x.reshape(-1, 1, 1, hidden)  # [N, 1, 1, H]: broadcasts against [N, k]
-        picks = indices.reshape(-1, k)
-        order = None
-        if picks.size >= SORT_FROM:
-            flat = picks.flatten()
-            order = mx.argsort(flat)
-            rows = rows.reshape(-1, 1, hidden)[order // k]  # [N * k, 1, H], grouped by expert
-            picks = flat[order]
-        sort = order is not None
-        out = self.down_proj(
-            self._activation(self.gate_proj(rows, picks, sort), self.up_proj(rows, picks, sort)), picks, sort
-        )
-        if order is not None:
-            out = out[mx.argsort(order)]
-        return out.reshape(*lead, k, hidden)
+        return gated_experts(x, indices, self.gate_proj, self.up_proj, self.down_proj, self._activation)
+
+
+#: A stack of experts' projection: ``(rows, picks, sorted_indices) -> outputs`` (:class:`SwitchLinear`).
+Projection = Callable[[mx.array, mx.array, bool], mx.array]
+
+
+def gated_experts(
+    x: mx.array,
+    indices: mx.array,
+    gate: Projection,
+    up: Projection,
+    down: Projection,
+    activation: Callable[[mx.array, mx.array], mx.array],
+) -> mx.array:
+    """:class:`SwitchGLU`'s computation over any three stacked projections: ``x [..., hidden]``
+    and each token's experts ``indices [..., k]`` (rows of the stacks) -> ``[..., k, hidden]``."""
+    hidden, k = x.shape[-1], indices.shape[-1]
+    lead = indices.shape[:-1]
+    rows = x.reshape(-1, 1, 1, hidden)  # [N, 1, 1, H]: broadcasts against [N, k]
+    picks = indices.reshape(-1, k)
+    order = None
+    if picks.size >= SORT_FROM:
+        flat = picks.flatten()
+        order = mx.argsort(flat)
+        rows = rows.reshape(-1, 1, hidden)[order // k]  # [N * k, 1, H], grouped by expert
+        picks = flat[order]
+    sort = order is not None
+    out = down(activation(gate(rows, picks, sort), up(rows, picks, sort)), picks, sort)
+    if order is not None:
+        out = out[mx.argsort(order)]
+    return out.reshape(*lead, k, hidden)
 
 
 class CorrectedRouter(nn.Module):
@@ -262,7 +277,8 @@ class SparseMoE(nn.Module):
             if shared_gate:
                 self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def choose(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        """The experts of each token of ``x [..., hidden]`` and their weights (:func:`route`)."""
         # DeepSeek's options only where set: a route backend written before them still serves the rest.
         extra: dict[str, Any] = {}
         if isinstance(self.gate, CorrectedRouter):
@@ -274,6 +290,10 @@ class SparseMoE(nn.Module):
         )
         if self.scale != 1.0:
             weights = weights * self.scale
+        return indices, weights
+
+    def __call__(self, x: mx.array) -> mx.array:
+        indices, weights = self.choose(x)
         out = weighted_sum(self.switch_mlp(x, indices), weights)
         if self.shared_name in self:
             shared = self[self.shared_name](x)

@@ -18,7 +18,14 @@ import mlx.core as mx
 from gguf import GGMLQuantizationType as QType
 
 from mlxr_core.errors import ModelLoadError
-from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, ShardPlan, TokenizerSpec
+from mlxr_core.model.checkpoint import (
+    Checkpoint,
+    LeavePredicate,
+    QuantSpec,
+    ShardPlan,
+    StoredPart,
+    TokenizerSpec,
+)
 from mlxr_core.model.lora import AdapterCheckpoint
 from mlxr_core.model.progress import track
 from mlxr_plugins.formats.gguf.arch_settings import (
@@ -37,6 +44,7 @@ from mlxr_plugins.formats.gguf.reader import (
     convert_tensor,
     detect,
     field_value,
+    left_tensor,
     open_reader,
     tensor_share,
 )
@@ -74,7 +82,12 @@ class GGUFFormat:
         heads, llama.cpp's rotary order undone per head) or input columns at whole blocks."""
         return self._read(Path(path), dtype, plan)
 
-    def _read(self, path: Path, dtype: str, plan: ShardPlan | None) -> Checkpoint:
+    def load_leaving(self, path: Path, leave: LeavePredicate, *, dtype: str = "float32") -> Checkpoint:
+        """:meth:`load`, each tensor ``leave`` accepts (by its Hugging Face name) left in the file,
+        read later as :meth:`load` would convert it."""
+        return self._read(Path(path), dtype, None, leave)
+
+    def _read(self, path: Path, dtype: str, plan: ShardPlan | None, leave: LeavePredicate | None = None) -> Checkpoint:
         if dtype not in DTYPES:
             raise ModelLoadError(
                 f"unsupported dtype {dtype!r} (use one of {', '.join(DTYPES)})", path=str(path)
@@ -101,6 +114,7 @@ class GGUFFormat:
             }
 
         weights: dict[str, mx.array] = {}
+        stored: dict[str, StoredPart] = {}
         quantization: dict[str, QuantSpec] = {}
         suggested: dict[str, QuantSpec] = {}
         source_types: dict[str, str] = {}
@@ -127,7 +141,11 @@ class GGUFFormat:
                     tensor = tensor._replace(data=share)
                     heads = heads // shard.size if heads and shard.axis == 0 else heads
             try:
-                arrays = convert_tensor(tensor, target, DTYPES[dtype], heads, quantization, shift)
+                if leave is not None and leave(target) and not heads and not shift:
+                    stored.update(left_tensor(tensor, target, path, quantization))
+                    arrays = {}
+                else:
+                    arrays = convert_tensor(tensor, target, DTYPES[dtype], heads, quantization, shift)
             except Exception as exc:
                 raise ModelLoadError(
                     f"cannot convert {tensor.tensor_type.name} tensor of shape "
@@ -176,6 +194,7 @@ class GGUFFormat:
             source_types=source_types,
             tokenizer=tokenizer,
             chat_template=chat_template,
+            stored=stored,
             metadata={
                 "name": name,
                 "file_type": file_type,

@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from mlxr_core.errors import ModelLoadError
-from mlxr_core.model.checkpoint import QuantSpec, Shard
+from mlxr_core.model.checkpoint import HostPart, QuantSpec, Shard, StoredPart, StoredTensor
 from mlxr_plugins.formats.gguf.quants import (
     EXACT_BITS,
     GROUP_SIZE,
@@ -259,3 +259,46 @@ def convert_tensor(
     if shift:
         host = host.astype(np.float32) - np.float32(shift)
     return {target: _to_mx(host, dtype)}
+
+
+def host_parts(qtype: QType, data: np.ndarray, target: str) -> dict[str, HostPart]:
+    """What :func:`convert_tensor` makes of a tensor (``data`` as ``GGUFReader`` exposes it),
+    kept on the host (numpy only: it runs off the MLX thread), by part: ``weight``, ``scales``,
+    ``biases`` of an exact packing, else ``weight`` alone. Never a tensor with permuted rows."""
+    if qtype in EXACT_BITS and target.endswith(".weight") and data.ndim >= 2:
+        packed = repack(data, qtype)
+        _check_finite(packed.scales, "block scales")
+        _check_finite(packed.biases, "block minimums")
+        return {"weight": (packed.weight, "raw"), "scales": (packed.scales, "float"), "biases": (packed.biases, "float")}
+    if qtype == QType.MXFP4 and target.endswith(".weight") and data.ndim >= 2:
+        weight, scales = repack_mxfp4(data)
+        if (scales == 255).any():  # e8m0's NaN
+            raise ValueError("non-finite block scales (NaN)")
+        return {"weight": (weight, "raw"), "scales": (scales, "raw")}
+    if qtype == QType.BF16:
+        bits = np.ascontiguousarray(data).view("<u2")
+        _check_finite(bits, "values", bf16_bits=True)
+        return {"weight": (bits, "bf16")}
+    host = np.asarray(data) if qtype in (QType.F32, QType.F16) else gguf.quants.dequantize(data, qtype)
+    _check_finite(host, "values")
+    return {"weight": (host, "float")}
+
+
+def left_tensor(tensor: Any, target: str, path: Path, quantization: dict[str, QuantSpec]) -> dict[str, StoredPart]:
+    """A tensor left in the file (see :class:`~mlxr_core.model.checkpoint.LeavesTensors`): the
+    checkpoint names it would have become, each a part of its stored bytes; its packing recorded
+    in ``quantization`` as :func:`convert_tensor` records it."""
+    qtype, data = tensor.tensor_type, tensor.data
+
+    def decode(raw: np.ndarray, shape: tuple[int, ...]) -> dict[str, HostPart]:
+        return host_parts(qtype, raw.view(data.dtype).reshape(shape), target)
+
+    place = StoredTensor(path, int(tensor.data_offset), int(tensor.n_bytes), tuple(data.shape), decode, tensor.name)
+    module = target.removesuffix(".weight")
+    if qtype in EXACT_BITS and target.endswith(".weight") and data.ndim >= 2:
+        quantization[module] = QuantSpec(bits=EXACT_BITS[qtype], group_size=GROUP_SIZE)
+        return {f"{module}.{part}": StoredPart(place, part) for part in ("weight", "scales", "biases")}
+    if qtype == QType.MXFP4 and target.endswith(".weight") and data.ndim >= 2:
+        quantization[module] = QuantSpec(bits=4, group_size=32, mode="mxfp4")
+        return {f"{module}.{part}": StoredPart(place, part) for part in ("weight", "scales")}
+    return {target: StoredPart(place)}

@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import struct
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,17 @@ import mlx.core as mx
 import numpy as np
 
 from mlxr_core.errors import ModelLoadError
-from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, ShardPlan, TensorShards
+from mlxr_core.model.checkpoint import (
+    Checkpoint,
+    HostPart,
+    LeavePredicate,
+    QuantSpec,
+    Shard,
+    ShardPlan,
+    StoredPart,
+    StoredTensor,
+    TensorShards,
+)
 from mlxr_core.model.layers.config_eras import file_spellings
 from mlxr_core.model.lora import AdapterCheckpoint
 from mlxr_plugins.formats.safetensors import adapters, fp8
@@ -124,11 +135,16 @@ def weight_files(folder: Path, path: Path) -> dict[Path, list[str] | None]:
 
 
 def read_weights(
-    files: dict[Path, list[str] | None], dtype: mx.Dtype, shares: TensorShards | None = None
+    files: dict[Path, list[str] | None],
+    dtype: mx.Dtype,
+    shares: TensorShards | None = None,
+    leave: LeavePredicate | None = None,
+    left: dict[str, tuple[mx.array, StoredPart]] | None = None,
 ) -> tuple[dict[str, mx.array], dict[str, Path], dict[str, str], dict[str, int]]:
     """Every tensor of ``files`` (floats cast to ``dtype``), the file each came from, the
     ``__metadata__`` of the first file, and, with ``shares``, the bytes taken from the files for
-    the tensors it splits (``read``) and what they hold whole (``whole``)."""
+    the tensors it splits (``read``) and what they hold whole (``whole``). Each tensor ``leave``
+    accepts is left in its file, unread: ``left`` gets it (never evaluated) and its place."""
     weights: dict[str, mx.array] = {}
     origin: dict[str, Path] = {}
     metadata: dict[str, str] = {}
@@ -163,6 +179,13 @@ def read_weights(
                     f"the tensor is also in {origin[name].name}", path=str(file), tensor=name
                 )
             origin[name] = file
+            if leave is not None and left is not None and leave(name):
+                entry = header[name]
+                begin, end = entry["data_offsets"]
+                place = StoredTensor(file, start + begin, end - begin, tuple(entry["shape"]),
+                                     partial(decode_stored, entry["dtype"]), name)  # fmt: skip
+                left[name] = (array, StoredPart(place))
+                continue
             shard = shares(name) if shares is not None else None
             if shard is not None and array.ndim > shard.axis:  # a row-parallel bias is whole
                 entry = header[name]
@@ -188,6 +211,23 @@ def read_weights(
         log.info("%d tensors to split are read whole, their layout does not split there: %s%s",
                  len(unsplit), unsplit[0], ", ..." if len(unsplit) > 1 else "")  # fmt: skip
     return weights, origin, metadata, shard_bytes
+
+
+def decode_stored(stored_dtype: str, raw: np.ndarray, shape: tuple[int, ...]) -> dict[str, HostPart]:
+    """A left tensor's bytes as its one part, ``weight``: floats to be cast, bfloat16 as raw bits
+    (numpy has none), integers (packed words, MLX's ``scales`` of mxfp4) as they are."""
+    if stored_dtype not in NUMPY_DTYPES:
+        raise ValueError(f"{stored_dtype} tensors cannot be read on demand")
+    array = raw.view(NUMPY_DTYPES[stored_dtype]).reshape(shape)
+    if stored_dtype in ("F16", "F32", "F64"):
+        if not np.isfinite(array).all():
+            raise ValueError("non-finite values (NaN or infinity) in the stored tensor")
+        return {"weight": (array, "float")}
+    if stored_dtype == "BF16":
+        if not np.all((array & 0x7F80) != 0x7F80):
+            raise ValueError("non-finite values (NaN or infinity) in the stored tensor")
+        return {"weight": (array, "bf16")}
+    return {"weight": (array, "raw")}
 
 
 def splits(entries: dict[str, Any], name: str, shard: Shard) -> bool:
@@ -419,7 +459,12 @@ class SafetensorsFormat:
         columns, of a packing's ``weight``, ``scales`` and ``biases`` alike."""
         return self._read(Path(path), dtype, plan)
 
-    def _read(self, path: Path, dtype: str, plan: ShardPlan | None) -> Checkpoint:
+    def load_leaving(self, path: Path, leave: LeavePredicate, *, dtype: str = "float32") -> Checkpoint:
+        """:meth:`load`, each tensor ``leave`` accepts left in its file (its bytes as stored:
+        floats, bfloat16, mlx-lm's packed words and their scales and biases)."""
+        return self._read(Path(path), dtype, None, leave)
+
+    def _read(self, path: Path, dtype: str, plan: ShardPlan | None, leave: LeavePredicate | None = None) -> Checkpoint:
         folder = model_folder(path)
         if folder is None:
             raise ModelLoadError("not a folder or .safetensors file", path=str(path))
@@ -441,7 +486,12 @@ class SafetensorsFormat:
 
         files = weight_files(folder, path)
         shares = plan(config) if plan is not None else None
-        weights, origin, file_metadata, shard_bytes = read_weights(files, DTYPES[dtype], shares)
+        if leave is not None and hf_quant_method(config) in ("mxfp4", "fp8"):
+            raise ModelLoadError(f"{hf_quant_method(config)} weights are converted as they load and cannot "
+                                 "be read on demand", path=str(folder / CONFIG), key="quantization_config")
+        left: dict[str, tuple[mx.array, StoredPart]] = {}
+        weights, origin, file_metadata, shard_bytes = read_weights(files, DTYPES[dtype], shares, leave, left)
+        stored = {name: place for name, (_, place) in left.items()}
         sources: dict[str, str] = {}
         if hf_quant_method(config) == "mxfp4":
             quantization = repack_mxfp4(weights, origin)
@@ -450,7 +500,8 @@ class SafetensorsFormat:
             sources = fp8.dequantize_fp8(weights, origin, blocks, DTYPES[dtype])
             quantization = {}
         else:
-            quantization = quantization_specs(config, weights, origin, folder)
+            unread = {name: array for name, (array, _) in left.items()}
+            quantization = quantization_specs(config, {**weights, **unread}, origin, folder)
 
         eos_ids = sorted(
             {*token_ids(config.get("eos_token_id")), *token_ids(generation.get("eos_token_id"))}
@@ -472,6 +523,7 @@ class SafetensorsFormat:
             suggested_quantization=dict.fromkeys(sources, fp8.SUGGESTED),
             source_types=sources,
             tokenizer=tokenizer,
+            stored=stored,
             chat_template=read_chat_template(folder, tokenizer_config),
             metadata={
                 "files": [file.name for file in files],
