@@ -172,6 +172,15 @@ class ReasoningParser(Protocol):
 
 
 @runtime_checkable
+class ThinkingMarkers(Protocol):
+    """An optional capability of a reasoning parser whose thinking block is text between two
+    markers (``<think>``, ``</think>``): a thinking budget (:mod:`mlxr_core.chat.thinking`) forces
+    the end marker once the block has spent its tokens."""
+
+    thinking_markers: tuple[str, str]
+
+
+@runtime_checkable
 class SpecialMarkup(Protocol):
     """An optional capability of a tool or reasoning parser whose markup is special tokens (Gemma
     4's ``<|tool_call>``, every :class:`ChannelParser`'s): the engine drops special tokens from the

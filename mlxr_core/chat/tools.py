@@ -56,12 +56,15 @@ class ToolChoice:
 class ModelParsers:
     """The parsers one served model uses (None: off), the variables its config gives every
     chat's template (``models[].chat_template_kwargs``) and the system prompt spans removed before
-    tokenizing (``engine.prefix_cache.volatile_spans``, compiled)."""
+    tokenizing (``engine.prefix_cache.volatile_spans``, compiled), and its default thinking budget."""
 
     tool: ToolParser | None = None
     reasoning: ReasoningParser | None = None
     template_kwargs: dict[str, Any] = attrs.field(factory=dict)
     volatile_spans: tuple[re.Pattern[str], ...] = ()
+    #: Reasoning tokens a reply may spend when its request sets no budget
+    #: (``models[].thinking_budget``, :mod:`mlxr_core.chat.thinking`); None: unbounded.
+    thinking_budget: int | None = None
 
     @property
     def channels(self) -> ChannelParser | None:
@@ -91,6 +94,7 @@ def model_parsers(ctx: ServerContext, info: ModelInfo) -> ModelParsers:
         reasoning=registries.reasoning_parsers.get(info.reasoning_parser) if info.reasoning_parser else None,
         template_kwargs=dict(model_config.chat_template_kwargs) if model_config else {},
         volatile_spans=compiled_spans(tuple(ctx.config.engine.prefix_cache.volatile_spans)),
+        thinking_budget=model_config.thinking_budget if model_config else None,
     )
 
 

@@ -306,6 +306,10 @@ class ModelConfig:
     #: Never unloaded to make room (``engine.memory_budget_bytes``) nor for idleness; only an
     #: explicit unload (``POST /v1/models/{id}/unload``) unloads it.
     pin: bool = False
+    #: Reasoning tokens a reply may spend inside the model's thinking markers when its request
+    #: sets no budget (``reasoning.effort``, ``reasoning_effort``, ``thinking.budget_tokens``);
+    #: then the end-of-thinking marker is forced (docs/agents.md). None: unbounded.
+    thinking_budget: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))
 
 
 #: Claude Code's first system block, ``x-anthropic-billing-header: cc_version=2.1.37.0d9;

@@ -58,6 +58,8 @@ class ThinkStream:
 class ThinkParser:
     """``<think>`` blocks; chosen by ``auto`` for templates that mention ``<think>``."""
 
+    thinking_markers = (OPEN, CLOSE)
+
     def detect(self, template: str) -> int:
         return 3 if OPEN in template else 0
 

@@ -1,5 +1,5 @@
 """Built-in logits processors: logit_bias, penalties, structured output (grammars), temperature,
-top-k, top-p, min-p.
+top-k, top-p, min-p, the thinking budget.
 
 Each factory gets one request's :class:`~mlxr_core.engine.request.SamplingParams` (and a
 :class:`~mlxr_core.engine.decoding.SamplerContext`) and returns a ``[B, V] -> [B, V]`` logits
@@ -30,3 +30,5 @@ def mlxr_register_samplers(register):  # type: ignore[no-untyped-def]
     register("top_k", f"{module}:top_k", order=20)
     register("top_p", f"{module}:top_p", order=30)
     register("min_p", f"{module}:min_p", order=40)
+    # Last: a forced end-of-thinking token overrides every other choice.
+    register("thinking_budget", "mlxr_plugins.samplers.thinking:thinking_budget", order=50)

@@ -230,6 +230,11 @@ def test_builtin_samplers_conform(name, toy_tokenizer):
         params = SamplingParams(constraint=Constraint(kind="json_object"))
         check_sampler(name, params, host=HOST, tokenizer=toy_tokenizer, vocab_size=toy_tokenizer.vocab_size)
         return
+    if name == "thinking_budget":
+        budget = {"tokens": 2, "start": "<think>", "end": "</think>", "opened": True}
+        params = SamplingParams(extra={name: budget})
+        check_sampler(name, params, host=HOST, tokenizer=toy_tokenizer, vocab_size=toy_tokenizer.vocab_size)
+        return
     check_sampler(name, SamplingParams(**SAMPLER_PARAMS[name]), host=HOST)
 
 

@@ -28,6 +28,7 @@ from litestar import Request, Response, Router, post
 from litestar.params import JSONBody
 
 from mlxr_core.chat.parsing import Tool
+from mlxr_core.chat.thinking import limit_thinking
 from mlxr_core.chat.tools import ChatSetup, ToolChoice, model_parsers, prepare_chat
 from mlxr_core.engine.admission import ModelInfo
 from mlxr_core.engine.client import EngineClient
@@ -92,6 +93,8 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
     setup, images = await prepare(ctx, request, engine, info, body)
     params.max_tokens = cap_max_tokens(ctx, room_for(engine, body.model, setup.prompt_ids, body.max_tokens))
     params.constraint = setup.constraint
+    if body.thinking is not None and body.thinking.type == "enabled":
+        limit_thinking(params, setup, tokens=body.thinking.budget_tokens)
     handle = submit(ctx, GenerationRequest(
         model=body.model, prompt_ids=setup.prompt_ids, params=params, keep_special=setup.keep_special,
         images=images,

@@ -133,6 +133,9 @@ CONVERSATION = {"allOf": [
 
 class Thinking(Struct, forbid_unknown_fields=False):
     type: Annotated[str, Meta(extra_json_schema={"enum": ["enabled", "disabled"]})]
+    #: Reasoning tokens the reply may spend before its end-of-thinking marker is forced (mlxr
+    #: takes any count, Anthropic 1,024 and up).
+    budget_tokens: Annotated[int, Meta(ge=0)] | None = None
 
 
 class CountTokensFields(Struct, forbid_unknown_fields=False, kw_only=True):

@@ -32,6 +32,7 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from mlxr_core.chat.parsing import Text, Tool, ToolCall
+from mlxr_core.chat.thinking import limit_thinking
 from mlxr_core.chat.tools import (
     ChatSetup,
     ReplyReader,
@@ -380,6 +381,7 @@ class Responses:
         )  # fmt: skip
         setup: ChatSetup = await prepare_in_thread(ctx, request, prepare)
         params.constraint = setup.constraint or params.constraint
+        limit_thinking(params, setup, effort=effort)
         generation = GenerationRequest(
             body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images
         )

@@ -18,6 +18,7 @@ import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
 
+from mlxr_core.chat.thinking import limit_thinking
 from mlxr_core.chat.tools import model_parsers, prepare_chat
 from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
@@ -141,6 +142,7 @@ async def create_chat_completion(
     )
     setup = await prepare_in_thread(ctx, request, prepare)
     params.constraint = setup.constraint or params.constraint
+    limit_thinking(params, setup, effort=body.reasoning_effort)
     generation = GenerationRequest(
         body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images
     )
