@@ -209,6 +209,31 @@ class KVCacheConfig:
     window: int = attrs.field(default=0, validator=v.ge(0))
 
 
+def _at_least_min_k(instance: Any, attribute: attrs.Attribute[Any], value: int) -> None:
+    if value < instance.min_k:
+        raise ValueError(f"must be >= min_k ({instance.min_k}), got {value}")
+
+
+@attrs.define
+class SpeculationConfig:
+    """Drafting inside the batch (``models[].speculative``; see :mod:`mlxr_core.engine.speculation`
+    and docs/speculation.md): each row's drafter proposes up to ``k`` tokens, the model verifies
+    every row's draft in one forward pass. A request opts out with ``speculative: false``."""
+
+    #: The drafter: a decoder that drafts in the batch (``prompt_lookup``, ``speculative`` with
+    #: its draft model); ``none``: only requests that bring a ``prediction`` draft.
+    method: str = attrs.field(default="none", validator=v.min_len(1))
+    #: Draft tokens a row proposes first; then, when ``adaptive``, one more after a draft
+    #: accepted whole and one fewer after one rejected in its first half, within [min_k, max_k].
+    k: int = attrs.field(default=4, validator=[v.ge(1), v.le(32)])
+    min_k: int = attrs.field(default=1, validator=v.ge(1))
+    max_k: int = attrs.field(default=8, validator=[v.le(32), _at_least_min_k])
+    adaptive: bool = True
+    #: Rows in the batch above which the batch decodes plainly: a large batch is bound by its
+    #: weights' reads no longer, and verifying drafts costs more than it saves.
+    max_batch: int = attrs.field(default=8, validator=v.ge(1))
+
+
 #: Where a mixture of experts' expert weights live (``models[].experts.residency``).
 EXPERT_RESIDENCIES = ("resident", "stream")
 #: Cache policies of streamed experts (:data:`mlxr_core.model.experts.cache.POLICIES`).
@@ -236,6 +261,24 @@ class ExpertsConfig:
     prefetch: str = attrs.field(default="previous", converter=_lower, validator=v.in_(EXPERT_PREFETCH))
     #: ``stream``: reads in flight at once (a pool of threads over ``pread``).
     read_threads: int = attrs.field(default=4, validator=[v.ge(1), v.le(64)])
+
+
+@attrs.define
+class AdapterConfig:
+    """A LoRA adapter served over its model (``models[].adapters``)."""
+
+    #: Served as ``<model name>:<name>``.
+    name: str = attrs.field(validator=v.min_len(1))
+    #: A PEFT folder (``adapter_config.json`` + ``adapter_model.safetensors``), an mlx-lm adapter
+    #: folder (``adapters.safetensors``) or a llama.cpp LoRA GGUF.
+    path: str = attrs.field(validator=v.min_len(1))
+
+
+def _unique_adapters(instance: Any, attribute: attrs.Attribute[Any], adapters: list[AdapterConfig]) -> None:
+    names = [adapter.name for adapter in adapters]
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ValueError(f"'{attribute.name}[{i}].name' {name!r} names two adapters of the model")
 
 
 @attrs.define
@@ -294,6 +337,9 @@ class ModelConfig:
     #: Quantized keys and values (``{method: affine, bits: 8 | 4, group_size, start_after}`` or
     #: ``{method: turboquant, bits: 4 | 3 | 2, window}``); None: full precision.
     kv_cache: KVCacheConfig | None = None
+    #: Drafting inside the batch (:class:`SpeculationConfig`); None: only requests with a
+    #: ``prediction`` draft (with :class:`SpeculationConfig`'s defaults).
+    speculative: SpeculationConfig | None = None
     #: Where the expert weights of a mixture of experts live: ``{residency: stream, cache_bytes:
     #: N}`` reads them from the checkpoint files on demand (:mod:`mlxr_core.model.experts`).
     experts: ExpertsConfig = attrs.field(factory=ExpertsConfig)
@@ -310,6 +356,12 @@ class ModelConfig:
     #: sets no budget (``reasoning.effort``, ``reasoning_effort``, ``thinking.budget_tokens``);
     #: then the end-of-thinking marker is forced (docs/agents.md). None: unbounded.
     thinking_budget: int | None = attrs.field(default=None, validator=v.optional(v.ge(0)))
+    #: LoRA adapters over this model, each served as a model of its own, ``<name>:<adapter>``
+    #: (:mod:`mlxr_core.model.lora`); rows of one batch may use different adapters.
+    adapters: list[AdapterConfig] = attrs.field(factory=list, validator=_unique_adapters)
+    #: Adapters resident at once; a request for another loads it in place of the least recently
+    #: used one no running request uses.
+    max_adapters: int = attrs.field(default=4, validator=v.ge(1))
 
 
 #: Claude Code's first system block, ``x-anthropic-billing-header: cc_version=2.1.37.0d9;

@@ -29,11 +29,13 @@ from mlxr_core.model.arch import Architecture, ChecksLoadedModel, RenamesModules
 from mlxr_core.model.audio import SpeechToText, load_speech
 from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, TensorShards
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
+from mlxr_core.model.experts.store import ExpertStore
+from mlxr_core.model.experts.wiring import is_expert_tensor, stream_experts, tag_stored
 from mlxr_core.model.fuse import fuse_model
 from mlxr_core.model.kv_storage import KVStorage, configure_kv_storage
 from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.layers.mlp import route_gated_activations
-from mlxr_core.model.lora import AdapterSet
+from mlxr_core.model.lora import AdapterSet, read_adapter
 from mlxr_core.model.paths import default_model_name, resolve_model_path
 from mlxr_core.model.quantize import apply_policy, route_quantized_linears
 from mlxr_core.model.quantized_cache import quantize_caches
@@ -53,7 +55,7 @@ from mlxr_core.model.tokenizer import Tokenizer
 from mlxr_core.model.vision import Vision, load_vision
 
 if TYPE_CHECKING:
-    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.config.schema import ModelConfig, SpeculationConfig
     from mlxr_core.plugins import Registries
 
 log = logging.getLogger(__name__)
@@ -89,8 +91,12 @@ class LoadedModel:
     vision: Vision | None = None
     #: The front end and transcriber of a speech-to-text model (Whisper), or None.
     speech: SpeechToText | None = None
+    #: Where its streamed experts come from (``models[].experts.residency: stream``), or None.
+    experts: ExpertStore | None = None
     #: The resident LoRA adapters of a model configured with some (``models[].adapters``), or None.
     adapters: AdapterSet | None = None
+    #: Drafting inside the batch (``models[].speculative``), or None.
+    speculative: SpeculationConfig | None = None
 
     def make_cache(self) -> list[Any]:
         caches = self.arch.make_cache(self.model)
@@ -104,15 +110,23 @@ class LoadedModel:
         (``[B]``, or None for none) is what each row's rotary position adds to its cache position
         (M-RoPE's delta after images)."""
         # The compiled step was traced without adapter rows: rows using adapters step eagerly.
-        if self.compiled_decode is not None and (self.adapters is None or self.adapters.current is None):
+        if self.compiled_decode is not None and (self.adapters is None or self.adapters.active() is None):
             return self.compiled_decode(tokens, caches, mask, shift)
         return eager_step(self.model, tokens, caches, mask, shift)
 
     @property
     def nbytes(self) -> int:
-        """The resident weights' bytes: the text model's and the vision side's (tower, projector)."""
+        """The resident weights' bytes: the text model's, the vision side's (tower, projector) and
+        the resident LoRA adapters'."""
         modules = [self.model] if self.vision is None else [self.model, self.vision.module]
-        return sum(array.nbytes for module in modules for _, array in tree_flatten(module.parameters()))  # type: ignore[misc,union-attr,str-unpack]
+        adapters = self.adapters.nbytes if self.adapters is not None else 0  # resident LoRA updates
+        return adapters + sum(array.nbytes for module in modules for _, array in tree_flatten(module.parameters()))  # type: ignore[misc,union-attr,str-unpack]
+
+    @property
+    def memory_bytes(self) -> int:
+        """What the model holds in memory at most: :attr:`nbytes` and, with streamed experts,
+        their cache's capacity."""
+        return self.nbytes + (self.experts.cache.capacity if self.experts is not None else 0)
 
 
 def dequantize_weights(
@@ -150,22 +164,34 @@ def build_model(
     *,
     tensor_group: Any = None,
     name: str | None = None,
+    experts: ExpertStore | None = None,
 ) -> nn.Module:
     """The architecture's module holding ``checkpoint``'s weights under a quantization policy
     (:mod:`mlxr_core.model.quantize`), evaluated and in eval mode. What the policy did per source
     type is logged at debug level and added to ``report`` when given. With ``tensor_group``, the
     module holds this rank's share of the split layers (:mod:`mlxr_core.model.tensor_parallel`),
     cut before the weights are loaded, so the whole split tensors never reach it; ``name`` (the
-    model's) is what a refusal to split names."""
+    model's) is what a refusal to split names. With ``experts``, the tensors the checkpoint left in
+    its files (:attr:`Checkpoint.stored`) are the experts ``experts`` reads on demand
+    (:mod:`mlxr_core.model.experts`)."""
     config = checkpoint.config
     with naming_config(checkpoint):
         model = arch.build(config, kernels)
+    stand_ins, stored = tag_stored(checkpoint) if experts is not None else ({}, [])
     try:
-        sanitized = arch.sanitize(checkpoint.weights, config)
+        sanitized = arch.sanitize({**checkpoint.weights, **stand_ins}, config)
     except ModelLoadError as exc:
         if exc.path is not None:
             raise
         raise ModelLoadError(exc.detail, path=str(checkpoint.path), tensor=exc.tensor) from exc
+    if experts is not None:
+        resolved = quantization_policy
+        if resolved == "auto":
+            resolved = "dequantize" if current_platform()[0] == "cpu" and not kernels.keeps_packed else "keep"
+        sanitized = stream_experts(
+            model, sanitized, stored, checkpoint, experts, renamed_modules(arch, checkpoint.quantization),
+            renamed_modules(arch, checkpoint.suggested_quantization), resolved,
+        )
     result = apply_policy(
         quantization_policy,
         model,
@@ -305,8 +331,10 @@ def load_model(
         shares = partial(
             tensor_shares, registries=registries, arch=model_config.arch, kernels=choices, group=tensor_group, name=name
         )
+    streams = model_config.experts.residency == "stream"
     opened = open_checkpoint(
-        path, registries, format=model_config.format, dtype=model_config.dtype, mmproj=model_config.mmproj, shares=shares
+        path, registries, format=model_config.format, dtype=model_config.dtype, mmproj=model_config.mmproj,
+        shares=shares, leave=is_expert_tensor if streams else None,
     )
     planned = plan(opened, registries, arch=model_config.arch, kernels=choices)
     checkpoint, chosen, arch, kernels = opened.checkpoint, planned.chosen, planned.arch, planned.kernels
@@ -318,9 +346,16 @@ def load_model(
         # A GGUF without a tokenizer model (or one the reader could not take) lacks this key.
         key = "tokenizer.ggml.model" if checkpoint.format == "gguf" else None
         raise ModelLoadError("the checkpoint carries no tokenizer", path=str(path), key=key)
-    model = build_model(
-        checkpoint, arch, kernels, model_config.quantization, dtype, tensor_group=tensor_group, name=name
-    )
+    experts = ExpertStore(model_config.experts, DTYPES[dtype]) if streams else None
+    try:
+        model = build_model(
+            checkpoint, arch, kernels, model_config.quantization, dtype, tensor_group=tensor_group, name=name,
+            experts=experts,
+        )
+    except BaseException:
+        if experts is not None:
+            experts.close()
+        raise
     if isinstance(arch, ChecksLoadedModel):
         arch.check_loaded(model)
     if pipeline_group is not None:
@@ -334,7 +369,9 @@ def load_model(
     if model_config.fuse_projections and not model_config.adapters:
         log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
     compiled = None
-    if model_config.compile_decode and pipeline_group is not None:
+    if model_config.compile_decode and experts is not None:
+        log.info("%s: decoding eagerly: streamed experts are read as each layer routes", path.name)
+    elif model_config.compile_decode and pipeline_group is not None:
         log.info("%s: decoding eagerly: the compiled decode step does not cross pipeline stages", path.name)
     elif model_config.compile_decode:
         reason = unsupported(model)
@@ -370,14 +407,26 @@ def load_model(
         path=path,
         format=format_name,
         decoder=model_config.decoder,
+        speculative=model_config.speculative,
         metadata=checkpoint.metadata,
         compiled_decode=compiled,
         arch_reason=chosen.reason,
         kv_cache=kv_cache,
         vision=vision,
         speech=speech,
-        adapters=AdapterSet(model, model_config.max_adapters) if model_config.adapters else None,
+        experts=experts,
+        adapters=AdapterSet(
+            model,
+            model_config.max_adapters,
+            {adapter.name: adapter.path for adapter in model_config.adapters},
+            partial(read_adapter, registries=registries, base_config=config),
+        )
+        if model_config.adapters
+        else None,
     )
+    if experts is not None:
+        log.info("%s: experts streamed from the checkpoint into a %.0f MB cache (%s, read ahead: %s)", name,
+                 experts.cache.capacity / 1e6, model_config.experts.policy, model_config.experts.prefetch)  # fmt: skip
     log.info(
         "loaded %s (%s, %s, %s) in %.1fs: %.0f MB resident, context %d, kernels %s, decode step %s",
         name,
