@@ -20,6 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
@@ -27,7 +28,7 @@ import mlx.core as mx
 from mlxr_core.engine.decoding import SamplerContext, make_sampler, to_token_logprob, top_logprobs
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.images import PromptImages
-from mlxr_core.engine.prefix_cache import MIN_REUSE
+from mlxr_core.engine.prefix_cache import MIN_REUSE, adapter_key
 from mlxr_core.engine.request import (
     Delta,
     Failed,
@@ -80,6 +81,8 @@ class Sequence:
         self.eos = frozenset() if params.extra.get("ignore_eos") else model.tokenizer.eos_token_ids
         self.kv_bytes = kv_bytes  # reserved for prompt + max_tokens
         self.cache: list[Any] | None = None  # own cache while prefilling
+        #: The slot of its LoRA adapter in the model's AdapterSet (0: none), set when it joins.
+        self.adapter_slot = 0
         self.prefilled = 0
         #: Prompt tokens the prefix cache gave, and that this request stored in it (the usage).
         self.cached = self.written = 0
@@ -156,6 +159,9 @@ class BatchRunner:
         self.kv_bytes_per_token = kv_bytes_per_token(model)
         self.prefilling: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        if model.adapters is not None:  # a decode step's rows are the running ones, in order
+            model.adapters.batch_slots = lambda: [seq.adapter_slot for seq in self.running]
+            model.adapters.busy_slots = lambda: {seq.adapter_slot for seq in (*self.prefilling, *self.running)}
         self.caches: list[BatchLayerCache] | None = None
         self.tokens: mx.array | None = None  # [B]: each row's next input (and, unless fresh, output)
         self.fresh: list[bool] = []  # row's token is its last prompt token, not a generated one
@@ -197,6 +203,12 @@ class BatchRunner:
     def add(self, handle: RequestHandle, seq: Sequence | None = None) -> None:
         if seq is None:
             seq = Sequence(handle, self.model, self.samplers, self.reserve_bytes(handle))
+        adapter, adapters = handle.request.adapter, self.model.adapters
+        if adapter is not None:
+            slot = adapters.slot(adapter) if adapters is not None else None
+            if slot is None:
+                raise MlxrError(f"adapter {adapter!r} of model {self.model.name} is not resident")
+            seq.adapter_slot = slot
         self.prefilling.append(seq)
 
     # -- one engine step --------------------------------------------------------------------
@@ -215,7 +227,8 @@ class BatchRunner:
                 continue
             seq = self.prefilling[0]
             try:
-                budget -= self._prefill_chunk(seq, budget)
+                with self._adapter_rows([seq]):
+                    budget -= self._prefill_chunk(seq, budget)
             except Exception as exc:
                 if seq not in self.prefilling:
                     raise  # it failed joining the batch: the batch's state is in doubt
@@ -286,9 +299,10 @@ class BatchRunner:
         lengths = [seq.pending_prompt for seq in group]
         layers = len(group[0].cache or ())
         try:
-            caches = prefill_together(
-                self.model.model, [seq.prompt[:length] for seq, length in zip(group, lengths, strict=True)], layers
-            )
+            with self._adapter_rows(group):
+                caches = prefill_together(
+                    self.model.model, [seq.prompt[:length] for seq, length in zip(group, lengths, strict=True)], layers
+                )
         except Exception:
             log.warning("prefilling %d prompts together failed; prefilling them one by one", len(group), exc_info=True)
             for seq in group:
@@ -371,8 +385,16 @@ class BatchRunner:
 
     @staticmethod
     def _cache_key(seq: Sequence) -> Any:
-        """The prompt as the prefix cache keys it: images by their content hash."""
-        return seq.prompt if seq.images is None else seq.images.cache_key(seq.prompt)
+        """The prompt as the prefix cache keys it: images by their content hash, and under its
+        LoRA adapter's mark (another adapter's keys and values differ from the first layer on)."""
+        key = seq.prompt if seq.images is None else seq.images.cache_key(seq.prompt)
+        adapter = seq.handle.request.adapter
+        return key if adapter is None else adapter_key(key, adapter)
+
+    def _adapter_rows(self, seqs: list[Sequence]) -> AbstractContextManager[None]:
+        """While a forward pass over ``seqs`` (its rows, in order) is built: their adapters."""
+        adapters = self.model.adapters
+        return nullcontext() if adapters is None else adapters.rows([seq.adapter_slot for seq in seqs])
 
     def _join(self, seq: Sequence) -> None:
         self._append_rows([seq], [cache.to_batch() for cache in seq.cache or self.model.make_cache()])

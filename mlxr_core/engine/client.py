@@ -62,6 +62,8 @@ class EngineClient(Protocol):
     error: BaseException | None
     #: Every served model loaded at least once, by its name.
     models: dict[str, ModelInfo]
+    #: LoRA adapters served as models of their own -> (their model, the adapter).
+    adapters: dict[str, tuple[str, str]]
     started_at: float
     #: Requests the server has received and not yet submitted (:class:`Arrivals`).
     arrivals: Arrivals
@@ -133,6 +135,9 @@ class EngineCaller:
     models: dict[str, ModelInfo]
     #: Every name and alias a client may ask for -> the served model's name.
     names: dict[str, str]
+    #: Every LoRA adapter served as a model of its own (``<model>:<adapter>``) -> its model's name
+    #: and the adapter's (``models[].adapters``); each is in :attr:`names` too, naming its model.
+    adapters: dict[str, tuple[str, str]]
     #: Per model, the bytes of KV cache one token takes, and the fixed bytes of one sequence's
     #: recurrent layers (0 for attention only): a request's admission reads them.
     kv_bytes_per_token: dict[str, int]
@@ -152,6 +157,7 @@ class EngineCaller:
         self.error = None
         self.models = {}
         self.names = {}
+        self.adapters = {}
         self.started_at = time.time()
         self.kv_bytes_per_token = {}
         self.state_bytes = {}
@@ -162,6 +168,9 @@ class EngineCaller:
         """Check ``request`` in the caller's thread (:func:`check_request`) before it is queued or
         sent on; its model's info."""
         self.check_ready()
+        adapter = self.adapters.get(request.model)
+        if adapter is not None:  # an adapter served as a model: its model, with the adapter
+            request.adapter = adapter[1]
         info = self.model(request.model)
         check_request(
             info, request, config=self.config.engine, samplers=self.host.registries.samplers,

@@ -32,7 +32,7 @@ from mlxr_core.engine.request import (
 from mlxr_core.errors import ConfigError, EngineStopped, MlxrError
 
 if TYPE_CHECKING:
-    from mlxr_core.config.schema import Config
+    from mlxr_core.config.schema import AdapterConfig, Config
     from mlxr_core.distributed import World
     from mlxr_core.engine.lifecycle import ModelLifecycle, ModelSlot
     from mlxr_core.engine.lockstep import Lockstep
@@ -271,6 +271,7 @@ class Engine(EngineCaller):
             path = resolve_model_path(model_config.path, join=False)
             name = model_config.name or default_model_name(path)
             self._add_names(index, name, model_config.aliases)
+            self._add_adapter_names(index, name, model_config.adapters)
             names.append(name)
             paths.append(path)
         return ModelLifecycle(self.config, names, paths)
@@ -301,8 +302,15 @@ class Engine(EngineCaller):
             except BaseException:
                 self._loaded.pop(name, None)
                 raise
+            self._load_adapters(loaded)
         self._warm_decode(loaded)
         self.models[name] = self._model_info(loaded, slot.index)
+        if loaded.adapters is not None:  # adapters loaded or unloaded later change its count
+
+            def count(delta: int, slot: ModelSlot = slot) -> None:
+                slot.footprint += delta
+
+            loaded.adapters.on_change = count
         self.host.notify("mlxr_model_loaded", name=name, model=loaded)
         return model_footprint(
             self.config.engine, loaded.memory_bytes, loaded.context_length, per_token, state
@@ -395,6 +403,31 @@ class Engine(EngineCaller):
                     field=key,
                 )
             self.names[value] = name
+
+
+    def _add_adapter_names(self, index: int, name: str, adapters: Sequence[AdapterConfig]) -> None:
+        """Serve model ``index``'s adapters as models of their own, ``<name>:<adapter>``."""
+        for j, adapter in enumerate(adapters):
+            served = f"{name}:{adapter.name}"
+            if served in self.names:
+                key = f"models[{index}].adapters[{j}].name"
+                raise ConfigError(f"{key}: {served!r} already names the model {self.names[served]!r}", field=key)
+            self.names[served] = name
+            self.adapters[served] = (name, adapter.name)
+
+    def _load_adapters(self, loaded: LoadedModel) -> None:
+        """Make the first ``models[].max_adapters`` configured adapters of ``loaded`` resident; one
+        that is refused is logged and the model serves without it (its requests get the error)."""
+        from mlxr_core.model.lora import load_adapter
+
+        adapters = loaded.adapters
+        if adapters is None:
+            return
+        for name, path in list(adapters.configured.items())[: adapters.capacity]:
+            try:
+                load_adapter(loaded, name, path, self.host.registries)
+            except MlxrError as exc:
+                log.error("model %s: adapter %s not loaded: %s", loaded.name, name, exc)
 
 
 def _wait_for_os_thread_exit(thread: threading.Thread, timeout: float = 5.0) -> None:

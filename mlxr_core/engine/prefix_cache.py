@@ -13,6 +13,7 @@ lost, and a lookup whose longest match is on disk loads it back.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -208,3 +209,12 @@ def longest_match(
         if common > best:
             best_key, best = key, common
     return best_key, best, passed_over
+
+
+def adapter_key(tokens: Sequence[int] | np.ndarray, adapter: str) -> np.ndarray:
+    """``tokens`` (a prompt as the cache keys it) under a LoRA adapter's mark: each token id plus
+    a number taken from the adapter's name (ids are below 2**32; an image's negative mark is kept),
+    so prompts served with different adapters share no prefix."""
+    key = np.asarray(tokens, dtype=np.int64).copy()
+    key[key >= 0] += (int(hashlib.sha256(adapter.encode()).hexdigest()[:6], 16) + 1) << 32
+    return key

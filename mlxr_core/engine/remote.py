@@ -171,6 +171,7 @@ class Snapshot:
     #: Models loaded since the previous snapshot (a :class:`ModelInfo` crosses once per load).
     models: dict[str, ModelInfo]
     names: dict[str, str]
+    adapters: dict[str, tuple[str, str]]
     slots: dict[str, ModelSlot]
     lifecycle: dict[str, Any]
     stats: dict[str, Any]
@@ -306,6 +307,7 @@ class Core:
             error=encode_error(engine.error) if engine.error is not None else None,
             models=new,
             names=dict(engine.names),
+            adapters=dict(engine.adapters),
             slots=slots,
             lifecycle=lifecycle.stats() if lifecycle is not None else {},
             stats=stats,
@@ -655,6 +657,7 @@ class RemoteEngine(EngineCaller):
     def _apply(self, snapshot: Snapshot) -> None:
         self.models.update(snapshot.models)
         self.names = snapshot.names
+        self.adapters = snapshot.adapters
         self.lifecycle.slots = snapshot.slots
         self.lifecycle._stats = snapshot.lifecycle
         self.kv_bytes_per_token = snapshot.kv_bytes_per_token

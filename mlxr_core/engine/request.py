@@ -94,6 +94,9 @@ class GenerationRequest:
     keep_special: frozenset[int] = frozenset()
     #: The images of the prompt, in the order of their image tokens (a vision model only).
     images: list[PromptImage] = attrs.field(factory=list)
+    #: The model's LoRA adapter the request runs with (``models[].adapters``), or None; set at
+    #: admission from a ``model`` naming one (``<model>:<adapter>``).
+    adapter: str | None = None
 
 
 @attrs.frozen

@@ -29,6 +29,7 @@ from mlxr_core.engine.request import (
     Usage,
 )
 from mlxr_core.errors import EngineStopped, MlxrError
+from mlxr_core.model.lora import make_resident
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import EngineConfig
@@ -407,8 +408,30 @@ class Scheduler:
                 seq.kv_bytes = runner.reserve_bytes(handle)
             if runner.size >= self.config.max_batch_size or not self._fits(runner, handle):
                 return  # first come, first served: later requests wait behind this one
+            if handle.request.adapter is not None:
+                ready = self._adapter_resident(runner, handle)
+                if ready is None:
+                    continue  # it could not be loaded: the request has its error
+                if not ready:
+                    return  # every adapter slot is in use by running requests: it waits
             self.waiting.popleft()
             runner.add(handle, seq)
+
+    def _adapter_resident(self, runner: BatchRunner, handle: RequestHandle) -> bool | None:
+        """Whether the LoRA adapter of ``handle`` (first in line) is resident, loaded now if it
+        was not (:func:`~mlxr_core.model.lora.make_resident`); None when it cannot be loaded:
+        the request leaves the line with the error."""
+        model = runner.model
+        try:
+            if model.adapters is None:
+                raise MlxrError(f"model {model.name} serves no adapters")
+            slot = make_resident(model, str(handle.request.adapter), self.registries)
+        except MlxrError as exc:
+            log.error("model %s: adapter %s could not be loaded: %s", model.name, handle.request.adapter, exc)
+            self.waiting.popleft()
+            handle._emit(Failed(exc))
+            return None
+        return slot is not None
 
     def _fits(self, runner: BatchRunner, handle: RequestHandle) -> bool:
         budget = self.config.max_kv_bytes
@@ -493,6 +516,8 @@ def plain_fallback_reason(seq: Sequence) -> str | None:
     stateless samplers), or None when it can."""
     if seq.handle.request.images:
         return "has images (merged in by the batch's prefill)"
+    if seq.handle.request.adapter is not None:
+        return "runs with a LoRA adapter (gathered per row of the batch)"
     if seq.handle.request.params.logprobs is not None:
         return "asks for logprobs"
     if seq.sampler.stateful:

@@ -19,7 +19,8 @@ adapter) and a pass with no adapter row at all add nothing.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -234,10 +235,12 @@ class LayerUpdates:
 
     def apply(self, x: mx.array, y: mx.array) -> mx.array:
         """``y`` (the base layer's output for ``x [B, L, in]``) plus each row's update."""
-        rows = self.adapters.current
+        rows = self.adapters.active()
         if rows is None or self.a is None or self.b is None:
             return y
         B = x.shape[0]
+        if rows.shape[0] != B:
+            raise ValueError(f"{rows.shape[0]} adapter rows for a pass over {B} rows")
         index, scale = self.index[rows], self.scale[rows]
         every = mx.arange(B, dtype=mx.uint32)
         low = mx.gather_mm(x, self.a, every, index)  # [B, L, R]
@@ -283,19 +286,39 @@ class ResidentAdapter:
     modules: tuple[str, ...]
     #: The adapter's own bytes (its A and B at their ranks).
     nbytes: int
+    #: ``time.monotonic()`` of its last request.
+    last_used: float
 
 
 class AdapterSet:
-    """A model's resident adapters, at most ``capacity`` (slots 1..capacity; 0 is no adapter), and
-    the rows of the forward pass being built."""
+    """A model's resident adapters, at most ``capacity`` (slots 1..capacity; 0 is no adapter), the
+    configured ones it may load (name -> path), and which slot each row of a forward pass uses:
+    those :meth:`rows` sets while a pass is built, else those of the running batch
+    (:attr:`batch_slots`, the engine's: a decode step runs over its rows)."""
 
-    def __init__(self, model: nn.Module, capacity: int):
+    def __init__(
+        self,
+        model: nn.Module,
+        capacity: int,
+        configured: Mapping[str, str] | None = None,
+        read: Callable[[Path], AdapterCheckpoint] | None = None,
+    ):
         self.model = model
         self.capacity = capacity
+        self.configured = dict(configured or {})
+        #: Reads an adapter file for this model (:func:`read_adapter` with the model's registries).
+        self.read = read
         self.resident: dict[str, ResidentAdapter] = {}
         self.layers: dict[str, LayerUpdates] = {}
-        #: ``[B]`` slots of the rows of the pass being built, or None: no row uses an adapter.
-        self.current: mx.array | None = None
+        #: Each running row's slot, in batch order (set by the engine's batch), or None.
+        self.batch_slots: Callable[[], Sequence[int]] | None = None
+        #: The slots requests use now, running or prefilling (set by the engine's batch), or None.
+        self.busy_slots: Callable[[], Collection[int]] | None = None
+        #: Told the change in :attr:`nbytes` after each add and remove (the memory budget's count).
+        self.on_change: Callable[[int], None] | None = None
+        self._override = False
+        self._current: mx.array | None = None
+        self._arrays: dict[tuple[int, ...], mx.array] = {}
 
     @property
     def nbytes(self) -> int:
@@ -314,6 +337,7 @@ class AdapterSet:
         if not free:
             raise ValueError(f"all {self.capacity} adapter slots are taken")
         slot = free[0]
+        before = self.nbytes
         modules = dict(self.model.named_modules())
         for path, update in updates.items():
             layer = self.layers.get(path)
@@ -324,30 +348,65 @@ class AdapterSet:
                 object.__setattr__(module, "_updates", layer)
             layer.add(slot, update)
         own = sum(update.a.nbytes + update.b.nbytes for update in updates.values())
-        self.resident[name] = ResidentAdapter(name, slot, tuple(updates), own)
+        self.resident[name] = ResidentAdapter(name, slot, tuple(updates), own, time.monotonic())
+        self._changed(before)
         return slot
 
     def remove(self, name: str) -> None:
         resident = self.resident.pop(name, None)
         if resident is None:
             return
+        before = self.nbytes
         for path in resident.modules:
             self.layers[path].remove(resident.slot)
+        self._changed(before)
+
+    def unload(self, name: str) -> bool:
+        """Remove ``name`` unless a request uses it now; whether it is gone."""
+        slot = self.slot(name)
+        if slot is not None and self.busy_slots is not None and slot in self.busy_slots():
+            return False
+        self.remove(name)
+        return True
+
+    def _changed(self, before: int) -> None:
+        if self.on_change is not None:
+            self.on_change(self.nbytes - before)
+
+    def active(self) -> mx.array | None:
+        """``[B]`` slots of the rows of the pass being built, or None when no row uses an adapter."""
+        if self._override:
+            return self._current
+        if self.batch_slots is None:
+            return None
+        slots = tuple(self.batch_slots())
+        if not any(slots):
+            return None
+        array = self._arrays.get(slots)
+        if array is None:
+            if len(self._arrays) > 256:
+                self._arrays.clear()
+            array = self._arrays[slots] = mx.array(slots, dtype=mx.uint32)
+        return array
 
     @contextmanager
     def rows(self, slots: Sequence[int]) -> Iterator[None]:
         """While a forward pass over rows using ``slots`` (one per row; 0: none) is built."""
-        previous = self.current
-        self.current = mx.array(list(slots), dtype=mx.uint32) if any(slots) else None
+        previous = self._override, self._current
+        self._override = True
+        self._current = mx.array(list(slots), dtype=mx.uint32) if any(slots) else None
         try:
             yield
         finally:
-            self.current = previous
+            self._override, self._current = previous
 
 
-def load_adapter(loaded: Any, name: str, path: str | Path, registries: Registries) -> int:
-    """Read the adapter at ``path``, fit it to ``loaded`` (a LoadedModel served with adapters)
-    and make it resident as ``name``; its slot. Nothing changes when it is refused."""
+def load_adapter(
+    loaded: Any, name: str, path: str | Path, registries: Registries | None = None
+) -> int:
+    """Read the adapter at ``path`` (through ``registries``' formats, else the model's own
+    reader), fit it to ``loaded`` (a LoadedModel served with adapters) and make it resident as
+    ``name``; its slot. Nothing changes when it is refused."""
     from mlxr_core.model.loader import DTYPES
     from mlxr_core.model.paths import resolve_model_path
 
@@ -356,6 +415,37 @@ def load_adapter(loaded: Any, name: str, path: str | Path, registries: Registrie
         raise ConfigError(
             f"model {loaded.name} serves no adapters (models[].adapters)", field="models[].adapters"
         )
-    checkpoint = read_adapter(resolve_model_path(str(path)), registries, loaded.config)
+    where = resolve_model_path(str(path))
+    if registries is not None:
+        checkpoint = read_adapter(where, registries, loaded.config)
+    elif adapters.read is not None:
+        checkpoint = adapters.read(where)
+    else:
+        raise ConfigError(
+            f"model {loaded.name}: no format reads its adapters", field="models[].adapters"
+        )
     updates = fit_adapter(loaded.model, loaded.arch, checkpoint, DTYPES[loaded.dtype])
     return adapters.add(name, updates)
+
+
+def make_resident(loaded: Any, name: str, registries: Registries | None = None) -> int | None:
+    """The slot of ``loaded``'s configured adapter ``name``, loaded first if it is not resident
+    (in place of the least recently used adapter no request uses when every slot is taken); None
+    when every slot is in use. Raises what :func:`load_adapter` raises."""
+    adapters: AdapterSet = loaded.adapters
+    resident = adapters.resident.get(name)
+    if resident is None:
+        if name not in adapters.configured:
+            raise ConfigError(
+                f"model {loaded.name} has no adapter {name!r}", field="models[].adapters"
+            )
+        if len(adapters.resident) >= adapters.capacity:
+            in_use = set(adapters.busy_slots()) if adapters.busy_slots is not None else set()
+            idle = [r for r in adapters.resident.values() if r.slot not in in_use]
+            if not idle:
+                return None
+            adapters.remove(min(idle, key=lambda r: r.last_used).name)
+        load_adapter(loaded, name, adapters.configured[name], registries)
+        resident = adapters.resident[name]
+    resident.last_used = time.monotonic()
+    return resident.slot

@@ -92,7 +92,8 @@ def make_router(ctx: ServerContext) -> Router:
     @get(paths("/models"), sync_to_thread=False, operation_class=ERRORS)
     def models() -> s.ModelList:
         engine = ready_engine(ctx)
-        return s.ModelList([_card(engine, name) for name in sorted(engine.served)])
+        names = sorted([*engine.served, *engine.adapters])
+        return s.ModelList([_card(engine, name) for name in names])
 
     @get(
         paths("/models/{model_id:path}"),
@@ -103,7 +104,7 @@ def make_router(ctx: ServerContext) -> Router:
         # Model names may contain slashes; a path parameter arrives with a leading one.
         name = str(request.path_params["model_id"]).lstrip("/")
         engine = ready_engine(ctx)
-        return _card(engine, engine.resolve(name))
+        return _card(engine, name if name in engine.adapters else engine.resolve(name))
 
     @post(paths("/embeddings"), status_code=200, operation_class=ERRORS)
     async def embeddings(data: JSONBody[EmbeddingRequest], request: Request[Any, Any, Any]) -> EmbeddingList:
@@ -358,7 +359,14 @@ def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
 
 
 def _card(engine: EngineClient, name: str) -> s.ModelCard:
-    """The served model ``name``; one never loaded yet (``load: lazy``) is known by name only."""
+    """The served model ``name``; one never loaded yet (``load: lazy``) is known by name only. A
+    LoRA adapter served as a model names its model as ``parent``."""
+    adapter = engine.adapters.get(name)
+    if adapter is not None:
+        parent = engine.models.get(adapter[0])
+        created = parent.created if parent is not None else int(engine.started_at)
+        context = parent.context_length if parent is not None else None
+        return s.ModelCard(id=name, created=created, context_length=context, parent=adapter[0])
     info = engine.models.get(name)
     if info is None:
         return s.ModelCard(id=name, created=int(engine.started_at))

@@ -362,6 +362,8 @@ class ModelCard(Struct):
     owned_by: str = "mlxr"
     object: str = "model"
     context_length: int | None = None
+    #: The model a LoRA adapter served as a model of its own runs over (``models[].adapters``).
+    parent: str | None = None
 
 
 class ModelList(Struct):

@@ -18,50 +18,20 @@ from mlxr_core.config.schema import AdapterConfig, ModelConfig
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.loader import load_model
 from mlxr_core.model.lora import load_adapter
+from mlxr_core.testing.lora_reference import ADAPTERS, SHAPE, lora_reference
 
 torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
 transformers = pytest.importorskip("transformers", reason="the reference needs transformers")
 peft = pytest.importorskip("peft", reason="the reference needs peft")
 
-SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
-#: Three adapters of different ranks, alphas and target modules (one rsLoRA, one with a per-module rank).
-ADAPTERS: dict[str, dict[str, Any]] = {
-    "qv": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "all": dict(r=8, lora_alpha=16, use_rslora=True,
-                target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
-    "mlp": dict(r=2, lora_alpha=4, rank_pattern={"down_proj": 6}, alpha_pattern={"down_proj": 3},
-                target_modules=["down_proj", "up_proj", "o_proj"]),
-}  # fmt: skip
 PROMPTS = [[5, 9, 17, 33, 2, 71, 40, 8, 13], [50, 3, 27, 91, 44, 6, 19, 60, 12]]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The base folder, each adapter's PEFT folder and PEFT's merged logits per adapter and prompt."""
-    from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
-
-    root = tmp_path_factory.mktemp("lora")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPE, attn_implementation="eager")
-    base = transformers.LlamaForCausalLM(config).eval()
-    o1_init(base, torch)
-    base.save_pretrained(root / "base")
-    write_tokenizer(root / "base", SHAPE["vocab_size"])
-    with torch.no_grad():
-        logits = {None: [base(torch.tensor([p])).logits[0].numpy() for p in PROMPTS]}
-    for name, settings in ADAPTERS.items():
-        wrapped = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **settings))
-        with torch.no_grad():  # O(1) updates: PEFT's random init of B is near zero
-            for key, parameter in wrapped.named_parameters():
-                if "lora_" in key:
-                    parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5)
-        wrapped.save_pretrained(root / name)
-        merged = wrapped.merge_and_unload()  # a merged copy is what the adapter means
-        with torch.no_grad():
-            logits[name] = [merged(torch.tensor([p])).logits[0].numpy() for p in PROMPTS]
-        base = transformers.LlamaForCausalLM.from_pretrained(root / "base").eval()
-    return {"root": root, "logits": logits}
+    reference = lora_reference(tmp_path_factory.mktemp("lora"), PROMPTS)
+    return {"root": reference.root, "logits": reference.logits}
 
 
 @pytest.fixture(scope="module")
