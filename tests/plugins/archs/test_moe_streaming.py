@@ -6,6 +6,8 @@ per stream; and what an unreadable file does mid-serving."""
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 
 import mlx.core as mx
@@ -18,7 +20,7 @@ from mlxr_core.engine.request import Delta, Failed, Finished, GenerationRequest,
 from mlxr_core.model.experts.layer import StreamedExperts
 from mlxr_core.model.loader import load_model
 from mlxr_core.plugins import load_plugins
-from mlxr_core.testing.hf_reference import family_reference
+from mlxr_core.testing.hf_reference import family_reference, greedy_tokens
 
 STREAMED = ("qwen3_moe", "mixtral")
 DEEPSEEK = {
@@ -148,3 +150,83 @@ def test_streamed_gguf_experts_give_the_resident_tokens(reference, plugins, tmp_
             assert stats["evictions"] > 0 and stats["bytes_read"] > 0, stats
         finally:
             store.close()
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    return family_reference(FAMILIES, BASE, "mixtral", tmp_path_factory.mktemp("mixtral"))
+
+
+def expert_sets(loaded, prompts: list[list[int]], count: int) -> list[set[tuple[int, int]]]:
+    """The (layer, expert) pairs each prompt's solo greedy decoding reads, through the store."""
+    store, seen = loaded.experts, []
+    fetch = store.fetch
+
+    def recording(layer, needed, ahead=None):
+        seen[-1].update((layer, expert) for expert in needed)
+        return fetch(layer, needed, ahead)
+
+    store.fetch = recording
+    for prompt in prompts:
+        seen.append(set())
+        greedy_tokens(loaded, prompt, count)
+    store.fetch = fetch
+    return seen
+
+
+def test_an_unreadable_expert_file_fails_only_the_requests_that_need_it(mixtral, plugins, tmp_path, caplog):
+    """One expert's tensors in a shard of their own, truncated after the model loaded: the
+    streams that route to it fail with an error naming the file (logged once), the others finish
+    with the resident model's tokens."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    count, prompts = 6, [[5, 17], [9, 8], [70, 3], [7, 3], [40, 41], [88, 2]]
+    probe = load_model(ModelConfig(path=str(mixtral.folder), dtype="float32",
+                                   experts=ExpertsConfig("stream", cache_bytes=1)), plugins.registries)  # fmt: skip
+    try:
+        seen = expert_sets(probe, prompts, count)
+    finally:
+        probe.experts.close()
+    # An expert some prompts read and others never do (the weights are fixed: so is the choice).
+    layer, expert = next(key for key in sorted(set().union(*seen)) if 0 < sum(key in s for s in seen) < len(seen))
+    broken = [key_set for key_set in seen if (layer, expert) in key_set]
+    assert broken and len(broken) < len(prompts)
+
+    folder = tmp_path / "split"
+    shutil.copytree(mixtral.folder, folder, ignore=shutil.ignore_patterns("*.safetensors*"))
+    tensors = load_file(mixtral.folder / "model.safetensors")
+    own = {name for name in tensors if f".layers.{layer}.block_sparse_moe.experts.{expert}." in name}
+    assert len(own) == 3
+    save_file({n: a for n, a in tensors.items() if n not in own}, folder / "model-00001-of-00002.safetensors")
+    save_file({n: tensors[n] for n in own}, folder / "model-00002-of-00002.safetensors")
+    index = {n: f"model-0000{1 + (n in own)}-of-00002.safetensors" for n in tensors}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+
+    resident, _, _ = serve(folder, plugins, prompts, count)
+    shard = folder / "model-00002-of-00002.safetensors"
+    model = ModelConfig(path=str(folder), name="moe", dtype="float32", context_length=128,
+                        experts=ExpertsConfig("stream", cache_bytes=1))  # fmt: skip
+    engine = Engine(Config(models=[model], engine=EngineConfig(max_batch_size=8, prefill_chunk=8)), plugins)
+    engine.start()
+    try:
+        os.truncate(shard, shard.stat().st_size // 2)  # mid-serving: the model is loaded
+        params = SamplingParams(temperature=0.0, max_tokens=count, extra={"ignore_eos": True})
+        with caplog.at_level(logging.ERROR, logger="mlxr_core.model.experts.store"):
+            handles = [engine.submit(GenerationRequest(model="moe", prompt_ids=p, params=params)) for p in prompts]
+            finals = [list(handle) for handle in handles]
+        again = list(engine.submit(GenerationRequest(model="moe", prompt_ids=prompts[0], params=params)))
+    finally:
+        engine.stop()
+    for events, used, tokens in zip(finals, seen, resident, strict=True):
+        if (layer, expert) in used:
+            assert isinstance(events[-1], Failed), events[-1]
+            assert shard.name in str(events[-1].error) and "truncated" in str(events[-1].error)
+        else:
+            assert isinstance(events[-1], Finished), events[-1]
+            assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == tokens
+    assert isinstance(again[-1], Failed if (layer, expert) in seen[0] else Finished)
+    logged = [r for r in caplog.records if shard.name in r.getMessage()]
+    assert len(logged) == 1
