@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+SHAPE: dict[str, Any] = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
 #: Three adapters of different ranks, alphas and target modules (one rsLoRA, one with a per-module
 #: rank and alpha), as ``peft.LoraConfig`` settings.
@@ -60,20 +60,23 @@ def lora_reference(
     from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**SHAPE, attn_implementation="eager")
+    config_class: Any = transformers.LlamaConfig  # typed for transformers 5 keywords it takes
+    config = config_class(**SHAPE, attn_implementation="eager")
     base = transformers.LlamaForCausalLM(config).eval()
     o1_init(base, torch)
     base.save_pretrained(root / "base")
     write_tokenizer(root / "base", SHAPE["vocab_size"])
     with torch.no_grad():
-        logits = {None: [base(torch.tensor([p])).logits[0].numpy() for p in prompts]}
+        logits: dict[str | None, list[np.ndarray]] = {
+            None: [base(torch.tensor([p])).logits[0].numpy() for p in prompts]
+        }
     for name, settings in adapters.items():
         wrapped = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **settings))
         with torch.no_grad():
             for key, parameter in wrapped.named_parameters():
                 if "lora_" in key:
                     parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5)
-        wrapped.save_pretrained(root / name)
+        wrapped.save_pretrained(str(root / name))
         merged = wrapped.merge_and_unload()  # merges into base's modules: the base is read again
         with torch.no_grad():
             logits[name] = [merged(torch.tensor([p])).logits[0].numpy() for p in prompts]
