@@ -82,6 +82,9 @@ def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
             names = [*registries.archs.names(), *registries.arch_fallbacks.names()]
             check((*where, "arch"), "architecture", model.arch, names)
         check((*where, "decoder"), "decoder", model.decoder, registries.decoders.names())
+        if model.speculative is not None and model.speculative.method != "none":
+            drafting = [entry.name for entry in registries.decoders if entry.meta.get("drafts")]
+            check((*where, "speculative", "method"), "drafting decoder", model.speculative.method, drafting)
         check_kernels((*where, "kernels"), model.kernels)
     return [*problems, *parser_problems(config, registries), *kv_cache_problems(config, registries)]
 

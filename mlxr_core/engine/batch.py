@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from mlxr_core.engine.decoding import SamplerContext, make_sampler, to_token_logprob, top_logprobs
+from mlxr_core.config.schema import SpeculationConfig
+from mlxr_core.engine.decoding import (
+    DraftStats,
+    SamplerContext,
+    make_sampler,
+    to_token_logprob,
+    top_logprobs,
+)
 from mlxr_core.engine.detokenizer import StreamingDetokenizer
 from mlxr_core.engine.images import PromptImages
 from mlxr_core.engine.prefix_cache import MIN_REUSE, adapter_key
@@ -39,15 +46,24 @@ from mlxr_core.engine.request import (
     Tokens,
     Usage,
 )
+from mlxr_core.engine.speculation import (
+    PREDICTION_METHOD,
+    Drafter,
+    draft_inputs,
+    next_k,
+    verify_rows,
+)
 from mlxr_core.engine.stops import StopMatcher
 from mlxr_core.errors import MlxrError
 from mlxr_core.model.cache import (
     BatchLayerCache,
+    attending_layer,
     batch_mask,
     plain_attention,
     position_bytes,
     prefill_together,
     reserve_bytes,
+    rolls_back,
 )
 from mlxr_core.model.vision import logits_with_images
 
@@ -91,6 +107,15 @@ class Sequence:
         self.alone = False
         self.started = time.perf_counter()
         self.first_token_at = 0.0
+        #: Tokens emitted so far (what a drafter continues, after the prompt).
+        self.output: list[int] = []
+        #: This request's drafter inside the batch (:mod:`mlxr_core.engine.speculation`), the
+        #: method it counts under, and the draft length it proposes next.
+        self.drafter: Drafter | None = None
+        self.method = ""
+        self.draft_k = 0
+        #: Draft tokens verified for this request, and of those the ones accepted.
+        self.drafted = self.accepted_drafts = 0
 
     @property
     def pending_prompt(self) -> int:
@@ -100,6 +125,7 @@ class Sequence:
     def accept(self, token: int, logprob: TokenLogprob | None = None) -> str | None:
         """Emit ``token``; return the finish reason when the request is done."""
         self.generated += 1
+        self.output.append(token)
         if not self.first_token_at:
             self.first_token_at = time.perf_counter()
         if token in self.eos:
@@ -116,6 +142,19 @@ class Sequence:
             return "length"
         return None
 
+    def emit(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """:meth:`accept` ``token``, ending the request where that ends it (finished, or failed
+        with its own error); False when it ended."""
+        try:
+            reason = self.accept(token, logprob)
+        except Exception as exc:
+            fail_sequence(self, exc)
+            return False
+        if reason is not None:
+            self.finish(reason)
+            return False
+        return True
+
     def finish(self, reason: str) -> None:
         if reason != "cancelled" and self.text_on_consumer:
             self.handle._emit(Tokens((), (), self.detokenizer, flush=True))
@@ -126,10 +165,11 @@ class Sequence:
             if tail:
                 self.handle._emit(Delta(tail))
         now = time.perf_counter()
+        predicted = (self.accepted_drafts, self.drafted - self.accepted_drafts) if self.method == PREDICTION_METHOD else (0, 0)
         self.handle._emit(
             Finished(
                 reason=reason,
-                usage=Usage(len(self.prompt), self.generated, self.cached, self.written),
+                usage=Usage(len(self.prompt), self.generated, self.cached, self.written, *predicted),
                 ttft_s=(self.first_token_at or now) - self.started,
                 total_s=now - self.started,
                 stop_sequence=self.stops.matched,
@@ -172,6 +212,9 @@ class BatchRunner:
         self._plain: bool | None = None
         #: Per row that asked, its token in ``tokens``'s logprobs: the step's arrays and its row in them.
         self.logprobs: list[tuple[StepLogprobs, int] | None] = []
+        #: Drafting inside the batch: the model's settings, and per method the draft tokens verified.
+        self.speculation = model.speculative or SpeculationConfig()
+        self.draft_stats: dict[str, DraftStats] = {}
 
     # -- accounting -------------------------------------------------------------------------
 
@@ -431,6 +474,9 @@ class BatchRunner:
 
     def _decode(self) -> None:
         assert self.caches is not None and self.tokens is not None
+        if self._speculating():
+            self._speculate()
+            return
         tokens, caches = self.tokens, self.caches
         values: list[int] | None = None
         # Rows whose own sampler or stream failed this step: they leave the batch with their error,
@@ -442,12 +488,7 @@ class BatchRunner:
             self.outbox.deliver()  # the last step's tokens do not wait for this read
             values = tokens.tolist()  # type: ignore[assignment]
             assert values is not None
-            for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):
-                if not self.fresh[row]:
-                    try:
-                        seq.sampler.accept(token)
-                    except Exception as exc:
-                        failed[row] = exc
+            failed.update(self._tell_samplers(values))
         mask = batch_mask(caches)
         shift = mx.array(self.shifts) if any(self.shifts) else None
         with self._expert_failures(failed):
@@ -457,38 +498,54 @@ class BatchRunner:
         mx.async_eval(following, *(step_logprobs.arrays if step_logprobs is not None else ()))
         self.outbox.deliver()  # the last step's tokens, handed over while the device computes this one
 
-        keep: list[int] = []
         if values is None:
             values = tokens.tolist()  # type: ignore[assignment]
             assert values is not None
-        for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):
-            if seq.handle.cancelled:
-                seq.finish("cancelled")
-                continue
-            if row in failed:
-                fail_sequence(seq, failed[row])
-                continue
-            if self.fresh[row]:
-                self.fresh[row] = False
-                keep.append(row)
-                continue
-            asked = self.logprobs[row]
-            logprob = None
-            if asked is not None:
-                step_logprobs, index = asked
-                logprob = to_token_logprob(token, step_logprobs.row(index, seq.sampler.logprobs or 0))
-            try:
-                reason = seq.accept(token, logprob)
-            except Exception as exc:
-                fail_sequence(seq, exc)
-                continue
-            if reason is not None:
-                seq.finish(reason)
-                continue
-            keep.append(row)
+        keep = [
+            row
+            for row, (seq, token) in enumerate(zip(self.running, values, strict=True))
+            if self._emit(row, seq, token, failed)
+        ]
+        self._keep_rows(keep, following, following_logprobs)
 
+    def _tell_samplers(self, values: list[int]) -> dict[int, BaseException]:
+        """Tell each row's stateful processors (penalties, grammars) its pending token, but a
+        fresh row's (its prompt's last); the rows whose processors raised, with their errors."""
+        failed: dict[int, BaseException] = {}
+        for row, (seq, token) in enumerate(zip(self.running, values, strict=True)):
+            if not self.fresh[row]:
+                try:
+                    seq.sampler.accept(token)
+                except Exception as exc:
+                    failed[row] = exc
+        return failed
+
+    def _emit(self, row: int, seq: Sequence, token: int, failed: dict[int, BaseException]) -> bool:
+        """Hand row ``row``'s pending ``token`` to its request (unless it is its prompt's last);
+        False when the request ended (cancelled, failed or finished)."""
+        if seq.handle.cancelled:
+            seq.finish("cancelled")
+            return False
+        if row in failed:
+            fail_sequence(seq, failed[row])
+            return False
+        if self.fresh[row]:
+            self.fresh[row] = False
+            return True
+        asked = self.logprobs[row]
+        logprob = None
+        if asked is not None:
+            step_logprobs, index = asked
+            logprob = to_token_logprob(token, step_logprobs.row(index, seq.sampler.logprobs or 0))
+        return seq.emit(token, logprob)
+
+    def _keep_rows(
+        self, keep: list[int], tokens: mx.array, logprobs: list[tuple[StepLogprobs, int] | None]
+    ) -> None:
+        """Go on with the rows ``keep`` only, their next inputs ``tokens`` (one per row before
+        the cut) and their logprobs."""
         if len(keep) == len(self.running):
-            self.tokens, self.logprobs = following, following_logprobs
+            self.tokens, self.logprobs = tokens, logprobs
             return
         if not keep:
             self.running, self.fresh, self.caches, self.tokens = [], [], None, None
@@ -497,10 +554,106 @@ class BatchRunner:
         self.running = [self.running[i] for i in keep]
         self.fresh = [self.fresh[i] for i in keep]
         self.shifts = [self.shifts[i] for i in keep]
-        self.logprobs = [following_logprobs[i] for i in keep]
-        for cache in caches:
+        self.logprobs = [logprobs[i] for i in keep]
+        for cache in self.caches or ():
             cache.filter(keep)
-        self.tokens = following[mx.array(keep)]
+        self.tokens = tokens[mx.array(keep)]
+
+    # -- drafting inside the batch (see mlxr_core.engine.speculation) ---------------------------
+
+    def _speculating(self) -> bool:
+        """Whether this step verifies drafts: some row drafts, the batch is small enough for
+        verifying to pay (``max_batch``), and every cache can forget a row's rejected tokens
+        alone (not a recurrent state, so a hybrid model's rows draft nothing)."""
+        if len(self.running) > self.speculation.max_batch or self.model.vision is not None:
+            return False
+        if not any(seq.drafter is not None and seq.draft_k > 0 for seq in self.running):
+            return False
+        return self.caches is not None and not any(self.shifts) and rolls_back(self.caches)
+
+    def _draft(self, seq: Sequence) -> list[int]:
+        """Row ``seq``'s draft for this step: at most its ``draft_k``, the tokens it may still
+        emit less one (the target's own token follows), and cut at the first token its grammar
+        does not allow."""
+        room = min(seq.draft_k, seq.max_tokens - seq.generated - 1)
+        if seq.drafter is None or room <= 0:
+            return []
+        draft = list(seq.drafter.propose([*seq.prompt, *seq.output], room))[:room]
+        return draft[: seq.sampler.valid_prefix(draft)] if draft else draft
+
+    def _speculate(self) -> None:
+        """One step that verifies every row's draft (rows without one get one token, as a plain
+        step gives): the pending tokens are read back and emitted first, so drafts continue them."""
+        assert self.caches is not None and self.tokens is not None
+        self.outbox.deliver()
+        values: list[int] = self.tokens.tolist()  # type: ignore[assignment]
+        failed = self._tell_samplers(values)
+        keep = [row for row, (seq, token) in enumerate(zip(self.running, values, strict=True)) if self._emit(row, seq, token, failed)]
+        self._keep_rows(keep, self.tokens, self.logprobs)
+        if not self.running or self.caches is None:
+            return
+        values = [values[i] for i in keep]
+        drafts = [self._draft(seq) for seq in self.running]
+        inputs, longest = draft_inputs(values, drafts)
+        caches: list[Any] = self.caches
+        if longest == 0:
+            logits = self.model.decode(inputs[:, 0], caches, batch_mask(caches))[:, None]
+        else:
+            index = attending_layer(caches)
+            mask = caches[index].draft_mask(longest + 1) if index is not None else None
+            logits = self.model.model(inputs, cache=caches, mask=mask)
+        emitted, failed = verify_rows(logits, drafts, [seq.sampler for seq in self.running])
+        if longest:
+            drop = [longest + 1 - len(tokens) for tokens in emitted]
+            for cache in caches:
+                cache.rollback(drop)
+        self._after_verify(logits, drafts, emitted, failed)
+
+    def _after_verify(
+        self,
+        logits: mx.array,
+        drafts: list[list[int]],
+        emitted: list[list[int]],
+        failed: dict[int, BaseException],
+    ) -> None:
+        """Each row's accepted draft tokens to its request now, its last token pending (the next
+        input, emitted by the next step as a plain step's is); counts and next draft lengths."""
+        keep: list[int] = []
+        pending: list[int] = []
+        logprobs: list[tuple[StepLogprobs, int] | None] = []
+        for row, (seq, draft, tokens) in enumerate(zip(self.running, drafts, emitted, strict=True)):
+            pending.append(tokens[-1])
+            step = None
+            if seq.sampler.logprobs is not None and row not in failed:
+                top = seq.sampler.logprobs
+                step = StepLogprobs(logits[row, : len(tokens)], mx.array(tokens, dtype=mx.int32), [top] * len(tokens))
+            logprobs.append(None if step is None else (step, len(tokens) - 1))
+            if draft and row not in failed:
+                accepted = len(tokens) - 1
+                self.draft_stats.setdefault(seq.method, DraftStats()).add(len(draft), accepted)
+                seq.drafted += len(draft)
+                seq.accepted_drafts += accepted
+                seq.draft_k = next_k(seq.draft_k, len(draft), accepted, self.speculation)
+            if seq.handle.cancelled:
+                seq.finish("cancelled")
+                continue
+            if row in failed:
+                fail_sequence(seq, failed[row])
+                continue
+            if self._emit_drafted(seq, tokens[:-1], step):
+                keep.append(row)
+        self._keep_rows(keep, mx.array(pending, dtype=mx.int32), logprobs)
+
+    @staticmethod
+    def _emit_drafted(seq: Sequence, tokens: list[int], step: StepLogprobs | None) -> bool:
+        """Emit ``seq``'s accepted draft tokens; False when the request ended on one of them."""
+        for index, token in enumerate(tokens):
+            logprob = None
+            if step is not None:
+                logprob = to_token_logprob(token, step.row(index, seq.sampler.logprobs or 0))
+            if not seq.emit(token, logprob):
+                return False
+        return True
 
     def _sample(self, logits: mx.array, failed: dict[int, BaseException]) -> mx.array:
         """One token per row; a row whose sampler raises is recorded in ``failed`` and gets a

@@ -4,7 +4,9 @@ Sampler plugins register *factories*: ``factory(params, context)`` gets one requ
 :class:`~mlxr_core.engine.request.SamplingParams` and a :class:`SamplerContext` and returns a logits
 processor (``[B, V] -> [B, V]``), or None when the request does not use it. A processor may also
 define ``accept(token: int)``: it is then told every token the request emits, in order, before the
-next token's logits are processed (penalties count tokens, grammars advance their state). A factory
+next token's logits are processed (penalties count tokens, grammars advance their state), and
+``valid_prefix(tokens: list[int]) -> int``: how many of a draft's tokens, from the first, it allows
+to follow (a grammar; drafts are cut there before they are verified). A factory
 may define ``validate(params, context)``, called in the caller's thread when the request is
 submitted, raising :class:`~mlxr_core.errors.RequestError` (a 400) for parameters it cannot honour.
 
@@ -66,6 +68,9 @@ class RequestSampler:
         #: Some processor follows the emitted tokens: the next step's logits cannot be processed
         #: before this step's token is known (no double-buffering across that boundary).
         self.stateful = bool(self._acceptors)
+        self._checks: list[Callable[[list[int]], int]] = [
+            check for proc in processors if callable(check := getattr(proc, "valid_prefix", None))
+        ]
         self.logprobs = params.logprobs
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(4), "little")
         self._key = mx.random.key(seed)
@@ -87,6 +92,15 @@ class RequestSampler:
         """A fresh key from the request's random stream (decoders needing more randomness)."""
         self._key, key = mx.random.split(self._key)
         return key
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, may follow the tokens emitted so far: a
+        processor that restricts the output (a grammar) says with its ``valid_prefix``; all of
+        them where none does. A draft is cut there before it is verified."""
+        allowed = len(tokens)
+        for check in self._checks:
+            allowed = min(allowed, check(tokens[:allowed]))
+        return allowed
 
     def accept(self, token: int) -> None:
         """Tell the stateful processors that ``token`` was emitted."""

@@ -97,6 +97,11 @@ class GenerationRequest:
     #: The model's LoRA adapter the request runs with (``models[].adapters``), or None; set at
     #: admission from a ``model`` naming one (``<model>:<adapter>``).
     adapter: str | None = None
+    #: The output the client expects (OpenAI's Predicted Outputs), as token ids: drafted from
+    #: inside the batch (see :mod:`mlxr_core.engine.speculation`); None: no prediction.
+    prediction: list[int] | None = None
+    #: False: this request drafts nothing (``models[].speculative`` opted out of).
+    speculative: bool = True
 
 
 @attrs.frozen
@@ -107,6 +112,10 @@ class Usage:
     cached_tokens: int = 0
     #: Prompt tokens this request prefilled and left in the prefix cache for later ones.
     cache_written_tokens: int = 0
+    #: Of a ``prediction``'s draft tokens, those the model emitted as drafted, and those it
+    #: verified and rejected (OpenAI's ``completion_tokens_details``).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

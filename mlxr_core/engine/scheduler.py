@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from mlxr_core.config.schema import SpeculationConfig
 from mlxr_core.engine.batch import BatchRunner, Sequence
 from mlxr_core.engine.jobs import EngineJob, run_jobs
 from mlxr_core.engine.prefix_cache import PrefixCache
@@ -28,6 +29,7 @@ from mlxr_core.engine.request import (
     RequestHandle,
     Usage,
 )
+from mlxr_core.engine.speculation import PREDICTION_METHOD, DraftingDecoder
 from mlxr_core.errors import EngineStopped, MlxrError
 from mlxr_core.model.lora import make_resident
 
@@ -193,6 +195,9 @@ class Scheduler:
             figures = getattr(decoder, "draft_stats", {}).get(model)
             if figures is not None:
                 stats.setdefault(model, {})[name] = figures.as_dict()
+        for model, runner in list(self.runners.items()):  # drafting inside the batch, per method
+            for method, figures in list(runner.draft_stats.items()):
+                stats.setdefault(model, {})[method] = figures.as_dict()
         return stats
 
     def prefix_stats(self) -> dict[str, Any]:
@@ -415,7 +420,40 @@ class Scheduler:
                 if not ready:
                     return  # every adapter slot is in use by running requests: it waits
             self.waiting.popleft()
+            if seq is None:
+                seq = Sequence(handle, runner.model, self.registries.samplers, runner.reserve_bytes(handle))
+            self._attach_drafter(seq, runner.model, name, decoder)
             runner.add(handle, seq)
+
+    def _attach_drafter(self, seq: Sequence, model: LoadedModel, name: str, decoder: Any) -> None:
+        """Give ``seq`` the drafter it drafts with inside the batch, if any: its ``prediction``'s,
+        else its decoder's (a drafting decoder named by the request or ``models[].decoder``), else
+        ``models[].speculative.method``'s; none when the request opted out. A drafter that
+        cannot serve the model is logged once and left out: the request decodes plainly."""
+        request = seq.handle.request
+        if not request.speculative:
+            return
+        methods = [PREDICTION_METHOD] if request.prediction else []
+        if isinstance(decoder, DraftingDecoder):
+            methods.append(name)
+        elif model.speculative is not None and model.speculative.method != "none" and request.decoder is None:
+            methods.append(model.speculative.method)
+        for method in methods:
+            if method not in self.registries.decoders:
+                continue
+            drafting = self.registries.decoders.get(method)
+            try:
+                self._prepare(method, drafting, model)
+                drafter = drafting.row_drafter(model, request)
+            except Exception as exc:
+                if (method, model.name) not in self._warned:
+                    self._warned.add((method, model.name))
+                    log.error("drafter %s cannot serve model %s: its requests draft nothing (%s)", method, model.name, exc)
+                continue
+            if drafter is not None:
+                seq.drafter, seq.method = drafter, method
+                seq.draft_k = (model.speculative or SpeculationConfig()).k
+                return
 
     def _adapter_resident(self, runner: BatchRunner, handle: RequestHandle) -> bool | None:
         """Whether the LoRA adapter of ``handle`` (first in line) is resident, loaded now if it

@@ -12,7 +12,8 @@ holds its per-sequence caches; when it joins the running batch each becomes a
 with :meth:`LayerCache.restore`; a recurrent state holds exactly the positions it has seen, so it
 can be restored only at the end of the stored prefix, never part way (:attr:`partial_reuse`). The
 drafting decoders roll back rejected draft tokens with :meth:`LayerCache.trim`, which a recurrent
-state cannot do (:meth:`LayerCache.is_trimmable`). The KV budget reserves
+state cannot do (:meth:`LayerCache.is_trimmable`); inside the batch each row forgets its own
+rejected tokens with its batch cache's ``rollback(drop)`` (:func:`rolls_back`). The KV budget reserves
 :func:`reserve_bytes` per request. An attention layer that stores something else than a key and
 a value per head (multi-head latent attention: one latent and one rotary key a position) keeps
 them in a :class:`KVCache` that declares its width, which the budget counts
@@ -124,6 +125,13 @@ def batch_mask(caches: Sequence[Any]) -> mx.array | None:
         return None
     mask: mx.array = caches[index].mask()
     return mask
+
+
+def rolls_back(caches: Sequence[Any]) -> bool:
+    """Whether every batch cache of ``caches`` can forget each row's rejected draft tokens alone
+    (``rollback(drop)``): attention caches can; a recurrent state has kept no earlier state, and
+    a cache may say it cannot (``rolls_back = False``)."""
+    return all(callable(getattr(cache, "rollback", None)) and getattr(cache, "rolls_back", True) for cache in caches)
 
 
 def prompts_mask(left_padding: Sequence[int], length: int) -> mx.array:
@@ -394,6 +402,38 @@ class RightAlignedRows:
         pads = mx.array(self.left_padding)
         return (positions[None, :] >= pads[:, None])[:, None, None, :]
 
+    def draft_mask(self, queries: int) -> mx.array:
+        """Boolean ``[B, 1, queries, length + queries]`` mask of a step that adds ``queries``
+        positions to every row (a verified draft): each new position sees its row's own earlier
+        positions and itself."""
+        positions = mx.arange(self.length + queries)
+        rows = mx.arange(self.length, self.length + queries)
+        pads = mx.array(self.left_padding)
+        causal = positions[None, None, :] <= rows[None, :, None]
+        return (causal & (positions[None, None, :] >= pads[:, None, None]))[:, None]
+
+    def _roll_back(self, drop: Sequence[int], arrays: list[mx.array]) -> list[mx.array]:
+        """Forget the last ``drop[i]`` positions of row ``i`` (its rejected draft tokens) in
+        ``arrays`` (``[B, H, capacity, *]``, positions on axis 2). What every row drops is cut
+        from the end; a row that drops more is moved right by the difference (its padding grows),
+        so that the rows still end together and each looks as if the rejected tokens had never
+        been written."""
+        least = min(drop, default=0)
+        self.length -= least
+        self._offset = None
+        extra = [n - least for n in drop]
+        if not any(extra):
+            return arrays
+        length = self.length
+        index = mx.maximum(mx.arange(length)[None, :] - mx.array(extra)[:, None], 0)
+        moved = []
+        for array in arrays:
+            where = index.reshape(len(extra), 1, length, *([1] * (array.ndim - 3)))
+            array[:, :, :length] = mx.take_along_axis(array[:, :, :length], where, axis=2)
+            moved.append(array)
+        self.left_padding = [pad + n for pad, n in zip(self.left_padding, extra, strict=True)]
+        return moved
+
 
 class BatchKVCache(RightAlignedRows, WritesAndAttends):
     """Keys and values of one layer for a batch of sequences of different lengths.
@@ -508,6 +548,10 @@ class BatchKVCache(RightAlignedRows, WritesAndAttends):
         self.left_padding = parts[0][2] + parts[1][2]
         self.length = length
         self._offset = None
+
+    def rollback(self, drop: Sequence[int]) -> None:
+        """Forget the last ``drop[i]`` positions of row ``i`` (see :meth:`_roll_back`)."""
+        self.keys, self.values = self._roll_back(drop, [self.keys, self.values])
 
     def extract(self, row: int) -> KVCache:
         """Row ``row`` as a single-sequence cache without its padding."""

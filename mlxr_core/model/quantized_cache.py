@@ -269,6 +269,15 @@ class PackedRows(PackedCache, RightAlignedRows):
         self.length = length
         self._offset = None
 
+    def rollback(self, drop: Sequence[int]) -> None:
+        """Forget the last ``drop[i]`` positions of row ``i`` (rejected draft tokens), in the
+        packed arrays and the full-precision copy alike (see
+        :meth:`~mlxr_core.model.cache.RightAlignedRows._roll_back`); a copy dropped and needed
+        again below ``start_after`` is rebuilt by the next write."""
+        arrays = self._roll_back(drop, self.aligned)
+        packed = len(self.arrays)
+        self.arrays, self.full = arrays[:packed], arrays[packed:] or None
+
     def extract(self, row: int) -> Any:
         """Row ``row`` as a single-sequence cache without its padding."""
         start = self.left_padding[row]

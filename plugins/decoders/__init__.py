@@ -1,5 +1,7 @@
 """Built-in decoding strategies: ``plain``, and the drafting ``prompt_lookup`` and ``speculative``
-(configured under ``plugins.config.decoders``; see :mod:`mlxr_plugins.decoders.config`)."""
+(configured under ``plugins.config.decoders``; see :mod:`mlxr_plugins.decoders.config`), and
+``prediction``, which drafts a request's Predicted Output. Those registered with ``drafts=True``
+draft inside the batch (``models[].speculative.method``; :mod:`mlxr_core.engine.speculation`)."""
 
 from mlxr_core.plugin_api import hookimpl
 from mlxr_plugins.decoders.config import DecodersConfig
@@ -11,7 +13,8 @@ MLXR_ESSENTIAL = True
 @hookimpl
 def mlxr_register_decoders(register):  # type: ignore[no-untyped-def]
     register("plain", "mlxr_plugins.decoders.plain:PlainDecoder")
-    register("prompt_lookup", "mlxr_plugins.decoders.prompt_lookup:PromptLookupDecoder")
+    register("prompt_lookup", "mlxr_plugins.decoders.prompt_lookup:PromptLookupDecoder", drafts=True)
+    register("prediction", "mlxr_plugins.decoders.prediction:PredictionDecoder", drafts=True)
     register("speculative", "mlxr_plugins.decoders.speculative:SpeculativeDecoder")
 
 

@@ -19,45 +19,10 @@ from typing import Any
 import mlx.core as mx
 
 from mlxr_core.engine.decoding import RequestSampler
+from mlxr_core.engine.speculation import speculative_sample
+
+__all__ = ["check_trimmable", "logits_width", "speculative_sample", "trim", "verify"]
 from mlxr_core.errors import ConfigError
-
-
-def speculative_sample(
-    target_logits: mx.array, draft: mx.array, draft_logits: mx.array | None, key: mx.array
-) -> tuple[mx.array, mx.array]:
-    """Rejection sampling of a ``k``-token draft against the target (lazy arrays).
-
-    :param target_logits: ``[k + 1, V]`` processed target logits (temperature etc. applied).
-    :param draft: ``[k]`` draft token ids.
-    :param draft_logits: ``[k, V]`` processed logits the draft tokens were drawn from, or None for
-        a deterministic draft.
-    :return: ``accepted`` (``[k]`` bool: draft token ``i`` passes its test) and ``replacement``
-        (``[k + 1]`` ids: row ``i < k`` is what to emit when draft token ``i`` is the first
-        rejected one, row ``k`` the bonus token when every draft token is accepted).
-    """
-    k = draft.shape[0]
-    log_p = target_logits - mx.logsumexp(target_logits, axis=-1, keepdims=True)
-    p = mx.exp(log_p[:k])
-    index = draft.astype(mx.int32)[:, None]
-    p_x = mx.take_along_axis(p, index, axis=-1)[:, 0]
-    if draft_logits is None:
-        q_x = mx.ones_like(p_x)
-        columns = mx.arange(p.shape[-1])[None, :]
-        residual = mx.where(columns == index, 0.0, p)
-    else:
-        q = mx.softmax(draft_logits, axis=-1)
-        q_x = mx.take_along_axis(q, index, axis=-1)[:, 0]
-        residual = mx.maximum(p - q, 0.0)
-    accept_key, draw_key = mx.random.split(key)
-    u = mx.random.uniform(shape=(k,), key=accept_key)
-    accepted = u * q_x < p_x
-    # A residual of zero mass only happens where p == q, and then the draft token is always
-    # accepted (u < 1); fall back to p there so the draw is well defined.
-    empty = mx.sum(residual, axis=-1, keepdims=True) <= 0
-    residual_logits = mx.where(empty, log_p[:k], mx.log(residual))
-    rows = mx.concatenate([residual_logits, log_p[k:]], axis=0)
-    replacement = mx.random.categorical(rows, key=draw_key)
-    return accepted, replacement
 
 
 def verify(

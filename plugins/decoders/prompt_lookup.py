@@ -14,6 +14,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlxr_core.engine.decoding import DraftStats, RequestSampler
+from mlxr_core.engine.request import GenerationRequest
+from mlxr_core.engine.speculation import lookup_draft
 from mlxr_core.model.loader import LoadedModel
 from mlxr_plugins.decoders.config import DecodersConfig, PromptLookupConfig
 from mlxr_plugins.decoders.drafting import check_trimmable, trim, verify
@@ -27,23 +29,26 @@ def find_draft(tokens: Sequence[int], k: int, max_ngram: int, min_ngram: int) ->
     A match close to the end continues into the draft itself, so periodic text drafts ``k``
     tokens too (``a b a b`` after ``a b`` drafts ``a b a b ...``).
     """
-    size = len(tokens)
-    for n in range(min(max_ngram, size - 1), min_ngram - 1, -1):
-        suffix = list(tokens[size - n :])
-        first = suffix[0]
-        for start in range(size - n - 1, -1, -1):
-            if tokens[start] == first and list(tokens[start : start + n]) == suffix:
-                draft: list[int] = []
-                for i in range(start + n, start + n + k):
-                    draft.append(tokens[i] if i < size else draft[i - size])
-                return draft
-    return []
+    return lookup_draft(tokens, tokens, k, max_ngram, min_ngram)
+
+
+class PromptLookupDrafter:
+    """One request's drafter inside the batch (:class:`~mlxr_core.engine.speculation.Drafter`):
+    n-grams of its own prompt and output."""
+
+    def __init__(self, config: PromptLookupConfig):
+        self.config = config
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        return lookup_draft(history, history, k, self.config.max_ngram, self.config.min_ngram)
 
 
 class PromptLookupDecoder:
     """See :mod:`mlxr_plugins.decoders.prompt_lookup` and :class:`~mlxr_core.engine.decoding.Decoder`."""
 
-    batched = False
+    #: Inside the batch it drafts for each row (:meth:`row_drafter`); :meth:`generate` serves
+    #: one request alone (embedding the decoder from Python).
+    batched = True
 
     def __init__(self) -> None:
         self.config = PromptLookupConfig()
@@ -54,6 +59,9 @@ class PromptLookupDecoder:
             self.config = config.prompt_lookup
         check_trimmable(model.make_cache(), "prompt_lookup", model.name)
         self.draft_stats.setdefault(model.name, DraftStats())
+
+    def row_drafter(self, model: LoadedModel, request: GenerationRequest) -> PromptLookupDrafter:
+        return PromptLookupDrafter(self.config)
 
     def generate(
         self,

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import mlx.core as mx
@@ -148,6 +148,10 @@ class BatchTurboQuantKVCache(PackedRows):
     """TurboQuant-stored keys and values of one layer for a batch (see the module): ``arrays``
     are the packed positions, ``tail`` the full-precision keys and values of the last positions
     (``[B, H, T, D]`` each, right-aligned with the rows: ending at :attr:`length`), or None."""
+
+    #: The full-precision tail holds the last positions only: positions cut from its end could
+    #: not be given back from the codes, so rows of this cache draft nothing in the batch.
+    rolls_back: ClassVar[bool] = False
 
     def __init__(self, spec: TurboQuantKV, layer: int, rows: int = 1):
         super().__init__([], None, [0] * rows, 0)

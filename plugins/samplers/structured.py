@@ -161,6 +161,13 @@ class GrammarMask:
         mask = mx.array(self.allowed(logits.shape[-1]))
         return mx.where(mask, logits, mx.array(-mx.inf, dtype=logits.dtype))
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar allows next in turn (the matcher
+        is not advanced): a draft is cut at the first one it does not allow."""
+        if not tokens or self.matcher.is_stopped() or self.matcher.is_error():
+            return 0
+        return int(self.matcher.validate_tokens(tokens))
+
     def accept(self, token: int) -> None:
         """Advance past ``token``. One the grammar does not allow (handed in against the mask)
         ends the grammar (only EOS follows); an allowed one the matcher then fails on is

@@ -16,6 +16,7 @@ from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
 from mlxr_core.errors import ConfigError
 from mlxr_core.plugins import load_plugins
+from mlxr_core.testing.statistics import chi_square_p
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
 from mlxr_plugins.decoders.drafting import speculative_sample
 from mlxr_plugins.decoders.prompt_lookup import find_draft
@@ -94,18 +95,6 @@ def test_find_draft_continues_periodic_text_into_the_draft():
 
 
 # --- the acceptance rule keeps the target's distribution ------------------------------------
-
-
-def chi_square_p(observed: np.ndarray, expected_p: np.ndarray) -> float:
-    """The p-value of Pearson's chi-square test (Wilson-Hilferty's normal approximation of the
-    chi-square tail, good to about 1e-3 for these degrees of freedom)."""
-    from math import erfc, sqrt
-
-    expected = expected_p * observed.sum()
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    dof = len(observed) - 1
-    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / sqrt(2 / (9 * dof))
-    return 0.5 * erfc(z / sqrt(2))
 
 
 def test_speculative_sampling_matches_the_targets_distribution():

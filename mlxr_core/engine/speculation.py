@@ -1,0 +1,225 @@
+"""Speculation inside the batch: each row's drafter proposes tokens, the target verifies every
+row's draft in one forward pass, each row accepts its own prefix and forgets the rest alone.
+
+A row's draft ``d_1..d_k`` follows its next input ``t`` (the token the plain step would feed).
+The batch feeds ``[t, d_1..d_K]`` to every row, ``K`` the longest draft, shorter drafts padded at
+the end (a padded position is a rejected draft token like any other: the causal mask keeps it from
+the positions before it). Row ``j`` of a row's logits is the target's distribution after ``d_j``
+(row 0: after ``t``). At temperature 0 the longest prefix of the draft equal to the target's
+choices is accepted, then the target's own choice after it, so the output is the target's greedy
+output token for token. Otherwise draft token ``d_j`` is accepted with probability
+``min(1, p_j(d_j) / q_j(d_j))``; the first rejected one is replaced by a draw from
+``norm(max(0, p_j - q_j))``, and when all are accepted a bonus token is drawn from ``p_{k+1}``
+(Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"): the output
+is distributed as the target's. Drafts here are deterministic (n-grams, a client's prediction, a
+draft model's greedy choice): ``q_j`` is a point mass, ``q_j(d_j) = 1``.
+
+A row whose sampler follows the emitted tokens (penalties, grammars: ``stateful``) is verified
+position by position, its processors told each accepted draft token before the next position's
+logits are processed, exactly as plain decoding would have told them. A grammar's drafts are cut
+at the first token it does not allow before they are verified (``valid_prefix``), so a drafted
+token outside the grammar is never fed, let alone emitted.
+
+Drafters are registered as decoders (``mlxr_register_decoders``) that offer ``row_drafter`` (see
+:class:`DraftingDecoder`); the plain decoder is the one that proposes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from mlxr_core.config.schema import SpeculationConfig
+    from mlxr_core.engine.decoding import RequestSampler
+    from mlxr_core.engine.request import GenerationRequest
+    from mlxr_core.model.loader import LoadedModel
+
+#: The decoder (``mlxr_register_decoders``) whose ``row_drafter`` drafts from a request's
+#: ``prediction`` (OpenAI's Predicted Outputs), whatever the model's own method.
+PREDICTION_METHOD = "prediction"
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """One request's drafter: proposes the tokens it expects to follow, for one row of the batch."""
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens expected after ``history`` (the prompt and every token emitted so
+        far; its last one is the row's next input). Called on the engine thread once per step in
+        which the row may draft; cheap, or batched by the drafter itself."""
+        ...
+
+
+@runtime_checkable
+class DraftingDecoder(Protocol):
+    """A decoder that drafts inside the batch: registered through ``mlxr_register_decoders`` and
+    named by ``models[].speculative.method`` (or ``models[].decoder``). Its ``prepare`` (see
+    :class:`~mlxr_core.engine.decoding.Decoder`) runs once per model first."""
+
+    def row_drafter(self, model: LoadedModel, request: GenerationRequest) -> Drafter | None:
+        """The drafter of one request of ``model`` (its own state, if any), or None when it has
+        nothing to draft for that request. Called on the engine thread when the request is admitted."""
+        ...
+
+
+def speculative_sample(
+    target_logits: mx.array, draft: mx.array, draft_logits: mx.array | None, key: mx.array
+) -> tuple[mx.array, mx.array]:
+    """Rejection sampling of a ``k``-token draft against the target (lazy arrays).
+
+    :param target_logits: ``[k + 1, V]`` processed target logits (temperature etc. applied).
+    :param draft: ``[k]`` draft token ids.
+    :param draft_logits: ``[k, V]`` processed logits the draft tokens were drawn from, or None for
+        a deterministic draft.
+    :return: ``accepted`` (``[k]`` bool: draft token ``i`` passes its test) and ``replacement``
+        (``[k + 1]`` ids: row ``i < k`` is what to emit when draft token ``i`` is the first
+        rejected one, row ``k`` the bonus token when every draft token is accepted).
+    """
+    k = draft.shape[0]
+    log_p = target_logits - mx.logsumexp(target_logits, axis=-1, keepdims=True)
+    p = mx.exp(log_p[:k])
+    index = draft.astype(mx.int32)[:, None]
+    p_x = mx.take_along_axis(p, index, axis=-1)[:, 0]
+    if draft_logits is None:
+        q_x = mx.ones_like(p_x)
+        columns = mx.arange(p.shape[-1])[None, :]
+        residual = mx.where(columns == index, 0.0, p)
+    else:
+        q = mx.softmax(draft_logits, axis=-1)
+        q_x = mx.take_along_axis(q, index, axis=-1)[:, 0]
+        residual = mx.maximum(p - q, 0.0)
+    accept_key, draw_key = mx.random.split(key)
+    u = mx.random.uniform(shape=(k,), key=accept_key)
+    accepted = u * q_x < p_x
+    # A residual of zero mass only happens where p == q, and then the draft token is always
+    # accepted (u < 1); fall back to p there so the draw is well defined.
+    empty = mx.sum(residual, axis=-1, keepdims=True) <= 0
+    residual_logits = mx.where(empty, log_p[:k], mx.log(residual))
+    rows = mx.concatenate([residual_logits, log_p[k:]], axis=0)
+    replacement = mx.random.categorical(rows, key=draw_key)
+    return accepted, replacement
+
+
+def verify_rows(
+    logits: mx.array, drafts: Sequence[Sequence[int]], samplers: Sequence[RequestSampler]
+) -> tuple[list[list[int]], dict[int, BaseException]]:
+    """Each row's tokens to emit: its accepted draft prefix, then one token of the target's.
+
+    :param logits: ``[B, K + 1, V]`` raw target logits over each row's ``[t, *draft, *padding]``.
+    :return: the tokens per row, and the rows whose sampler raised (with placeholder tokens).
+    """
+    emitted: list[list[int]] = [[] for _ in drafts]
+    failed: dict[int, BaseException] = {}
+    lazy: dict[int, tuple[mx.array, ...]] = {}
+    for i, (draft, sampler) in enumerate(zip(drafts, samplers, strict=True)):
+        if sampler.stateful:
+            continue
+        try:
+            rows = logits[i, : len(draft) + 1]
+            if sampler.greedy:
+                lazy[i] = (mx.argmax(rows if sampler.plain_greedy else sampler.process(rows), axis=-1),)
+            elif not draft:
+                lazy[i] = (sampler(rows),)
+            else:
+                proposed = mx.array(list(draft), dtype=mx.int32)
+                lazy[i] = speculative_sample(sampler.process(rows), proposed, None, sampler.next_key())
+        except Exception as exc:
+            failed[i] = exc
+    mx.eval([array for arrays in lazy.values() for array in arrays])
+    for i, arrays in lazy.items():
+        draft = list(drafts[i])
+        if len(arrays) == 1:  # the target's choice at every position
+            choices: list[int] = arrays[0].tolist()  # type: ignore[assignment]
+            n = 0
+            while n < len(draft) and draft[n] == choices[n]:
+                n += 1
+            emitted[i] = [*draft[:n], choices[n]]
+        else:
+            passed: list[bool] = arrays[0].tolist()  # type: ignore[assignment]
+            replacements: list[int] = arrays[1].tolist()  # type: ignore[assignment]
+            n = 0
+            while n < len(draft) and passed[n]:
+                n += 1
+            emitted[i] = [*draft[:n], replacements[n]]
+    for i, (draft, sampler) in enumerate(zip(drafts, samplers, strict=True)):
+        if sampler.stateful:
+            try:
+                emitted[i] = verify_in_order(logits[i, : len(draft) + 1], list(draft), sampler)
+            except Exception as exc:
+                failed[i] = exc
+    for i in failed:
+        emitted[i] = [0]
+    return emitted, failed
+
+
+def verify_in_order(logits: mx.array, draft: list[int], sampler: RequestSampler) -> list[int]:
+    """A stateful sampler's row: position by position, each accepted draft token told to its
+    processors (``accept``) before the next position's logits are processed. The last token
+    returned (the target's own) is not told: the next step tells it, as plain decoding does."""
+    for j, token in enumerate(draft):
+        processed = sampler.process(logits[j : j + 1])
+        if sampler.greedy:
+            choice = int(mx.argmax(processed, axis=-1).item())  # type: ignore[arg-type]
+            if choice != token:
+                return [*draft[:j], choice]
+        else:
+            log_p = processed[0] - mx.logsumexp(processed[0])
+            accept_key, draw_key = mx.random.split(sampler.next_key())
+            u = mx.random.uniform(key=accept_key)
+            if not bool((mx.log(u) < log_p[token]).item()):
+                residual = mx.where(mx.arange(log_p.shape[0]) == token, -mx.inf, log_p)
+                return [*draft[:j], int(mx.random.categorical(residual, key=draw_key).item())]  # type: ignore[arg-type]
+        sampler.accept(token)
+    return [*draft, int(sampler(logits[len(draft) :]).item())]  # type: ignore[arg-type]
+
+
+def next_k(k: int, drafted: int, accepted: int, settings: SpeculationConfig) -> int:
+    """A row's next draft length from its last verification: one more after a draft accepted
+    whole, one fewer after one rejected in its first half, within ``[min_k, max_k]``."""
+    if not settings.adaptive or drafted == 0:
+        return k
+    if accepted == drafted and drafted >= k:
+        return min(k + 1, settings.max_k)
+    if accepted < (drafted + 1) // 2:
+        return max(k - 1, settings.min_k)
+    return k
+
+
+def lookup_draft(source: Sequence[int], context: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to ``k`` tokens that followed, in ``source``, the latest occurrence of the longest
+    suffix n-gram of ``context`` (``n`` from ``max_ngram`` down to ``min_ngram``); empty without a
+    match. Where ``source`` is ``context`` itself (prompt lookup), a match close to the end
+    continues into the draft, so periodic text drafts ``k`` tokens too."""
+    size, same = len(context), source is context
+    for n in range(min(max_ngram, size - 1 if same else size), min_ngram - 1, -1):
+        suffix = list(context[size - n :])
+        first = suffix[0]
+        last_start = (size - n - 1) if same else len(source) - n
+        for start in range(last_start, -1, -1):
+            if source[start] == first and list(source[start : start + n]) == suffix:
+                draft: list[int] = []
+                for i in range(start + n, start + n + k):
+                    if i < len(source):
+                        draft.append(source[i])
+                    elif same:
+                        draft.append(draft[i - size])
+                    else:
+                        break
+                if draft:
+                    return draft
+    return []
+
+
+def draft_inputs(tokens: Sequence[int], drafts: Sequence[Sequence[int]]) -> tuple[mx.array, int]:
+    """``[B, K + 1]`` inputs of a verification: each row's next input then its draft, padded at
+    the end (with its last token) to the longest draft's ``K``; and ``K``."""
+    longest = max((len(draft) for draft in drafts), default=0)
+    rows = [
+        [token, *draft, *([draft[-1] if draft else token] * (longest - len(draft)))]
+        for token, draft in zip(tokens, drafts, strict=True)
+    ]
+    return mx.array(rows, dtype=mx.int32), longest
+

@@ -1,0 +1,343 @@
+"""Drafting inside the batch (mlxr_core.engine.speculation): eight concurrent rows with different
+drafters (prompt lookup, a right prediction, a wrong one, random tokens, none) and so different
+draft lengths give plain decoding's greedy tokens exactly, on dense, sliding-window, MoE and
+quantized-KV models; grammars, stop strings, logprobs and penalties agree with plain decoding;
+sampled verification keeps the target's distribution (chi-square); each row's cache forgets its
+own rejected tokens."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxr_core.config.schema import Config, KVCacheConfig, ModelConfig, SpeculationConfig
+from mlxr_core.engine.decoding import RequestSampler
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.request import Constraint, Delta, Finished, GenerationRequest, SamplingParams
+from mlxr_core.engine.speculation import lookup_draft, next_k, verify_rows
+from mlxr_core.model.cache import BatchKVCache, BatchStateCache, KVCache, StateCache, rolls_back
+from mlxr_core.plugins import load_plugins
+from mlxr_core.testing.statistics import chi_square_p
+from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+TOKENS = 64
+ROWS = 8
+#: Prompts of different lengths (so the rows are padded differently), some repeating themselves
+#: (prompt lookup finds drafts there).
+PROMPTS = [
+    [40, 41, 42, 43, 40, 41, 42, 43, 40, 41],
+    [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8],
+    [20, 21, 22, 23, 24],
+    [30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 30, 31],
+    [50, 51, 50, 51, 50, 51, 50],
+    [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79],
+    [11, 12, 13, 14, 15, 16],
+    [80, 81, 82, 80, 81, 82, 80, 81, 82],
+]
+HOST = load_plugins()
+
+
+def serve(path, **model) -> Engine:
+    model.setdefault("speculative", SpeculationConfig(method="prompt_lookup", k=3, max_k=6))
+    config = Config(models=[ModelConfig(path=str(path), name="tiny", context_length=256, dtype="float32", **model)])
+    engine = Engine(config, HOST)
+    engine.start()
+    return engine
+
+
+def run(engine, rows: list[dict]) -> list[tuple[list[int], Finished, list]]:
+    """Submit every row at once (they decode in one batch), then read each one's events."""
+    handles = []
+    for i, row in enumerate(rows):
+        params = {"temperature": 0.0, "max_tokens": TOKENS, "extra": {"ignore_eos": True}, **row.get("params", {})}
+        request = GenerationRequest(
+            model="tiny", prompt_ids=list(row.get("prompt", PROMPTS[i])), params=SamplingParams(**params),
+            prediction=row.get("prediction"), speculative=row.get("speculative", True),
+        )
+        handles.append(engine.submit(request))
+    results = []
+    for handle in handles:
+        events = list(handle)
+        done = events[-1]
+        assert isinstance(done, Finished), done
+        deltas = [e for e in events if isinstance(e, Delta)]
+        results.append(([t for e in deltas for t in e.token_ids], done, deltas))
+    return results
+
+
+def drafts_of(engine) -> dict[str, dict]:
+    return {name: dict(figures) for name, figures in engine.stats()["decoders"].get("tiny", {}).items()}
+
+
+def mixed_rows(plain: list[list[int]], vocab: int) -> list[dict]:
+    """Row by row: prompt lookup (the model's method), right predictions, predictions wrong from
+    their 6th token (an edit) and right again after it, random tokens, and a row that opted out."""
+    rng = np.random.default_rng(3)
+    rows: list[dict] = [{}, {}]
+    rows += [{"prediction": plain[2]}, {"prediction": plain[3][:40]}]
+    rows += [{"prediction": [*plain[i][:5], *rng.integers(2, vocab, 4).tolist(), *plain[i][9:]]} for i in (4, 5)]
+    rows += [{"prediction": rng.integers(2, vocab, TOKENS).tolist()}, {"speculative": False}]
+    return rows
+
+
+def check_exact(engine, vocab: int = 97) -> None:
+    plain = [tokens for tokens, _, _ in run(engine, [{"speculative": False}] * ROWS)]
+    before = drafts_of(engine)
+    drafted = run(engine, mixed_rows(plain, vocab))
+    for row, (tokens, done, _) in enumerate(drafted):
+        assert tokens == plain[row], f"row {row}: first difference at {next(i for i, (a, b) in enumerate(zip(tokens, plain[row], strict=False)) if a != b)}"
+        assert done.usage.completion_tokens == TOKENS
+    after = drafts_of(engine)
+    for method in ("prompt_lookup", "prediction"):
+        grew = after[method]["accepted"] - before.get(method, {}).get("accepted", 0)
+        assert grew > 0, f"{method} accepted nothing: the rows did not draft"
+    # The right prediction is taken almost whole; the random one mostly rejected.
+    assert drafted[2][1].usage.accepted_prediction_tokens > TOKENS // 2
+    assert drafted[6][1].usage.rejected_prediction_tokens > drafted[6][1].usage.accepted_prediction_tokens
+    assert drafted[7][1].usage.accepted_prediction_tokens == drafted[7][1].usage.rejected_prediction_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def dense_path(tmp_path_factory):
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("spec") / "dense.gguf", seed=0)
+
+
+@pytest.fixture(scope="module")
+def dense(dense_path):
+    engine = serve(dense_path)
+    yield engine
+    engine.stop()
+
+
+def test_dense_rows_with_different_drafts_decode_as_plain(dense):
+    check_exact(dense)
+
+
+@pytest.mark.parametrize(
+    "kv_cache",
+    [KVCacheConfig(bits=8, group_size=32), KVCacheConfig(bits=4, group_size=32, start_after=12)],
+    ids=["q8", "q4-after-12"],
+)
+def test_quantized_kv_rows_decode_as_plain(tmp_path, kv_cache):
+    path = write_tiny_llama_gguf(tmp_path / "wide.gguf", seed=1, hidden=128)  # heads of 32
+    engine = serve(path, kv_cache=kv_cache)
+    try:
+        check_exact(engine)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize(
+    "model_type, keys",
+    [
+        ("gemma3_text", {"sliding_window": 8}),  # sliding-window layers, and global ones
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ],
+    ids=["sliding-window", "moe"],
+)
+def test_sliding_window_and_moe_rows_decode_as_plain(tmp_path, model_type, keys):
+    from mlxr_core.testing.hf_reference import greedy_reference
+
+    sizes = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 96, "vocab_size": 97}  # fmt: skip
+    reference = greedy_reference(model_type, {**sizes, **keys}, tmp_path, tokens=1)
+    engine = serve(reference.folder)
+    try:
+        check_exact(engine)
+    finally:
+        engine.stop()
+
+
+# --- what the sampler chain does keeps working -------------------------------------------------
+
+
+def test_penalties_logprobs_and_stop_strings_agree_with_plain(dense):
+    params = [
+        {"repetition_penalty": 1.3},
+        {"frequency_penalty": 0.8, "presence_penalty": 0.5},
+        {"logprobs": 3},
+        {"logprobs": 0},
+    ]
+    base = [{"params": p} for p in params]
+    plain = run(dense, [{**row, "speculative": False} for row in base])
+    drafted = run(dense, [{**row, "prediction": tokens} for row, (tokens, _, _) in zip(base, plain, strict=True)])
+    for (want, _, _), (got, done, _) in zip(plain, drafted, strict=True):
+        assert got == want
+        assert done.usage.accepted_prediction_tokens > 0
+    for index in (2, 3):  # logprobs: the same tokens, alternatives and values
+        want = [lp for d in plain[index][2] for lp in d.logprobs]
+        got = [lp for d in drafted[index][2] for lp in d.logprobs]
+        assert len(got) == len(want) == TOKENS
+        for a, b in zip(got, want, strict=True):
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    # A stop string inside the output: where plain decoding stops, drafting stops.
+    free, _, deltas = run(dense, [{"speculative": False}])[0]
+    text = "".join(d.text for d in deltas)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    rows = [{"params": {"stop": [stop]}, "prompt": PROMPTS[0]}]
+    want = run(dense, [{**rows[0], "speculative": False}])[0]
+    got = run(dense, [{**rows[0], "prediction": free}])[0]
+    assert got[0] == want[0] and got[1].reason == want[1].reason == "stop"
+    assert "".join(d.text for d in got[2]) == "".join(d.text for d in want[2])
+
+
+def test_a_drafted_token_outside_the_grammar_is_never_fed(dense):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"a": {"enum": ["xy", "zw"]}}, "required": ["a"]}
+    constraint = Constraint("json_schema", schema)
+    row = {"params": {"constraint": constraint, "max_tokens": 24, "extra": {}}, "prompt": PROMPTS[2]}
+    want, want_done, _ = run(dense, [{**row, "speculative": False}])[0]
+    tokenizer = dense.model("tiny").tokenizer
+    wrong = tokenizer.encode("!!", add_special_tokens=False)
+    prediction = [*want[:2], *wrong, *want[2:]]  # right, then tokens no JSON document allows
+    got, done, _ = run(dense, [{**row, "prediction": prediction}])[0]
+    assert got == want and done.reason == want_done.reason
+    assert done.usage.accepted_prediction_tokens >= 2
+
+
+def test_valid_prefix_cuts_a_draft_at_the_first_token_the_grammar_refuses(toy_tokenizer):
+    pytest.importorskip("llguidance")
+    from mlxr_core.engine.decoding import SamplerContext
+    from mlxr_plugins.samplers.structured import structured
+
+    mask = structured(
+        SamplingParams(constraint=Constraint("json_schema", {"enum": ["red", "green"]})),
+        SamplerContext(tokenizer=toy_tokenizer),
+    )
+    good = toy_tokenizer.encode('"gre', add_special_tokens=False)
+    bad = toy_tokenizer.encode("x", add_special_tokens=False)
+    sampler = RequestSampler([mask], SamplingParams(temperature=0.0))
+    assert sampler.valid_prefix([*good, *bad, *good]) == len(good)
+    assert sampler.valid_prefix(good) == len(good)
+    assert RequestSampler([], SamplingParams()).valid_prefix([*good, *bad]) == len(good) + len(bad)
+
+
+# --- sampled verification keeps the target's distribution --------------------------------------
+
+
+class Follows:
+    """A stateless processor made stateful (it is told each emitted token): verification then
+    goes position by position (:func:`verify_in_order`)."""
+
+    def __call__(self, logits):
+        return logits
+
+    def accept(self, token: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["batched", "in-order"])
+def test_sampled_verification_draws_the_first_tokens_as_plain_sampling(stateful):
+    """10,000 seeded draws: the first token emitted is distributed as the target's first
+    distribution, and the second (after an accepted first draft token) as its second."""
+    vocab = 6
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.normal(size=(3, vocab)).astype(np.float32) * 1.5)
+    p = np.array(mx.softmax(logits, axis=-1))
+    draft = [int(np.argsort(p[0])[-2]), int(np.argsort(p[1])[0])]  # likely-ish, then unlikely
+    draws, rows = 10_000, 1_000
+    first = np.zeros(vocab)
+    second = np.zeros(vocab)
+    for batch in range(draws // rows):
+        samplers = [
+            RequestSampler([Follows()] if stateful else [], SamplingParams(temperature=1.0, seed=batch * rows + i))
+            for i in range(rows)
+        ]
+        emitted, failed = verify_rows(mx.broadcast_to(logits, (rows, 3, vocab)), [draft] * rows, samplers)
+        assert not failed
+        for tokens in emitted:
+            first[tokens[0]] += 1
+            if tokens[0] == draft[0] and len(tokens) > 1:
+                second[tokens[1]] += 1
+    assert chi_square_p(first, p[0]) > 0.001, (first / first.sum(), p[0])
+    assert second.sum() > 1_000
+    assert chi_square_p(second, p[1]) > 0.001, (second / second.sum(), p[1])
+
+
+# --- caches and policy -------------------------------------------------------------------------
+
+
+def test_each_row_forgets_its_own_rejected_positions():
+    rng = np.random.default_rng(0)
+    rows = [rng.normal(size=(1, 2, n, 4)).astype(np.float32) for n in (5, 3, 7)]
+    cache = BatchKVCache.empty()
+    first = True
+    for row in rows:
+        single = BatchKVCache.from_cache(KVCache.from_arrays(mx.array(row), mx.array(row)))
+        if first:
+            cache, first = single, False
+        else:
+            cache.extend(single)
+    new = rng.normal(size=(3, 2, 4, 4)).astype(np.float32)  # a verification of 4 positions a row
+    cache.update_and_fetch(mx.array(new), mx.array(new))
+    drop = [3, 0, 2]
+    cache.rollback(drop)
+    for i, row in enumerate(rows):
+        kept = np.concatenate([row[0], new[i][:, : 4 - drop[i]]], axis=1)
+        extracted = cache.extract(i)
+        np.testing.assert_array_equal(np.array(extracted.keys[0, :, : extracted.offset]), kept)
+        assert extracted.offset == kept.shape[1]
+    mask = np.array(cache.draft_mask(2))[:, 0]  # each row sees its own positions only
+    for i, row in enumerate(rows):
+        own = row.shape[2] + 4 - drop[i]
+        assert mask[i, 0].sum() == own + 1 and mask[i, 1].sum() == own + 2
+
+
+def test_recurrent_states_do_not_roll_back_so_hybrid_rows_draft_nothing():
+    state = StateCache(2)
+    assert not rolls_back([BatchStateCache([None, None], [0], state)])
+    assert rolls_back([BatchKVCache.empty()])
+
+
+def test_k_adapts_to_each_rows_acceptance():
+    settings = SpeculationConfig(method="prompt_lookup", k=4, min_k=2, max_k=5)
+    assert next_k(4, 4, 4, settings) == 5 and next_k(5, 5, 5, settings) == 5
+    assert next_k(4, 4, 1, settings) == 3 and next_k(2, 2, 0, settings) == 2
+    assert next_k(4, 4, 3, settings) == 4
+    assert next_k(4, 4, 0, SpeculationConfig(method="prompt_lookup", adaptive=False)) == 4
+
+
+def test_lookup_in_another_text_resumes_after_an_edit():
+    prediction = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert lookup_draft(prediction, [9, 9, 4, 5], 3, 3, 2) == [6, 7, 8]
+    assert lookup_draft(prediction, [9, 9], 3, 3, 2) == []
+
+
+def test_speculation_steps_aside_for_a_large_batch():
+    from types import SimpleNamespace
+
+    from mlxr_core.engine.batch import BatchRunner
+
+    runner = BatchRunner.__new__(BatchRunner)
+    row = SimpleNamespace(drafter=object(), draft_k=3)
+    runner.model = SimpleNamespace(vision=None)
+    runner.caches, runner.speculation = [BatchKVCache.empty()], SpeculationConfig(method="prompt_lookup", max_batch=2)
+    runner.running, runner.shifts = [row, row], [0, 0]
+    assert runner._speculating()
+    runner.running, runner.shifts = [row, row, row], [0, 0, 0]
+    assert not runner._speculating()  # above max_batch: a plain step
+    runner.running, runner.shifts = [SimpleNamespace(drafter=None, draft_k=0)], [0]
+    assert not runner._speculating()  # nobody drafts
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+def test_a_bad_speculative_setting_names_its_key(tmp_path):
+    from mlxr_core.checks import unregistered_names
+    from mlxr_core.config.loader import ConfigProblems, load_config
+
+    path = tmp_path / "server.yaml"
+    path.write_text("models:\n  - path: x.gguf\n    speculative: {method: prompt_lookup, kk: 3}\n")
+    with pytest.raises(ConfigProblems) as caught:
+        load_config(path, environ={})
+    assert any("models[0].speculative" in problem and "kk" in problem for problem in map(str, caught.value.problems))
+    path.write_text("models:\n  - path: x.gguf\n    speculative: {method: prompt_lookup, min_k: 4, max_k: 2}\n")
+    with pytest.raises(ConfigProblems) as caught:
+        load_config(path, environ={})
+    assert any("max_k" in str(problem) for problem in caught.value.problems)
+    config = Config(models=[ModelConfig(path="x.gguf", speculative=SpeculationConfig(method="plain"))])
+    found = [problem for problem in unregistered_names(config, HOST) if "speculative" in str(problem)]
+    assert len(found) == 1 and "method" in str(found[0]) and "prompt_lookup" in str(found[0])
