@@ -214,7 +214,8 @@ class Engine(EngineCaller):
                 if slot.config.load == "eager":
                     lifecycle.load_now(slot, self)
         except BaseException as exc:
-            log.error("loading failed: %s", exc)
+            # Raised to whoever waits for the engine (wait_ready), which reports it once.
+            log.debug("loading failed: %s", exc, exc_info=True)
             scheduler.release_decoders()
             self.scheduler = None
             del scheduler

@@ -135,9 +135,16 @@ def _installed(name: str, spec: str) -> Distribution:
     try:
         return Distribution.from_name(name)
     except PackageNotFoundError:
-        raise ModelLoadError(
-            f"the distribution {name!r} is not installed (pip install {name})", path=spec
-        ) from None
+        # No `pip install NAME`: a misspelled name may be someone else's package on PyPI.
+        import difflib
+        from importlib.metadata import distributions
+
+        installed = {str(d.metadata["Name"]).lower() for d in distributions() if d.metadata["Name"]}
+        close = difflib.get_close_matches(name.lower(), sorted(installed), n=3, cutoff=0.75)
+        hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else (
+            "; check the name of the package that ships the model before installing it"
+        )
+        raise ModelLoadError(f"the distribution {name!r} is not installed{hint}", path=spec) from None
 
 
 def _parts(dist: Distribution) -> dict[str, list[Path]]:

@@ -347,6 +347,14 @@ def test_generate_names_a_missing_model(tmp_path, capsys):
     assert "nowhere.gguf: no such file or folder" in capsys.readouterr().err
 
 
+def test_a_model_that_fails_to_load_is_reported_once(tmp_path):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    result = subprocess.run([sys.executable, "-m", "mlxr_core.cli.main", "generate", str(broken), "hi"],
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 1 and result.stderr.count("broken.gguf") == 1, result.stderr
+
+
 def test_mlx_without_a_backend_is_one_line_saying_what_to_install(tiny_gguf, tmp_path):
     """``pip install mlx`` on Linux without its cpu/cuda extra: ``import mlx.core`` cannot find libmlx.so."""
     fake = tmp_path / "site" / "mlx"

