@@ -15,7 +15,13 @@ from collections import Counter
 from typing import Any
 
 from mlxr_core.cli.commands import Subparsers
-from mlxr_core.config.schema import DTYPES, QUANTIZATION_POLICIES, KVCacheConfig, ModelConfig
+from mlxr_core.config.schema import (
+    DTYPES,
+    QUANTIZATION_POLICIES,
+    ExpertsConfig,
+    KVCacheConfig,
+    ModelConfig,
+)
 
 
 def _positive(text: str) -> int:
@@ -28,17 +34,28 @@ def _positive(text: str) -> int:
     return value
 
 
-def _kv_cache(text: str) -> KVCacheConfig:
-    """``--kv-cache``: a ``models[].kv_cache`` mapping in YAML's inline form."""
+def _setting(text: str, schema: type[Any], key: str) -> Any:
+    """A ``models[].<key>`` mapping in YAML's inline form, checked as the config checks it."""
     import yaml
 
     from mlxr_core.config.loader import structure_strict
     from mlxr_core.errors import ConfigError
 
     try:
-        setting: KVCacheConfig = structure_strict(yaml.safe_load(text), KVCacheConfig, where=("kv_cache",))
+        return structure_strict(yaml.safe_load(text), schema, where=(key,))
     except (ConfigError, yaml.YAMLError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _kv_cache(text: str) -> KVCacheConfig:
+    """``--kv-cache``: a ``models[].kv_cache`` mapping."""
+    setting: KVCacheConfig = _setting(text, KVCacheConfig, "kv_cache")
+    return setting
+
+
+def _experts(text: str) -> ExpertsConfig:
+    """``--experts``: a ``models[].experts`` mapping."""
+    setting: ExpertsConfig = _setting(text, ExpertsConfig, "experts")
     return setting
 
 
@@ -77,6 +94,11 @@ def add_parser(subparsers: Subparsers) -> None:
         help="llama.cpp's vision projector file served with MODEL (as models[].mmproj; default: the "
         "one mmproj*.gguf beside a GGUF model file; none: text only)",
     )  # fmt: skip
+    parser.add_argument(
+        "--experts", type=_experts, metavar="SETTING",
+        help="size a mixture of experts served as models[].experts, e.g. '{residency: stream, cache_bytes: "
+        "4000000000}': what stays resident, what the experts hold in the files (default: resident)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(handler=run)
 
@@ -89,13 +111,18 @@ def describe_model(
     context: int | None = None,
     kv_cache: KVCacheConfig | None = None,
     mmproj: str | None = None,
+    experts: ExpertsConfig | None = None,
 ) -> dict[str, Any]:
     """The facts ``mlxr info`` prints, as a dict; KV bytes as ``kv_cache`` stores them (the
-    checks of ``mlxr serve``: a setting the model cannot take is a ConfigError naming the key)."""
+    checks of ``mlxr serve``: a setting the model cannot take is a ConfigError naming the key);
+    with ``experts`` streaming, the resident part, the experts' bytes in the files and the cache."""
     import attrs
     from mlx.utils import tree_flatten
 
     from mlxr_core.model.cache import position_bytes, reserve_bytes
+    from mlxr_core.model.experts.layer import StreamedExperts
+    from mlxr_core.model.experts.store import ExpertStore
+    from mlxr_core.model.experts.wiring import is_expert_tensor
     from mlxr_core.model.layers.moe import active_share
     from mlxr_core.model.loader import DTYPES, build_model, kv_quantization
     from mlxr_core.model.paths import resolve_model_path
@@ -106,14 +133,21 @@ def describe_model(
     registries = load_plugins().registries
     path = resolve_model_path(model)
     with step(f"loading {path.name}"):
-        opened = open_checkpoint(path, registries, dtype=dtype, mmproj=mmproj)
+        streams = experts is not None and experts.residency == "stream"
+        opened = open_checkpoint(path, registries, dtype=dtype, mmproj=mmproj,
+                                 leave=is_expert_tensor if streams else None)  # fmt: skip
     planned = plan(opened, registries)
     checkpoint, chosen, arch, config = planned.checkpoint, planned.chosen, planned.arch, planned.config
     dtype = opened.dtype
     shapes = arch.kernel_context(config)
     report: Counter[str] = Counter()
+    store = ExpertStore(experts, DTYPES[dtype]) if experts is not None and streams else None
     with step(f"building the {config.get('model_type')} graph ({quantization} policy)"):
-        built = build_model(checkpoint, arch, planned.kernels, quantization, dtype, report)
+        try:
+            built = build_model(checkpoint, arch, planned.kernels, quantization, dtype, report, experts=store)
+        finally:
+            if store is not None:
+                store.close()
 
     flat: list[tuple[str, Any]] = tree_flatten(built.parameters())  # type: ignore[assignment]
     bits = {name: module.bits for name, module in built.named_modules() if hasattr(module, "bits")}
@@ -129,7 +163,13 @@ def describe_model(
         parameters += count
         share = next((s for prefix, s in shares.items() if name.startswith(prefix)), 1.0)
         active += count * share
+    streamed = [module for _, module in built.named_modules() if isinstance(module, StreamedExperts)]
+    for layer in streamed:  # the experts in the files count as the resident layer would hold them
+        parameters += layer.expert_parameters
+        active += layer.expert_parameters * (layer.top_k or layer.experts) / layer.experts
     resident = sum(array.nbytes for _, array in flat)
+    stored_bytes = sum({id(part.source): part.source.nbytes for part in checkpoint.stored.values()}.values())
+    cache = store.cache.capacity if store is not None else 0
     caches = arch.make_cache(built)
     layers = len(caches)
     itemsize = {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
@@ -160,6 +200,9 @@ def describe_model(
         "tensor_types": dict(Counter(checkpoint.source_types.values())),
         "quantization": dict(sorted(report.items())),
         "resident_bytes": int(resident),
+        "experts": None if store is None else {
+            "residency": "stream", "stored_bytes": stored_bytes, "cache_bytes": cache, "policy": experts.policy,  # type: ignore[union-attr]
+        },
         "layers": layers,
         "kv_cache": attrs.asdict(storage) if storage is not None else None,
         "kv_bytes_per_token": kv_per_token,
@@ -168,7 +211,7 @@ def describe_model(
         "recurrent_layers": layers - attention,
         "state_bytes_per_sequence": state,
         "kv_bytes_at_context": kv_at_context,
-        "memory_at_context_bytes": int(resident) + kv_at_context,
+        "memory_at_context_bytes": int(resident) + cache + kv_at_context,
     }
 
 
@@ -206,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
     enable()  # a spinner on stderr while the model loads, on a terminal only
     facts = describe_model(
         args.model, dtype=args.dtype, quantization=args.quantization, context=args.context,
-        kv_cache=args.kv_cache, mmproj=args.mmproj,
+        kv_cache=args.kv_cache, mmproj=args.mmproj, experts=args.experts,
     )  # fmt: skip
     if args.json:
         print(json.dumps(facts, indent=2))
@@ -226,6 +269,10 @@ def run(args: argparse.Namespace) -> int:
     for outcome, count in facts["quantization"].items():
         print(f"  {outcome}: {count}", file=out)
     print(f"resident:     {_size(facts['resident_bytes'])}", file=out)
+    if facts["experts"] is not None:
+        streamed = facts["experts"]
+        print(f"experts:      streamed: {_size(streamed['stored_bytes'])} in the files, read into a "
+              f"{_size(streamed['cache_bytes'])} cache ({streamed['policy']})", file=out)  # fmt: skip
     if "vision" in facts:
         vision = facts["vision"]
         per_image = vision["tokens_per_image"]
@@ -243,7 +290,8 @@ def run(args: argparse.Namespace) -> int:
         )
     print(
         f"at {facts['context_length']} tokens: {_size(facts['memory_at_context_bytes'])} "
-        f"(weights + {_size(facts['kv_bytes_at_context'])} KV, one sequence)",
+        f"(weights{' + expert cache' if facts['experts'] else ''} + {_size(facts['kv_bytes_at_context'])} KV, "
+        "one sequence)",
         file=out,
     )
     return 0

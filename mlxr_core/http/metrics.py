@@ -8,7 +8,8 @@ embedders can build many apps). Two kinds of figures:
   by endpoint and status, prompt and generated tokens, time to first token, inter-token latency;
 - levels, read from the engine at scrape time (:class:`EngineCollector`): queue depth, running
   requests, KV-cache bytes, prefix-cache hits, draft tokens proposed and accepted (speculative
-  acceptance), loaded models with their loads and unloads, MLX memory, engine state.
+  acceptance), streamed experts' cache hits, bytes read and read latency, loaded models with their
+  loads and unloads, MLX memory, engine state.
 
 Latencies are measured where the client sees them: from the moment the request is handed to the
 engine (queueing included) to the moment each token's event reaches the HTTP handler.
@@ -167,6 +168,7 @@ class EngineCollector(Collector):
         yield from _lifecycle_metrics(stats.get("lifecycle") or {})
         yield from _rank_metrics(stats.get("ranks") or [])
         yield from _draft_metrics(stats.get("decoders") or {})
+        yield from _expert_metrics(stats.get("experts") or {})
         if engine.state == "ready":
             memory = GaugeMetricFamily("mlxr_mlx_memory_bytes", "MLX allocator memory.", labels=["kind"])
             for kind, value in engine.memory().items():
@@ -248,6 +250,46 @@ def _draft_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:
     yield drafted
     yield accepted
     yield passes
+
+
+def _expert_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:
+    """Streamed experts' cache and reads, per model (:meth:`mlxr_core.model.experts.store.ExpertStore.stats`):
+    experts the layers asked for by where they were found, bytes read and tokens (their ratio is
+    the bytes read per token), the cache's size, and read latency percentiles."""
+    if not per_model:
+        return
+    asked = CounterMetricFamily("mlxr_experts_requests", "Experts the MoE layers needed, by where each was found: "
+                                "hit (in the cache), wait (being read ahead), miss (read then).", labels=["model", "found"])
+    counted = {  # key -> (name, help); monotonic tallies
+        "bytes_read": ("mlxr_experts_read_bytes", "Bytes of experts read from the checkpoint files."),
+        "tokens": ("mlxr_experts_tokens", "Token positions the streamed model computed."),
+        "read_ahead": ("mlxr_experts_read_ahead", "Expert reads started ahead of the layer needing them."),
+        "evictions": ("mlxr_experts_evictions", "Experts evicted from the cache."),
+        "failed_reads": ("mlxr_experts_failed_reads", "Expert reads that failed (unreadable, truncated or corrupt "
+                         "file)."),
+    }  # fmt: skip
+    levels = {  # key -> (name, help); levels and ratios
+        "hit_rate": ("mlxr_experts_hit_rate", "Share of needed experts found in the cache."),
+        "bytes_per_token": ("mlxr_experts_read_bytes_per_token", "Bytes of experts read per token position."),
+        "cache_bytes": ("mlxr_experts_cache_bytes", "Bytes of experts cached now."),
+        "cache_capacity": ("mlxr_experts_cache_capacity_bytes", "models[].experts.cache_bytes."),
+    }
+    families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+        **{key: CounterMetricFamily(name, text, labels=["model"]) for key, (name, text) in counted.items()},
+        **{key: GaugeMetricFamily(name, text, labels=["model"]) for key, (name, text) in levels.items()},
+    }
+    latency = GaugeMetricFamily("mlxr_experts_read_seconds", "Latency of one expert's read (its pread and decode) "
+                                "over the recent reads, by quantile.", labels=["model", "quantile"])  # fmt: skip
+    for model, stats in sorted(per_model.items()):
+        for found, key in (("hit", "hits"), ("wait", "waits"), ("miss", "misses")):
+            asked.add_metric([model, found], float(stats.get(key, 0)))
+        for key, family in families.items():
+            family.add_metric([model], float(stats.get(key, 0)))
+        latency.add_metric([model, "0.5"], float(stats.get("read_p50_seconds", 0.0)))
+        latency.add_metric([model, "0.99"], float(stats.get("read_p99_seconds", 0.0)))
+    yield asked
+    yield from families.values()
+    yield latency
 
 
 def _prefix_cache_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:

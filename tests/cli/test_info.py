@@ -100,6 +100,18 @@ def test_a_mixture_of_experts_reports_its_active_parameters(tmp_path, capsys):
     assert main(["info", str(tmp_path)]) == 0
     assert "per token (mixture of experts)" in capsys.readouterr().out
 
+    # Streamed experts: the same parameters, the experts' float32 bytes in the files, not resident.
+    assert main(["info", str(tmp_path), "--json", "--experts", "{residency: stream, cache_bytes: 10000}"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert (streamed["parameters"], streamed["active_parameters"]) == (facts["parameters"], facts["active_parameters"])
+    assert streamed["experts"]["stored_bytes"] == experts * 4
+    assert streamed["resident_bytes"] == facts["resident_bytes"] - experts * 4
+    assert streamed["memory_at_context_bytes"] == streamed["resident_bytes"] + 10000 + streamed["kv_bytes_at_context"]
+    assert main(["info", str(tmp_path), "--experts", "{residency: stream, cache_bytes: 10000}"]) == 0
+    assert "experts:      streamed" in capsys.readouterr().out
+    assert main(["info", str(tmp_path), "--experts", "{residency: stream, cache: 1}"]) == 2
+    assert "experts.cache: unknown key" in capsys.readouterr().err
+
 
 def test_kv_bytes_per_token_under_a_kv_cache_setting(files, capsys):
     args = [str(files["f32"]), "--json", "--dtype", "float32", "--context", "1000"]

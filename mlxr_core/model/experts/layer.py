@@ -21,7 +21,8 @@ PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 class StreamedExperts(nn.Module):
     """``(x [..., hidden], indices [..., k]) -> [..., k, hidden]`` as :class:`SwitchGLU`, the
-    experts fetched from ``store`` (layer ``layer`` there). Holds no parameters. ``ahead``, set by
+    experts fetched from ``store`` (layer ``layer`` there). Holds no parameters (``parameters``
+    counts those its experts have in the files). ``ahead``, set by
     the wiring, gives the experts the next layer will likely need given this layer's input
     (``prefetch: router``); None reads ahead its previous choices (``previous``) or nothing."""
 
@@ -33,9 +34,12 @@ class StreamedExperts(nn.Module):
         top_k: int | None,
         activation: Callable[[mx.array, mx.array], mx.array],
         gather_matmul: Callable[..., mx.array],
+        parameters: int = 0,
     ) -> None:
         super().__init__()
         self.experts, self.top_k = experts, top_k
+        #: The parameters of all its experts, as the resident layer would hold them (``mlxr info``).
+        self.expert_parameters = parameters
         self._store, self._layer = store, layer
         self._activation, self._gather_matmul = activation, gather_matmul
         self.ahead: Callable[[mx.array], mx.array] | None = None

@@ -85,7 +85,8 @@ def stream_experts(
     routers: list[SparseMoE | None] = []
     streamed: list[StreamedExperts] = []
     for path, module in switches:
-        wanted = {str(item[0]) for item in tree_flatten(module.parameters())}
+        flat: list[tuple[str, mx.array]] = tree_flatten(module.parameters())  # type: ignore[assignment]
+        wanted = {name for name, _ in flat}
         found = placed.pop(path, {})
         given = {param for param in found if not param.endswith((".scales", ".biases"))}
         if given != wanted:
@@ -97,7 +98,8 @@ def stream_experts(
             *_packing(path, quantization, suggested, policy, checkpoint),
         )
         layer = StreamedExperts(store, store.add_layer(experts), module.experts, module.top_k,
-                                module._activation, module.gate_proj._gather_matmul)  # fmt: skip
+                                module._activation, module.gate_proj._gather_matmul,
+                                sum(array.size for _, array in flat))  # fmt: skip
         parent_path, _, attribute = path.rpartition(".")
         parent = _module(model, parent_path)
         setattr(parent, attribute, layer)

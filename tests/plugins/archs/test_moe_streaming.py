@@ -230,3 +230,13 @@ def test_an_unreadable_expert_file_fails_only_the_requests_that_need_it(mixtral,
     assert isinstance(again[-1], Failed if (layer, expert) in seen[0] else Finished)
     logged = [r for r in caplog.records if shard.name in r.getMessage()]
     assert len(logged) == 1
+
+
+def test_a_policy_that_would_requantize_streamed_experts_is_refused(mixtral, plugins):
+    """Streamed experts are served as stored: q8 would requantize them, so it is refused by name."""
+    from mlxr_core.errors import ConfigError
+
+    setting = ModelConfig(path=str(mixtral.folder), quantization="q8", experts=ExpertsConfig("stream"))
+    with pytest.raises(ConfigError, match=r"requantize|convert") as caught:
+        load_model(setting, plugins.registries)
+    assert caught.value.field == "models[].quantization"
