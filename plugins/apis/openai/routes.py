@@ -144,8 +144,15 @@ async def create_chat_completion(
     setup = await prepare_in_thread(ctx, request, prepare)
     params.constraint = setup.constraint or params.constraint
     limit_thinking(params, setup, effort=body.reasoning_effort)
+    prediction = None
+    if body.prediction is not None:
+        text = prediction_text(body.prediction)
+        prediction = await prepare_in_thread(
+            ctx, request, functools.partial(info.tokenizer.encode, text, add_special_tokens=False)
+        )
     generation = GenerationRequest(
-        body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images
+        body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images,
+        prediction=prediction or None, speculative=body.speculative,
     )
     handles = submit_choices(ctx, generation, body.n)
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
@@ -186,7 +193,8 @@ async def create_completion(
             raise RequestError(f"prompt token ids must be in [0, {vocab})", field="prompt")
         prompt_ids = prompt
     try:
-        handles = submit_choices(ctx, GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params), body.n)
+        generation = GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params, speculative=body.speculative)
+        handles = submit_choices(ctx, generation, body.n)
     except ContextLengthExceeded as exc:
         exc.field = "prompt"
         raise
@@ -319,6 +327,13 @@ def request_params(body: s.Request, ctx: ServerContext, *, max_tokens: int | Non
         constraint=request_constraint(ctx, body, response_constraint(body.response_format)),
         extra=_extra_params(body, ctx),
     )
+
+
+def prediction_text(prediction: s.Prediction) -> str:
+    """The text of a chat completion's ``prediction`` (a string, or text parts joined)."""
+    if isinstance(prediction.content, str):
+        return prediction.content
+    return "".join(part.text for part in prediction.content)
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float]:

@@ -78,6 +78,8 @@ class Request(GrammarFields, forbid_unknown_fields=False):
     ignore_eos: bool = False
     #: Structured output (chat and, as vLLM accepts it, completions).
     response_format: Format = None
+    #: mlxr's extension: false drafts nothing for this request (``models[].speculative``).
+    speculative: bool = True
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):
@@ -174,6 +176,19 @@ Format = Annotated[ResponseFormat | None, Meta(extra_json_schema=when("type", "j
 }))]  # fmt: skip
 
 
+class PredictionPart(Struct, forbid_unknown_fields=False):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(Struct, forbid_unknown_fields=False):
+    """``prediction``: the output the client expects (OpenAI's Predicted Outputs), such as the
+    file being edited; its tokens are drafted and verified, so the answer is the model's own."""
+
+    type: Literal["content"]
+    content: str | list[PredictionPart]
+
+
 class ChatCompletionFields(Request, forbid_unknown_fields=False, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: PositiveInt | None = None
@@ -187,6 +202,7 @@ class ChatCompletionFields(Request, forbid_unknown_fields=False, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     #: OpenAI's reasoning effort, given to the template as ``reasoning_effort``.
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    prediction: Prediction | None = None
 
 
 #: A ``tool_choice`` that forces a call (``required``, or a named function) needs tools to call.
@@ -227,11 +243,20 @@ class PromptTokensDetails(Struct):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(Struct):
+    #: Of a ``prediction``'s tokens, those the answer took as predicted, and those drafted and
+    #: rejected (counted in ``completion_tokens`` by OpenAI; not here: they were not emitted).
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
+    #: Present when a ``prediction`` drafted tokens.
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 class ResponseFunction(Struct):

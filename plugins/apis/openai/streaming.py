@@ -47,14 +47,22 @@ class ResponseMeta:
 
 def usage_of(usage: EngineUsage) -> s.Usage:
     details = s.PromptTokensDetails(usage.cached_tokens)
-    return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details)
+    accepted, rejected = usage.accepted_prediction_tokens, usage.rejected_prediction_tokens
+    predicted = s.CompletionTokensDetails(accepted, rejected) if accepted or rejected else msgspec.UNSET
+    return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details, predicted)
 
 
 def total_usage(usages: list[EngineUsage]) -> EngineUsage:
     """Several choices' usage: OpenAI counts the prompt once (as much of it cached as the first
     choice found) and every choice's completion tokens."""
     first = usages[0]
-    return EngineUsage(first.prompt_tokens, sum(u.completion_tokens for u in usages), first.cached_tokens)
+    return EngineUsage(
+        first.prompt_tokens,
+        sum(u.completion_tokens for u in usages),
+        first.cached_tokens,
+        accepted_prediction_tokens=sum(u.accepted_prediction_tokens for u in usages),
+        rejected_prediction_tokens=sum(u.rejected_prediction_tokens for u in usages),
+    )
 
 
 class ChatChunks:
