@@ -92,6 +92,8 @@ class EngineClient(Protocol):
 
     def unload_model(self, name: str) -> Future[None]: ...
 
+    def administer_adapter(self, name: str, action: str) -> Future[bool]: ...
+
     def set_keep_alive(self, name: str, seconds: float | None) -> Future[None]: ...
 
     def loaded_models(self) -> list[tuple[ModelInfo, ModelSlot]]: ...
@@ -237,6 +239,17 @@ class EngineCaller:
         if self.state != "ready":
             raise ModelUnavailable(f"model {served!r} is not loaded: the engine is {self.state}")
         return lifecycle.post("load", served)
+
+    def administer_adapter(self, name: str, action: str) -> Future[bool]:
+        """``load`` or ``unload`` the LoRA adapter served as the model ``name``
+        (:class:`~mlxr_core.engine.adapters.AdapterWork`); the future holds whether it is
+        resident afterwards."""
+        from mlxr_core.engine.adapters import AdapterWork
+
+        model, adapter = self.adapters[name]
+        work = AdapterWork(model, adapter, action)
+        future: Future[bool] = self.queue_job(EngineJob(work, f"adapter {name} {action}", model=model)).future
+        return future
 
     def unload_model(self, name: str) -> Future[None]:
         """Ask for the model ``name`` to be unloaded (once its running requests end)."""

@@ -22,7 +22,7 @@ from litestar.handlers.base import BaseRouteHandler
 from msgspec import Struct
 
 from mlxr_core.config.schema import is_loopback
-from mlxr_core.errors import MlxrError
+from mlxr_core.errors import MlxrError, Overloaded
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.errors import RouteNotFound
 from mlxr_core.http.frontend import loaded_model, ready_engine
@@ -74,6 +74,12 @@ def model_admin_routes(ctx: ServerContext, paths: Any) -> list[Any]:
         if action not in ACTIONS or not name:
             raise RouteNotFound(f"no route POST {request.url.path} (POST /v1/models/ID/load or /unload)")
         engine = ready_engine(ctx)
+        if name in engine.adapters:  # a LoRA adapter served as a model: made resident or not
+            job = asyncio.wrap_future(engine.administer_adapter(name, action))
+            resident = await asyncio.wait_for(job, ctx.config.engine.model_load_wait_s)
+            if action == "load" and not resident:
+                raise Overloaded(f"every adapter slot of {engine.adapters[name][0]} is in use by requests; retry")
+            return ModelState(name, resident)
         if action == "load":
             info = await loaded_model(ctx, name)
             return ModelState(info.name, True)

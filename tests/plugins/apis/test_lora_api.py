@@ -1,0 +1,109 @@
+"""LoRA adapters through the OpenAI API: listed by /v1/models with their parent, served as models
+of their own (against PEFT's merged model), loaded and unloaded through the admin routes behind
+the API keys, an unknown adapter a 404."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from litestar.testing import TestClient
+
+from mlxr_core.config.schema import AdapterConfig, Config, EngineConfig, ModelConfig, ServerConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.server import build_app
+from mlxr_core.plugins import load_plugins
+
+pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+pytest.importorskip("transformers", reason="the reference needs transformers")
+pytest.importorskip("peft", reason="the reference needs peft")
+
+from mlxr_core.testing.lora_reference import LoraReference, lora_reference
+
+KEY = "sk-lora"
+PROMPT = [5, 9, 17, 33, 2, 71, 40, 8, 13]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> LoraReference:
+    return lora_reference(tmp_path_factory.mktemp("lora"), [PROMPT])
+
+
+@pytest.fixture(scope="module")
+def client(reference: LoraReference) -> Iterator[TestClient[Any]]:
+    model = ModelConfig(path=str(reference.base), name="tiny", dtype="float32", context_length=128, max_adapters=2,
+                        adapters=[AdapterConfig(name, str(reference.root / name)) for name in ("qv", "all", "mlp")])  # fmt: skip
+    config = Config(models=[model], server=ServerConfig(api_keys=[KEY]), engine=EngineConfig(max_batch_size=4),
+                    apis=["openai"])  # fmt: skip
+    host = load_plugins()
+    engine = Engine(config, host)
+    engine.start()
+    try:
+        with TestClient(
+            build_app(ServerContext(config=config, host=host, engine=engine))
+        ) as test_client:
+            test_client.headers["authorization"] = f"Bearer {KEY}"
+            yield test_client
+    finally:
+        engine.stop()
+
+
+def completion(client: TestClient[Any], model: str) -> Any:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
+    return client.post("/v1/completions", json=body)
+
+
+def greedy(reference: LoraReference, name: str | None) -> list[int]:
+    import torch
+
+    with torch.no_grad():
+        out = reference.merged(name).generate(torch.tensor([PROMPT]), max_new_tokens=6, min_new_tokens=6,
+                                              do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[0, len(PROMPT) :].tolist()
+
+
+def tokens(reply: Any) -> list[int]:
+    assert reply.status_code == 200, reply.text
+    special = {"<s>": 0, "</s>": 1}  # the tiny vocabulary: <s>, </s>, then t2, t3, ...
+    return [
+        special[t.strip()] if t.strip() in special else int(t.strip().removeprefix("t"))
+        for t in reply.json()["choices"][0]["logprobs"]["tokens"]
+    ]
+
+
+def test_listed_with_parent(client: TestClient[Any]) -> None:
+    cards = {card["id"]: card for card in client.get("/v1/models").json()["data"]}
+    assert {name: cards[name].get("parent") for name in ("tiny", "tiny:qv", "tiny:all", "tiny:mlp")} == {
+        "tiny": None, "tiny:qv": "tiny", "tiny:all": "tiny", "tiny:mlp": "tiny",
+    }  # fmt: skip
+    assert client.get("/v1/models/tiny:all").json()["parent"] == "tiny"
+
+
+def test_served_as_models(client: TestClient[Any], reference: LoraReference) -> None:
+    for name in ("qv", "mlp", None):  # mlp is not resident at first (max_adapters 2): loaded for it
+        assert tokens(completion(client, f"tiny:{name}" if name else "tiny")) == greedy(
+            reference, name
+        ), name
+    missing = completion(client, "tiny:nope")
+    assert missing.status_code == 404
+
+
+def test_admin_load_and_unload(client: TestClient[Any], reference: LoraReference) -> None:
+    assert client.post("/v1/models/tiny:all/unload", json={}).json() == {
+        "id": "tiny:all",
+        "loaded": False,
+        "object": "model",
+    }
+    assert client.post("/v1/models/tiny:all/load", json={}).json()["loaded"] is True
+    assert tokens(completion(client, "tiny:all")) == greedy(reference, "all")
+    refused = client.post("/v1/models/tiny:qv/unload", json={}, headers={"authorization": ""})
+    assert refused.status_code == 401
