@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from mlxr_core.engine.request import model_defaults
 from mlxr_core.errors import (
     ContextLengthExceeded,
     KvBudgetExceeded,
@@ -121,6 +122,7 @@ def check_request(
         raise RequestError(f"prompt_ids must be token ids in [0, {width})", field="prompt")
     check_images(info, request)
     params = request.params
+    model_defaults(params, info.metadata.get("generation_defaults"))
     room = info.context_length - prompt_tokens
     if params.max_tokens is None:
         if room < 1:

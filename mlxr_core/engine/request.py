@@ -67,6 +67,26 @@ class SamplingParams:
     constraint: Constraint | None = None
     #: Extra parameters owned by sampler plugins (``logit_bias`` ...), by name.
     extra: dict[str, Any] = attrs.field(factory=dict)
+    #: Fields neither the request nor the server's ``sampling:`` set: the model's own defaults
+    #: (its ``generation_config.json``) take them when it is admitted (:func:`model_defaults`).
+    defaulted: tuple[str, ...] = ()
+
+
+def model_defaults(params: SamplingParams, generation: dict[str, Any] | None) -> None:
+    """Give ``params``' defaulted fields the model's sampling defaults (``generation``, what its
+    ``generation_config.json`` says, as vLLM and SGLang serve them); ``do_sample: false`` there
+    means greedy. A value out of range is ignored (a checkpoint's file is tolerated, not trusted)."""
+    if not generation or not params.defaulted:
+        return
+    limits = {"temperature": (0.0, 2.0), "top_p": (1e-9, 1.0), "top_k": (0, 1 << 30), "min_p": (0.0, 1.0),
+              "repetition_penalty": (1e-9, 100.0)}  # fmt: skip
+    for key in params.defaulted:
+        value = generation.get(key)
+        low, high = limits.get(key, (0.0, 0.0))
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= high:
+            setattr(params, key, int(value) if key == "top_k" else float(value))
+    if generation.get("do_sample") is False and "temperature" in params.defaulted:
+        params.temperature = 0.0
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 from msgspec import Meta
 
+from mlxr_core.config.schema import SamplingConfig
 from mlxr_core.engine.request import Constraint, SamplingParams
 from mlxr_core.errors import RequestError
 from mlxr_core.http.context import ServerContext
@@ -48,7 +49,11 @@ def sampling_params(
     constraint: Constraint | None = None,
     extra: dict[str, Any] | None = None,
 ) -> SamplingParams:
-    """A request's sampling fields, each None where the request left it out, over ``sampling:``.
+    """A request's sampling fields, each None where the request left it out, over ``sampling:``,
+    over the model's own defaults (its ``generation_config.json``: vLLM's and SGLang's rule), over
+    the built-in ones (OpenAI's: temperature 1, top_p 1); fields neither the request nor
+    ``sampling:`` sets are marked ``defaulted`` and the model's defaults fill them at admission
+    (:func:`~mlxr_core.engine.request.model_defaults`).
 
     ``max_tokens`` is lowered to ``server.max_tokens_cap`` (:func:`cap_max_tokens`); an API whose
     ``max_tokens`` is an upper bound sets it again once the prompt is known
@@ -57,6 +62,14 @@ def sampling_params(
     (:func:`stop_strings`), ``stop_param`` the field the API reads it from, named in its errors.
     """
     defaults = ctx.config.sampling
+    built_in = SamplingConfig()
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p}
+    # Left to the model's own defaults: what neither the request nor sampling: sets.
+    defaulted = [
+        key for key, value in given.items() if value is None and getattr(defaults, key) == getattr(built_in, key)
+    ]
+    if repetition_penalty is None:
+        defaulted.append("repetition_penalty")
     return SamplingParams(
         max_tokens=cap_max_tokens(ctx, max_tokens),
         temperature=defaults.temperature if temperature is None else temperature,
@@ -71,6 +84,7 @@ def sampling_params(
         logit_bias=dict(logit_bias or {}),
         constraint=constraint,
         extra=dict(extra or {}),
+        defaulted=tuple(defaulted),
     )
 
 
