@@ -99,7 +99,7 @@ async def create_message(ctx: ServerContext, body: s.MessagesRequest, request: R
         model=body.model, prompt_ids=setup.prompt_ids, params=params, keep_special=setup.keep_special,
         images=images,
     ))
-    meta = MessageMeta(f"msg_{uuid.uuid4().hex}", body.model, len(setup.prompt_ids))
+    meta = MessageMeta(f"msg_{uuid.uuid4().hex}", body.model, len(setup.prompt_ids), has_breakpoints(body))
     if body.stream:
         return sse_response(ctx, handle, meta, setup.reader())
     reply = await collect(ctx, handle, request)
@@ -133,6 +133,18 @@ async def prepare(
         tools=tools, choice=choice, parallel=parallel, prefill=prefill, template_kwargs=variables, images=images,
     )  # fmt: skip
     return await prepare_in_thread(ctx, request, render), images
+
+
+def has_breakpoints(body: s.CountTokensRequest) -> bool:
+    """Whether any system block, tool, message block or tool result's block marks ``cache_control``."""
+    blocks: list[Any] = list(body.system) if isinstance(body.system, list) else []
+    blocks += body.tools or []
+    for turn in body.messages:
+        if isinstance(turn.content, list):
+            blocks += turn.content
+            blocks += [part for block in turn.content if isinstance(block.content, list) for part in block.content]
+    return any((block.get("cache_control") if isinstance(block, dict) else getattr(block, "cache_control", None))
+               for block in blocks)  # fmt: skip
 
 
 def tool_request(body: s.CountTokensRequest) -> tuple[list[Tool], ToolChoice, bool]:

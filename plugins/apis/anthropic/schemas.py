@@ -70,6 +70,9 @@ class ContentBlock(Struct, forbid_unknown_fields=False):
     signature: str | None = None
     #: ``image``: where its bytes are.
     source: ImageSource | None = None
+    #: A cache breakpoint (``{"type": "ephemeral"}``): mlxr caches every prefix anyway; usage
+    #: reports cache writes only for a request that asked for them (:meth:`Usage.of`).
+    cache_control: dict[str, Any] | None = None
 
 
 #: A block as the routes read it: what its ``type`` needs is there.
@@ -93,6 +96,7 @@ class ToolDefinition(Struct, forbid_unknown_fields=False):
     input_schema: dict[str, Any] | None = None
     #: Only client tools (``custom``, or no type): server tools are not run here.
     type: Annotated[str | None, Meta(extra_json_schema={"enum": ["custom", None]})] = None
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolChoiceFields(Struct, forbid_unknown_fields=False):
@@ -192,7 +196,9 @@ Block = TextBlock | ToolUseBlock | ThinkingBlock
 class Usage(Struct):
     """Anthropic's split of the prompt: ``input_tokens`` neither read from nor written to the
     prefix cache, ``cache_read_input_tokens`` read from it, ``cache_creation_input_tokens``
-    prefilled and stored in it for later requests; the three add up to the prompt."""
+    prefilled and stored in it for later requests; the three add up to the prompt. As Anthropic
+    counts them, cache writes are reported only for a request that marks a ``cache_control``
+    breakpoint; without one what mlxr stored on its own counts as ``input_tokens``."""
 
     input_tokens: int
     output_tokens: int
@@ -200,8 +206,9 @@ class Usage(Struct):
     cache_read_input_tokens: int = 0
 
     @classmethod
-    def of(cls, usage: EngineUsage) -> Usage:
-        read, written = usage.cached_tokens, usage.cache_written_tokens
+    def of(cls, usage: EngineUsage, *, breakpoints: bool = False) -> Usage:
+        read = usage.cached_tokens
+        written = usage.cache_written_tokens if breakpoints else 0
         return cls(usage.prompt_tokens - read - written, usage.completion_tokens, written, read)
 
 
@@ -271,8 +278,8 @@ class OutputUsage(Struct):
     cache_read_input_tokens: int | None = None
 
     @classmethod
-    def of(cls, usage: EngineUsage) -> OutputUsage:
-        whole = Usage.of(usage)
+    def of(cls, usage: EngineUsage, *, breakpoints: bool = False) -> OutputUsage:
+        whole = Usage.of(usage, breakpoints=breakpoints)
         return cls(whole.output_tokens, whole.input_tokens, whole.cache_creation_input_tokens, whole.cache_read_input_tokens)
 
 

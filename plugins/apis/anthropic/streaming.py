@@ -37,6 +37,8 @@ class MessageMeta:
     id: str
     model: str
     input_tokens: int
+    #: Whether the request marks a ``cache_control`` breakpoint (cache writes are reported then).
+    breakpoints: bool = False
 
 
 def stop_reason(finished: Finished, calls: int = 0) -> tuple[str, str | None]:
@@ -71,7 +73,7 @@ def message(meta: MessageMeta, reader: ReplyReader, text: str, finished: Finishe
     if not blocks:
         blocks.append(s.TextBlock(""))
     reason, sequence = stop_reason(finished, reader.calls)
-    usage = s.Usage.of(finished.usage)
+    usage = s.Usage.of(finished.usage, breakpoints=meta.breakpoints)
     return s.MessageResponse(meta.id, meta.model, blocks, reason, sequence, usage)
 
 
@@ -153,7 +155,7 @@ async def _events(
                     break
                 yield blocks.pieces(reader.finish()) + blocks.finish()
                 reason, sequence = stop_reason(item, reader.calls)
-                usage = s.OutputUsage.of(item.usage)
+                usage = s.OutputUsage.of(item.usage, breakpoints=meta.breakpoints)
                 yield event("message_delta", s.MessageDelta(s.StopInfo(reason, sequence), usage))
                 yield event("message_stop", s.MessageStop())
             elif isinstance(item, Failed):

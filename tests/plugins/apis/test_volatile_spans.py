@@ -28,7 +28,8 @@ def claude_code(cch: str, model: str = "fake", question: str = "hi") -> dict[str
         "max_tokens": 2,
         "system": [
             {"type": "text", "text": header},
-            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."},
+            {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude.",
+             "cache_control": {"type": "ephemeral"}},
         ],
         "messages": [{"role": "user", "content": question}],
     }
@@ -135,3 +136,16 @@ def test_the_second_request_reads_the_shared_prefix_from_the_cache(tiny_client: 
     # What the first request stored (its whole prompt) is read back; only the rest is prefilled.
     assert second["cache_read_input_tokens"] == first["cache_creation_input_tokens"]
     assert second["input_tokens"] + second["cache_creation_input_tokens"] < 2
+
+
+def test_without_a_cache_control_breakpoint_cache_writes_count_as_input(tiny_client: TestClient) -> None:
+    """Anthropic reports cache writes only where a request marks a breakpoint; mlxr's own
+    caching of an unmarked prompt is input_tokens (it said input_tokens 1, cache_creation 25)."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "an unmarked question"}]}
+    usage = tiny_client.post(MESSAGES, json=body).json()["usage"]
+    counted = tiny_client.post("/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    assert usage["cache_creation_input_tokens"] == 0 and usage["cache_read_input_tokens"] == 0
+    assert usage["input_tokens"] == counted
+    body["messages"][0]["content"] = [{"type": "text", "text": "a marked question", "cache_control": {"type": "ephemeral"}}]
+    usage = tiny_client.post(MESSAGES, json=body).json()["usage"]
+    assert usage["cache_creation_input_tokens"] > 0
