@@ -15,7 +15,7 @@ def mlxr_register_decoders(register):  # type: ignore[no-untyped-def]
     register("plain", "mlxr_plugins.decoders.plain:PlainDecoder")
     register("prompt_lookup", "mlxr_plugins.decoders.prompt_lookup:PromptLookupDecoder", drafts=True)
     register("prediction", "mlxr_plugins.decoders.prediction:PredictionDecoder", drafts=True)
-    register("speculative", "mlxr_plugins.decoders.speculative:SpeculativeDecoder")
+    register("speculative", "mlxr_plugins.decoders.speculative:SpeculativeDecoder", drafts=True)
 
 
 @hookimpl

@@ -6,17 +6,22 @@ The draft model is any model mlxr can load with the same vocabulary (``plugins.c
 speculative.draft``), loaded when the engine starts, with its own cache per request. ``k`` adapts
 to the acceptance: one more after a pass that accepted every draft token, one fewer after a pass
 that rejected in the first half, within ``[min_draft_tokens, max_draft_tokens]``.
+
+Inside the batch (:mod:`mlxr_core.engine.speculation`) each request has its own draft cache and
+the draft model proposes its greedy choices row by row (its passes are not batched across rows);
+``k`` is then ``models[].speculative``'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
 
 from mlxr_core.config.schema import ModelConfig
 from mlxr_core.engine.decoding import DraftStats, RequestSampler
+from mlxr_core.engine.request import GenerationRequest
 from mlxr_core.errors import ConfigError, MlxrError
 from mlxr_core.model.loader import LoadedModel, load_model
 from mlxr_plugins.decoders.config import DecodersConfig, SpeculativeConfig
@@ -68,10 +73,52 @@ class _Draft:
         self.config = config
 
 
-class SpeculativeDecoder:
-    """See :mod:`mlxr_plugins.decoders.speculative` and :class:`~mlxr_core.engine.decoding.Decoder`."""
+class DraftModelDrafter:
+    """One request's draft model inside the batch (:class:`~mlxr_core.engine.speculation.Drafter`):
+    its own cache of the draft model, which keeps the part of the request's tokens both agree on,
+    catches up on the rest, and proposes the draft model's greedy choices (a deterministic draft:
+    exact under sampling too, see :mod:`mlxr_core.engine.speculation`)."""
 
-    batched = False
+    def __init__(self, draft: _Draft, prefill_chunk: int = 512):
+        self.draft = draft
+        self.cache = draft.model.make_cache()
+        #: The tokens the draft's cache holds, in order.
+        self.fed: list[int] = []
+        self.prefill_chunk = prefill_chunk
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        model, width = self.draft.model, self.draft.width
+        same = 0
+        for mine, theirs in zip(self.fed, history, strict=False):
+            if mine != theirs:
+                break
+            same += 1
+        same = min(same, len(history) - 1)  # the last token is fed again for its logits
+        trim(self.cache, len(self.fed) - same)
+        del self.fed[same:]
+        last = prefill(model, self.cache, list(history[same:]), self.prefill_chunk)
+        self.fed = list(history[:-1])
+        logits = model.model(last[None], cache=self.cache)[:, -1, :width]
+        self.fed.append(history[-1])
+        proposed: list[mx.array] = []
+        for i in range(k):
+            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+            proposed.append(token)
+            if i + 1 < k:
+                logits = model.model(token[None], cache=self.cache)[:, -1, :width]
+        if not proposed:
+            return []
+        tokens: list[int] = mx.concatenate(proposed).tolist()  # type: ignore[assignment]
+        self.fed.extend(tokens[:-1])
+        return tokens
+
+
+class SpeculativeDecoder:
+    """See :mod:`mlxr_plugins.decoders.speculative` and :class:`~mlxr_core.engine.decoding.Decoder`.
+    Inside the batch it drafts for each row (:meth:`row_drafter`); :meth:`generate` serves one
+    request alone (embedding the decoder from Python)."""
+
+    batched = True
 
     def __init__(self) -> None:
         self.drafts: dict[str, _Draft] = {}
@@ -111,6 +158,12 @@ class SpeculativeDecoder:
 
     def release(self, model_name: str) -> None:
         self.drafts.pop(model_name, None)
+
+    def row_drafter(self, model: LoadedModel, request: GenerationRequest) -> DraftModelDrafter:
+        prepared = self.drafts.get(model.name)
+        if prepared is None:
+            raise MlxrError(f"speculative decoding: no draft model was prepared for model {model.name}")
+        return DraftModelDrafter(prepared)
 
     def generate(
         self,

@@ -149,6 +149,30 @@ def test_sliding_window_and_moe_rows_decode_as_plain(tmp_path, model_type, keys)
         engine.stop()
 
 
+def test_a_draft_model_drafts_for_every_row(dense_path, tmp_path):
+    from mlxr_core.config.schema import PluginsConfig
+
+    draft = write_tiny_llama_gguf(tmp_path / "draft.gguf", seed=0, quant="q8_0")  # mostly agrees
+    config = Config(
+        models=[ModelConfig(path=str(dense_path), name="tiny", context_length=256, dtype="float32",
+                            decoder="speculative", speculative=SpeculationConfig(method="speculative", k=3))],
+        plugins=PluginsConfig(config={"decoders": {"speculative": {"draft": str(draft)}}}),
+    )  # fmt: skip
+    engine = Engine(config, HOST)
+    engine.start()
+    try:
+        plain = [tokens for tokens, _, _ in run(engine, [{"speculative": False}] * ROWS)]
+        rows = [{}] * (ROWS - 2) + [{"speculative": False}, {"params": {"temperature": 0.8, "seed": 5}}]
+        drafted = run(engine, rows)
+        for row in range(ROWS - 1):
+            assert drafted[row][0] == plain[row], f"row {row}"
+        assert len(drafted[-1][0]) == TOKENS  # sampled: the same length, its own tokens
+        figures = drafts_of(engine)["speculative"]
+        assert figures["accepted"] > figures["drafted"] // 2  # an 8-bit copy agrees mostly
+    finally:
+        engine.stop()
+
+
 # --- what the sampler chain does keeps working -------------------------------------------------
 
 
