@@ -141,16 +141,22 @@ def default_model(ctx: ServerContext) -> str | None:
 
 
 def with_model(body: bytes, model: str) -> bytes:
-    """A JSON object ``body`` with ``"model": model`` added (a body that is no object as it is)."""
+    """A JSON object ``body`` with ``"model": model`` added, or put in place of ``"model": null``
+    (a body that is no object as it is)."""
     text = body.lstrip()
     if not text.startswith(b"{"):
         return body
     rest = text[1:].lstrip()
+    if b'"model"' in rest:  # null as the decoder found it: the object read again, model set
+        data = msgspec.json.decode(body)
+        return _JSON.encode({**data, "model": model}) if isinstance(data, dict) else body
     return b'{"model":' + _JSON.encode(model) + (b"" if rest.startswith(b"}") else b",") + rest
 
 
 def _missing_model(exc: RequestError) -> bool:
-    return exc.field == "model" and "missing required field" in exc.message
+    """The model is absent, or null (which clients send for "the default" as llama.cpp's server
+    takes it)."""
+    return exc.field == "model" and ("missing required field" in exc.message or "got `null`" in exc.message)
 
 
 def body_depth(body: bytes) -> int:

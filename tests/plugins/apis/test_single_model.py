@@ -35,16 +35,18 @@ def client(tmp_path: Path, **server: Any) -> TestClient:
 @pytest.mark.parametrize("setting", [{"default_model": "fake"}, {"model_optional": True}])
 def test_a_request_without_model_goes_to_the_default(tmp_path: Path, path: str, body: dict[str, Any], setting: dict[str, Any]) -> None:
     with client(tmp_path, **setting) as c:
-        r = c.post(path, json=body)
-        assert r.status_code == 200, r.text
-        assert c.app.state["mlxr"].engine.requests[-1].model == "fake"
+        for sent in (body, {**body, "model": None}):  # absent or null alike (llama.cpp's server tests)
+            r = c.post(path, json=sent)
+            assert r.status_code == 200, r.text
+            assert c.app.state["mlxr"].engine.requests[-1].model == "fake"
 
 
 @pytest.mark.parametrize(("path", "body"), NO_MODEL)
 def test_without_a_default_a_missing_model_is_refused_naming_it(tmp_path: Path, path: str, body: dict[str, Any]) -> None:
     with client(tmp_path) as c:
-        r = c.post(path, json=body)
-        assert r.status_code == 400 and "model" in r.text
+        for sent in (body, {**body, "model": None}):
+            r = c.post(path, json=sent)
+            assert r.status_code == 400 and "model" in r.text
 
 
 def test_a_named_model_is_kept_and_an_unknown_default_is_a_404(tmp_path: Path) -> None:
