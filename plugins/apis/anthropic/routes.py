@@ -227,7 +227,7 @@ def _blocks(
             arguments = block.input if isinstance(block.input, dict) else {}
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": arguments}})
         elif block.type == "tool_result" and role == "user" and block.tool_use_id:
-            output = _result_text(block.content, where)
+            output = _result_text(block.content, where, images, parts)
             if block.is_error:
                 output = f"Error: {output}"
             results.append({"role": "tool", "content": output, "tool_call_id": block.tool_use_id})
@@ -252,13 +252,25 @@ def _image(source: s.ImageSource | None, field: str) -> ImageInput:
     raise RequestError("an image block needs a base64 source (type, media_type, data) or a url", field=field)
 
 
-def _result_text(content: str | list[Any] | None, param: str) -> str:
+def _result_text(
+    content: str | list[Any] | None, param: str, images: list[ImageInput], parts: list[dict[str, Any]]
+) -> str:
+    """A tool result's text; its ``image`` blocks (Anthropic allows them) are appended to
+    ``images`` and shown in the user turn that carries the result, as ``parts``."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for k, item in enumerate(content):
+        where = f"{param}.content[{k}]"
+        if isinstance(item, dict) and item.get("type") == "image":
+            raw = item.get("source")
+            source = s.ImageSource(raw.get("type"), raw.get("media_type"), raw.get("data"), raw.get("url")) \
+                if isinstance(raw, dict) else None  # fmt: skip
+            images.append(_image(source, f"{where}.source"))
+            parts.append({"type": "image"})
+            continue
         if not isinstance(item, dict) or item.get("type") != "text" or not isinstance(item.get("text"), str):
-            raise RequestError("tool_result content must be text blocks", field=f"{param}.content[{k}]")
+            raise RequestError("tool_result content must be text or image blocks", field=where)
         texts.append(item["text"])
     return "\n\n".join(texts)
 

@@ -403,3 +403,25 @@ def test_hostile_images_are_a_400_in_anthropic_shape(server: str, case: str) -> 
     body["messages"] = [{"role": "user", "content": [block]}]
     reply = httpx.post(f"{server}/v1/messages", json=body, timeout=60)
     assert reply.status_code == 400 and "'tiny' takes no images" in reply.json()["error"]["message"]
+
+
+def test_an_image_inside_an_anthropic_tool_result_reaches_a_vision_model(server: str) -> None:
+    """Anthropic's API allows image blocks in a tool_result; they were refused as not text."""
+    image = anthropic_image(base64.b64encode(png()).decode())
+    call = {"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}
+    tools = [{"name": "screenshot", "input_schema": {"type": "object", "properties": {}}}]
+
+    def turns(result: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"model": "vision", "max_tokens": 2, "tools": tools, "messages": [
+            {"role": "user", "content": "t5"}, {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result}]}]}  # fmt: skip
+
+    with_image = turns([{"type": "text", "text": "t6"}, image])
+    reply = httpx.post(f"{server}/v1/messages", json={**with_image, "temperature": 0}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    counted = httpx.post(f"{server}/v1/messages/count_tokens", json=with_image, timeout=60).json()["input_tokens"]
+    text_only = httpx.post(f"{server}/v1/messages/count_tokens", json=turns([{"type": "text", "text": "t6"}]),
+                           timeout=60).json()["input_tokens"]  # fmt: skip
+    assert counted >= text_only + TOKENS_PER_IMAGE
+    bad = httpx.post(f"{server}/v1/messages", json=turns([{"type": "audio"}]), timeout=60)
+    assert bad.status_code == 400 and "content[0]" in bad.text
