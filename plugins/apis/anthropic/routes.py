@@ -24,6 +24,7 @@ import functools
 import uuid
 from typing import Any
 
+import msgspec
 from litestar import Request, Response, Router, post
 from litestar.params import JSONBody
 
@@ -263,9 +264,10 @@ def _result_text(
     for k, item in enumerate(content):
         where = f"{param}.content[{k}]"
         if isinstance(item, dict) and item.get("type") == "image":
-            raw = item.get("source")
-            source = s.ImageSource(raw.get("type"), raw.get("media_type"), raw.get("data"), raw.get("url")) \
-                if isinstance(raw, dict) else None  # fmt: skip
+            try:
+                source = msgspec.convert(item.get("source"), s.ImageSource)
+            except msgspec.ValidationError:
+                source = None  # _image says what a source needs
             images.append(_image(source, f"{where}.source"))
             parts.append({"type": "image"})
             continue
