@@ -164,8 +164,9 @@ class ExpertStore:
         """Counts since the load (``requests`` of experts by the layers: ``hits`` in the cache,
         ``waits`` on a read ahead, ``misses`` read then; ``bytes_read``, ``tokens``), the cache's
         bytes and evictions, and read latency percentiles in seconds."""
-        latencies = np.array(self._latencies) if self._latencies else np.zeros(1)
-        counts = self.counts
+        recent = self._latencies.copy()  # atomic: the engine thread appends while /metrics reads
+        latencies = np.array(recent) if recent else np.zeros(1)
+        counts = dict(self.counts)
         return {
             **counts,
             "hit_rate": counts["hits"] / counts["requests"] if counts["requests"] else 0.0,

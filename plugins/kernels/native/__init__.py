@@ -180,11 +180,15 @@ def _build_locked(
         raise _Unavailable(f"cannot write the kernel cache {target.parent}: {exc}") from None
     with lock:
         deadline = time.monotonic() + LOCK_TIMEOUT_S
+        waited = False
         while True:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                if not waited:
+                    log.warning("waiting for another process compiling mlxr's native CPU kernels...")
+                    waited = True
                 if time.monotonic() > deadline:
                     raise _Unavailable(
                         f"another process held the build lock of {target} for over "
@@ -193,6 +197,10 @@ def _build_locked(
                 time.sleep(0.2)
         try:
             if not target.exists():  # the lock's previous holder may have built it
+                # A warning, so a command that configures no logging (mlxr generate) shows it too:
+                # the build takes tens of seconds with nothing else printed.
+                log.warning("compiling mlxr's native CPU kernels (once per MLX version and machine, "
+                            "up to a minute)...")
                 _build(compiler, target, mlx_dir, nanobind_dir, python_include)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)

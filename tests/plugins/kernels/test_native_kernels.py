@@ -109,3 +109,17 @@ def test_extension_sources_compile_for_arm64(tmp_path: Path) -> None:
             capture_output=True, text=True, timeout=300,
         )
         assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_a_build_says_so_before_it_starts_even_where_no_logging_is_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``mlxr generate`` configures no logging: only a warning reaches the terminal while the
+    kernels compile for tens of seconds (it printed nothing)."""
+    built: list[Path] = []
+    monkeypatch.setattr(native, "_build", lambda compiler, target, *rest: built.append(target))
+    target = tmp_path / "kernels.so"
+    with caplog.at_level("WARNING", logger=native.log.name):
+        native._build_locked("c++", target, tmp_path, tmp_path, tmp_path)
+    assert built == [target]
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "compiling" in caplog.records[0].getMessage()
