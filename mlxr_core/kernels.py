@@ -195,10 +195,12 @@ def _first_supported(
         backend = registry.get(f"{ctx.op}:{name}")
         reasons = backend.supports(ctx)
         if not reasons:
+            # What it is and what was passed over: the load's record of why this backend runs.
+            summary = f": {backend.summary}" if getattr(backend, "summary", "") else ""
             if rejected:
-                log.info("kernel %s: auto chose %s (skipped %s)", ctx.op, name, " | ".join(rejected))
+                log.info("kernel %s: auto chose %s%s (skipped %s)", ctx.op, name, summary, " | ".join(rejected))
             else:
-                log.info("kernel %s: auto chose %s", ctx.op, name)
+                log.info("kernel %s: auto chose %s%s", ctx.op, name, summary)
             return name, backend
         rejected.append(f"{name}: {'; '.join(reasons)}")
     raise KernelUnavailable(

@@ -182,22 +182,27 @@ class DraftStats:
     accepted: int = 0
     #: Verification passes of the target model.
     steps: int = 0
+    #: Verification passes by the number of draft tokens they accepted (the distribution).
+    accepted_per_pass: dict[int, int] = attrs.field(factory=dict)
 
     def add(self, drafted: int, accepted: int) -> None:
         self.drafted += drafted
         self.accepted += accepted
         self.steps += 1
+        self.accepted_per_pass[accepted] = self.accepted_per_pass.get(accepted, 0) + 1
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, Any]:
         return {
             "drafted": self.drafted,
             "accepted": self.accepted,
             "steps": self.steps,
             "acceptance_rate": self.acceptance_rate,
+            # Keys as text: the figures may cross a process or JSON boundary.
+            "accepted_per_pass": {str(n): count for n, count in sorted(self.accepted_per_pass.items())},
         }
 
 

@@ -29,7 +29,12 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -230,6 +235,10 @@ def _lifecycle_metrics(lifecycle: dict[str, Any]) -> Iterator[Metric]:
     yield unloads
 
 
+#: Upper bounds of the acceptance histogram's buckets (draft tokens accepted by one verification).
+ACCEPTED_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 16)
+
+
 def _draft_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:
     """Drafting decoders' counters (``{model: {decoder: {drafted, accepted, steps, ...}}}``): draft
     tokens proposed and accepted (their ratio is the acceptance rate), verification passes."""
@@ -242,14 +251,27 @@ def _draft_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:
     passes = CounterMetricFamily(
         "mlxr_draft_verifications", "Verification passes of drafting decoders.", labels=["model", "decoder"]
     )
+    per_pass = HistogramMetricFamily(
+        "mlxr_draft_accepted_per_verification",
+        "Draft tokens accepted by each verification pass (the acceptance distribution).",
+        labels=["model", "decoder"],
+    )
     for model, decoders in per_model.items():
         for decoder, figures in decoders.items():
             drafted.add_metric([model, decoder], float(figures.get("drafted", 0)))
             accepted.add_metric([model, decoder], float(figures.get("accepted", 0)))
             passes.add_metric([model, decoder], float(figures.get("steps", 0)))
+            counts = {int(n): count for n, count in (figures.get("accepted_per_pass") or {}).items()}
+            if counts:
+                buckets = [
+                    (str(bound), float(sum(c for n, c in counts.items() if n <= bound))) for bound in ACCEPTED_BUCKETS
+                ]
+                buckets.append(("+Inf", float(sum(counts.values()))))
+                per_pass.add_metric([model, decoder], buckets, float(sum(n * c for n, c in counts.items())))
     yield drafted
     yield accepted
     yield passes
+    yield per_pass
 
 
 def _expert_metrics(per_model: dict[str, Any]) -> Iterator[Metric]:

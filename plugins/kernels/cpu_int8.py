@@ -23,6 +23,9 @@ not depend on the values of the rows beside it in the call (a prompt, a batch of
 decode step), to the last bit; it depends on their number only through the path taken (fewer than
 16 rows or AMX's), whose sums of the same integers differ in float rounding. Other widths (2/3/6 bits, and 5 without VBMI) keep
 ``cpu_native``'s float path, and so do CPUs without AVX-512 VNNI, where ``supports()`` says so.
+
+It is ``auto``'s choice where it runs (its priority is above ``cpu_native``'s): the fastest path
+whose answers were checked against llama.cpp's; ``kernels: {quantized_matmul: cpu_native}`` opts out.
 """
 
 from __future__ import annotations
@@ -65,7 +68,9 @@ def _support(ctx: KernelContext) -> list[str]:
 quantized_matmul_kernel = KernelImpl(
     quantized_matmul,
     _support,
-    summary="cpu_native with the input rounded to int8 per 32-element block (AVX-512 VNNI; prompts through AMX where the CPU has it), as llama.cpp",
+    summary="the default where the CPU has AVX-512 VNNI: cpu_native with the input rounded to int8 per "
+            "32-element block (prompts through AMX where the CPU has it), as llama.cpp; "
+            "quantized_matmul: cpu_native keeps float inputs",
     keeps_packed=True,
     parity_tolerance=PARITY_TOLERANCE,
 )

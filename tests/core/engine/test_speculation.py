@@ -365,3 +365,40 @@ def test_a_bad_speculative_setting_names_its_key(tmp_path):
     config = Config(models=[ModelConfig(path="x.gguf", speculative=SpeculationConfig(method="plain"))])
     found = [problem for problem in unregistered_names(config, HOST) if "speculative" in str(problem)]
     assert len(found) == 1 and "method" in str(found[0]) and "prompt_lookup" in str(found[0])
+
+
+def test_metrics_count_drafts_per_method_and_their_acceptance_distribution(dense):
+    import attrs
+    from litestar.testing import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from mlxr_core.http.context import ServerContext
+    from mlxr_core.http.server import build_app
+
+    plain = run(dense, [{"speculative": False}])[0][0]
+    run(dense, [{"prediction": plain}, {}])
+    config = attrs.evolve(dense.config, apis=["ollama"])
+    with TestClient(build_app(ServerContext(config=config, host=HOST, engine=dense))) as client:
+        text = client.get("/metrics").text
+    samples = [
+        sample
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("model") == "tiny"
+    ]
+
+    def value(name: str, method: str, **labels: str) -> float:
+        return next(
+            s.value for s in samples
+            if s.name == name and s.labels.get("decoder") == method and all(s.labels.get(k) == v for k, v in labels.items())
+        )  # fmt: skip
+
+    for method in ("prediction", "prompt_lookup"):
+        figures = dense.stats()["decoders"]["tiny"][method]
+        assert value("mlxr_draft_tokens_total", method) == figures["drafted"] > 0
+        assert value("mlxr_draft_accepted_tokens_total", method) == figures["accepted"]
+        assert value("mlxr_draft_accepted_per_verification_count", method) == figures["steps"]
+        assert value("mlxr_draft_accepted_per_verification_sum", method) == figures["accepted"]
+        assert value("mlxr_draft_accepted_per_verification_bucket", method, le="+Inf") == figures["steps"]
+        zero = value("mlxr_draft_accepted_per_verification_bucket", method, le="0")
+        assert zero == figures["accepted_per_pass"].get("0", 0)

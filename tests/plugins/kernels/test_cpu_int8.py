@@ -139,15 +139,31 @@ def test_gather_form_rounds_each_row(module, rows):
             assert_close(got[b, j], want)
 
 
-def test_opt_in_and_keeps_weights_packed(module):
+def test_the_default_here_and_keeps_weights_packed(module):
     registries = load_plugins().registries
-    assert bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES).chosen["quantized_matmul"] == "cpu_native"
-    chosen = bind_kernels(
-        registries.kernels, dtype="float32", shapes=SHAPES,
-        choices={"quantized_matmul": "cpu_int8", "gather_matmul": "cpu_int8"},
-    )  # fmt: skip
+    chosen = bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES)
     assert chosen.chosen["quantized_matmul"] == "cpu_int8" and chosen.chosen["gather_matmul"] == "cpu_int8"
     assert chosen.keeps_packed
+    floats = bind_kernels(registries.kernels, dtype="float32", shapes=SHAPES, choices={"quantized_matmul": "cpu_native"})
+    assert floats.chosen["quantized_matmul"] == "cpu_native"
+
+
+def test_auto_takes_it_where_the_cpu_has_vnni_and_says_why(monkeypatch, caplog):
+    """The fastest path with the measured accuracy is the default: auto ranks cpu_int8 first and
+    logs its reason; a CPU without VNNI falls to cpu_native (the test above covers the real CPU)."""
+    from mlxr_core.kernels import select_kernel
+
+    class Vnni:
+        def int8_decode(self) -> bool:
+            return True
+
+    native_backend = SimpleNamespace(quantized_matmul_kernel=SimpleNamespace(supports=lambda ctx: []))
+    monkeypatch.setattr(cpu_int8, "cpu_native", native_backend)
+    monkeypatch.setattr(native, "load", lambda: (Vnni(), ""))
+    ctx = KernelContext(op="quantized_matmul", device="cpu", platform="cpu", dtype="float32", shapes=SHAPES)
+    with caplog.at_level("INFO", logger="mlxr_core.kernels"):
+        name, _ = select_kernel(load_plugins().registries.kernels, ctx, "auto")
+    assert name == "cpu_int8" and "auto chose cpu_int8: the default where the CPU has AVX-512 VNNI" in caplog.text
 
 
 def test_a_cpu_without_integer_dot_products_is_a_reason(monkeypatch):
