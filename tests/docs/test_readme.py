@@ -184,3 +184,36 @@ def test_the_readme_works_as_written_on_a_fresh_clone(tmp_path):
     finally:
         clone.stop(server)
     assert clone.run(generate).strip()
+
+
+def anchors(markdown: str) -> set[str]:
+    """GitHub's anchors for a page's headings."""
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#+ (.*)$", markdown, flags=re.MULTILINE)}  # fmt: skip
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md"))])
+def test_every_relative_link_of_the_readme_and_docs_resolves(page: str) -> None:
+    """The README is the front door into docs/: each link (and #anchor) it or a docs page holds
+    points to a file (and heading) that exists."""
+    source = REPO / page
+    for target in re.findall(r"\]\(([^)\s]+)\)", source.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (source.parent / path).resolve() if path else source
+        assert file.exists(), f"{page}: {target}"
+        if anchor and file.suffix == ".md":
+            assert anchor in anchors(file.read_text()), f"{page}: {target}"
+
+
+def test_the_readme_is_a_front_door() -> None:
+    """About 150 lines: what mlxr is, the two commands, a quick test command, a feature table whose
+    rows each link into docs/ (or bench/), plugins and configuration."""
+    assert len(README.splitlines()) <= 170
+    assert '`pytest -m "not slow"`' in README
+    rows = [line for line in README.splitlines() if line.startswith("| ") and not line.startswith("| feature")]
+    assert len(rows) >= 10 and all(re.search(r"\]\((docs/|bench/)", row) for row in rows)
+    for page in ("serving", "models", "kernels", "kv-cache", "distributed", "agents", "architecture"):
+        assert f"docs/{page}.md" in README and (REPO / "docs" / f"{page}.md").exists()
+    assert "## Plugins" in README and "## Configuration" in README
