@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--cap", type=float, default=0.33, help="memory limit of the streamed runs, share of the file")
     parser.add_argument("--cache-share", type=float, default=0.12, help="cache_bytes as a share of the file")
     parser.add_argument("--prefetch", nargs="+", default=["previous"], help="read-ahead settings to run, capped")
+    parser.add_argument("--policy", default="lru", help="models[].experts.policy of the streamed runs")
     parser.add_argument("--no-resident", action="store_true", help="skip the uncapped resident run")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -181,8 +182,9 @@ def main() -> None:
     if not args.no_resident:
         runs.append(("resident, no cap", 0, {}))
     for prefetch in args.prefetch:
-        runs.append((f"streamed, cap {args.cap:.2f} x file, prefetch {prefetch}", int(size * args.cap),
-                     {"residency": "stream", "cache_bytes": int(size * args.cache_share), "prefetch": prefetch}))
+        runs.append((f"streamed, cap {args.cap:.2f} x file, {args.policy}, prefetch {prefetch}", int(size * args.cap),
+                     {"residency": "stream", "cache_bytes": int(size * args.cache_share), "prefetch": prefetch,
+                      "policy": args.policy}))  # fmt: skip
     report: dict[str, Any] = {"command": " ".join(sys.argv), "file_bytes": size, "shape": SHAPE, "results": {}}
     for label, limit, experts in runs:
         command = [sys.executable, __file__, "--child", "--model", str(args.model), "--tokens", str(args.tokens),
