@@ -22,6 +22,7 @@ from mlxr_core.model.tokenizer import encode_within
 if TYPE_CHECKING:
     from mlxr_core.config.schema import EngineConfig
     from mlxr_core.engine.request import GenerationRequest
+    from mlxr_core.model.audio import AudioFrontEnd
     from mlxr_core.model.tokenizer import Tokenizer
     from mlxr_core.model.vision import ImageProcessor, ImageTokens
     from mlxr_core.registry import Registry
@@ -60,6 +61,14 @@ class ModelInfo:
     #: None: off.
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    #: A speech-to-text model's front end (numpy: any thread), turning samples at its
+    #: ``sample_rate`` into the features it transcribes; None for a model that takes no audio.
+    audio_front_end: AudioFrontEnd | None = None
+
+    @property
+    def transcribes(self) -> bool:
+        """Whether this model turns audio into text (and continues no text prompt)."""
+        return self.audio_front_end is not None
     #: The weights' parameter count, the vision side's included (packed ones as the values they hold).
     parameters: int = 0
 
@@ -111,6 +120,11 @@ def check_request(
     :raises ContextLengthExceeded, KvBudgetExceeded, Overloaded: as their names say.
     """
     request.model = info.name  # an alias runs on the model it names
+    if info.transcribes:
+        raise RequestError(
+            f"the model {info.name!r} transcribes audio and continues no text prompt; send audio to "
+            "/v1/audio/transcriptions", field="model",
+        )  # fmt: skip
     prompt_tokens = len(request.prompt_ids)
     if prompt_tokens == 0:
         raise RequestError("the prompt is empty", field="prompt")

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
     from mlxr_core.engine.lifecycle import ModelSlot
     from mlxr_core.engine.request import GenerationRequest, RequestHandle
+    from mlxr_core.model.audio import Transcript, TranscriptionOptions
     from mlxr_core.plugins import PluginHost
 
 
@@ -109,6 +110,10 @@ class EngineClient(Protocol):
     ) -> Embeddings: ...
 
     async def embed_async(self, model: str, inputs: Sequence[Sequence[int]], *, pooling: str = "mean") -> Embeddings: ...
+
+    async def transcribe_async(
+        self, model: str, features: Any, duration: float, options: TranscriptionOptions
+    ) -> Transcript: ...
 
     def score(self, model: str, inputs: Sequence[Sequence[int]], *, timeout: float | None = None) -> Scores: ...
 
@@ -339,6 +344,26 @@ class EngineCaller:
     async def score_async(self, model: str, inputs: Sequence[Sequence[int]]) -> Scores:
         """:meth:`score` for an event loop, cancelled with its wait as :meth:`embed_async` is."""
         return await _wait(self._scoring_job(model, inputs))  # type: ignore[no-any-return]
+
+    async def transcribe_async(
+        self, model: str, features: Any, duration: float, options: TranscriptionOptions
+    ) -> Transcript:
+        """The transcript of ``features`` (the model's front end's, of ``duration`` seconds of
+        sound), computed on the engine thread a decoder step at a time between batch steps
+        (:mod:`mlxr_core.engine.transcription`); cancelling the wait stops it at its next step.
+
+        :raises MlxrError: ModelNotFound, RequestError (a model that does not transcribe, a
+            language it does not know), EngineStopped, or what the computation raised.
+        """
+        from mlxr_core.engine.transcription import TranscriptionWork
+
+        self.check_ready()
+        info = self.model(model)
+        if not info.transcribes:
+            raise RequestError(f"the model {info.name!r} does not transcribe audio (it is no speech model)", field="model")
+        work = TranscriptionWork(info.name, features, duration, options)
+        job = self.queue_job(EngineJob(work, what=f"transcription with model {info.name}", model=info.name))
+        return await _wait(job)  # type: ignore[no-any-return]
 
     def _embedding_job(self, model: str, inputs: Sequence[Sequence[int]], pooling: str) -> EngineJob:
         from mlxr_core.engine.embedding import EmbeddingWork

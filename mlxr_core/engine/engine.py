@@ -383,6 +383,7 @@ class Engine(EngineCaller):
             longest_token_bytes=max(map(len, m.tokenizer.token_bytes().pieces), default=0),
             image_processor=m.vision.processor if m.vision else None,
             image_tokens=m.vision.tokens if m.vision else None,
+            audio_front_end=m.speech.front_end if m.speech else None,
             config_index=index,
             tool_parser=registries.tool_parsers.choose(model_config.tool_parser, template),
             reasoning_parser=registries.reasoning_parsers.choose(model_config.reasoning_parser, template),

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from litestar.typing import FieldDefinition
 
 JSON = "application/json"
+FORM = "multipart/form-data"
+TEXT = "text/plain"
 
 
 def json_schema(annotation: Any) -> dict[str, Any]:
@@ -115,6 +117,8 @@ def documented(
     response: Any = None,
     stream: Stream | str | None = None,
     request: Any = None,
+    form: Any = None,
+    text: bool = False,
     path_strings: tuple[str, ...] = (),
 ) -> type[Operation]:
     """An ``operation_class`` adding to a route's operation what its annotations cannot say.
@@ -126,10 +130,14 @@ def documented(
         events of any shape).
     :param request: the msgspec type of the body of a route that reads its raw body itself (a
         route with a ``data`` parameter is documented from it).
+    :param form: the msgspec type of a ``multipart/form-data`` body a route reads itself, its
+        ``file`` field documented as binary (an upload).
+    :param text: whether the 200 reply may also be plain text (``text/plain``, a string).
     :param path_strings: path parameters documented as plain non-empty strings (Litestar writes a
         ``{name:path}`` parameter as a URI, which a model name with slashes is not).
     """
     request_schema = None if request is None else json_schema(request)
+    form_schema = None if form is None else _form_schema(form)
     response_schema = None if response is None else json_schema(response)
     error_schema = None if error is None else json_schema(error)
     streamed = Stream(stream, (Any,)) if isinstance(stream, str) else stream
@@ -141,6 +149,9 @@ def documented(
             if request_schema is not None:
                 schema = JsonSchema(document=request_schema)
                 self.request_body = RequestBody(content={JSON: OpenAPIMediaType(schema=schema)}, required=True)
+            if form_schema is not None:
+                schema = JsonSchema(document=form_schema)
+                self.request_body = RequestBody(content={FORM: OpenAPIMediaType(schema=schema)}, required=True)
             responses = dict(self.responses or {})
             if response_schema is not None or stream_content is not None:
                 content: dict[str, OpenAPIMediaType] = {}
@@ -148,6 +159,8 @@ def documented(
                     content[JSON] = OpenAPIMediaType(schema=JsonSchema(document=response_schema))
                 if streamed is not None and stream_content is not None:
                     content[streamed.media_type] = stream_content
+                if text:
+                    content[TEXT] = OpenAPIMediaType(schema=JsonSchema(document={"type": "string"}))
                 responses["200"] = ResponseSpec(description="Request fulfilled", content=content)
             if error_schema is not None:
                 # Litestar's own 400 (its validation error shape) never reaches these clients.
@@ -163,6 +176,13 @@ def documented(
                     parameter.schema = Schema(type=OpenAPIType.STRING, min_length=1)
 
     return DocumentedOperation
+
+
+def _form_schema(form: Any) -> dict[str, Any]:
+    schema = json_schema(form)
+    if "file" in schema.get("properties", {}):
+        schema["properties"]["file"] = {"type": "string", "format": "binary", "description": "the uploaded file"}
+    return schema
 
 
 def _stream_content(stream: Stream) -> StreamMediaType:

@@ -17,6 +17,8 @@ UNSTATABLE = re.compile("|".join([
     "is not JSON", "does not parse", "cannot be enforced", "invalid JSON schema", "regex",
     "text_1 must be one text or as many as text_2", "distinct names", "not among tools",
     "an offered tool's name",
+    # An upload's content, and the languages a speech model knows, or whether a model takes audio.
+    "the audio", "does not transcribe audio", "does not know the language",
     # Rules between the grammar fields (mlxr_core.http.constraints), to state with the constraint limits.
     "send one output constraint per request", "structured_outputs needs one of",
 ]))  # fmt: skip

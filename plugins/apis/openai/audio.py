@@ -1,0 +1,194 @@
+"""``POST /v1/audio/transcriptions`` and ``/v1/audio/translations``: OpenAI's speech to text.
+
+A multipart form: ``file`` (the audio, at most ``server.max_audio_bytes``), ``model``,
+``language`` (transcriptions only), ``prompt``, ``response_format`` (``json``, ``text``, ``srt``,
+``vtt``, ``verbose_json``), ``temperature`` and ``timestamp_granularities[]`` (``segment``; word
+timestamps are refused). The file is decoded and its features computed in a worker thread
+(:mod:`mlxr_core.http.audio`, the model's front end), then transcribed on the engine thread
+(:meth:`~mlxr_core.engine.client.EngineClient.transcribe_async`), a decoder step at a time between
+the engine's batch steps. Replies are whole (OpenAI streams only its gpt-4o models' transcripts).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any, Literal
+
+import anyio
+from litestar import Request, Response, post
+from litestar.datastructures import UploadFile
+from msgspec import Meta, Struct, field
+
+from mlxr_core.errors import RequestError
+from mlxr_core.http.audio import AudioLimits, decode_audio
+from mlxr_core.http.context import ServerContext
+from mlxr_core.http.frontend import json_response, loaded_model, ready_engine, unless_disconnected
+from mlxr_core.http.openapi import documented
+from mlxr_core.model.audio import Transcript, TranscriptionOptions
+from mlxr_plugins.apis.openai import schemas as s
+
+FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+#: What the multipart form may hold besides the file, as the document states it.
+FORM_BYTES = 1 << 20
+
+
+class TranscriptionForm(Struct, kw_only=True):
+    """The form's fields (``file`` is binary; the document says so)."""
+
+    file: str
+    model: s.ModelName
+    language: str = ""
+    prompt: str = ""
+    response_format: Literal["json", "text", "srt", "vtt", "verbose_json"] = "json"
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    #: ``segment`` only (word timings are not computed), once per value.
+    timestamp_granularities: list[Literal["segment"]] = field(default_factory=list, name="timestamp_granularities[]")
+
+
+class TranscriptionSegment(Struct):
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+
+
+class TranscriptionUsage(Struct):
+    type: str
+    seconds: float
+
+
+class Transcription(Struct, omit_defaults=True):
+    """``json``'s reply (``text``, ``usage``), and ``verbose_json``'s with the rest set."""
+
+    text: str
+    usage: TranscriptionUsage | None = None
+    task: str | None = None
+    language: str | None = None
+    duration: float | None = None
+    segments: list[TranscriptionSegment] | None = None
+
+
+def audio_routes(ctx: ServerContext, paths: Any) -> list[Any]:
+    """The two routes, each under ``/v1`` and bare (``paths``)."""
+    limit = ctx.config.server.max_audio_bytes + FORM_BYTES
+    operation = documented(
+        error=s.ErrorBody, form=TranscriptionForm, response=Transcription, text=True
+    )
+
+    @post(paths("/audio/transcriptions"), status_code=200, request_max_body_size=limit, operation_class=operation)
+    async def transcriptions(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await transcribe(ctx, request, "transcribe")
+
+    @post(paths("/audio/translations"), status_code=200, request_max_body_size=limit, operation_class=operation)
+    async def translations(request: Request[Any, Any, Any]) -> Response[Any]:
+        return await transcribe(ctx, request, "translate")
+
+    return [transcriptions, translations]
+
+
+async def transcribe(ctx: ServerContext, request: Request[Any, Any, Any], task: str) -> Response[Any]:
+    """Read the form, decode the file, transcribe, answer in the asked format."""
+    form = await request.form()
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise RequestError("the form needs the audio as a file part named 'file'", field="file")
+    model = _text(form, "model")
+    if not model:
+        raise RequestError("the form needs the model's name", field="model")
+    response_format = _text(form, "response_format") or "json"
+    if response_format not in FORMATS:
+        raise RequestError(f"response_format must be one of {', '.join(FORMATS)}", field="response_format")
+    language = _text(form, "language") if task == "transcribe" else None
+    granularities = [str(value) for key in ("timestamp_granularities[]", "timestamp_granularities")
+                     for value in form.getall(key, [])]  # fmt: skip
+    for granularity in granularities:
+        if granularity == "word":
+            raise RequestError("word timestamps are not supported by this server; ask for segment", field="timestamp_granularities")
+        if granularity != "segment":
+            raise RequestError("timestamp_granularities holds segment or word", field="timestamp_granularities")
+    temperature = _number(_text(form, "temperature"), "temperature")
+    ready_engine(ctx)
+    info = await loaded_model(ctx, model)
+    front_end = info.audio_front_end
+    if front_end is None:
+        raise RequestError(f"the model {info.name!r} does not transcribe audio (it is no speech model)", field="model")
+    raw = await upload.read()
+    limits = AudioLimits.from_server(ctx.config.server)
+    audio = await anyio.to_thread.run_sync(functools.partial(decode_audio, raw, limits, sample_rate=front_end.sample_rate))
+    features = await anyio.to_thread.run_sync(front_end, audio.samples)
+    prompt_text = (_text(form, "prompt") or "").strip()
+    prompt = info.tokenizer.encode(" " + prompt_text, add_special_tokens=False) if prompt_text else []
+    options = TranscriptionOptions(
+        task=task, language=language.lower() if language else None, prompt=tuple(prompt), temperature=temperature,
+        timestamps=response_format in ("srt", "vtt", "verbose_json"),
+    )  # fmt: skip
+    engine = ready_engine(ctx)
+    transcript = await unless_disconnected(request, engine.transcribe_async(info.name, features, audio.seconds, options))
+    return reply(transcript, response_format, task)
+
+
+def reply(transcript: Transcript, response_format: str, task: str) -> Response[Any]:
+    usage = TranscriptionUsage("duration", round(transcript.duration, 3))
+    if response_format == "json":
+        return json_response(Transcription(transcript.text, usage))
+    if response_format == "verbose_json":
+        segments = [
+            TranscriptionSegment(
+                id=seg.id, seek=seg.seek, start=seg.start, end=seg.end, text=seg.text, tokens=list(seg.tokens),
+                temperature=seg.temperature, avg_logprob=seg.avg_logprob, compression_ratio=seg.compression_ratio,
+                no_speech_prob=seg.no_speech_prob,
+            )
+            for seg in transcript.segments
+        ]
+        return json_response(Transcription(
+            transcript.text, usage, task="translate" if task == "translate" else "transcribe",
+            language=transcript.language, duration=round(transcript.duration, 3), segments=segments,
+        ))  # fmt: skip
+    if response_format == "text":
+        return Response(transcript.text + "\n", media_type="text/plain; charset=utf-8")
+    return Response(subtitles(transcript, vtt=response_format == "vtt"), media_type="text/plain; charset=utf-8")
+
+
+def subtitles(transcript: Transcript, *, vtt: bool) -> str:
+    """SubRip (numbered cues, ``00:00:01,000``) or WebVTT (a ``WEBVTT`` header, ``00:00:01.000``)."""
+    mark = "." if vtt else ","
+    cues = []
+    for index, segment in enumerate(transcript.segments, start=1):
+        span = f"{clock(segment.start, mark)} --> {clock(segment.end, mark)}"
+        text = segment.text.strip()
+        cues.append(f"{span}\n{text}\n" if vtt else f"{index}\n{span}\n{text}\n")
+    return ("WEBVTT\n\n" if vtt else "") + "\n".join(cues)
+
+
+def clock(seconds: float, mark: str) -> str:
+    millis = round(seconds * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    return f"{hours:02d}:{minutes:02d}:{millis // 1000:02d}{mark}{millis % 1000:03d}"
+
+
+def _text(form: Any, key: str) -> str | None:
+    value = form.get(key)
+    if value is None:
+        return None
+    if isinstance(value, UploadFile):
+        raise RequestError(f"{key} must be a text field, not a file", field=key)
+    return str(value)
+
+
+def _number(value: str | None, field: str) -> float:
+    if value is None or value == "":
+        return 0.0
+    try:
+        number = float(value)
+    except ValueError:
+        raise RequestError(f"{field} must be a number", field=field) from None
+    if not 0.0 <= number <= 1.0:
+        raise RequestError(f"{field} must lie in [0, 1]", field=field)
+    return number
