@@ -124,18 +124,21 @@ def fallback_model_types(host: PluginHost) -> set[str]:
 
 
 def missing_models(config: Config) -> list[Problem]:
-    """Model paths (and ``mmproj`` projector paths) that do not resolve to a file or folder."""
+    """Model paths (and ``mmproj`` projector paths, and LoRA adapter paths) that do not resolve to
+    a file or folder."""
     from mlxr_core.errors import ModelLoadError
     from mlxr_core.model.paths import resolve_model_path
 
     problems = []
     for index, model in enumerate(config.models):
-        paths = {"path": model.path}
+        paths: dict[tuple[str | int, ...], str] = {("path",): model.path}
         if model.mmproj is not None and model.mmproj.lower() != "none":
-            paths["mmproj"] = model.mmproj
+            paths[("mmproj",)] = model.mmproj
+        for j, adapter in enumerate(model.adapters):
+            paths[("adapters", j, "path")] = adapter.path
         for key, spec in paths.items():
             try:
                 resolve_model_path(spec, join=False)  # a check writes nothing
             except ModelLoadError as exc:
-                problems.append(Problem(("models", index, key), str(exc)))
+                problems.append(Problem(("models", index, *key), str(exc)))
     return problems

