@@ -31,6 +31,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxr_core.engine.request import ARRIVING
 from mlxr_core.errors import MlxrError
+from mlxr_core.http.context import REQUEST_ID
 
 if TYPE_CHECKING:
     from mlxr_core.engine.request import Arrivals
@@ -212,6 +213,7 @@ class RequestLog:
 
         arrival = self.arrivals.arrive() if self.arrivals is not None and scope.get("method") == "POST" else None
         arriving = ARRIVING.set(arrival)
+        naming = REQUEST_ID.set(request_id)
 
         async def send_with_id(message: Message) -> None:
             nonlocal status, sent
@@ -232,6 +234,7 @@ class RequestLog:
             if arrival is not None:
                 arrival.leave()
             ARRIVING.reset(arriving)
+            REQUEST_ID.reset(naming)
             seconds = time.perf_counter() - started
             # Litestar writes the matched route's template into the scope while routing.
             endpoint = scope.get("path_template") or UNMATCHED  # type: ignore[typeddict-item]

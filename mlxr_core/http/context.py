@@ -6,6 +6,7 @@ requests in flight it carries (:class:`InflightRequests`), which graceful shutdo
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
     from mlxr_core.engine.client import EngineClient
     from mlxr_core.engine.request import RequestHandle
     from mlxr_core.plugins import PluginHost
+
+#: The HTTP request id (``x-request-id``) of the request being served, set by
+#: :class:`~mlxr_core.http.access.RequestLog`: generation requests are tracked under it, so an
+#: operator can cancel one by id (``POST /v1/requests/{id}/cancel``).
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("mlxr_request_id", default=None)
 
 #: Threads that prepare long bodies at once: many such requests queue for these, not for the
 #: worker threads every other request is prepared on.
@@ -42,12 +48,28 @@ class InflightRequests:
         )
         #: Set by :func:`mlxr_core.http.server.drain`: new requests are refused with 503.
         self.draining = False
+        #: Request ids (the HTTP request's, a background response's) -> their handles.
+        self._ids: weakref.WeakValueDictionary[str, RequestHandle] = weakref.WeakValueDictionary()
 
     def __len__(self) -> int:
         return len(self._timers)
 
-    def add(self, handle: RequestHandle, timer: RequestTimer | None = None) -> None:
+    def add(self, handle: RequestHandle, timer: RequestTimer | None = None, request_id: str | None = None) -> None:
         self._timers[handle] = timer
+        if request_id is not None:
+            self.name(handle, request_id)
+
+    def name(self, handle: RequestHandle, request_id: str) -> None:
+        """Let ``request_id`` find ``handle`` (:meth:`cancel`)."""
+        self._ids[request_id] = handle
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel the running request named ``request_id``; whether one was running."""
+        handle = self._ids.get(request_id)
+        if handle is None or handle not in self._timers:
+            return False
+        handle.cancel()
+        return True
 
     def timer(self, handle: RequestHandle) -> RequestTimer | None:
         return self._timers.get(handle)

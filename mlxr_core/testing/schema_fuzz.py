@@ -17,6 +17,10 @@ UNSTATABLE = re.compile("|".join([
     "is not JSON", "does not parse", "cannot be enforced", "invalid JSON schema", "regex",
     "text_1 must be one text or as many as text_2", "distinct names", "not among tools",
     "an offered tool's name",
+    # Decisions' and compaction's rules between items (distinct choices and levels, text to ask
+    # about) and a compaction item's content, which only the server that wrote it can read.
+    "must be unique", "must read differently", "distinct labels", "needs instructions",
+    "decisions take text input", "not made by this server", "encrypted_content is damaged",
     # An upload's content, and the languages a speech model knows, or whether a model takes audio.
     "the audio", "does not transcribe audio", "does not know the language",
     # Rules between the grammar fields (mlxr_core.http.constraints), to state with the constraint limits.

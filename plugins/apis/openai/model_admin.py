@@ -1,7 +1,9 @@
 """``POST /v1/models/{id}/load`` and ``POST /v1/models/{id}/unload``: an operator loads or
-unloads a served model (:mod:`mlxr_core.engine.lifecycle`).
+unloads a served model (:mod:`mlxr_core.engine.lifecycle`); ``POST /v1/requests/{id}/cancel``:
+an operator cancels a running generation request by its id (the ``x-request-id`` every answer
+carries, or a background response's id), whatever API it came through and whoever sent it.
 
-Both are behind the server's API keys like every route (401 without a valid one); a server with no
+All are behind the server's API keys like every route (401 without a valid one); a server with no
 key answers them only when it listens on loopback, else 403 (anyone who can reach it could
 otherwise evict the models others use). Load waits until the model is loaded (at most
 ``engine.model_load_wait_s``, then 503); unload waits as long for the model's running requests to
@@ -19,6 +21,7 @@ from typing import Any
 from litestar import Request, post
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
+from litestar.params import FromPath
 from msgspec import Struct
 
 from mlxr_core.config.schema import is_loopback
@@ -38,6 +41,14 @@ class Forbidden(MlxrError):
     status = 403
 
 
+class RequestState(Struct):
+    """What ``cancel`` answers: the request and whether a running one was cancelled."""
+
+    id: str
+    cancelled: bool
+    object: str = "request"
+
+
 class ModelState(Struct):
     """What ``load`` and ``unload`` answer: the model and whether it is loaded now."""
 
@@ -52,13 +63,13 @@ def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRou
     server = connection.app.state["mlxr"].config.server
     if not server.api_keys and not is_loopback(server.host):
         raise Forbidden(
-            "loading and unloading models needs an API key on a server reachable from other machines: "
+            "loading and unloading models and cancelling requests need an API key on a server reachable from other machines: "
             "set server.api_keys (or MLXR_API_KEY)"
         )
 
 
 def model_admin_routes(ctx: ServerContext, paths: Any) -> list[Any]:
-    """The two routes, under the paths ``paths`` gives (``/v1`` and unprefixed)."""
+    """The routes, under the paths ``paths`` gives (``/v1`` and unprefixed)."""
 
     # Model names may hold slashes, so the action is the path's last segment.
     @post(
@@ -88,4 +99,20 @@ def model_admin_routes(ctx: ServerContext, paths: Any) -> list[Any]:
             await asyncio.wait_for(asyncio.wrap_future(engine.unload_model(served)), ctx.config.engine.model_load_wait_s)
         return ModelState(served, any(info.name == served for info, _ in engine.loaded_models()))
 
-    return [administer]
+    @post(
+        paths("/requests/{request_id:str}/cancel"),
+        status_code=200,
+        guards=[admin_guard],
+        operation_class=documented(error=s.ErrorBody),
+        summary="Cancel a running generation request by its id (x-request-id, or a background response's id)",
+    )
+    async def cancel(request_id: FromPath[str]) -> RequestState:
+        if not ctx.inflight.cancel(request_id):
+            raise RequestNotRunning(f"no running request with id {request_id[:64]!r}")
+        return RequestState(request_id, True)
+
+    return [administer, cancel]
+
+
+class RequestNotRunning(MlxrError):
+    status = 404

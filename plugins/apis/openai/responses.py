@@ -9,7 +9,10 @@ model's template renders, exactly as a chat completion's messages do (images loa
 parsers (reasoning, tool calls) and told as output items: ``reasoning``, ``message`` and
 ``function_call``. Streamed, it is the event sequence ``response.created``,
 ``response.in_progress``, per item ``output_item.added``, its deltas and ``output_item.done``, then
-``response.completed`` (or ``incomplete`` / ``failed``), each numbered.
+``response.completed`` (or ``incomplete`` / ``failed``), each numbered. With ``background``
+the response runs on after the request is answered (:mod:`mlxr_plugins.apis.openai.background`):
+polled with ``GET``, cancelled with ``POST /v1/responses/{id}/cancel``, its events streamed again
+from any number with ``GET ...?stream=true&starting_after=N``.
 With ``store`` (the default) the response, its input items and the conversation are kept in a
 bounded SQLite store (:mod:`mlxr_plugins.apis.openai.store`), each response for the API key that
 made it alone: to any other key (retrieve, ``input_items``, ``previous_response_id``, delete) it
@@ -18,17 +21,18 @@ is a 404, as if it did not exist.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, FromQuery, JSONBody
 from litestar.response import Stream
 
 from mlxr_core.chat.parsing import Text, Tool, ToolCall
@@ -69,6 +73,8 @@ from mlxr_core.http.openapi import documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.model.paths import data_dir
 from mlxr_plugins.apis.openai import responses_schemas as r
+from mlxr_plugins.apis.openai.background import BackgroundRuns, Run
+from mlxr_plugins.apis.openai.compact import compact, decode_summary, summary_message
 from mlxr_plugins.apis.openai.errors import error_body
 from mlxr_plugins.apis.openai.schemas import ErrorBody
 from mlxr_plugins.apis.openai.store import ResponseStore, Stored
@@ -195,6 +201,11 @@ def input_messages(
                            "call_id": item.call_id, "output": output})  # fmt: skip
         elif item.type == "reasoning":
             reasoning += _text_of(item.content, f"{param}.content") or _text_of(item.summary, f"{param}.summary")
+        elif item.type == "compaction":
+            summary = decode_summary(item.encrypted_content, f"{param}.encrypted_content")
+            messages.append(summary_message(summary))
+            listed.append({"type": "compaction", "id": item.id or f"cmp_{uuid.uuid4().hex}",
+                           "encrypted_content": item.encrypted_content})  # fmt: skip
         else:
             raise RequestError(f"input items of type {item.type!r} are not supported", field=f"{param}.type")
     return messages, listed
@@ -242,17 +253,22 @@ def text_constraint(ctx: ServerContext, text: r.TextConfig | None) -> Constraint
 class OutputBuilder:
     """A reply's pieces as output items, and the stream events that tell them as they come."""
 
-    def __init__(self, response: r.Response):
+    def __init__(self, response: r.Response, sink: Callable[[int, bytes], None] | None = None):
         self.response = response
         self.items: list[r.OutputItem] = response.output
         self.sequence = 0
+        #: Told every event with its number as it is made (a background run's record).
+        self.sink = sink
         self._open: r.MessageItem | r.ReasoningItem | None = None
         self._pending = ""  # blanks before any text of a message: dropped if no text follows
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
+        encoded = b"event: " + kind.encode() + b"\ndata: " + r.encoder.encode(data) + b"\n\n"
+        if self.sink is not None:
+            self.sink(self.sequence, encoded)
         self.sequence += 1
-        return b"event: " + kind.encode() + b"\ndata: " + r.encoder.encode(data) + b"\n\n"
+        return encoded
 
     def feed(self, pieces: Sequence[Text | ToolCall]) -> bytes:
         out = []
@@ -355,14 +371,18 @@ def output_messages(items: list[r.OutputItem]) -> list[dict[str, Any]]:
 class Responses:
     """The Responses API over a server context and its store (None: ``store`` is refused)."""
 
-    def __init__(self, ctx: ServerContext, store: ResponseStore | None):
+    def __init__(self, ctx: ServerContext, store: ResponseStore | None, runs: BackgroundRuns | None = None):
         self.ctx = ctx
         self.store = store
+        self.runs = runs if runs is not None else BackgroundRuns()
 
     async def create(self, body: r.ResponsesRequest, params: Any, request: Any) -> Any:
         """Answer ``body`` (``params``: its SamplingParams, from the shared mapping)."""
         ctx = self.ctx
         owner = key_owner(request)
+        if body.background and not (body.store and self.store is not None):
+            raise RequestError("background responses are stored: send store true (and keep "
+                               "openai.responses_store on)", field="background")  # fmt: skip
         previous = await self._previous(body.previous_response_id, owner)
         inputs = _history_images(previous.messages) if previous else []
         messages, listed = input_messages(body.input, inputs)
@@ -387,6 +407,8 @@ class Responses:
         )
         handle = submit(ctx, generation)
         response = self._response(body, tools, choice)
+        if body.background:
+            return await self._background(handle, setup.reader(), response, history, listed, info.tokenizer, owner, body.stream)
         if body.stream:
             return self._stream(handle, setup.reader(), response, history, listed, info.tokenizer, owner)
         reply = await collect(ctx, handle, request)
@@ -401,9 +423,39 @@ class Responses:
     # ``owner``: the requesting API key's owner id (None without keys); another key's responses
     # are not found.
 
-    async def get(self, response_id: str, owner: str | None) -> r.Response:
+    async def get(self, response_id: str, owner: str | None) -> r.Response | r.CompactedResponse:
+        run = self.runs.get(response_id, owner)
+        if run is not None:
+            return run.response
         stored = await self._load(response_id, owner)
+        if stored.response.get("object") == "response.compaction":
+            return msgspec.convert(stored.response, r.CompactedResponse)
         return msgspec.convert(stored.response, r.Response)
+
+    async def stream_again(self, response_id: str, owner: str | None, starting_after: int) -> Stream:
+        """A background response's events after number ``starting_after``, then the rest as they
+        come (leaving early leaves the response running)."""
+        run = self.runs.get(response_id, owner)
+        if run is None:
+            await self._load(response_id, owner)  # a 404 for an unknown id
+            raise RequestError("only a background response that is running or finished lately can be streamed "
+                               "again; GET it without stream", field="stream")  # fmt: skip
+        return Stream(run.follow(starting_after), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def cancel(self, response_id: str, owner: str | None) -> r.Response:
+        """End a background response (status ``cancelled``); one already ended is answered as it is."""
+        run = self.runs.get(response_id, owner)
+        if run is None:
+            response = await self.get(response_id, owner)
+            if not isinstance(response, r.Response) or not response.background:
+                raise RequestError("only background responses can be cancelled", field="response_id")
+            return response
+        if not run.done:
+            run.response.status = "cancelled"
+            run.handle.cancel()
+            if run.task is not None:
+                await asyncio.shield(run.task)
+        return run.response
 
     async def input_items(self, response_id: str, owner: str | None) -> r.InputItemList:
         items = (await self._load(response_id, owner)).input_items
@@ -466,39 +518,87 @@ class Responses:
         owner: str | None,
     ) -> Stream:
         builder = OutputBuilder(response)
-        body_store = response.store
-
-        async def events() -> AsyncIterator[bytes]:
-            stream = tracked_events(self.ctx, handle)
-            try:
-                yield builder.event("response.created", response=response)
-                yield builder.event("response.in_progress", response=response)
-                async for event in stream:
-                    if isinstance(event, Delta):
-                        if event.text:
-                            data = builder.feed(reader.feed(event.text))
-                            if data:
-                                yield data
-                        continue
-                    if isinstance(event, Failed) or event.reason == "cancelled":
-                        error = event.error if isinstance(event, Failed) else shutdown_cancelled()
-                        yield self._failed(builder, response, error)
-                        break
-                    yield builder.feed(reader.finish()) + builder.finish()
-                    settle(response, event, _count(tokenizer, response.output))
-                    if body_store and self.store is not None:
-                        item = Stored(response.id, response.model, msgspec.to_builtins(response), listed,
-                                      history + output_messages(response.output), owner)  # fmt: skip
-                        await anyio.to_thread.run_sync(self.store.put, item)
-                    kind = "response.completed" if response.status == "completed" else "response.incomplete"
-                    yield builder.event(kind, response=response)
-            finally:
-                await stream.aclose()
+        events = self._events(handle, reader, builder, history, listed, tokenizer, owner)
 
         async def cancel() -> None:
             handle.cancel()
 
-        return Stream(events(), media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(cancel))
+        return Stream(events, media_type="text/event-stream", headers=SSE_HEADERS, background=BackgroundTask(cancel))
+
+    async def _background(
+        self,
+        handle: RequestHandle,
+        reader: ReplyReader,
+        response: r.Response,
+        history: list[dict[str, Any]],
+        listed: list[dict[str, Any]],
+        tokenizer: Any,
+        owner: str | None,
+        stream: bool,
+    ) -> Any:
+        """Start ``response`` as a background run: stored as ``queued`` at once, then driven by a
+        task of its own; answered now (``stream``: its events, followed)."""
+        response.background, response.status = True, "queued"
+        run = Run(response, owner, handle)
+        self.ctx.inflight.name(handle, response.id)  # an operator may cancel it by this id too
+        await self._put(response, listed, history, owner)
+        builder = OutputBuilder(response, sink=run.record)
+        self.runs.start(run, self._events(handle, reader, builder, history, listed, tokenizer, owner))
+        if stream:
+            return Stream(run.follow(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return response
+
+    async def _events(
+        self,
+        handle: RequestHandle,
+        reader: ReplyReader,
+        builder: OutputBuilder,
+        history: list[dict[str, Any]],
+        listed: list[dict[str, Any]],
+        tokenizer: Any,
+        owner: str | None,
+    ) -> AsyncIterator[bytes]:
+        """The stream of one response's events, the response stored (where asked) at its end."""
+        response = builder.response
+        stream = tracked_events(self.ctx, handle)
+        try:
+            if response.status == "queued":
+                yield builder.event("response.queued", response=response)
+            response.status = "in_progress"
+            yield builder.event("response.created", response=response)
+            yield builder.event("response.in_progress", response=response)
+            async for event in stream:
+                if isinstance(event, Delta):
+                    if event.text:
+                        data = builder.feed(reader.feed(event.text))
+                        if data:
+                            yield data
+                    continue
+                if response.status == "cancelled":  # POST .../cancel
+                    yield builder.feed(reader.finish()) + builder.finish()
+                    await self._put(response, listed, history, owner)
+                    break
+                if isinstance(event, Failed) or event.reason == "cancelled":
+                    error = event.error if isinstance(event, Failed) else shutdown_cancelled()
+                    yield self._failed(builder, response, error)
+                    if response.background:
+                        await self._put(response, listed, history, owner)
+                    break
+                yield builder.feed(reader.finish()) + builder.finish()
+                settle(response, event, _count(tokenizer, response.output))
+                await self._put(response, listed, history, owner)
+                kind = "response.completed" if response.status == "completed" else "response.incomplete"
+                yield builder.event(kind, response=response)
+        finally:
+            await stream.aclose()
+
+    async def _put(
+        self, response: r.Response, listed: list[dict[str, Any]], history: list[dict[str, Any]], owner: str | None
+    ) -> None:
+        if response.store and self.store is not None:
+            item = Stored(response.id, response.model, msgspec.to_builtins(response), listed,
+                          history + output_messages(response.output), owner)  # fmt: skip
+            await anyio.to_thread.run_sync(self.store.put, item)
 
     @staticmethod
     def _failed(builder: OutputBuilder, response: r.Response, error: MlxrError) -> bytes:
@@ -532,8 +632,10 @@ def response_routes(ctx: ServerContext) -> list[Any]:
                                         max_items=config.max_items))  # fmt: skip
         return opened[0]
 
+    runs = BackgroundRuns()
+
     def api() -> Responses:
-        return Responses(ctx, store())
+        return Responses(ctx, store(), runs)
 
     @post(paths("/responses"), status_code=200, operation_class=documented(
         response=r.Response, error=ErrorBody, stream=EventStream("text/event-stream", (r.StreamEvent,))))  # fmt: skip
@@ -546,13 +648,28 @@ def response_routes(ctx: ServerContext) -> list[Any]:
         reply = await api().create(body, params, request)
         return reply if isinstance(reply, Stream) else json_response(reply)
 
+    @post(paths("/responses/compact"), status_code=200, operation_class=documented(
+        response=r.CompactedResponse, error=ErrorBody))  # fmt: skip
+    async def compact_route(data: JSONBody[r.CompactRequest], request: Request[Any, Any, Any]) -> Response[Any]:
+        return json_response(await compact(api(), data, request))
+
     path = "/responses/{response_id:str}"
 
     errors = documented(error=ErrorBody)
 
-    @get(paths(path), operation_class=errors)
-    async def retrieve(response_id: FromPath[str], request: Request[Any, Any, Any]) -> r.Response:
-        return await api().get(response_id, key_owner(request))
+    @get(paths(path), operation_class=documented(
+        response=r.Response, error=ErrorBody, stream=EventStream("text/event-stream", (r.StreamEvent,))))  # fmt: skip
+    async def retrieve(
+        response_id: FromPath[str], request: Request[Any, Any, Any],
+        stream: FromQuery[bool] = False, starting_after: FromQuery[int] = -1,
+    ) -> Response[Any]:  # fmt: skip
+        if stream:
+            return await api().stream_again(response_id, key_owner(request), starting_after)
+        return json_response(await api().get(response_id, key_owner(request)))
+
+    @post(paths(path + "/cancel"), status_code=200, operation_class=errors)
+    async def cancel(response_id: FromPath[str], request: Request[Any, Any, Any]) -> r.Response:
+        return await api().cancel(response_id, key_owner(request))
 
     @delete(paths(path), status_code=200, operation_class=errors)
     async def remove(response_id: FromPath[str], request: Request[Any, Any, Any]) -> r.Deleted:
@@ -562,4 +679,4 @@ def response_routes(ctx: ServerContext) -> list[Any]:
     async def input_items(response_id: FromPath[str], request: Request[Any, Any, Any]) -> r.InputItemList:
         return await api().input_items(response_id, key_owner(request))
 
-    return [create, retrieve, remove, input_items]
+    return [create, compact_route, retrieve, remove, input_items, cancel]

@@ -39,13 +39,14 @@ def parts(part: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Each input item's needs by ``type`` (a message when it has none).
-ITEM_RULES = {"properties": {"type": {"enum": ["message", "function_call", "function_call_output", "reasoning"]}}, "allOf": [
+ITEM_RULES = {"properties": {"type": {"enum": ["message", "function_call", "function_call_output", "reasoning", "compaction"]}}, "allOf": [
     {"if": {"properties": {"type": {"const": "message"}}},
      "then": {"required": ["role"], "properties": {"role": {"enum": ROLES}, "content": parts(PART)}}},
     when("type", "function_call", {"required": ["call_id", "name"], "properties": {"call_id": NAME, "name": NAME}}),
     when("type", "function_call_output", {"required": ["call_id"], "properties": {"call_id": NAME, "output": parts(TEXT_PART)}}),
     when("type", "reasoning", {"properties": {"content": parts(TEXT_PART),
                                               "summary": {"type": ["array", "null"], "items": TEXT_PART}}}),
+    when("type", "compaction", {"required": ["encrypted_content"], "properties": {"encrypted_content": STRING}}),
 ]}  # fmt: skip
 
 
@@ -64,8 +65,9 @@ class ContentPart(Struct, forbid_unknown_fields=False):
 
 class InputItem(Struct, forbid_unknown_fields=False):
     """One item of ``input``: a message (``type`` ``message`` or absent, ``role``, ``content``), a
-    ``function_call`` the model made earlier, the ``function_call_output`` answering it, or a
-    ``reasoning`` item an earlier response returned."""
+    ``function_call`` the model made earlier, the ``function_call_output`` answering it, a
+    ``reasoning`` item an earlier response returned, or the ``compaction`` item of
+    ``/v1/responses/compact`` (``encrypted_content``)."""
 
     type: str = "message"
     role: str | None = None
@@ -77,6 +79,7 @@ class InputItem(Struct, forbid_unknown_fields=False):
     output: str | list[ContentPart] | None = None
     summary: list[ContentPart] | None = None
     status: str | None = None
+    encrypted_content: str | None = None
 
 
 Item = Annotated[InputItem, Meta(extra_json_schema=ITEM_RULES)]
@@ -138,6 +141,9 @@ class ResponsesFields(Struct, forbid_unknown_fields=False):
     previous_response_id: str | None = None
     store: Annotated[bool, Meta(description="false: the response is not kept, so no later request finds it by id")] = True
     stream: bool = False
+    #: Run on after the request is answered: poll with GET, cancel with POST .../cancel, stream
+    #: (again) with GET ?stream=true&starting_after=N. Needs ``store``.
+    background: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
@@ -145,8 +151,9 @@ class ResponsesFields(Struct, forbid_unknown_fields=False):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-#: A Responses body: a ``tool_choice`` that forces a call needs tools.
-ResponsesRequest = Annotated[ResponsesFields, Meta(extra_json_schema=FORCED_NEEDS_TOOLS)]
+#: A Responses body: a ``tool_choice`` that forces a call needs tools; ``background`` needs ``store``.
+ResponsesRequest = Annotated[ResponsesFields, Meta(extra_json_schema={"allOf": [
+    FORCED_NEEDS_TOOLS, when("background", True, {"properties": {"store": {"const": True}}})]})]  # fmt: skip
 
 
 # -- the response ------------------------------------------------------------------------------
@@ -218,8 +225,9 @@ class Response(Struct, omit_defaults=False):
     created_at: int
     model: str
     output: list[OutputItem]
-    status: Literal["completed", "incomplete", "failed", "in_progress"]
+    status: Literal["completed", "incomplete", "failed", "in_progress", "cancelled", "queued"]
     object: str = "response"
+    background: bool = False
     error: ResponseError | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None
@@ -237,6 +245,51 @@ class Response(Struct, omit_defaults=False):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class CompactFields(Struct, forbid_unknown_fields=False):
+    """``POST /v1/responses/compact``: the conversation (``input`` after ``previous_response_id``'s),
+    summarized by the model. ``prompt_cache_key`` and the like are accepted and ignored."""
+
+    model: str
+    input: Annotated[str, Meta(min_length=1)] | Annotated[list[Item], Meta(min_length=1)] | None = None
+    instructions: str | None = None
+    previous_response_id: str | None = None
+
+
+#: A compaction's body: something to compact, ``input`` or ``previous_response_id``.
+CompactRequest = Annotated[CompactFields, Meta(extra_json_schema={"anyOf": [
+    {"required": ["input"], "properties": {"input": {"not": {"type": "null"}}}},
+    {"required": ["previous_response_id"], "properties": {"previous_response_id": {"type": "string"}}},
+]})]  # fmt: skip
+
+
+class CompactionItem(Struct, tag_field="type", tag="compaction", omit_defaults=False):
+    """The summary of a compacted conversation; ``encrypted_content`` is opaque to clients, who
+    send the item back as input (here: the summary's text, encoded, not encrypted)."""
+
+    id: str
+    encrypted_content: str
+    created_by: str | None = None
+
+
+class UserMessageItem(Struct, tag_field="type", tag="message", omit_defaults=False):
+    """A user message a compaction keeps as it was."""
+
+    id: str
+    content: list[dict[str, Any]]
+    role: str = "user"
+    status: str = "completed"
+
+
+class CompactedResponse(Struct, omit_defaults=False):
+    """``/v1/responses/compact``'s answer: the conversation's user messages, then one compaction item."""
+
+    id: str
+    created_at: int
+    output: list[UserMessageItem | CompactionItem]
+    usage: ResponseUsage
+    object: str = "response.compaction"
 
 
 class InputItemList(Struct, omit_defaults=False):

@@ -1,0 +1,107 @@
+"""Background responses through the official ``openai`` client over a real socket (a scripted
+engine): ``background: true``, polling, streaming again from an event number, cancel; and an
+operator's cancel of any running request by its id."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from scripted import FakeEngine, ThreadedServer, make_ctx
+
+from mlxr_core.config.schema import ResponsesStoreConfig, ServerConfig
+from mlxr_core.http.server import build_app
+
+
+@pytest.fixture
+def fake() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture
+def url(fake: FakeEngine, tmp_path: Path) -> Iterator[str]:
+    server = ServerConfig(responses_store=ResponsesStoreConfig(path=str(tmp_path / "responses.sqlite3")))
+    with ThreadedServer(build_app(make_ctx(fake, server=server))) as base:
+        yield base
+
+
+@pytest.fixture
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def wait_for(client: openai.OpenAI, response_id: str, statuses: tuple[str, ...]) -> openai.types.responses.Response:
+    deadline = time.monotonic() + 20
+    while True:
+        response = client.responses.retrieve(response_id)
+        if response.status in statuses:
+            return response
+        assert time.monotonic() < deadline, f"still {response.status}"
+        time.sleep(0.02)
+
+
+def test_a_background_response_is_polled_to_its_end(client: openai.OpenAI, fake: FakeEngine) -> None:
+    fake.token_delay_s = 0.01
+    started = client.responses.create(model="fake", input="hi", background=True)
+    assert started.background and started.status in ("queued", "in_progress")
+    done = wait_for(client, started.id, ("completed", "incomplete"))
+    assert done.usage is not None and done.output_text == FakeEngine.REPLY[: done.usage.output_tokens]
+    # A follow-up continues it like any stored response.
+    client.responses.create(model="fake", input="more", previous_response_id=started.id)
+    assert done.output_text in bytes(fake.requests[-1].prompt_ids).decode()
+
+
+def test_streaming_again_from_an_event_number(client: openai.OpenAI, fake: FakeEngine) -> None:
+    fake.token_delay_s = 0.005
+    events = list(client.responses.create(model="fake", input="hi", background=True, stream=True))
+    numbers = [event.sequence_number for event in events]
+    assert numbers == list(range(len(events))) and events[0].type == "response.queued"
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    response_id = events[-1].response.id
+    again = list(client.responses.retrieve(response_id, stream=True, starting_after=4))
+    assert [event.sequence_number for event in again] == numbers[5:]
+    assert [event.model_dump() for event in again] == [event.model_dump() for event in events[5:]]
+
+
+def test_cancel_ends_a_running_background_response(client: openai.OpenAI, fake: FakeEngine) -> None:
+    fake.endless = True
+    started = client.responses.create(model="fake", input="hi", background=True)
+    wait_for(client, started.id, ("in_progress",))
+    cancelled = client.responses.cancel(started.id)
+    assert cancelled.status == "cancelled" and fake.handles[-1].cancelled
+    assert client.responses.retrieve(started.id).status == "cancelled"
+    assert client.responses.cancel(started.id).status == "cancelled"  # again: as it is
+
+
+def test_background_needs_store_and_only_background_responses_cancel(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as error:
+        client.responses.create(model="fake", input="hi", background=True, store=False)
+    assert error.value.body["param"] == "background"  # type: ignore[index]
+    plain = client.responses.create(model="fake", input="hi")
+    with pytest.raises(openai.BadRequestError):
+        client.responses.cancel(plain.id)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.retrieve(plain.id, stream=True)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel("resp_missing")
+
+
+def test_an_operator_cancels_any_running_request_by_id(url: str, fake: FakeEngine) -> None:
+    fake.endless = True
+    with httpx.Client(base_url=url, timeout=30) as http, http.stream(
+        "POST", "/v1/chat/completions", headers={"x-request-id": "job-42"},
+        json={"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+    ) as stream:  # fmt: skip
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        answer = http.post("/v1/requests/job-42/cancel", json={})
+        assert answer.status_code == 200 and answer.json() == {"id": "job-42", "cancelled": True, "object": "request"}
+        assert fake.handles[-1].cancelled
+        rest = list(lines)
+    assert rest  # the stream ends
+    missing = httpx.post(f"{url}/v1/requests/job-42/cancel", json={})
+    assert missing.status_code == 404 and "error" in missing.json()
