@@ -39,6 +39,7 @@ from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_plugins.apis.openai import schemas as s
 from mlxr_plugins.apis.openai.audio import audio_routes
+from mlxr_plugins.apis.openai.decisions import decision_routes
 from mlxr_plugins.apis.openai.embeddings import (
     EmbeddingList,
     EmbeddingRequest,
@@ -115,7 +116,7 @@ def make_router(ctx: ServerContext) -> Router:
         path="/",
         route_handlers=[
             chat_completions, completions, models, model, embeddings, *response_routes(ctx),
-            *model_admin_routes(ctx, paths), *audio_routes(ctx, paths),
+            *model_admin_routes(ctx, paths), *decision_routes(ctx, paths), *audio_routes(ctx, paths),
         ],
         exception_handlers=EXCEPTION_HANDLERS,
         tags=["openai"],
