@@ -154,9 +154,10 @@ async def client(
                         tally["lost"] += 1
                         tally["lost_detail"].append(f"{kind} {reply.status_code}")
                         continue
-                    seen, final = 0, False
+                    seen, final, last = 0, False, []
                     async for line in reply.aiter_lines():
                         seen += 1
+                        last = [*last[-2:], line[:200]] if line else last
                         if FINAL[stream] in line.replace(" ", ""):
                             final = True
                         if leave and seen >= 3:
@@ -167,7 +168,7 @@ async def client(
                         tally["completed"] += 1
                     else:
                         tally["lost"] += 1
-                        tally["lost_detail"].append(f"{kind}: no final event after {seen} lines")
+                        tally["lost_detail"].append(f"{kind}: no final event after {seen} lines: {last}")
             except httpx.HTTPError as exc:
                 tally["lost"] += 1
                 tally["lost_detail"].append(f"{kind}: {type(exc).__name__}: {exc}")
