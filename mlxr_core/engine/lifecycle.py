@@ -100,9 +100,11 @@ class ModelSlot:
         return time.time() + max(0.0, self.last_used + self.keep_alive - now)
 
 
-def estimated_footprint(path: Path, mmproj: str | None = None) -> int:
+def estimated_footprint(path: Path, mmproj: str | None = None, stream_cache: int | None = None) -> int:
     """The bytes of a model's weight files, with its projector file's (``models[].mmproj``, or
-    the ``mmproj*.gguf`` beside a GGUF): its footprint before it has ever loaded."""
+    the ``mmproj*.gguf`` beside a GGUF): its footprint before it has ever loaded. With
+    ``stream_cache`` (its experts streamed into a cache of that many bytes), the files' tensors but
+    the experts, and the cache."""
     from mlxr_core.model.paths import resolve_projector
 
     try:
@@ -110,11 +112,22 @@ def estimated_footprint(path: Path, mmproj: str | None = None) -> int:
     except MlxrError:  # the load says what is wrong with it
         projector = None
     extra = projector.stat().st_size if projector is not None and projector.is_file() else 0
+    if stream_cache is not None:
+        from mlxr_core.model.experts.wiring import resident_file_bytes
+
+        resident = resident_file_bytes(path)
+        if resident is not None:
+            return resident + stream_cache + extra
     if path.is_file():
         return path.stat().st_size + extra
     if path.is_dir():
         return sum(f.stat().st_size for f in path.rglob("*") if f.suffix in WEIGHT_SUFFIXES and f.is_file()) + extra
     return extra
+
+
+def _stream_cache(model: ModelConfig) -> int | None:
+    """``models[].experts.cache_bytes`` of a model whose experts stream, else None."""
+    return model.experts.cache_bytes if model.experts.residency == "stream" else None
 
 
 def model_footprint(
@@ -136,7 +149,7 @@ class ModelLifecycle:
     def __init__(self, config: Config, names: list[str], paths: list[Path]):
         self.budget = config.engine.memory_budget_bytes
         self.slots = {
-            name: ModelSlot(index, model, name, path, footprint=estimated_footprint(path, model.mmproj),
+            name: ModelSlot(index, model, name, path, footprint=estimated_footprint(path, model.mmproj, _stream_cache(model)),
                             keep_alive=model.idle_unload_seconds)
             for index, (model, name, path) in enumerate(zip(config.models, names, paths, strict=True))
         }  # fmt: skip

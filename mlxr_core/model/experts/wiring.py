@@ -13,8 +13,11 @@ more than rename and stack (splitting a fused tensor) is refused with the reason
 
 from __future__ import annotations
 
+import json
 import re
+import struct
 from collections.abc import Mapping
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,6 +42,34 @@ FIELD = "models[].experts"
 def is_expert_tensor(name: str) -> bool:
     """Whether the checkpoint tensor ``name`` holds routed experts (see :data:`EXPERT_TENSOR`)."""
     return EXPERT_TENSOR.search(name) is not None
+
+
+#: llama.cpp's names of routed experts: stacked (``blk.0.ffn_up_exps.weight``) or per expert
+#: (older Mixtral files: ``blk.0.ffn_up.3.weight``).
+GGUF_EXPERT_TENSOR = re.compile(r"_exps\.|\.ffn_(?:gate|up|down)\.\d+\.")
+
+
+def resident_file_bytes(path: Path) -> int | None:
+    """The bytes of a checkpoint's tensors that stay resident when its experts stream (all but
+    the routed experts), from the files' headers alone: a GGUF file or a folder of safetensors
+    files; None for anything else or a header that cannot be read (the load then says why)."""
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            import gguf
+
+            reader = gguf.GGUFReader(path)
+            return sum(int(t.n_bytes) for t in reader.tensors if not GGUF_EXPERT_TENSOR.search(t.name))
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        total = 0
+        for file in files:
+            with open(file, "rb") as handle:
+                (length,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(length))
+            total += sum(end - begin for name, entry in header.items() if name != "__metadata__"
+                         and not is_expert_tensor(name) for begin, end in [entry["data_offsets"]])  # fmt: skip
+        return total if files else None
+    except Exception:  # an unreadable header: the load reports it
+        return None
 
 
 def tag_stored(checkpoint: Checkpoint) -> tuple[dict[str, mx.array], list[str]]:

@@ -81,3 +81,32 @@ def test_streaming_a_model_without_experts_is_refused_naming_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"no mixture of experts") as caught:
         load_model(ModelConfig(path=str(path), experts=ExpertsConfig(residency="stream")), load_plugins().registries)
     assert caught.value.field == "models[].experts"
+
+
+def test_the_budget_estimate_of_a_streamed_model_counts_its_resident_tensors_and_cache(tmp_path):
+    """Before its first load, a streamed model counts the files' tensors but the routed experts
+    (headers only), and its cache; resident, the whole files."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from mlxr_core.engine.lifecycle import estimated_footprint
+
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"model.embed_tokens.weight": np.zeros((10, 4), np.float32),
+               "model.layers.0.mlp.experts.3.up_proj.weight": np.zeros((100, 4), np.float32),
+               "model.layers.0.mlp.shared_experts.up_proj.weight": np.zeros((5, 4), np.float32)},
+              folder / "model.safetensors")  # fmt: skip
+    assert estimated_footprint(folder, stream_cache=1000) == (10 + 5) * 16 + 1000
+    assert estimated_footprint(folder) == (folder / "model.safetensors").stat().st_size
+
+    path = tmp_path / "moe.gguf"
+    writer = gguf.GGUFWriter(path, "qwen3moe")
+    writer.add_tensor("token_embd.weight", np.zeros((10, 4), np.float32))
+    writer.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((8, 100, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert estimated_footprint(path, stream_cache=1000) == 10 * 16 + 1000
