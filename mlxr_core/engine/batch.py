@@ -596,18 +596,33 @@ class BatchRunner:
         drafts = [self._draft(seq) for seq in self.running]
         inputs, longest = draft_inputs(values, drafts)
         caches: list[Any] = self.caches
-        if longest == 0:
-            logits = self.model.decode(inputs[:, 0], caches, batch_mask(caches))[:, None]
-        else:
-            index = attending_layer(caches)
-            mask = caches[index].draft_mask(longest + 1) if index is not None else None
-            logits = self.model.model(inputs, cache=caches, mask=mask)
+        lost: dict[int, BaseException] = {}  # rows whose streamed experts could not be read
+        with self._expert_failures(lost):
+            logits = self._verify_pass(inputs, longest, caches)
         emitted, failed = verify_rows(logits, drafts, [seq.sampler for seq in self.running])
+        for row, error in lost.items():
+            failed.setdefault(row, error)
         if longest:
             drop = [longest + 1 - len(tokens) for tokens in emitted]
             for cache in caches:
                 cache.rollback(drop)
         self._after_verify(logits, drafts, emitted, failed)
+
+    def _verify_pass(self, inputs: mx.array, longest: int, caches: list[Any]) -> mx.array:
+        """The logits ``[B, longest + 1, vocab]`` of every row's pending token and draft."""
+        if longest == 0:
+            return self.model.decode(inputs[:, 0], caches, batch_mask(caches))[:, None]
+        index = attending_layer(caches)
+        mask = caches[index].draft_mask(longest + 1) if index is not None else None
+        recurrent = [cache for cache in caches if hasattr(cache, "keep_positions")]
+        for cache in recurrent:  # their layers keep each position's states (see rollback)
+            cache.keeps_positions = True
+        try:
+            logits: mx.array = self.model.model(inputs, cache=caches, mask=mask)
+        finally:
+            for cache in recurrent:
+                cache.keeps_positions = False
+        return logits
 
     def _after_verify(
         self,

@@ -12,15 +12,16 @@ goes, whatever size its header claims). The seconds
 are checked twice: from the header's frame count before a sample is decoded, and while decoding,
 which reads at most the limit's frames and one more, so a compressed file of silence that claims
 a few seconds but holds hours (a FLAC of zeros is some hundred bytes a minute) never expands past
-the limit, whatever its header says. Decoded samples are the memory a file costs: the limit's
-seconds at the file's rate and channels, as float32.
+the limit, whatever its header says. Each block read is mixed to mono and resampled before the
+next is read, so a file costs the model's rate in mono float32 for its seconds (at most the
+limit's: 115 MB for 1800 s at 16 kHz), whatever its channels and rate.
 """
 
 from __future__ import annotations
 
 import io
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -82,10 +83,10 @@ def decode_audio(raw: bytes, limits: AudioLimits, *, sample_rate: int, field: st
             rate, channels = int(sound.samplerate), int(sound.channels)
             declared = int(sound.frames)
             check_header(rate, channels, declared, limits, field)
-            samples = read_within(sound, math.floor(limits.max_seconds * rate), field)
-            if declared < UNKNOWN_FRAMES and len(samples) < declared:
+            read, samples = read_within(sound, math.floor(limits.max_seconds * rate), sample_rate, field)
+            if declared < UNKNOWN_FRAMES and read < declared:
                 raise RequestError(
-                    f"the audio file ends after {len(samples)} of the {declared} frames its header declares "
+                    f"the audio file ends after {read} of the {declared} frames its header declares "
                     "(an upload cut short?)", field=field,
                 )  # fmt: skip
     except soundfile.LibsndfileError as exc:
@@ -94,11 +95,9 @@ def decode_audio(raw: bytes, limits: AudioLimits, *, sample_rate: int, field: st
         raise Overloaded("the server ran out of memory decoding the audio; retry later", field=field) from None
     except (RuntimeError, ValueError, TypeError) as exc:  # a header libsndfile takes but cannot decode
         raise RequestError(f"the audio file cannot be decoded: {exc}", field=field) from None
-    if len(samples) == 0:
+    if read == 0:
         raise RequestError("the audio file holds no samples", field=field)
-    mono = samples.mean(axis=1) if samples.shape[1] > 1 else samples[:, 0]
-    mono = np.nan_to_num(mono, nan=0.0, posinf=1.0, neginf=-1.0).clip(-1.0, 1.0)
-    return Audio(resample(mono.astype(np.float32), rate, sample_rate), sample_rate)
+    return Audio(samples, sample_rate)
 
 
 def check_header(rate: int, channels: int, frames: int, limits: AudioLimits, field: str) -> None:
@@ -116,36 +115,47 @@ def check_header(rate: int, channels: int, frames: int, limits: AudioLimits, fie
         raise _too_long(frames / rate, limits, field)
 
 
-def read_within(sound: object, max_frames: int, field: str) -> np.ndarray:
-    """At most ``max_frames`` frames of an open ``soundfile.SoundFile``, ``[frames, channels]``
-    float32; a RequestError when more follow (found by reading one frame past the limit)."""
-    blocks: list[np.ndarray] = []
+def read_within(sound: Any, max_frames: int, sample_rate: int, field: str) -> tuple[int, np.ndarray]:
+    """At most ``max_frames`` frames of an open ``soundfile.SoundFile``, read a block at a time,
+    each mixed to mono and resampled to ``sample_rate`` as it comes (so memory holds the mono
+    result, not the file's channels at its rate); the frames read and the samples. A
+    RequestError when more frames follow (found by reading one frame past the limit)."""
+    resampler = Resampler(int(sound.samplerate), sample_rate)
+    parts: list[np.ndarray] = []
     total = 0
     while True:
         want = min(BLOCK_FRAMES, max_frames + 1 - total)
-        block = sound.read(want, dtype="float32", always_2d=True)  # type: ignore[attr-defined]
-        blocks.append(block)
+        block = sound.read(want, dtype="float32", always_2d=True)
         total += len(block)
         if total > max_frames:
-            rate = sound.samplerate  # type: ignore[attr-defined]
             raise RequestError(
-                f"the audio lasts more than server.max_audio_seconds ({max_frames / rate:g} s)", field=field
+                f"the audio lasts more than server.max_audio_seconds ({max_frames / sound.samplerate:g} s)", field=field
             )  # fmt: skip
-        if len(block) < want:
-            break
-    channels = blocks[0].shape[1] if blocks else 1
-    return np.concatenate(blocks) if blocks else np.zeros((0, channels), np.float32)
+        mono = block.mean(axis=1) if block.shape[1] > 1 else block[:, 0]
+        mono = np.nan_to_num(mono, nan=0.0, posinf=1.0, neginf=-1.0).clip(-1.0, 1.0)
+        last = len(block) < want
+        parts.append(resampler(mono.astype(np.float32), last=last))
+        if last:
+            return total, np.concatenate(parts).astype(np.float32, copy=False)
 
 
-def resample(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
-    """``samples`` (mono float32) from ``rate`` to ``target`` Hz: libsoxr's high-quality filter."""
-    if rate == target:
-        return samples
-    try:
-        import soxr
-    except ImportError:
-        raise MissingDependency("soxr", "resampling audio", extra="audio") from None
-    return np.asarray(soxr.resample(samples, rate, target), dtype=np.float32)
+class Resampler:
+    """Mono float32 blocks from ``rate`` to ``target`` Hz as a stream: libsoxr's high-quality
+    filter (its state carried from block to block, so the blocks join as one signal would)."""
+
+    def __init__(self, rate: int, target: int):
+        self.stream: Any = None
+        if rate != target:
+            try:
+                import soxr
+            except ImportError:
+                raise MissingDependency("soxr", "resampling audio", extra="audio") from None
+            self.stream = soxr.ResampleStream(rate, target, 1, dtype="float32")
+
+    def __call__(self, block: np.ndarray, *, last: bool) -> np.ndarray:
+        if self.stream is None:
+            return block
+        return np.asarray(self.stream.resample_chunk(block, last=last), dtype=np.float32)
 
 
 def _too_long(seconds: float, limits: AudioLimits, field: str) -> RequestError:

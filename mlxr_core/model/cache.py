@@ -129,8 +129,9 @@ def batch_mask(caches: Sequence[Any]) -> mx.array | None:
 
 def rolls_back(caches: Sequence[Any]) -> bool:
     """Whether every batch cache of ``caches`` can forget each row's rejected draft tokens alone
-    (``rollback(drop)``): attention caches can; a recurrent state has kept no earlier state, and
-    a cache may say it cannot (``rolls_back = False``)."""
+    (``rollback(drop)``): attention caches trim, mlxr's recurrent layers keep the states of the
+    verified span (:meth:`BatchStateCache.keep_positions`); a cache may say it cannot
+    (``rolls_back = False``: the mlx-lm bridge's recurrent layers, TurboQuant's tail)."""
     return all(callable(getattr(cache, "rollback", None)) and getattr(cache, "rolls_back", True) for cache in caches)
 
 
@@ -696,6 +697,36 @@ class BatchStateCache:
         self.lengths = None
         #: An empty cache of the rows' kind and shapes (what :meth:`extract` fills).
         self.template = template
+        #: Set around a verification pass of drafts: the layer then hands over the states after
+        #: each position (:meth:`keep_positions`), which :meth:`rollback` picks from per row.
+        self.keeps_positions = False
+        self._spans: tuple[list[mx.array], list[mx.array]] | None = None
+
+    @property
+    def rolls_back(self) -> bool:
+        """mlxr's own recurrent layers (a :class:`RecurrentCache`'s) keep the states of a verified
+        span; other layers (the mlx-lm bridge's) do not, so their rows draft nothing."""
+        return isinstance(self.template, RecurrentCache)
+
+    def keep_positions(self, convs: list[mx.array], states: list[mx.array]) -> None:
+        """The convolution states and recurrent states after each position of a verified span
+        (``[B, ...]`` each, in order), for :meth:`rollback`."""
+        self._spans = (convs, states)
+
+    def rollback(self, drop: Sequence[int]) -> None:
+        """Undo the last ``drop[i]`` positions of row ``i``: its states become those after its
+        last kept position of the verified span."""
+        spans, self._spans = self._spans, None
+        if not any(drop):
+            return
+        if spans is None:
+            raise ValueError("a recurrent state can only roll back a span whose states it kept")
+        convs, states = spans
+        length = len(convs)
+        rows = mx.arange(len(drop))
+        index = mx.array([length - 1 - n for n in drop])
+        self.arrays = [mx.stack(convs, axis=1)[rows, index], mx.stack(states, axis=1)[rows, index]]
+        self.positions = [n - d for n, d in zip(self.positions, drop, strict=True)]
 
     __getitem__ = StateCache.__getitem__
     __setitem__ = StateCache.__setitem__

@@ -95,14 +95,15 @@ class LogMel:
     def spectrogram(self, samples: np.ndarray) -> np.ndarray:
         """``[feature_size, len(samples) // hop_length]`` for ``samples`` as they are."""
         half = self.n_fft // 2
-        signal = np.pad(samples.astype(np.float64), (half, half), mode="reflect")
+        signal = np.pad(samples.astype(np.float32), (half, half), mode="reflect")
         count = 1 + (len(signal) - self.n_fft) // self.hop_length
         window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(self.n_fft) / self.n_fft)  # periodic Hann
-        power = np.empty((count, self.n_fft // 2 + 1), np.float64)
-        step = 4096  # frames per FFT batch: bounded memory for an hour of sound
+        mel = np.empty((count, self.feature_size), np.float32)
+        step = 4096  # frames per FFT batch: an hour of sound never holds its whole power spectrum
         for start in range(0, count, step):
             index = (np.arange(start, min(start + step, count)) * self.hop_length)[:, None] + np.arange(self.n_fft)
-            power[start : start + len(index)] = np.abs(np.fft.rfft(signal[index] * window, axis=-1)) ** 2
-        mel = np.log10(np.maximum(power @ self.filters, 1e-10)).T[:, :-1]
+            power = np.abs(np.fft.rfft(signal[index] * window, axis=-1)) ** 2
+            mel[start : start + len(index)] = np.log10(np.maximum(power @ self.filters, 1e-10))
+        mel = mel.T[:, :-1]
         mel = np.maximum(mel, mel.max() - 8.0)
         return ((mel + 4.0) / 4.0).astype(np.float32)

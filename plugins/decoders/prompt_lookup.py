@@ -57,7 +57,8 @@ class PromptLookupDecoder:
     def prepare(self, model: LoadedModel, registries: Any, config: DecodersConfig | None) -> None:
         if config is not None:
             self.config = config.prompt_lookup
-        check_trimmable(model.make_cache(), "prompt_lookup", model.name)
+        # Inside the batch every cache kind undoes rejected tokens (or the batch drafts nothing);
+        # serving a request alone (:meth:`generate`) needs caches that trim.
         self.draft_stats.setdefault(model.name, DraftStats())
 
     def row_drafter(self, model: LoadedModel, request: GenerationRequest) -> PromptLookupDrafter:
@@ -73,6 +74,7 @@ class PromptLookupDecoder:
         prefill_chunk: int,
     ) -> Iterator[int]:
         config = self.config
+        check_trimmable(cache, "prompt_lookup", model.name)
         stats = self.draft_stats.setdefault(model.name, DraftStats())
         tokens = list(prompt_ids)
         prefill(model, cache, tokens, prefill_chunk)

@@ -133,7 +133,6 @@ class SpeculativeDecoder:
                 "model; set it to a model path sharing this model's vocabulary",
                 field=DRAFT_KEY,
             )
-        check_trimmable(model.make_cache(), "speculative", model.name)
         try:
             draft = load_model(
                 ModelConfig(
@@ -179,6 +178,7 @@ class SpeculativeDecoder:
             raise MlxrError(f"speculative decoding: no draft model was prepared for model {model.name}")
         draft, width, config = prepared.model, prepared.width, prepared.config
         stats = self.draft_stats.setdefault(model.name, DraftStats())
+        check_trimmable(cache, "speculative", model.name)
         draft_cache = draft.make_cache()
         tokens = list(prompt_ids)
         prefill(model, cache, tokens, prefill_chunk)

@@ -188,12 +188,39 @@ class GatedDeltaNet(nn.Module):
             q, k = mx.tile(q, (1, 1, Hv // Hk, 1)), mx.tile(k, (1, 1, Hv // Hk, 1))
         g, beta = _decay_and_beta(self.A_log, a, self.dt_bias, b)
         state = cache.recurrent_state if cache is not None else None
-        out, state = self._gated_delta(q, k, v, g, beta, state)
+        if cache is not None and getattr(cache, "keeps_positions", False) and L > 1:
+            out, state = self._verify(q, k, v, g, beta, state, cache, qkv)
+        else:
+            out, state = self._gated_delta(q, k, v, g, beta, state)
         if cache is not None:
             cache.update(conv_state, state, L)
         out = self.norm(out, z)
         result: mx.array = self.out_proj(out.reshape(B, L, Hv * Dv))
         return result
+
+
+    def _verify(
+        self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array | None,
+        cache: Any, qkv: mx.array,
+    ) -> tuple[mx.array, mx.array]:
+        """A verified draft's positions one at a time (as decoding steps them), handing the cache
+        the states after each (``keep_positions``: the convolution's last ``kernel - 1`` inputs
+        and the recurrent state), so that a row's rejected positions can be undone."""
+        B, L, C = qkv.shape
+        K = self.conv_kernel
+        before = cache.conv_state if cache.conv_state is not None else mx.zeros((B, K - 1, C), dtype=qkv.dtype)
+        window = mx.concatenate([before.astype(qkv.dtype), qkv], axis=1)  # [B, K - 1 + L, C]
+        outs, states, convs = [], [], []
+        for j in range(L):
+            out, state = self._gated_delta(
+                q[:, j : j + 1], k[:, j : j + 1], v[:, j : j + 1], g[:, j : j + 1], beta[:, j : j + 1], state
+            )
+            outs.append(out)
+            states.append(state)
+            convs.append(window[:, j + 1 : j + K])
+        cache.keep_positions(convs, states)
+        assert state is not None
+        return mx.concatenate(outs, axis=1), state
 
 
 class GatedAttention(Attention):

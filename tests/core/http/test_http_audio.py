@@ -114,3 +114,15 @@ def test_a_silence_bomb_never_expands_past_the_limit() -> None:
     with soundfile.SoundFile(io.BytesIO(bytes(raw))) as sound:
         assert sound.frames > 16_000 * 600  # unknown: libsndfile's huge count
     assert "max_audio_seconds" in refusal(bytes(raw))
+
+
+def test_blocks_are_resampled_as_one_signal() -> None:
+    """A file longer than a read block, decoded block by block through one resampling stream,
+    equals libsoxr resampling the whole signal at once."""
+    import soxr
+
+    from mlxr_core.http.audio import BLOCK_FRAMES
+
+    samples = tone(3.0 * BLOCK_FRAMES / 44_100, 44_100)
+    audio = decode_audio(encode(samples, 44_100, subtype="FLOAT"), LIMITS, sample_rate=16_000)
+    np.testing.assert_allclose(audio.samples, soxr.resample(samples, 44_100, 16_000), atol=1e-6)
