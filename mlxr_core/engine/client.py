@@ -365,11 +365,18 @@ class EngineCaller:
         job = self.queue_job(EngineJob(work, what=f"transcription with model {info.name}", model=info.name))
         return await _wait(job)  # type: ignore[no-any-return]
 
+    def _refuse_adapter(self, model: str, what: str) -> None:
+        """A LoRA adapter served as a model generates; its base's other work would leave it out."""
+        if model in self.adapters:
+            raise RequestError(f"{what} with a LoRA adapter are not served; ask its model "
+                               f"{self.adapters[model][0]!r}", field="model")  # fmt: skip
+
     def _embedding_job(self, model: str, inputs: Sequence[Sequence[int]], pooling: str) -> EngineJob:
         from mlxr_core.engine.embedding import EmbeddingWork
 
         check_pooling(pooling)
         self.check_ready()
+        self._refuse_adapter(model, "embeddings")
         info = self.model(model)
         token_lists = check_inputs(info, inputs)
         work = EmbeddingWork(info.name, token_lists, self.config.engine.prefill_chunk, pooling)
@@ -379,6 +386,7 @@ class EngineCaller:
         from mlxr_core.engine.scoring import ScoringWork, answer_ids
 
         self.check_ready()
+        self._refuse_adapter(model, "scoring")
         info = self.model(model)
         token_lists = check_inputs(info, inputs)
         try:

@@ -84,7 +84,8 @@ async def create_embeddings(
         for (i, _), ids in zip(texts, await prepare_in_thread(ctx, request, encode), strict=True):
             inputs[i] = ids
     token_lists: list[list[int]] = inputs  # type: ignore[assignment]
-    result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
+    # By the name asked for: an adapter served as a model is refused there (it does not embed).
+    result = await unless_disconnected(request, engine.embed_async(body.model, token_lists))
     data = [
         Embedding(index=i, embedding=_encode_vector(vector, body.encoding_format))
         for i, vector in enumerate(result.vectors)

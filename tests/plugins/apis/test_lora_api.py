@@ -107,3 +107,9 @@ def test_admin_load_and_unload(client: TestClient[Any], reference: LoraReference
     assert tokens(completion(client, "tiny:all")) == greedy(reference, "all")
     refused = client.post("/v1/models/tiny:qv/unload", json={}, headers={"authorization": ""})
     assert refused.status_code == 401
+
+
+def test_embeddings_of_an_adapter_refused(client: TestClient[Any]) -> None:
+    reply = client.post("/v1/embeddings", json={"model": "tiny:qv", "input": "t5 t6 t7"})
+    assert reply.status_code == 400 and "LoRA adapter" in reply.json()["error"]["message"]
+    assert client.post("/v1/embeddings", json={"model": "tiny", "input": "t5 t6 t7"}).status_code == 200
