@@ -75,6 +75,14 @@ class KVQuantization:
         return QuantizedKVCache(self)
 
 
+#: Queries from which a CPU attends over the packed keys and values dequantized (the same values,
+#: stored packed all the same): MLX's CPU ``quantized_matmul`` costs each query row a pass over
+#: the cache, where a dense matmul goes through BLAS; at 3,000 cached positions, 16 rows are 1.7x
+#: (4-bit) to 3.1x (8-bit) faster dense, 512 rows (a prefill chunk) 3.5-5.3x, one row (a decode
+#: step) 0.4-0.7x (``bench/kv_prefill.py``).
+DENSE_ROWS = 16
+
+
 def quantized_attention(
     queries: mx.array,
     keys: Sequence[mx.array],
@@ -89,7 +97,8 @@ def quantized_attention(
     """The attention kernel's contract (:mod:`mlxr_core.kernels`) over packed keys and values:
     ``queries`` ``[B, Hq, L, D]``; ``keys``, ``values`` each ``(words, scales, biases)`` of
     ``[B, Hkv, S, D]`` quantized along ``D``. Scores and the softmax in the queries' dtype (the
-    softmax precise), as mlx-lm's ``quantized_scaled_dot_product_attention``."""
+    softmax precise), as mlx-lm's ``quantized_scaled_dot_product_attention``; a prompt's chunk of
+    :data:`DENSE_ROWS` queries or more on a CPU over them dequantized."""
     B, Hq, L, D = queries.shape
     Hkv = keys[0].shape[1]
     R = Hq // Hkv
@@ -97,7 +106,7 @@ def quantized_attention(
     q = (queries * scale).reshape(B, Hkv, R, L, D)
     k_words, k_scales, k_biases = (part[:, :, None] for part in keys)
     v_words, v_scales, v_biases = (part[:, :, None] for part in values)
-    if _no_batched_quantized_matmul():
+    if _no_batched_quantized_matmul() or (L >= DENSE_ROWS and mx.default_device() == mx.cpu):
         k = mx.dequantize(k_words, k_scales, k_biases, group_size=group_size, bits=bits)
         v = mx.dequantize(v_words, v_scales, v_biases, group_size=group_size, bits=bits)
         probs = grouped_softmax(q @ k.swapaxes(-1, -2), mask, sinks)

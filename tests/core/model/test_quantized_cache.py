@@ -214,3 +214,31 @@ def test_the_dequantizing_path_attends_as_the_packed_one(monkeypatch: pytest.Mon
         dequantized = quantized_cache.quantized_attention(queries, keys, values, scale=0.125, mask=mask, group_size=64, bits=8)
         monkeypatch.undo()
         assert mx.allclose(packed, dequantized, atol=1e-4).item()
+
+
+def test_a_prompt_chunk_on_a_cpu_attends_over_the_packed_cache_dequantized(monkeypatch) -> None:
+    """A chunk of queries no longer goes through MLX's CPU quantized_matmul (a pass over the cache
+    per query row: 3-5x slower prefill); the values are the same ones, so the output is too."""
+    from mlxr_core.model import quantized_cache
+
+    keys, values = (mx.quantize(mx.random.normal((1, 2, 300, 64)), group_size=64, bits=8) for _ in range(2))
+    queries = mx.random.normal((1, 4, quantized_cache.DENSE_ROWS, 64))
+    with monkeypatch.context() as patch:
+        patch.setattr(quantized_cache, "DENSE_ROWS", 1 << 30)  # the packed path, as a reference
+        packed = quantized_cache.quantized_attention(queries, keys, values, scale=0.125, mask="causal",
+                                                     group_size=64, bits=8)  # fmt: skip
+    with monkeypatch.context() as patch:
+        def refused(*args, **kwargs):
+            raise AssertionError("a prompt chunk went through quantized_matmul")
+
+        patch.setattr(mx, "quantized_matmul", refused)
+        dense = quantized_cache.quantized_attention(queries, keys, values, scale=0.125, mask="causal",
+                                                    group_size=64, bits=8)  # fmt: skip
+    assert mx.allclose(dense, packed, atol=1e-5).item()
+    one_row = queries[:, :, :1]  # a decode step keeps the packed path
+    with monkeypatch.context() as patch:
+        calls = []
+        original = mx.quantized_matmul
+        patch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(1) or original(*a, **k))
+        quantized_cache.quantized_attention(one_row, keys, values, scale=0.125, mask=None, group_size=64, bits=8)
+    assert calls
