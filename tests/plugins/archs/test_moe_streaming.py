@@ -14,7 +14,13 @@ import mlx.core as mx
 import pytest
 from test_moe_reference import BASE, FAMILIES, write_moe_gguf
 
-from mlxr_core.config.schema import Config, EngineConfig, ExpertsConfig, ModelConfig
+from mlxr_core.config.schema import (
+    Config,
+    EngineConfig,
+    ExpertsConfig,
+    ModelConfig,
+    SpeculationConfig,
+)
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Failed, Finished, GenerationRequest, SamplingParams
 from mlxr_core.model.experts.layer import StreamedExperts
@@ -178,16 +184,18 @@ def expert_sets(loaded, prompts: list[list[int]], count: int) -> list[set[tuple[
     return seen
 
 
-def test_an_unreadable_expert_file_fails_only_the_requests_that_need_it(mixtral, plugins, tmp_path, caplog):
+@pytest.mark.parametrize("drafting", [False, True])
+def test_an_unreadable_expert_file_fails_only_the_requests_that_need_it(mixtral, plugins, tmp_path, caplog, drafting):
     """One expert's tensors in a shard of their own, truncated after the model loaded: the
     streams that route to it fail with an error naming the file (logged once), the others finish
-    with the resident model's tokens."""
+    with the resident model's tokens; also when the batch verifies drafts (prompt lookup)."""
     import json
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
-    count, prompts = 6, [[5, 17], [9, 8], [70, 3], [7, 3], [40, 41], [88, 2]]
+    # Each prompt repeats a pair, which prompt lookup drafts from.
+    count, prompts = 6, [[5, 17, 5, 17], [9, 8, 9, 8], [70, 3, 70, 3], [7, 3, 7, 3], [40, 41, 40, 41], [88, 2, 88, 2]]
     probe = load_model(ModelConfig(path=str(mixtral.folder), dtype="float32",
                                    experts=ExpertsConfig("stream", cache_bytes=1)), plugins.registries)  # fmt: skip
     try:
@@ -212,7 +220,8 @@ def test_an_unreadable_expert_file_fails_only_the_requests_that_need_it(mixtral,
     resident, _, _ = serve(folder, plugins, prompts, count)
     shard = folder / "model-00002-of-00002.safetensors"
     model = ModelConfig(path=str(folder), name="moe", dtype="float32", context_length=128,
-                        experts=ExpertsConfig("stream", cache_bytes=1))  # fmt: skip
+                        experts=ExpertsConfig("stream", cache_bytes=1),
+                        speculative=SpeculationConfig(method="prompt_lookup") if drafting else None)  # fmt: skip
     engine = Engine(Config(models=[model], engine=EngineConfig(max_batch_size=8, prefill_chunk=8)), plugins)
     engine.start()
     try:
@@ -222,6 +231,7 @@ def test_an_unreadable_expert_file_fails_only_the_requests_that_need_it(mixtral,
             handles = [engine.submit(GenerationRequest(model="moe", prompt_ids=p, params=params)) for p in prompts]
             finals = [list(handle) for handle in handles]
         again = list(engine.submit(GenerationRequest(model="moe", prompt_ids=prompts[0], params=params)))
+        drafted = sum(figures.get("drafted", 0) for figures in engine.stats()["decoders"].get("moe", {}).values())
     finally:
         engine.stop()
     for events, used, tokens in zip(finals, seen, resident, strict=True):
@@ -234,6 +244,7 @@ def test_an_unreadable_expert_file_fails_only_the_requests_that_need_it(mixtral,
     assert isinstance(again[-1], Failed if (layer, expert) in seen[0] else Finished)
     logged = [r for r in caplog.records if shard.name in r.getMessage()]
     assert len(logged) == 1
+    assert (drafted > 0) == drafting
 
 
 def test_a_policy_that_would_requantize_streamed_experts_is_refused(mixtral, plugins):
