@@ -221,6 +221,10 @@ class BatchRunner:
     def reserve_bytes(self, handle: RequestHandle) -> int:
         params = handle.request.params
         tokens = len(handle.request.prompt_ids) + (params.max_tokens or 0)
+        if self.model.speculative is not None or handle.request.prediction:
+            # A verification writes every row's longest draft and its input before the rejected
+            # part is forgotten.
+            tokens += self.speculation.max_k + 1
         return sequence_bytes(self.model, tokens, self.kv_bytes_per_token)
 
     @property

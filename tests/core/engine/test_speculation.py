@@ -438,3 +438,14 @@ def test_metrics_count_drafts_per_method_and_their_acceptance_distribution(dense
         assert value("mlxr_draft_accepted_per_verification_bucket", method, le="+Inf") == figures["steps"]
         zero = value("mlxr_draft_accepted_per_verification_bucket", method, le="0")
         assert zero == figures["accepted_per_pass"].get("0", 0)
+
+
+def test_the_kv_budget_reserves_the_positions_a_verification_writes(dense):
+    from mlxr_core.engine.batch import sequence_bytes
+    from mlxr_core.engine.request import RequestHandle
+
+    runner = dense.scheduler.runners["tiny"]
+    request = GenerationRequest(model="tiny", prompt_ids=PROMPTS[0], params=SamplingParams(max_tokens=10))
+    per_token, tokens = runner.kv_bytes_per_token, len(PROMPTS[0]) + 10
+    drafting = sequence_bytes(runner.model, tokens + runner.speculation.max_k + 1, per_token)
+    assert runner.reserve_bytes(RequestHandle(request)) == drafting > sequence_bytes(runner.model, tokens, per_token)
