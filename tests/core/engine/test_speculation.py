@@ -449,3 +449,24 @@ def test_the_kv_budget_reserves_the_positions_a_verification_writes(dense):
     per_token, tokens = runner.kv_bytes_per_token, len(PROMPTS[0]) + 10
     drafting = sequence_bytes(runner.model, tokens + runner.speculation.max_k + 1, per_token)
     assert runner.reserve_bytes(RequestHandle(request)) == drafting > sequence_bytes(runner.model, tokens, per_token)
+
+
+def test_rows_joining_and_leaving_a_drafting_batch_decode_as_plain(dense):
+    """Rows join while others draft (their first step is their prompt's last token) and leave at
+    different lengths; every one gives its plain tokens."""
+    plain = [tokens for tokens, _, _ in run(dense, [{"speculative": False}] * ROWS)]
+
+    def submit(i: int, max_tokens: int):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra={"ignore_eos": True})
+        return dense.submit(GenerationRequest(model="tiny", prompt_ids=PROMPTS[i], params=params, prediction=plain[i]))
+
+    first = [submit(i, TOKENS - 8 * i) for i in range(4)]
+    stream = iter(first[0])
+    early = [next(stream) for _ in range(3)]  # the first wave is decoding
+    second = [submit(i, TOKENS) for i in range(4, ROWS)]
+    events = [[*early, *stream], *(list(handle) for handle in [*first[1:], *second])]
+    for i, row in enumerate(events):
+        assert isinstance(row[-1], Finished), row[-1]
+        tokens = [t for e in row if isinstance(e, Delta) for t in e.token_ids]
+        expected = TOKENS - 8 * i if i < 4 else TOKENS
+        assert tokens == plain[i][:expected], i
