@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from mlxr_core.cli.commands import BUILTIN_COMMANDS, Subparsers, add_plugin_commands
 from mlxr_core.hookspecs import HOOK_API_VERSION
 from mlxr_core.plugins import env_flag
+from mlxr_core.testing.zoo import recorded_summary
 
 if TYPE_CHECKING:
     from mlxr_core.plugins import PluginHost
@@ -155,6 +156,9 @@ def print_table(report: list[dict[str, Any]], *, verbose: bool = False, console:
         f"{len(report)} plugins: {counts['ok']} ok, {counts['failed']} failed, "
         f"{counts['disabled']} disabled"
     )
+    zoo = recorded_summary()
+    if zoo:
+        console.print(zoo, highlight=False)
     if verbose:
         for plugin in report:
             if plugin["traceback"]:

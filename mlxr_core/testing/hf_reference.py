@@ -108,8 +108,9 @@ def greedy_reference(
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     o1_init(model, torch)
     model.save_pretrained(folder)
-    write_tokenizer(folder, config.vocab_size)
-    prompt = np.random.default_rng(seed + 1).integers(2, config.vocab_size, 9).tolist()
+    vocab_size = config.get_text_config().vocab_size  # a vision-language config keeps it in text_config
+    write_tokenizer(folder, vocab_size)
+    prompt = np.random.default_rng(seed + 1).integers(2, vocab_size, 9).tolist()
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=tokens, min_new_tokens=tokens,
                              do_sample=False, pad_token_id=0, eos_token_id=None)

@@ -13,6 +13,7 @@ engine does, to catch a graph that ignores the padding mask.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -117,14 +118,41 @@ class CacheView:
         return mask
 
 
+@functools.cache
+def state_view_class() -> type:
+    """A class of mlx-lm's ``ArraysCache`` whose instances hand every item and attribute to an
+    mlxr state cache: mlx-lm's Mamba writes its state back only into an ``ArraysCache``
+    (``isinstance``), so a state cache handed over as it is kept none after the prompt."""
+    from mlx_lm.models.cache import ArraysCache
+
+    class StateView(ArraysCache):  # type: ignore[misc]  # mlx-lm is untyped
+        __slots__ = ("_state",)
+
+        def __init__(self, state: StateCache | BatchStateCache):
+            object.__setattr__(self, "_state", state)
+
+        def __getitem__(self, index: int) -> Any:
+            return object.__getattribute__(self, "_state")[index]
+
+        def __setitem__(self, index: int, value: Any) -> None:
+            object.__getattribute__(self, "_state")[index] = value
+
+        def __getattribute__(self, name: str) -> Any:
+            if name in ("__class__", "__getitem__", "__setitem__"):
+                return object.__getattribute__(self, name)
+            return getattr(object.__getattribute__(self, "_state"), name)
+
+    return StateView
+
+
 def views(model: nn.Module, cache: list[Any] | None) -> list[Any] | None:
     """``cache`` (mlxr's, one per entry of ``model.cache_layout``) as mlx-lm's layers take it:
-    key/value caches viewed, recurrent states as they are."""
+    key/value caches viewed, recurrent states as ``ArraysCache`` views."""
     if cache is None:
         return None
     windows = model.cache_layout.windows
     return [
-        layer if layer is None or not layer.attends else CacheView(layer, window)
+        None if layer is None else CacheView(layer, window) if layer.attends else state_view_class()(layer)
         for layer, window in zip(cache, windows, strict=True)
     ]
 

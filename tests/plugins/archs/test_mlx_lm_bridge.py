@@ -10,7 +10,8 @@ logit multipliers), OLMo 3 (sliding-window layers, for which
 mlx-lm makes a rotating cache and the bridge a full one with a window mask), Cohere 2 (tied
 embeddings, a window pattern, parallel blocks), and two hybrids whose recurrent layers keep their
 state in mlxr's ``StateCache`` as mlx-lm's layers use theirs: LFM2 (short convolutions beside
-attention) and Nemotron-H (Mamba-2 layers, attention and an MLP-only layer).
+attention), Nemotron-H (Mamba-2 layers, attention and an MLP-only layer) and Mamba (whose layers
+write their state back only into an ``ArraysCache``: the bridge hands them a view of that class).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
          "ssm_state_size": 16, "conv_kernel": 4, "expand": 2, "chunk_size": 16,
          "time_step_limit": [0.0, 1e9]},
     ),
+    "mamba": ("MambaForCausalLM", "MambaConfig", {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4, "expand": 2}),
 }
 
 

@@ -43,6 +43,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16,
     },
 }
+#: Families a transformers 5 config of which mlx-lm's ModelArgs read wrongly or not at all before
+#: the bridge filled what they lack, from their defaults as the zoo check shrinks them: GLM-4.7-Flash
+#: (only mlp_layer_types, no first_k_dense_replace), EXAONE-MoE (is_moe_layer), DeepSeek-V2 and
+#: MiniCPM3 (no rope_scaling, which their RoPE classes read whatever the config), EXAONE
+#: (num_layers, layer_norm_epsilon), MiniMax-M2 (rotary_dim, shared_intermediate_size), Apertus.
+FILLED = ("glm4_moe_lite", "exaone_moe", "deepseek_v2", "minicpm3", "exaone", "minimax_m2", "apertus")
 TOKENS = 12
 
 
@@ -66,6 +72,26 @@ def test_the_config_transformers_5_writes_serves_transformers_tokens(written, re
     loaded = load_reference_model(written, registries)
     assert "mlx-lm" in loaded.arch_reason
     assert greedy_tokens(loaded, written.prompt, TOKENS)[0] == written.tokens
+
+
+@pytest.mark.parametrize("model_type", FILLED)
+def test_keys_model_args_lacks_are_filled_as_transformers_computes_them(model_type, registries, tmp_path):
+    from mlxr_core.testing.zoo import tiny_keys
+
+    written = greedy_reference(model_type, tiny_keys(model_type), tmp_path, tokens=TOKENS)
+    loaded = load_reference_model(written, registries)
+    assert "mlx-lm" in loaded.arch_reason
+    assert greedy_tokens(loaded, written.prompt, TOKENS)[0] == written.tokens
+
+
+def test_ministral3_with_a_window_on_every_layer_is_refused(registries, tmp_path):
+    """transformers' Ministral 3 slides ``sliding_window`` over every layer; mlx-lm's only over
+    the layers ``layer_types`` names sliding (2 of 12 greedy tokens agreed, silently)."""
+    keys = {**SIZES, **FAMILIES["ministral3"], "sliding_window": 4}
+    written = greedy_reference("ministral3", keys, tmp_path, tokens=1)
+    with pytest.raises(ModelLoadError, match="window of 4 in every layer") as caught:
+        load_reference_model(written, registries)
+    assert caught.value.key == "sliding_window"
 
 
 def test_ministral3_from_a_config_spelled_as_transformers_4_did(registries, tmp_path):
@@ -134,3 +160,15 @@ def test_transformers_5_spellings_reach_model_args():
     assert config["rope_theta"] == 5.0 and config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
     plain = mlx_lm_config({"hidden_size": 8, "rope_parameters": {"rope_theta": 5.0, "rope_type": "default"}}, Args, "test")
     assert plain["rope_scaling"] is None  # plain RoPE, whatever ModelArgs' own default
+
+
+def test_a_family_mlx_lm_computes_otherwise_is_refused_naming_where():
+    """mlx-lm's ERNIE-4.5-MoE drops the routing correction bias transformers chooses experts
+    with (2 of 8 greedy tokens agreed on a tiny model, silently); its Jamba renormalizes the
+    chosen experts' weights (the first step's logits 0.2 apart)."""
+    with pytest.raises(ModelLoadError, match="correction bias") as caught:
+        mlx_lm_config({"hidden_size": 8, "rope_theta": 1.0}, Plain, "ernie4_5_moe")
+    assert caught.value.tensor == "mlp.gate.moe_statics.e_score_correction_bias"
+    with pytest.raises(ModelLoadError, match="softmax over them alone") as caught:
+        mlx_lm_config({"hidden_size": 8, "rope_theta": 1.0}, Plain, "jamba")
+    assert caught.value.key == "num_experts_per_tok"
