@@ -11,7 +11,7 @@ import attrs
 import numpy as np
 
 SHAPE: dict[str, Any] = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)  # fmt: skip
 #: Three adapters of different ranks, alphas and target modules (one rsLoRA, one with a per-module
 #: rank and alpha), as ``peft.LoraConfig`` settings.
 ADAPTERS: dict[str, dict[str, Any]] = {

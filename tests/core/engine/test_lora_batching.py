@@ -16,6 +16,7 @@ from mlxr_core.config.schema import (
     AdapterConfig,
     Config,
     EngineConfig,
+    KVCacheConfig,
     ModelConfig,
     PrefixCacheConfig,
 )
@@ -42,13 +43,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> LoraReference:
 
 
 def start(
-    reference: LoraReference, *, adapters: dict[str, Path] | None = None, **engine: Any
+    reference: LoraReference,
+    *,
+    adapters: dict[str, Path] | None = None,
+    kv_cache: Any = None,
+    **engine: Any,
 ) -> Engine:
     folders = adapters or {name: reference.root / name for name in ADAPTERS}
     model = ModelConfig(
         path=str(reference.base), name="tiny", dtype="float32", context_length=128,
         adapters=[AdapterConfig(name, str(path)) for name, path in folders.items()],
-        max_adapters=engine.pop("max_adapters", 4),
+        max_adapters=engine.pop("max_adapters", 4), kv_cache=kv_cache,
     )  # fmt: skip
     eng = Engine(Config(models=[model], engine=EngineConfig(**engine)), load_plugins())
     eng.start()
@@ -104,6 +109,32 @@ def test_streams_over_adapters_batch_and_match_alone(reference: LoraReference) -
     finally:
         eng.stop()
     assert len({tuple(tokens) for tokens in same}) == 4
+
+
+def test_quantized_kv(reference: LoraReference) -> None:
+    """Keys and values stored 8-bit: streams over adapters batched equal each alone."""
+    kv = KVCacheConfig(bits=8, group_size=32)
+    alone_engine = start(
+        reference, kv_cache=kv, max_batch_size=1, prefix_cache=PrefixCacheConfig(enabled=False)
+    )
+    try:
+        alone = [
+            tokens_of(alone_engine.submit(request(m, p)))
+            for m, p in zip(MODELS[:4], PROMPTS[:4], strict=True)
+        ]
+    finally:
+        alone_engine.stop()
+    eng = start(reference, kv_cache=kv, max_batch_size=4)
+    try:
+        together = [
+            tokens_of(h)
+            for h in [
+                eng.submit(request(m, p)) for m, p in zip(MODELS[:4], PROMPTS[:4], strict=True)
+            ]
+        ]
+    finally:
+        eng.stop()
+    assert together == alone
 
 
 def test_prefix_cache_is_keyed_by_adapter(reference: LoraReference) -> None:
