@@ -28,6 +28,24 @@ from mlxr_core.model.audio import Transcript, TranscriptionOptions
 from mlxr_plugins.apis.openai import schemas as s
 
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+#: Whisper's language codes and the names OpenAI reports for them in ``verbose_json``'s
+#: ``language`` (``_`` for a space).
+LANGUAGE_TABLE = (
+    "en=english zh=chinese de=german es=spanish ru=russian ko=korean fr=french ja=japanese "
+    "pt=portuguese tr=turkish pl=polish ca=catalan nl=dutch ar=arabic sv=swedish it=italian "
+    "id=indonesian hi=hindi fi=finnish vi=vietnamese he=hebrew uk=ukrainian el=greek ms=malay "
+    "cs=czech ro=romanian da=danish hu=hungarian ta=tamil no=norwegian th=thai ur=urdu hr=croatian "
+    "bg=bulgarian lt=lithuanian la=latin mi=maori ml=malayalam cy=welsh sk=slovak te=telugu "
+    "fa=persian lv=latvian bn=bengali sr=serbian az=azerbaijani sl=slovenian kn=kannada et=estonian "
+    "mk=macedonian br=breton eu=basque is=icelandic hy=armenian ne=nepali mn=mongolian bs=bosnian "
+    "kk=kazakh sq=albanian sw=swahili gl=galician mr=marathi pa=punjabi si=sinhala km=khmer sn=shona "
+    "yo=yoruba so=somali af=afrikaans oc=occitan ka=georgian be=belarusian tg=tajik sd=sindhi "
+    "gu=gujarati am=amharic yi=yiddish lo=lao uz=uzbek fo=faroese ht=haitian_creole ps=pashto "
+    "tk=turkmen nn=nynorsk mt=maltese sa=sanskrit lb=luxembourgish my=myanmar bo=tibetan tl=tagalog "
+    "mg=malagasy as=assamese tt=tatar haw=hawaiian ln=lingala ha=hausa ba=bashkir jw=javanese "
+    "su=sundanese yue=cantonese "
+)
+LANGUAGE_NAMES = {code: name.replace("_", " ") for code, name in (pair.split("=") for pair in LANGUAGE_TABLE.split())}
 #: What the multipart form may hold besides the file, as the document states it.
 FORM_BYTES = 1 << 20
 
@@ -148,7 +166,7 @@ def reply(transcript: Transcript, response_format: str, task: str) -> Response[A
         ]
         return json_response(Transcription(
             transcript.text, usage, task="translate" if task == "translate" else "transcribe",
-            language=transcript.language, duration=round(transcript.duration, 3), segments=segments,
+            language=LANGUAGE_NAMES.get(transcript.language, transcript.language), duration=round(transcript.duration, 3), segments=segments,
         ))  # fmt: skip
     if response_format == "text":
         return Response(transcript.text + "\n", media_type="text/plain; charset=utf-8")
