@@ -13,10 +13,12 @@ from mlxr_core.plugin_api import hookimpl
 if TYPE_CHECKING:
     from mlxr_core.plugin_api import RegisterName
 
-#: model_type -> implementation. Mistral (with or without a sliding window) is the Llama graph.
+#: model_type -> implementation. Mistral (with or without a sliding window) and Ministral (a window in
+#: some layers) are the Llama graph.
 ARCHITECTURES = {
     "llama": "mlxr_plugins.archs.llama:LlamaArchitecture",
     "mistral": "mlxr_plugins.archs.llama:LlamaArchitecture",
+    "ministral": "mlxr_plugins.archs.llama:MinistralArchitecture",
     "qwen2": "mlxr_plugins.archs.qwen2:Qwen2Architecture",
     "qwen2_5_vl": "mlxr_plugins.archs.qwen2_5_vl:Qwen25VLArchitecture",
     "qwen3": "mlxr_plugins.archs.qwen3:Qwen3Architecture",
@@ -38,6 +40,7 @@ ARCHITECTURES = {
     "qwen3_5_moe": "mlxr_plugins.archs.qwen3_5:Qwen35MoeArchitecture",
     "qwen3_5_moe_text": "mlxr_plugins.archs.qwen3_5:Qwen35MoeArchitecture",
     "deepseek_v3": "mlxr_plugins.archs.deepseek_v3:DeepseekV3Architecture",
+    "deepseek_v32": "mlxr_plugins.archs.deepseek_v32:DeepseekV32Architecture",
     "whisper": "mlxr_plugins.archs.whisper:WhisperArchitecture",
     # llama.cpp's names for the same families, as GGUF files carry them.
     "qwen3moe": "mlxr_plugins.archs.qwen3_moe:Qwen3MoeArchitecture",

@@ -1,4 +1,5 @@
-"""Llama and Mistral: pre-norm decoder, GQA, RoPE, SwiGLU, and Mistral's optional sliding window.
+"""Llama, Mistral and Ministral: pre-norm decoder, GQA, RoPE, SwiGLU, and Mistral's optional
+sliding window (Ministral's only in the layers ``layer_types`` names ``sliding_attention``).
 
 Weights use the Hugging Face names (``model.layers.N.self_attn.q_proj.weight`` ...) and the Hugging
 Face rotary layout (feature ``i`` pairs with ``i + head_dim / 2``); format plugins hand weights
@@ -14,6 +15,7 @@ from typing import Any
 
 import mlx.nn as nn
 
+from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.layers import (
     Attention,
@@ -37,6 +39,33 @@ class LlamaArgs(TransformerArgs):
 
     family = "llama"
 
+    def window(self, layer: int) -> int | None:
+        """The positions layer ``layer`` attends back over, or None: all of them."""
+        return self.sliding_window or None
+
+
+@dataclasses.dataclass
+class MinistralArgs(LlamaArgs):
+    """Ministral (2024): Mistral's window in the layers ``layer_types`` names sliding."""
+
+    family = "ministral"
+    layer_types: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        kinds = self.layer_types
+        if kinds is not None and (
+            len(kinds) != self.num_hidden_layers or not set(kinds) <= {"sliding_attention", "full_attention"}
+        ):
+            raise ModelLoadError(
+                f"the ministral graph takes one of sliding_attention, full_attention per layer "
+                f"({self.num_hidden_layers}), not {kinds!r:.120}", key="layer_types",
+            )
+
+    def window(self, layer: int) -> int | None:
+        sliding = self.layer_types is None or self.layer_types[layer] == "sliding_attention"
+        return (self.sliding_window or None) if sliding else None
+
 
 class Llama(CausalLM):
     """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
@@ -45,7 +74,7 @@ class Llama(CausalLM):
         rotary = args_rotary(args, kernels, types=ROPE_TYPES)
         H, eps = args.hidden_size, args.rms_norm_eps
 
-        def block() -> PreNormBlock:
+        def block(layer: int) -> PreNormBlock:
             attention = Attention(
                 H,
                 args.num_attention_heads,
@@ -55,12 +84,12 @@ class Llama(CausalLM):
                 rotary=rotary,
                 qkv_bias=args.attention_bias,
                 out_bias=args.attention_bias,
-                window=args.sliding_window or None,
+                window=args.window(layer),
             )
             mlp = GatedMLP(H, args.intermediate_size, bias=args.mlp_bias)
             return PreNormBlock(attention, mlp, H, eps, kernels)
 
-        layers = [block() for _ in range(args.num_hidden_layers)]
+        layers = [block(layer) for layer in range(args.num_hidden_layers)]
         model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, eps, kernels))
         super().__init__(model, tied=args.tie_word_embeddings)
         self.args = args
@@ -74,3 +103,13 @@ class LlamaArchitecture(DecoderArchitecture):
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
         """Build the graph from a tolerant config dict."""
         return Llama(LlamaArgs.from_config(config), kernels)
+
+
+class MinistralArchitecture(LlamaArchitecture):
+    """The :class:`mlxr_core.model.arch.Architecture` of ``ministral``."""
+
+    args_class = MinistralArgs
+
+    def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
+        """Build the graph from a tolerant config dict."""
+        return Llama(MinistralArgs.from_config(config), kernels)
