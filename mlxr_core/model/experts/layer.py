@@ -46,11 +46,14 @@ class StreamedExperts(nn.Module):
 
     def __call__(self, x: mx.array, indices: mx.array) -> mx.array:
         store = self._store
+        # The next layer's guess (prefetch: router) is evaluated with this layer's choice: one sync.
+        guess = self.ahead(x) if store.settings.prefetch == "router" and self.ahead is not None else None
+        mx.eval(indices, *([guess] if guess is not None else []))
         chosen = np.array(indices)  # the experts must be known before they are read
         needed = np.unique(chosen)
         if self._layer == 0:
             store.count_tokens(int(np.prod(chosen.shape[:-1])))
-        got, errors = store.fetch(self._layer, needed.tolist(), self._ahead(x, len(needed)))
+        got, errors = store.fetch(self._layer, needed.tolist(), self._ahead(guess, len(needed)))
         if errors:
             self._lose_rows(chosen, got, errors)
         stacked = {param: mx.stack([got[int(e)][param] for e in needed]) for param in got[int(needed[0])]}
@@ -58,11 +61,12 @@ class StreamedExperts(nn.Module):
         gate, up, down = (self._projection(name, stacked) for name in PROJECTIONS)
         return gated_experts(x, local, gate, up, down, self._activation)
 
-    def _ahead(self, x: mx.array, count: int) -> list[int] | None:
-        """The next layer's experts to read now, at most ``count`` (this step's number)."""
+    def _ahead(self, guess: mx.array | None, count: int) -> list[int] | None:
+        """The next layer's experts to read now, at most ``count`` (this step's number): the
+        router's ``guess``, or the next layer's previous choice."""
         setting = self._store.settings.prefetch
-        if setting == "router" and self.ahead is not None:
-            return np.unique(np.array(self.ahead(x))).tolist()[:count]
+        if guess is not None:
+            return np.unique(np.array(guess)).tolist()[:count]
         if setting == "previous":
             return self._store.last.get(self._layer + 1, [])[:count]
         return None
