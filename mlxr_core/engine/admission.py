@@ -179,7 +179,11 @@ def check_images(info: ModelInfo, request: GenerationRequest) -> None:
 
 def check_inputs(info: ModelInfo, inputs: Sequence[Sequence[int]]) -> list[list[int]]:
     """An embedding or scoring job's token lists, checked against ``info``: at least one, none
-    empty, ids in the vocabulary, each within the context."""
+    empty, ids in the vocabulary, each within the context; a speech model is refused."""
+    if info.transcribes:
+        raise RequestError(
+            f"the model {info.name!r} transcribes audio; it has no text embeddings or scores", field="model"
+        )  # fmt: skip
     if not inputs:
         raise RequestError("input must hold at least one item", field="input")
     vocab = info.tokenizer.vocab_size

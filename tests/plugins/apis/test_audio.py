@@ -132,10 +132,12 @@ def test_bad_fields_are_400s(client: httpx.Client) -> None:
     refused(r, "file")
 
 
-def test_chat_to_a_speech_model_is_refused(client: httpx.Client) -> None:
+def test_text_requests_to_a_speech_model_are_refused(client: httpx.Client) -> None:
     r = client.post("/v1/chat/completions", json={"model": "whisper", "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400  # no chat template; a prompt of ids is refused at admission
     r = client.post("/v1/completions", json={"model": "whisper", "prompt": [5, 6, 7], "max_tokens": 2})
+    assert "transcribes audio" in refused(r, "model")
+    r = client.post("/v1/embeddings", json={"model": "whisper", "input": [5, 6, 7]})
     assert "transcribes audio" in refused(r, "model")
 
 
