@@ -162,7 +162,8 @@ async def create_chat_completion(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = [
-            ChatChunks(meta, include_usage, reader=setup.reader(), index=i, logprobs=formatter)
+            ChatChunks(meta, include_usage, reader=setup.reader(), index=i, logprobs=formatter,
+                       predicted=body.prediction is not None)
             for i in range(len(handles))
         ]
         return sse_response(ctx, handles, chunks)
@@ -173,7 +174,7 @@ async def create_chat_completion(
         message, _ = assistant_message(reader, reply.text)
         logprobs = formatter.chat(reply.logprobs) if formatter is not None else None
         choices.append(s.ChatChoice(i, message, reader.finish_reason(reply.finished.reason), logprobs))
-    usage = usage_of(total_usage([reply.finished.usage for reply in replies]))
+    usage = usage_of(total_usage([reply.finished.usage for reply in replies]), predicted=body.prediction is not None)
     return json_response(s.ChatCompletion(meta.id, meta.created, meta.model, choices, usage))
 
 

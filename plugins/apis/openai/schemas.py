@@ -255,7 +255,7 @@ class Usage(Struct):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
-    #: Present when a ``prediction`` drafted tokens.
+    #: Present when the request brought a ``prediction``.
     completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 

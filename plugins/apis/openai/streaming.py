@@ -45,11 +45,15 @@ class ResponseMeta:
     created: int = attrs.field(factory=lambda: int(time.time()))
 
 
-def usage_of(usage: EngineUsage) -> s.Usage:
+def usage_of(usage: EngineUsage, *, predicted: bool = False) -> s.Usage:
+    """The API's usage; ``predicted``: the request brought a ``prediction``, whose accepted and
+    rejected tokens are then reported (zeros included, as OpenAI does)."""
     details = s.PromptTokensDetails(usage.cached_tokens)
     accepted, rejected = usage.accepted_prediction_tokens, usage.rejected_prediction_tokens
-    predicted = s.CompletionTokensDetails(accepted, rejected) if accepted or rejected else msgspec.UNSET
-    return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details, predicted)
+    completion: Any = msgspec.UNSET
+    if predicted or accepted or rejected:
+        completion = s.CompletionTokensDetails(accepted, rejected)
+    return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details, completion)
 
 
 def total_usage(usages: list[EngineUsage]) -> EngineUsage:
@@ -78,12 +82,15 @@ class ChatChunks:
         *,
         index: int = 0,
         logprobs: LogprobFormatter | None = None,
+        predicted: bool = False,
     ):
         self.meta = meta
         self.include_usage = include_usage
         self.reader = reader
         self.index = index
         self.logprobs = logprobs
+        #: The request brought a ``prediction`` (see :func:`usage_of`).
+        self.predicted = predicted
 
     def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> bytes:
         m = self.meta
@@ -120,7 +127,7 @@ class ChatChunks:
         return deltas(pieces, self.reader.calls - calls)
 
     def usage(self, usage: EngineUsage) -> bytes | None:
-        return self._chunk([], usage_of(usage)) if self.include_usage else None
+        return self._chunk([], usage_of(usage, predicted=self.predicted)) if self.include_usage else None
 
 
 class CompletionChunks:
