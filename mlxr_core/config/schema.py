@@ -523,6 +523,49 @@ class Config:
     plugins: PluginsConfig = attrs.field(factory=PluginsConfig)
     #: Several processes serving each model together (tensor / pipeline parallel); see ``mlxr launch``.
     distributed: DistributedConfig = attrs.field(factory=DistributedConfig)
+    #: MCP servers whose tools the server runs for the model (docs/agents.md).
+    mcp: McpConfig = attrs.field(factory=lambda: McpConfig())
+
+
+def _one_transport(instance: Any, attribute: attrs.Attribute[Any], url: str | None) -> None:
+    if (url is None) == (not instance.command):
+        raise ValueError("give one of command (a stdio server) and url (a streamable-HTTP server)")
+
+
+@attrs.define
+class McpServerConfig:
+    """One MCP server: a command started for stdio, or a streamable-HTTP URL."""
+
+    #: The label requests name it by (a Responses ``mcp`` tool's ``server_label``).
+    name: str = attrs.field(validator=v.matches_re(r"[A-Za-z0-9_.\-]+"))
+    #: The command and its arguments (stdio).
+    command: list[str] = attrs.field(factory=list, validator=_no_empty_name)
+    #: The server's URL (streamable HTTP, e.g. ``http://127.0.0.1:9000/mcp``).
+    url: str | None = attrs.field(default=None, validator=_one_transport)
+    #: Environment variables for the command (stdio).
+    env: dict[str, str] = attrs.field(factory=dict)
+    #: The tools offered to the model (None: all the server lists).
+    allowed_tools: list[str] | None = None
+    #: Seconds a list or a call may take; past it the call is an error item.
+    timeout_s: float = attrs.field(default=30.0, validator=v.gt(0.0))
+
+
+def _unique_servers(instance: Any, attribute: attrs.Attribute[Any], servers: list[McpServerConfig]) -> None:
+    names = [server.name for server in servers]
+    if len(set(names)) != len(names):
+        raise ValueError("servers must have distinct names")
+
+
+@attrs.define
+class McpConfig:
+    """MCP servers whose tools the server runs between generation turns (``mcp`` tools of the
+    Responses API), and the loop's bounds."""
+
+    servers: list[McpServerConfig] = attrs.field(factory=list, validator=_unique_servers)
+    #: Generation turns one request may take with tool calls between them.
+    max_turns: int = attrs.field(default=8, validator=v.ge(1))
+    #: Seconds one request's tool loop may take, generation included; past it the loop stops.
+    max_seconds: float = attrs.field(default=300.0, validator=v.gt(0.0))
 
 
 def is_loopback(host: str) -> bool:

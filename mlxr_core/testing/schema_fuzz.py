@@ -21,6 +21,8 @@ UNSTATABLE = re.compile("|".join([
     # about) and a compaction item's content, which only the server that wrote it can read.
     "must be unique", "must read differently", "distinct labels", "needs instructions",
     "decisions take text input", "not made by this server", "encrypted_content is damaged",
+    # MCP servers are the operator's: a label names one only where the config has it.
+    "no MCP server", "offered by two servers", "mcp_approval_request",
     # An upload's content, and the languages a speech model knows, or whether a model takes audio.
     "the audio", "does not transcribe audio", "does not know the language",
     # Rules between the grammar fields (mlxr_core.http.constraints), to state with the constraint limits.

@@ -22,6 +22,7 @@ is a 404, as if it did not exist.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import time
 import uuid
@@ -29,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
+import attrs
 import msgspec
 from litestar import Request, Response, delete, get, post
 from litestar.background_tasks import BackgroundTask
@@ -76,6 +78,7 @@ from mlxr_plugins.apis.openai import responses_schemas as r
 from mlxr_plugins.apis.openai.background import BackgroundRuns, Run
 from mlxr_plugins.apis.openai.compact import compact, decode_summary, summary_message
 from mlxr_plugins.apis.openai.errors import error_body
+from mlxr_plugins.apis.openai.mcp_tools import McpTools, answer_approvals, open_tools, run_turns
 from mlxr_plugins.apis.openai.schemas import ErrorBody
 from mlxr_plugins.apis.openai.store import ResponseStore, Stored
 from mlxr_plugins.apis.openai.streaming import SSE_HEADERS
@@ -201,6 +204,9 @@ def input_messages(
                            "call_id": item.call_id, "output": output})  # fmt: skip
         elif item.type == "reasoning":
             reasoning += _text_of(item.content, f"{param}.content") or _text_of(item.summary, f"{param}.summary")
+        elif item.type == "mcp_approval_response":  # answered by mcp_tools.answer_approvals
+            listed.append({"type": "mcp_approval_response", "id": item.id or f"mcpa_{uuid.uuid4().hex}",
+                           "approval_request_id": item.approval_request_id, "approve": item.approve})  # fmt: skip
         elif item.type == "compaction":
             summary = decode_summary(item.encrypted_content, f"{param}.encrypted_content")
             messages.append(summary_message(summary))
@@ -220,8 +226,12 @@ def tool_request(body: r.ResponsesRequest) -> tuple[list[Tool], ToolChoice, bool
     """Function tools, the tool choice, and whether several calls may be made at once."""
     tools = []
     for i, tool in enumerate(body.tools or []):
+        if tool.type == "mcp":
+            continue  # the server's to run (mcp_tools)
         if tool.type != "function":
             raise RequestError(f"tools of type {tool.type!r} are not supported; send function tools", field=f"tools[{i}].type")
+        if not tool.name:
+            raise RequestError("a function tool needs a name", field=f"tools[{i}].name")
         tools.append(Tool(tool.name, tool.description or "", tool.parameters or {"type": "object", "properties": {}}))
     choice = body.tool_choice
     if choice is None or isinstance(choice, str):
@@ -386,12 +396,21 @@ class Responses:
         previous = await self._previous(body.previous_response_id, owner)
         inputs = _history_images(previous.messages) if previous else []
         messages, listed = input_messages(body.input, inputs)
-        history = (previous.messages if previous else []) + messages
+        answered, approved = await answer_approvals(ctx, body.input, previous.response if previous else None)
+        history = (previous.messages if previous else []) + answered + messages
         chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
         ready_engine(ctx)  # a 503 while the engine is not ready
         info = await loaded_model(ctx, body.model)
         images = await load_images(ctx.config.server, info, inputs)
         tools, choice, parallel = tool_request(body)
+        mcp = await open_tools(ctx, [(i, tool) for i, tool in enumerate(body.tools or []) if tool.type == "mcp"])
+        if mcp is not None:
+            if body.stream or body.background:
+                raise RequestError("requests with mcp tools are served without stream and background",
+                                   field="stream" if body.stream else "background")  # fmt: skip
+            tools = tools + mcp.offered()
+            if body.tool_choice is None:
+                choice = ToolChoice("auto")
         params.constraint = text_constraint(ctx, body.text)
         effort = body.reasoning.effort if body.reasoning is not None else None
         variables = template_variables(body.chat_template_kwargs, effort=effort)
@@ -399,6 +418,10 @@ class Responses:
             prepare_chat, info, model_parsers(ctx, info), _without_image_data(chat), tools=tools,
             choice=choice, parallel=parallel, template_kwargs=variables, images=images,
         )  # fmt: skip
+        if mcp is not None or approved:
+            response = self._response(body, tools, choice)
+            response.output.extend(approved)
+            return await self._with_tools(mcp, prepare, params, request, response, chat, history, listed, info, owner, body)
         setup: ChatSetup = await prepare_in_thread(ctx, request, prepare)
         params.constraint = setup.constraint or params.constraint
         limit_thinking(params, setup, effort=effort)
@@ -418,6 +441,49 @@ class Responses:
         builder.finish()
         settle(response, reply.finished, _count(info.tokenizer, response.output))
         await self._keep(body, response, listed, history, owner)
+        return response
+
+    async def _with_tools(
+        self, mcp: McpTools | None, prepare: Any, params: Any, request: Any, response: r.Response,
+        chat: list[dict[str, Any]], history: list[dict[str, Any]], listed: list[dict[str, Any]],
+        info: Any, owner: str | None, body: r.ResponsesRequest,
+    ) -> r.Response:  # fmt: skip
+        """A response whose model may call MCP tools the server runs between its turns (or that
+        answers approvals): each turn rendered from the chat so far, generated and read."""
+        ctx = self.ctx
+        effort = body.reasoning.effort if body.reasoning is not None else None
+
+        async def turn(turn_chat: list[dict[str, Any]]) -> tuple[list[r.OutputItem], Finished]:
+            render = functools.partial(prepare.func, *prepare.args[:2], _without_image_data(turn_chat), **prepare.keywords)
+            setup: ChatSetup = await prepare_in_thread(ctx, request, render)
+            turn_params = copy.deepcopy(params)
+            turn_params.constraint = setup.constraint or params.constraint
+            limit_thinking(turn_params, setup, effort=effort)
+            handle = submit(ctx, GenerationRequest(body.model, setup.prompt_ids, turn_params, keep_special=setup.keep_special,
+                                                   images=list(prepare.keywords["images"])))  # fmt: skip
+            reply = await collect(ctx, handle, request)
+            scratch = msgspec.structs.replace(response, output=[])
+            builder, reader = OutputBuilder(scratch), setup.reader()
+            builder.feed(reader.feed(reply.text) + reader.finish())
+            builder.finish()
+            return scratch.output, reply.finished
+
+        if mcp is None:
+            items, finished = await turn(chat)
+            response.output.extend(items)
+            finishes, final, bounded = [finished], items, False
+            added: list[dict[str, Any]] = []
+        else:
+            finishes, added, final, bounded = await run_turns(ctx, mcp, turn, chat, response)
+        usage = EngineUsage(sum(f.usage.prompt_tokens for f in finishes), sum(f.usage.completion_tokens for f in finishes),
+                            sum(f.usage.cached_tokens for f in finishes))  # fmt: skip
+        settle(response, attrs.evolve(finishes[-1], usage=usage), _count(info.tokenizer, response.output))
+        if bounded:
+            response.status, response.incomplete_details = "incomplete", r.IncompleteDetails("max_turns")
+        if body.store and self.store is not None:
+            item = Stored(response.id, response.model, msgspec.to_builtins(response), listed,
+                          history + added + output_messages(final), owner)  # fmt: skip
+            await anyio.to_thread.run_sync(self.store.put, item)
         return response
 
     # ``owner``: the requesting API key's owner id (None without keys); another key's responses

@@ -39,7 +39,8 @@ def parts(part: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Each input item's needs by ``type`` (a message when it has none).
-ITEM_RULES = {"properties": {"type": {"enum": ["message", "function_call", "function_call_output", "reasoning", "compaction"]}}, "allOf": [
+ITEM_RULES = {"properties": {"type": {"enum": ["message", "function_call", "function_call_output", "reasoning", "compaction",
+                                               "mcp_approval_response"]}}, "allOf": [
     {"if": {"properties": {"type": {"const": "message"}}},
      "then": {"required": ["role"], "properties": {"role": {"enum": ROLES}, "content": parts(PART)}}},
     when("type", "function_call", {"required": ["call_id", "name"], "properties": {"call_id": NAME, "name": NAME}}),
@@ -47,6 +48,8 @@ ITEM_RULES = {"properties": {"type": {"enum": ["message", "function_call", "func
     when("type", "reasoning", {"properties": {"content": parts(TEXT_PART),
                                               "summary": {"type": ["array", "null"], "items": TEXT_PART}}}),
     when("type", "compaction", {"required": ["encrypted_content"], "properties": {"encrypted_content": STRING}}),
+    when("type", "mcp_approval_response", {"required": ["approval_request_id", "approve"],
+                                           "properties": {"approval_request_id": STRING, "approve": {"type": "boolean"}}}),
 ]}  # fmt: skip
 
 
@@ -80,19 +83,36 @@ class InputItem(Struct, forbid_unknown_fields=False):
     summary: list[ContentPart] | None = None
     status: str | None = None
     encrypted_content: str | None = None
+    approval_request_id: str | None = None
+    approve: bool | None = None
 
 
 Item = Annotated[InputItem, Meta(extra_json_schema=ITEM_RULES)]
 
 
-class FunctionTool(Struct, forbid_unknown_fields=False):
-    """A function the model may call (``{"type": "function", "name", "parameters", ...}``)."""
+class FunctionToolFields(Struct, forbid_unknown_fields=False):
+    """A function the model may call (``{"type": "function", "name", "parameters", ...}``), or
+    the tools of an MCP server the server runs (``{"type": "mcp", "server_label",
+    "allowed_tools", "require_approval"}``, :mod:`mlxr_plugins.apis.openai.mcp_tools`)."""
 
-    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
-    type: Annotated[str, Meta(extra_json_schema={"const": "function"})] = "function"
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")] | None = None
+    type: Annotated[str, Meta(extra_json_schema={"enum": ["function", "mcp"]})] = "function"
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    server_label: Annotated[str, Meta(min_length=1)] | None = None
+    server_url: str | None = None
+    allowed_tools: list[str] | None = None
+    #: ``always`` (the default), ``never``, or ``{"never": {"tool_names": [...]}}``.
+    require_approval: Annotated[str, Meta(extra_json_schema={"enum": ["always", "never"]})] | dict[str, Any] | None = None
+
+
+#: A function needs its name, an MCP server its label (a server_url of the client's is refused).
+FunctionTool = Annotated[FunctionToolFields, Meta(extra_json_schema={"allOf": [
+    {"if": {"not": {"required": ["type"]}}, "then": {"required": ["name"]}},
+    when("type", "function", {"required": ["name"]}),
+    when("type", "mcp", {"required": ["server_label"], "not": {"required": ["server_url"]}}),
+]})]  # fmt: skip
 
 
 class NamedToolChoice(Struct, forbid_unknown_fields=False):
@@ -192,7 +212,32 @@ class ReasoningItem(Struct, tag_field="type", tag="reasoning", omit_defaults=Fal
     summary: list[Any] = msgspec.field(default_factory=list)
 
 
-OutputItem = MessageItem | FunctionCallItem | ReasoningItem
+class McpListToolsItem(Struct, tag_field="type", tag="mcp_list_tools", omit_defaults=False):
+    id: str
+    server_label: str
+    tools: list[dict[str, Any]]
+    error: str | None = None
+
+
+class McpCallItem(Struct, tag_field="type", tag="mcp_call", omit_defaults=False):
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+    output: str | None = None
+    error: str | None = None
+    approval_request_id: str | None = None
+    status: str = "completed"
+
+
+class McpApprovalRequestItem(Struct, tag_field="type", tag="mcp_approval_request", omit_defaults=False):
+    id: str
+    server_label: str
+    name: str
+    arguments: str
+
+
+OutputItem = MessageItem | FunctionCallItem | ReasoningItem | McpListToolsItem | McpCallItem | McpApprovalRequestItem
 
 
 class InputTokensDetails(Struct):
