@@ -181,6 +181,25 @@ def test_a_draft_model_drafts_for_every_row(dense_path, tmp_path):
         engine.stop()
 
 
+def test_latent_attention_rows_decode_as_plain(tmp_path):
+    """DeepSeek-V3's multi-head latent attention (each position's latent and rotary key cached;
+    a verification of up to 16 positions attends in the absorbed form), with its routed experts."""
+    from mlxr_core.testing.hf_reference import tiny_reference
+
+    shape = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
+             "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10, "n_routed_experts": 8,
+             "n_shared_experts": 1, "num_experts_per_tok": 2, "max_position_embeddings": 256,
+             "tie_word_embeddings": False, "q_lora_rank": 24, "n_group": 1, "topk_group": 1,
+             "first_k_dense_replace": 1}  # fmt: skip
+    reference = tiny_reference("DeepseekV3ForCausalLM", "DeepseekV3Config", shape, tmp_path, lengths=(4,))
+    engine = serve(reference.folder)
+    try:
+        check_exact(engine)
+    finally:
+        engine.stop()
+
+
 # --- what the sampler chain does keeps working -------------------------------------------------
 
 
