@@ -102,12 +102,14 @@ def write_tiny_llama_gguf(
     chat_template: str = CHATML_TEMPLATE,
     special_tokens: Sequence[str] = SPECIAL_TOKENS,
     eos_token: str = "<|im_end|>",
+    sampling: Mapping[str, float] | None = None,
 ) -> Path:
     """Write a tiny random llama GGUF to ``path`` and return the path.
 
     ``quant`` is the type of every matrix (norms stay F32); ``q5_0`` is repacked as MLX 5-bit.
     ``chat_template`` replaces the ChatML template (tests give hostile ones); ``special_tokens``
     (control tokens, ``<|endoftext|>`` among them: the BOS) and ``eos_token`` replace ChatML's.
+    ``sampling`` writes llama.cpp's ``general.sampling.<key>`` defaults (``temp``, ``top_k`` ...).
     The same arguments always produce the same bytes.
     """
     import gguf
@@ -152,6 +154,11 @@ def write_tiny_llama_gguf(
     writer.add_bos_token_id(tokens.index("<|endoftext|>"))
     writer.add_eos_token_id(tokens.index(eos_token))
     writer.add_add_bos_token(False)
+    for key, value in (sampling or {}).items():
+        if isinstance(value, int):
+            writer.add_int32(f"general.sampling.{key}", value)
+        else:
+            writer.add_float32(f"general.sampling.{key}", value)
     writer.add_chat_template(chat_template)
 
     def add(name: str, array: np.ndarray) -> None:

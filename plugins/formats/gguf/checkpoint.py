@@ -51,6 +51,11 @@ from mlxr_plugins.formats.gguf.reader import (
 
 log = logging.getLogger(__name__)
 
+#: llama.cpp's ``general.sampling.*`` keys -> ``generation_config.json``'s names (the engine's
+#: model sampling defaults, :func:`mlxr_core.engine.request.model_defaults`).
+SAMPLING_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "penalty_repeat": "repetition_penalty"}  # fmt: skip
+
 
 class GGUFFormat:
     """llama.cpp's GGUF: one file holding metadata, tokenizer and (quantized) tensors."""
@@ -179,6 +184,7 @@ class GGUFFormat:
             chat_template = field_value(reader, "tokenizer.chat_template")
             name = field_value(reader, "general.name")
             file_type = field_value(reader, "general.file_type")
+            generation = {ours: field_value(reader, f"general.sampling.{theirs}") for theirs, ours in SAMPLING_KEYS.items()}
         except Exception as exc:
             raise ModelLoadError(
                 f"unreadable metadata: {type(exc).__name__}: {exc}", path=str(path)
@@ -198,6 +204,8 @@ class GGUFFormat:
             metadata={
                 "name": name,
                 "file_type": file_type,
+                # The model's sampling defaults as llama.cpp writes them, named as generation_config.json's.
+                "generation_defaults": {key: value for key, value in generation.items() if value is not None},
                 "tensor_types": dict(counts),
                 "dequantized_types": sorted({source_types[m] for m in suggested}),
                 "resident_bytes": sum(array.nbytes for array in weights.values()),

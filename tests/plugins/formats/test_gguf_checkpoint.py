@@ -382,3 +382,14 @@ def test_a_string_array_past_the_end_names_the_file(tiny_files, tmp_path):
     with pytest.raises(ModelLoadError, match="corrupt GGUF header") as info:
         GGUFFormat().load(bad)
     assert info.value.path == str(bad)
+
+
+def test_llama_cpps_sampling_defaults_are_the_models_generation_defaults(tmp_path):
+    """``general.sampling.*`` (llama.cpp's) read under generation_config.json's names, which the
+    engine serves to requests that leave sampling out; a file without them has none."""
+    path = write_tiny_llama_gguf(tmp_path / "s.gguf", sampling={"temp": 0.6, "top_k": 20, "top_p": 0.95, "penalty_repeat": 1.1})
+    defaults = GGUFFormat().load(path).metadata["generation_defaults"]
+    assert defaults.keys() == {"temperature", "top_k", "top_p", "repetition_penalty"}
+    assert defaults["top_k"] == 20 and abs(defaults["temperature"] - 0.6) < 1e-6
+    assert abs(defaults["top_p"] - 0.95) < 1e-6 and abs(defaults["repetition_penalty"] - 1.1) < 1e-6
+    assert GGUFFormat().load(write_tiny_llama_gguf(tmp_path / "plain.gguf")).metadata["generation_defaults"] == {}
