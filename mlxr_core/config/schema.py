@@ -365,8 +365,10 @@ class ModelConfig:
 
 
 #: Claude Code's first system block, ``x-anthropic-billing-header: cc_version=2.1.37.0d9;
-#: cc_entrypoint=cli; cch=fa690;``: the hash differs on every request.
-DEFAULT_VOLATILE_SPANS = (r"x-anthropic-billing-header:[^\n]*?(\s?\bcch=[0-9A-Za-z]*;?)",)
+#: cc_entrypoint=cli; cch=fa690;``: the hash differs on every request. Anchored at a line's start
+#: and bounded, so that a prompt of the header repeated costs time linear in its length (unanchored,
+#: every occurrence scanned to the end of its line: 30 s for 100 KB on one line, the GIL held).
+DEFAULT_VOLATILE_SPANS = (r"(?m)^x-anthropic-billing-header:[^\n]{0,256}?(\s?\bcch=[0-9A-Za-z]{0,64};?)",)
 
 
 @attrs.define

@@ -149,3 +149,32 @@ def test_without_a_cache_control_breakpoint_cache_writes_count_as_input(tiny_cli
     body["messages"][0]["content"] = [{"type": "text", "text": "a marked question", "cache_control": {"type": "ephemeral"}}]
     usage = tiny_client.post(MESSAGES, json=body).json()["usage"]
     assert usage["cache_creation_input_tokens"] > 0
+
+
+def test_the_default_pattern_matches_a_header_only_where_a_line_starts() -> None:
+    """Anchored: the text of a prompt that only mentions the header mid-line is kept, and a prompt
+    of the header repeated on one line is scanned once, not once per occurrence to the line's end."""
+    import re
+
+    from mlxr_core.chat.prompt import remove_spans
+    from mlxr_core.config.schema import DEFAULT_VOLATILE_SPANS
+
+    patterns = [re.compile(p) for p in DEFAULT_VOLATILE_SPANS]
+    mid_line = "say x-anthropic-billing-header: cch=fa690;"
+    assert remove_spans(mid_line, patterns) == mid_line
+    one_line = "x-anthropic-billing-header: cc_version=1; " * 2000 + "cch=fa690;"
+    assert remove_spans(one_line, patterns) == one_line  # the hash is past the header's 256 characters
+
+
+def test_every_match_of_many_is_removed() -> None:
+    import re
+
+    from mlxr_core.chat.prompt import remove_spans
+    from mlxr_core.config.schema import DEFAULT_VOLATILE_SPANS
+
+    patterns = [re.compile(p) for p in DEFAULT_VOLATILE_SPANS]
+    text = "".join(f"x-anthropic-billing-header: cc_entrypoint=cli; cch={i:05x};\nline {i}\n" for i in range(5000))
+    out = remove_spans(text, patterns)
+    assert "cch=" not in out
+    assert out.count("x-anthropic-billing-header: cc_entrypoint=cli;\n") == 5000 and "line 4999\n" in out
+    assert remove_spans("a-b-c", [re.compile(r"(-)b"), re.compile("c")]) == "ab-"
