@@ -149,8 +149,10 @@ async def create_chat_completion(
     prediction = None
     if body.prediction is not None:
         text = prediction_text(body.prediction)
+        # No longer than the context (a 400 naming prediction), found from a head of the text: a
+        # drafter scans its prediction as the output leaves it.
         prediction = await prepare_in_thread(
-            ctx, request, functools.partial(info.tokenizer.encode, text, add_special_tokens=False)
+            ctx, request, functools.partial(info.encode, text, add_special_tokens=False, param="prediction")
         )
     generation = GenerationRequest(
         body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images,

@@ -46,3 +46,13 @@ def test_a_malformed_prediction_is_a_400(tiny_app):
         r = tiny_app.post("/v1/chat/completions", json=chat(prediction=prediction))
         assert r.status_code == 400, (prediction, r.text)
         assert "prediction" in r.text
+
+
+def test_a_prediction_longer_than_the_context_is_a_400_naming_it(tiny_app):
+    """A drafter scans its prediction as the output leaves it: one longer than the model can ever
+    output is refused, found from a head of the text, before any row drafts from it."""
+    context = tiny_app.get("/v1/models").json()["data"][0].get("context_length") or 512
+    r = tiny_app.post("/v1/chat/completions", json=chat(prediction={"type": "content", "content": "ab " * (4 * context)}))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "prediction"
+    assert tiny_app.post("/v1/chat/completions", json=chat()).status_code == 200
