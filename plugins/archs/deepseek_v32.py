@@ -27,8 +27,8 @@ INDEXED = "indexed_attention"
 
 @dataclasses.dataclass
 class DeepseekV32Args(DeepseekV3Args):
-    """V3's keys, the indexer's and the per-layer lists transformers 5 writes (which must say what
-    the graph computes). transformers' V3.2 always rotates interleaved
+    """V3's keys, the indexer's and the per-layer lists transformers 5 writes (``mlp_layer_types``
+    placing the dense layers, as transformers builds them). transformers' V3.2 always rotates interleaved
     pairs in the latent attention (its config has no ``rope_interleave``)."""
 
     family = "deepseek_v32"
@@ -50,12 +50,15 @@ class DeepseekV32Args(DeepseekV3Args):
                 f"the {self.family} graph computes {INDEXED} in each of its {self.num_hidden_layers} layers, "
                 f"not {kinds!r:.120}", key="layer_types",
             )
-        mlp = ["sparse" if self.is_sparse(layer) else "dense" for layer in range(self.num_hidden_layers)]
-        if self.mlp_layer_types is not None and self.mlp_layer_types != mlp:
-            raise ModelLoadError(
-                f"{self.mlp_layer_types!r:.120} is not first_k_dense_replace = {self.first_k_dense_replace} "
-                "dense layers, then experts", key="mlp_layer_types",
-            )
+        mlp = self.mlp_layer_types
+        if mlp is not None:  # transformers builds the layers it lists, whatever first_k_dense_replace says
+            dense = mlp.index("sparse") if "sparse" in mlp else len(mlp)
+            if mlp != ["dense"] * dense + ["sparse"] * (len(mlp) - dense) or len(mlp) != self.num_hidden_layers:
+                raise ModelLoadError(
+                    f"the {self.family} graph takes dense layers, then experts, one a layer: not {mlp!r:.120}",
+                    key="mlp_layer_types",
+                )
+            self.first_k_dense_replace = dense
 
 
 class DeepseekV32Architecture(DeepseekV3Architecture):

@@ -4,7 +4,8 @@ indexer keeps every position there, so V3's latent attention computes what trans
 pass, cached decoding, a left-padded batch, a prefix-cache hit, YaRN and grouped routing
 (:func:`~mlxr_core.testing.hf_reference.check_reference`); the context capped at ``index_topk``
 (past it transformers attends sparsely: shown on the same weights with a smaller ``index_topk``);
-a layer kind the graph does not compute refused naming ``layer_types``.
+the dense layers where ``mlp_layer_types`` puts them; a layer kind the graph does not compute
+refused naming ``layer_types``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max
 FAMILIES = {
     "within the cap": ("DeepseekV32ForCausalLM", "DeepseekV32Config", {"index_topk": 64, "rope_parameters": YARN}),
     "sparse": ("DeepseekV32ForCausalLM", "DeepseekV32Config", {"index_topk": 8, "rope_parameters": YARN}),
+    # transformers builds the layers mlp_layer_types lists, whatever first_k_dense_replace says.
+    "listed": ("DeepseekV32ForCausalLM", "DeepseekV32Config",
+               {"index_topk": 64, "mlp_layer_types": ["dense", "dense", "sparse"]}),
 }
 
 
@@ -48,6 +52,10 @@ def test_v32_matches_transformers_within_index_topk(reference, registries):
     loaded = load_reference_model(reference, registries)
     assert "native architecture 'deepseek_v32'" in loaded.arch_reason
     assert loaded.arch.context_length(reference.config) == 64
+
+
+def test_the_dense_layers_are_those_mlp_layer_types_lists(registries, tmp_path):
+    check_reference(family_reference(FAMILIES, BASE, "listed", tmp_path), registries)
 
 
 def test_past_index_topk_transformers_attends_sparsely_so_the_context_stops_there(registries, tmp_path):
