@@ -388,7 +388,7 @@ class ModelCard(Struct):
     object: str = "model"
     context_length: int | None = None
     #: The model a LoRA adapter served as a model of its own runs over (``models[].adapters``).
-    parent: str | None = None
+    parent: str | UnsetType = UNSET
 
 
 class ModelList(Struct):

@@ -67,6 +67,8 @@ class FakeEngine:
                 tokenizer=FakeTokenizer(), format="fake", model_type="fake", config_index=0,  # type: ignore[arg-type]
             )
         }
+        #: LoRA adapters served as models of their own (none here).
+        self.adapters: dict[str, tuple[str, str]] = {}
         self.requests: list[GenerationRequest] = []
         self.handles: list[RequestHandle] = []
         self.raise_on_submit: BaseException | None = None
