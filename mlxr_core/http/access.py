@@ -31,7 +31,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxr_core.engine.request import ARRIVING
 from mlxr_core.errors import MlxrError
-from mlxr_core.http.context import REQUEST_ID
+from mlxr_core.http.context import KEY_OWNER, REQUEST_ID, REQUEST_STATE
 
 if TYPE_CHECKING:
     from mlxr_core.engine.request import Arrivals
@@ -157,8 +157,6 @@ def owner_id(key: str) -> str:
     return digest.hex()
 
 
-#: Where :func:`api_key_guard` leaves the request's :func:`owner_id` in the ASGI scope's state.
-KEY_OWNER = "mlxr.key_owner"
 
 
 def key_owner(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
@@ -214,6 +212,7 @@ class RequestLog:
         arrival = self.arrivals.arrive() if self.arrivals is not None and scope.get("method") == "POST" else None
         arriving = ARRIVING.set(arrival)
         naming = REQUEST_ID.set(request_id)
+        stating = REQUEST_STATE.set(scope["state"])  # type: ignore[typeddict-item]
 
         async def send_with_id(message: Message) -> None:
             nonlocal status, sent
@@ -235,6 +234,7 @@ class RequestLog:
                 arrival.leave()
             ARRIVING.reset(arriving)
             REQUEST_ID.reset(naming)
+            REQUEST_STATE.reset(stating)
             seconds = time.perf_counter() - started
             # Litestar writes the matched route's template into the scope while routing.
             endpoint = scope.get("path_template") or UNMATCHED  # type: ignore[typeddict-item]

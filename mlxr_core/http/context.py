@@ -28,6 +28,18 @@ if TYPE_CHECKING:
 #: :class:`~mlxr_core.http.access.RequestLog`: generation requests are tracked under it, so an
 #: operator can cancel one by id (``POST /v1/requests/{id}/cancel``).
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("mlxr_request_id", default=None)
+#: The ASGI scope state of the request being served (set beside :data:`REQUEST_ID`), where the key
+#: guard later leaves the caller's key owner (:func:`request_owner`).
+REQUEST_STATE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("mlxr_request_state", default=None)
+
+#: The scope state key of the caller's API key owner (``mlxr_core.http.access.KEY_OWNER``).
+KEY_OWNER = "mlxr.key_owner"
+
+
+def request_owner() -> str | None:
+    """The key owner of the request being served (None where the server has no keys)."""
+    state = REQUEST_STATE.get()
+    return state.get(KEY_OWNER) if state is not None else None
 
 #: Threads that prepare long bodies at once: many such requests queue for these, not for the
 #: worker threads every other request is prepared on.
@@ -48,28 +60,42 @@ class InflightRequests:
         )
         #: Set by :func:`mlxr_core.http.server.drain`: new requests are refused with 503.
         self.draining = False
-        #: Request ids (the HTTP request's, a background response's) -> their handles.
-        self._ids: weakref.WeakValueDictionary[str, RequestHandle] = weakref.WeakValueDictionary()
+        #: Request ids (the HTTP request's, a background response's) -> the key owner that named
+        #: them and their handles (several: the choices of ``n``).
+        self._ids: dict[str, tuple[str | None, weakref.WeakSet[RequestHandle]]] = {}
 
     def __len__(self) -> int:
         return len(self._timers)
 
-    def add(self, handle: RequestHandle, timer: RequestTimer | None = None, request_id: str | None = None) -> None:
+    def add(
+        self, handle: RequestHandle, timer: RequestTimer | None = None, request_id: str | None = None,
+        owner: str | None = None,
+    ) -> None:
         self._timers[handle] = timer
         if request_id is not None:
-            self.name(handle, request_id)
+            self.name(handle, request_id, owner)
 
-    def name(self, handle: RequestHandle, request_id: str) -> None:
-        """Let ``request_id`` find ``handle`` (:meth:`cancel`)."""
-        self._ids[request_id] = handle
+    def name(self, handle: RequestHandle, request_id: str, owner: str | None = None) -> None:
+        """Let ``request_id`` find ``handle`` for ``owner`` (the caller's key owner) alone
+        (:meth:`cancel`). An id another owner named keeps pointing at that owner's requests."""
+        entry = self._ids.get(request_id)
+        if entry is not None and entry[0] != owner and any(h in self._timers for h in entry[1]):
+            return
+        if entry is None or entry[0] != owner:
+            if len(self._ids) >= 4 * max(len(self._timers), 1024):  # forget ids of ended requests
+                self._ids = {k: e for k, e in self._ids.items() if any(h in self._timers for h in e[1])}
+            entry = self._ids[request_id] = (owner, weakref.WeakSet())
+        entry[1].add(handle)
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel the running request named ``request_id``; whether one was running."""
-        handle = self._ids.get(request_id)
-        if handle is None or handle not in self._timers:
+    def cancel(self, request_id: str, owner: str | None = None) -> bool:
+        """Cancel the running requests ``owner`` named ``request_id``; whether one was running."""
+        entry = self._ids.get(request_id)
+        if entry is None or entry[0] != owner:
             return False
-        handle.cancel()
-        return True
+        running = [handle for handle in entry[1] if handle in self._timers]
+        for handle in running:
+            handle.cancel()
+        return bool(running)
 
     def timer(self, handle: RequestHandle) -> RequestTimer | None:
         return self._timers.get(handle)

@@ -44,7 +44,7 @@ from mlxr_core.engine.request import (
     TokenLogprob,
 )
 from mlxr_core.errors import EngineStopped, MlxrError, ModelUnavailable, RequestError
-from mlxr_core.http.context import REQUEST_ID, ServerContext
+from mlxr_core.http.context import REQUEST_ID, ServerContext, request_owner
 from mlxr_core.http.metrics import RequestTimer
 from mlxr_core.http.offload import offload
 
@@ -261,7 +261,7 @@ def submit(ctx: ServerContext, request: GenerationRequest) -> RequestHandle:
     """
     engine = ready_engine(ctx)
     handle = engine.submit(request, loop=asyncio.get_running_loop())
-    ctx.inflight.add(handle, RequestTimer(ctx.metrics, request.model), REQUEST_ID.get())
+    ctx.inflight.add(handle, RequestTimer(ctx.metrics, request.model), REQUEST_ID.get(), request_owner())
     return handle
 
 

@@ -26,6 +26,7 @@ from msgspec import Struct
 
 from mlxr_core.config.schema import is_loopback
 from mlxr_core.errors import MlxrError, Overloaded
+from mlxr_core.http.access import key_owner
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.errors import RouteNotFound
 from mlxr_core.http.frontend import loaded_model, ready_engine
@@ -106,8 +107,9 @@ def model_admin_routes(ctx: ServerContext, paths: Any) -> list[Any]:
         operation_class=documented(error=s.ErrorBody),
         summary="Cancel a running generation request by its id (x-request-id, or a background response's id)",
     )
-    async def cancel(request_id: FromPath[str]) -> RequestState:
-        if not ctx.inflight.cancel(request_id):
+    async def cancel(request: Request[Any, Any, Any], request_id: FromPath[str]) -> RequestState:
+        # Only the key that sent a request may cancel it (any caller where the server has no keys).
+        if not ctx.inflight.cancel(request_id, key_owner(request)):
             raise RequestNotRunning(f"no running request with id {request_id[:64]!r}")
         return RequestState(request_id, True)
 

@@ -606,7 +606,7 @@ class Responses:
         task of its own; answered now (``stream``: its events, followed)."""
         response.background, response.status = True, "queued"
         run = Run(response, owner, handle)
-        self.ctx.inflight.name(handle, response.id)  # an operator may cancel it by this id too
+        self.ctx.inflight.name(handle, response.id, owner)  # its owner may cancel it by this id too
         await self._put(response, listed, history, owner)
         builder = OutputBuilder(response, sink=run.record)
         self.runs.start(run, self._events(handle, reader, builder, history, listed, tokenizer, owner))

@@ -105,3 +105,24 @@ def test_an_operator_cancels_any_running_request_by_id(url: str, fake: FakeEngin
     assert rest  # the stream ends
     missing = httpx.post(f"{url}/v1/requests/job-42/cancel", json={})
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_only_the_key_that_sent_a_request_cancels_it_by_id(fake: FakeEngine, tmp_path: Path) -> None:
+    """With API keys, a request id names the sender's requests alone: another key's cancel of it is
+    a 404 and leaves it running (ids are the client's own x-request-id, often guessable); every
+    choice of an n > 1 request is cancelled."""
+    server = ServerConfig(api_keys=["key-a", "key-b"], responses_store=ResponsesStoreConfig(path=str(tmp_path / "r.sqlite3")))
+    fake.endless = True
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "stream": True, "n": 2}
+    with ThreadedServer(build_app(make_ctx(fake, server=server))) as url, httpx.Client(base_url=url, timeout=30) as http:
+        a, b = ({"authorization": f"Bearer {key}"} for key in ("key-a", "key-b"))
+        with http.stream("POST", "/v1/chat/completions", headers={**a, "x-request-id": "job-7"}, json=body) as stream:
+            lines = stream.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            other = http.post("/v1/requests/job-7/cancel", headers=b, json={})
+            assert other.status_code == 404 and "error" in other.json()
+            assert not any(handle.cancelled for handle in fake.handles[-2:])
+            own = http.post("/v1/requests/job-7/cancel", headers=a, json={})
+            assert own.status_code == 200 and own.json()["cancelled"] is True
+            assert all(handle.cancelled for handle in fake.handles[-2:])
+            list(lines)
