@@ -575,15 +575,18 @@ class BatchRunner:
             return False
         return self.caches is not None and not any(self.shifts) and rolls_back(self.caches)
 
-    def _draft(self, seq: Sequence) -> list[int]:
+    def _draft(self, seq: Sequence) -> tuple[list[int], mx.array | None]:
         """Row ``seq``'s draft for this step: at most its ``draft_k``, the tokens it may still
         emit less one (the target's own token follows), and cut at the first token its grammar
-        does not allow."""
+        does not allow; with the logits it was drawn from (None: deterministic)."""
         room = min(seq.draft_k, seq.max_tokens - seq.generated - 1)
         if seq.drafter is None or room <= 0:
-            return []
+            return [], None
         draft = list(seq.drafter.propose([*seq.prompt, *seq.output], room))[:room]
-        return draft[: seq.sampler.valid_prefix(draft)] if draft else draft
+        if draft:
+            draft = draft[: seq.sampler.valid_prefix(draft)]
+        drawn = getattr(seq.drafter, "draft_logits", None)
+        return draft, None if drawn is None or not draft else drawn[: len(draft)]
 
     def _speculate(self) -> None:
         """One step that verifies every row's draft (rows without one get one token, as a plain
@@ -597,13 +600,15 @@ class BatchRunner:
         if not self.running or self.caches is None:
             return
         values = [values[i] for i in keep]
-        drafts = [self._draft(seq) for seq in self.running]
+        proposals = [self._draft(seq) for seq in self.running]
+        drafts = [draft for draft, _ in proposals]
         inputs, longest = draft_inputs(values, drafts)
         caches: list[Any] = self.caches
         lost: dict[int, BaseException] = {}  # rows whose streamed experts could not be read
         with self._expert_failures(lost):
             logits = self._verify_pass(inputs, longest, caches)
-        emitted, failed = verify_rows(logits, drafts, [seq.sampler for seq in self.running])
+        samplers = [seq.sampler for seq in self.running]
+        emitted, failed = verify_rows(logits, drafts, samplers, [drawn for _, drawn in proposals])
         for row, error in lost.items():
             failed.setdefault(row, error)
         if longest:

@@ -11,8 +11,9 @@ output token for token. Otherwise draft token ``d_j`` is accepted with probabili
 ``min(1, p_j(d_j) / q_j(d_j))``; the first rejected one is replaced by a draw from
 ``norm(max(0, p_j - q_j))``, and when all are accepted a bonus token is drawn from ``p_{k+1}``
 (Leviathan et al., 2023, "Fast Inference from Transformers via Speculative Decoding"): the output
-is distributed as the target's. Drafts here are deterministic (n-grams, a client's prediction, a
-draft model's greedy choice): ``q_j`` is a point mass, ``q_j(d_j) = 1``.
+is distributed as the target's. A drafter that draws its tokens says from what (``draft_logits``:
+``q_j = softmax``); n-grams and a client's prediction are deterministic, a point mass,
+``q_j(d_j) = 1``.
 
 A row whose sampler follows the emitted tokens (penalties, grammars: ``stateful``) is verified
 position by position, its processors told each accepted draft token before the next position's
@@ -49,7 +50,9 @@ class Drafter(Protocol):
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens expected after ``history`` (the prompt and every token emitted so
         far; its last one is the row's next input). Called on the engine thread once per step in
-        which the row may draft; cheap, or batched by the drafter itself."""
+        which the row may draft; cheap, or batched by the drafter itself. A drafter that draws
+        its tokens also sets ``draft_logits``: the ``[n, V]`` logits the ``n`` tokens it proposed
+        were drawn from (their softmax), or None for deterministic tokens (read with ``getattr``)."""
         ...
 
 
@@ -104,13 +107,20 @@ def speculative_sample(
 
 
 def verify_rows(
-    logits: mx.array, drafts: Sequence[Sequence[int]], samplers: Sequence[RequestSampler]
+    logits: mx.array,
+    drafts: Sequence[Sequence[int]],
+    samplers: Sequence[RequestSampler],
+    draft_logits: Sequence[mx.array | None] | None = None,
 ) -> tuple[list[list[int]], dict[int, BaseException]]:
     """Each row's tokens to emit: its accepted draft prefix, then one token of the target's.
 
     :param logits: ``[B, K + 1, V]`` raw target logits over each row's ``[t, *draft, *padding]``.
+    :param draft_logits: per row, the logits its draft was drawn from (``[k, V']``, ``V' <= V``),
+        or None for a deterministic draft (see :class:`Drafter`); used by sampled rows only.
     :return: the tokens per row, and the rows whose sampler raised (with placeholder tokens).
     """
+    widths = draft_logits if draft_logits is not None else [None] * len(drafts)
+    qs = [None if q is None else _widened(q, logits.shape[-1]) for q in widths]
     emitted: list[list[int]] = [[] for _ in drafts]
     failed: dict[int, BaseException] = {}
     lazy: dict[int, tuple[mx.array, ...]] = {}
@@ -125,7 +135,7 @@ def verify_rows(
                 lazy[i] = (sampler(rows),)
             else:
                 proposed = mx.array(list(draft), dtype=mx.int32)
-                lazy[i] = speculative_sample(sampler.process(rows), proposed, None, sampler.next_key())
+                lazy[i] = speculative_sample(sampler.process(rows), proposed, qs[i], sampler.next_key())
         except Exception as exc:
             failed[i] = exc
     mx.eval([array for arrays in lazy.values() for array in arrays])
@@ -147,7 +157,7 @@ def verify_rows(
     for i, (draft, sampler) in enumerate(zip(drafts, samplers, strict=True)):
         if sampler.stateful:
             try:
-                emitted[i] = verify_in_order(logits[i, : len(draft) + 1], list(draft), sampler)
+                emitted[i] = verify_in_order(logits[i, : len(draft) + 1], list(draft), sampler, qs[i])
             except Exception as exc:
                 failed[i] = exc
     for i in failed:
@@ -155,7 +165,17 @@ def verify_rows(
     return emitted, failed
 
 
-def verify_in_order(logits: mx.array, draft: list[int], sampler: RequestSampler) -> list[int]:
+def _widened(draft_logits: mx.array, width: int) -> mx.array:
+    """``[k, V']`` draft logits as wide as the target's (``-inf`` past the draft's vocabulary)."""
+    extra = width - draft_logits.shape[-1]
+    if extra <= 0:
+        return draft_logits[:, :width]
+    return mx.pad(draft_logits.astype(mx.float32), [(0, 0), (0, extra)], constant_values=-mx.inf)
+
+
+def verify_in_order(
+    logits: mx.array, draft: list[int], sampler: RequestSampler, draft_logits: mx.array | None = None
+) -> list[int]:
     """A stateful sampler's row: position by position, each accepted draft token told to its
     processors (``accept``) before the next position's logits are processed. The last token
     returned (the target's own) is not told: the next step tells it, as plain decoding does."""
@@ -166,12 +186,14 @@ def verify_in_order(logits: mx.array, draft: list[int], sampler: RequestSampler)
             if choice != token:
                 return [*draft[:j], choice]
         else:
-            log_p = processed[0] - mx.logsumexp(processed[0])
-            accept_key, draw_key = mx.random.split(sampler.next_key())
-            u = mx.random.uniform(key=accept_key)
-            if not bool((mx.log(u) < log_p[token]).item()):
-                residual = mx.where(mx.arange(log_p.shape[0]) == token, -mx.inf, log_p)
-                return [*draft[:j], int(mx.random.categorical(residual, key=draw_key).item())]  # type: ignore[arg-type]
+            accepted, replacement = speculative_sample(
+                processed,
+                mx.array([token], dtype=mx.int32),
+                None if draft_logits is None else draft_logits[j : j + 1],
+                sampler.next_key(),
+            )
+            if not bool(accepted.item()):
+                return [*draft[:j], int(replacement[0].item())]  # type: ignore[arg-type]
         sampler.accept(token)
     return [*draft, int(sampler(logits[len(draft) :]).item())]  # type: ignore[arg-type]
 

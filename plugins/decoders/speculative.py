@@ -14,6 +14,7 @@ the draft model proposes its greedy choices row by row (its passes are not batch
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -76,15 +77,21 @@ class _Draft:
 class DraftModelDrafter:
     """One request's draft model inside the batch (:class:`~mlxr_core.engine.speculation.Drafter`):
     its own cache of the draft model, which keeps the part of the request's tokens both agree on,
-    catches up on the rest, and proposes the draft model's greedy choices (a deterministic draft:
-    exact under sampling too, see :mod:`mlxr_core.engine.speculation`)."""
+    catches up on the rest, and proposes the draft model's greedy choices for a greedy request;
+    for a sampled one, draws from the draft model's distribution at the request's temperature and
+    says so (:attr:`draft_logits`), which verification needs to keep the target's distribution
+    (:mod:`mlxr_core.engine.speculation`)."""
 
-    def __init__(self, draft: _Draft, prefill_chunk: int = 512):
+    def __init__(self, draft: _Draft, temperature: float = 0.0, seed: int | None = None, prefill_chunk: int = 512):
         self.draft = draft
         self.cache = draft.model.make_cache()
         #: The tokens the draft's cache holds, in order.
         self.fed: list[int] = []
         self.prefill_chunk = prefill_chunk
+        self.temperature = temperature
+        self._key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+        #: The logits the last proposal was drawn from (``[k, V]``), or None (greedy).
+        self.draft_logits: mx.array | None = None
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         model, width = self.draft.model, self.draft.width
@@ -101,11 +108,19 @@ class DraftModelDrafter:
         logits = model.model(last[None], cache=self.cache)[:, -1, :width]
         self.fed.append(history[-1])
         proposed: list[mx.array] = []
+        drawn: list[mx.array] = []
         for i in range(k):
-            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+            if self.temperature > 0:
+                scaled = logits.astype(mx.float32) / self.temperature
+                self._key, key = mx.random.split(self._key)
+                token = mx.random.categorical(scaled, key=key).astype(mx.int32)
+                drawn.append(scaled)
+            else:
+                token = mx.argmax(logits, axis=-1).astype(mx.int32)
             proposed.append(token)
             if i + 1 < k:
                 logits = model.model(token[None], cache=self.cache)[:, -1, :width]
+        self.draft_logits = mx.concatenate(drawn) if drawn else None
         if not proposed:
             return []
         tokens: list[int] = mx.concatenate(proposed).tolist()  # type: ignore[assignment]
@@ -162,7 +177,8 @@ class SpeculativeDecoder:
         prepared = self.drafts.get(model.name)
         if prepared is None:
             raise MlxrError(f"speculative decoding: no draft model was prepared for model {model.name}")
-        return DraftModelDrafter(prepared)
+        params = request.params
+        return DraftModelDrafter(prepared, temperature=params.temperature, seed=params.seed)
 
     def generate(
         self,

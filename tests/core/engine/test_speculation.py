@@ -174,7 +174,7 @@ def test_a_draft_model_drafts_for_every_row(dense_path, tmp_path):
         drafted = run(engine, rows)
         for row in range(ROWS - 1):
             assert drafted[row][0] == plain[row], f"row {row}"
-        assert len(drafted[-1][0]) == TOKENS  # sampled: the same length, its own tokens
+        assert len(drafted[-1][0]) == TOKENS  # sampled (drafts drawn at 0.8): the same length
         figures = drafts_of(engine)["speculative"]
         assert figures["accepted"] > figures["drafted"] // 2  # an 8-bit copy agrees mostly
     finally:
@@ -279,32 +279,62 @@ class Follows:
         pass
 
 
-@pytest.mark.parametrize("stateful", [False, True], ids=["batched", "in-order"])
-def test_sampled_verification_draws_the_first_tokens_as_plain_sampling(stateful):
-    """10,000 seeded draws: the first token emitted is distributed as the target's first
-    distribution, and the second (after an accepted first draft token) as its second."""
-    vocab = 6
-    rng = np.random.default_rng(0)
-    logits = mx.array(rng.normal(size=(3, vocab)).astype(np.float32) * 1.5)
+VOCAB, DRAWS, ROWS_A_BATCH = 6, 10_000, 1_000
+
+
+def check_first_tokens(logits: mx.array, make_drafts, q_logits: mx.array | None, stateful: bool) -> None:
+    """Verify ``DRAWS`` seeded rows (``make_drafts()`` gives a batch's drafts) against the
+    toy target whose distribution depends only on the position: the first emitted token must
+    follow ``p_0``, and the second, after an accepted first draft token, ``p_1`` (chi-square)."""
     p = np.array(mx.softmax(logits, axis=-1))
-    draft = [int(np.argsort(p[0])[-2]), int(np.argsort(p[1])[0])]  # likely-ish, then unlikely
-    draws, rows = 10_000, 1_000
-    first = np.zeros(vocab)
-    second = np.zeros(vocab)
-    for batch in range(draws // rows):
+    first, second = np.zeros(VOCAB), np.zeros(VOCAB)
+    for batch in range(DRAWS // ROWS_A_BATCH):
+        drafts = make_drafts()
         samplers = [
-            RequestSampler([Follows()] if stateful else [], SamplingParams(temperature=1.0, seed=batch * rows + i))
-            for i in range(rows)
+            RequestSampler([Follows()] if stateful else [], SamplingParams(temperature=1.0, seed=batch * ROWS_A_BATCH + i))
+            for i in range(ROWS_A_BATCH)
         ]
-        emitted, failed = verify_rows(mx.broadcast_to(logits, (rows, 3, vocab)), [draft] * rows, samplers)
+        batch_logits = mx.broadcast_to(logits, (ROWS_A_BATCH, 3, VOCAB))
+        drawn = None if q_logits is None else [q_logits] * ROWS_A_BATCH
+        emitted, failed = verify_rows(batch_logits, drafts, samplers, drawn)
         assert not failed
-        for tokens in emitted:
+        for draft, tokens in zip(drafts, emitted, strict=True):
             first[tokens[0]] += 1
             if tokens[0] == draft[0] and len(tokens) > 1:
                 second[tokens[1]] += 1
     assert chi_square_p(first, p[0]) > 0.001, (first / first.sum(), p[0])
     assert second.sum() > 1_000
     assert chi_square_p(second, p[1]) > 0.001, (second / second.sum(), p[1])
+
+
+#: The in-order path syncs with the device at every position of every row: ~30 s here, slow.
+STATEFUL = [pytest.param(False, id="batched"), pytest.param(True, id="in-order", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("stateful", STATEFUL)
+def test_sampled_verification_draws_the_first_tokens_as_plain_sampling(stateful):
+    """A deterministic draft (n-grams, a prediction): a point mass."""
+    rng = np.random.default_rng(0)
+    logits = mx.array(rng.normal(size=(3, VOCAB)).astype(np.float32) * 1.5)
+    p = np.array(mx.softmax(logits, axis=-1))
+    draft = [int(np.argsort(p[0])[-2]), int(np.argsort(p[1])[0])]  # likely-ish, then unlikely
+    check_first_tokens(logits, lambda: [draft] * ROWS_A_BATCH, None, stateful)
+
+
+@pytest.mark.parametrize("stateful", STATEFUL)
+def test_drafts_drawn_from_a_distribution_keep_the_targets(stateful):
+    """Drafts drawn from another distribution q (a draft model's, over a smaller vocabulary),
+    q handed over with them."""
+    rng = np.random.default_rng(1)
+    logits = mx.array(rng.normal(size=(3, VOCAB)).astype(np.float32) * 1.5)
+    q_logits = mx.array(rng.normal(size=(2, VOCAB - 1)).astype(np.float32))
+    q = np.array(mx.softmax(q_logits, axis=-1)).astype(np.float64)
+    q /= q.sum(axis=-1, keepdims=True)
+
+    def drafts() -> list[list[int]]:
+        return [[int(rng.choice(VOCAB - 1, p=q[0])), int(rng.choice(VOCAB - 1, p=q[1]))] for _ in range(ROWS_A_BATCH)]
+
+    check_first_tokens(logits, drafts, q_logits, stateful)
 
 
 # --- caches and policy -------------------------------------------------------------------------
