@@ -80,7 +80,7 @@ async def create_embed(
     encode = functools.partial(_token_lists, engine, info, texts, truncate=body.truncate)
     token_lists = await prepare_in_thread(ctx, request, encode)
     submitted = time.perf_counter_ns()
-    result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
+    result = await unless_disconnected(request, engine.embed_async(body.model, token_lists))
     total = time.perf_counter_ns() - started
     return EmbedResponse(info.name, result.vectors, total, submitted - started, result.prompt_tokens)
 
@@ -95,7 +95,7 @@ async def create_embeddings(
         return EmbeddingsResponse([])
     encode = functools.partial(_token_lists, engine, info, [body.prompt], truncate=True)
     token_lists = await prepare_in_thread(ctx, request, encode)
-    result = await unless_disconnected(request, engine.embed_async(info.name, token_lists))
+    result = await unless_disconnected(request, engine.embed_async(body.model, token_lists))
     return EmbeddingsResponse(result.vectors[0])
 
 
