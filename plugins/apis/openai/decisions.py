@@ -33,7 +33,7 @@ from mlxr_core.engine.request import (
     GenerationRequest,
     TokenLogprob,
 )
-from mlxr_core.errors import RequestError
+from mlxr_core.errors import ContextLengthExceeded, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     json_response,
@@ -168,6 +168,11 @@ async def run_row(ctx: ServerContext, generation: GenerationRequest) -> tuple[st
     raise RequestError("the request ended without an answer")
 
 
+#: Prompt tokens of all of one request's questions together (each question's row holds the input's
+#: ids): a bound on what one request makes the server hold before any row runs.
+MAX_DECISION_TOKENS = 4_000_000
+
+
 def common_prefix(rows: list[list[int]]) -> list[int]:
     shortest = min(rows, key=len)
     for i, token in enumerate(shortest):
@@ -194,16 +199,29 @@ async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any
     info = await loaded_model(ctx, body.model)
     parsers = model_parsers(ctx, info)
 
-    def render() -> list[Any]:
+    def render() -> tuple[list[Any], list[int]]:
         setups = []
         for _, options, _, text in asked:
-            setup = prepare_chat(info, parsers, [*messages, {"role": "user", "content": text}])
+            try:
+                setup = prepare_chat(info, parsers, [*messages, {"role": "user", "content": text}])
+            except ContextLengthExceeded as exc:  # the input's text is past the context
+                raise ContextLengthExceeded(exc.message, field="input") from None
+            # The first question's prompt bounds them all: one past the context, or too many ids
+            # for every question to hold its own copy of, is refused before the rest are rendered.
+            if len(setup.prompt_ids) > info.context_length:
+                raise ContextLengthExceeded(
+                    f"the input and a question take {len(setup.prompt_ids)} tokens, more than this model's "
+                    f"context length ({info.context_length}); shorten the input", field="input")  # fmt: skip
+            if len(setup.prompt_ids) * len(asked) > MAX_DECISION_TOKENS:
+                raise RequestError(
+                    f"{len(asked)} questions over an input of {len(setup.prompt_ids)} tokens are more than one "
+                    f"request may ask ({MAX_DECISION_TOKENS:,} prompt tokens over all questions); ask fewer "
+                    "questions or shorten the input", field="questions")  # fmt: skip
             setups.append((setup, [info.tokenizer.encode(option, add_special_tokens=False) for option in options]))
-        return setups
+        return setups, common_prefix([setup.prompt_ids for setup, _ in setups])
 
-    setups = await prepare_in_thread(ctx, request, render)
+    setups, shared = await prepare_in_thread(ctx, request, render)
     usage = {"input": 0, "output": 0, "cached": 0, "written": 0}
-    shared = common_prefix([setup.prompt_ids for setup, _ in setups])
     if len(setups) > 1 and len(shared) >= 16:  # prefill the input once, for every row to fork from
         warm = sampling_params(ctx, max_tokens=1, temperature=0.0)
         _, _, finished = await run_row(ctx, GenerationRequest(body.model, shared, warm))
@@ -229,7 +247,13 @@ async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any
         chosen = options.index(reply) if reply in options else None
         return answer(question, values, options, chosen, option_probabilities(first, option_ids))
 
-    answers = await asyncio.gather(*(one(i) for i in range(len(asked))))
+    rows = [asyncio.ensure_future(one(i)) for i in range(len(asked))]
+    try:
+        answers = await asyncio.gather(*rows)
+    except BaseException:  # one row failed (or the request is cancelled): the others stop too
+        for row in rows:
+            row.cancel()
+        raise
     total_in = usage["input"] + usage["cached"]
     return {
         "answers": answers, "model": body.model,

@@ -80,3 +80,18 @@ def test_bad_questions_are_refused_naming_the_field(client: openai.OpenAI) -> No
         assert error.value.body["param"] == param  # type: ignore[index]
     with pytest.raises(openai.BadRequestError):
         client.decisions.create(model="tiny", input=INPUT, questions=[{"type": "predicate", "instructions": "x"}] * 401)  # type: ignore[list-item]
+
+
+def test_an_input_past_the_context_or_the_token_bound_is_refused_before_every_question_is_rendered(
+    client: openai.OpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mlxr_plugins.apis.openai.decisions as decisions
+
+    long_input = "the build failed again " * 4000  # past the tiny model's context
+    with pytest.raises(openai.BadRequestError) as error:
+        client.decisions.create(model="tiny", input=long_input, questions=[{"type": "predicate", "instructions": "x"}] * 400)  # type: ignore[list-item]
+    assert error.value.body["param"] == "input"  # type: ignore[index]
+    monkeypatch.setattr(decisions, "MAX_DECISION_TOKENS", 200)  # the live server runs in this process
+    with pytest.raises(openai.BadRequestError) as error:
+        client.decisions.create(model="tiny", input=INPUT, questions=[{"type": "predicate", "instructions": "x"}] * 8)  # type: ignore[list-item]
+    assert error.value.body["param"] == "questions"  # type: ignore[index]
