@@ -68,14 +68,16 @@ SIZES: dict[str, int] = {
     "sliding_window": 8, "attention_chunk_size": 8,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
 }
-#: Keys whose None turns a part off (a window, the query's low-rank bottleneck): left None.
-SWITCHES = ("sliding_window", "attention_chunk_size", "q_lora_rank")
+#: Keys whose None turns a part off (a window, the query's low-rank bottleneck) or derives it from
+#: others (GPT-J's MLP of 4 x n_embd): left None.
+SWITCHES = ("sliding_window", "attention_chunk_size", "q_lora_rank", "n_inner")
 GEMMA4_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
 #: Keys over the shrunk defaults for types whose defaults leave a tiny model without a layer kind.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 8},
     "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"]},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "gpt_neox": {"intermediate_size": 4 * SIZES["hidden_size"]},  # its released models' (mlx-lm assumes it)
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"], "num_dense_layers": 1},
     "gemma3": {"mm_tokens_per_image": 49},
     # Gemma 4's last layers reuse the caches of earlier ones of their kind: both kinds come first.

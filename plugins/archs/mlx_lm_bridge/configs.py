@@ -36,6 +36,7 @@ Fill = Callable[[dict[str, Any]], Any]
 FILLED: dict[str, dict[str, Fill]] = {
     "lfm2": {"block_dim": lambda c: c.get("hidden_size")},
     "exaone": {"num_layers": lambda c: c.get("num_hidden_layers"), "layer_norm_epsilon": lambda c: c.get("rms_norm_eps")},
+    "gpt_neox": {"rotary_pct": lambda c: c.get("partial_rotary_factor", 1.0), "rotary_emb_base": lambda c: c.get("rope_theta")},
     "apertus": {"mlp_bias": lambda c: False, "post_norm": lambda c: False, "qk_norm": lambda c: True},
     "minimax": {"shared_intermediate_size": lambda c: 0,
                 "rotary_dim": lambda c: _product(c, "head_dim", "partial_rotary_factor", default=1.0)},
@@ -66,7 +67,7 @@ UNLIKE_TRANSFORMERS: dict[str, tuple[str, str, str]] = {
               "weighs the chosen experts by a softmax over them alone; transformers by the softmax over all experts"),
 }
 #: ``ModelArgs`` keys that rotate only part of each head.
-PARTIAL_KEYS = ("partial_rotary_factor", "rotary_dim", "rope_dim", "qk_rope_head_dim", "rope_parameters")
+PARTIAL_KEYS = ("partial_rotary_factor", "rotary_dim", "rope_dim", "qk_rope_head_dim", "rope_parameters", "rotary_pct")
 
 
 def mlx_lm_config(config: dict[str, Any], args_class: type, module: str) -> dict[str, Any]:

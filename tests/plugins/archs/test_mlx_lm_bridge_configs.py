@@ -47,8 +47,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
 #: the bridge filled what they lack, from their defaults as the zoo check shrinks them: GLM-4.7-Flash
 #: (only mlp_layer_types, no first_k_dense_replace), EXAONE-MoE (is_moe_layer), DeepSeek-V2 and
 #: MiniCPM3 (no rope_scaling, which their RoPE classes read whatever the config), EXAONE
-#: (num_layers, layer_norm_epsilon), MiniMax-M2 (rotary_dim, shared_intermediate_size), Apertus.
-FILLED = ("glm4_moe_lite", "exaone_moe", "deepseek_v2", "minicpm3", "exaone", "minimax_m2", "apertus")
+#: (num_layers, layer_norm_epsilon), MiniMax-M2 (rotary_dim, shared_intermediate_size), Apertus,
+#: GPT-NeoX (a quarter of each head rotated: rotary_pct, rotary_emb_base).
+FILLED = ("glm4_moe_lite", "exaone_moe", "deepseek_v2", "minicpm3", "exaone", "minimax_m2", "apertus", "gpt_neox")
 TOKENS = 12
 
 
