@@ -80,7 +80,7 @@ async def create_embed(
     encode = functools.partial(_token_lists, engine, info, texts, truncate=body.truncate)
     token_lists = await prepare_in_thread(ctx, request, encode)
     submitted = time.perf_counter_ns()
-    result = await unless_disconnected(request, engine.embed_async(body.model, token_lists))
+    result = await unless_disconnected(request, engine.embed_async(_asked(engine, body.model, info.name), token_lists))
     total = time.perf_counter_ns() - started
     return EmbedResponse(info.name, result.vectors, total, submitted - started, result.prompt_tokens)
 
@@ -95,7 +95,7 @@ async def create_embeddings(
         return EmbeddingsResponse([])
     encode = functools.partial(_token_lists, engine, info, [body.prompt], truncate=True)
     token_lists = await prepare_in_thread(ctx, request, encode)
-    result = await unless_disconnected(request, engine.embed_async(body.model, token_lists))
+    result = await unless_disconnected(request, engine.embed_async(_asked(engine, body.model, info.name), token_lists))
     return EmbeddingsResponse(result.vectors[0])
 
 
@@ -113,3 +113,11 @@ def _token_lists(engine: EngineClient, info: ModelInfo, texts: list[str], *, tru
                 field="input",
             )
     return token_lists
+
+
+def _asked(engine: Any, name: str, served: str) -> str:
+    """The name to embed under: a LoRA adapter served as a model keeps its own, which the engine
+    refuses (it does not embed), rather than its model's."""
+    from mlxr_plugins.apis.ollama.routes import served_adapter
+
+    return served_adapter(engine, name) or served

@@ -160,7 +160,8 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
     params.constraint = setup.constraint or params.constraint
     prompt_ids = setup.prompt_ids
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
-    generation = GenerationRequest(info.name, prompt_ids, params, keep_special=setup.keep_special, images=images)
+    model = served_adapter(engine, body.model) or info.name
+    generation = GenerationRequest(model, prompt_ids, params, keep_special=setup.keep_special, images=images)
     handle = submit(ctx, generation)
     timer.submitted()
     lines = ChatLines(info.name, timer, setup.reader())
@@ -192,7 +193,8 @@ async def create_generation(
     encode = functools.partial(_generate_prompt_ids, engine, info, body, images)
     prompt_ids = await prepare_in_thread(ctx, request, encode)
     params.max_tokens = _max_tokens(ctx, engine, info, prompt_ids, body.options)
-    handle = submit(ctx, GenerationRequest(model=info.name, prompt_ids=prompt_ids, params=params, images=images))
+    model = served_adapter(engine, body.model) or info.name
+    handle = submit(ctx, GenerationRequest(model=model, prompt_ids=prompt_ids, params=params, images=images))
     timer.submitted()
     lines = GenerateLines(info.name, timer, prompt_ids)
     if body.stream:
@@ -207,6 +209,15 @@ async def create_generation(
 async def resolve_model(ctx: ServerContext, name: str) -> ModelInfo:
     """The served model ``name`` names (:func:`served_name`), loaded (waiting while it loads)."""
     return await loaded_model(ctx, served_name(ready_engine(ctx), name))
+
+
+def served_adapter(engine: EngineClient, name: str) -> str | None:
+    """The LoRA adapter served as a model (``<model>:<adapter>``) that ``name`` names, with
+    Ollama's ``:latest`` appended or not, or None: a request for it runs its model with it."""
+    for candidate in (name, name.removesuffix(":latest")):
+        if candidate in engine.adapters:
+            return candidate
+    return None
 
 
 def served_name(engine: EngineClient, name: str) -> str:

@@ -36,7 +36,7 @@ def client(reference: LoraReference) -> Iterator[TestClient[Any]]:
     model = ModelConfig(path=str(reference.base), name="tiny", dtype="float32", context_length=128, max_adapters=2,
                         adapters=[AdapterConfig(name, str(reference.root / name)) for name in ("qv", "all", "mlp")])  # fmt: skip
     config = Config(models=[model], server=ServerConfig(api_keys=[KEY]), engine=EngineConfig(max_batch_size=4),
-                    apis=["openai"])  # fmt: skip
+                    apis=["openai", "ollama"])  # fmt: skip
     host = load_plugins()
     engine = Engine(config, host)
     engine.start()
@@ -112,4 +112,27 @@ def test_admin_load_and_unload(client: TestClient[Any], reference: LoraReference
 def test_embeddings_of_an_adapter_refused(client: TestClient[Any]) -> None:
     reply = client.post("/v1/embeddings", json={"model": "tiny:qv", "input": "t5 t6 t7"})
     assert reply.status_code == 400 and "LoRA adapter" in reply.json()["error"]["message"]
-    assert client.post("/v1/embeddings", json={"model": "tiny", "input": "t5 t6 t7"}).status_code == 200
+    assert (
+        client.post("/v1/embeddings", json={"model": "tiny", "input": "t5 t6 t7"}).status_code
+        == 200
+    )
+
+
+def test_ollama_generate_with_an_adapter(client: TestClient[Any]) -> None:
+    """Ollama's tag syntax is the adapter's separator: tiny:qv runs the adapter, as OpenAI's does."""
+    prompt = " ".join(f"t{t}" for t in PROMPT)
+    options = {"num_predict": 6, "temperature": 0}
+    texts = {}
+    for model in ("tiny:qv", "tiny"):
+        body = {"model": model, "prompt": prompt, "raw": True, "stream": False, "options": options}
+        reply = client.post("/api/generate", json=body)
+        assert reply.status_code == 200, reply.text
+        openai = client.post(
+            "/v1/completions",
+            json={"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0},
+        )
+        assert reply.json()["response"] == openai.json()["choices"][0]["text"], model
+        texts[model] = reply.json()["response"]
+    assert texts["tiny:qv"] != texts["tiny"]
+    refused = client.post("/api/embed", json={"model": "tiny:qv", "input": "t5 t6"})
+    assert refused.status_code == 400
