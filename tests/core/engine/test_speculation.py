@@ -519,3 +519,33 @@ def test_rows_joining_and_leaving_a_drafting_batch_decode_as_plain(dense):
         tokens = [t for e in row if isinstance(e, Delta) for t in e.token_ids]
         expected = TOKENS - 8 * i if i < 4 else TOKENS
         assert tokens == plain[i][:expected], i
+
+
+def test_lookup_draft_agrees_with_a_plain_scan_on_random_sequences() -> None:
+    """The byte search finds what a scan from the end finds: the latest occurrence of the longest
+    suffix n-gram followed by a token (ids up to 2**31 - 1, whose bytes can match across two ids)."""
+    import random
+
+    def scan(source: list[int], context: list[int], k: int, top: int, low: int) -> list[int]:
+        size, same = len(context), source is context
+        for n in range(min(top, size - 1 if same else size), low - 1, -1):
+            for start in range((size - n - 1) if same else len(source) - n, -1, -1):
+                if source[start : start + n] == context[size - n :]:
+                    draft: list[int] = []
+                    for i in range(start + n, start + n + k):
+                        if i < len(source):
+                            draft.append(source[i])
+                        elif same:
+                            draft.append(draft[i - size])
+                    if draft:
+                        return draft
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 300, 70_000, 2**31 - 1])
+        source = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        context = source if rng.random() < 0.5 else [rng.randrange(vocab) for _ in range(rng.randrange(1, 10))]
+        k, (top, low) = rng.randrange(0, 6), rng.choice([(4, 2), (3, 1), (2, 2)])
+        assert lookup_draft(source, context, k, top, low) == scan(source, context, k, top, low)
+    assert lookup_draft([0x01000000, 0x02], [0x0201], 2, 1, 1) == []  # bytes across two ids are no match
