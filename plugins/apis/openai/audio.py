@@ -92,6 +92,10 @@ class Transcription(Struct, omit_defaults=True):
     segments: list[TranscriptionSegment] | None = None
 
 
+#: Characters of the ``prompt`` field (OpenAI documents it for a few sentences; Whisper's decoder
+#: reads the last half of its 448 positions of it at most): tokenized on the event loop, so bounded.
+MAX_PROMPT_CHARS = 4096
+
 def audio_routes(ctx: ServerContext, paths: Any) -> list[Any]:
     """The two routes, each under ``/v1`` and bare (``paths``)."""
     limit = ctx.config.server.max_audio_bytes + FORM_BYTES
@@ -131,6 +135,9 @@ async def transcribe(ctx: ServerContext, request: Request[Any, Any, Any], task: 
         if granularity != "segment":
             raise RequestError("timestamp_granularities holds segment or word", field="timestamp_granularities")
     temperature = _number(_text(form, "temperature"), "temperature")
+    prompt_text = (_text(form, "prompt") or "").strip()
+    if len(prompt_text) > MAX_PROMPT_CHARS:  # the decoder reads the last 224 of its tokens at most
+        raise RequestError(f"prompt holds at most {MAX_PROMPT_CHARS} characters", field="prompt")
     ready_engine(ctx)
     info = await loaded_model(ctx, model)
     front_end = info.audio_front_end
@@ -140,7 +147,6 @@ async def transcribe(ctx: ServerContext, request: Request[Any, Any, Any], task: 
     limits = AudioLimits.from_server(ctx.config.server)
     audio = await anyio.to_thread.run_sync(functools.partial(decode_audio, raw, limits, sample_rate=front_end.sample_rate))
     features = await anyio.to_thread.run_sync(front_end, audio.samples)
-    prompt_text = (_text(form, "prompt") or "").strip()
     prompt = info.tokenizer.encode(" " + prompt_text, add_special_tokens=False) if prompt_text else []
     options = TranscriptionOptions(
         task=task, language=language.lower() if language else None, prompt=tuple(prompt), temperature=temperature,

@@ -128,6 +128,7 @@ def test_bad_fields_are_400s(client: httpx.Client) -> None:
     assert "word" in refused(post(client, {"timestamp_granularities[]": "word"}), "timestamp_granularities")
     assert "xx" in refused(post(client, {"language": "xx"}), "language")
     refused(post(client, {"temperature": "hot"}), "temperature")
+    assert "4096" in refused(post(client, {"prompt": "word " * 1000}), "prompt")  # tokenized on the event loop
     r = client.post("/v1/audio/transcriptions", data={"model": "whisper"})
     refused(r, "file")
 
