@@ -25,7 +25,7 @@ from litestar.params import FromPath
 from msgspec import Struct
 
 from mlxr_core.config.schema import is_loopback
-from mlxr_core.errors import MlxrError, Overloaded
+from mlxr_core.errors import MlxrError, ModelUnavailable, Overloaded
 from mlxr_core.http.access import key_owner
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.errors import RouteNotFound
@@ -88,7 +88,12 @@ def model_admin_routes(ctx: ServerContext, paths: Any) -> list[Any]:
         engine = ready_engine(ctx)
         if name in engine.adapters:  # a LoRA adapter served as a model: made resident or not
             job = asyncio.wrap_future(engine.administer_adapter(name, action))
-            resident = await asyncio.wait_for(job, ctx.config.engine.model_load_wait_s)
+            try:
+                resident = await asyncio.wait_for(job, ctx.config.engine.model_load_wait_s)
+            except TimeoutError:
+                raise ModelUnavailable(
+                    f"adapter {name} did not {action} within engine.model_load_wait_s "
+                    f"({ctx.config.engine.model_load_wait_s:g} s); retry", field="model") from None  # fmt: skip
             if action == "load" and not resident:
                 raise Overloaded(f"every adapter slot of {engine.adapters[name][0]} is in use by requests; retry")
             return ModelState(name, resident)

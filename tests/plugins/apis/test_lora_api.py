@@ -136,3 +136,15 @@ def test_ollama_generate_with_an_adapter(client: TestClient[Any]) -> None:
     assert texts["tiny:qv"] != texts["tiny"]
     refused = client.post("/api/embed", json={"model": "tiny:qv", "input": "t5 t6"})
     assert refused.status_code == 400
+
+
+def test_an_adapter_load_past_the_wait_is_a_503(client: TestClient[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine that does not answer an adapter's load within engine.model_load_wait_s: a 503
+    naming the setting (it was a 500 with a traceback)."""
+    import concurrent.futures
+
+    ctx: ServerContext = client.app.state["mlxr"]
+    monkeypatch.setattr(ctx.config.engine, "model_load_wait_s", 0.05)
+    monkeypatch.setattr(ctx.engine, "administer_adapter", lambda name, action: concurrent.futures.Future())
+    r = client.post("/v1/models/tiny:mlp/load", json={})
+    assert r.status_code == 503 and "model_load_wait_s" in r.text
