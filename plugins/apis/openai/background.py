@@ -20,8 +20,11 @@ import attrs
 from mlxr_core.engine.request import RequestHandle
 from mlxr_plugins.apis.openai import responses_schemas as r
 
-#: Finished runs whose events stay in memory for a resumed stream.
+#: Finished runs whose events stay in memory for a resumed stream: at most this many, and at most
+#: :data:`KEPT_BYTES` of events together (the oldest finished runs go first; their responses stay
+#: in the store).
 KEPT = 256
+KEPT_BYTES = 256 * 2**20
 
 
 @attrs.define(eq=False)
@@ -37,8 +40,12 @@ class Run:
     changed: asyncio.Event = attrs.field(factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
+    #: Bytes of :attr:`events`.
+    nbytes: int = 0
+
     def record(self, sequence: int, data: bytes) -> None:
         self.events.append((sequence, data))
+        self.nbytes += len(data)
         self._notify()
 
     def _notify(self) -> None:
@@ -81,8 +88,11 @@ class BackgroundRuns:
             run.done = True
             run._notify()
             finished = [key for key, kept in self._runs.items() if kept.done]
-            for key in finished[: max(0, len(finished) - KEPT)]:
-                del self._runs[key]
+            held = sum(self._runs[key].nbytes for key in finished)
+            for index, key in enumerate(finished):
+                if len(finished) - index <= KEPT and held <= KEPT_BYTES:
+                    break
+                held -= self._runs.pop(key).nbytes
 
     def get(self, response_id: str, owner: str | None) -> Run | None:
         """The run of ``response_id`` for ``owner`` (another key's is not found)."""

@@ -126,3 +126,31 @@ def test_only_the_key_that_sent_a_request_cancels_it_by_id(fake: FakeEngine, tmp
             assert own.status_code == 200 and own.json()["cancelled"] is True
             assert all(handle.cancelled for handle in fake.handles[-2:])
             list(lines)
+
+
+def test_finished_runs_are_kept_within_a_byte_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oldest finished runs' events go first once those kept pass KEPT_BYTES (or KEPT runs)."""
+    import asyncio
+    import types
+
+    import mlxr_plugins.apis.openai.background as background
+
+    monkeypatch.setattr(background, "KEPT_BYTES", 2500)
+
+    async def main() -> list[str]:
+        runs = background.BackgroundRuns()
+
+        async def events(run: background.Run):  # type: ignore[no-untyped-def]
+            for i in range(10):
+                run.record(i, b"x" * 100)
+                yield None
+
+        for i in range(5):
+            response = types.SimpleNamespace(id=f"resp_{i}")  # all a run's bookkeeping reads of it
+            run = background.Run(response, None, None)  # type: ignore[arg-type]
+            runs.start(run, events(run))
+            assert run.task is not None
+            await run.task
+        return [i for i in (f"resp_{n}" for n in range(5)) if runs.get(i, None) is not None]
+
+    assert asyncio.run(main()) == ["resp_3", "resp_4"]  # 1,000 bytes each: two fit in 2,500
