@@ -172,6 +172,7 @@ def check_type(model_type: str, registries: Registries, folder: Path) -> ZooResu
         return ZooResult(model_type, None, "refused", reason)
 
     def done(outcome: str, detail: str) -> ZooResult:
+        detail = detail.replace(str(folder), "<folder>")  # the same record from every run
         return ZooResult(model_type, kind, outcome, detail, round(time.monotonic() - start, 2))
 
     try:
