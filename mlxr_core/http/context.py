@@ -150,7 +150,11 @@ class ServerContext:
     long_bodies: anyio.CapacityLimiter = attrs.field(factory=lambda: anyio.CapacityLimiter(LONG_BODY_THREADS))
     #: This server's Prometheus metrics.
     metrics: Metrics = attrs.field(init=False)
+    #: The engine requests that requests fanning out into many (decisions' rows) hold at once,
+    #: together: half of ``engine.max_queue``, so they leave the other half to everyone else.
+    fan_out: anyio.CapacityLimiter = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        self.fan_out = anyio.CapacityLimiter(max(1, self.config.engine.max_queue // 2))
         inflight = self.inflight
         self.metrics = Metrics(self.engine, inflight=lambda: len(inflight))

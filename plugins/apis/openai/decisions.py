@@ -42,6 +42,7 @@ from mlxr_core.http.frontend import (
     ready_engine,
     submit,
     tracked_events,
+    unless_disconnected,
 )
 from mlxr_core.http.openapi import documented
 from mlxr_core.http.requests import sampling_params
@@ -228,8 +229,9 @@ async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any
         usage["input"] += finished.usage.prompt_tokens - finished.usage.cached_tokens
         usage["cached"] += finished.usage.cached_tokens
         usage["written"] += finished.usage.cache_written_tokens
-    # Rows run together, at most half the queue at a time so others' requests still get in.
-    gate = asyncio.Semaphore(max(1, ctx.config.engine.max_queue // 2))
+    # Rows run together, with every decision request's rows at most half the queue at a time so
+    # others' requests still get in (ServerContext.fan_out).
+    gate = ctx.fan_out
 
     async def one(index: int) -> dict[str, Any]:
         question, options, values, _ = asked[index]
@@ -248,9 +250,9 @@ async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any
         return answer(question, values, options, chosen, option_probabilities(first, option_ids))
 
     rows = [asyncio.ensure_future(one(i)) for i in range(len(asked))]
-    try:
-        answers = await asyncio.gather(*rows)
-    except BaseException:  # one row failed (or the request is cancelled): the others stop too
+    try:  # a client that leaves stops its rows
+        answers = await unless_disconnected(request, asyncio.gather(*rows))
+    except BaseException:  # one row failed (or the client left): the others stop too
         for row in rows:
             row.cancel()
         raise
