@@ -144,14 +144,15 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
     parsers = model_parsers(ctx, info)
     if body.think in (None, False):  # a model that does not think ignores think (it has no thinking to show)
         parsers = attrs.evolve(parsers, reasoning=None)
+    # The options, format and tools are checked first: a load request with bad ones is a 400 too.
+    params = options_params(ctx, body.options)
+    params.constraint = format_constraint(ctx, body.format)
+    tools = tools_of(body.tools)
     if not body.messages:  # Ollama's way to load a model: nothing to generate
         return json_response(s.ChatChunk(info.name, timer.created_at, s.AssistantMessage(""), True, "load"))
     inputs: list[ImageInput] = []
     messages = chat_messages(body.messages, inputs)
     images = await load_images(ctx.config.server, info, inputs)
-    params = options_params(ctx, body.options)
-    params.constraint = format_constraint(ctx, body.format)
-    tools = tools_of(body.tools)
     prepare = functools.partial(
         prepare_chat, info, parsers, messages, tools=tools, choice=tool_choice(body.options, tools),
         template_kwargs=think_variables(body), images=images,
@@ -184,10 +185,10 @@ async def create_generation(
     if not body.prompt and not body.context and await unloaded(ctx, body):
         return json_response(s.GenerateChunk(body.model, timer.created_at, "", True, "unload"))
     info = await kept_alive(body)(ctx, body.model)
+    params = options_params(ctx, body.options)  # checked first: a load request with bad ones is a 400 too
+    params.constraint = format_constraint(ctx, body.format)
     if not body.prompt and not body.context:
         return json_response(s.GenerateChunk(info.name, timer.created_at, "", True, "load"))
-    params = options_params(ctx, body.options)
-    params.constraint = format_constraint(ctx, body.format)
     inputs = [ImageInput(data, f"images[{k}]") for k, data in enumerate(body.images or [])]
     images = await load_images(ctx.config.server, info, inputs)
     encode = functools.partial(_generate_prompt_ids, engine, info, body, images)

@@ -97,6 +97,11 @@ def test_empty_chat_or_prompt_loads_the_model(client: TestClient, fake: FakeEngi
     body = client.post("/api/generate", json={"model": "fake:latest"}).json()
     assert body["done"] is True and body["done_reason"] == "load" and body["response"] == ""
     assert fake.requests == []
+    # a load request's options, format and tools are checked as any request's
+    bad = client.post("/api/generate", json={"model": "fake", "options": {"stop": ["x" * 100_000]}})
+    assert bad.status_code == 400 and "options.stop" in bad.text
+    bad = client.post("/api/chat", json={"model": "fake", "messages": [], "tools": [{"x": 1}]})
+    assert bad.status_code == 400, bad.text
 
 
 def test_options_map_to_sampling_and_unknown_ones_are_ignored(fake: FakeEngine) -> None:
