@@ -16,6 +16,7 @@ UNSTATABLE = re.compile("|".join([
     "context length", "the prompt is empty", "ids must be in", "takes no images", "chat template",
     "is not JSON", "does not parse", "cannot be enforced", "invalid JSON schema", "regex",
     "text_1 must be one text or as many as text_2", "distinct names", "not among tools",
+    "outside this model's vocabulary",
     "an offered tool's name",
     # Decisions' and compaction's rules between items (distinct choices and levels, text to ask
     # about) and a compaction item's content, which only the server that wrote it can read.

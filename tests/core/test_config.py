@@ -57,7 +57,8 @@ def test_the_example_config_is_valid_and_shows_every_key():
             args = typing.get_args(inner)
             if attrs.has(inner):
                 found += missing(inner, data[field.name], f"{where}{field.name}.")
-            elif typing.get_origin(inner) is list and args and attrs.has(args[0]):
+            elif typing.get_origin(inner) is list and args and attrs.has(args[0]) and data[field.name]:
+                # (an empty list shows its key; its items' keys are in the comment above it)
                 found += missing(args[0], data[field.name][0], f"{where}{field.name}[0].")
         return found
 

@@ -109,8 +109,8 @@ class FunctionToolFields(Struct, forbid_unknown_fields=False):
 
 #: A function needs its name, an MCP server its label (a server_url of the client's is refused).
 FunctionTool = Annotated[FunctionToolFields, Meta(extra_json_schema={"allOf": [
-    {"if": {"not": {"required": ["type"]}}, "then": {"required": ["name"]}},
-    when("type", "function", {"required": ["name"]}),
+    {"if": {"not": {"required": ["type"]}}, "then": {"required": ["name"], "properties": {"name": {"type": "string"}}}},
+    when("type", "function", {"required": ["name"], "properties": {"name": {"type": "string"}}}),
     when("type", "mcp", {"required": ["server_label"], "not": {"required": ["server_url"]}}),
 ]})]  # fmt: skip
 
