@@ -39,16 +39,25 @@ def mlx_launch(ranks: int, port: int, backend: str = "ring") -> list[str]:
 
 
 def rank_pids(launcher_pid: int) -> dict[int, int]:
-    """``{rank: pid}`` of the processes ``mlx.launch`` (process ``launcher_pid``) started on this
-    machine, read from ``/proc`` (Linux)."""
-    found = {}
-    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
+    """``{rank: pid}`` of the processes ``mlx.launch`` started on this machine under process
+    ``launcher_pid`` (``mlxr launch``, whose child ``mlx.launch`` is, or ``mlx.launch`` itself),
+    read from ``/proc`` (Linux): the first processes down the tree that carry ``MLX_RANK``."""
+    found: dict[int, int] = {}
+    parents = [launcher_pid]
+    while parents:
+        pid = parents.pop()
+        try:
+            children = [int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
             try:
                 environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            for entry in environ:
-                if entry.startswith(b"MLX_RANK="):
-                    found[int(entry[len(b"MLX_RANK=") :])] = int(child)
+            rank = next((int(e[len(b"MLX_RANK=") :]) for e in environ if e.startswith(b"MLX_RANK=")), None)
+            if rank is None:
+                parents.append(child)
+            else:
+                found[rank] = child
     return found
