@@ -238,17 +238,30 @@ def _line(exc: BaseException) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Run the zoo over ``argv``'s types (recording nothing) or every type (recorded)."""
+    """Run the zoo over ``argv``'s types (recording nothing) or every type (recorded).
+
+    ``--update TYPE...`` runs only those types and writes their rows into the recorded run, keeping
+    every other row: what registering one architecture needs.
+    """
     from mlxr_core.plugins import load_plugins
 
+    update = bool(argv) and argv[0] == "--update"
+    names = argv[1:] if update else argv
+    if update and not names:
+        print("--update needs the model types to re-check", file=sys.stderr)
+        return 2
     registries = load_plugins().registries
     results = []
-    for model_type in argv or causal_lm_types():
+    for model_type in names or causal_lm_types():
         with tempfile.TemporaryDirectory() as folder:
             result = check_type(model_type, registries, Path(folder))
         results.append(result)
         print(f"{result.model_type:28} {result.outcome:10} {result.seconds:6.1f}s  {result.detail}", flush=True)
-    if not argv:
+    if update:
+        rows = recorded() | {r.model_type: r for r in results}
+        results = [rows[name] for name in causal_lm_types() if name in rows]
+        record(results)
+    elif not argv:
         record(results)
     print(json.dumps(counts(results)))
     return 0
