@@ -79,7 +79,8 @@ def run_show(args: argparse.Namespace) -> int:
     config = load_config(args.file)
     shown = cattrs.unstructure(config)
     server = shown.get("server", {})
-    if server.get("api_keys"):  # never print secrets
-        server["api_keys"] = ["***"] * len(server["api_keys"])
+    for secret in ("api_keys", "admin_api_keys"):  # never print secrets
+        if server.get(secret):
+            server[secret] = ["***"] * len(server[secret])
     print(yaml.safe_dump(shown, sort_keys=False), end="")
     return 0

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.config.schema import LOG_LEVELS
-from mlxr_core.errors import MlxrError
+from mlxr_core.errors import ConfigError, MlxrError
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config, ServerConfig
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: Environment variable holding one more API key (added to ``server.api_keys``).
 ENV_API_KEY = "MLXR_API_KEY"
+#: Environment variable holding one more admin key (added to ``server.admin_api_keys``).
+ENV_ADMIN_API_KEY = "MLXR_ADMIN_API_KEY"
 #: Seconds uvicorn waits beyond ``server.shutdown_timeout`` before it cancels connections itself:
 #: a backstop, since the drain has already ended every request by then.
 UVICORN_GRACE_S = 10
@@ -94,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
     env_key = os.environ.get(ENV_API_KEY, "").strip()
     if env_key:
         config.server.api_keys = [*config.server.api_keys, env_key]
+    env_admin_key = os.environ.get(ENV_ADMIN_API_KEY, "").strip()
+    if env_admin_key and env_admin_key in config.server.api_keys:
+        raise ConfigError(f"{ENV_ADMIN_API_KEY} is also an API key (server.api_keys, {ENV_API_KEY}): use another key")
+    if env_admin_key:
+        config.server.admin_api_keys = [*config.server.admin_api_keys, env_admin_key]
     level = config.server.log_level
     if getattr(args, "debug", False) and parse_level(level) > logging.DEBUG:
         level = "debug"  # `mlxr -v serve`

@@ -31,6 +31,12 @@ def _no_empty_key(instance: Any, attribute: attrs.Attribute[Any], keys: list[str
         raise ValueError(f"'{attribute.name}' must not hold an empty key")
 
 
+def _not_api_keys(instance: Any, attribute: attrs.Attribute[Any], keys: list[str]) -> None:
+    # A key in both lists would be an admin key handed out as a client's.
+    if set(keys) & set(instance.api_keys):
+        raise ValueError(f"'{attribute.name}' holds a key that is also in 'api_keys': list each key in one of them")
+
+
 def _no_empty_name(instance: Any, attribute: attrs.Attribute[Any], names: list[str]) -> None:
     if any(not name for name in names):
         raise ValueError(f"'{attribute.name}' must not hold an empty name")
@@ -102,6 +108,11 @@ class ServerConfig:
     #: Keys clients must send (``Authorization: Bearer KEY`` or ``x-api-key: KEY``); empty: no
     #: authentication. ``MLXR_API_KEY`` adds one.
     api_keys: list[str] = attrs.field(factory=list, validator=_no_empty_key, repr=False)
+    #: Keys that may also change what the server serves (load and unload models and LoRA adapters,
+    #: :class:`mlxr_core.http.access.AdminAccess`); any other route takes them as ``api_keys``.
+    #: Empty: a loopback server lets any caller with a valid key (or any caller, without keys)
+    #: administer, a server reachable from other machines lets none. ``MLXR_ADMIN_API_KEY`` adds one.
+    admin_api_keys: list[str] = attrs.field(factory=list, validator=[_no_empty_key, _not_api_keys], repr=False)
     #: Paths served without a key even when ``api_keys`` is set (probes and scrapers).
     auth_exempt: list[str] = attrs.field(factory=lambda: ["/health", "/metrics"], validator=_absolute_paths)
     #: Seconds running requests get to finish after SIGTERM/SIGINT before they are ended with an

@@ -5,6 +5,8 @@
   in that API's wire format (OpenAI, Ollama and Anthropic clients each read their own). It notes
   which key a request came with as an owner id (:func:`key_owner`: a hash, never the key), for
   data a key keeps on the server, such as stored responses, that other keys must not reach.
+- :class:`AdminAccess` guards what changes the models served (loading and unloading): admin
+  keys (``server.admin_api_keys``) where set, loopback callers otherwise.
 - :func:`json_body_guard`, likewise on every route, answers 415 to a POST, PUT or PATCH whose
   ``Content-Type`` is not JSON: a web page can send ``text/plain`` or a form across sites without
   asking (no CORS preflight), never ``application/json``.
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -29,11 +32,13 @@ from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from mlxr_core.config.schema import is_loopback
 from mlxr_core.engine.request import ARRIVING
 from mlxr_core.errors import MlxrError
 from mlxr_core.http.context import KEY_OWNER, REQUEST_ID, REQUEST_STATE
 
 if TYPE_CHECKING:
+    from mlxr_core.config.schema import ServerConfig
     from mlxr_core.engine.request import Arrivals
     from mlxr_core.http.metrics import Metrics
 
@@ -183,6 +188,58 @@ def api_key_guard(keys: ApiKeys) -> Any:
             connection.scope.setdefault("state", {})[KEY_OWNER] = owner
 
     return guard
+
+
+class Forbidden(MlxrError):
+    """A valid request its caller may not make (an API key that may not administer the server)."""
+
+    status = 403
+
+
+class AdminAccess:
+    """Who may change what the server serves: load and unload models and LoRA adapters.
+
+    With ``server.admin_api_keys`` set, only a request carrying one of them (401 without a valid
+    key, 403 with a key of ``api_keys`` alone); admin keys pass the app's key guard as well, so
+    one key does both. Without admin keys, a loopback server keeps its every caller's rights (any
+    valid key, or anyone where it has none), and a server reachable from other machines refuses
+    (403): its client keys are handed out, and anyone who can reach it could otherwise evict the
+    models everyone uses. A Litestar guard (``guards=[access]``), or :meth:`check` for a request
+    whose body decides (Ollama's ``keep_alive: 0``).
+    """
+
+    def __init__(self, admin_keys: Iterable[str], *, loopback: bool):
+        self.keys = ApiKeys(admin_keys)
+        self.loopback = loopback
+
+    def check(self, connection: ASGIConnection[Any, Any, Any, Any], action: str = "loading and unloading models") -> None:
+        """Raise :class:`Unauthorized` or :class:`Forbidden` unless ``connection`` may administer."""
+        if self.keys.enabled:
+            try:
+                self.keys.check("", connection.headers)
+            except Unauthorized:
+                if key_owner(connection) is None:  # no valid client key either
+                    raise
+                raise Forbidden(f"{action} needs an admin key (server.admin_api_keys); this API key may not") from None
+            return
+        if not self.loopback:
+            raise Forbidden(
+                f"{action} needs an admin key on a server reachable from other machines: set server.admin_api_keys "
+                "(or MLXR_ADMIN_API_KEY)"
+            )
+
+    def __call__(self, connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+        self.check(connection)
+
+
+@functools.lru_cache(maxsize=8)
+def _admin_access(keys: tuple[str, ...], loopback: bool) -> AdminAccess:
+    return AdminAccess(keys, loopback=loopback)
+
+
+def admin_access(server: ServerConfig) -> AdminAccess:
+    """The :class:`AdminAccess` of ``server``'s config (made once: hashing a key is slowed)."""
+    return _admin_access(tuple(server.admin_api_keys), is_loopback(server.host))
 
 
 class RequestLog:

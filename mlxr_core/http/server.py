@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from litestar import Litestar, MediaType, Response, Router, get
@@ -42,6 +42,9 @@ from mlxr_core.http.frontend import JsonRequest
 from mlxr_core.http.metrics import CONTENT_TYPE
 from mlxr_core.http.openapi import StructSchemas
 from mlxr_core.model.chat_template import interrupt_renders
+
+if TYPE_CHECKING:
+    from mlxr_core.config.schema import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ def build_app(ctx: ServerContext) -> Litestar:
         route_handlers=[_health_route(ctx), _metrics_route(ctx), *routers],
         lifespan=[_engine_lifespan(ctx)],
         cors_config=cors,
-        guards=[api_key_guard(ApiKeys(server.api_keys, exempt=server.auth_exempt)), json_body_guard],
+        guards=[api_key_guard(ApiKeys(client_keys(server), exempt=server.auth_exempt)), json_body_guard],
         # Routes outside the API routers (/health, /metrics) answer errors as {"error": "..."}; a
         # path no route serves, in the shape of the API it falls under (/v1/..., /api/...).
         exception_handlers={MlxrError: _plain_error, **unmatched_route_handlers(routers, _plain_error)},
@@ -86,6 +89,12 @@ def build_app(ctx: ServerContext) -> Litestar:
         app.asgi_handler, ctx.metrics, log_requests=server.access_log, arrivals=ctx.engine.arrivals
     )
     return app
+
+
+def client_keys(server: ServerConfig) -> list[str]:
+    """The keys every route takes: ``api_keys`` and, where they are set, the admin keys too (without
+    ``api_keys`` the API is open and the admin keys guard administration only)."""
+    return [*server.api_keys, *server.admin_api_keys] if server.api_keys else []
 
 
 async def drain(ctx: ServerContext, timeout: float) -> None:

@@ -39,6 +39,7 @@ from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.lifecycle import parse_keep_alive
 from mlxr_core.engine.request import Constraint, GenerationRequest, PromptImage, SamplingParams
 from mlxr_core.errors import ModelNotFound, RequestError
+from mlxr_core.http.access import admin_access
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
     cap_max_tokens,
@@ -138,7 +139,7 @@ async def create_chat(ctx: ServerContext, body: s.ChatRequest, request: Request[
     """``POST /api/chat``."""
     timer = Timer()
     engine = ready_engine(ctx)
-    if not body.messages and await unloaded(ctx, body):
+    if not body.messages and await unloaded(ctx, body, request):
         return json_response(s.ChatChunk(body.model, timer.created_at, s.AssistantMessage(""), True, "unload"))
     info = await kept_alive(body)(ctx, body.model)
     parsers = model_parsers(ctx, info)
@@ -182,7 +183,7 @@ async def create_generation(
         if value:
             raise RequestError(f"{name} is not supported by this server", field=name)
     engine = ready_engine(ctx)
-    if not body.prompt and not body.context and await unloaded(ctx, body):
+    if not body.prompt and not body.context and await unloaded(ctx, body, request):
         return json_response(s.GenerateChunk(body.model, timer.created_at, "", True, "unload"))
     info = await kept_alive(body)(ctx, body.model)
     params = options_params(ctx, body.options)  # checked first: a load request with bad ones is a 400 too
@@ -266,12 +267,13 @@ def kept_alive(body: KeepsAlive) -> embedding.Resolver:
     return resolve
 
 
-async def unloaded(ctx: ServerContext, body: s.BaseRequest) -> bool:
+async def unloaded(ctx: ServerContext, body: s.BaseRequest, request: Request[Any, Any, Any]) -> bool:
     """For an empty request with ``keep_alive: 0``: unload its model (once its running requests
     end, waiting for it up to ``engine.model_load_wait_s``); True if it asked for that. A pinned
-    model stays loaded."""
+    model stays loaded. Unloading is administration (:func:`~mlxr_core.http.access.admin_access`)."""
     if body.keep_alive is None or keep_alive_seconds(body, None, ctx) != 0:
         return False
+    admin_access(ctx.config.server).check(request, "unloading a model")
     engine = ready_engine(ctx)
     name = served_name(engine, body.model)
     lifecycle = engine.lifecycle

@@ -3,9 +3,11 @@ unloads a served model (:mod:`mlxr_core.engine.lifecycle`); ``POST /v1/requests/
 an operator cancels a running generation request by its id (the ``x-request-id`` every answer
 carries, or a background response's id), whatever API it came through and whoever sent it.
 
-All are behind the server's API keys like every route (401 without a valid one); a server with no
-key answers them only when it listens on loopback, else 403 (anyone who can reach it could
-otherwise evict the models others use). Load waits until the model is loaded (at most
+All are behind the server's API keys like every route (401 without a valid one). Load and unload
+change what the server serves: with ``server.admin_api_keys`` set they need one of those (403 for
+a key of ``api_keys`` alone); without, a loopback server answers any caller and a server reachable
+from other machines none (403; :class:`~mlxr_core.http.access.AdminAccess`). Cancel acts on the
+caller's own requests only; a server with no key answers it only on loopback. Load waits until the model is loaded (at most
 ``engine.model_load_wait_s``, then 503); unload waits as long for the model's running requests to
 end, and answers ``loaded: true`` if they have not (it unloads once they do). A pinned model is
 unloaded too: pins only keep a model from being unloaded for room or idleness. Send the POST as
@@ -26,7 +28,7 @@ from msgspec import Struct
 
 from mlxr_core.config.schema import is_loopback
 from mlxr_core.errors import MlxrError, ModelUnavailable, Overloaded
-from mlxr_core.http.access import key_owner
+from mlxr_core.http.access import Forbidden, admin_access, key_owner
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.errors import RouteNotFound
 from mlxr_core.http.frontend import loaded_model, ready_engine
@@ -34,12 +36,6 @@ from mlxr_core.http.openapi import documented
 from mlxr_plugins.apis.openai import schemas as s
 
 ACTIONS = ("load", "unload")
-
-
-class Forbidden(MlxrError):
-    """An admin route on a server that has no API key and is reachable from other machines."""
-
-    status = 403
 
 
 class RequestState(Struct):
@@ -58,25 +54,26 @@ class ModelState(Struct):
     object: str = "model"
 
 
-def admin_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
-    """Refuse model administration on a server with no API key unless it listens on loopback (the
-    app's key guard has already refused a missing or wrong key where keys are set)."""
+def cancel_guard(connection: ASGIConnection[Any, Any, Any, Any], handler: BaseRouteHandler) -> None:
+    """Refuse cancelling on a server with no API key unless it listens on loopback (the app's key
+    guard has already refused a missing or wrong key where keys are set)."""
     server = connection.app.state["mlxr"].config.server
     if not server.api_keys and not is_loopback(server.host):
         raise Forbidden(
-            "loading and unloading models and cancelling requests need an API key on a server reachable from other machines: "
+            "cancelling requests needs an API key on a server reachable from other machines: "
             "set server.api_keys (or MLXR_API_KEY)"
         )
 
 
 def model_admin_routes(ctx: ServerContext, paths: Any) -> list[Any]:
     """The routes, under the paths ``paths`` gives (``/v1`` and unprefixed)."""
+    admin = admin_access(ctx.config.server)
 
     # Model names may hold slashes, so the action is the path's last segment.
     @post(
         paths("/models/{model_id:path}"),
         status_code=200,
-        guards=[admin_guard],
+        guards=[admin],
         operation_class=documented(error=s.ErrorBody, path_strings=("model_id",)),
         summary="Load or unload a model: POST /v1/models/{id}/load or /v1/models/{id}/unload",
     )
@@ -108,7 +105,7 @@ def model_admin_routes(ctx: ServerContext, paths: Any) -> list[Any]:
     @post(
         paths("/requests/{request_id:str}/cancel"),
         status_code=200,
-        guards=[admin_guard],
+        guards=[cancel_guard],
         operation_class=documented(error=s.ErrorBody),
         summary="Cancel a running generation request by its id (x-request-id, or a background response's id)",
     )

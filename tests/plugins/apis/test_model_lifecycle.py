@@ -51,12 +51,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @contextmanager
 def serving(models: list[ModelConfig], *, keys: tuple[str, ...] = (), host: str = "127.0.0.1",
-            **engine: Any) -> Iterator[tuple[TestClient, Engine]]:  # fmt: skip
+            admin_keys: tuple[str, ...] = (), **engine: Any) -> Iterator[tuple[TestClient, Engine]]:  # fmt: skip
     """The OpenAI and Ollama APIs over a real engine; no prefix cache, so a model's memory is its
     weights and KV cache only."""
     config = Config(
         models=models,
-        server=ServerConfig(host=host, api_keys=list(keys)),
+        server=ServerConfig(host=host, api_keys=list(keys), admin_api_keys=list(admin_keys)),
         engine=EngineConfig(max_batch_size=2, prefix_cache=PrefixCacheConfig(enabled=False), **engine),
         apis=["openai", "ollama"],
     )
@@ -111,7 +111,10 @@ def test_two_models_under_a_budget_for_one_take_turns(files: dict[str, Path]) ->
     models = [ModelConfig(path=str(files["a"]), name="a"), ModelConfig(path=str(files["b"]), name="b", load="lazy")]
     with serving(models, memory_budget_bytes=one_budget(files)) as (client, engine):
         assert ps(client) == ["a"]  # b is lazy: known, not loaded
-        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["a", "b"]
+        cards = client.get("/v1/models").json()["data"]
+        assert [m["id"] for m in cards] == ["a", "b"]
+        # What b takes is known once it loads.
+        assert cards[0]["capabilities"][0] == "completion" and "capabilities" not in cards[1]
         assert [m["name"] for m in client.get("/api/tags").json()["models"]] == ["a", "b"]
         for _ in range(2):
             r = generate(client, "b")
@@ -254,10 +257,47 @@ def test_admin_load_and_unload_need_a_key(files: dict[str, Path]) -> None:
         # A body not declared as JSON (a form a web page could post across sites) is refused.
         assert client.post("/v1/models/a/unload", headers={"origin": "http://evil.example"}).status_code == 415
         assert metric(client, "mlxr_model_unloads_total", model="a", reason="request") == 1
-    # No key on a server others can reach: refused.
+    # No admin key on a server others can reach: refused, with or without client keys.
     with serving(models, host="0.0.0.0") as (client, _):
         r = client.post("/v1/models/b/load", json={})
-        assert r.status_code == 403 and "server.api_keys" in r.json()["error"]["message"]
+        assert r.status_code == 403 and "server.admin_api_keys" in r.json()["error"]["message"]
+    with serving(models, keys=(KEY,), host="0.0.0.0") as (client, _):
+        r = client.post("/v1/models/b/load", json={})
+        assert r.status_code == 403 and "server.admin_api_keys" in r.json()["error"]["message"]
+        r = client.post("/api/generate", json={"model": "a", "keep_alive": 0})
+        assert r.status_code == 403 and "server.admin_api_keys" in r.json()["error"] and ps(client) == ["a"]
+
+
+ADMIN = "operator-key"
+
+
+def test_with_admin_keys_only_an_admin_key_loads_and_unloads(files: dict[str, Path]) -> None:
+    models = [ModelConfig(path=str(files["a"]), name="a"), ModelConfig(path=str(files["b"]), name="b", load="lazy")]
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    with serving(models, keys=(KEY,), admin_keys=(ADMIN,)) as (client, _):
+        # A client key: served, but not allowed to change what is served (each API's own shape).
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        for action in ("b/load", "a/unload"):
+            r = client.post(f"/v1/models/{action}", json={})
+            assert r.status_code == 403 and "server.admin_api_keys" in r.json()["error"]["message"], r.text
+        r = client.post("/api/chat", json={"model": "a", "messages": [], "keep_alive": 0})
+        assert r.status_code == 403 and "server.admin_api_keys" in r.json()["error"]
+        assert ps(client) == ["a"]
+        r = client.post("/v1/models/b/load", json={}, headers={"authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        # The admin key administers, and serves as a client key too.
+        r = client.post("/v1/models/b/load", json={}, headers=admin)
+        assert r.status_code == 200 and r.json()["loaded"] is True and ps(client) == ["a", "b"]
+        r = client.post("/api/generate", json={"model": "b", "keep_alive": 0}, headers=admin)
+        assert r.status_code == 200 and r.json()["done_reason"] == "unload" and ps(client) == ["a"]
+        r = client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2}, headers=admin)
+        assert r.status_code == 200
+    # Admin keys without client keys on a server others reach: the API is open, administration is not.
+    with serving(models, admin_keys=(ADMIN,), host="0.0.0.0") as (client, _):
+        assert client.post("/v1/completions", json={"model": "a", "prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert client.post("/v1/models/b/load", json={}).status_code == 401
+        assert client.post("/v1/models/b/load", json={}, headers={"x-api-key": "wrong"}).status_code == 401
+        assert client.post("/v1/models/b/load", json={}, headers=admin).status_code == 200 and ps(client) == ["a", "b"]
 
 
 @pytest.fixture
@@ -344,6 +384,9 @@ def test_bad_lifecycle_settings_name_their_key(tmp_path: Path, files: dict[str, 
     assert any("models[0].load" in p for p in problems(model + "    load: sometimes\n"))
     assert any("engine.memory_budget_bytes" in p for p in problems(model + "engine:\n  memory_budget_bytes: 0\n"))
     assert any("engine.model_load_wait_s" in p for p in problems(model + "engine:\n  model_load_wait_s: 0\n"))
+    assert any("server.admin_api_keys" in p for p in problems(model + "server:\n  admin_api_keys: ['']\n"))
+    shared = problems(model + "server:\n  api_keys: [k1]\n  admin_api_keys: [k2, k1]\n")
+    assert any("server.admin_api_keys" in p and "api_keys" in p for p in shared)
     both = problems(model + "    pin: true\n    idle_unload_seconds: 60\n")
     assert any("models[0].idle_unload_seconds" in p and "pinned" in p for p in both)
     # Across processes every rank holds every model: nothing loads or unloads on demand.
