@@ -69,6 +69,21 @@ class ModelInfo:
     def transcribes(self) -> bool:
         """Whether this model turns audio into text (and continues no text prompt)."""
         return self.audio_front_end is not None
+
+    @property
+    def capabilities(self) -> list[str]:
+        """What the model takes, in the names of Ollama's ``/api/show`` (front ends offer tool use
+        and image upload by them): ``completion`` (text in, text out; ``transcription`` instead
+        for a speech-to-text model), ``tools`` where a tool-call parser was chosen for it,
+        ``vision`` with a vision tower, ``thinking`` with a reasoning parser."""
+        found = ["transcription" if self.transcribes else "completion"]
+        if self.tool_parser:
+            found.append("tools")
+        if self.image_processor is not None:
+            found.append("vision")
+        if self.reasoning_parser:
+            found.append("thinking")
+        return found
     #: The weights' parameter count, the vision side's included (packed ones as the values they hold).
     parameters: int = 0
 

@@ -71,21 +71,8 @@ def shown(info: ModelInfo) -> s.ShowResponse:
         model_info["general.parameter_count"] = info.parameters
     return s.ShowResponse(
         modelfile="", parameters="", template=info.tokenizer.chat_template or "", details=details(info),
-        model_info=model_info, capabilities=capabilities(info), modified_at=rfc3339(info.created),
+        model_info=model_info, capabilities=info.capabilities, modified_at=rfc3339(info.created),
     )
-
-
-def capabilities(info: ModelInfo) -> list[str]:
-    """Ollama's names for what the model takes: ``tools`` where a tool-call parser was chosen for
-    it, ``vision`` with a vision tower, ``thinking`` with a reasoning parser."""
-    found = ["completion"]
-    if info.tool_parser:
-        found.append("tools")
-    if info.image_processor is not None:
-        found.append("vision")
-    if info.reasoning_parser:
-        found.append("thinking")
-    return found
 
 
 def details(info: ModelInfo) -> s.ModelDetails:

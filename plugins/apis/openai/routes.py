@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 from litestar import Request, Response, Router, get, post
 from litestar.params import JSONBody
+from msgspec import UNSET
 
 from mlxr_core.chat.thinking import limit_thinking
 from mlxr_core.chat.tools import model_parsers, prepare_chat
@@ -379,15 +380,20 @@ def _refuse_unsupported_completion(body: s.CompletionRequest) -> None:
 
 
 def _card(engine: EngineClient, name: str) -> s.ModelCard:
-    """The served model ``name``; one never loaded yet (``load: lazy``) is known by name only. A
-    LoRA adapter served as a model names its model as ``parent``."""
+    """The served model ``name`` and what it takes; one never loaded yet (``load: lazy``) is known
+    by name only. A LoRA adapter served as a model names its model as ``parent``."""
     adapter = engine.adapters.get(name)
     if adapter is not None:
         parent = engine.models.get(adapter[0])
         created = parent.created if parent is not None else int(engine.started_at)
         context = parent.context_length if parent is not None else None
-        return s.ModelCard(id=name, created=created, context_length=context, parent=adapter[0])
+        capabilities = parent.capabilities if parent is not None else UNSET
+        return s.ModelCard(
+            id=name, created=created, context_length=context, parent=adapter[0], capabilities=capabilities
+        )
     info = engine.models.get(name)
     if info is None:
         return s.ModelCard(id=name, created=int(engine.started_at))
-    return s.ModelCard(id=info.name, created=info.created, context_length=info.context_length)
+    return s.ModelCard(
+        id=info.name, created=info.created, context_length=info.context_length, capabilities=info.capabilities
+    )

@@ -389,6 +389,9 @@ class ModelCard(Struct):
     context_length: int | None = None
     #: The model a LoRA adapter served as a model of its own runs over (``models[].adapters``).
     parent: str | UnsetType = UNSET
+    #: What the model takes (``completion``, ``tools``, ``vision``, ``thinking``; a speech-to-text
+    #: model ``transcription``), as Ollama's ``/api/show`` names them; absent for a model not loaded yet.
+    capabilities: list[str] | UnsetType = UNSET
 
 
 class ModelList(Struct):

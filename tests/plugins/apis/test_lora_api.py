@@ -86,6 +86,7 @@ def test_listed_with_parent(client: TestClient[Any]) -> None:
         "tiny": None, "tiny:qv": "tiny", "tiny:all": "tiny", "tiny:mlp": "tiny",
     }  # fmt: skip
     assert client.get("/v1/models/tiny:all").json()["parent"] == "tiny"
+    assert cards["tiny:qv"]["capabilities"] == cards["tiny"]["capabilities"] == ["completion"]
 
 
 def test_served_as_models(client: TestClient[Any], reference: LoraReference) -> None:

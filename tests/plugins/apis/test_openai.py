@@ -126,11 +126,31 @@ def test_sampling_parameters_reach_the_engine(fake: FakeEngine) -> None:
 def test_models(client: TestClient) -> None:
     listing = client.get("/v1/models").json()
     assert listing == {"object": "list", "data": [
-        {"id": "fake", "created": 1700000000, "owned_by": "mlxr", "object": "model", "context_length": 64}
+        {"id": "fake", "created": 1700000000, "owned_by": "mlxr", "object": "model", "context_length": 64,
+         "capabilities": ["completion"]}
     ]}
     assert client.get("/v1/models/fake").json()["id"] == "fake"
     r = client.get("/v1/models/org/missing")
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_models_say_what_each_model_takes(fake: FakeEngine) -> None:
+    """Front ends (the web page among them) offer image upload and tools by ``capabilities``."""
+    import attrs
+
+    from mlxr_core.model.vision import ImageTokens
+
+    fake.models["fake"] = attrs.evolve(
+        fake.models["fake"], tool_parser="hermes", reasoning_parser="think",
+        image_processor=lambda image: image, image_tokens=ImageTokens(1, 1, "<image>", "<image>"),
+    )  # fmt: skip
+    with TestClient(build_app(make_ctx(fake))) as client:
+        (card,) = client.get("/v1/models").json()["data"]
+        assert card["capabilities"] == ["completion", "tools", "vision", "thinking"]
+        assert client.get("/v1/models/fake").json()["capabilities"] == card["capabilities"]
+    fake.models["fake"] = attrs.evolve(fake.models["fake"], image_processor=None, tool_parser=None, reasoning_parser=None)
+    with TestClient(build_app(make_ctx(fake))) as client:
+        assert client.get("/v1/models/fake").json()["capabilities"] == ["completion"]
 
 
 def test_the_official_client_reads_our_responses(client: TestClient) -> None:
