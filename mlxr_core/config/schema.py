@@ -417,6 +417,10 @@ ENGINE_CORES = ("thread", "process")
 class EngineConfig:
     #: Requests waiting beyond this many are refused with 429.
     max_queue: int = attrs.field(default=64, validator=v.ge(1))
+    #: Transcriptions and translations (``/v1/audio/...``) at once, from decoding the upload to
+    #: the transcript; one more is refused with 429 (each holds its decoded audio and features,
+    #: and each running one takes a decoder step between every two batch steps).
+    max_transcriptions: int = attrs.field(default=4, validator=v.ge(1))
     #: Prompt tokens per prefill step; long prompts are prefilled in chunks of this size,
     #: interleaved with the decode steps of running requests.
     prefill_chunk: int = attrs.field(default=512, validator=v.ge(1))

@@ -25,6 +25,7 @@ from mlxr_core.errors import (
     EngineStopped,
     ModelNotFound,
     ModelUnavailable,
+    Overloaded,
     RequestError,
     Unsupported,
 )
@@ -361,6 +362,8 @@ class EngineCaller:
         info = self.model(model)
         if not info.transcribes:
             raise RequestError(f"the model {info.name!r} does not transcribe audio (it is no speech model)", field="model")
+        if self.queue_depth >= self.config.engine.max_queue:  # as a generation request is refused
+            raise Overloaded(f"{self.queue_depth} requests are waiting (engine.max_queue); retry later")
         work = TranscriptionWork(info.name, features, duration, options)
         job = self.queue_job(EngineJob(work, what=f"transcription with model {info.name}", model=info.name))
         return await _wait(job)  # type: ignore[no-any-return]

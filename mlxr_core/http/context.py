@@ -153,8 +153,11 @@ class ServerContext:
     #: The engine requests that requests fanning out into many (decisions' rows) hold at once,
     #: together: half of ``engine.max_queue``, so they leave the other half to everyone else.
     fan_out: anyio.CapacityLimiter = attrs.field(init=False)
+    #: The transcriptions being served (``engine.max_transcriptions``), taken without waiting.
+    transcriptions: anyio.CapacityLimiter = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         self.fan_out = anyio.CapacityLimiter(max(1, self.config.engine.max_queue // 2))
+        self.transcriptions = anyio.CapacityLimiter(self.config.engine.max_transcriptions)
         inflight = self.inflight
         self.metrics = Metrics(self.engine, inflight=lambda: len(inflight))

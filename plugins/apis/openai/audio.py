@@ -15,16 +15,18 @@ import functools
 from typing import Annotated, Any, Literal
 
 import anyio
+import attrs
 from litestar import Request, Response, post
 from litestar.datastructures import UploadFile
 from msgspec import Meta, Struct, field
 
-from mlxr_core.errors import RequestError
+from mlxr_core.engine.admission import ModelInfo
+from mlxr_core.errors import Overloaded, RequestError
 from mlxr_core.http.audio import AudioLimits, decode_audio
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import json_response, loaded_model, ready_engine, unless_disconnected
 from mlxr_core.http.openapi import documented
-from mlxr_core.model.audio import Transcript, TranscriptionOptions
+from mlxr_core.model.audio import AudioFrontEnd, Transcript, TranscriptionOptions
 from mlxr_plugins.apis.openai import schemas as s
 
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
@@ -143,18 +145,37 @@ async def transcribe(ctx: ServerContext, request: Request[Any, Any, Any], task: 
     front_end = info.audio_front_end
     if front_end is None:
         raise RequestError(f"the model {info.name!r} does not transcribe audio (it is no speech model)", field="model")
+    options = TranscriptionOptions(
+        task=task, language=language.lower() if language else None, temperature=temperature,
+        timestamps=response_format in ("srt", "vtt", "verbose_json"),
+    )  # fmt: skip
+    slots = ctx.transcriptions
+    try:
+        slots.acquire_nowait()
+    except anyio.WouldBlock:
+        raise Overloaded(
+            f"{int(slots.total_tokens)} transcriptions are running (engine.max_transcriptions); retry later"
+        ) from None
+    try:
+        transcript = await _transcribe(ctx, request, info, front_end, upload, prompt_text, options)
+    finally:
+        slots.release()
+    return reply(transcript, response_format, task)
+
+
+async def _transcribe(
+    ctx: ServerContext, request: Request[Any, Any, Any], info: ModelInfo, front_end: AudioFrontEnd,
+    upload: UploadFile, prompt_text: str, options: TranscriptionOptions,
+) -> Transcript:  # fmt: skip
+    """Decode ``upload``, compute its features and transcribe them on the engine thread."""
     raw = await upload.read()
     limits = AudioLimits.from_server(ctx.config.server)
     audio = await anyio.to_thread.run_sync(functools.partial(decode_audio, raw, limits, sample_rate=front_end.sample_rate))
     features = await anyio.to_thread.run_sync(front_end, audio.samples)
     prompt = info.tokenizer.encode(" " + prompt_text, add_special_tokens=False) if prompt_text else []
-    options = TranscriptionOptions(
-        task=task, language=language.lower() if language else None, prompt=tuple(prompt), temperature=temperature,
-        timestamps=response_format in ("srt", "vtt", "verbose_json"),
-    )  # fmt: skip
+    options = attrs.evolve(options, prompt=tuple(prompt))
     engine = ready_engine(ctx)
-    transcript = await unless_disconnected(request, engine.transcribe_async(info.name, features, audio.seconds, options))
-    return reply(transcript, response_format, task)
+    return await unless_disconnected(request, engine.transcribe_async(info.name, features, audio.seconds, options))
 
 
 def reply(transcript: Transcript, response_format: str, task: str) -> Response[Any]:

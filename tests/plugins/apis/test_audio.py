@@ -5,11 +5,14 @@ live ``mlxr serve``."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +143,43 @@ def test_text_requests_to_a_speech_model_are_refused(client: httpx.Client) -> No
     assert "transcribes audio" in refused(r, "model")
     r = client.post("/v1/embeddings", json={"model": "whisper", "input": [5, 6, 7]})
     assert "transcribes audio" in refused(r, "model")
+
+
+def test_transcriptions_past_their_limit_or_a_full_queue_are_429s(
+    whisper_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxr_core.engine.client import EngineCaller
+    from mlxr_core.engine.engine import Engine
+
+    entered, release = threading.Event(), threading.Event()
+    transcribe_async = EngineCaller.transcribe_async
+
+    async def held(self: Any, *args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        await asyncio.to_thread(release.wait, 60)
+        return await transcribe_async(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineCaller, "transcribe_async", held)
+    config = Config(models=[ModelConfig(path=str(whisper_folder), name="whisper")], apis=["openai"])
+    config.engine.max_transcriptions = 1
+    config.engine.max_queue = 2
+    with live_server(config) as url, httpx.Client(base_url=url, timeout=120) as http:
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(post, http, {"language": "en"})
+            assert entered.wait(60)
+            for path in ("/v1/audio/transcriptions", "/v1/audio/translations"):
+                r = post(http, {}, path=path)
+                assert r.status_code == 429 and r.headers["retry-after"], r.text
+                error = r.json()["error"]
+                assert "engine.max_transcriptions" in error["message"] and error["type"] == "rate_limit_error"
+            release.set()
+            assert first.result(120).status_code == 200
+        assert post(http, {"language": "en"}, tone_wav(0.5)).status_code == 200  # its slot was given back
+        # Generation requests filling the queue refuse a transcription as they refuse one another.
+        monkeypatch.setattr(Engine, "queue_depth", property(lambda self: 2))
+        r = post(http, {"language": "en"}, tone_wav(0.5))
+        assert r.status_code == 429 and "engine.max_queue" in r.json()["error"]["message"], r.text
+        monkeypatch.undo()
 
 
 def test_the_document_states_the_form(client: httpx.Client) -> None:
