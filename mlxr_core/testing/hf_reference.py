@@ -248,3 +248,50 @@ def _close(got: np.ndarray, want: np.ndarray, atol: float, what: str) -> None:
     worst = float(np.abs(got - want).max())
     assert worst <= atol, f"{what}: logits differ from transformers' by up to {worst:.3g} (atol {atol})"
     assert (got.argmax(-1) == want.argmax(-1)).all(), f"{what}: the argmax differs from transformers'"
+
+
+def transformers_greedy(model_class: str, folder: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
+    """``steps`` greedy tokens for each prompt from ``transformers.<model_class>`` saved in
+    ``folder`` (float32, eager attention), each token from a full forward pass (no cache)."""
+    import torch
+    import transformers
+
+    model = getattr(transformers, model_class).from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(steps):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outputs.append(ids[len(prompt) :])
+    return outputs
+
+
+def engine_greedy(folder: Path, prompts: list[list[int]], steps: int, *, prefill_chunk: int = 24) -> list[list[int]]:
+    """``steps`` greedy tokens for each prompt from mlxr's engine serving ``folder`` (float32), the
+    prompts submitted together (continuous batching, prompts prefilled in chunks of
+    ``prefill_chunk``); raises AssertionError unless the model decodes through the compiled step."""
+    from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+    from mlxr_core.plugins import load_plugins
+
+    model = ModelConfig(path=str(folder), name="tiny", dtype="float32", context_length=128)
+    engine = Engine(
+        Config(models=[model], engine=EngineConfig(max_batch_size=4, prefill_chunk=prefill_chunk)), load_plugins()
+    )
+    engine.start()
+    try:
+        assert engine.model("tiny").compiled_decode, "the model does not decode through the compiled step"
+        params = SamplingParams(temperature=0.0, max_tokens=steps, extra={"ignore_eos": True})
+        handles = [engine.submit(GenerationRequest(model="tiny", prompt_ids=p, params=params)) for p in prompts]
+        outputs = []
+        for handle in handles:
+            events = list(handle)
+            assert isinstance(events[-1], Finished), events[-1]
+            outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
+    finally:
+        engine.stop()
+    return outputs

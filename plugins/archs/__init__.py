@@ -41,6 +41,7 @@ ARCHITECTURES = {
     "qwen3_5_moe_text": "mlxr_plugins.archs.qwen3_5:Qwen35MoeArchitecture",
     "deepseek_v3": "mlxr_plugins.archs.deepseek_v3:DeepseekV3Architecture",
     "deepseek_v32": "mlxr_plugins.archs.deepseek_v32:DeepseekV32Architecture",
+    "mistral4": "mlxr_plugins.archs.mistral4:Mistral4Architecture",
     "deepseek_v4": "mlxr_plugins.archs.deepseek_v4:DeepseekV4Architecture",
     "whisper": "mlxr_plugins.archs.whisper:WhisperArchitecture",
     # llama.cpp's names for the same families, as GGUF files carry them.

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,6 +46,7 @@ from mlxr_core.model.layers import (
 )
 from mlxr_core.model.layers.args import POSITIVE
 from mlxr_core.model.layers.latent_attention import LatentAttention, latent_caches, split_kv_b_proj
+from mlxr_core.model.layers.rope import PositionScale
 
 #: The ``rope_scaling`` types DeepSeek-V3 checkpoints use (and transformers computes for them).
 ROPE_TYPES = ("default", "linear", "yarn")
@@ -61,6 +62,12 @@ class DeepseekV3Args(TransformerArgs):
 
     family = "deepseek_v3"
     aliases = {"n_routed_experts": ("num_local_experts",)}
+    #: The ``rope_type`` values this graph computes.
+    rope_types: ClassVar[tuple[str, ...]] = ROPE_TYPES
+    #: Keys whose other values this graph does not compute -> the value it does.
+    fixed: ClassVar[dict[str, Any]] = {
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "hidden_act": "silu", "moe_layer_freq": 1,
+    }
     limits = {
         **TransformerArgs.limits,
         "kv_lora_rank": (1, 1 << 14),
@@ -103,12 +110,8 @@ class DeepseekV3Args(TransformerArgs):
         self.rope_traditional = self.rope_interleave
         super().__post_init__()
         # Keys that change the math in ways this graph does not compute: refused, never ignored.
-        for key, value, wanted in (
-            ("scoring_func", self.scoring_func, "sigmoid"),
-            ("topk_method", self.topk_method, "noaux_tc"),
-            ("hidden_act", self.hidden_act, "silu"),
-            ("moe_layer_freq", self.moe_layer_freq, 1),
-        ):
+        for key, wanted in self.fixed.items():
+            value = getattr(self, key)
             if value != wanted:
                 raise ModelLoadError(
                     f"{key} {value!r} is not supported by the {self.family} graph ({wanted!r})", key=key
@@ -142,6 +145,10 @@ class DeepseekV3Args(TransformerArgs):
             scale *= mscale * mscale
         return scale
 
+    def query_scale(self) -> PositionScale | None:
+        """A factor of position on the queries (none in DeepSeek's configs)."""
+        return None
+
     def is_sparse(self, layer: int) -> bool:
         """Whether ``layer``'s feed-forward is the mixture of experts (else a dense MLP)."""
         return layer >= self.first_k_dense_replace
@@ -169,11 +176,11 @@ def feed_forward(args: DeepseekV3Args, layer: int, kernels: KernelSet) -> nn.Mod
         args.n_routed_experts,
         args.num_experts_per_tok,
         kernels=kernels,
-        scoring="sigmoid",
+        scoring=args.scoring_func,
         normalize=args.norm_topk_prob,
         shared_expert=GatedMLP(H, shared) if shared else None,
         shared_name="shared_experts",
-        corrected=True,
+        corrected=args.topk_method == "noaux_tc",
         groups=args.n_group,
         top_groups=args.topk_group,
         scale=args.routed_scaling_factor,
@@ -184,7 +191,7 @@ class DeepseekV3(CausalLM):
     """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
 
     def __init__(self, args: DeepseekV3Args, kernels: KernelSet):
-        rotary = args_rotary(args, kernels, types=ROPE_TYPES)
+        rotary = args_rotary(args, kernels, types=args.rope_types)
         H, eps = args.hidden_size, args.rms_norm_eps
 
         def attention() -> LatentAttention:
@@ -200,6 +207,7 @@ class DeepseekV3(CausalLM):
                 rotary=rotary,
                 scale=args.softmax_scale(),
                 bias=args.attention_bias,
+                query_scale=args.query_scale(),
             )
 
         layers = [

@@ -75,6 +75,8 @@ class LatentAttention(nn.Module):
     """Multi-head latent attention with the Hugging Face module names (``q_proj``, or ``q_a_proj``,
     ``q_a_layernorm`` and ``q_b_proj`` with a ``q_rank``; ``kv_a_proj_with_mqa``,
     ``kv_a_layernorm``, ``o_proj``) and ``kv_b_proj`` split into ``embed_q`` and ``unembed_out``.
+    ``query_scale`` multiplies the rotated queries by a factor of their position (Mistral 4's
+    :class:`~mlxr_core.model.layers.rope.PositionScale`).
     Cut as :class:`~mlxr_core.model.layers.attention.Attention` is (``attention_inputs``,
     ``attention``, ``output``), so the blocks and the compiled decode step take it as they take
     that; its cache is :meth:`make_cache`'s."""
@@ -94,6 +96,7 @@ class LatentAttention(nn.Module):
         scale: float,
         bias: bool = False,
         eps: float = 1e-6,
+        query_scale: Callable[[mx.array, int | mx.array], mx.array] | None = None,
     ):
         super().__init__()
         self.n_heads, self.kv_rank, self.rope_dims = n_heads, kv_rank, rope_dims
@@ -111,6 +114,7 @@ class LatentAttention(nn.Module):
         self.unembed_out = PerHeadLinear(kv_rank, value_dims, n_heads)
         self.o_proj = nn.Linear(n_heads * value_dims, hidden, bias=bias)
         self._rotary = rotary
+        self._query_scale = query_scale
         self._attention = kernels.attention
 
     def make_cache(self) -> KVCache:
@@ -130,7 +134,10 @@ class LatentAttention(nn.Module):
         k_pe = self._rotary(k_pe.reshape(B, 1, L, self.rope_dims), offset)
         if absorbed(L):
             q_nope = self.embed_q(q_nope)
-        return mx.concatenate([q_nope, self._rotary(q_pe, offset)], axis=-1), latent, k_pe
+        queries = mx.concatenate([q_nope, self._rotary(q_pe, offset)], axis=-1)
+        if self._query_scale is not None:  # a factor per position: it commutes with embed_q
+            queries = self._query_scale(queries, offset)
+        return queries, latent, k_pe
 
     def attention(
         self,

@@ -348,3 +348,26 @@ def stack_experts(
     for (layer, name, kind), rows in groups.items():
         out[f"{layer}.{target}.{names[name]}.{kind}"] = mx.stack([rows[e] for e in range(count)])
     return out
+
+
+def split_fused_experts(weights: dict[str, mx.array], experts: str, target: str) -> dict[str, mx.array]:
+    """transformers 5's fused expert tensors (families it saves without a conversion back) as
+    :class:`SwitchGLU` holds them: every ``{layer}.{experts}.gate_up_proj`` (``[E, 2I, H]``, the
+    gate's rows first) as ``{layer}.{target}.gate_proj.weight`` and ``up_proj.weight``, every
+    ``{layer}.{experts}.down_proj`` (``[E, H, I]``) as ``{layer}.{target}.down_proj.weight``.
+    Every other tensor passes through.
+
+    :raises ModelLoadError: a ``gate_up_proj`` that is not ``[experts, 2 * width, hidden]`` (named)."""
+    out: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        layer, found, part = name.rpartition(f".{experts}.")
+        if not found or part not in ("gate_up_proj", "down_proj"):
+            out[name] = array
+        elif part == "down_proj":
+            out[f"{layer}.{target}.down_proj.weight"] = array
+        elif array.ndim != 3 or array.shape[1] % 2:
+            raise ModelLoadError(f"shape {list(array.shape)}: expected [experts, 2 * width, hidden]", tensor=name)
+        else:
+            gate, up = mx.split(array, 2, axis=1)
+            out[f"{layer}.{target}.gate_proj.weight"], out[f"{layer}.{target}.up_proj.weight"] = gate, up
+    return out

@@ -163,6 +163,29 @@ class Rotary:
         return mx.concatenate([head * factor, tail], axis=-1)
 
 
+class PositionScale:
+    """Llama 4's query scaling by position (transformers' ``get_llama_4_attn_scale``, configured in
+    Ministral 3's and Mistral 4's ``rope_parameters``): the queries at position ``p`` multiplied by
+    ``1 + beta * ln(1 + floor(p / original))``, a step up every ``original`` positions, so that
+    attention stays sharp past the context the model was trained on. Holds no weights."""
+
+    def __init__(self, beta: float, original: int):
+        self.beta, self.original = beta, original
+
+    def __call__(self, queries: mx.array, offset: int | mx.array) -> mx.array:
+        """``queries [B, H, L, D]`` whose first position is ``offset`` (an int, or one per row)."""
+        L = queries.shape[2]
+        positions = mx.arange(L, dtype=mx.float32)
+        if isinstance(offset, mx.array) and offset.ndim == 1:
+            positions = (positions[None] + offset[:, None].astype(mx.float32))[:, None]  # [B, 1, L]
+        else:
+            positions = positions + offset  # [L]
+        # A left-padded row's padding sits at negative positions: kept finite (it is masked out).
+        steps = mx.floor(mx.maximum(positions, 0.0) / self.original)
+        scale = 1.0 + self.beta * mx.log1p(steps)
+        return queries * scale[..., None].astype(queries.dtype)
+
+
 def make_rotary(
     kernels: KernelSet,
     dims: int,

@@ -30,9 +30,11 @@ from mlxr_core.plugins import load_plugins
 from mlxr_core.testing.hf_reference import (
     Reference,
     check_reference,
+    engine_greedy,
     load_reference_model,
     o1_init,
     tiny_reference,
+    transformers_greedy,
 )
 from mlxr_plugins.archs.deepseek_v3 import DeepseekV3Architecture, DeepseekV3Args
 
@@ -115,51 +117,14 @@ def test_the_family_matches_transformers(reference, registries, backend):
     check_reference(reference, registries, backend=backend)
 
 
-def greedy_transformers(folder: Path, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    """``steps`` greedy tokens for each prompt from transformers' model in ``folder``, each token
-    from a full forward pass."""
-    import torch
-    import transformers
-
-    model = transformers.DeepseekV3ForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = list(prompt)
-            for _ in range(steps):
-                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-            outputs.append(ids[len(prompt) :])
-    return outputs
-
-
 @pytest.mark.slow
 def test_the_engine_serves_transformers_greedy_tokens(reference):
     """Four concurrent greedy streams of 12 tokens through the engine (continuous batching, the
     compiled decode step, prompts prefilled in chunks of 24: expanded, then absorbed; a one-token
     prompt; a prompt extending a cached one) give transformers' tokens for each prompt."""
-    from mlxr_core.config.schema import Config, EngineConfig
-    from mlxr_core.engine.engine import Engine
-    from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
-
-    steps = 12
     prompts = [reference.prompts[0], reference.prompts[1], [7], [*reference.prompts[0][:30], 5, 9]]
-    model = ModelConfig(path=str(reference.folder), name="ds", dtype="float32", context_length=128)
-    engine = Engine(Config(models=[model], engine=EngineConfig(max_batch_size=4, prefill_chunk=24)), load_plugins())
-    engine.start()
-    try:
-        assert engine.model("ds").compiled_decode
-        params = SamplingParams(temperature=0.0, max_tokens=steps, extra={"ignore_eos": True})
-        handles = [engine.submit(GenerationRequest(model="ds", prompt_ids=p, params=params)) for p in prompts]
-        outputs = []
-        for handle in handles:
-            events = list(handle)
-            assert isinstance(events[-1], Finished), events[-1]
-            outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
-    finally:
-        engine.stop()
-    assert outputs == greedy_transformers(reference.folder, prompts, steps)
+    want = transformers_greedy("DeepseekV3ForCausalLM", reference.folder, prompts, 12)
+    assert engine_greedy(reference.folder, prompts, 12) == want
 
 
 def test_the_cache_holds_the_latent_at_least_8x_smaller_than_expanded_heads():
