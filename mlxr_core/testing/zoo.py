@@ -72,6 +72,8 @@ SIZES: dict[str, int] = {
 #: others (GPT-J's MLP of 4 x n_embd): left None.
 SWITCHES = ("sliding_window", "attention_chunk_size", "q_lora_rank", "n_inner")
 GEMMA4_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+QWEN4_EXP = {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 32,
+             "indexer_compress_ratio": 4, "ple_layer_ids": [1], "heads_per_ngram": 2, "ngram_vocab_size_base": 150}
 #: Keys over the shrunk defaults for types whose defaults leave a tiny model without a layer kind.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 8},
@@ -83,6 +85,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Gemma 4's last layers reuse the caches of earlier ones of their kind: both kinds come first.
     **{name: {"text_config": {"layer_types": GEMMA4_LAYERS}} for name in ("gemma4", "gemma4_unified")},
     "gemma4_text": {"layer_types": GEMMA4_LAYERS},
+    # Qwen4-Exp's attention needs its indexer's keys; a PLE layer with a table of ~600 rows, not 160 M.
+    **{name: QWEN4_EXP if name.endswith("_text") else {"text_config": QWEN4_EXP} for name in ("qwen4_exp", "qwen4_exp_text")},
 }
 
 

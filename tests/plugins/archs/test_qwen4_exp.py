@@ -1,0 +1,170 @@
+"""Qwen4-Exp (``qwen4_exp``) against transformers 5.25 on tiny random weights: hyper-connections,
+per-layer n-gram embeddings on two DeltaNet layers (the end-of-sequence token occurring in the
+prompts, so that the n-grams are cut there), indexed attention within the positions where its
+indexer picks every block, sparse experts with a gated shared expert.
+
+The folder is written by transformers (its ``save_pretrained``: experts fused, each n-gram table
+in ``split_ngram_parts`` shards, the hashing constants stored) and compared on logits, cached
+decoding, a left-padded batch and a prefix-cache hit
+(:func:`mlxr_core.testing.hf_reference.check_reference`). Then the refusals: a sequence past the
+exact indexer span, configs whose math this graph does not compute, stored hashing constants
+that disagree with the config.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxr_core.errors import ContextLengthExceeded, ModelLoadError
+from mlxr_core.testing.hf_reference import (
+    PROMPT_LENGTHS,
+    check_reference,
+    load_reference_model,
+    tiny_reference,
+)
+from mlxr_plugins.archs.qwen4_exp import Qwen4ExpArchitecture
+
+VOCAB = 97
+#: The prompts tiny_reference draws (seed 0); the end-of-sequence token is their commonest token.
+_RNG = np.random.default_rng(1)
+PROMPTS = [_RNG.integers(0, VOCAB, n).tolist() for n in PROMPT_LENGTHS]
+EOS = Counter(PROMPTS[0]).most_common(1)[0][0]
+SHAPE: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "num_experts": 6,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48,
+    "hc_count": 2,
+    "hc_lowrank": 8,
+    "ple_layer_ids": [1, 3],
+    "ngram_size": 3,
+    "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 50,
+    "make_ngram_vocab_size_divisible_by": 8,
+    "split_ngram_parts": 4,
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    # Every block is picked up to 64 + 4 - 1 positions: past the 46 the checks reach.
+    "indexer_budget": 64,
+    "indexer_compress_ratio": 4,
+    "eos_token_id": EOS,
+}
+#: As the hybrid families' (test_hybrid_reference.py): transformers' two forms of the recurrence differ by ~1e-4.
+ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def registries():
+    from mlxr_core.plugins import load_plugins
+
+    return load_plugins().registries
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+    pytest.importorskip("transformers", reason="the reference needs transformers")
+    reference = tiny_reference("Qwen4ExpForCausalLM", "Qwen4ExpTextConfig", SHAPE, tmp_path_factory.mktemp("qwen4"))
+    assert reference.prompts == PROMPTS and PROMPTS[0].count(EOS) >= 2
+    return reference
+
+
+@pytest.mark.parametrize("backend", ["mlx_fast", "reference"])
+def test_it_matches_transformers(reference, registries, backend):
+    check_reference(reference, registries, backend=backend, atol=ATOL)
+
+
+def test_the_ngram_table_is_read_from_the_shards(reference, registries):
+    """The checkpoint holds each table in shards; joined, they are the rows the layer reads."""
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(reference.folder / "model.safetensors"))
+    shards = sorted(name for name in stored if ".ngram_embedding.shard_" in name and "layers.2." in name)
+    assert len(shards) == SHAPE["split_ngram_parts"]
+    model = load_reference_model(reference, registries).model
+    table = np.array(model.model.layers[2].ple.ple_embedding.ngram_embedding.weight)
+    joined = np.concatenate([stored[f"model.layers.2.ple.ple_embedding.ngram_embedding.shard_{i}.weight"]
+                             for i in range(len(shards))])  # fmt: skip
+    np.testing.assert_array_equal(table, joined)
+
+
+def test_a_sequence_past_the_exact_indexer_span_is_refused(reference, registries):
+    """The context is capped where the indexer would start dropping blocks, and a forward pass
+    that would go past it raises instead of attending over every position."""
+    loaded = load_reference_model(reference, registries)
+    assert loaded.context_length == SHAPE["indexer_budget"] + SHAPE["indexer_compress_ratio"] - 1
+    cache = loaded.make_cache()
+    loaded.model(mx.array([list(range(60))]), cache=cache)
+    with pytest.raises(ContextLengthExceeded, match="indexer_budget"):
+        loaded.model(mx.array([list(range(8))]), cache=cache)
+
+
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        ({"indexer_budget": None}, "indexer_budget"),
+        ({"indexer_kv_heads": 2}, "indexer_kv_heads"),
+        ({"ple_layer_ids": [2]}, "ple_layer_ids"),
+        ({"eos_token_id": None}, "eos_token_id"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"output_gate_type": "tanh"}, "output_gate_type"),
+        ({"ple_embed_dim": 30}, "ple_embed_dim"),
+    ],
+)
+def test_configs_it_does_not_compute_are_refused_naming_the_key(change, key):
+    config = {**SHAPE, "model_type": "qwen4_exp_text", **change}
+    with pytest.raises(ModelLoadError) as caught:
+        Qwen4ExpArchitecture().args(config)
+    assert caught.value.key == key
+
+
+def test_the_released_layout_reads_the_text_model(reference, registries, tmp_path):
+    """The vision-language checkpoint: keys under ``text_config`` (attention layers named
+    ``full_attention``), weights under ``model.language_model.``, a vision tower not read."""
+    from safetensors.numpy import load_file, save_file
+
+    config = json.loads((reference.folder / "config.json").read_text())
+    weights = {"model.language_model." + name.removeprefix("model."): array
+               for name, array in load_file(str(reference.folder / "model.safetensors")).items()}  # fmt: skip
+    weights["lm_head.weight"] = weights.pop("model.language_model.lm_head.weight")
+    weights["model.visual.patch_embed.proj.weight"] = np.zeros((4, 4), dtype=np.float32)
+    outer = {"model_type": "qwen4_exp", "text_config": config, "tie_word_embeddings": False}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((reference.folder / name).read_bytes())
+    moved = type(reference)(tmp_path, reference.prompts, reference.logits, outer)
+    got = np.array(load_reference_model(moved, registries).model(mx.array([reference.prompts[1]]))[0])
+    np.testing.assert_allclose(got, reference.logits[1], atol=ATOL)
+
+
+def test_stored_hashing_constants_must_match_the_config(reference):
+    """A checkpoint whose stored multipliers are not the config's (another ``seed``) is refused,
+    naming the tensor: its table rows were hashed otherwise."""
+    from safetensors.numpy import load_file
+
+    weights = {name: mx.array(array) for name, array in load_file(str(reference.folder / "model.safetensors")).items()}
+    config = {**reference.config, "seed": SHAPE.get("seed", 1234) + 1}
+    with pytest.raises(ModelLoadError, match="hashing constants") as caught:
+        Qwen4ExpArchitecture().sanitize(weights, config)
+    assert "layer_multipliers" in str(caught.value.tensor)
