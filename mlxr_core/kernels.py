@@ -49,6 +49,13 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   ``[B, Hv, Dk, Dv]`` (float32), computed in float32. An architecture with such layers puts
   ``linear_key_head_dim`` and ``linear_value_head_dim`` (its config's names) in the kernel context;
   backends written for some head dims only refuse the others there.
+- ``kimi_delta(q, k, v, g, beta, state) -> (out, state)``: the Kimi delta rule (KDA: Kimi Linear,
+  GLM-5-Next), the gated delta rule with a decay per key channel. ``q``, ``k`` ``[B, L, H, Dk]``
+  (normalized and scaled as for ``gated_delta``), ``v`` ``[B, L, H, Dv]`` (one value head per key
+  head), ``g`` ``[B, L, H, Dk]`` the log decay of each key channel (<= 0, float32), ``beta``
+  ``[B, L, H]``, ``state`` ``[B, H, Dk, Dv]`` float32 or None. Per step ``t`` and head:
+  ``S = diag(exp(g_t)) S``, then as ``gated_delta``. Returns ``out`` ``[B, L, H, Dv]`` in ``v``'s
+  dtype and the final state (float32).
 
 Selection happens once per model, never in the token loop: :func:`bind_kernels` resolves every op
 to a plain callable and returns a :class:`KernelSet`. An explicit choice that cannot run is a
@@ -75,7 +82,7 @@ log = logging.getLogger(__name__)
 #: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
 OPS = (
     "attention", "rms_norm", "add_rms_norm", "rope", "gated_activation", "quantized_matmul",
-    "gather_matmul", "route", "gated_delta",
+    "gather_matmul", "route", "gated_delta", "kimi_delta",
 )
 
 
@@ -116,6 +123,7 @@ class KernelSet:
     gather_matmul: Callable[..., Any]
     route: Callable[..., Any]
     gated_delta: Callable[..., Any]
+    kimi_delta: Callable[..., Any]
     #: op -> backend name, for logs and ``mlxr info``.
     chosen: Mapping[str, str] = attrs.field(factory=dict)
     #: The chosen ``quantized_matmul`` backend's ``keeps_packed`` (see :class:`KernelBackend`).

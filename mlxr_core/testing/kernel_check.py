@@ -23,7 +23,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 #: The ops :func:`check_kernel_parity` has cases for.
 PARITY_OPS = (
     "attention", "rms_norm", "add_rms_norm", "rope", "gated_activation", "quantized_matmul",
-    "gather_matmul", "route", "gated_delta",
+    "gather_matmul", "route", "gated_delta", "kimi_delta",
 )
 #: dtype -> (atol, rtol) per op.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
@@ -42,6 +42,7 @@ TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     # Float32 inside whatever the inputs' dtype: the outputs differ by summation order, then by one
     # rounding to the output dtype (the state stays float32).
     "gated_delta": {"float32": (1e-4, 1e-4), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
+    "kimi_delta": {"float32": (1e-4, 1e-4), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
 }
 
 
@@ -321,6 +322,16 @@ def _cases(op: str) -> Iterator[Case]:
             shapes = {"linear_key_head_dim": Dk, "linear_value_head_dim": Dv}
             name = f"B={B} L={L} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv}{' state' if with_state else ''}"
             yield Case(name, shapes, make_delta)
+    elif op == "kimi_delta":
+        # Decode, a short prompt, one across chunk boundaries, from zeros and onto a state.
+        for B, L, H, Dk, Dv, with_state in ((2, 1, 2, 64, 32, True), (1, 5, 2, 32, 32, False), (1, 70, 2, 64, 32, True)):
+
+            def make_kimi(dtype: Any, B: int = B, L: int = L, H: int = H, Dk: int = Dk, Dv: int = Dv,
+                          with_state: bool = with_state) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                return kimi_delta_inputs(B, L, H, Dk, Dv, with_state=with_state, dtype=dtype, seed=L), {}
+
+            name = f"B={B} L={L} H={H} Dk={Dk} Dv={Dv}{' state' if with_state else ''}"
+            yield Case(name, {"linear_head_dim": Dk}, make_kimi)
     else:
         raise ValueError(f"no parity cases for op {op!r} (ops with cases: {', '.join(PARITY_OPS)})")
 
@@ -352,4 +363,33 @@ def gated_delta_inputs(
     g = -mx.random.uniform(0.0, 0.5, (B, L, Hv), key=keys[3])
     beta = mx.sigmoid(mx.random.normal((B, L, Hv), key=keys[4]))
     state = mx.random.normal((B, Hv, Dk, Dv), key=keys[5]) if with_state else None
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype), state
+
+
+def kimi_delta_inputs(
+    B: int = 1,
+    L: int = 5,
+    H: int = 2,
+    Dk: int = 32,
+    Dv: int = 16,
+    *,
+    with_state: bool = True,
+    dtype: Any = None,
+    seed: int = 0,
+    decay: float = 0.5,
+) -> tuple[Any, ...]:
+    """Arguments of ``kimi_delta`` as a Kimi delta attention layer hands them over (as
+    :func:`gated_delta_inputs`, with ``g`` ``[B, L, H, Dk]`` uniform in ``[-decay, 0]``)."""
+    import mlx.core as mx
+
+    dtype = dtype or mx.float32
+    keys = mx.random.split(mx.random.key(seed), 6)
+    q = mx.random.normal((B, L, H, Dk), key=keys[0])
+    k = mx.random.normal((B, L, H, Dk), key=keys[1])
+    q = q * mx.rsqrt((q * q).sum(-1, keepdims=True)) * Dk**-0.5
+    k = k * mx.rsqrt((k * k).sum(-1, keepdims=True))
+    v = mx.random.normal((B, L, H, Dv), key=keys[2])
+    g = -mx.random.uniform(0.0, decay, (B, L, H, Dk), key=keys[3])
+    beta = mx.sigmoid(mx.random.normal((B, L, H), key=keys[4]))
+    state = mx.random.normal((B, H, Dk, Dv), key=keys[5]) if with_state else None
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype), state

@@ -39,11 +39,9 @@ ARCHITECTURES = {
     "qwen3_5_text": "mlxr_plugins.archs.qwen3_5:Qwen35Architecture",
     "qwen3_5_moe": "mlxr_plugins.archs.qwen3_5:Qwen35MoeArchitecture",
     "qwen3_5_moe_text": "mlxr_plugins.archs.qwen3_5:Qwen35MoeArchitecture",
-    "qwen4_exp": "mlxr_plugins.archs.qwen4_exp:Qwen4ExpArchitecture",
-    "qwen4_exp_text": "mlxr_plugins.archs.qwen4_exp:Qwen4ExpArchitecture",
     "deepseek_v3": "mlxr_plugins.archs.deepseek_v3:DeepseekV3Architecture",
     "deepseek_v32": "mlxr_plugins.archs.deepseek_v32:DeepseekV32Architecture",
-    "mistral4": "mlxr_plugins.archs.mistral4:Mistral4Architecture",
+    "kimi_linear": "mlxr_plugins.archs.kimi_linear:KimiLinearArchitecture",
     "deepseek_v4": "mlxr_plugins.archs.deepseek_v4:DeepseekV4Architecture",
     "whisper": "mlxr_plugins.archs.whisper:WhisperArchitecture",
     # llama.cpp's names for the same families, as GGUF files carry them.

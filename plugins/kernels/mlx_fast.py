@@ -13,6 +13,7 @@ from mlxr_core.kernels import KernelContext
 from mlxr_core.model.layers.mlp import GATED_ACTIVATIONS
 from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl
 from mlxr_plugins.kernels.delta_rule import gated_delta
+from mlxr_plugins.kernels.kimi_delta import kimi_delta
 from mlxr_plugins.kernels.reference import route
 
 
@@ -141,4 +142,10 @@ route_kernel = KernelImpl(route, summary="mx.softmax / mx.sigmoid, mx.argpartiti
 #: (see :mod:`mlxr_plugins.kernels.delta_rule`).
 gated_delta_kernel = KernelImpl(
     gated_delta, summary="decode as one step of mx ops; prompts by chunks of 64 in matmuls (WY form)"
+)
+
+#: Nor a fused Kimi delta rule: one step of mx ops for decode, chunks of 8 for a prompt (see
+#: :mod:`mlxr_plugins.kernels.kimi_delta`).
+kimi_delta_kernel = KernelImpl(
+    kimi_delta, summary="decode as one step of mx ops; prompts by chunks of 8 (per-channel decays, WY form)"
 )

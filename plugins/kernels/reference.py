@@ -261,6 +261,39 @@ gated_delta_kernel = KernelImpl(
 )
 
 
+def kimi_delta(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """The Kimi delta rule one step at a time, in float32 (see ``mlxr_core.kernels``): the gated
+    delta rule with ``g`` ``[B, L, H, Dk]`` decaying each key channel's row of the state on its
+    own. q, k ``[B, L, H, Dk]``, v ``[B, L, H, Dv]``, beta ``[B, L, H]``, state ``[B, H, Dk, Dv]``
+    or None. Returns the outputs ``[B, L, H, Dv]`` in v's dtype and the final state."""
+    B, L, H, Dk = k.shape
+    if v.shape[2] != H or g.shape[2:] != (H, Dk):
+        raise ValueError(f"v {v.shape} and g {g.shape} must have the {H} heads of k (and g its {Dk} channels)")
+    queries, keys, values = (x.astype(mx.float32) for x in (q, k, v))
+    decay, rate = mx.exp(g.astype(mx.float32)), beta.astype(mx.float32)
+    S = mx.zeros((B, H, Dk, v.shape[-1]), dtype=mx.float32) if state is None else state.astype(mx.float32)
+    outputs = []
+    for t in range(L):
+        S = S * decay[:, t, :, :, None]  # each key channel's row by its own decay
+        k_t = keys[:, t, :, :, None]  # [B, H, Dk, 1]
+        delta = rate[:, t, :, None] * (values[:, t] - (S * k_t).sum(axis=-2))
+        S = S + k_t * delta[:, :, None, :]
+        outputs.append((S * queries[:, t, :, :, None]).sum(axis=-2))  # S^T q
+    return mx.stack(outputs, axis=1).astype(v.dtype), S
+
+
+kimi_delta_kernel = KernelImpl(
+    kimi_delta, summary="one step at a time in plain mx ops, float32: the ground truth"
+)
+
+
 def fused_below(min_rows: int, dense: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """A quantized matmul that runs ``mx.quantized_matmul`` for fewer than ``min_rows`` input rows
     (batch x positions) and ``dense`` (same arguments) from there on; affine packing with biases

@@ -77,7 +77,68 @@ class GatedRMSNorm(nn.Module):
         return _gated_norm(x, gate, self.weight, self._eps)
 
 
-class GatedDeltaNet(nn.Module):
+class ConvolvedRecurrence(nn.Module):
+    """What the recurrent mixers share: a causal depthwise convolution (``conv1d``, then SiLU)
+    over ``channels``, then a recurrence (``_recurrence``, a kernel op with ``gated_delta``'s
+    signature) over a state of :attr:`state_shape`; their cache, and the verification of a
+    draft position by position."""
+
+    conv1d: nn.Conv1d
+    conv_kernel: int
+    channels: int
+    state_shape: tuple[int, ...]
+    _recurrence: Any
+
+    def make_cache(self) -> RecurrentCache:
+        """This layer's state for one sequence: ``kernel - 1`` conv inputs and the recurrent state."""
+        return RecurrentCache((self.conv_kernel - 1, self.channels), self.state_shape)
+
+    def convolve(self, qkv: mx.array, state: mx.array | None) -> tuple[mx.array, mx.array]:
+        """The causal depthwise convolution (then SiLU) of ``qkv`` ``[B, L, C]`` after the
+        ``kernel - 1`` inputs in ``state`` (zeros when None); returns it and the new state."""
+        B, L, C = qkv.shape
+        K = self.conv_kernel
+        if state is None:
+            state = mx.zeros((B, K - 1, C), dtype=qkv.dtype)
+        window = mx.concatenate([state.astype(qkv.dtype), qkv], axis=1)  # [B, K - 1 + L, C]
+        if mx.default_device() == mx.gpu:
+            # One grouped conv on a GPU: on an H100 (bf16, 8,192 channels) 0.076 ms for 131
+            # positions and 0.111 ms for 32 rows of one step, against 0.151 and 0.139 ms as K
+            # shifted products.
+            return nn.silu(mx.conv1d(window, self.conv1d.weight, groups=C)), window[:, L:]
+        # K shifted products on a CPU, half the time of the grouped conv on this one (2 cores,
+        # bf16: 131 positions 7.9 vs 15.3 ms; 32 rows of one step 1.7 vs 2.7 ms).
+        weight = self.conv1d.weight[:, :, 0]  # [C, K]
+        out = window[:, 0:L] * weight[:, 0]
+        for i in range(1, K):
+            out = out + window[:, i : i + L] * weight[:, i]
+        return nn.silu(out), window[:, L:]
+
+    def _verify(
+        self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array | None,
+        cache: Any, qkv: mx.array,
+    ) -> tuple[mx.array, mx.array]:
+        """A verified draft's positions one at a time (as decoding steps them), handing the cache
+        the states after each (``keep_positions``: the convolution's last ``kernel - 1`` inputs
+        and the recurrent state), so that a row's rejected positions can be undone."""
+        B, L, C = qkv.shape
+        K = self.conv_kernel
+        before = cache.conv_state if cache.conv_state is not None else mx.zeros((B, K - 1, C), dtype=qkv.dtype)
+        window = mx.concatenate([before.astype(qkv.dtype), qkv], axis=1)  # [B, K - 1 + L, C]
+        outs, states, convs = [], [], []
+        for j in range(L):
+            out, state = self._recurrence(
+                q[:, j : j + 1], k[:, j : j + 1], v[:, j : j + 1], g[:, j : j + 1], beta[:, j : j + 1], state
+            )
+            outs.append(out)
+            states.append(state)
+            convs.append(window[:, j + 1 : j + K])
+        cache.keep_positions(convs, states)
+        assert state is not None
+        return mx.concatenate(outs, axis=1), state
+
+
+class GatedDeltaNet(ConvolvedRecurrence):
     """Gated DeltaNet with Hugging Face's module names. ``fused`` projections are Qwen3-Next's
     (``in_proj_qkvz`` and ``in_proj_ba``, grouped per key head); otherwise Qwen3.5's
     (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``). ``conv1d.weight`` is
@@ -123,15 +184,10 @@ class GatedDeltaNet(nn.Module):
         self.A_log = mx.zeros((value_heads,))
         self.norm = GatedRMSNorm(value_dim, eps)
         self.out_proj = nn.Linear(values, hidden, bias=False)
-        self._gated_delta = kernels.gated_delta
+        self.state_shape = (value_heads, key_dim, value_dim)
+        self._recurrence = kernels.gated_delta
         # l2norm's epsilon over Dk (see _unit_qk), and the scales of q and k
         self._qk_constants = tuple(mx.array(x, dtype=mx.float32) for x in (1e-6 / key_dim, 1.0 / key_dim, key_dim**-0.5))
-
-    def make_cache(self) -> RecurrentCache:
-        """This layer's state for one sequence: ``kernel - 1`` conv inputs and the delta state."""
-        return RecurrentCache(
-            (self.conv_kernel - 1, self.channels), (self.value_heads, self.key_dim, self.value_dim)
-        )
 
     def project(self, x: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """``[B, L, hidden]`` -> the conv's input ``[B, L, channels]`` (q, k, v heads in turn), the
@@ -152,27 +208,6 @@ class GatedDeltaNet(nn.Module):
         qkv = mx.concatenate([q.reshape(B, L, -1), k.reshape(B, L, -1), v.reshape(B, L, -1)], axis=-1)
         return qkv, z.reshape(B, L, Hv, Dv), b.reshape(B, L, Hv), a.reshape(B, L, Hv)
 
-    def convolve(self, qkv: mx.array, state: mx.array | None) -> tuple[mx.array, mx.array]:
-        """The causal depthwise convolution (then SiLU) of ``qkv`` ``[B, L, C]`` after the
-        ``kernel - 1`` inputs in ``state`` (zeros when None); returns it and the new state."""
-        B, L, C = qkv.shape
-        K = self.conv_kernel
-        if state is None:
-            state = mx.zeros((B, K - 1, C), dtype=qkv.dtype)
-        window = mx.concatenate([state.astype(qkv.dtype), qkv], axis=1)  # [B, K - 1 + L, C]
-        if mx.default_device() == mx.gpu:
-            # One grouped conv on a GPU: on an H100 (bf16, 8,192 channels) 0.076 ms for 131
-            # positions and 0.111 ms for 32 rows of one step, against 0.151 and 0.139 ms as K
-            # shifted products.
-            return nn.silu(mx.conv1d(window, self.conv1d.weight, groups=C)), window[:, L:]
-        # K shifted products on a CPU, half the time of the grouped conv on this one (2 cores,
-        # bf16: 131 positions 7.9 vs 15.3 ms; 32 rows of one step 1.7 vs 2.7 ms).
-        weight = self.conv1d.weight[:, :, 0]  # [C, K]
-        out = window[:, 0:L] * weight[:, 0]
-        for i in range(1, K):
-            out = out + window[:, i : i + L] * weight[:, i]
-        return nn.silu(out), window[:, L:]
-
     def __call__(self, x: mx.array, mask: Any, cache: RecurrentCache | None) -> mx.array:
         """``[B, L, hidden]`` -> ``[B, L, hidden]``, advancing ``cache`` (``mask`` is unused: a
         recurrent layer sees only its own row's positions)."""
@@ -191,36 +226,12 @@ class GatedDeltaNet(nn.Module):
         if cache is not None and getattr(cache, "keeps_positions", False) and L > 1:
             out, state = self._verify(q, k, v, g, beta, state, cache, qkv)
         else:
-            out, state = self._gated_delta(q, k, v, g, beta, state)
+            out, state = self._recurrence(q, k, v, g, beta, state)
         if cache is not None:
             cache.update(conv_state, state, L)
         out = self.norm(out, z)
         result: mx.array = self.out_proj(out.reshape(B, L, Hv * Dv))
         return result
-
-
-    def _verify(
-        self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array | None,
-        cache: Any, qkv: mx.array,
-    ) -> tuple[mx.array, mx.array]:
-        """A verified draft's positions one at a time (as decoding steps them), handing the cache
-        the states after each (``keep_positions``: the convolution's last ``kernel - 1`` inputs
-        and the recurrent state), so that a row's rejected positions can be undone."""
-        B, L, C = qkv.shape
-        K = self.conv_kernel
-        before = cache.conv_state if cache.conv_state is not None else mx.zeros((B, K - 1, C), dtype=qkv.dtype)
-        window = mx.concatenate([before.astype(qkv.dtype), qkv], axis=1)  # [B, K - 1 + L, C]
-        outs, states, convs = [], [], []
-        for j in range(L):
-            out, state = self._gated_delta(
-                q[:, j : j + 1], k[:, j : j + 1], v[:, j : j + 1], g[:, j : j + 1], beta[:, j : j + 1], state
-            )
-            outs.append(out)
-            states.append(state)
-            convs.append(window[:, j + 1 : j + K])
-        cache.keep_positions(convs, states)
-        assert state is not None
-        return mx.concatenate(outs, axis=1), state
 
 
 class GatedAttention(Attention):
@@ -283,7 +294,7 @@ class MixerBlock(nn.Module):
         """The cache this block's mixer needs (see :class:`~mlxr_core.model.cache.LayerCache`)."""
         from mlxr_core.model.cache import KVCache
 
-        return self.mixer.make_cache() if isinstance(self.mixer, GatedDeltaNet) else KVCache()
+        return self.mixer.make_cache() if isinstance(self.mixer, ConvolvedRecurrence) else KVCache()
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: Any) -> mx.array:
         mixed = self.mixer(self.input_layernorm(x), mask, cache)
