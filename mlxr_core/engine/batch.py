@@ -49,6 +49,7 @@ from mlxr_core.engine.request import (
 from mlxr_core.engine.speculation import (
     PREDICTION_METHOD,
     Drafter,
+    ReadsHidden,
     draft_inputs,
     next_k,
     verify_rows,
@@ -65,6 +66,7 @@ from mlxr_core.model.cache import (
     reserve_bytes,
     rolls_back,
 )
+from mlxr_core.model.layers import CausalLM
 from mlxr_core.model.vision import logits_with_images
 
 if TYPE_CHECKING:
@@ -321,6 +323,11 @@ class BatchRunner:
                 encoded = vision.encode(pixels) if pixels else None
                 positions = mx.array(rotary[:, None, start:stop]) if rotary is not None else None
                 logits_with_images(self.model.model, ids, encoded, vision.tokens, seq.cache, start, positions)
+            elif isinstance(seq.drafter, ReadsHidden) and isinstance(self.model.model, CausalLM):
+                # The drafter reads the prompt's hidden states (no LM head over the prompt either).
+                hidden = self.model.model.model(ids, cache=seq.cache)
+                seq.drafter.observe(start, hidden[0])
+                mx.eval(hidden)
             else:
                 self.model.model(ids, cache=seq.cache)
             mx.eval([array for cache in seq.cache for array in cache.state])
@@ -604,9 +611,11 @@ class BatchRunner:
         drafts = [draft for draft, _ in proposals]
         inputs, longest = draft_inputs(values, drafts)
         caches: list[Any] = self.caches
+        # Each row's next input's position: where the hidden states a drafter reads begin.
+        starts = [len(seq.prompt) + len(seq.output) - 1 for seq in self.running]
         lost: dict[int, BaseException] = {}  # rows whose streamed experts could not be read
         with self._expert_failures(lost):
-            logits = self._verify_pass(inputs, longest, caches)
+            logits, hidden = self._verify_pass(inputs, longest, caches)
         samplers = [seq.sampler for seq in self.running]
         emitted, failed = verify_rows(logits, drafts, samplers, [drawn for _, drawn in proposals])
         for row, error in lost.items():
@@ -615,23 +624,36 @@ class BatchRunner:
             drop = [longest + 1 - len(tokens) for tokens in emitted]
             for cache in caches:
                 cache.rollback(drop)
+        if hidden is not None:
+            for row, seq in enumerate(self.running):
+                if isinstance(seq.drafter, ReadsHidden) and row not in failed:
+                    seq.drafter.observe(starts[row], hidden[row, : len(emitted[row])])
         self._after_verify(logits, drafts, emitted, failed)
 
-    def _verify_pass(self, inputs: mx.array, longest: int, caches: list[Any]) -> mx.array:
-        """The logits ``[B, longest + 1, vocab]`` of every row's pending token and draft."""
+    def _verify_pass(self, inputs: mx.array, longest: int, caches: list[Any]) -> tuple[mx.array, mx.array | None]:
+        """The logits ``[B, longest + 1, vocab]`` of every row's pending token and draft, and
+        the final hidden states they come from where a row's drafter reads them (else None)."""
+        lm = self.model.model
+        reads = isinstance(lm, CausalLM) and any(isinstance(seq.drafter, ReadsHidden) for seq in self.running)
+        if longest == 0 and not reads:
+            return self.model.decode(inputs[:, 0], caches, batch_mask(caches))[:, None], None
         if longest == 0:
-            return self.model.decode(inputs[:, 0], caches, batch_mask(caches))[:, None]
-        index = attending_layer(caches)
-        mask = caches[index].draft_mask(longest + 1) if index is not None else None
-        recurrent = [cache for cache in caches if hasattr(cache, "keep_positions")]
+            mask = batch_mask(caches)
+        else:
+            index = attending_layer(caches)
+            mask = caches[index].draft_mask(longest + 1) if index is not None else None
+        recurrent = [cache for cache in caches if hasattr(cache, "keep_positions")] if longest else []
         for cache in recurrent:  # their layers keep each position's states (see rollback)
             cache.keeps_positions = True
         try:
-            logits: mx.array = self.model.model(inputs, cache=caches, mask=mask)
+            if reads:
+                hidden: mx.array = lm.model(inputs, cache=caches, mask=mask)
+                return lm.lm_logits(hidden), hidden
+            logits: mx.array = lm(inputs, cache=caches, mask=mask)
         finally:
             for cache in recurrent:
                 cache.keeps_positions = False
-        return logits
+        return logits, None
 
     def _after_verify(
         self,

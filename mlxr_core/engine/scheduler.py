@@ -121,7 +121,7 @@ class Scheduler:
         """Serve ``model`` (already in :attr:`models`): its batch runner and decoder."""
         self._add_runner(model)
         try:
-            self._prepare(model.decoder, self.registries.decoders.get(model.decoder), model)
+            self._prepare_model(model)
         except BaseException:
             self.remove_model(model.name)
             raise
@@ -215,7 +215,15 @@ class Scheduler:
         start. ``plugin_config`` is the raw ``plugins.config`` mapping."""
         self._plugin_config = plugin_config
         for model in self.models.values():
-            self._prepare(model.decoder, self.registries.decoders.get(model.decoder), model)
+            self._prepare_model(model)
+
+    def _prepare_model(self, model: LoadedModel) -> None:
+        """Prepare ``model``'s decoder and its drafter (``models[].speculative.method``), so a
+        drafter that cannot serve it (an MTP head the checkpoint lacks) stops it from serving."""
+        self._prepare(model.decoder, self.registries.decoders.get(model.decoder), model)
+        method = model.speculative.method if model.speculative is not None else "none"
+        if method != "none" and method != model.decoder and method in self.registries.decoders:
+            self._prepare(method, self.registries.decoders.get(method), model)
 
     def _prepare(self, name: str, decoder: Any, model: LoadedModel) -> None:
         key = (name, model.name)

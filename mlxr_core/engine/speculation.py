@@ -58,6 +58,19 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
+class ReadsHidden(Protocol):
+    """A drafter that drafts from the target's hidden states (an MTP head): the batch hands it
+    the final (normed) hidden states of the positions its row keeps, computed by the passes that
+    run anyway: the prompt's prefill, and each verification's accepted span."""
+
+    def observe(self, start: int, hidden: mx.array) -> None:
+        """``hidden`` (``[n, H]``) of target positions ``start .. start + n - 1``, every one of
+        whose following tokens the row's history will hold at the next :meth:`Drafter.propose`.
+        A ``start`` past the last position handed means the row decoded steps without them."""
+        ...
+
+
+@runtime_checkable
 class DraftingDecoder(Protocol):
     """A decoder that drafts inside the batch: registered through ``mlxr_register_decoders`` and
     named by ``models[].speculative.method`` (or ``models[].decoder``). Its ``prepare`` (see
@@ -67,6 +80,17 @@ class DraftingDecoder(Protocol):
         """The drafter of one request of ``model`` (its own state, if any), or None when it has
         nothing to draft for that request. Called on the engine thread when the request is admitted."""
         ...
+
+
+def draft_choice(logits: mx.array, temperature: float, key: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
+    """A drafter's next token from its logits ``[1, V]`` (lazy): the greedy choice at temperature
+    0, else a draw at ``temperature``. Returns the token ``[1]``, the key to draw with next, and
+    the scaled logits it was drawn from (None for the greedy choice: a point mass)."""
+    if temperature <= 0:
+        return mx.argmax(logits, axis=-1).astype(mx.int32), key, None
+    scaled = logits.astype(mx.float32) / temperature
+    key, draw = mx.random.split(key)
+    return mx.random.categorical(scaled, key=draw).astype(mx.int32), key, scaled
 
 
 def speculative_sample(

@@ -10,7 +10,8 @@ Released checkpoints are the vision-language model: the text model's keys sit un
 ``text_config`` and its weights under ``model.language_model.`` (``language_model.model.`` in
 folders mlx-lm wrote, whose norms hold ``1 + weight``: see
 :func:`~mlxr_plugins.archs.qwen3_next.sanitize_hybrid`); the vision tower
-(``model.visual.*``) and the multi-token-prediction heads (``mtp.*``) are not read. Attention's
+(``model.visual.*``) is not read, the multi-token-prediction head (``mtp.*``) only by the
+``mtp`` drafter (``models[].speculative``). Attention's
 M-RoPE gives text tokens the same position on its three axes, which is ordinary RoPE over the
 first ``partial_rotary_factor`` of each head.
 """

@@ -37,6 +37,7 @@ from mlxr_core.model.layers import (
     stack_experts,
 )
 from mlxr_core.model.layers.linear_attention import GatedAttention, GatedDeltaNet, MixerBlock
+from mlxr_core.model.layers.mtp import MtpHead
 from mlxr_plugins.archs.qwen2 import ROPE_TYPES
 from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES, SparseLayers, qwen_feed_forward
 
@@ -123,30 +124,19 @@ def hybrid_layers(args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool) -> li
     H, eps = args.hidden_size, args.rms_norm_eps
 
     def mixer(layer: int) -> tuple[str, nn.Module]:
-        if args.is_linear(layer):
-            return "linear_attn", GatedDeltaNet(
-                H,
-                key_heads=args.linear_num_key_heads,
-                value_heads=args.linear_num_value_heads,
-                key_dim=args.linear_key_head_dim,
-                value_dim=args.linear_value_head_dim,
-                conv_kernel=args.linear_conv_kernel_dim,
-                eps=eps,
-                kernels=kernels,
-                fused=fused,
-                tiled=args.linear_value_order == "tiled",
-            )
-        return "self_attn", GatedAttention(
+        if not args.is_linear(layer):
+            return "self_attn", gated_attention(args, kernels, rotary)
+        return "linear_attn", GatedDeltaNet(
             H,
-            args.num_attention_heads,
-            args.kv_heads,
-            args.dims,
+            key_heads=args.linear_num_key_heads,
+            value_heads=args.linear_num_value_heads,
+            key_dim=args.linear_key_head_dim,
+            value_dim=args.linear_value_head_dim,
+            conv_kernel=args.linear_conv_kernel_dim,
+            eps=eps,
             kernels=kernels,
-            rotary=rotary,
-            qkv_bias=args.attention_bias,
-            out_bias=args.attention_bias,
-            head_norm_eps=eps,
-            norm_offset=1.0,
+            fused=fused,
+            tiled=args.linear_value_order == "tiled",
         )
 
     shared = args.shared_expert_intermediate_size
@@ -154,6 +144,54 @@ def hybrid_layers(args: Qwen3NextArgs, kernels: KernelSet, *, fused: bool) -> li
         MixerBlock(*mixer(i), qwen_feed_forward(args, i, kernels, shared), H, eps, kernels, norm_offset=1.0)
         for i in range(args.num_hidden_layers)
     ]
+
+
+def gated_attention(args: Qwen3NextArgs, kernels: KernelSet, rotary: Any) -> GatedAttention:
+    """A ``full_attention`` layer's token mixer: gated attention, heads normed by ``1 + weight``."""
+    return GatedAttention(
+        args.hidden_size,
+        args.num_attention_heads,
+        args.kv_heads,
+        args.dims,
+        kernels=kernels,
+        rotary=rotary,
+        qkv_bias=args.attention_bias,
+        out_bias=args.attention_bias,
+        head_norm_eps=args.rms_norm_eps,
+        norm_offset=1.0,
+    )
+
+
+def mtp_head(args: Qwen3NextArgs, kernels: KernelSet) -> MtpHead:
+    """The multi-token-prediction layer (``mtp.*``): a ``full_attention`` decoder layer with the
+    feed-forward of the layer after the last (experts where the model's layers have them);
+    norms scale by ``1 + weight``; a chained step reads the normed output."""
+    H, eps, index = args.hidden_size, args.rms_norm_eps, args.num_hidden_layers
+    rotary = args_rotary(args, kernels, types=ROPE_TYPES)
+    feed_forward = qwen_feed_forward(args, index, kernels, args.shared_expert_intermediate_size)
+    block = MixerBlock("self_attn", gated_attention(args, kernels, rotary), feed_forward, H, eps, kernels, norm_offset=1.0)
+    return MtpHead(block, H, eps, kernels, norm_offset=1.0, chain_normed=True)
+
+
+#: The checkpoint's MTP names (after ``mtp.``) -> :class:`MtpHead`'s.
+MTP_NAMES = (("fc.", "proj."), ("pre_fc_norm_embedding.", "embed_norm."), ("pre_fc_norm_hidden.", "hidden_norm."),
+             ("norm.", "norm."), ("layers.0.", "block."))
+
+
+def mtp_weights(weights: dict[str, mx.array], count: int) -> dict[str, mx.array]:
+    """The first MTP layer's weights (``mtp.*``, or ``language_model.mtp.*``) under
+    :class:`MtpHead`'s names, experts stacked; empty when there are none. Further layers
+    (``mtp.layers.1`` ...) are not read."""
+    head: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        stem = name.removeprefix("language_model.")
+        if not stem.startswith("mtp."):
+            continue
+        stem = stem[len("mtp."):]
+        renamed = next((ours + stem[len(theirs):] for theirs, ours in MTP_NAMES if stem.startswith(theirs)), None)
+        if renamed is not None:
+            head[renamed] = array
+    return sanitize_hybrid(head, count) if head else head
 
 
 class Qwen3Next(CausalLM):
@@ -222,10 +260,19 @@ class Qwen3NextArchitecture(DecoderArchitecture):
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
         """Conv weights in MLX's layout, experts stacked, multi-token-prediction heads dropped
-        (``mtp.*``: unused by decoding), rotary tables and a tied ``lm_head`` dropped."""
+        (``mtp.*``: the ``mtp`` drafter reads them, :meth:`mtp_weights`), rotary tables and a tied
+        ``lm_head`` dropped."""
         weights = {name: array for name, array in weights.items() if not name.startswith("mtp.")}
         args = self.args(config)
         return super().sanitize(sanitize_hybrid(weights, args.num_experts, args.num_hidden_layers), config)
+
+    def mtp_weights(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """The multi-token-prediction layer's weights (:class:`~mlxr_core.model.layers.mtp.HasMtpHead`)."""
+        return mtp_weights(weights, self.args(config).num_experts)
+
+    def build_mtp(self, config: dict[str, Any], kernels: KernelSet) -> MtpHead:
+        """The multi-token-prediction head of this shape (:func:`mtp_head`)."""
+        return mtp_head(self.args(config), kernels)
 
     def make_cache(self, model: nn.Module) -> list[Any]:
         """A recurrent state per DeltaNet layer, keys and values per attention layer."""

@@ -1,6 +1,7 @@
 """Built-in decoding strategies: ``plain``, and the drafting ``prompt_lookup`` and ``speculative``
 (configured under ``plugins.config.decoders``; see :mod:`mlxr_plugins.decoders.config`), and
-``prediction``, which drafts a request's Predicted Output. Those registered with ``drafts=True``
+``prediction``, which drafts a request's Predicted Output, and ``mtp``, the checkpoint's
+multi-token-prediction head. Those registered with ``drafts=True``
 draft inside the batch (``models[].speculative.method``; :mod:`mlxr_core.engine.speculation`)."""
 
 from mlxr_core.plugin_api import hookimpl
@@ -16,6 +17,7 @@ def mlxr_register_decoders(register):  # type: ignore[no-untyped-def]
     register("prompt_lookup", "mlxr_plugins.decoders.prompt_lookup:PromptLookupDecoder", drafts=True)
     register("prediction", "mlxr_plugins.decoders.prediction:PredictionDecoder", drafts=True)
     register("speculative", "mlxr_plugins.decoders.speculative:SpeculativeDecoder", drafts=True)
+    register("mtp", "mlxr_plugins.decoders.mtp:MtpDecoder", drafts=True)
 
 
 @hookimpl

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlxr_core.config.schema import ModelConfig
 from mlxr_core.engine.decoding import DraftStats, RequestSampler
 from mlxr_core.engine.request import GenerationRequest
+from mlxr_core.engine.speculation import draft_choice
 from mlxr_core.errors import ConfigError, MlxrError
 from mlxr_core.model.loader import LoadedModel, load_model
 from mlxr_plugins.decoders.config import DecodersConfig, SpeculativeConfig
@@ -110,13 +111,8 @@ class DraftModelDrafter:
         proposed: list[mx.array] = []
         drawn: list[mx.array] = []
         for i in range(k):
-            if self.temperature > 0:
-                scaled = logits.astype(mx.float32) / self.temperature
-                self._key, key = mx.random.split(self._key)
-                token = mx.random.categorical(scaled, key=key).astype(mx.int32)
-                drawn.append(scaled)
-            else:
-                token = mx.argmax(logits, axis=-1).astype(mx.int32)
+            token, self._key, scaled = draft_choice(logits, self.temperature, self._key)
+            drawn.extend([] if scaled is None else [scaled])
             proposed.append(token)
             if i + 1 < k:
                 logits = model.model(token[None], cache=self.cache)[:, -1, :width]

@@ -1,0 +1,60 @@
+"""Drafts of a controlled acceptance, for tests and benchmarks of drafters inside the batch.
+
+A random-weight model's drafter agrees with its target about as often as chance, so neither long
+accepted spans nor the speed a real head would give can be seen with it. :func:`control_acceptance`
+wraps a drafting decoder's row drafters: each drafter still runs (its passes, its cache, its
+chain), then each draft token is replaced by the target's own (from a plain run of the same
+prompt) with probability ``acceptance``. Greedy requests only: the replaced tokens are not drawn
+from the distribution the drafter reports, so it reports none.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+
+class ControlledDrafter:
+    """A row drafter whose tokens are the reference's with probability ``acceptance``."""
+
+    def __init__(self, inner: Any, prompt_length: int, reference: Sequence[int], acceptance: float, rng: random.Random):
+        self.inner = inner
+        self.prompt_length = prompt_length
+        self.reference = list(reference)
+        self.acceptance = acceptance
+        self.rng = rng
+        self.draft_logits = None
+
+    def observe(self, start: int, hidden: mx.array) -> None:
+        self.inner.observe(start, hidden)
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        drafted = list(self.inner.propose(history, k))
+        at = len(history) - self.prompt_length  # the reference token after history[-1]
+        right = self.reference[at : at + len(drafted)]
+        return [
+            truth if self.rng.random() < self.acceptance else token
+            for token, truth in zip(drafted, right, strict=False)
+        ] + drafted[len(right) :]
+
+
+def control_acceptance(
+    decoder: Any, references: Mapping[tuple[int, ...], Sequence[int]], acceptance: float, *, seed: int = 0
+) -> None:
+    """From now on, ``decoder``'s row drafters (a drafting decoder's instance, as the registry
+    holds it) for a prompt in ``references`` draft that prompt's reference output (a plain greedy
+    run's) with probability ``acceptance`` per token; other prompts' are left as they are."""
+    original = decoder.row_drafter
+    rng = random.Random(seed)
+
+    def row_drafter(model: Any, request: Any) -> Any:
+        drafter = original(model, request)
+        reference = references.get(tuple(request.prompt_ids))
+        if drafter is None or reference is None:
+            return drafter
+        return ControlledDrafter(drafter, len(request.prompt_ids), reference, acceptance, rng)
+
+    decoder.row_drafter = row_drafter

@@ -1,0 +1,146 @@
+"""Multi-token prediction: the MTP head the checkpoint carries drafts inside the batch
+(``models[].speculative: {method: mtp, k: N}``; the head's math in
+:mod:`mlxr_core.model.layers.mtp`).
+
+Each row keeps the head's own cache. The batch hands the row's drafter the target's final hidden
+states of every position it kept (the prompt's as it is prefilled, then each verification's
+accepted span: :class:`~mlxr_core.engine.speculation.ReadsHidden`); at the next step the head reads
+them with the tokens that followed (one pass over the span), its last position guesses the token
+after the row's next input, and each further draft token chains the head on its own output. The
+chained positions are forgotten before the next step reads the target's states for them.
+A gap in what the row was handed (a plain step of a large batch, a prompt from the prefix cache)
+starts the head's cache afresh from there: the drafts get worse, the output stays the target's.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mlxr_core.engine.request import GenerationRequest
+from mlxr_core.engine.speculation import draft_choice
+from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
+from mlxr_core.model.layers import CausalLM
+from mlxr_core.model.layers.mtp import HasMtpHead, MtpHead
+from mlxr_core.model.loader import DTYPES, LoadedModel
+from mlxr_core.model.stages import open_checkpoint
+from mlxr_plugins.decoders.plain import PlainDecoder
+
+METHOD_KEY = "models[].speculative.method"
+
+
+def load_mtp_head(model: LoadedModel, registries: Any) -> MtpHead:
+    """The MTP head of ``model``'s checkpoint with its weights, in the model's dtype. Raises a
+    :class:`ConfigError` naming ``models[].speculative.method`` when there is none to read."""
+    arch = model.arch
+    where = f"model {model.name}: speculative method mtp"
+    if not isinstance(arch, HasMtpHead) or not isinstance(model.model, CausalLM):
+        raise ConfigError(
+            f"{where}: the {model.config.get('model_type')!r} architecture reads no multi-token-prediction "
+            "head (Qwen3-Next, Qwen3.5 and DeepSeek-V3 checkpoints do); choose another method",
+            field=METHOD_KEY,
+        )
+    opened = open_checkpoint(model.path, registries, format=model.format, dtype=model.dtype)
+    weights = arch.mtp_weights(opened.checkpoint.weights, model.config)
+    if not weights:
+        raise ConfigError(
+            f"{where}: the checkpoint {model.path} carries no multi-token-prediction weights "
+            "(Qwen's mtp.*, DeepSeek's layer past num_hidden_layers); choose another method",
+            field=METHOD_KEY,
+        )
+    head = arch.build_mtp(model.config, model.kernels)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ModelLoadError(f"its multi-token-prediction head does not load: {exc}", path=str(model.path)) from None
+    head.set_dtype(DTYPES[model.dtype])
+    mx.eval(head.parameters())
+    head.eval()
+    return head
+
+
+class MtpDrafter:
+    """One request's MTP drafter (:class:`~mlxr_core.engine.speculation.Drafter` and
+    :class:`~mlxr_core.engine.speculation.ReadsHidden`): greedy choices for a greedy request,
+    draws at the request's temperature (with :attr:`draft_logits`) for a sampled one."""
+
+    def __init__(self, target: CausalLM, head: MtpHead, temperature: float = 0.0, seed: int | None = None):
+        self.target = target
+        self.head = head
+        self.cache = head.make_cache()
+        #: Target hidden states handed over and not yet read by the head (``[n, H]`` each).
+        self.pending: list[mx.array] = []
+        #: The target position of the next hidden state expected (None: nothing handed yet).
+        self.expected: int | None = None
+        #: Positions of the head's cache written by chained steps (forgotten before the next read).
+        self.chained = 0
+        self.temperature = temperature
+        self._key = mx.random.key(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
+        #: The logits the last proposal was drawn from (``[k, V]``), or None (greedy).
+        self.draft_logits: mx.array | None = None
+
+    def observe(self, start: int, hidden: mx.array) -> None:
+        if self.expected is not None and start != self.expected:
+            self._restart()
+        self.pending.append(hidden)
+        self.expected = start + hidden.shape[0]
+
+    def _restart(self) -> None:
+        self.cache = self.head.make_cache()
+        self.pending, self.chained = [], 0
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        self.draft_logits = None
+        if self.chained:
+            self.cache.trim(self.chained)
+            self.chained = 0
+        if not self.pending or k <= 0:
+            return []
+        if self.expected != len(history) - 1:  # the states do not end before the next input
+            self._restart()
+            self.expected = None
+            return []
+        hidden = mx.concatenate(self.pending)[None]
+        self.pending = []
+        # Position i's state is read with the token after it: the last n tokens of the history.
+        tokens = mx.array(list(history[-hidden.shape[1] :]), dtype=mx.int32)[None]
+        proposed: list[mx.array] = []
+        drawn: list[mx.array] = []
+        for i in range(k):
+            normed, chained = self.head(self.target.embed(tokens), hidden, self.cache)
+            logits = self.target.lm_logits(normed[:, -1:])[:, 0]
+            token, self._key, scaled = draft_choice(logits, self.temperature, self._key)
+            drawn.extend([] if scaled is None else [scaled])
+            proposed.append(token)
+            if i + 1 < k:
+                tokens, hidden = token[:, None], chained[:, -1:]
+                self.chained += 1
+        self.draft_logits = mx.concatenate(drawn) if drawn else None
+        values: list[int] = mx.concatenate(proposed).tolist()  # type: ignore[assignment]
+        return values
+
+
+class MtpDecoder(PlainDecoder):
+    """Plain decoding whose requests draft with the checkpoint's MTP head inside the batch."""
+
+    def __init__(self) -> None:
+        self.heads: dict[str, MtpHead] = {}
+
+    def prepare(self, model: LoadedModel, registries: Any, config: Any) -> None:
+        """Read ``model``'s MTP head (refused, naming ``models[].speculative.method``, where the
+        checkpoint has none)."""
+        if model.name not in self.heads:
+            self.heads[model.name] = load_mtp_head(model, registries)
+
+    def release(self, model_name: str) -> None:
+        self.heads.pop(model_name, None)
+
+    def row_drafter(self, model: LoadedModel, request: GenerationRequest) -> MtpDrafter:
+        head = self.heads.get(model.name)
+        if head is None or not isinstance(model.model, CausalLM):
+            raise MlxrError(f"speculative method mtp: no MTP head was read for model {model.name}")
+        params = request.params
+        return MtpDrafter(model.model, head, temperature=params.temperature, seed=params.seed)

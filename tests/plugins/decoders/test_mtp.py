@@ -1,0 +1,208 @@
+"""The checkpoint's multi-token-prediction head as a drafter inside the batch
+(mlxr_plugins.decoders.mtp): on a tiny Qwen3.5-shaped checkpoint written by transformers, with
+random ``mtp.*`` tensors added to its safetensors, the head's draft logits (one position and
+chained) equal a torch function written here from the model card's formula; eight concurrent
+rows decode plain decoding's greedy tokens exactly; a checkpoint without the head is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlxr_core.config.schema import Config, ModelConfig, SpeculationConfig
+from mlxr_core.engine.engine import Engine
+from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+from mlxr_core.errors import ConfigError
+from mlxr_core.plugins import load_plugins
+
+torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+transformers = pytest.importorskip("transformers", reason="the checkpoint is written by transformers")
+
+HOST = load_plugins()
+VOCAB = 97
+SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "layer_types": ["linear_attention", "full_attention"], "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "linear_key_head_dim": 16, "linear_value_head_dim": 16, "tie_word_embeddings": False,
+         "max_position_embeddings": 512}  # fmt: skip
+TOKENS = 64
+ROWS = 8
+
+
+def write_checkpoint(folder, *, mtp: bool = True) -> dict[str, torch.Tensor]:
+    """A tiny ``qwen3_5_text`` model saved by transformers (O(1) random weights); with ``mtp``,
+    an MTP layer's random tensors added under Qwen's names (``mtp.fc``, ``mtp.pre_fc_norm_*``,
+    ``mtp.norm``, ``mtp.layers.0.*``: a full-attention decoder layer). Returns those tensors."""
+    from safetensors.torch import load_file, save_file
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3_5TextConfig(**SHAPE, attn_implementation="eager")
+    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    o1_init(model, torch)
+    model.save_pretrained(folder)
+    write_tokenizer(folder, VOCAB)
+    if not mtp:
+        return {}
+    H = SHAPE["hidden_size"]
+    layer = Qwen3_5DecoderLayer(config, layer_idx=1)  # a full_attention layer's shapes
+    o1_init(layer, torch)
+    tensors = {f"mtp.layers.0.{name}": value for name, value in layer.state_dict().items()}
+    tensors["mtp.fc.weight"] = torch.randn(H, 2 * H) / (2 * H) ** 0.5
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = 0.1 * torch.randn(H)  # Qwen's norms scale by 1 + weight
+    path = folder / "model.safetensors"
+    save_file({**load_file(path), **{name: t.contiguous() for name, t in tensors.items()}}, path, metadata={"format": "pt"})
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen35_mtp")
+    return folder, write_checkpoint(folder)
+
+
+# --- the head against the model card's formula ------------------------------------------------
+
+
+def rms_norm(x, weight, eps=1e-6):
+    """Qwen3-Next's RMS norm: ``x / rms(x) * (1 + weight)``, in float32."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())
+
+
+def torch_mtp_logits(checkpoint_tensors, target, hidden, tokens):
+    """The MTP head over positions ``0..n-1`` (no cache: the whole span causally), per Qwen's
+    card and vLLM's Qwen3-Next MTP: ``x = fc([norm_e(embed(t_{i+1})); norm_h(h_i)])``, one
+    full-attention decoder layer, ``norm``, the target's LM head. ``hidden [n, H]`` and
+    ``tokens [n]`` (``t_{i+1}``). Returns the logits ``[n, V]`` and the normed outputs."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+
+    t = checkpoint_tensors
+    config = target.config
+    layer = Qwen3_5DecoderLayer(config, layer_idx=1).eval()
+    layer.load_state_dict({name[len("mtp.layers.0."):]: v for name, v in t.items() if name.startswith("mtp.layers.0.")})
+    embeddings = target.model.embed_tokens(torch.tensor(tokens))
+    x = torch.cat([rms_norm(embeddings, t["mtp.pre_fc_norm_embedding.weight"]),
+                   rms_norm(hidden, t["mtp.pre_fc_norm_hidden.weight"])], dim=-1) @ t["mtp.fc.weight"].T  # fmt: skip
+    n = len(tokens)
+    positions = torch.arange(n)[None]
+    rotary = target.model.rotary_emb(x[None], positions)
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    out = layer(x[None], attention_mask=mask, position_ids=positions, position_embeddings=rotary)
+    out = out[0] if isinstance(out, tuple) else out
+    normed = rms_norm(out[0], t["mtp.norm.weight"])
+    return target.lm_head(normed), normed
+
+
+def load(folder, speculative=None):
+    from mlxr_core.model.loader import load_model
+
+    config = ModelConfig(path=str(folder), name="tiny", dtype="float32", context_length=512, speculative=speculative)
+    return load_model(config, HOST.registries)
+
+
+def test_the_head_and_its_chain_draw_as_the_model_card_says(checkpoint):
+    """One pass over a prompt's positions, then three chained steps (the head reading its own
+    normed output and the token it drew): its draft logits against the torch function."""
+    import mlx.core as mx
+
+    from mlxr_plugins.decoders.mtp import MtpDrafter, load_mtp_head
+
+    folder, tensors = checkpoint
+    loaded = load(folder)
+    head = load_mtp_head(loaded, HOST.registries)
+    prompt = np.random.default_rng(1).integers(2, VOCAB, 12).tolist()
+    # The target's final hidden states of every prompt position but the last (a prefill).
+    hidden = loaded.model.model(mx.array([prompt[:-1]]))
+    drafter = MtpDrafter(loaded.model, head, temperature=1.0, seed=3)
+    drafter.observe(0, hidden[0])
+    drafted = drafter.propose(prompt, 4)
+    assert len(drafted) == 4 and drafter.draft_logits is not None
+    ours = np.array(drafter.draft_logits)
+
+    target = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    with torch.no_grad():
+        states = target.model(torch.tensor([prompt[:-1]])).last_hidden_state[0]
+        tokens = list(prompt[1:])
+        expected = []
+        for step in range(4):  # each chained position reads the normed output of the one before
+            logits, normed = torch_mtp_logits(tensors, target, states, tokens)
+            expected.append(logits[-1].numpy())
+            states = torch.cat([states, normed[-1:]])
+            tokens.append(drafted[step])
+    np.testing.assert_allclose(ours, np.stack(expected), atol=2e-4, rtol=1e-4)
+    # The first step also over every prompt position (the head's cache holds them).
+    with torch.no_grad():
+        whole, _ = torch_mtp_logits(tensors, target, target.model(torch.tensor([prompt[:-1]])).last_hidden_state[0], prompt[1:])
+    normed, _ = head(loaded.model.embed(mx.array([prompt[1:]])), hidden, head.make_cache())
+    np.testing.assert_allclose(np.array(loaded.model.lm_logits(normed)[0]), whole.numpy(), atol=2e-4, rtol=1e-4)
+
+
+# --- inside the batch --------------------------------------------------------------------------
+
+
+def serve(folder, k: int = 3) -> Engine:
+    speculative = SpeculationConfig(method="mtp", k=k, max_k=5)
+    model = ModelConfig(path=str(folder), name="tiny", context_length=256, dtype="float32", speculative=speculative)
+    engine = Engine(Config(models=[model]), HOST)
+    engine.start()
+    return engine
+
+
+def run(engine, prompts, *, speculative=True, **params) -> list[list[int]]:
+    handles = []
+    for prompt in prompts:
+        sampling = SamplingParams(**{"temperature": 0.0, "max_tokens": TOKENS, "extra": {"ignore_eos": True}, **params})
+        handles.append(engine.submit(GenerationRequest(model="tiny", prompt_ids=prompt, params=sampling, speculative=speculative)))
+    outputs = []
+    for handle in handles:
+        events = list(handle)
+        assert isinstance(events[-1], Finished), events[-1]
+        outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
+    return outputs
+
+
+def controlled(engine, references: dict[tuple[int, ...], list[int]], acceptance: float):
+    """Make the MTP rows' drafts the plain output's tokens with probability ``acceptance``
+    (the head still runs: its cache, its chain), so that long drafts are accepted too."""
+    from mlxr_core.testing.drafting import control_acceptance
+
+    control_acceptance(engine.host.registries.decoders.get("mtp"), references, acceptance, seed=0)
+
+
+def test_eight_rows_drafting_with_the_head_decode_as_plain(checkpoint):
+    folder, _ = checkpoint
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(3, 20, ROWS)]
+    engine = serve(folder)
+    try:
+        plain = run(engine, prompts, speculative=False)
+        drafted = run(engine, prompts)
+        for row in range(ROWS):
+            assert drafted[row] == plain[row], f"row {row}"
+        figures = dict(engine.stats()["decoders"]["tiny"]["mtp"])
+        assert figures["drafted"] > 0
+        # The head's drafts forced right 80% of the time: long accepted spans, chained drafts.
+        controlled(engine, {tuple(p): out for p, out in zip(prompts, plain, strict=True)}, 0.8)
+        forced = run(engine, prompts)
+        for row in range(ROWS):
+            assert forced[row] == plain[row], f"row {row} (controlled acceptance)"
+        after = dict(engine.stats()["decoders"]["tiny"]["mtp"])
+        accepted = after["accepted"] - figures["accepted"]
+        assert accepted > (after["drafted"] - figures["drafted"]) // 2
+    finally:
+        engine.stop()
+
+
+def test_a_checkpoint_without_the_head_is_refused_naming_the_key(tmp_path):
+    write_checkpoint(tmp_path, mtp=False)
+    engine = Engine(Config(models=[ModelConfig(path=str(tmp_path), name="tiny", dtype="float32",
+                                               speculative=SpeculationConfig(method="mtp"))]), HOST)  # fmt: skip
+    with pytest.raises(ConfigError) as caught:
+        engine.start()
+    engine.stop()
+    assert caught.value.field == "models[].speculative.method"
+    assert "mtp" in str(caught.value) and "no multi-token-prediction weights" in str(caught.value)
