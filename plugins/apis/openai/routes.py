@@ -54,6 +54,7 @@ from mlxr_plugins.apis.openai.responses import response_routes
 from mlxr_plugins.apis.openai.streaming import (
     ChatChunks,
     CompletionChunks,
+    ReasoningCount,
     ResponseMeta,
     sse_response,
     total_usage,
@@ -162,22 +163,27 @@ async def create_chat_completion(
     handles = submit_choices(ctx, generation, body.n)
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
     formatter = LogprobFormatter(info.tokenizer, params.logprobs) if params.logprobs is not None else None
+    reasons = info.reasoning_parser is not None
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        reasoning = ReasoningCount(functools.partial(info.tokenizer.encode, add_special_tokens=False)) if reasons else None
         chunks = [
             ChatChunks(meta, include_usage, reader=setup.reader(), index=i, logprobs=formatter,
-                       predicted=body.prediction is not None)
+                       predicted=body.prediction is not None, reasoning=reasoning)
             for i in range(len(handles))
         ]
         return sse_response(ctx, handles, chunks)
     replies = await collect_choices(ctx, handles, request)
-    choices = []
+    choices, reasoning_tokens = [], 0
     for i, reply in enumerate(replies):
         reader = setup.reader()
         message, _ = assistant_message(reader, reply.text)
+        if isinstance(message.reasoning_content, str):
+            reasoning_tokens += len(info.tokenizer.encode(message.reasoning_content, add_special_tokens=False))
         logprobs = formatter.chat(reply.logprobs) if formatter is not None else None
         choices.append(s.ChatChoice(i, message, reader.finish_reason(reply.finished.reason), logprobs))
-    usage = usage_of(total_usage([reply.finished.usage for reply in replies]), predicted=body.prediction is not None)
+    usage = usage_of(total_usage([reply.finished.usage for reply in replies]), predicted=body.prediction is not None,
+                     reasoning_tokens=reasoning_tokens if reasons else None)  # fmt: skip
     return json_response(s.ChatCompletion(meta.id, meta.created, meta.model, choices, usage))
 
 

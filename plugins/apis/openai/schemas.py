@@ -248,6 +248,9 @@ class CompletionTokensDetails(Struct):
     #: rejected (counted in ``completion_tokens`` by OpenAI; not here: they were not emitted).
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    #: Of ``completion_tokens``, those of the reasoning (a model with a reasoning parser): its
+    #: text re-encoded, at most ``completion_tokens``.
+    reasoning_tokens: int = 0
 
 
 class Usage(Struct):
@@ -255,7 +258,7 @@ class Usage(Struct):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = msgspec.field(default_factory=PromptTokensDetails)
-    #: Present when the request brought a ``prediction``.
+    #: Present when the request brought a ``prediction`` or the model reasons.
     completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 

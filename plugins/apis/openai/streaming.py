@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import attrs
@@ -45,15 +45,32 @@ class ResponseMeta:
     created: int = attrs.field(factory=lambda: int(time.time()))
 
 
-def usage_of(usage: EngineUsage, *, predicted: bool = False) -> s.Usage:
+def usage_of(usage: EngineUsage, *, predicted: bool = False, reasoning_tokens: int | None = None) -> s.Usage:
     """The API's usage; ``predicted``: the request brought a ``prediction``, whose accepted and
-    rejected tokens are then reported (zeros included, as OpenAI does)."""
+    rejected tokens are then reported (zeros included, as OpenAI does); ``reasoning_tokens``: the
+    model reasons, and this many of the completion's tokens were its reasoning."""
     details = s.PromptTokensDetails(usage.cached_tokens)
     accepted, rejected = usage.accepted_prediction_tokens, usage.rejected_prediction_tokens
     completion: Any = msgspec.UNSET
-    if predicted or accepted or rejected:
-        completion = s.CompletionTokensDetails(accepted, rejected)
+    if predicted or accepted or rejected or reasoning_tokens is not None:
+        reasoning = min(reasoning_tokens or 0, usage.completion_tokens)
+        completion = s.CompletionTokensDetails(accepted, rejected, reasoning)
     return s.Usage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, details, completion)
+
+
+@attrs.define
+class ReasoningCount:
+    """The reasoning a request's choices stream, counted in tokens for its usage (each choice's
+    text re-encoded by ``encode``, as the non-streamed reply counts it)."""
+
+    encode: Callable[[str], list[int]]
+    texts: dict[int, list[str]] = attrs.field(factory=dict)
+
+    def add(self, index: int, text: str) -> None:
+        self.texts.setdefault(index, []).append(text)
+
+    def tokens(self) -> int:
+        return sum(len(self.encode("".join(parts))) for parts in self.texts.values())
 
 
 def total_usage(usages: list[EngineUsage]) -> EngineUsage:
@@ -83,6 +100,7 @@ class ChatChunks:
         index: int = 0,
         logprobs: LogprobFormatter | None = None,
         predicted: bool = False,
+        reasoning: ReasoningCount | None = None,
     ):
         self.meta = meta
         self.include_usage = include_usage
@@ -91,6 +109,8 @@ class ChatChunks:
         self.logprobs = logprobs
         #: The request brought a ``prediction`` (see :func:`usage_of`).
         self.predicted = predicted
+        #: Where the model reasons: its reasoning, shared by the request's choices, for usage.
+        self.reasoning = reasoning
 
     def _chunk(self, choices: list[s.ChatChunkChoice], usage: s.Usage | None = None) -> bytes:
         m = self.meta
@@ -124,10 +144,17 @@ class ChatChunks:
     def _deltas(self, pieces: list[Text | ToolCall]) -> list[s.ChatDelta]:
         assert self.reader is not None
         calls = sum(isinstance(piece, ToolCall) for piece in pieces)
+        if self.reasoning is not None:
+            for piece in pieces:
+                if isinstance(piece, Text) and piece.kind == "reasoning":
+                    self.reasoning.add(self.index, piece.text)
         return deltas(pieces, self.reader.calls - calls)
 
     def usage(self, usage: EngineUsage) -> bytes | None:
-        return self._chunk([], usage_of(usage, predicted=self.predicted)) if self.include_usage else None
+        if not self.include_usage:
+            return None
+        reasoning = self.reasoning.tokens() if self.reasoning is not None else None
+        return self._chunk([], usage_of(usage, predicted=self.predicted, reasoning_tokens=reasoning))
 
 
 class CompletionChunks:

@@ -38,7 +38,8 @@ def test_speculative_false_drafts_nothing(tiny_app):
     reply = tiny_app.post("/v1/chat/completions", json=body).json()
     assert reply["choices"][0]["message"]["content"] == text
     # A prediction was given: its counts are reported (zeros here), as OpenAI reports them.
-    assert reply["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0}
+    assert reply["usage"]["completion_tokens_details"] == {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0,
+                                                          "reasoning_tokens": 0}
 
 
 def test_a_malformed_prediction_is_a_400(tiny_app):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import msgspec
 import pytest
 from litestar.testing import TestClient
 
@@ -69,7 +70,8 @@ def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def served(thinking_model: Path) -> Iterator[tuple[Engine, TestClient]]:
     config = Config(
         models=[ModelConfig(path=str(thinking_model), name="think"), ModelConfig(
-            path=str(thinking_model), name="think-3", thinking_budget=3)],
+            path=str(thinking_model), name="think-3", thinking_budget=3), ModelConfig(
+            path=str(thinking_model), name="no-think", reasoning_parser="none")],
         apis=["openai", "anthropic"],
     )  # fmt: skip
     host = load_plugins()
@@ -127,3 +129,27 @@ def test_the_models_default_and_the_requests_effort(served: tuple[Engine, TestCl
                                                   "temperature": 0, "store": False}).json()  # fmt: skip
     assert [item["type"] for item in response["output"]] == ["reasoning", "message"]
     assert 0 < response["usage"]["output_tokens_details"]["reasoning_tokens"] < 12
+
+
+def test_chat_usage_counts_the_reasoning_tokens_streamed_or_not(served: tuple[Engine, TestClient]) -> None:
+    """``completion_tokens_details.reasoning_tokens``: the reasoning's tokens, streamed or not, n
+    choices summed; what the Responses API reports for the same reply."""
+    engine, client = served
+    chat = {"model": "think-3", "max_tokens": 12, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    reply = client.post("/v1/chat/completions", json=chat).json()
+    reasoning = reply["choices"][0]["message"]["reasoning_content"]
+    tokens = len(engine.model("think-3").tokenizer.encode(reasoning, add_special_tokens=False))
+    assert 0 < tokens < reply["usage"]["completion_tokens"]
+    assert reply["usage"]["completion_tokens_details"]["reasoning_tokens"] == tokens
+    two = client.post("/v1/chat/completions", json={**chat, "n": 2}).json()
+    assert two["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2 * tokens
+    stream = {**chat, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=stream) as events:
+        lines = [line for line in events.iter_lines() if line.startswith("data: {")]
+    assert msgspec.json.decode(lines[-1][6:])["usage"]["completion_tokens_details"]["reasoning_tokens"] == 2 * tokens
+    response = client.post("/v1/responses", json={"model": "think-3", "input": "hi", "max_output_tokens": 12,
+                                                  "temperature": 0, "store": False}).json()  # fmt: skip
+    assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == tokens
+    # a model without a reasoning parser says nothing of reasoning
+    plain = client.post("/v1/chat/completions", json={**chat, "model": "no-think"}).json()
+    assert plain["choices"][0]["message"]["content"] and "completion_tokens_details" not in plain["usage"]
