@@ -120,6 +120,10 @@ class EngineClient(Protocol):
 
     async def score_async(self, model: str, inputs: Sequence[Sequence[int]]) -> Scores: ...
 
+    async def option_scores_async(
+        self, model: str, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]]
+    ) -> list[list[float]]: ...
+
     @property
     def queue_depth(self) -> int: ...
 
@@ -367,6 +371,32 @@ class EngineCaller:
         work = TranscriptionWork(info.name, features, duration, options)
         job = self.queue_job(EngineJob(work, what=f"transcription with model {info.name}", model=info.name))
         return await _wait(job)  # type: ignore[no-any-return]
+
+    async def option_scores_async(
+        self, model: str, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]]
+    ) -> list[list[float]]:
+        """Per prompt, each of its options' log-probability as the answer after it, every token of
+        the option counted as a choice-constrained decode reads it
+        (:mod:`mlxr_core.engine.option_scoring`); on the engine thread between batch steps,
+        cancelled with its wait.
+
+        :raises MlxrError: ModelNotFound, RequestError (a prompt or an option without tokens, ids
+            outside the vocabulary, a prompt past the context), EngineStopped.
+        """
+        from mlxr_core.engine.option_scoring import OptionScoringWork
+
+        self.check_ready()
+        self._refuse_adapter(model, "option scores")
+        info = self.model(model)
+        token_lists = check_inputs(info, prompts)
+        choices = [[list(ids) for ids in row] for row in options]
+        width = info.tokenizer.vocab_size
+        for i, row in enumerate(choices):
+            if not row or any(not ids or min(ids) < 0 or max(ids) >= width for ids in row):
+                raise RequestError(f"options must be token ids in [0, {width}), none empty", field=f"options[{i}]")
+        end = sorted(info.tokenizer.eos_token_ids)
+        work = OptionScoringWork(info.name, token_lists, choices, end, self.config.engine.prefill_chunk)
+        return await _wait(self.queue_job(EngineJob(work, what=f"option scoring with model {info.name}", model=info.name)))  # type: ignore[no-any-return]
 
     def _refuse_adapter(self, model: str, what: str) -> None:
         """A LoRA adapter served as a model generates; its base's other work would leave it out."""

@@ -7,17 +7,17 @@ once (a request of its own, whose prompt is the part every question's prompt sha
 the prefix cache, and then each question runs as its own row of the batch, forked from that
 prefix: only its question is prefilled. Its answer is constrained to its options (``yes``/``no``,
 the choices' values, the levels' labels) through the structured-output sampler
-(``Constraint("choice")``) and decoded greedily. Probabilities come from the model's distribution
-over each option's first token at the answer's start, normalized over the options (options whose
-first tokens coincide share that token's probability equally; one outside the 20 most likely first
-tokens gets 0). A score's ``score`` is the expected level index (0 for the first level) under those
-probabilities.
+(``Constraint("choice")``) and decoded greedily. Probabilities score each option by all of its
+tokens as that constrained decode reads them (:mod:`mlxr_core.engine.option_scoring`, an engine
+job beside the rows): at each point where options part (``1`` and ``10`` after ``1``: ``0`` or the
+end), the model's probability of each way on, normalized over the ways the options allow; they add
+up to 1 over the options. A score's ``score`` is the expected level index (0 for the first level)
+under those probabilities.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 from typing import Annotated, Any, Literal
 
 from litestar import Request, Response, post
@@ -25,14 +25,8 @@ from litestar.params import JSONBody
 from msgspec import Meta, Struct
 
 from mlxr_core.chat.tools import constraints_supported, model_parsers, prepare_chat
-from mlxr_core.engine.request import (
-    Constraint,
-    Delta,
-    Failed,
-    Finished,
-    GenerationRequest,
-    TokenLogprob,
-)
+from mlxr_core.engine.option_scoring import common_prefix, probabilities
+from mlxr_core.engine.request import Constraint, Delta, Failed, Finished, GenerationRequest
 from mlxr_core.errors import ContextLengthExceeded, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
@@ -47,7 +41,7 @@ from mlxr_core.http.frontend import (
 from mlxr_core.http.openapi import documented
 from mlxr_core.http.requests import sampling_params
 from mlxr_plugins.apis.openai import responses_schemas as r
-from mlxr_plugins.apis.openai.schemas import MAX_TOP_LOGPROBS, ErrorBody, when
+from mlxr_plugins.apis.openai.schemas import ErrorBody, when
 
 #: Questions one request may ask (OpenAI's bound).
 MAX_QUESTIONS = 400
@@ -124,20 +118,6 @@ def question_text(question: QuestionFields, options: list[str], param: str) -> s
     return f"{instructions}\nAnswer with exactly one of:\n" + "\n".join(lines)
 
 
-def option_probabilities(first: TokenLogprob | None, option_ids: list[list[int]]) -> list[float]:
-    """Each option's probability from the answer's first-token distribution (``first``: the
-    chosen token and the best alternatives), normalized over the options."""
-    if first is None:
-        return [1.0 / len(option_ids)] * len(option_ids)
-    known = dict(first.top)
-    known.setdefault(first.token, first.logprob)
-    heads = [ids[0] if ids else -1 for ids in option_ids]
-    sharing = {head: heads.count(head) for head in heads}
-    weights = [math.exp(known[head]) / sharing[head] if head in known else 0.0 for head in heads]
-    total = sum(weights)
-    return [w / total for w in weights] if total > 0 else [1.0 / len(heads)] * len(heads)
-
-
 def answer(question: QuestionFields, values: list[Any], labels: list[str], chosen: int | None, probabilities: list[float]) -> dict[str, Any]:
     """One answer in the SDK's shape (a refusal where the model's text matched no option)."""
     if chosen is None:
@@ -153,33 +133,23 @@ def answer(question: QuestionFields, values: list[Any], labels: list[str], chose
                 {"label": label, "value": i, "probability": p} for i, (label, p) in enumerate(zip(labels, probabilities, strict=True))]}  # fmt: skip
 
 
-async def run_row(ctx: ServerContext, generation: GenerationRequest) -> tuple[str, TokenLogprob | None, Finished]:
-    """One row's text, its first token's logprobs, and how it finished."""
-    text, first = "", None
+async def run_row(ctx: ServerContext, generation: GenerationRequest) -> tuple[str, Finished]:
+    """One row's text and how it finished."""
+    text = ""
     handle = submit(ctx, generation)
     async for event in tracked_events(ctx, handle):
         if isinstance(event, Delta):
             text += event.text
-            if first is None and event.logprobs:
-                first = event.logprobs[0]
         elif isinstance(event, Failed):
             raise event.error
         else:
-            return text, first, event
+            return text, event
     raise RequestError("the request ended without an answer")
 
 
 #: Prompt tokens of all of one request's questions together (each question's row holds the input's
 #: ids): a bound on what one request makes the server hold before any row runs.
 MAX_DECISION_TOKENS = 4_000_000
-
-
-def common_prefix(rows: list[list[int]]) -> list[int]:
-    shortest = min(rows, key=len)
-    for i, token in enumerate(shortest):
-        if any(row[i] != token for row in rows):
-            return shortest[:i]
-    return list(shortest)
 
 
 async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any, Any, Any]) -> dict[str, Any]:
@@ -225,37 +195,40 @@ async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any
     usage = {"input": 0, "output": 0, "cached": 0, "written": 0}
     if len(setups) > 1 and len(shared) >= 16:  # prefill the input once, for every row to fork from
         warm = sampling_params(ctx, max_tokens=1, temperature=0.0)
-        _, _, finished = await run_row(ctx, GenerationRequest(body.model, shared, warm))
+        _, finished = await run_row(ctx, GenerationRequest(body.model, shared, warm))
         usage["input"] += finished.usage.prompt_tokens - finished.usage.cached_tokens
         usage["cached"] += finished.usage.cached_tokens
         usage["written"] += finished.usage.cache_written_tokens
     # Rows run together, with every decision request's rows at most half the queue at a time so
     # others' requests still get in (ServerContext.fan_out).
     gate = ctx.fan_out
+    prompts = [setup.prompt_ids for setup, _ in setups]
+    scoring = ready_engine(ctx).option_scores_async(body.model, prompts, [option_ids for _, option_ids in setups])
+    scored = asyncio.ensure_future(scoring)
 
-    async def one(index: int) -> dict[str, Any]:
-        question, options, values, _ = asked[index]
+    async def one(index: int) -> tuple[str, Finished]:
+        _, options, _, _ = asked[index]
         setup, option_ids = setups[index]
         params = sampling_params(ctx, max_tokens=max(map(len, option_ids)) + 1, temperature=0.0)
         params.constraint = Constraint("choice", options, field=f"questions[{index}]")
-        params.logprobs = MAX_TOP_LOGPROBS
         async with gate:
-            text, first, finished = await run_row(ctx, GenerationRequest(
-                body.model, setup.prompt_ids, params, keep_special=setup.keep_special))  # fmt: skip
+            return await run_row(ctx, GenerationRequest(body.model, setup.prompt_ids, params, keep_special=setup.keep_special))
+
+    rows = [asyncio.ensure_future(one(i)) for i in range(len(asked))]
+    try:  # a client that leaves stops its rows and the scoring
+        replies, logprobs = await unless_disconnected(request, asyncio.gather(asyncio.gather(*rows), scored))
+    except BaseException:  # one row failed (or the client left): the others stop too
+        for row in [*rows, scored]:
+            row.cancel()
+        raise
+    answers = []
+    for (question, options, values, _), (text, finished), scores in zip(asked, replies, logprobs, strict=True):
         usage["input"] += finished.usage.prompt_tokens - finished.usage.cached_tokens
         usage["cached"] += finished.usage.cached_tokens
         usage["output"] += finished.usage.completion_tokens
         reply = text.strip()
         chosen = options.index(reply) if reply in options else None
-        return answer(question, values, options, chosen, option_probabilities(first, option_ids))
-
-    rows = [asyncio.ensure_future(one(i)) for i in range(len(asked))]
-    try:  # a client that leaves stops its rows
-        answers = await unless_disconnected(request, asyncio.gather(*rows))
-    except BaseException:  # one row failed (or the client left): the others stop too
-        for row in rows:
-            row.cancel()
-        raise
+        answers.append(answer(question, values, options, chosen, probabilities(scores)))
     total_in = usage["input"] + usage["cached"]
     return {
         "answers": answers, "model": body.model,

@@ -5,16 +5,17 @@ refused naming the field."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
 from scripted import live_server
 
 from mlxr_core.config.schema import Config, ModelConfig
-from mlxr_core.engine.request import TokenLogprob
-from mlxr_plugins.apis.openai.decisions import option_probabilities
+from mlxr_core.engine.option_scoring import END, allowed_tokens, option_logprobs, probabilities
 
 INPUT = (
     "The build failed on the CI machine because the test for the parser timed out after ten "
@@ -29,12 +30,81 @@ def client(tiny_model_path: Path) -> Iterator[openai.OpenAI]:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def test_option_probabilities_share_a_first_token_and_normalize() -> None:
-    first = TokenLogprob(5, -0.5, ((5, -0.5), (6, -1.5), (7, -2.0)))
-    probabilities = option_probabilities(first, [[5, 1], [5, 2], [6], [9]])
-    assert probabilities[0] == probabilities[1] and probabilities[3] == 0.0
-    assert sum(probabilities) == pytest.approx(1.0)
-    assert probabilities[2] / probabilities[0] == pytest.approx(2 * 2.718281828 ** -1.0)
+def test_option_logprobs_count_every_token_where_options_part() -> None:
+    # "1" = [5], "10" = [5, 6], "2" = [7]: after [5] the model chooses between 6 and the end.
+    logprobs = {(): {5: math.log(0.6), 7: math.log(0.2)}, (5,): {6: math.log(0.3), END: math.log(0.1)}}
+    scores = option_logprobs([[5], [5, 6], [7]], logprobs)
+    want = [0.75 * 0.25, 0.75 * 0.75, 0.25]  # 0.6 / (0.6 + 0.2) = 0.75; 0.1 / (0.3 + 0.1) = 0.25
+    assert probabilities(scores) == pytest.approx(want)
+    assert allowed_tokens([[5], [5, 6], [7]]) == {(): {5, 7}, (5,): {6, END}, (5, 6): {END}, (7,): {END}}
+
+
+def test_options_sharing_tokens_are_scored_by_all_of_them_as_transformers_computes(
+    tiny_model_path: Path,
+) -> None:
+    """Options 1, 10, 100 and 2 on a tokenizer that writes 10 as 1, 0: each option's probability
+    from every token it takes (and the end where another option goes on), against the tiny
+    model's distributions from transformers reading the same GGUF."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from litestar.testing import TestClient
+
+    from mlxr_core.chat.tools import model_parsers, prepare_chat
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.http.context import ServerContext
+    from mlxr_core.http.server import build_app
+    from mlxr_core.plugins import load_plugins
+    from mlxr_plugins.apis.openai.decisions import ChoiceOption, QuestionFields, question_text
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tiny_model_path.parent), gguf_file=tiny_model_path.name, dtype=torch.float32
+    ).eval()
+    config = Config(models=[ModelConfig(path=str(tiny_model_path), name="tiny", dtype="float32")], apis=["openai"])
+    host = load_plugins()
+    engine = Engine(config, host)
+    engine.start()
+    try:
+        ctx = ServerContext(config=config, host=host, engine=engine)
+        info = engine.model("tiny")
+        values = ["1", "10", "100", "2"]
+        options = [info.tokenizer.encode(value, add_special_tokens=False) for value in values]
+        assert options[1][0] == options[0][0] and options[2][:2] == options[1]  # digits split
+        question = {"type": "choice", "instructions": "How many?", "choices": [{"value": v} for v in values]}
+        fields = QuestionFields(type="choice", instructions="How many?", choices=[ChoiceOption(v) for v in values])
+        text = question_text(fields, values, "q")
+        messages = [{"role": "user", "content": INPUT}, {"role": "user", "content": text}]
+        prompt = prepare_chat(info, model_parsers(ctx, info), messages).prompt_ids
+        end = sorted(info.tokenizer.eos_token_ids)
+
+        def distribution(prefix: list[int]) -> Any:
+            with torch.no_grad():
+                logits = reference(torch.tensor([prompt + prefix])).logits[0, -1].double()
+            return torch.log_softmax(logits, dim=-1)
+
+        def constrained(option: list[int]) -> float:
+            """log P(option) as a decode constrained to the options reads it, step by step."""
+            total = 0.0
+            for i in range(len(option) + 1):
+                prefix = option[:i]
+                ways = {o[i] if i < len(o) else -1 for o in options if o[:i] == prefix and len(o) >= i}
+                if len(ways) < 2:
+                    continue
+                logprobs = distribution(prefix)
+                value = {w: float(logprobs[w]) if w >= 0 else float(torch.logsumexp(logprobs[end], 0)) for w in ways}
+                chosen = option[i] if i < len(option) else -1
+                total += value[chosen] - math.log(sum(math.exp(v) for v in value.values()))
+            return total
+
+        want = [math.exp(constrained(option)) for option in options]
+        assert sum(want) == pytest.approx(1.0)
+        with TestClient(build_app(ctx)) as client:
+            r = client.post("/v1/decisions", json={"model": "tiny", "input": INPUT, "questions": [question]})
+        assert r.status_code == 200, r.text
+        got = [p["probability"] for p in r.json()["answers"][0]["probabilities"]]
+        assert got == pytest.approx(want, rel=1e-3, abs=1e-6)
+        assert got[0] != pytest.approx(got[1])  # 1 and 10 no longer share their first token's probability
+    finally:
+        engine.stop()
 
 
 @pytest.mark.slow

@@ -1,0 +1,173 @@
+"""How likely a model is to answer with each of a few given options (``/v1/decisions``): each
+option scored by all of its tokens, as the answer is decoded under a choice constraint.
+
+An answer constrained to options ``o`` is written a token at a time, each drawn from the model's
+next-token distribution restricted to the tokens that keep it on some option (and to the end of
+the answer once it has spelled one out). An option's probability is the product of those
+restricted probabilities along its tokens, the end included where another option goes on from it:
+
+    P(o) = prod_i p(o_i | x, o_<i) / sum_{a allowed after o_<i} p(a | x, o_<i)   [ * end term ]
+
+so ``1`` and ``10`` on a tokenizer that writes ``10`` as ``1``, ``0`` are told apart by the
+model's choice between ``0`` and the end after ``1`` (scoring their first token alone gives them
+one probability, shared). Options whose first tokens differ get their first tokens' probabilities,
+normalized over the options. The probabilities over the options add up to 1.
+
+Runs on the engine thread as a job (:class:`OptionScoringWork`): the prompts' shared prefix is
+prefilled once, each prompt's rest from a restored copy of it, and each option's tokens from a
+restored copy of its prompt's cache, only where a branch point needs the model's distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import mlx.core as mx
+
+if TYPE_CHECKING:
+    from mlxr_core.model.loader import LoadedModel
+
+#: The end of an answer, among the tokens a branch point allows.
+END = -1
+
+
+def allowed_tokens(options: Sequence[Sequence[int]]) -> dict[tuple[int, ...], set[int]]:
+    """For each prefix of an option's tokens, the tokens that keep an answer on some option after
+    it (:data:`END` where an option ends there)."""
+    allowed: dict[tuple[int, ...], set[int]] = {}
+    for ids in options:
+        for i in range(len(ids) + 1):
+            allowed.setdefault(tuple(ids[:i]), set()).add(ids[i] if i < len(ids) else END)
+    return allowed
+
+
+def option_logprobs(options: Sequence[Sequence[int]], logprobs: Mapping[tuple[int, ...], Mapping[int, float]]) -> list[float]:
+    """Each option's log-probability under the choice constraint, from ``logprobs``: per branch
+    point (a prefix allowing two or more tokens), the model's log-probability of each allowed
+    token there (:data:`END`: of ending the answer)."""
+    allowed = allowed_tokens(options)
+    scores = []
+    for ids in options:
+        total = 0.0
+        for i in range(len(ids) + 1):
+            prefix = tuple(ids[:i])
+            if len(allowed[prefix]) < 2:
+                continue
+            here = logprobs[prefix]
+            chosen = ids[i] if i < len(ids) else END
+            total += here[chosen] - _logsumexp([here[token] for token in allowed[prefix]])
+        scores.append(total)
+    return scores
+
+
+def probabilities(logprobs: Sequence[float]) -> list[float]:
+    """Log-probabilities as probabilities that add up to 1 (a uniform split if none is finite)."""
+    top = max(logprobs)
+    if top == -math.inf:
+        return [1.0 / len(logprobs)] * len(logprobs)
+    weights = [math.exp(value - top) for value in logprobs]
+    total = sum(weights)
+    return [weight / total for weight in weights]
+
+
+def _logsumexp(values: Sequence[float]) -> float:
+    top = max(values)
+    if top == -math.inf:
+        return top
+    return top + math.log(sum(math.exp(value - top) for value in values))
+
+
+@attrs.frozen
+class OptionScoringWork:
+    """A job's work (:class:`~mlxr_core.engine.jobs.EngineJob`): per prompt, its options'
+    log-probabilities (:func:`option_logprobs`). A value, so an engine in another process can be
+    sent it. ``end`` holds the ids that end an answer (the tokenizer's end-of-sequence ids)."""
+
+    model: str
+    prompts: list[list[int]]
+    options: list[list[list[int]]]
+    end: list[int]
+    chunk: int
+
+    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[None, None, list[list[float]]]:
+        loaded = models[self.model]
+        shared = common_prefix(self.prompts)
+        cache = loaded.make_cache()
+        last = yield from _prefill(loaded, cache, shared, self.chunk)
+        base = [layer.snapshot() for layer in cache]
+        results = []
+        for prompt, options in zip(self.prompts, self.options, strict=True):
+            yield
+            cache = _restored(loaded, base, len(shared))
+            tail = prompt[len(shared) :]
+            first = (yield from _prefill(loaded, cache, tail, self.chunk)) if tail else last
+            if first is None:
+                raise ValueError("an empty prompt has no answer to score")
+            results.append(self._score(loaded, cache, len(prompt), first, options))
+        return results
+
+    def _score(self, loaded: LoadedModel, cache: list[Any], length: int, first: mx.array, options: list[list[int]]) -> list[float]:
+        allowed = allowed_tokens(options)
+        branches = {prefix for prefix, tokens in allowed.items() if len(tokens) > 1}
+        logprobs: dict[tuple[int, ...], dict[int, float]] = {}
+        if () in branches:
+            logprobs[()] = self._pick(first, allowed[()])
+        snapshot = [layer.snapshot() for layer in cache] if len(branches) > len(logprobs) else []
+        for ids in options:
+            # The deepest branch point along this option whose distribution is still unknown.
+            depth = max((i for i in range(1, len(ids) + 1) if tuple(ids[:i]) in branches), default=0)
+            if depth == 0 or all(tuple(ids[:i]) in logprobs for i in range(1, depth + 1) if tuple(ids[:i]) in branches):
+                continue
+            forked = _restored(loaded, snapshot, length)
+            logits = loaded.model(mx.array([ids[:depth]], dtype=mx.int32), cache=forked)[0]
+            for i in range(1, depth + 1):
+                prefix = tuple(ids[:i])
+                if prefix in branches and prefix not in logprobs:
+                    logprobs[prefix] = self._pick(logits[i - 1], allowed[prefix])
+        return option_logprobs(options, logprobs)
+
+    def _pick(self, logits: mx.array, tokens: set[int]) -> dict[int, float]:
+        """The log-probabilities of ``tokens`` (:data:`END`: of any end id) in ``[V]`` logits."""
+        logprobs = logits.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1)
+        ids = sorted(token for token in tokens if token != END)
+        values = logprobs[mx.array(ids, dtype=mx.int32)].tolist() if ids else []
+        picked: dict[int, float] = dict(zip(ids, values, strict=True))  # type: ignore[arg-type]
+        if END in tokens:
+            end = mx.logsumexp(logprobs[mx.array(self.end, dtype=mx.int32)]).item() if self.end else -math.inf
+            picked[END] = float(end)  # type: ignore[arg-type]
+        return picked
+
+
+def common_prefix(rows: list[list[int]]) -> list[int]:
+    """The longest list of ids every one of ``rows`` starts with."""
+    shortest = min(rows, key=len)
+    for i, token in enumerate(shortest):
+        if any(row[i] != token for row in rows):
+            return shortest[:i]
+    return list(shortest)
+
+
+def _restored(loaded: LoadedModel, snapshot: list[tuple[mx.array, ...]], length: int) -> list[Any]:
+    """A fresh cache holding the first ``length`` positions of ``snapshot`` (empty for 0)."""
+    cache = loaded.make_cache()
+    if length == 0:
+        return cache
+    for layer, arrays in zip(cache, snapshot, strict=True):
+        layer.restore(arrays, length)
+    return cache
+
+
+def _prefill(loaded: LoadedModel, cache: list[Any], tokens: list[int], chunk: int) -> Generator[None, None, mx.array | None]:
+    """Run ``tokens`` through ``cache`` a chunk at a time (yielding between chunks); the last
+    position's ``[V]`` logits, None for no tokens."""
+    logits = None
+    for start in range(0, len(tokens), chunk):
+        if start:
+            yield
+        logits = loaded.model(mx.array([tokens[start : start + chunk]], dtype=mx.int32), cache=cache)[0, -1]
+        mx.eval(logits, *(array for layer in cache for array in layer.state))
+    return logits
