@@ -107,3 +107,26 @@ class ChecksLoadedModel(Protocol):
     def check_loaded(self, model: nn.Module) -> None:
         """Raise :class:`~mlxr_core.errors.ModelLoadError` saying why ``model`` cannot serve."""
         ...
+
+
+@runtime_checkable
+class KeepsTablesStored(Protocol):
+    """An optional capability of an :class:`Architecture`: large tables the model reads a few rows
+    of per token (Qwen4-Exp's n-gram embeddings, tens of GiB), kept out of its parameters. The
+    loader leaves the tensors :meth:`stored_table` accepts in the checkpoint's files where the
+    format can (:class:`~mlxr_core.model.checkpoint.LeavesTensors`), so they are never read whole,
+    and hands them to :meth:`attach_tables` once the other weights are loaded: their places
+    (memory-mapped there) or, from a format that read them, the arrays. Not being parameters, they
+    are not counted as the model's resident weights (:attr:`LoadedModel.nbytes`)."""
+
+    def stored_table(self, config: dict[str, Any], name: str) -> bool:
+        """Whether the checkpoint tensor ``name`` (the file's name) is part of such a table."""
+        ...
+
+    def attach_tables(
+        self, model: nn.Module, config: dict[str, Any], parts: dict[str, Any], dtype: mx.Dtype
+    ) -> None:
+        """Give ``model`` its tables from ``parts`` (checkpoint name -> a
+        :class:`~mlxr_core.model.checkpoint.StoredPart` or an ``mx.array``), rows read as ``dtype``.
+        Raises :class:`~mlxr_core.errors.ModelLoadError` naming a tensor that does not fit."""
+        ...

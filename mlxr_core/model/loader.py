@@ -9,6 +9,7 @@ engine thread (it creates MLX arrays). Every step that can fail raises an
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -25,9 +26,16 @@ from mlx.utils import tree_flatten
 
 from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
 from mlxr_core.kernels import KernelSet, current_platform
-from mlxr_core.model.arch import Architecture, ChecksLoadedModel, RenamesModules
+from mlxr_core.model.arch import Architecture, ChecksLoadedModel, KeepsTablesStored, RenamesModules
 from mlxr_core.model.audio import SpeechToText, load_speech
-from mlxr_core.model.checkpoint import Checkpoint, QuantSpec, Shard, TensorShards
+from mlxr_core.model.checkpoint import (
+    Checkpoint,
+    LeavePredicate,
+    LeavesTensors,
+    QuantSpec,
+    Shard,
+    TensorShards,
+)
 from mlxr_core.model.compiled import CompiledDecode, disagreement, eager_step, unsupported
 from mlxr_core.model.experts.store import ExpertStore
 from mlxr_core.model.experts.wiring import is_expert_tensor, stream_experts, tag_stored
@@ -177,6 +185,7 @@ def build_model(
     config = checkpoint.config
     with naming_config(checkpoint):
         model = arch.build(config, kernels)
+    checkpoint, tables = split_tables(checkpoint, arch)
     stand_ins, stored = tag_stored(checkpoint) if experts is not None else ({}, [])
     try:
         sanitized = arch.sanitize({**checkpoint.weights, **stand_ins}, config)
@@ -244,9 +253,51 @@ def build_model(
             path=str(checkpoint.path),
             tensor=named.group(1) if named else None,
         ) from exc
+    if tables:
+        assert isinstance(arch, KeepsTablesStored)
+        arch.attach_tables(model, config, tables, DTYPES[dtype])
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def split_tables(checkpoint: Checkpoint, arch: Architecture) -> tuple[Checkpoint, dict[str, Any]]:
+    """``checkpoint`` less the tensors of the tables the architecture keeps out of its parameters
+    (:class:`~mlxr_core.model.arch.KeepsTablesStored`), and those: left in the files or read."""
+    if not isinstance(arch, KeepsTablesStored):
+        return checkpoint, {}
+    keeps = partial(arch.stored_table, checkpoint.config)
+    tables: dict[str, Any] = {name: part for name, part in checkpoint.stored.items() if keeps(name)}
+    tables.update((name, array) for name, array in checkpoint.weights.items() if keeps(name))
+    if not tables:
+        return checkpoint, {}
+    rest = attrs.evolve(
+        checkpoint,
+        weights={name: array for name, array in checkpoint.weights.items() if name not in tables},
+        stored={name: part for name, part in checkpoint.stored.items() if name not in tables},
+    )
+    return rest, tables
+
+
+def _either(first: LeavePredicate, second: LeavePredicate, name: str) -> bool:
+    return first(name) or second(name)
+
+
+def stored_tables(path: Path, registries: Registries, model_config: ModelConfig) -> LeavePredicate | None:
+    """The tensors to leave in the files of the folder at ``path`` because its architecture keeps
+    them as tables (:class:`~mlxr_core.model.arch.KeepsTablesStored`), found from its
+    ``config.json`` before any weight is read; None where there are none, or where the format
+    cannot leave tensors (they are then read, and still kept out of the parameters)."""
+    folder = path if path.is_dir() else path.parent
+    try:
+        _, fmt = pick_format(path, registries, model_config.format)
+        if not isinstance(fmt, LeavesTensors) or not (folder / "config.json").is_file():
+            return None
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        arch = choose_arch(Checkpoint(path, "probe", config, {}), registries, model_config.arch).arch
+    except (MlxrError, OSError, ValueError):  # the load itself reports what is wrong
+        return None
+    return partial(arch.stored_table, config) if isinstance(arch, KeepsTablesStored) else None
 
 
 def tensor_shares(
@@ -332,9 +383,13 @@ def load_model(
             tensor_shares, registries=registries, arch=model_config.arch, kernels=choices, group=tensor_group, name=name
         )
     streams = model_config.experts.residency == "stream"
+    tables = stored_tables(path, registries, model_config) if tensor_group is None else None
+    leave: LeavePredicate | None = is_expert_tensor if streams else None
+    if tables is not None:
+        leave = tables if leave is None else partial(_either, leave, tables)
     opened = open_checkpoint(
         path, registries, format=model_config.format, dtype=model_config.dtype, mmproj=model_config.mmproj,
-        shares=shares, leave=is_expert_tensor if streams else None,
+        shares=shares, leave=leave,
     )
     planned = plan(opened, registries, arch=model_config.arch, kernels=choices)
     checkpoint, chosen, arch, kernels = opened.checkpoint, planned.chosen, planned.arch, planned.kernels

@@ -44,9 +44,16 @@ from mlxr_core.model.layers.linear_attention import (
     _rms,
 )
 from mlxr_plugins.archs.qwen2 import ROPE_TYPES
-from mlxr_plugins.archs.qwen3_5 import Qwen35Architecture, Qwen35MoeArgs
+from mlxr_plugins.archs.qwen3_5 import Qwen35Architecture, Qwen35MoeArgs, text_name
 from mlxr_plugins.archs.qwen3_moe import qwen_feed_forward
-from mlxr_plugins.archs.qwen4_exp_ple import DeltaNetSlots, GroupRMSNorm, PLECache, PLELayer
+from mlxr_plugins.archs.qwen4_exp_ple import (
+    DeltaNetSlots,
+    GroupRMSNorm,
+    NGramTable,
+    PLECache,
+    PLELayer,
+    host_rows,
+)
 
 INDEXER_KEYS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
@@ -324,31 +331,48 @@ class Qwen4ExpArchitecture(Qwen35Architecture):
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
         """Qwen3.5's (language model under ``model.``, experts stacked, conv weights in MLX's
-        layout), each n-gram table's shards (``ngram_embedding.shard_<i>.weight``) joined in order,
-        and the hashing constants the checkpoint stores checked against the config's."""
+        layout), with the hashing constants the checkpoint stores per PLE layer checked against
+        the config's and dropped. (The n-gram tables never come here: see :meth:`attach_tables`.)"""
         args: Qwen4ExpArgs = self.args(config)
-        shards: dict[str, dict[int, mx.array]] = {}
-        derived: dict[str, mx.array] = {}
+        expected = _derived_constants(args)
         rest: dict[str, mx.array] = {}
         for name, array in weights.items():
-            stem, _, tail = name.partition(".ngram_embedding.shard_")
-            if tail:
-                shards.setdefault(stem, {})[int(tail.split(".")[0])] = array
-            elif name.rpartition(".")[2] in DERIVED:
-                derived[name] = array
-            else:
+            if name.rpartition(".")[2] not in DERIVED:
                 rest[name] = array
-        for stem, parts in shards.items():
-            rest[f"{stem}.ngram_embedding.weight"] = mx.concatenate([parts[i] for i in sorted(parts)])
-        out = super().sanitize(rest, config)
-        expected = _derived_constants(args)
-        for name, array in derived.items():
-            stem = name.replace("model.language_model.", "model.").rpartition(".ple.")[0]
-            want = expected.get(stem, {}).get(name.rpartition(".")[2])
-            if want is None or np.array(array).astype(np.int64).tolist() != want:
+                continue
+            stem = text_name(name).rpartition(".ple.")[0]
+            if np.array(array).astype(np.int64).tolist() != expected.get(stem, {}).get(name.rpartition(".")[2]):
                 raise ModelLoadError("the stored n-gram hashing constants are not those the config derives "
                                      "(seed, ngram_vocab_size_base, ngram_size, heads_per_ngram)", tensor=name)  # fmt: skip
-        return out
+        return super().sanitize(rest, config)
+
+    def stored_table(self, config: dict[str, Any], name: str) -> bool:
+        """The n-gram tables' tensors (``ngram_embedding.shard_<i>.weight``, or one ``weight``)."""
+        return ".ple.ple_embedding.ngram_embedding." in name
+
+    def attach_tables(self, model: nn.Module, config: dict[str, Any], parts: dict[str, Any], dtype: mx.Dtype) -> None:
+        """Each PLE layer's table from its shards, in order: memory-mapped where the format left
+        them in their files, else the arrays it read (then resident, still outside the weights)."""
+        shards: dict[str, dict[int, Any]] = {}
+        for name, part in parts.items():
+            stem, _, tail = text_name(name).partition(".ple.ple_embedding.ngram_embedding.")
+            shards.setdefault(stem, {})[int(tail.split(".")[0].removeprefix("shard_")) if tail.startswith("shard_") else 0] = (name, part)
+        for index, layer in enumerate(model.layers):
+            if "ple" not in layer:
+                continue
+            embedding = layer.ple.ple_embedding
+            found = shards.pop(f"model.layers.{index}", None)
+            if not found:
+                raise ModelLoadError("the checkpoint has no n-gram table for this PLE layer",
+                                     tensor=f"model.layers.{index}.ple.ple_embedding.ngram_embedding.weight")  # fmt: skip
+            table = NGramTable([host_rows(*found[i]) for i in sorted(found)], dtype)
+            if table.shape != embedding.table_shape:
+                raise ModelLoadError(f"the n-gram table is {table.shape}; the config makes it {embedding.table_shape}",
+                                     tensor=found[min(found)][0])  # fmt: skip
+            embedding.table = table
+        if shards:
+            raise ModelLoadError("an n-gram table for a layer that has no per-layer embedding",
+                                 tensor=next(iter(next(iter(shards.values())).values()))[0])  # fmt: skip
 
     def make_cache(self, model: nn.Module) -> list[Any]:
         """Keys and values per attention layer, a recurrent state per DeltaNet layer (with the

@@ -27,7 +27,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
+from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.cache import StateCache
 
 _MASK64 = (1 << 64) - 1
@@ -122,9 +124,54 @@ class GroupRMSNorm(nn.Module):
         return out
 
 
+class NGramTable:
+    """One PLE layer's table, out of the model's parameters: its shards memory-mapped where they
+    lie in the checkpoint's files (only the rows a step hashes to are read, on the host, so the
+    pages read stay the file's, not the process's), or arrays where the format read them."""
+
+    def __init__(self, shards: list[tuple[np.ndarray, str]], dtype: mx.Dtype):
+        self.shards = [array for array, _ in shards]
+        self.kind = shards[0][1]
+        self.starts = np.cumsum([0] + [len(array) for array in self.shards])[:-1].tolist()
+        self.shape = (sum(len(array) for array in self.shards), *self.shards[0].shape[1:])
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for array in self.shards)
+
+    def __call__(self, rows: mx.array) -> mx.array:
+        """Rows ``[...]`` (int) -> ``[..., width]`` in :attr:`dtype`."""
+        wanted = np.asarray(rows)
+        out = np.empty((*wanted.shape, self.shape[1]), dtype=self.shards[0].dtype)
+        for start, shard in zip(self.starts, self.shards, strict=True):
+            inside = (wanted >= start) & (wanted < start + len(shard))
+            out[inside] = shard[wanted[inside] - start]
+        found = mx.array(out)
+        return (found.view(mx.bfloat16) if self.kind == "bf16" else found).astype(self.dtype)
+
+
+def host_rows(name: str, part: Any) -> tuple[np.ndarray, str]:
+    """A table shard as a host array and how its values read (``float``, ``bf16``: raw bits):
+    memory-mapped from its file for a :class:`~mlxr_core.model.checkpoint.StoredPart` (its
+    format's decoder, given one row, says the type), copied for an ``mx.array``."""
+    if isinstance(part, mx.array):
+        return (np.array(part.view(mx.uint16)), "bf16") if part.dtype == mx.bfloat16 else (np.array(part), "float")
+    source = part.source
+    raw = np.memmap(source.file, dtype=np.uint8, mode="r", offset=source.offset, shape=(source.nbytes,))
+    _, size, shape = source.row(0, source.shape[0])
+    try:
+        sample, kind = source.decode(np.array(raw[:size]), (1, *shape))["weight"]
+    except (ValueError, KeyError) as exc:
+        raise ModelLoadError(f"the n-gram table cannot be read on demand: {exc}", tensor=name) from exc
+    if kind not in ("float", "bf16"):
+        raise ModelLoadError(f"the n-gram table is stored packed ({kind}); it is read as floats", tensor=name)
+    return raw.view(sample.dtype).reshape(source.shape), kind
+
+
 class NGramEmbedding(nn.Module):
-    """The hashed n-gram rows of one PLE layer: ``ngram_embedding`` ``[rows, ple_embed_dim /
-    heads]`` (the checkpoint's shards joined by the architecture's sanitize)."""
+    """The hashed n-gram rows of one PLE layer, from its :class:`NGramTable` (``rows`` of
+    ``ple_embed_dim / heads``), which the architecture attaches after loading."""
 
     def __init__(self, args: Any, ple_index: int):
         super().__init__()
@@ -134,8 +181,9 @@ class NGramEmbedding(nn.Module):
         primes = primes_from(args.ngram_vocab_size_base, (ple_index + 1) * heads)[ple_index * heads :]
         offsets = [sum(primes[:head]) for head in range(heads)]
         divisor = args.make_ngram_vocab_size_divisible_by
-        rows = -(-sum(primes) // divisor) * divisor
-        self.ngram_embedding = nn.Embedding(rows, args.ple_embed_dim // heads)
+        #: The table's shape: rows padded to a multiple of ``make_ngram_vocab_size_divisible_by``.
+        self.table_shape = (-(-sum(primes) // divisor) * divisor, args.ple_embed_dim // heads)
+        self.table: NGramTable | None = None
         # Plain lists, not parameters: derived from the config, never loaded.
         self._multipliers = layer_multipliers(args.vocab_size, args.ngram_size, ple_index, args.seed)
         self._primes, self._offsets = primes, offsets
@@ -169,8 +217,9 @@ class NGramEmbedding(nn.Module):
 
     def __call__(self, tokens: mx.array, history: mx.array) -> mx.array:
         """``[B, L]`` tokens -> ``[B, L, ple_embed_dim]``."""
-        found: mx.array = self.ngram_embedding(self.rows(tokens, history))
-        return found.reshape(*tokens.shape, -1)
+        if self.table is None:
+            raise RuntimeError("the n-gram table was never attached (Qwen4ExpArchitecture.attach_tables)")
+        return self.table(self.rows(tokens, history)).reshape(*tokens.shape, -1)
 
 
 class PLELayer(nn.Module):

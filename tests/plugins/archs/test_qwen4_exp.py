@@ -94,18 +94,21 @@ def test_it_matches_transformers(reference, registries, backend):
     check_reference(reference, registries, backend=backend, atol=ATOL)
 
 
-def test_the_ngram_table_is_read_from_the_shards(reference, registries):
-    """The checkpoint holds each table in shards; joined, they are the rows the layer reads."""
+def test_the_ngram_tables_stay_in_the_files_out_of_the_weights(reference, registries):
+    """Each table's shards are memory-mapped where the checkpoint holds them (in order, as one
+    table), never parameters: the resident weights are the checkpoint's bytes less the tables'."""
     from safetensors.numpy import load_file
 
     stored = load_file(str(reference.folder / "model.safetensors"))
-    shards = sorted(name for name in stored if ".ngram_embedding.shard_" in name and "layers.2." in name)
-    assert len(shards) == SHAPE["split_ngram_parts"]
-    model = load_reference_model(reference, registries).model
-    table = np.array(model.model.layers[2].ple.ple_embedding.ngram_embedding.weight)
-    joined = np.concatenate([stored[f"model.layers.2.ple.ple_embedding.ngram_embedding.shard_{i}.weight"]
-                             for i in range(len(shards))])  # fmt: skip
-    np.testing.assert_array_equal(table, joined)
+    tables = {name: array for name, array in stored.items() if ".ngram_embedding." in name}
+    assert len(tables) == 2 * SHAPE["split_ngram_parts"]
+    loaded = load_reference_model(reference, registries)
+    table = loaded.model.model.layers[2].ple.ple_embedding.table
+    assert all(isinstance(shard, np.memmap) for shard in table.shards)
+    joined = [stored[f"model.layers.2.ple.ple_embedding.ngram_embedding.shard_{i}.weight"] for i in range(4)]
+    np.testing.assert_array_equal(np.concatenate(table.shards), np.concatenate(joined))
+    constants = sum(array.nbytes for name, array in stored.items() if "ple_embedding" in name and name not in tables)
+    assert loaded.nbytes == sum(array.nbytes for array in stored.values()) - sum(t.nbytes for t in tables.values()) - constants
 
 
 def test_a_sequence_past_the_exact_indexer_span_is_refused(reference, registries):
