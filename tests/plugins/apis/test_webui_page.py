@@ -75,3 +75,16 @@ def test_a_stored_message_that_cannot_be_rendered_is_shown_as_escaped_text(conte
     first, broken, last = (message["html"] for message in page["messages"])
     assert first == "<h1>title</h1>" and last == "<p><code>code</code></p>"
     assert "<b>" not in broken and broken.startswith("<p>") and broken.endswith("</p>")
+
+
+def test_the_single_conversation_of_earlier_pages_joins_the_list() -> None:
+    """Pages before the list kept one conversation under ``mlxr.chat``: it becomes a listed one,
+    titled by its first question, and opens."""
+    page = load_page([{"role": "user", "content": "  What is\n MLX?  "}, reply("A framework.")])
+    assert page["error"] is None, page["error"]
+    storage = {key: json.loads(value) for key, value in page["storage"].items()}
+    assert "mlxr.chat" not in storage
+    (listed,) = storage["mlxr.conversations"]
+    assert listed["title"] == "What is MLX?" and storage["mlxr.current"] == listed["id"]
+    assert [m["content"] for m in storage[f"mlxr.conversation.{listed['id']}"]] == ["  What is\n MLX?  ", "A framework."]
+    assert [m["className"] for m in page["messages"]] == ["message user", "message assistant"]

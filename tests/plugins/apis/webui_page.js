@@ -1,6 +1,7 @@
 // Loads the web page's script in node over a small stand-in for the browser (elements by id, a
 // localStorage, a fetch that never answers) and prints, as JSON, the chat it rendered from the
-// stored conversation: each message's classes and its body's HTML, or the error the page threw.
+// stored conversation: each message's classes and its body's HTML, or the error the page threw, and
+// what the page left in localStorage.
 //
 //   node webui_page.js APP_JS < '{"chat": [{"role": "assistant", "content": "..."}]}'
 "use strict";
@@ -17,6 +18,8 @@ class Element {
     this.innerHTML = "";
     this.hidden = false;
     this.value = "";
+    this.dataset = {};
+    this.attributes = {};
     const classes = new Set();
     this.classList = {
       toggle: (name, on) => (on ?? !classes.has(name) ? classes.add(name) : classes.delete(name)),
@@ -29,6 +32,7 @@ class Element {
   replaceChildren(...nodes) { this.children = nodes; }
   get lastElementChild() { return this.children[this.children.length - 1] ?? null; }
   addEventListener() {}
+  setAttribute(name, value) { this.attributes[name] = String(value); }
   querySelector(selector) {
     const name = selector.replace(/^\./, "");
     for (const child of this.children) {
@@ -54,7 +58,11 @@ const sandbox = {
   document,
   window: { addEventListener() {} },
   location: { hash: "" },
-  localStorage: { getItem: (key) => stored.get(key) ?? null, setItem: (key, value) => stored.set(key, value) },
+  localStorage: {
+    getItem: (key) => stored.get(key) ?? null,
+    setItem: (key, value) => stored.set(key, value),
+    removeItem: (key) => stored.delete(key),
+  },
   fetch: () => new Promise(() => {}),
   setInterval: () => 0,
   setTimeout: () => 0,
@@ -76,4 +84,5 @@ const messages = document.getElementById("messages").children
     const body = article.querySelector(".body");
     return { className: article.className, html: body.innerHTML, text: body.textContent };
   });
-process.stdout.write(JSON.stringify({ error, messages, ms: Date.now() - started }));
+const storage = Object.fromEntries(stored);
+process.stdout.write(JSON.stringify({ error, messages, storage, ms: Date.now() - started }));

@@ -13,11 +13,20 @@
         return fallback;
       }
     },
+    // Whether it was kept (storage full or disabled: the page still works, it forgets on reload).
     set(key, value) {
       try {
         localStorage.setItem(`mlxr.${key}`, JSON.stringify(value));
+        return true;
       } catch {
-        // Storage full or disabled: the page still works, it just forgets on reload.
+        return false;
+      }
+    },
+    remove(key) {
+      try {
+        localStorage.removeItem(`mlxr.${key}`);
+      } catch {
+        // Disabled storage holds nothing to remove.
       }
     },
   };
@@ -191,14 +200,129 @@
     return out.join("");
   }
 
-  // ---------------------------------------------------------------- chat
+  // ---------------------------------------------------------------- conversations
 
-  const chat = { messages: store.get("chat", []), controller: null };
+  // Each conversation's messages are kept under mlxr.conversation.<id>; the list (id, title, last
+  // change; the newest first) under mlxr.conversations, the one open under mlxr.current. A new
+  // chat is listed once it has a message.
+  const chat = { id: "", messages: [], controller: null };
+  let conversations = [];
   const settings = store.get("settings", {});
 
-  function saveChat() {
-    store.set("chat", chat.messages);
+  const newId = () => `${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`;
+
+  function loadConversations() {
+    const listed = store.get("conversations", []);
+    conversations = Array.isArray(listed)
+      ? listed.filter((c) => c && typeof c.id === "string" && typeof c.title === "string") : [];
+    // The page kept a single conversation under mlxr.chat before: it joins the list.
+    const legacy = store.get("chat", null);
+    if (Array.isArray(legacy) && legacy.length) saveChat(newId(), legacy);
+    store.remove("chat");
+    const current = store.get("current", "");
+    openConversation(conversations.some((c) => c.id === current) ? current : conversations[0]?.id);
   }
+
+  function loadMessages(id) {
+    const stored = store.get(`conversation.${id}`, []);
+    const messages = Array.isArray(stored) ? stored.filter((m) => m && typeof m === "object") : [];
+    for (const message of messages) {
+      // A reply that was streaming when the page went away ended there.
+      if (message.streaming) {
+        delete message.streaming;
+        message.stopped = true;
+      }
+    }
+    return messages;
+  }
+
+  const textOf = (content) => (typeof content === "string" ? content
+    : Array.isArray(content) ? content.filter((p) => p?.type === "text").map((p) => String(p.text ?? "")).join("\n")
+      : String(content ?? ""));
+
+  function autoTitle(messages) {
+    const first = messages.find((m) => m.role === "user");
+    const text = textOf(first?.content).replace(/\s+/g, " ").trim();
+    if (!text) return first?.images?.length ? "Image" : "New chat";
+    return text.length > 48 ? `${text.slice(0, 47)}…` : text;
+  }
+
+  // Saves a conversation and moves it to the top of the list. Images are large: when storage is
+  // full the conversation is kept without them.
+  function saveChat(id = chat.id, messages = chat.messages) {
+    if (!messages.length) return;
+    let entry = conversations.find((c) => c.id === id);
+    if (entry) conversations.splice(conversations.indexOf(entry), 1);
+    else entry = { id, title: "", titled: false };
+    conversations.unshift(entry);
+    entry.updated = Date.now();
+    if (!entry.titled) entry.title = autoTitle(messages);
+    if (!store.set(`conversation.${id}`, messages)) {
+      store.set(`conversation.${id}`, messages.map(({ images, ...m }) => (images ? { ...m, images_dropped: images.length } : m)));
+    }
+    store.set("conversations", conversations);
+    renderConversations();
+  }
+
+  function openConversation(id) {
+    stop();
+    chat.id = id ?? newId();
+    chat.messages = id ? loadMessages(id) : [];
+    store.set("current", chat.id);
+    renderChat();
+    renderConversations();
+  }
+
+  function renameConversation(id, title) {
+    const entry = conversations.find((c) => c.id === id);
+    if (!entry) return;
+    entry.titled = Boolean(title.trim());
+    entry.title = entry.titled ? title.trim() : autoTitle(loadMessages(id));
+    store.set("conversations", conversations);
+    renderConversations();
+  }
+
+  function deleteConversation(id) {
+    conversations = conversations.filter((c) => c.id !== id);
+    store.remove(`conversation.${id}`);
+    store.set("conversations", conversations);
+    if (id === chat.id) openConversation(conversations[0]?.id);
+    else renderConversations();
+  }
+
+  function renderConversations() {
+    const items = conversations.map((c) => {
+      const item = element("li", c.id === chat.id ? "current" : "");
+      item.dataset.id = c.id;
+      item.append(button("open", c.title || "Untitled"), button("rename icon", "✎", "Rename"), button("delete icon", "×", "Delete"));
+      return item;
+    });
+    $("conversations").replaceChildren(...items);
+  }
+
+  function startRename(item) {
+    const entry = conversations.find((c) => c.id === item.dataset.id);
+    const input = element("input", "rename-input");
+    input.value = entry?.title ?? "";
+    input.setAttribute("aria-label", "Conversation name");
+    let done = false;
+    const finish = (keep) => {
+      if (done) return;
+      done = true;
+      if (keep) renameConversation(item.dataset.id, input.value);
+      else renderConversations();
+    };
+    input.addEventListener("keydown", (event) => {
+      if (event.key === "Enter") finish(true);
+      else if (event.key === "Escape") finish(false);
+    });
+    input.addEventListener("blur", () => finish(true));
+    item.replaceChildren(input);
+    input.focus();
+    input.select();
+  }
+
+  // ---------------------------------------------------------------- chat
 
   function saveSettings() {
     store.set("settings", {
@@ -207,14 +331,15 @@
       temperature: $("temperature").value,
       top_p: $("top-p").value,
       max_tokens: $("max-tokens").value,
+      tools: $("tools").value,
     });
   }
 
   function loadSettings() {
-    if (settings.system !== undefined) $("system").value = settings.system;
-    if (settings.temperature !== undefined) $("temperature").value = settings.temperature;
-    if (settings.top_p !== undefined) $("top-p").value = settings.top_p;
-    if (settings.max_tokens !== undefined) $("max-tokens").value = settings.max_tokens;
+    for (const [key, id] of [["system", "system"], ["temperature", "temperature"], ["top_p", "top-p"],
+      ["max_tokens", "max-tokens"], ["tools", "tools"]]) {
+      if (typeof settings[key] === "string") $(id).value = settings[key];
+    }
     showSliders();
   }
 
@@ -230,15 +355,47 @@
     return node;
   }
 
-  function messageView(message) {
+  function button(className, text, label) {
+    const node = element("button", className, text);
+    node.type = "button";
+    if (label) {
+      node.title = label;
+      node.setAttribute("aria-label", label);
+    }
+    return node;
+  }
+
+  // Only images the page itself read from a file: a stored conversation is not trusted.
+  const IMAGE_URL = /^data:image\/(?:png|jpeg|gif|webp|bmp);base64,[A-Za-z0-9+/]+=*$/;
+
+  function thumbnail(url) {
+    const image = element("img", "thumbnail");
+    image.alt = "attached image";
+    image.src = url;
+    return image;
+  }
+
+  function messageView(message, index) {
     const article = element("article", `message ${message.role}`);
-    article.append(element("div", "role", message.role === "user" ? "You" : `Assistant · ${message.model ?? ""}`));
+    article.dataset.index = String(index);
+    const role = element("div", "role");
+    role.append(element("span", "", message.role === "user" ? "You" : `Assistant · ${message.model ?? ""}`));
+    if (message.role === "user") role.append(button("edit", "Edit", "Edit and send again"));
+    if (message.role === "assistant") role.append(button("regenerate", "Regenerate", "Answer again"));
+    article.append(role);
     if (message.role === "assistant") {
       const thinking = element("details", "thinking");
-      thinking.append(element("summary", "", "Thinking"), element("div", "thinking-text"));
-      article.append(thinking, element("div", "body markdown"), element("div", "meta"));
+      thinking.append(element("summary", "", "Reasoning"), element("div", "thinking-text"));
+      article.append(thinking, element("div", "body markdown"), element("div", "tool-calls"), element("div", "meta"));
     } else {
-      article.append(element("div", "body plain", message.content));
+      const images = (Array.isArray(message.images) ? message.images : []).filter((url) => IMAGE_URL.test(url));
+      if (images.length) {
+        const gallery = element("div", "images");
+        gallery.append(...images.map(thumbnail));
+        article.append(gallery);
+      }
+      if (message.images_dropped) article.append(element("div", "meta", `${message.images_dropped} image(s) not kept: browser storage is full`));
+      article.append(element("div", "body plain", textOf(message.content)));
     }
     updateMessage(article, message);
     return article;
@@ -250,16 +407,34 @@
     thinking.hidden = !message.reasoning;
     thinking.querySelector(".thinking-text").textContent = message.reasoning ?? "";
     article.querySelector(".body").innerHTML = rendered(message.content);
+    const calls = Array.isArray(message.tool_calls) ? message.tool_calls : [];
+    article.querySelector(".tool-calls").replaceChildren(...calls.map(toolCallView));
     const meta = [];
     if (message.tokens) meta.push(`${message.tokens} tokens`);
     if (message.tokens_per_s) meta.push(`${message.tokens_per_s.toFixed(1)} tokens/s`);
     if (message.ttft_s !== undefined) meta.push(`first token ${message.ttft_s.toFixed(2)} s`);
     if (message.finish === "length") meta.push("cut at max_tokens");
+    if (message.finish === "tool_calls") meta.push("called a tool");
     if (message.stopped) meta.push("stopped");
     if (message.error) meta.push(`error: ${message.error}`);
     article.querySelector(".meta").textContent = meta.join(" · ");
     article.classList.toggle("failed", Boolean(message.error));
     article.classList.toggle("streaming", Boolean(message.streaming));
+  }
+
+  // A tool call the model made: its function's name and its arguments (pretty when they are JSON).
+  function toolCallView(call) {
+    const view = element("div", "tool-call");
+    const head = element("div", "tool-head");
+    head.append(element("span", "", "Tool call"), element("strong", "tool-name", String(call?.name ?? "")));
+    let text = String(call?.arguments ?? "");
+    try {
+      text = JSON.stringify(JSON.parse(text), null, 2);
+    } catch {
+      // Still streaming, or not JSON: shown as it came.
+    }
+    view.append(head, element("pre", "tool-arguments", text));
+    return view;
   }
 
   // One message that cannot be rendered (a stored conversation from an older page, a renderer bug)
@@ -282,29 +457,76 @@
   function setBusy(busy) {
     $("send").hidden = busy;
     $("stop").hidden = !busy;
+    $("messages").classList.toggle("busy", busy);
   }
 
-  // The messages the model sees: the system prompt, then every finished turn.
-  function history() {
+  function note(text) {
+    $("composer-note").textContent = text;
+  }
+
+  // The messages the model sees: the system prompt, then every finished turn (a user's images as
+  // image_url parts, unless the model is known to take none).
+  function history(messages) {
     const system = $("system").value.trim();
-    const turns = chat.messages.filter((m) => !m.streaming && !m.error && m.content)
-      .map((m) => ({ role: m.role, content: m.content }));
+    const images = takes("vision") !== false;
+    const turns = [];
+    for (const m of messages) {
+      if (m.streaming || m.error) continue;
+      const text = textOf(m.content);
+      const urls = m.role === "user" && images && Array.isArray(m.images) ? m.images.filter((url) => IMAGE_URL.test(url)) : [];
+      if (urls.length) {
+        const parts = urls.map((url) => ({ type: "image_url", image_url: { url } }));
+        turns.push({ role: "user", content: text ? [...parts, { type: "text", text }] : parts });
+      } else if (text) {
+        turns.push({ role: m.role, content: text });
+      }
+    }
     return system ? [{ role: "system", content: system }, ...turns] : turns;
   }
 
-  async function send(text) {
+  // The tools field: empty, or a JSON array of OpenAI tools. Throws with a message for the user.
+  function tools() {
+    const text = $("tools").value.trim();
+    if (!text) return null;
+    let parsed;
+    try {
+      parsed = JSON.parse(text);
+    } catch (error) {
+      throw new Error(`Tools: not JSON (${error.message})`);
+    }
+    if (!Array.isArray(parsed)) throw new Error("Tools: a JSON array of tools, [{\"type\": \"function\", ...}]");
+    return parsed.length ? parsed : null;
+  }
+
+  function send(text, images) {
+    const message = { role: "user", content: text };
+    if (images.length) message.images = images;
+    chat.messages.push(message);
+    return answer();
+  }
+
+  // Streams the model's answer to the conversation as it stands (ending with a user's message).
+  async function answer() {
+    const { id, messages } = chat;
     const model = $("model").value;
-    chat.messages.push({ role: "user", content: text });
-    const reply = { role: "assistant", model, content: "", reasoning: "", streaming: true };
     const body = {
-      model, messages: history(), stream: true, stream_options: { include_usage: true },
+      model, messages: history(messages), stream: true, stream_options: { include_usage: true },
       temperature: Number($("temperature").value), top_p: Number($("top-p").value),
     };
     const maxTokens = parseInt($("max-tokens").value, 10);
     if (maxTokens > 0) body.max_tokens = maxTokens;
-    chat.messages.push(reply);
-    saveChat();
+    const reply = { role: "assistant", model, content: "", reasoning: "", streaming: true };
+    try {
+      const listed = tools();
+      if (listed) body.tools = listed;
+    } catch (error) {
+      reply.error = error.message;
+      delete reply.streaming;
+    }
+    messages.push(reply);
+    saveChat(id, messages);
     renderChat();
+    if (reply.error) return;
     const article = $("messages").lastElementChild;
     const controller = new AbortController();
     chat.controller = controller;
@@ -331,9 +553,17 @@
         if (chunk.error) throw new Error(chunk.error.message ?? String(chunk.error));
         const choice = chunk.choices?.[0];
         const delta = choice?.delta ?? {};
-        if (first === null && (delta.content || delta.reasoning_content)) first = performance.now();
+        if (first === null && (delta.content || delta.reasoning_content || delta.tool_calls)) first = performance.now();
         reply.content += delta.content ?? "";
         reply.reasoning += delta.reasoning_content ?? "";
+        for (const call of delta.tool_calls ?? []) {
+          reply.tool_calls ??= [];
+          const index = Number.isInteger(call.index) ? call.index : reply.tool_calls.length;
+          const known = (reply.tool_calls[index] ??= { id: "", name: "", arguments: "" });
+          known.id ||= call.id ?? "";
+          known.name += call.function?.name ?? "";
+          known.arguments += call.function?.arguments ?? "";
+        }
         if (choice?.finish_reason) reply.finish = choice.finish_reason;
         if (chunk.usage) reply.tokens = chunk.usage.completion_tokens;
         if (!pending) {
@@ -350,18 +580,121 @@
         reply.ttft_s = (first - started) / 1000;
         if (reply.tokens > 1 && ended > first) reply.tokens_per_s = (reply.tokens - 1) / ((ended - first) / 1000);
       }
+      if (reply.tool_calls) reply.tool_calls = reply.tool_calls.filter(Boolean);
       delete reply.streaming;
       if (chat.controller === controller) {
         chat.controller = null;
         setBusy(false);
       }
       updateMessage(article, reply);
-      saveChat();
+      saveChat(id, messages);
     }
   }
 
   function stop() {
     chat.controller?.abort();
+  }
+
+  // Answer again: the reply at index and everything after it go.
+  function regenerate(index) {
+    if (chat.controller || !chat.messages[index]) return;
+    chat.messages.splice(index);
+    answer();
+  }
+
+  // Edit the user's message at index in place; sending it drops everything after it.
+  function startEdit(article) {
+    const index = Number(article.dataset.index);
+    const message = chat.messages[index];
+    if (chat.controller || !message) return;
+    const form = element("div", "edit");
+    const text = element("textarea", "edit-text");
+    text.value = textOf(message.content);
+    text.rows = Math.min(12, Math.max(2, text.value.split("\n").length));
+    const row = element("div", "row");
+    row.append(button("cancel-edit quiet", "Cancel"), button("save-edit", "Send"));
+    form.append(text, row);
+    article.querySelector(".body").replaceWith(form);
+    text.addEventListener("keydown", (event) => {
+      if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
+        event.preventDefault();
+        finishEdit(article, true);
+      } else if (event.key === "Escape") {
+        finishEdit(article, false);
+      }
+    });
+    text.focus();
+  }
+
+  function finishEdit(article, keep) {
+    const index = Number(article.dataset.index);
+    const text = article.querySelector(".edit-text").value.trim();
+    if (!keep || chat.controller || (!text && !chat.messages[index]?.images?.length)) {
+      renderChat();
+      return;
+    }
+    chat.messages.splice(index + 1);
+    chat.messages[index].content = text;
+    answer();
+  }
+
+  // ---------------------------------------------------------------- images
+
+  const attachments = [];  // data: URLs of the images the next message carries
+  // Bigger files are refused before reading (the server bounds an image's pixels on its side).
+  const MAX_IMAGE_BYTES = 20 * 1024 * 1024;
+
+  // Whether the chosen model takes a capability by /v1/models; undefined while unknown.
+  function takes(capability) {
+    const listed = models.find((m) => m.id === $("model").value)?.capabilities;
+    return Array.isArray(listed) ? listed.includes(capability) : undefined;
+  }
+
+  // Reads the image files among files into attachments; false when there was none.
+  function addImages(files) {
+    const images = [...files].filter((file) => file.type.startsWith("image/"));
+    if (!images.length) return false;
+    if (!takes("vision")) {
+      note(`${$("model").value || "This model"} takes no images.`);
+      return true;
+    }
+    for (const file of images) {
+      if (file.size > MAX_IMAGE_BYTES) {
+        note(`${file.name}: larger than ${MAX_IMAGE_BYTES / 1024 / 1024} MiB.`);
+        continue;
+      }
+      const reader = new FileReader();
+      reader.onload = () => {
+        if (IMAGE_URL.test(reader.result)) {
+          attachments.push(reader.result);
+          renderAttachments();
+        } else {
+          note(`${file.name}: PNG, JPEG, GIF, WebP or BMP images only.`);
+        }
+      };
+      reader.readAsDataURL(file);
+    }
+    return true;
+  }
+
+  function renderAttachments() {
+    const views = attachments.map((url, index) => {
+      const view = element("figure", "attachment");
+      const remove = button("remove icon", "×", "Remove image");
+      remove.dataset.index = String(index);
+      view.append(thumbnail(url), remove);
+      return view;
+    });
+    $("attachments").replaceChildren(...views);
+    $("attachments").hidden = !attachments.length;
+  }
+
+  // Image attach is offered when the model takes images; what a model takes shows under its name.
+  function showModel() {
+    const vision = takes("vision");
+    $("attach").hidden = !vision;
+    const listed = models.find((m) => m.id === $("model").value)?.capabilities;
+    $("model-capabilities").replaceChildren(...(Array.isArray(listed) ? listed : []).map((c) => element("span", "badge", c)));
   }
 
   // ---------------------------------------------------------------- models
@@ -382,10 +715,13 @@
     const wanted = select.value || settings.model;
     select.replaceChildren(...models.map((m) => new Option(m.id, m.id)));
     if (models.some((m) => m.id === wanted)) select.value = wanted;
+    showModel();
     const rows = models.map((m) => {
       const row = element("tr");
       const loaded = m.created ? new Date(m.created * 1000).toLocaleString() : "";
-      row.append(element("td", "", m.id), element("td", "", m.context_length ?? "–"), element("td", "", loaded));
+      const capabilities = Array.isArray(m.capabilities) ? m.capabilities.join(", ") : "–";
+      row.append(element("td", "", m.id), element("td", "", m.context_length ?? "–"),
+        element("td", "", capabilities), element("td", "", loaded));
       return row;
     });
     document.querySelector("#models tbody").replaceChildren(...rows);
@@ -577,36 +913,24 @@
     }
   }
 
-  function start() {
-    // A reply that was streaming when the page went away ended there.
-    for (const message of chat.messages) {
-      if (message.streaming) {
-        delete message.streaming;
-        message.stopped = true;
-      }
-    }
-    loadSettings();
-    renderChat();
-    showView();
-    refreshModels();
-    pollMetrics();
-    // While the page is visible: metrics every second (the status view's history), models every 10.
-    setInterval(() => document.visibilityState === "visible" && pollMetrics(), 1000);
-    setInterval(() => document.visibilityState === "visible" && refreshModels(), 10000);
-
-    window.addEventListener("hashchange", showView);
-    window.addEventListener("resize", () => view() === "status" && drawPlots());
+  function listenChat() {
     $("composer").addEventListener("submit", (event) => {
       event.preventDefault();
       const text = $("prompt").value.trim();
-      if (!text || chat.controller) return;
+      if ((!text && !attachments.length) || chat.controller) return;
       if (!$("model").value) {
         // No model listed yet: still loading, or the server wants a key it has not been given.
         refreshModels();
         return;
       }
+      if (attachments.length && takes("vision") === false) {
+        note(`${$("model").value} takes no images: remove them or choose a model that does.`);
+        return;
+      }
       $("prompt").value = "";
-      send(text);
+      note("");
+      send(text, attachments.splice(0));
+      renderAttachments();
     });
     $("prompt").addEventListener("keydown", (event) => {
       if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
@@ -617,27 +941,109 @@
       }
     });
     $("stop").addEventListener("click", stop);
-    $("new-chat").addEventListener("click", () => {
-      stop();
-      chat.messages = [];
-      saveChat();
-      renderChat();
-    });
-    for (const id of ["model", "system", "temperature", "top-p", "max-tokens"]) {
+    for (const id of ["model", "system", "temperature", "top-p", "max-tokens", "tools"]) {
       $(id).addEventListener("input", () => {
         showSliders();
         saveSettings();
       });
     }
+    $("model").addEventListener("change", showModel);
     $("messages").addEventListener("click", (event) => {
-      const button = event.target.closest("button.copy");
-      if (!button) return;
-      const code = button.closest(".code").querySelector("code").textContent;
-      navigator.clipboard?.writeText(code).then(() => {
-        button.textContent = "Copied";
-        setTimeout(() => { button.textContent = "Copy"; }, 1500);
-      }, () => {});
+      const target = event.target.closest("button");
+      const article = target?.closest(".message");
+      if (!target) return;
+      if (target.classList.contains("copy")) copyCode(target);
+      else if (target.classList.contains("regenerate")) regenerate(Number(article.dataset.index));
+      else if (target.classList.contains("edit")) startEdit(article);
+      else if (target.classList.contains("save-edit")) finishEdit(article, true);
+      else if (target.classList.contains("cancel-edit")) finishEdit(article, false);
     });
+  }
+
+  function copyCode(target) {
+    const code = target.closest(".code").querySelector("code").textContent;
+    navigator.clipboard?.writeText(code).then(() => {
+      target.textContent = "Copied";
+      setTimeout(() => { target.textContent = "Copy"; }, 1500);
+    }, () => {});
+  }
+
+  function listenConversations() {
+    $("new-chat").addEventListener("click", () => openConversation(null));
+    $("conversations").addEventListener("click", (event) => {
+      const target = event.target.closest("button");
+      const item = target?.closest("li");
+      if (!item) return;
+      if (target.classList.contains("open")) {
+        if (item.dataset.id !== chat.id) openConversation(item.dataset.id);
+      } else if (target.classList.contains("rename")) {
+        startRename(item);
+      } else if (target.classList.contains("delete")) {
+        // A second click deletes: the first one asks.
+        if (target.classList.contains("confirm")) {
+          deleteConversation(item.dataset.id);
+        } else {
+          target.classList.add("confirm");
+          target.textContent = "Delete?";
+          setTimeout(() => {
+            target.classList.remove("confirm");
+            target.textContent = "×";
+          }, 3000);
+        }
+      }
+    });
+  }
+
+  function listenImages() {
+    $("attach").addEventListener("click", () => $("attach-input").click());
+    $("attach-input").addEventListener("change", () => {
+      addImages($("attach-input").files);
+      $("attach-input").value = "";
+    });
+    $("attachments").addEventListener("click", (event) => {
+      const target = event.target.closest("button.remove");
+      if (!target) return;
+      attachments.splice(Number(target.dataset.index), 1);
+      renderAttachments();
+    });
+    $("prompt").addEventListener("paste", (event) => {
+      const files = [...(event.clipboardData?.items ?? [])].filter((item) => item.kind === "file")
+        .map((item) => item.getAsFile()).filter(Boolean);
+      if (files.length && addImages(files)) event.preventDefault();
+    });
+    const zone = $("conversation");
+    const carriesFiles = (event) => [...(event.dataTransfer?.types ?? [])].includes("Files");
+    zone.addEventListener("dragover", (event) => {
+      if (!carriesFiles(event)) return;
+      event.preventDefault();
+      zone.classList.add("dropping");
+    });
+    zone.addEventListener("dragleave", (event) => {
+      if (!zone.contains(event.relatedTarget)) zone.classList.remove("dropping");
+    });
+    zone.addEventListener("drop", (event) => {
+      zone.classList.remove("dropping");
+      if (!carriesFiles(event)) return;
+      event.preventDefault();
+      addImages(event.dataTransfer.files);
+    });
+  }
+
+  function start() {
+    loadSettings();
+    loadConversations();
+    showView();
+    refreshModels();
+    pollMetrics();
+    // While the page is visible: metrics every second (the status view's history), models every 10.
+    setInterval(() => document.visibilityState === "visible" && pollMetrics(), 1000);
+    setInterval(() => document.visibilityState === "visible" && refreshModels(), 10000);
+
+    window.addEventListener("hashchange", showView);
+    window.addEventListener("resize", () => view() === "status" && drawPlots());
+    listenChat();
+    listenConversations();
+    listenImages();
     $("key-button").addEventListener("click", () => askKey("The API key this page sends (empty: none)."));
     $("key-form").addEventListener("submit", (event) => {
       event.preventDefault();
