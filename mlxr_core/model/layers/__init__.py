@@ -8,7 +8,7 @@ model) and reads top to bottom; third-party architectures may use them too.
 
 from mlxr_core.model.layers.args import ConfigArgs, TransformerArgs
 from mlxr_core.model.layers.attention import Attention
-from mlxr_core.model.layers.block import AttentionBlock, PreNormBlock, SandwichBlock
+from mlxr_core.model.layers.block import AttentionBlock, ParallelBlock, PreNormBlock, SandwichBlock
 from mlxr_core.model.layers.family import DecoderArchitecture
 from mlxr_core.model.layers.latent_attention import LatentAttention
 from mlxr_core.model.layers.mlp import GATED_ACTIVATIONS, GatedMLP, geglu
@@ -21,7 +21,7 @@ from mlxr_core.model.layers.moe import (
     stack_experts,
     weighted_sum,
 )
-from mlxr_core.model.layers.norms import RMSNorm
+from mlxr_core.model.layers.norms import LayerNorm, RMSNorm
 from mlxr_core.model.layers.rope import Rotary, args_rotary, base_freqs, make_rotary, rope_type
 
 __all__ = [
@@ -34,6 +34,8 @@ __all__ = [
     "DecoderModel",
     "GatedMLP",
     "LatentAttention",
+    "LayerNorm",
+    "ParallelBlock",
     "PreNormBlock",
     "RMSNorm",
     "Rotary",

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxr_core.model.cache import KVCache
-from mlxr_core.model.layers.norms import RMSNorm
+from mlxr_core.model.layers.norms import LayerNorm, RMSNorm
 
 
 class SelfAttention(Protocol):
@@ -42,7 +42,7 @@ class AttentionBlock(nn.Module):
     """The attention half every block shares: ``input_layernorm`` (an :class:`RMSNorm`) and
     ``self_attn`` (a :class:`SelfAttention`). A subclass defines ``after_attention_parts``."""
 
-    input_layernorm: RMSNorm
+    input_layernorm: RMSNorm | LayerNorm
     self_attn: SelfAttention
 
     def attention_inputs(
@@ -128,3 +128,21 @@ class SandwichBlock(AttentionBlock):
         h, normed = self.pre_feedforward_layernorm.add_and_norm(x, attended)
         delta: mx.array = self.post_feedforward_layernorm(self.mlp(normed))
         return h, delta
+
+
+class ParallelBlock(AttentionBlock):
+    """Attention and feed-forward side by side on one norm of the input (Cohere):
+    ``out = x + attn(norm(x)) + mlp(norm(x))``. ``input_layernorm`` is an :class:`RMSNorm` or a
+    :class:`LayerNorm`."""
+
+    def __init__(self, attention: SelfAttention, mlp: nn.Module, norm: RMSNorm | LayerNorm):
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = mlp
+        self.input_layernorm = norm
+
+    def after_attention_parts(self, x: mx.array, out: mx.array) -> tuple[mx.array, mx.array]:
+        """``(x, attn + mlp)``; the norm of ``x`` is computed again here (one norm a layer), as the
+        compiled step hands a block only ``x`` and the attention's output."""
+        delta: mx.array = self.self_attn.output(out) + self.mlp(self.input_layernorm(x))
+        return x, delta

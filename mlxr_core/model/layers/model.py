@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxr_core.model.layers.norms import RMSNorm
+from mlxr_core.model.layers.norms import LayerNorm, RMSNorm
 
 
 class DecoderModel(nn.Module):
@@ -25,7 +25,7 @@ class DecoderModel(nn.Module):
         vocab_size: int,
         hidden: int,
         layers: Sequence[nn.Module],
-        norm: RMSNorm,
+        norm: RMSNorm | LayerNorm,
         embed_scale: float | None = None,
     ):
         super().__init__()

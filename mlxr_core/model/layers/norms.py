@@ -32,3 +32,21 @@ class RMSNorm(nn.Module):
         """``h = x + residual`` and this norm of ``h`` (the ``add_rms_norm`` kernel)."""
         h, normed = self._add_rms_norm(x, residual, self.scale(), self.eps)
         return h, normed
+
+
+class LayerNorm(nn.Module):
+    """``(x - mean(x)) / std(x) * weight``, no bias (Cohere's norm), with :class:`RMSNorm`'s
+    interface (``add_and_norm``) so that blocks and the compiled decode step take either."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.layer_norm(x, self.weight, None, self.eps)
+
+    def add_and_norm(self, x: mx.array, residual: mx.array) -> tuple[mx.array, mx.array]:
+        """``h = x + residual`` and this norm of ``h``."""
+        h = x + residual
+        return h, self(h)
