@@ -45,6 +45,8 @@ ARCHITECTURES = {
     "deepseek_v3": "mlxr_plugins.archs.deepseek_v3:DeepseekV3Architecture",
     "deepseek_v32": "mlxr_plugins.archs.deepseek_v32:DeepseekV32Architecture",
     "kimi_linear": "mlxr_plugins.archs.kimi_linear:KimiLinearArchitecture",
+    "glm5_next": "mlxr_plugins.archs.glm5_next:Glm5NextArchitecture",
+    "glm5_next_text": "mlxr_plugins.archs.glm5_next:Glm5NextArchitecture",
     "deepseek_v4": "mlxr_plugins.archs.deepseek_v4:DeepseekV4Architecture",
     "mistral4": "mlxr_plugins.archs.mistral4:Mistral4Architecture",
     "whisper": "mlxr_plugins.archs.whisper:WhisperArchitecture",

@@ -80,10 +80,7 @@ class KimiLinearArgs(DeepseekV3Args):
     def __post_init__(self) -> None:
         super().__post_init__()
         released = self.linear_attn_config or {}
-        for key, field in (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
-                           ("short_conv_kernel_size", "linear_conv_kernel_dim")):
-            if key in released:
-                setattr(self, field, released[key])
+        read_linear_attn_config(self, released)
         n = self.num_hidden_layers
         if self.layer_types is None and "kda_layers" in released and "full_attn_layers" in released:
             kinds: list[Any] = [None] * n  # the released lists count layers from 1
@@ -97,10 +94,7 @@ class KimiLinearArgs(DeepseekV3Args):
             self.layer_types = [LAYER_TYPES[bool(i and i % 4 == 0)] for i in range(n)]
         if self.mlp_layer_types is None:
             self.mlp_layer_types = ["dense" if i < self.first_k_dense_replace else "sparse" for i in range(n)]
-        for key, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_TYPES)):
-            value = getattr(self, key)
-            if len(value) != n or any(kind not in allowed for kind in value):
-                raise ModelLoadError(f"{value!r:.120} must name {n} layers, each one of {', '.join(allowed)}", key=key)
+        check_layer_lists(self, n, LAYER_TYPES)
 
     def softmax_scale(self) -> float:
         """``(N + P) ** -0.5``: no RoPE, so no YaRN factor."""
@@ -113,6 +107,27 @@ class KimiLinearArgs(DeepseekV3Args):
     def is_linear(self, layer: int) -> bool:
         assert self.layer_types is not None
         return self.layer_types[layer] == "linear_attention"
+
+
+#: ``linear_attn_config``'s keys (the released configs') -> the fields transformers 5 writes.
+LINEAR_ATTN_KEYS = (("head_dim", "linear_head_dim"), ("num_heads", "linear_num_heads"),
+                    ("short_conv_kernel_size", "linear_conv_kernel_dim"), ("gate_lower_bound", "linear_lower_bound"))
+
+
+def read_linear_attn_config(args: Any, released: dict[str, Any]) -> None:
+    """The KDA sizes (and GLM's gate bound, where ``args`` has one) from a released config's
+    ``linear_attn_config`` over the top-level fields."""
+    for key, field in LINEAR_ATTN_KEYS:
+        if key in released and hasattr(args, field):
+            setattr(args, field, released[key])
+
+
+def check_layer_lists(args: Any, layers: int, attention_kinds: tuple[str, ...]) -> None:
+    """``layer_types`` and ``mlp_layer_types`` name ``layers`` layers, each a kind the graph builds."""
+    for key, allowed in (("layer_types", attention_kinds), ("mlp_layer_types", MLP_TYPES)):
+        value = getattr(args, key)
+        if len(value) != layers or any(kind not in allowed for kind in value):
+            raise ModelLoadError(f"{value!r:.120} must name {layers} layers, each one of {', '.join(allowed)}", key=key)
 
 
 class KimiLinear(CausalLM):
