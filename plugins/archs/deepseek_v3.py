@@ -17,7 +17,8 @@ scores); the chosen experts' plain scores renormalized (``norm_topk_prob``) and 
 
 Hugging Face checkpoints hold ``kv_b_proj`` whole and one tensor per expert; ``sanitize`` splits the
 one per head and stacks the others (mlx-lm's layout, which loads as it is) and drops the
-multi-token-prediction layers stored past ``num_hidden_layers``.
+multi-token-prediction layers stored past ``num_hidden_layers`` (the ``mtp`` drafter reads the
+first: :func:`mtp_head`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from mlxr_core.model.layers import (
 )
 from mlxr_core.model.layers.args import POSITIVE
 from mlxr_core.model.layers.latent_attention import LatentAttention, latent_caches, split_kv_b_proj
+from mlxr_core.model.layers.mtp import MtpHead, head_weights
 from mlxr_core.model.layers.rope import PositionScale
 
 #: The ``rope_scaling`` types DeepSeek-V3 checkpoints use (and transformers computes for them).
@@ -187,36 +189,65 @@ def feed_forward(args: DeepseekV3Args, layer: int, kernels: KernelSet) -> nn.Mod
     )
 
 
+def latent_attention(args: DeepseekV3Args, kernels: KernelSet, rotary: Any) -> LatentAttention:
+    """A layer's multi-head latent attention."""
+    return LatentAttention(
+        args.hidden_size,
+        args.num_attention_heads,
+        kv_rank=args.kv_lora_rank,
+        rope_dims=args.qk_rope_head_dim,
+        nope_dims=args.qk_nope_head_dim,
+        value_dims=args.v_head_dim,
+        q_rank=args.q_lora_rank,
+        kernels=kernels,
+        rotary=rotary,
+        scale=args.softmax_scale(),
+        bias=args.attention_bias,
+        query_scale=args.query_scale(),
+    )
+
+
 class DeepseekV3(CausalLM):
     """``model(inputs [B, L], cache=...) -> logits [B, L, vocab]``."""
 
     def __init__(self, args: DeepseekV3Args, kernels: KernelSet):
         rotary = args_rotary(args, kernels, types=args.rope_types)
         H, eps = args.hidden_size, args.rms_norm_eps
-
-        def attention() -> LatentAttention:
-            return LatentAttention(
-                H,
-                args.num_attention_heads,
-                kv_rank=args.kv_lora_rank,
-                rope_dims=args.qk_rope_head_dim,
-                nope_dims=args.qk_nope_head_dim,
-                value_dims=args.v_head_dim,
-                q_rank=args.q_lora_rank,
-                kernels=kernels,
-                rotary=rotary,
-                scale=args.softmax_scale(),
-                bias=args.attention_bias,
-                query_scale=args.query_scale(),
-            )
-
         layers = [
-            PreNormBlock(attention(), feed_forward(args, index, kernels), H, eps, kernels)
+            PreNormBlock(latent_attention(args, kernels, rotary), feed_forward(args, index, kernels), H, eps, kernels)
             for index in range(args.num_hidden_layers)
         ]
         model = DecoderModel(args.vocab_size, H, layers, RMSNorm(H, eps, kernels))
         super().__init__(model, tied=args.tie_word_embeddings)
         self.args = args
+
+
+def mtp_head(args: DeepseekV3Args, kernels: KernelSet) -> MtpHead:
+    """The next-token layer stored as layer ``num_hidden_layers`` (DeepSeek-V3's MTP module):
+    ``enorm``, ``hnorm``, ``eh_proj``, a decoder block as the model's later layers (experts),
+    ``shared_head.norm``; a chained step reads the block's output before that norm (the
+    paper's ``h^k``)."""
+    rotary = args_rotary(args, kernels, types=args.rope_types)
+    H, eps = args.hidden_size, args.rms_norm_eps
+    attention = latent_attention(args, kernels, rotary)
+    block = PreNormBlock(attention, feed_forward(args, args.num_hidden_layers, kernels), H, eps, kernels)
+    return MtpHead(block, H, eps, kernels, norm_offset=0.0, chain_normed=False)
+
+
+#: The next-token layer's own names (after ``model.layers.{N}.``) -> :class:`MtpHead`'s; the
+#: rest is its decoder block's. Its copies of the embedding and LM head are the model's.
+MTP_NAMES = (("enorm.", "embed_norm."), ("hnorm.", "hidden_norm."), ("eh_proj.", "proj."), ("shared_head.norm.", "norm."))
+MTP_SHARED = ("embed_tokens.", "shared_head.head.")
+
+
+def mtp_weights(weights: dict[str, mx.array], args: DeepseekV3Args) -> dict[str, mx.array]:
+    """The first next-token layer's weights under :class:`MtpHead`'s names (``kv_b_proj``
+    split, experts stacked); empty when the checkpoint has none."""
+    head = head_weights(weights, (f"model.layers.{args.num_hidden_layers}.",), MTP_NAMES, rest=True, skip=MTP_SHARED)
+    if not head:
+        return head
+    split = split_kv_b_proj(head, args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim)
+    return stack_experts(split, "mlp.experts", "mlp.switch_mlp", EXPERT_NAMES, args.n_routed_experts)
 
 
 class DeepseekV3Architecture(DecoderArchitecture):
@@ -236,6 +267,14 @@ class DeepseekV3Architecture(DecoderArchitecture):
         split = split_kv_b_proj(kept, args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim)
         stacked = stack_experts(split, "mlp.experts", "mlp.switch_mlp", EXPERT_NAMES, args.n_routed_experts)
         return super().sanitize(stacked, config)
+
+    def mtp_weights(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+        """The next-token layer's weights (:class:`~mlxr_core.model.layers.mtp.HasMtpHead`)."""
+        return mtp_weights(weights, self.args(config))
+
+    def build_mtp(self, config: dict[str, Any], kernels: KernelSet) -> MtpHead:
+        """The next-token layer of this shape (:func:`mtp_head`)."""
+        return mtp_head(self.args(config), kernels)
 
     def make_cache(self, model: nn.Module) -> list[Any]:
         """One latent cache per layer: ``kv_lora_rank + qk_rope_head_dim`` numbers a position."""

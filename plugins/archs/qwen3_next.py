@@ -37,7 +37,7 @@ from mlxr_core.model.layers import (
     stack_experts,
 )
 from mlxr_core.model.layers.linear_attention import GatedAttention, GatedDeltaNet, MixerBlock
-from mlxr_core.model.layers.mtp import MtpHead
+from mlxr_core.model.layers.mtp import MtpHead, head_weights
 from mlxr_plugins.archs.qwen2 import ROPE_TYPES
 from mlxr_plugins.archs.qwen3_moe import EXPERT_NAMES, SparseLayers, qwen_feed_forward
 
@@ -182,15 +182,7 @@ def mtp_weights(weights: dict[str, mx.array], count: int) -> dict[str, mx.array]
     """The first MTP layer's weights (``mtp.*``, or ``language_model.mtp.*``) under
     :class:`MtpHead`'s names, experts stacked; empty when there are none. Further layers
     (``mtp.layers.1`` ...) are not read."""
-    head: dict[str, mx.array] = {}
-    for name, array in weights.items():
-        stem = name.removeprefix("language_model.")
-        if not stem.startswith("mtp."):
-            continue
-        stem = stem[len("mtp."):]
-        renamed = next((ours + stem[len(theirs):] for theirs, ours in MTP_NAMES if stem.startswith(theirs)), None)
-        if renamed is not None:
-            head[renamed] = array
+    head = head_weights(weights, ("mtp.", "language_model.mtp."), MTP_NAMES)
     return sanitize_hybrid(head, count) if head else head
 
 

@@ -16,6 +16,7 @@ output as the next position's hidden state with the token it drafted: ``norm(g)`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -54,11 +55,41 @@ class MtpHead(nn.Module):
         return normed, normed if self.chain_normed else g
 
     def make_cache(self) -> Any:
-        """The block's cache (keys and values of the positions the head has read)."""
+        """The block's cache (keys and values of the positions the head has read): its own, or
+        its attention's (a latent cache), or a plain one."""
         from mlxr_core.model.cache import KVCache
 
-        make = getattr(self.block, "make_cache", None)
-        return make() if callable(make) else KVCache()
+        for owner in (self.block, getattr(self.block, "self_attn", None)):
+            make = getattr(owner, "make_cache", None)
+            if callable(make):
+                return make()
+        return KVCache()
+
+
+def head_weights(
+    weights: dict[str, mx.array],
+    prefixes: tuple[str, ...],
+    names: Sequence[tuple[str, str]],
+    *,
+    rest: bool = False,
+    skip: tuple[str, ...] = (),
+) -> dict[str, mx.array]:
+    """The checkpoint's weights under one of ``prefixes``, renamed for :class:`MtpHead`: the first
+    of ``names``' ``(theirs, ours)`` that begins the rest of a name replaces that beginning; a
+    name none begins goes under ``block.`` with ``rest``, else is left out, as are those ``skip``
+    begins."""
+    head: dict[str, mx.array] = {}
+    for name, array in weights.items():
+        prefix = next((start for start in prefixes if name.startswith(start)), None)
+        if prefix is None or name[len(prefix) :].startswith(skip):
+            continue
+        stem = name[len(prefix) :]
+        ours = next((mine + stem[len(theirs) :] for theirs, mine in names if stem.startswith(theirs)), None)
+        if ours is None and rest:
+            ours = "block." + stem
+        if ours is not None:
+            head[ours] = array
+    return head
 
 
 @runtime_checkable

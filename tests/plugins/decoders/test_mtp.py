@@ -206,3 +206,112 @@ def test_a_checkpoint_without_the_head_is_refused_naming_the_key(tmp_path):
     engine.stop()
     assert caught.value.field == "models[].speculative.method"
     assert "mtp" in str(caught.value) and "no multi-token-prediction weights" in str(caught.value)
+
+
+# --- DeepSeek-V3's next-token layer ------------------------------------------------------------
+
+DEEPSEEK = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 16,
+            "qk_rope_head_dim": 8, "qk_nope_head_dim": 12, "v_head_dim": 10, "n_routed_experts": 4,
+            "n_shared_experts": 1, "num_experts_per_tok": 2, "max_position_embeddings": 512,
+            "tie_word_embeddings": False, "q_lora_rank": 24, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 1, "rope_interleave": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3 saved by transformers, its next-token layer added as layer 2 in the
+    released layout: random tensors shaped as the saved layer 1's (a MoE block), ``enorm``,
+    ``hnorm``, ``eh_proj``, ``shared_head.norm`` and copies of the embedding and LM head."""
+    from safetensors.torch import load_file, save_file
+
+    from mlxr_core.testing.hf_reference import write_tokenizer
+
+    folder = tmp_path_factory.mktemp("deepseek_mtp")
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**DEEPSEEK, attn_implementation="eager")
+    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    from mlxr_core.testing.hf_reference import o1_init
+
+    o1_init(model, torch)
+    model.save_pretrained(folder)
+    write_tokenizer(folder, VOCAB)
+    path = folder / "model.safetensors"
+    saved = load_file(path)
+    H = DEEPSEEK["hidden_size"]
+    added = {}
+    for name, value in saved.items():
+        if name.startswith("model.layers.1."):
+            noise = 1.0 + 0.1 * torch.randn_like(value) if value.ndim == 1 else torch.randn_like(value) / value.shape[-1] ** 0.5
+            added["model.layers.2." + name[len("model.layers.1."):]] = noise
+    added["model.layers.2.mlp.gate.e_score_correction_bias"] = 0.3 * torch.randn(DEEPSEEK["n_routed_experts"])
+    added["model.layers.2.eh_proj.weight"] = torch.randn(H, 2 * H) / (2 * H) ** 0.5
+    for name in ("enorm", "hnorm", "shared_head.norm"):
+        added[f"model.layers.2.{name}.weight"] = 1.0 + 0.1 * torch.randn(H)
+    added["model.layers.2.embed_tokens.weight"] = saved["model.embed_tokens.weight"].clone()
+    added["model.layers.2.shared_head.head.weight"] = saved["lm_head.weight"].clone()
+    save_file({**saved, **added}, path, metadata={"format": "pt"})
+    return folder
+
+
+def test_deepseek_next_token_layer_against_transformers_and_the_paper(deepseek):
+    """The first draft's logits over a prompt's positions against transformers' own MTP layer
+    (``MtpModel``, which ``generate(use_mtp=True)`` runs); chained steps against the paper's
+    recurrence, the block's output before ``shared_head.norm`` read as the next ``h``."""
+    import mlx.core as mx
+    from transformers.modeling_layers import MtpModel
+
+    from mlxr_plugins.decoders.mtp import MtpDrafter, load_mtp_head
+
+    loaded = load(deepseek)
+    head = load_mtp_head(loaded, HOST.registries)
+    prompt = np.random.default_rng(4).integers(2, VOCAB, 10).tolist()
+    hidden = loaded.model.model(mx.array([prompt[:-1]]))
+    drafter = MtpDrafter(loaded.model, head, temperature=1.0, seed=5)
+    drafter.observe(0, hidden[0])
+    drafted = drafter.propose(prompt, 3)
+    assert drafter.draft_logits is not None
+    ours = np.array(drafter.draft_logits)
+
+    target = transformers.DeepseekV3ForCausalLM.from_pretrained(deepseek, attn_implementation="eager").eval()
+    # transformers finds the layer by its released index (61); this checkpoint's is 2.
+    target._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
+    mtp = MtpModel.from_pretrained(target).eval()
+    layer = mtp.layers[0]
+    with torch.no_grad():
+        states = target.model(torch.tensor([prompt[:-1]])).last_hidden_state
+        tokens = list(prompt[1:])
+        expected = []
+        for step in range(3):
+            n = len(tokens)
+            positions = torch.arange(n)[None]
+            embeddings = mtp.embed_tokens(torch.tensor([tokens]))
+            rotary = mtp.rotary_emb(embeddings, positions)
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            if step == 0:  # transformers' layer as it is: enorm, hnorm, eh_proj, block, post norm
+                normed = layer(embeddings, states, rotary, mask, positions, None)
+            x = layer.eh_proj(torch.cat([layer.enorm(embeddings), layer.hnorm(states)], dim=-1))
+            block = layer.mtp_block(x, attention_mask=mask, position_embeddings=rotary, position_ids=positions)
+            block = block[0] if isinstance(block, tuple) else block
+            if step == 0:
+                torch.testing.assert_close(layer.post_norm(block), normed)
+            expected.append(mtp.shared_head(layer.post_norm(block))[0, -1].numpy())
+            states = torch.cat([states, block[:, -1:]], dim=1)  # the paper's h^k, before the norm
+            tokens.append(drafted[step])
+    np.testing.assert_allclose(ours, np.stack(expected), atol=2e-4, rtol=1e-4)
+
+
+def test_deepseek_rows_drafting_with_the_next_token_layer_decode_as_plain(deepseek):
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(3, 20, ROWS)]
+    engine = serve(deepseek, k=2)
+    try:
+        plain = run(engine, prompts, speculative=False)
+        controlled(engine, {tuple(p): out for p, out in zip(prompts[::2], plain[::2], strict=True)}, 0.8)
+        drafted = run(engine, prompts)  # half the rows forced right 80% of the time
+        for row in range(ROWS):
+            assert drafted[row] == plain[row], f"row {row}"
+        figures = dict(engine.stats()["decoders"]["tiny"]["mtp"])
+        assert figures["accepted"] > 0
+    finally:
+        engine.stop()
