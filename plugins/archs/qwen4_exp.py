@@ -14,11 +14,8 @@ gated shared expert in every layer). What differs:
 - **Per-layer embeddings** on the DeltaNet layers of ``ple_layer_ids``
   (:mod:`mlxr_plugins.archs.qwen4_exp_ple`), added to the streams before the layer's mixer.
 - **Indexed attention** (``indexed_attention``, which the released configs call
-  ``full_attention``): each query attends over the token blocks an indexer picks, up to
-  ``indexer_budget`` tokens of complete ``indexer_compress_ratio`` blocks plus the incomplete
-  tail. Until a query sees ``indexer_budget + indexer_compress_ratio`` positions every block is
-  picked and this is plain causal attention, which is what this graph computes: the context is
-  capped there (:meth:`Qwen4ExpArchitecture.context_length`), and a longer one is refused.
+  ``full_attention``): each query attends over the token blocks an indexer picks
+  (:mod:`mlxr_plugins.archs.qwen4_exp_qsa`).
 
 The vision-language checkpoint (``qwen4_exp``) holds the text model under ``text_config`` and
 ``model.language_model.`` (:mod:`mlxr_plugins.archs.qwen3_5`); its vision tower is not read.
@@ -33,12 +30,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxr_core.errors import ContextLengthExceeded, ModelLoadError
+from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
-from mlxr_core.model.cache import KVCache, RecurrentCache
+from mlxr_core.model.cache import RecurrentCache
 from mlxr_core.model.layers import CausalLM, DecoderModel, args_rotary
 from mlxr_core.model.layers.linear_attention import (
-    GatedAttention,
     GatedDeltaNet,
     GatedRMSNorm,
     _rms,
@@ -54,6 +50,7 @@ from mlxr_plugins.archs.qwen4_exp_ple import (
     PLELayer,
     host_rows,
 )
+from mlxr_plugins.archs.qwen4_exp_qsa import IndexedAttention, Indexer
 
 INDEXER_KEYS = ("indexer_n_heads", "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 
@@ -138,13 +135,6 @@ class Qwen4ExpArgs(Qwen35MoeArgs):
         eos = self.eos_token_id
         return eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None
 
-    @property
-    def exact_positions(self) -> int | None:
-        """Positions up to which the indexer picks every block (None: no attention layer)."""
-        if self.indexer_budget is None or self.indexer_compress_ratio is None:
-            return None
-        return self.indexer_budget + self.indexer_compress_ratio - 1
-
 
 def _sigmoid_gated_norm(x: mx.array, gate: mx.array, weight: mx.array, eps: mx.array) -> mx.array:
     return (_rms(x, weight, eps) * mx.sigmoid(gate.astype(mx.float32))).astype(x.dtype)
@@ -155,39 +145,6 @@ class SigmoidGatedRMSNorm(GatedRMSNorm):
 
     def __call__(self, x: mx.array, gate: mx.array) -> mx.array:
         return _sigmoid_gated_norm(x, gate, self.weight, self._eps)
-
-
-class Indexer(nn.Module):
-    """The indexer's weights (``index_qk_proj``, ``q_layernorm``, ``k_layernorm``): loaded, and
-    unused while every block is picked."""
-
-    def __init__(self, hidden: int, heads: int, head_dim: int, eps: float):
-        super().__init__()
-        self.index_qk_proj = nn.Linear(hidden, (heads + 1) * head_dim, bias=False)
-        self.q_layernorm = GroupRMSNorm(head_dim, head_dim, eps)
-        self.k_layernorm = GroupRMSNorm(head_dim, head_dim, eps)
-
-
-class IndexedAttention(GatedAttention):
-    """Gated attention over every earlier position, refusing a query that would see
-    ``limit + 1`` or more: there the indexer would drop blocks, which this graph does not compute."""
-
-    def __init__(self, *args: Any, indexer: Indexer, limit: int, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.indexer = indexer
-        self.limit = limit
-
-    def attention(self, queries: mx.array, keys: mx.array, values: mx.array, mask: Any, cache: Any) -> mx.array:
-        before = 0 if cache is None else getattr(cache, "length", cache.offset)
-        seen = queries.shape[2] + (before if isinstance(before, int) else int(np.asarray(before).max()))
-        if seen > self.limit:
-            raise ContextLengthExceeded(
-                f"qwen4_exp attends over at most {self.limit} positions here (indexer_budget + "
-                f"indexer_compress_ratio - 1: past them its indexer drops blocks, which mlxr does not "
-                f"compute); this sequence reaches {seen}",
-                field="messages",
-            )
-        return super().attention(queries, keys, values, mask, cache)
 
 
 class GatedResidual(nn.Module):
@@ -240,12 +197,13 @@ class Qwen4ExpBlock(nn.Module):
             self.linear_attn = mixer
         else:
             assert args.indexer_n_heads is not None and args.indexer_head_dim is not None
-            limit = args.exact_positions
-            assert limit is not None
+            assert args.indexer_budget is not None and args.indexer_compress_ratio is not None
+            indexer = Indexer(H, args.indexer_n_heads, args.indexer_head_dim, eps, args.indexer_budget,
+                              args.indexer_compress_ratio)  # fmt: skip
             self.self_attn = IndexedAttention(
                 H, args.num_attention_heads, args.kv_heads, args.dims, kernels=kernels, rotary=rotary,
                 qkv_bias=args.attention_bias, out_bias=args.attention_bias, head_norm_eps=eps, norm_offset=1.0,
-                indexer=Indexer(H, args.indexer_n_heads, args.indexer_head_dim, eps), limit=limit,
+                indexer=indexer,
             )  # fmt: skip
         self.mlp = qwen_feed_forward(args, layer, kernels, args.shared_expert_intermediate_size)
         if layer + 1 in args.ple_layer_ids:
@@ -255,7 +213,7 @@ class Qwen4ExpBlock(nn.Module):
 
     def make_cache(self) -> Any:
         if not self.linear:
-            return KVCache()
+            return self.self_attn.make_cache()
         delta: RecurrentCache = self.linear_attn.make_cache()
         if "ple" not in self:
             return delta
@@ -378,12 +336,6 @@ class Qwen4ExpArchitecture(Qwen35Architecture):
         """Keys and values per attention layer, a recurrent state per DeltaNet layer (with the
         n-gram context and convolution inputs where it has per-layer embeddings)."""
         return [layer.make_cache() for layer in model.layers]
-
-    def context_length(self, config: dict[str, Any]) -> int:
-        """``max_position_embeddings``, capped where the indexer would start to drop blocks."""
-        args: Qwen4ExpArgs = self.args(config)
-        exact = args.exact_positions
-        return min(args.max_position_embeddings, exact) if exact is not None else args.max_position_embeddings
 
 
 def _derived_constants(args: Qwen4ExpArgs) -> dict[str, dict[str, list[int]]]:

@@ -1,14 +1,14 @@
 """Qwen4-Exp (``qwen4_exp``) against transformers 5.25 on tiny random weights: hyper-connections,
 per-layer n-gram embeddings on two DeltaNet layers (the end-of-sequence token occurring in the
-prompts, so that the n-grams are cut there), indexed attention within the positions where its
-indexer picks every block, sparse experts with a gated shared expert.
+prompts, so that the n-grams are cut there), indexed attention picking 2 blocks of 4 tokens
+per query (and its tail), sparse experts with a gated shared expert.
 
 The folder is written by transformers (its ``save_pretrained``: experts fused, each n-gram table
 in ``split_ngram_parts`` shards, the hashing constants stored) and compared on logits, cached
 decoding, a left-padded batch and a prefix-cache hit
-(:func:`mlxr_core.testing.hf_reference.check_reference`). Then the refusals: a sequence past the
-exact indexer span, configs whose math this graph does not compute, stored hashing constants
-that disagree with the config.
+(:func:`mlxr_core.testing.hf_reference.check_reference`), and served by the engine batched as
+solo. Then where the n-gram tables live, and the refusals: configs whose math this graph does
+not compute, stored hashing constants that disagree with the config.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxr_core.errors import ContextLengthExceeded, ModelLoadError
+from mlxr_core.errors import ModelLoadError
 from mlxr_core.testing.hf_reference import (
     PROMPT_LENGTHS,
     check_reference,
@@ -61,11 +61,12 @@ SHAPE: dict[str, Any] = {
     "ngram_vocab_size_base": 50,
     "make_ngram_vocab_size_divisible_by": 8,
     "split_ngram_parts": 4,
-    "indexer_n_heads": 2,
+    "indexer_n_heads": 4,
     "indexer_kv_heads": 1,
     "indexer_head_dim": 16,
-    # Every block is picked up to 64 + 4 - 1 positions: past the 46 the checks reach.
-    "indexer_budget": 64,
+    # Two blocks of 4 picked per query: from its 12th position on a query attends to fewer
+    # positions than it sees (the 40-token prompt's last query to 8 of complete blocks and 0-3 more).
+    "indexer_budget": 8,
     "indexer_compress_ratio": 4,
     "eos_token_id": EOS,
 }
@@ -109,17 +110,6 @@ def test_the_ngram_tables_stay_in_the_files_out_of_the_weights(reference, regist
     np.testing.assert_array_equal(np.concatenate(table.shards), np.concatenate(joined))
     constants = sum(array.nbytes for name, array in stored.items() if "ple_embedding" in name and name not in tables)
     assert loaded.nbytes == sum(array.nbytes for array in stored.values()) - sum(t.nbytes for t in tables.values()) - constants
-
-
-def test_a_sequence_past_the_exact_indexer_span_is_refused(reference, registries):
-    """The context is capped where the indexer would start dropping blocks, and a forward pass
-    that would go past it raises instead of attending over every position."""
-    loaded = load_reference_model(reference, registries)
-    assert loaded.context_length == SHAPE["indexer_budget"] + SHAPE["indexer_compress_ratio"] - 1
-    cache = loaded.make_cache()
-    loaded.model(mx.array([list(range(60))]), cache=cache)
-    with pytest.raises(ContextLengthExceeded, match="indexer_budget"):
-        loaded.model(mx.array([list(range(8))]), cache=cache)
 
 
 @pytest.mark.parametrize(
@@ -171,3 +161,37 @@ def test_stored_hashing_constants_must_match_the_config(reference):
     with pytest.raises(ModelLoadError, match="hashing constants") as caught:
         Qwen4ExpArchitecture().sanitize(weights, config)
     assert "layer_multipliers" in str(caught.value.tensor)
+
+
+def test_the_engine_serves_it_batched_as_solo(reference):
+    """Four concurrent greedy streams (rows joining and leaving the batch, chunked prefill, a
+    one-token prompt whose n-gram context starts empty, a prompt extending a cached one) give
+    each stream its solo tokens."""
+    from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+    from mlxr_core.plugins import load_plugins
+
+    shared = reference.prompts[0][:24]
+    prompts = [[*shared, 5], reference.prompts[1], [EOS], [*shared, 5, 9, 8]]
+
+    def run(**engine: Any) -> list[list[int]]:
+        model = ModelConfig(path=str(reference.folder), name="q4", dtype="float32", context_length=128)
+        eng = Engine(Config(models=[model], engine=EngineConfig(**engine)), load_plugins())
+        eng.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=8, extra={"ignore_eos": True})
+            handles = [eng.submit(GenerationRequest(model="q4", prompt_ids=p, params=params)) for p in prompts[:3]]
+            outputs = []
+            for handle in [*handles, None]:
+                events = list(handle if handle is not None else eng.submit(
+                    GenerationRequest(model="q4", prompt_ids=prompts[3], params=params)))  # fmt: skip
+                assert isinstance(events[-1], Finished), events[-1]
+                outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
+            return outputs
+        finally:
+            eng.stop()
+
+    solo = run(max_batch_size=1, prefix_cache=PrefixCacheConfig(enabled=False))
+    assert [len(out) for out in solo] == [8] * 4
+    assert run(max_batch_size=4, prefill_chunk=16) == solo
