@@ -1,5 +1,4 @@
-"""DeepSeek-V4 as transformers 5.25 defines it (``DeepseekV4ForCausalLM``), served exactly within
-``index_topk`` compressed entries a query.
+"""DeepSeek-V4 as transformers 5.25 defines it (``DeepseekV4ForCausalLM``).
 
 - Residual: ``hc_mult`` streams per position (manifold-constrained hyper-connections). Before each
   attention and each feed-forward, a projection of the RMS-normalized streams (``hc_*_fn``, scaled
@@ -19,19 +18,19 @@
   RMS-normalized and rotated at the window's first position with the ``compress`` RoPE; a query
   sees the entries of windows it has completed. ``heavily_compressed_attention`` sums windows of
   ``compress_rates`` positions; ``compressed_sparse_attention`` sums two series over overlapping
-  windows (a window's second half of the features with the previous window's first), and a
-  lightning indexer picks ``index_topk`` of them per query: up to ``index_topk`` entries it keeps
-  each one a query may see, so this graph attends to all of them, caps the context at
-  ``index_topk * rate`` positions (refused past it as too long) and sets the indexer's weights aside.
+  windows (a window's second half of the features with the previous window's first), of which a
+  lightning indexer (``indexer``: entries of its own, scored by ``index_n_heads`` ReLU heads)
+  lets each query see its ``index_topk`` best (all of them while it may see no more).
 - Feed-forward: ``n_routed_experts`` SwiGLU experts with gate clamped above and up on both sides at
   ``swiglu_limit``, scored by ``sqrtsoftplus`` (or ``sigmoid``); ``moe`` layers choose the best of
   the scores plus ``gate.bias``, ``hash_moe`` layers the experts ``gate.tid2eid`` lists for the
   token; the chosen scores renormalized, times ``routed_scaling_factor``; one clamped shared expert.
 
 The cache of a layer is a plain :class:`~mlxr_core.model.cache.KVCache`: the rotated key of every
-position, and as values either the key again (sliding layers) or the compressor's per-position
-projections, from which the entries are summed at each step for every row at its own windows. So
-batching, rollback and the prefix cache work as for any attention layer. Weights load under the
+position, and as values either the key again (sliding layers) or the compressors' per-position
+projections (the indexer's too), from which the entries are summed at each step for every row at
+its own windows. So batching, rollback and the prefix cache work as for any attention layer, at
+the cost of summing every window again at each step (a cost of the order of the attention's own). Weights load under the
 names transformers saves (DeepSeek's own: ``attn.wq_a``, ``ffn.experts.0.w1``, ``hc_attn_fn``).
 """
 
@@ -107,9 +106,9 @@ def clamped_swiglu(limit: float) -> Any:
 class Compressor(nn.Module):
     """A compressed layer's entries from its per-position projections ``wkv`` and ``wgate``."""
 
-    def __init__(self, args: DeepseekV4Args, rate: int, overlap: bool, kernels: KernelSet):
+    def __init__(self, args: DeepseekV4Args, rate: int, overlap: bool, kernels: KernelSet, head_dim: int):
         super().__init__()
-        D = args.dims
+        D = head_dim
         width = 2 * D if overlap else D
         self.wkv = nn.Linear(args.hidden_size, width, bias=False)
         self.wgate = nn.Linear(args.hidden_size, width, bias=False)
@@ -118,12 +117,17 @@ class Compressor(nn.Module):
         self.rate, self.overlap, self.head_dim = rate, overlap, D
         self._rotary = make_rotary(args, kernels, "compress", scale=rate)  # entry w sits at w * rate
 
-    def projections(self, x: mx.array) -> mx.array:
-        """``[B, L, hidden]`` -> what the cache keeps per position: ``[B, 1, L, 2 * width]``."""
-        return mx.concatenate([self.wkv(x), self.wgate(x)], axis=-1)[:, None]
+    @property
+    def width(self) -> int:
+        """Numbers a position's projections take (what the cache keeps of it)."""
+        return 2 * int(self.wkv.weight.shape[0])
+
+    def projections(self, x: mx.array) -> list[mx.array]:
+        """``[B, L, hidden]`` -> what the cache keeps per position, ``[B, L, width]`` arrays."""
+        return [self.wkv(x), self.wgate(x)]
 
     def __call__(self, rows: mx.array) -> mx.array:
-        """Entries ``[B, 1, W, D]`` of the ``W`` windows in ``rows [B, W * rate, 2 * width]`` (each
+        """Entries ``[B, 1, W, D]`` of the ``W`` windows in ``rows [B, W * rate, width]`` (each
         row's positions from its first on)."""
         B, T, _ = rows.shape
         D, m = self.head_dim, self.rate
@@ -140,6 +144,39 @@ def _shift(series: mx.array, fill: float) -> mx.array:
     """``[B, W, m, D]`` moved one window later along axis 1, the first window filled with ``fill``."""
     first = mx.full((series.shape[0], 1, *series.shape[2:]), fill, dtype=series.dtype)
     return mx.concatenate([first, series[:, :-1]], axis=1)
+
+
+class Indexer(nn.Module):
+    """The lightning indexer of a compressed-sparse layer: entries of its own (``compressor``, of
+    ``index_head_dim``) scored against ``index_n_heads`` queries from the query bottleneck
+    (``wq_b``), ``sum_h weights_proj_h * relu(q_h . k)``; each query keeps the ``index_topk`` best
+    of the entries it may see."""
+
+    def __init__(self, args: DeepseekV4Args, rate: int, kernels: KernelSet):
+        super().__init__()
+        self.heads, self.head_dim, self.top_k = args.index_n_heads, args.index_head_dim, args.index_topk
+        self.compressor = Compressor(args, rate, True, kernels, args.index_head_dim)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.hidden_size, self.heads, bias=False)
+        self._rotary = make_rotary(args, kernels, "compress")
+
+    def __call__(
+        self, rows: mx.array, x: mx.array, q_residual: mx.array, offset: int | mx.array, seen: mx.array
+    ) -> mx.array:
+        """``seen [B, L, W]`` (the entries each query may see) narrowed to the ``index_topk`` each
+        query scores best; ``rows`` the indexer's projections of the ``W`` windows."""
+        if seen.shape[-1] <= self.top_k:
+            return seen  # every entry a query may see is among its best
+        B, L, _ = x.shape
+        keys = self.compressor(rows)  # [B, 1, W, d]
+        queries = self.wq_b(q_residual).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
+        queries = rotate_tail(self._rotary, queries, offset).astype(mx.float32)
+        scores = mx.maximum(queries @ keys.astype(mx.float32).swapaxes(-1, -2), 0.0) * self.head_dim**-0.5
+        weights = self.weights_proj(x).astype(mx.float32).transpose(0, 2, 1)[..., None] * self.heads**-0.5
+        total = mx.where(seen, (scores * weights).sum(axis=1), -math.inf)  # [B, L, W]
+        best = mx.argpartition(-total, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        kept = mx.put_along_axis(mx.zeros(total.shape, dtype=mx.bool_), best, mx.array(True), axis=-1)
+        return seen & kept
 
 
 class GroupedLinear(nn.Module):
@@ -174,9 +211,12 @@ class DeepseekV4Attention(nn.Module):
         rate = args.compress_rate(layer)
         rope = "main" if rate is None else "compress"
         self._rotary, self._unrotary = make_rotary(args, kernels, rope), make_rotary(args, kernels, rope, -1.0)
+        assert args.layer_types is not None
+        sparse = args.layer_types[layer] == CSA
         if rate is not None:
-            assert args.layer_types is not None
-            self.compressor = Compressor(args, rate, args.layer_types[layer] == CSA, kernels)
+            self.compressor = Compressor(args, rate, sparse, kernels, D)
+        if sparse and rate is not None:
+            self.indexer = Indexer(args, rate, kernels)
         self.heads, self.head_dim, self.eps, self.groups = H, D, eps, args.o_groups
         self.window = args.sliding_window or args.max_position_embeddings
         self.scale = D**-0.5
@@ -185,15 +225,28 @@ class DeepseekV4Attention(nn.Module):
     @property
     def cache_width(self) -> int:
         """Numbers a position takes in the cache: the key, and the key again or the projections."""
-        return self.head_dim + (2 * self["compressor"].wkv.weight.shape[0] if "compressor" in self else self.head_dim)
+        if "compressor" not in self:
+            return 2 * self.head_dim
+        indexed = self.indexer.compressor.width if "indexer" in self else 0
+        return self.head_dim + self.compressor.width + indexed
+
+    def projections(self, x: mx.array, keys: mx.array) -> mx.array:
+        """The cache's values of ``[B, L, hidden]``: the compressors' projections, else the keys."""
+        if "compressor" not in self:
+            return keys
+        parts = self.compressor.projections(x)
+        if "indexer" in self:
+            parts += self.indexer.compressor.projections(x)
+        return mx.concatenate(parts, axis=-1)[:, None]
 
     def __call__(self, x: mx.array, mask: str | mx.array | None, cache: KVCache | None) -> mx.array:
         B, L, _ = x.shape
         offset = cache.offset if cache is not None else 0
-        queries = self.wq_b(self.q_norm(self.wq_a(x))).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
+        q_residual = self.q_norm(self.wq_a(x))
+        queries = self.wq_b(q_residual).reshape(B, L, self.heads, -1).transpose(0, 2, 1, 3)
         queries = rotate_tail(self._rotary, unit_rms(queries, self.eps), offset)
         keys = rotate_tail(self._rotary, self.norm(self.wkv(x))[:, None], offset)  # [B, 1, L, D]
-        stored = self.compressor.projections(x) if "compressor" in self else keys
+        stored = self.projections(x, keys)
         if cache is not None:
             keys, stored = cache.update_and_fetch(keys, stored)
         S = keys.shape[2]
@@ -202,19 +255,22 @@ class DeepseekV4Attention(nn.Module):
         if isinstance(mask, mx.array):
             visible = visible & (mask if mask.dtype == mx.bool_ else mask > -math.inf)
         if "compressor" in self and self.compressor.rate <= S:
-            keys, visible = self.compressed(keys, visible, stored, offset, L)
+            keys, visible = self.compressed(keys, visible, stored, offset, x, q_residual)
         out = self._attention(queries, keys, keys, scale=self.scale, mask=visible, sinks=self.attn_sink)
         out = rotate_tail(self._unrotary, out, offset).transpose(0, 2, 1, 3).reshape(B, L, self.groups, -1)
         result: mx.array = self.wo_b(self.wo_a(out))
         return result
 
     def compressed(
-        self, keys: mx.array, visible: mx.array, stored: mx.array, offset: int | mx.array, L: int
+        self, keys: mx.array, visible: mx.array, stored: mx.array, offset: int | mx.array, x: mx.array,
+        q_residual: mx.array,
     ) -> tuple[mx.array, mx.array]:
         """The keys with every row's compressed entries after them, and the mask letting a query at
-        position ``t`` of its row see entry ``w`` when ``(w + 1) * rate <= t + 1``. A row of a batch
-        starts after its left padding, ``S - L - offset`` positions: its windows start there."""
+        position ``t`` of its row see entry ``w`` when ``(w + 1) * rate <= t + 1`` (and, with an
+        indexer, when it is among the query's best). A row of a batch starts after its left
+        padding, ``S - L - offset`` positions: its windows start there."""
         B, _, S, _ = keys.shape
+        L = x.shape[1]
         m = self.compressor.rate
         W = S // m  # the most any row has; a shorter row's extra windows are never visible
         steps = mx.arange(W * m)
@@ -229,6 +285,9 @@ class DeepseekV4Attention(nn.Module):
             return keys, visible
         positions = mx.arange(L)[None, :] + (offset[:, None] if isinstance(offset, mx.array) else offset)
         seen = mx.arange(W)[None, None, :] < ((positions + 1) // m)[..., None]  # [B, L, W]
+        rows, indexed = mx.split(rows, [self.compressor.width], axis=-1)
+        if "indexer" in self:
+            seen = self.indexer(indexed, x, q_residual, offset, seen)
         visible = mx.broadcast_to(visible, (B, 1, L, S))
         return (mx.concatenate([keys, self.compressor(rows)], axis=2),
                 mx.concatenate([visible, seen[:, None]], axis=-1))
@@ -398,7 +457,7 @@ class DeepseekV4Architecture(DecoderArchitecture):
             name = TOP_LEVEL.get(bare, name if name.startswith(("model.", "lm_head.")) else f"model.{name}")
             parts = name.split(".")
             past = len(parts) > 2 and parts[1] == "layers" and int(parts[2]) >= args.num_hidden_layers
-            if bare.startswith("mtp.") or ".attn.indexer." in name or past:
+            if bare.startswith("mtp.") or past:
                 continue
             named[name] = array
         stacked = stack_experts(named, "ffn.experts", "ffn.switch_mlp", EXPERT_NAMES, args.n_routed_experts)
@@ -407,12 +466,6 @@ class DeepseekV4Architecture(DecoderArchitecture):
     def make_cache(self, model: nn.Module) -> list[Any]:
         """One :class:`KVCache` a layer, declaring what a position takes (see the module docstring)."""
         return [KVCache(width=layer.attn.cache_width) for layer in model.layers]
-
-    def context_length(self, config: dict[str, Any]) -> int:
-        """Up to ``index_topk * compress_rates[CSA]`` with a compressed-sparse layer: past it
-        transformers' indexer drops entries a query may see, which this graph does not compute."""
-        args = self.args(config)
-        return min(super().context_length(config), args.context_cap())
 
     def kernel_context(self, config: dict[str, Any]) -> dict[str, Any]:
         """The common shapes, and attention sinks (not every attention backend takes them)."""

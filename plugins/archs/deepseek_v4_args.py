@@ -52,6 +52,8 @@ class DeepseekV4Args(TransformerArgs):
         "o_groups": (1, 1 << 12),
         "o_lora_rank": (1, 1 << 16),
         "index_topk": (1, 1 << 24),
+        "index_n_heads": (1, 1 << 12),
+        "index_head_dim": (2, 1 << 14),
         "qk_rope_head_dim": (2, 1 << 14),
         "num_hash_layers": (0, 1 << 12),
     }
@@ -83,6 +85,8 @@ class DeepseekV4Args(TransformerArgs):
     o_groups: int = 8
     o_lora_rank: int = 1024
     index_topk: int = 512
+    index_n_heads: int = 64
+    index_head_dim: int = 128
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
 
@@ -136,7 +140,12 @@ class DeepseekV4Args(TransformerArgs):
                 f"o_groups = {self.o_groups} does not divide the {self.num_attention_heads} heads of {self.dims}",
                 key="o_groups",
             )
-        self.resolve_ropes()
+        rotated = self.rope_dims_of(self.resolve_ropes()["compress"])
+        if CSA in self.layer_types and rotated > self.index_head_dim:
+            raise ModelLoadError(
+                f"the indexer's heads of {self.index_head_dim} cannot take the {rotated} rotated features",
+                key="index_head_dim",
+            )
 
     def resolve_ropes(self) -> dict[str, dict[str, Any]]:
         """``main`` and ``compress`` as transformers reads them: given nested, or built from
@@ -182,15 +191,6 @@ class DeepseekV4Args(TransformerArgs):
         assert self.layer_types is not None and self.compress_rates is not None
         kind = self.layer_types[layer]
         return None if kind == SLIDING else self.compress_rates[kind]
-
-    def context_cap(self) -> int:
-        """Positions up to which every compressed-sparse layer's indexer keeps every entry a query
-        may see (``index_topk`` entries of ``compress_rates[CSA]`` positions each), so that the
-        attention over all of them is what transformers computes; no cap without such a layer."""
-        assert self.layer_types is not None and self.compress_rates is not None
-        if CSA not in self.layer_types:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.index_topk * self.compress_rates[CSA])
 
     def kernel_shapes(self) -> dict[str, Any]:
         """One shared key/value head of ``head_dim`` for every query head, interleaved RoPE."""
