@@ -101,6 +101,11 @@ class IndexedAttention(GatedAttention):
         #: Extra key heads carrying the indexer's key in the cache.
         self.index_heads = -(-indexer.head_dim // self.head_dim)
 
+    def attention(self, *args: Any, **kwargs: Any) -> mx.array:
+        """Not a step of its own: the indexer reads the keys the cache returns (:meth:`__call__`),
+        so a cache storing them otherwise (quantized) cannot serve this layer."""
+        raise NotImplementedError("IndexedAttention reads its cache itself")
+
     def make_cache(self) -> KVCache:
         return KVCache(width=(2 * (self.n_kv_heads + self.index_heads)) * self.head_dim)
 

@@ -131,6 +131,34 @@ def test_configs_it_does_not_compute_are_refused_naming_the_key(change, key):
     assert caught.value.key == key
 
 
+def test_quantized_keys_and_values_are_refused(reference, registries):
+    """The indexer reads its keys from the attention cache: stored quantized, they cannot serve."""
+    from mlxr_core.config.schema import KVCacheConfig, ModelConfig
+    from mlxr_core.errors import ConfigError
+    from mlxr_core.model.loader import load_model
+
+    config = ModelConfig(path=str(reference.folder), dtype="float32", kv_cache=KVCacheConfig(bits=8))
+    with pytest.raises(ConfigError, match=r"kv_cache cannot apply: .*reads its cache itself"):
+        load_model(config, registries)
+
+
+def test_a_bfloat16_table_is_read_from_its_file_as_stored(tmp_path):
+    """A table stored in bfloat16 (as released checkpoints hold it) is memory-mapped and its
+    rows come back as the stored values (raw bits read as bfloat16), in the model's dtype."""
+    from mlxr_plugins.archs.qwen4_exp_ple import NGramTable, host_rows
+    from mlxr_plugins.formats.safetensors.checkpoint import read_weights
+
+    shards = [mx.random.normal((rows, 4)).astype(mx.bfloat16) for rows in (5, 3)]
+    mx.save_safetensors(str(tmp_path / "t.safetensors"), {f"ngram_embedding.shard_{i}.weight": s for i, s in enumerate(shards)})
+    left: dict[str, Any] = {}
+    read_weights({tmp_path / "t.safetensors": None}, mx.float32, leave=lambda name: True, left=left)
+    table = NGramTable([host_rows(name, left[name][1]) for name in sorted(left)], mx.float32)
+    assert all(isinstance(shard, np.memmap) for shard in table.shards)
+    rows = mx.array([[7, 0], [4, 5]])
+    want = mx.concatenate(shards)[rows].astype(mx.float32)
+    np.testing.assert_array_equal(np.array(table(rows)), np.array(want))
+
+
 def test_the_released_layout_reads_the_text_model(reference, registries, tmp_path):
     """The vision-language checkpoint: keys under ``text_config`` (attention layers named
     ``full_attention``), weights under ``model.language_model.``, a vision tower not read."""
