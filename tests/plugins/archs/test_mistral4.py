@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -104,6 +105,35 @@ def test_the_query_scaling_is_what_makes_it_match(reference, registries, tmp_pat
     want = reference.logits[0]
     assert np.abs(got[:original] - want[:original]).max() < 1e-4
     assert np.abs(got[original:] - want[original:]).max() > 1e-2
+
+
+def older_layout(reference: Reference, folder: Path) -> None:
+    """``reference``'s folder as a converter writes it: ``rope_theta`` and ``rope_scaling`` (with
+    ``type``) at the top, no ``head_dim``, and one tensor per expert and projection."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(reference.folder, folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config.pop("head_dim")
+    config.update(rope_theta=rope.pop("rope_theta"), rope_scaling={**rope, "type": rope.pop("rope_type")})
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".mlp.experts.gate_up_proj")]:
+        stem = name.removesuffix("gate_up_proj")
+        fused, down = tensors.pop(name), tensors.pop(stem + "down_proj")
+        width = fused.shape[1] // 2
+        for e in range(fused.shape[0]):
+            tensors[f"{stem}{e}.gate_proj.weight"] = np.ascontiguousarray(fused[e, :width])
+            tensors[f"{stem}{e}.up_proj.weight"] = np.ascontiguousarray(fused[e, width:])
+            tensors[f"{stem}{e}.down_proj.weight"] = np.ascontiguousarray(down[e])
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_the_older_layout_matches_transformers(reference, registries, tmp_path):
+    """The same model with the RoPE settings at the top and the experts one tensor each."""
+    older_layout(reference, tmp_path / "older")
+    check_reference(Reference(tmp_path / "older", reference.prompts, reference.logits, reference.config), registries)
 
 
 @pytest.mark.slow
