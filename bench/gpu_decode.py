@@ -487,10 +487,22 @@ def mlxr_bare_decode(
 
 def mlxr_decode(engine: Engine, prompt: list[int], gen: int, streams: int) -> dict[str, Any]:
     params = SamplingParams(max_tokens=gen, temperature=0.0, extra={"ignore_eos": True})
-    handles = [
-        engine.submit(GenerationRequest(model="bench", prompt_ids=prompt, params=params))
-        for _ in range(streams)
-    ]
+    requests = [GenerationRequest(model="bench", prompt_ids=prompt, params=params) for _ in range(streams)]
+    firsts, ends, tokens, finished = consume_together(engine, requests)
+    if streams == 1:
+        done = finished[0]
+        return {"ttft_s": done.ttft_s, "decode_tps": (gen - 1) / (done.total_s - done.ttft_s),
+                "tokens": tokens[0]}
+    return {"aggregate_decode_tps": streams * (gen - 1) / (max(ends) - max(firsts)),
+            "tokens": tokens}
+
+
+def consume_together(
+    engine: Engine, requests: list[GenerationRequest]
+) -> tuple[list[float], list[float], list[list[int]], list[Finished]]:
+    """Submit ``requests`` at once and read them on a thread each: when each row's first token
+    and last event arrived, each row's tokens, and their :class:`Finished` events."""
+    handles = [engine.submit(request) for request in requests]
     firsts: list[float] = []
     finished: list[Finished] = []
     ends: list[float] = []
@@ -513,12 +525,7 @@ def mlxr_decode(engine: Engine, prompt: list[int], gen: int, streams: int) -> di
         thread.start()
     for thread in threads:
         thread.join()
-    if streams == 1:
-        done = finished[0]
-        return {"ttft_s": done.ttft_s, "decode_tps": (gen - 1) / (done.total_s - done.ttft_s),
-                "tokens": tokens[0]}
-    return {"aggregate_decode_tps": streams * (gen - 1) / (max(ends) - max(firsts)),
-            "tokens": tokens}
+    return firsts, ends, tokens, finished
 
 
 def agreement(single: list[int], batched: list[list[int]]) -> dict[str, float]:

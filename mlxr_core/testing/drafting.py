@@ -41,20 +41,37 @@ class ControlledDrafter:
         ] + drafted[len(right) :]
 
 
+class AcceptanceControl:
+    """The settings a decoder's wrapped row drafters read when a request is admitted."""
+
+    def __init__(self, references: Mapping[tuple[int, ...], Sequence[int]], acceptance: float, seed: int):
+        self.references = dict(references)
+        self.acceptance = acceptance
+        self.rng = random.Random(seed)
+
+
 def control_acceptance(
     decoder: Any, references: Mapping[tuple[int, ...], Sequence[int]], acceptance: float, *, seed: int = 0
-) -> None:
+) -> AcceptanceControl:
     """From now on, ``decoder``'s row drafters (a drafting decoder's instance, as the registry
     holds it) for a prompt in ``references`` draft that prompt's reference output (a plain greedy
-    run's) with probability ``acceptance`` per token; other prompts' are left as they are."""
+    run's) with probability ``acceptance`` per token; other prompts' are left as they are. Called
+    again, it replaces the references and the acceptance (the decoder is wrapped once)."""
+    control: AcceptanceControl | None = getattr(decoder, "acceptance_control", None)
+    if control is not None:
+        control.references, control.acceptance = dict(references), acceptance
+        control.rng.seed(seed)
+        return control
+    control = AcceptanceControl(references, acceptance, seed)
     original = decoder.row_drafter
-    rng = random.Random(seed)
 
     def row_drafter(model: Any, request: Any) -> Any:
         drafter = original(model, request)
-        reference = references.get(tuple(request.prompt_ids))
+        reference = control.references.get(tuple(request.prompt_ids))
         if drafter is None or reference is None:
             return drafter
-        return ControlledDrafter(drafter, len(request.prompt_ids), reference, acceptance, rng)
+        return ControlledDrafter(drafter, len(request.prompt_ids), reference, control.acceptance, control.rng)
 
     decoder.row_drafter = row_drafter
+    decoder.acceptance_control = control
+    return control
