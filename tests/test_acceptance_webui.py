@@ -445,6 +445,13 @@ TOOL_STREAM = sse(
     delta("tool_calls"),
     {"usage": {"prompt_tokens": 9, "completion_tokens": 21, "total_tokens": 30}},
 )
+TOOL_ALONE = sse(
+    delta(role="assistant"),
+    delta(tool_calls=[{"index": 0, "id": "call_2", "type": "function", "function": {"name": "get_weather"}}]),
+    delta(tool_calls=[{"index": 0, "function": {"arguments": '{"city": "Oslo"}'}}]),
+    delta("tool_calls"),
+    {"usage": {"prompt_tokens": 9, "completion_tokens": 16, "total_tokens": 25}},
+)
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 
 
@@ -453,10 +460,11 @@ def test_reasoning_is_folded_and_tool_calls_are_shown(page: Any) -> None:
     stream is played back to the page in the server's format)."""
     sign_in(page)
     sent: list[dict[str, Any]] = []
+    streams = [TOOL_STREAM, TOOL_ALONE]
 
     def play(route: Any) -> None:
         sent.append(json.loads(route.request.post_data))
-        route.fulfill(status=200, content_type="text/event-stream", body=TOOL_STREAM)
+        route.fulfill(status=200, content_type="text/event-stream", body=streams[len(sent) - 1])
 
     page.route("**/v1/chat/completions", play)
     page.click(".tools-setting summary")
@@ -468,10 +476,11 @@ def test_reasoning_is_folded_and_tool_calls_are_shown(page: Any) -> None:
 
     page.click("#new-chat")
     page.fill("#tools", json.dumps(TOOLS))
+    page.select_option("#tool-choice", "required")
     page.fill("#prompt", "Weather in Paris?")
     page.press("#prompt", "Enter")
     finished(page, 2)
-    assert sent[0]["tools"] == TOOLS
+    assert sent[0]["tools"] == TOOLS and sent[0]["tool_choice"] == "required"
     reply = page.locator(".message.assistant")
     thinking = reply.locator("details.thinking")
     assert thinking.is_visible() and thinking.get_attribute("open") is None  # folded
@@ -491,6 +500,15 @@ def test_reasoning_is_folded_and_tool_calls_are_shown(page: Any) -> None:
     assert page.inner_text(".tool-call .tool-name") == "get_weather"
     assert page.text_content(".thinking-text") == thinking_text and page.get_attribute("details.thinking", "open") is None
     assert page.locator("#messages img").count() == 0 and page.evaluate("window.pwned") is None
+
+    # A reply of a tool call alone (it comes whole, at the end): no rate from the moment it came.
+    page.click("#new-chat")
+    page.fill("#prompt", "Weather in Oslo?")
+    page.press("#prompt", "Enter")
+    finished(page, 2)
+    meta = page.inner_text(".message.assistant .meta")
+    assert meta.startswith("16 tokens · ") and meta.endswith(" s · called a tool") and "tokens/s" not in meta, meta
+    assert page.inner_text(".tool-call .tool-arguments") == '{\n  "city": "Oslo"\n}'
 
 
 def test_a_stored_conversation_never_becomes_markup_and_deep_quotes_reload(page: Any) -> None:

@@ -332,12 +332,13 @@
       top_p: $("top-p").value,
       max_tokens: $("max-tokens").value,
       tools: $("tools").value,
+      tool_choice: $("tool-choice").value,
     });
   }
 
   function loadSettings() {
     for (const [key, id] of [["system", "system"], ["temperature", "temperature"], ["top_p", "top-p"],
-      ["max_tokens", "max-tokens"], ["tools", "tools"]]) {
+      ["max_tokens", "max-tokens"], ["tools", "tools"], ["tool_choice", "tool-choice"]]) {
       if (typeof settings[key] === "string") $(id).value = settings[key];
     }
     showSliders();
@@ -413,6 +414,7 @@
     if (message.tokens) meta.push(`${message.tokens} tokens`);
     if (message.tokens_per_s) meta.push(`${message.tokens_per_s.toFixed(1)} tokens/s`);
     if (message.ttft_s !== undefined) meta.push(`first token ${message.ttft_s.toFixed(2)} s`);
+    if (message.seconds !== undefined) meta.push(`${message.seconds.toFixed(2)} s`);
     if (message.finish === "length") meta.push("cut at max_tokens");
     if (message.finish === "tool_calls") meta.push("called a tool");
     if (message.stopped) meta.push("stopped");
@@ -518,7 +520,10 @@
     const reply = { role: "assistant", model, content: "", reasoning: "", streaming: true };
     try {
       const listed = tools();
-      if (listed) body.tools = listed;
+      if (listed) {
+        body.tools = listed;
+        if ($("tool-choice").value !== "auto") body.tool_choice = $("tool-choice").value;
+      }
     } catch (error) {
       reply.error = error.message;
       delete reply.streaming;
@@ -553,7 +558,8 @@
         if (chunk.error) throw new Error(chunk.error.message ?? String(chunk.error));
         const choice = chunk.choices?.[0];
         const delta = choice?.delta ?? {};
-        if (first === null && (delta.content || delta.reasoning_content || delta.tool_calls)) first = performance.now();
+        // Tool calls come whole at the end of a generation: the clock starts at streamed text only.
+        if (first === null && (delta.content || delta.reasoning_content)) first = performance.now();
         reply.content += delta.content ?? "";
         reply.reasoning += delta.reasoning_content ?? "";
         for (const call of delta.tool_calls ?? []) {
@@ -579,6 +585,8 @@
       if (first !== null) {
         reply.ttft_s = (first - started) / 1000;
         if (reply.tokens > 1 && ended > first) reply.tokens_per_s = (reply.tokens - 1) / ((ended - first) / 1000);
+      } else if (reply.tool_calls) {
+        reply.seconds = (ended - started) / 1000;
       }
       if (reply.tool_calls) reply.tool_calls = reply.tool_calls.filter(Boolean);
       delete reply.streaming;
@@ -941,7 +949,7 @@
       }
     });
     $("stop").addEventListener("click", stop);
-    for (const id of ["model", "system", "temperature", "top-p", "max-tokens", "tools"]) {
+    for (const id of ["model", "system", "temperature", "top-p", "max-tokens", "tools", "tool-choice"]) {
       $(id).addEventListener("input", () => {
         showSliders();
         saveSettings();
