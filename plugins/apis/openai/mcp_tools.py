@@ -100,8 +100,24 @@ async def open_tools(ctx: ServerContext, specs: list[tuple[int, r.FunctionTool]]
     return found
 
 
-#: One generation turn over a chat: its output items and how it finished.
-Turn = Callable[[list[dict[str, Any]]], Awaitable[tuple[list[r.OutputItem], Finished]]]
+def check_choice(mcp: McpTools | None, choice: Any) -> None:
+    """A ``tool_choice`` of type ``mcp`` must name a tool its server (one of the request's ``mcp``
+    tools) lists and the request allows."""
+    if not isinstance(choice, r.NamedToolChoiceFields) or choice.type != "mcp":
+        return
+    if mcp is None or choice.server_label not in mcp.servers:
+        raise RequestError(f"tool_choice names MCP server {choice.server_label!r}, which is not among the request's "
+                           "mcp tools", field="tool_choice.server_label")  # fmt: skip
+    tool = mcp.tools.get(choice.name)
+    if tool is None or tool.server != choice.server_label:
+        offered = sorted(name for name, tool in mcp.tools.items() if tool.server == choice.server_label)
+        raise RequestError(f"MCP server {choice.server_label!r} offers no tool {choice.name!r} here; offered: "
+                           f"{', '.join(offered) or 'none'}", field="tool_choice.name")  # fmt: skip
+
+
+#: One generation turn over a chat (``first``: the request's first turn, where a forced tool
+#: choice holds): its output items and how it finished.
+Turn = Callable[[list[dict[str, Any]], bool], Awaitable[tuple[list[r.OutputItem], Finished]]]
 
 
 async def run_turns(
@@ -116,8 +132,8 @@ async def run_turns(
     response.output.extend(mcp.listed)
     finishes: list[Finished] = []
     added: list[dict[str, Any]] = []
-    for _ in range(limits.max_turns):
-        items, finished = await turn(chat + added)
+    for number in range(limits.max_turns):
+        items, finished = await turn(chat + added, number == 0)
         finishes.append(finished)
         calls = [item for item in items if isinstance(item, r.FunctionCallItem) and item.name in mcp.tools]
         response.output.extend(item for item in items if item not in calls)

@@ -78,7 +78,13 @@ from mlxr_plugins.apis.openai import responses_schemas as r
 from mlxr_plugins.apis.openai.background import BackgroundRuns, Run
 from mlxr_plugins.apis.openai.compact import compact, decode_summary, summary_message
 from mlxr_plugins.apis.openai.errors import error_body
-from mlxr_plugins.apis.openai.mcp_tools import McpTools, answer_approvals, open_tools, run_turns
+from mlxr_plugins.apis.openai.mcp_tools import (
+    McpTools,
+    answer_approvals,
+    check_choice,
+    open_tools,
+    run_turns,
+)
 from mlxr_plugins.apis.openai.schemas import ErrorBody
 from mlxr_plugins.apis.openai.store import ResponseStore, Stored
 from mlxr_plugins.apis.openai.streaming import SSE_HEADERS
@@ -236,10 +242,11 @@ def tool_request(body: r.ResponsesRequest) -> tuple[list[Tool], ToolChoice, bool
     choice = body.tool_choice
     if choice is None or isinstance(choice, str):
         mode = choice_mode(choice, tools)
-    elif choice.type == "function" and choice.name:
-        mode = ToolChoice("function", choice.name)
+    elif choice.type in ("function", "mcp") and choice.name:
+        mode = ToolChoice("function", choice.name)  # an MCP tool's server is checked by check_choice
     else:
-        raise RequestError("tool_choice must name a function: {'type': 'function', 'name': ...}", field="tool_choice")
+        raise RequestError("tool_choice must name a function: {'type': 'function', 'name': ...} (or an MCP "
+                           "server's tool: {'type': 'mcp', 'server_label': ..., 'name': ...})", field="tool_choice")  # fmt: skip
     return tools, mode, body.parallel_tool_calls is not False
 
 
@@ -404,6 +411,7 @@ class Responses:
         images = await load_images(ctx.config.server, info, inputs)
         tools, choice, parallel = tool_request(body)
         mcp = await open_tools(ctx, [(i, tool) for i, tool in enumerate(body.tools or []) if tool.type == "mcp"])
+        check_choice(mcp, body.tool_choice)
         if mcp is not None:
             if body.stream or body.background:
                 raise RequestError("requests with mcp tools are served without stream and background",
@@ -453,8 +461,11 @@ class Responses:
         ctx = self.ctx
         effort = body.reasoning.effort if body.reasoning is not None else None
 
-        async def turn(turn_chat: list[dict[str, Any]]) -> tuple[list[r.OutputItem], Finished]:
-            render = functools.partial(prepare.func, *prepare.args[:2], _without_image_data(turn_chat), **prepare.keywords)
+        async def turn(turn_chat: list[dict[str, Any]], first: bool = True) -> tuple[list[r.OutputItem], Finished]:
+            # A forced tool choice forces the first turn's call; after its result the model goes on
+            # as it will (forced every turn, the loop could only end at its bounds).
+            keywords = prepare.keywords if first else {**prepare.keywords, "choice": ToolChoice("auto")}
+            render = functools.partial(prepare.func, *prepare.args[:2], _without_image_data(turn_chat), **keywords)
             setup: ChatSetup = await prepare_in_thread(ctx, request, render)
             turn_params = copy.deepcopy(params)
             turn_params.constraint = setup.constraint or params.constraint
@@ -561,6 +572,8 @@ class Responses:
     def _response(self, body: r.ResponsesRequest, tools: list[Tool], choice: ToolChoice) -> r.Response:
         fmt = body.text.format if body.text and body.text.format else r.TextFormat()
         tool_choice: Any = choice.mode if choice.mode != "function" else {"type": "function", "name": choice.name}
+        if isinstance(body.tool_choice, r.NamedToolChoiceFields) and body.tool_choice.type == "mcp":
+            tool_choice = {"type": "mcp", "server_label": body.tool_choice.server_label, "name": choice.name}
         return r.Response(
             id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), model=body.model, output=[],
             status="in_progress", instructions=body.instructions, max_output_tokens=body.max_output_tokens,

@@ -115,11 +115,18 @@ FunctionTool = Annotated[FunctionToolFields, Meta(extra_json_schema={"allOf": [
 ]})]  # fmt: skip
 
 
-class NamedToolChoice(Struct, forbid_unknown_fields=False):
-    """``{"type": "function", "name": ...}``: the function the reply calls."""
+class NamedToolChoiceFields(Struct, forbid_unknown_fields=False):
+    """``{"type": "function", "name": ...}``: the function the reply calls; ``{"type": "mcp",
+    "server_label": ..., "name": ...}``: the tool of that MCP server it calls (first, then the
+    model goes on as it will)."""
 
-    type: Annotated[str, Meta(extra_json_schema={"const": "function"})]
+    type: Annotated[str, Meta(extra_json_schema={"enum": ["function", "mcp"]})]
     name: Annotated[str, Meta(min_length=1)]
+    server_label: Annotated[str, Meta(min_length=1)] | None = None
+
+
+NamedToolChoice = Annotated[NamedToolChoiceFields, Meta(extra_json_schema={"allOf": [
+    when("type", "mcp", {"required": ["server_label"]})]})]  # fmt: skip
 
 
 class TextFormat(Struct, forbid_unknown_fields=False):

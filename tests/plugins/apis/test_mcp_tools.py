@@ -139,3 +139,19 @@ def test_the_loop_is_bounded_and_bad_tools_are_refused(client: openai.OpenAI, fa
         with pytest.raises(openai.BadRequestError) as error:
             client.responses.create(model="fake", input="go", tools=[spec])  # type: ignore[list-item]
         assert error.value.body["param"] == param  # type: ignore[index]
+
+
+def test_a_tool_choice_naming_an_mcp_tool_forces_the_first_turn_only(client: openai.OpenAI, fake: ScriptedTurns) -> None:
+    fake.replies = [call("add", a=2, b=3), "Five."]
+    choice: Any = {"type": "mcp", "server_label": "files", "name": "add"}
+    response = client.responses.create(model="fake", input="go", tools=tools("files"), tool_choice=choice, max_output_tokens=500)  # type: ignore[arg-type]
+    assert [item.type for item in response.output] == ["mcp_list_tools", "mcp_call", "message"]
+    assert response.status == "completed" and response.output_text == "Five."
+    assert response.tool_choice.type == "mcp" and response.tool_choice.name == "add"  # type: ignore[union-attr]
+    first, second = fake.requests[-2:]
+    assert first.params.constraint is not None and second.params.constraint is None  # the call forced once
+    for wrong, param in (({**choice, "server_label": "web"}, "tool_choice.server_label"),
+                         ({**choice, "name": "shout"}, "tool_choice.name")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as error:
+            client.responses.create(model="fake", input="go", tools=tools("files"), tool_choice=wrong)  # type: ignore[arg-type]
+        assert error.value.body["param"] == param  # type: ignore[index]
