@@ -124,7 +124,7 @@ def describe_model(
     from mlxr_core.model.experts.store import ExpertStore
     from mlxr_core.model.experts.wiring import is_expert_tensor
     from mlxr_core.model.layers.moe import active_share
-    from mlxr_core.model.loader import DTYPES, build_model, kv_quantization
+    from mlxr_core.model.loader import DTYPES, build_model, kv_quantization, leave_in_files
     from mlxr_core.model.paths import resolve_model_path
     from mlxr_core.model.progress import step
     from mlxr_core.model.stages import open_checkpoint, plan
@@ -135,7 +135,7 @@ def describe_model(
     with step(f"loading {path.name}"):
         streams = experts is not None and experts.residency == "stream"
         opened = open_checkpoint(path, registries, dtype=dtype, mmproj=mmproj,
-                                 leave=is_expert_tensor if streams else None)  # fmt: skip
+                                 leave=leave_in_files(path, registries, streams=streams))  # fmt: skip
     planned = plan(opened, registries)
     checkpoint, chosen, arch, config = planned.checkpoint, planned.chosen, planned.arch, planned.config
     dtype = opened.dtype
@@ -168,7 +168,8 @@ def describe_model(
         parameters += layer.expert_parameters
         active += layer.expert_parameters * (layer.top_k or layer.experts) / layer.experts
     resident = sum(array.nbytes for _, array in flat)
-    stored_bytes = sum({id(part.source): part.source.nbytes for part in checkpoint.stored.values()}.values())
+    stored_bytes = sum({id(part.source): part.source.nbytes for name, part in checkpoint.stored.items()
+                        if is_expert_tensor(name)}.values())  # fmt: skip
     cache = store.cache.capacity if store is not None else 0
     caches = arch.make_cache(built)
     layers = len(caches)

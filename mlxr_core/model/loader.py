@@ -283,21 +283,32 @@ def _either(first: LeavePredicate, second: LeavePredicate, name: str) -> bool:
     return first(name) or second(name)
 
 
-def stored_tables(path: Path, registries: Registries, model_config: ModelConfig) -> LeavePredicate | None:
+def leave_in_files(
+    path: Path, registries: Registries, *, streams: bool, format: str = "auto", arch: str = "auto"
+) -> LeavePredicate | None:
+    """The checkpoint tensors to leave in their files: the routed experts where they stream, and
+    the tables the architecture keeps (:func:`stored_tables`); None for none."""
+    tables = stored_tables(path, registries, format, arch)
+    if not streams:
+        return tables
+    return is_expert_tensor if tables is None else partial(_either, is_expert_tensor, tables)
+
+
+def stored_tables(path: Path, registries: Registries, format: str = "auto", arch: str = "auto") -> LeavePredicate | None:
     """The tensors to leave in the files of the folder at ``path`` because its architecture keeps
     them as tables (:class:`~mlxr_core.model.arch.KeepsTablesStored`), found from its
     ``config.json`` before any weight is read; None where there are none, or where the format
     cannot leave tensors (they are then read, and still kept out of the parameters)."""
     folder = path if path.is_dir() else path.parent
     try:
-        _, fmt = pick_format(path, registries, model_config.format)
+        _, fmt = pick_format(path, registries, format)
         if not isinstance(fmt, LeavesTensors) or not (folder / "config.json").is_file():
             return None
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        arch = choose_arch(Checkpoint(path, "probe", config, {}), registries, model_config.arch).arch
+        chosen = choose_arch(Checkpoint(path, "probe", config, {}), registries, arch).arch
     except (MlxrError, OSError, ValueError):  # the load itself reports what is wrong
         return None
-    return partial(arch.stored_table, config) if isinstance(arch, KeepsTablesStored) else None
+    return partial(chosen.stored_table, config) if isinstance(chosen, KeepsTablesStored) else None
 
 
 def tensor_shares(
@@ -383,10 +394,9 @@ def load_model(
             tensor_shares, registries=registries, arch=model_config.arch, kernels=choices, group=tensor_group, name=name
         )
     streams = model_config.experts.residency == "stream"
-    tables = stored_tables(path, registries, model_config) if tensor_group is None else None
-    leave: LeavePredicate | None = is_expert_tensor if streams else None
-    if tables is not None:
-        leave = tables if leave is None else partial(_either, leave, tables)
+    leave = None if tensor_group is not None else leave_in_files(
+        path, registries, streams=streams, format=model_config.format, arch=model_config.arch
+    )
     opened = open_checkpoint(
         path, registries, format=model_config.format, dtype=model_config.dtype, mmproj=model_config.mmproj,
         shares=shares, leave=leave,

@@ -109,7 +109,11 @@ def test_the_ngram_tables_stay_in_the_files_out_of_the_weights(reference, regist
     joined = [stored[f"model.layers.2.ple.ple_embedding.ngram_embedding.shard_{i}.weight"] for i in range(4)]
     np.testing.assert_array_equal(np.concatenate(table.shards), np.concatenate(joined))
     constants = sum(array.nbytes for name, array in stored.items() if "ple_embedding" in name and name not in tables)
-    assert loaded.nbytes == sum(array.nbytes for array in stored.values()) - sum(t.nbytes for t in tables.values()) - constants
+    weights = sum(array.nbytes for array in stored.values()) - sum(t.nbytes for t in tables.values()) - constants
+    assert loaded.nbytes == weights
+    from mlxr_core.cli.info import describe_model
+
+    assert describe_model(str(reference.folder), dtype="float32", quantization="keep")["resident_bytes"] == weights
 
 
 @pytest.mark.parametrize(
