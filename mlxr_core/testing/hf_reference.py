@@ -269,10 +269,13 @@ def transformers_greedy(model_class: str, folder: Path, prompts: list[list[int]]
     return outputs
 
 
-def engine_greedy(folder: Path, prompts: list[list[int]], steps: int, *, prefill_chunk: int = 24) -> list[list[int]]:
+def engine_greedy(
+    folder: Path, prompts: list[list[int]], steps: int, *, prefill_chunk: int = 24, compiled: bool = True
+) -> list[list[int]]:
     """``steps`` greedy tokens for each prompt from mlxr's engine serving ``folder`` (float32), the
     prompts submitted together (continuous batching, prompts prefilled in chunks of
-    ``prefill_chunk``); raises AssertionError unless the model decodes through the compiled step."""
+    ``prefill_chunk``); with ``compiled``, raises AssertionError unless the model decodes through
+    the compiled step (models with recurrent layers decode uncompiled)."""
     from mlxr_core.config.schema import Config, EngineConfig, ModelConfig
     from mlxr_core.engine.engine import Engine
     from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
@@ -284,7 +287,7 @@ def engine_greedy(folder: Path, prompts: list[list[int]], steps: int, *, prefill
     )
     engine.start()
     try:
-        assert engine.model("tiny").compiled_decode, "the model does not decode through the compiled step"
+        assert engine.model("tiny").compiled_decode or not compiled, "the model does not decode through the compiled step"
         params = SamplingParams(temperature=0.0, max_tokens=steps, extra={"ignore_eos": True})
         handles = [engine.submit(GenerationRequest(model="tiny", prompt_ids=p, params=params)) for p in prompts]
         outputs = []

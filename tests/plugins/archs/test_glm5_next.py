@@ -106,3 +106,14 @@ def test_what_the_graph_does_not_compute_is_refused_by_name(reference, change, k
     with pytest.raises(ModelLoadError) as caught:
         Glm5NextArchitecture().args(config)
     assert caught.value.key == key
+
+
+@pytest.mark.slow  # ~60 s here: transformers' greedy tokens without a cache, KDA in torch
+def test_the_engine_serves_concurrent_streams_as_transformers_decodes(reference):
+    """Three greedy streams submitted together (continuous batching, prompts prefilled in chunks
+    of 16, a one-token prompt): each stream's tokens are transformers'."""
+    from mlxr_core.testing.hf_reference import engine_greedy, transformers_greedy
+
+    prompts = [reference.prompts[0][:30], reference.prompts[1], [7]]
+    want = transformers_greedy("Glm5NextForConditionalGeneration", reference.folder, prompts, 8)
+    assert engine_greedy(reference.folder, prompts, 8, prefill_chunk=16, compiled=False) == want

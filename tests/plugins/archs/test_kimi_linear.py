@@ -103,3 +103,16 @@ def test_what_the_graph_does_not_compute_is_refused_by_name(reference, change, k
     with pytest.raises(ModelLoadError) as caught:
         KimiLinearArchitecture().args(config)
     assert caught.value.key == key
+
+
+@pytest.mark.slow  # ~60 s here: transformers' greedy tokens without a cache, KDA in torch
+def test_the_engine_serves_concurrent_streams_as_transformers_decodes(reference):
+    """Four greedy streams submitted together (continuous batching, prompts prefilled in chunks of
+    16, a one-token prompt, two sharing a 24-token prefix): each stream's tokens are
+    transformers'."""
+    from mlxr_core.testing.hf_reference import engine_greedy, transformers_greedy
+
+    shared = reference.prompts[0][:24]
+    prompts = [[*shared, 5], reference.prompts[1], [7], [*shared, 5, 9, 8]]
+    want = transformers_greedy("KimiLinearForCausalLM", reference.folder, prompts, 8)
+    assert engine_greedy(reference.folder, prompts, 8, prefill_chunk=16, compiled=False) == want
