@@ -326,8 +326,7 @@ class BatchRunner:
             elif isinstance(seq.drafter, ReadsHidden) and isinstance(self.model.model, CausalLM):
                 # The drafter reads the prompt's hidden states (no LM head over the prompt either).
                 hidden = self.model.model.model(ids, cache=seq.cache)
-                seq.drafter.observe(start, hidden[0])
-                mx.eval(hidden)
+                seq.drafter.observe(start, hidden[0], seq.prompt[start + 1 : stop + 1])
             else:
                 self.model.model(ids, cache=seq.cache)
             mx.eval([array for cache in seq.cache for array in cache.state])
@@ -627,7 +626,7 @@ class BatchRunner:
         if hidden is not None:
             for row, seq in enumerate(self.running):
                 if isinstance(seq.drafter, ReadsHidden) and row not in failed:
-                    seq.drafter.observe(starts[row], hidden[row, : len(emitted[row])])
+                    seq.drafter.observe(starts[row], hidden[row, : len(emitted[row])], emitted[row])
         self._after_verify(logits, drafts, emitted, failed)
 
     def _verify_pass(self, inputs: mx.array, longest: int, caches: list[Any]) -> tuple[mx.array, mx.array | None]:

@@ -63,10 +63,10 @@ class ReadsHidden(Protocol):
     the final (normed) hidden states of the positions its row keeps, computed by the passes that
     run anyway: the prompt's prefill, and each verification's accepted span."""
 
-    def observe(self, start: int, hidden: mx.array) -> None:
-        """``hidden`` (``[n, H]``) of target positions ``start .. start + n - 1``, every one of
-        whose following tokens the row's history will hold at the next :meth:`Drafter.propose`.
-        A ``start`` past the last position handed means the row decoded steps without them."""
+    def observe(self, start: int, hidden: mx.array, following: Sequence[int]) -> None:
+        """``hidden`` (``[n, H]``) of target positions ``start .. start + n - 1`` and the ``n``
+        tokens that followed them (the last is the row's next input). A ``start`` past the last
+        position handed means the row decoded steps without them."""
         ...
 
 

@@ -28,8 +28,8 @@ class ControlledDrafter:
         self.rng = rng
         self.draft_logits = None
 
-    def observe(self, start: int, hidden: mx.array) -> None:
-        self.inner.observe(start, hidden)
+    def observe(self, start: int, hidden: mx.array, following: Sequence[int]) -> None:
+        self.inner.observe(start, hidden, following)
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
         drafted = list(self.inner.propose(history, k))

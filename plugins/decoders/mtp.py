@@ -3,11 +3,12 @@
 :mod:`mlxr_core.model.layers.mtp`).
 
 Each row keeps the head's own cache. The batch hands the row's drafter the target's final hidden
-states of every position it kept (the prompt's as it is prefilled, then each verification's
-accepted span: :class:`~mlxr_core.engine.speculation.ReadsHidden`); at the next step the head reads
-them with the tokens that followed (one pass over the span), its last position guesses the token
-after the row's next input, and each further draft token chains the head on its own output. The
-chained positions are forgotten before the next step reads the target's states for them.
+states of every position it kept, with the tokens that followed them (the prompt's chunk by chunk
+as it is prefilled, then each verification's accepted span:
+:class:`~mlxr_core.engine.speculation.ReadsHidden`); the head reads them in one pass there. At the
+next step its last position's output guesses the token after the row's next input, and each
+further draft token chains the head on its own output. The chained positions are forgotten
+before the head reads the target's states for them.
 A gap in what the row was handed (a plain step of a large batch, a prompt from the prefix cache)
 starts the head's cache afresh from there: the drafts get worse, the output stays the target's.
 """
@@ -71,8 +72,9 @@ class MtpDrafter:
         self.target = target
         self.head = head
         self.cache = head.make_cache()
-        #: Target hidden states handed over and not yet read by the head (``[n, H]`` each).
-        self.pending: list[mx.array] = []
+        #: The head's outputs (``normed``, ``chained``: ``[1, 1, H]``) at the last position it
+        #: read the target's state of, or None (nothing read since the last proposal).
+        self.last: tuple[mx.array, mx.array] | None = None
         #: The target position of the next hidden state expected (None: nothing handed yet).
         self.expected: int | None = None
         #: Positions of the head's cache written by chained steps (forgotten before the next read).
@@ -82,41 +84,40 @@ class MtpDrafter:
         #: The logits the last proposal was drawn from (``[k, V]``), or None (greedy).
         self.draft_logits: mx.array | None = None
 
-    def observe(self, start: int, hidden: mx.array) -> None:
+    def observe(self, start: int, hidden: mx.array, following: Sequence[int]) -> None:
+        """The head reads the target's states with the tokens that followed, in one pass (its
+        graph queued, not waited for): its cache then holds those positions."""
         if self.expected is not None and start != self.expected:
-            self._restart()
-        self.pending.append(hidden)
+            self.cache, self.chained = self.head.make_cache(), 0  # a gap: start afresh from here
+        self._forget_chain()
+        tokens = mx.array(list(following), dtype=mx.int32)[None]
+        normed, chained = self.head(self.target.embed(tokens), hidden[None], self.cache)
+        self.last = (normed[:, -1:], chained[:, -1:])
+        mx.async_eval(*self.last)
         self.expected = start + hidden.shape[0]
 
-    def _restart(self) -> None:
-        self.cache = self.head.make_cache()
-        self.pending, self.chained = [], 0
-
-    def propose(self, history: Sequence[int], k: int) -> list[int]:
-        self.draft_logits = None
+    def _forget_chain(self) -> None:
         if self.chained:
             self.cache.trim(self.chained)
             self.chained = 0
-        if not self.pending or k <= 0:
+
+    def propose(self, history: Sequence[int], k: int) -> list[int]:
+        self.draft_logits = None
+        self._forget_chain()
+        last, self.last = self.last, None
+        # The states read must end just before the row's next input (history[-1]).
+        if last is None or k <= 0 or self.expected != len(history) - 1:
             return []
-        if self.expected != len(history) - 1:  # the states do not end before the next input
-            self._restart()
-            self.expected = None
-            return []
-        hidden = mx.concatenate(self.pending)[None]
-        self.pending = []
-        # Position i's state is read with the token after it: the last n tokens of the history.
-        tokens = mx.array(list(history[-hidden.shape[1] :]), dtype=mx.int32)[None]
+        normed, chained = last
         proposed: list[mx.array] = []
         drawn: list[mx.array] = []
         for i in range(k):
-            normed, chained = self.head(self.target.embed(tokens), hidden, self.cache)
-            logits = self.target.lm_logits(normed[:, -1:])[:, 0]
+            logits = self.target.lm_logits(normed)[:, 0]
             token, self._key, scaled = draft_choice(logits, self.temperature, self._key)
             drawn.extend([] if scaled is None else [scaled])
             proposed.append(token)
             if i + 1 < k:
-                tokens, hidden = token[:, None], chained[:, -1:]
+                normed, chained = self.head(self.target.embed(token[:, None]), chained, self.cache)
                 self.chained += 1
         self.draft_logits = mx.concatenate(drawn) if drawn else None
         values: list[int] = mx.concatenate(proposed).tolist()  # type: ignore[assignment]

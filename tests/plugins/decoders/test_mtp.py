@@ -118,7 +118,7 @@ def test_the_head_and_its_chain_draw_as_the_model_card_says(checkpoint):
     # The target's final hidden states of every prompt position but the last (a prefill).
     hidden = loaded.model.model(mx.array([prompt[:-1]]))
     drafter = MtpDrafter(loaded.model, head, temperature=1.0, seed=3)
-    drafter.observe(0, hidden[0])
+    drafter.observe(0, hidden[0], prompt[1:])
     drafted = drafter.propose(prompt, 4)
     assert len(drafted) == 4 and drafter.draft_logits is not None
     ours = np.array(drafter.draft_logits)
@@ -197,6 +197,38 @@ def test_eight_rows_drafting_with_the_head_decode_as_plain(checkpoint):
         engine.stop()
 
 
+def test_chunked_prompts_gaps_and_sampled_rows(checkpoint):
+    """Prompts prefilled 4 tokens a chunk (the head reads each chunk's states as it comes), a
+    batch above ``max_batch`` (plain steps: the rows' heads start afresh when the batch shrinks
+    under it and drafting resumes), rows leaving at different lengths, two sampled rows: the
+    greedy rows give plain decoding's tokens, the sampled ones their full length."""
+    from mlxr_core.config.schema import EngineConfig
+
+    folder, _ = checkpoint
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(5, 24, ROWS)]
+    speculative = SpeculationConfig(method="mtp", k=3, max_k=5, max_batch=4)
+    model = ModelConfig(path=str(folder), name="tiny", context_length=256, dtype="float32", speculative=speculative)
+    engine = Engine(Config(models=[model], engine=EngineConfig(prefill_chunk=4)), HOST)
+    engine.start()
+    try:
+        plain = run(engine, prompts, speculative=False)
+        controlled(engine, {tuple(p): out for p, out in zip(prompts, plain, strict=True)}, 0.8)
+        lengths = [TOKENS - 6 * row for row in range(ROWS)]
+        handles = []
+        for row, prompt in enumerate(prompts):
+            sampled = {"temperature": 0.8, "seed": row} if row >= ROWS - 2 else {}
+            params = SamplingParams(**{"temperature": 0.0, "max_tokens": lengths[row], "extra": {"ignore_eos": True}, **sampled})
+            handles.append(engine.submit(GenerationRequest(model="tiny", prompt_ids=prompt, params=params)))
+        outputs = [[t for e in handle if isinstance(e, Delta) for t in e.token_ids] for handle in handles]
+        for row in range(ROWS - 2):
+            assert outputs[row] == plain[row][: lengths[row]], f"row {row}"
+        assert [len(out) for out in outputs[-2:]] == lengths[-2:]
+        assert dict(engine.stats()["decoders"]["tiny"]["mtp"])["accepted"] > 0
+    finally:
+        engine.stop()
+
+
 def test_a_checkpoint_without_the_head_is_refused_naming_the_key(tmp_path):
     write_checkpoint(tmp_path, mtp=False)
     engine = Engine(Config(models=[ModelConfig(path=str(tmp_path), name="tiny", dtype="float32",
@@ -268,7 +300,7 @@ def test_deepseek_next_token_layer_against_transformers_and_the_paper(deepseek):
     prompt = np.random.default_rng(4).integers(2, VOCAB, 10).tolist()
     hidden = loaded.model.model(mx.array([prompt[:-1]]))
     drafter = MtpDrafter(loaded.model, head, temperature=1.0, seed=5)
-    drafter.observe(0, hidden[0])
+    drafter.observe(0, hidden[0], prompt[1:])
     drafted = drafter.propose(prompt, 3)
     assert drafter.draft_logits is not None
     ours = np.array(drafter.draft_logits)
