@@ -417,9 +417,9 @@ def test_regenerate_and_edit_and_resend_drop_what_came_after(page: Any) -> None:
     finished(page, 2)
     assert sent[-1]["messages"] == [{"role": "user", "content": "one, edited"}]
     assert first_reply  # a reply was there to regenerate
-    # An edit cancelled with Escape changes nothing.
-    page.hover(".message.user")
-    page.click(".message.user .edit")
+    # From the keyboard: the edit button takes focus; an edit cancelled with Escape changes nothing.
+    page.focus(".message.user .edit")
+    page.keyboard.press("Enter")
     page.fill(".message.user .edit-text", "never sent")
     page.press(".message.user .edit-text", "Escape")
     assert page.inner_text(".message.user .body") == "one, edited" and len(sent) == 6
