@@ -382,17 +382,30 @@ def test_a_recurrent_state_rolls_back_to_each_rows_last_kept_position():
     assert np.array(cache.recurrent_state)[:, 0].tolist() == [10.0, 13.0, 12.0]
 
 
-@pytest.mark.slow  # transformers' reference Qwen3-Next runs its recurrences in plain torch
-def test_hybrid_rows_with_different_drafts_decode_as_plain(tmp_path):
-    """Qwen3-Next (Gated DeltaNet and gated attention layers, MoE): the recurrent layers keep each
-    verified position's states, so every row undoes its own rejected tokens."""
+#: Hybrid families (recurrent and attention layers) and tiny configs of them.
+HYBRIDS = {
+    "qwen3_next": {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "intermediate_size": 96, "vocab_size": 97, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    "kimi_linear": {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
+                    "intermediate_size": 96, "vocab_size": 97, "num_local_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 12,
+                    "v_head_dim": 10, "linear_head_dim": 16, "linear_num_heads": 4, "pad_token_id": 0,
+                    "bos_token_id": 0, "eos_token_id": 1,
+                    "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
+}  # fmt: skip
+
+
+@pytest.mark.slow  # transformers' reference hybrids run their recurrences in plain torch
+@pytest.mark.parametrize("model_type", list(HYBRIDS))
+def test_hybrid_rows_with_different_drafts_decode_as_plain(tmp_path, model_type):
+    """Qwen3-Next (Gated DeltaNet and gated attention layers, MoE), Kimi Linear (Kimi delta
+    attention and latent attention): the recurrent layers keep each verified position's states,
+    so every row undoes its own rejected tokens."""
     from mlxr_core.testing.hf_reference import greedy_reference
 
-    keys = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "intermediate_size": 96, "vocab_size": 97, "num_experts": 4, "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16}  # fmt: skip
-    reference = greedy_reference("qwen3_next", keys, tmp_path, tokens=1)
+    reference = greedy_reference(model_type, HYBRIDS[model_type], tmp_path, tokens=1)
     engine = serve(reference.folder)
     try:
         check_exact(engine)
