@@ -48,6 +48,7 @@ from mlxr_plugins.archs.qwen4_exp_ple import (
     NGramTable,
     PLECache,
     PLELayer,
+    derived_constants,
     host_rows,
 )
 from mlxr_plugins.archs.qwen4_exp_qsa import IndexedAttention, Indexer
@@ -292,7 +293,7 @@ class Qwen4ExpArchitecture(Qwen35Architecture):
         layout), with the hashing constants the checkpoint stores per PLE layer checked against
         the config's and dropped. (The n-gram tables never come here: see :meth:`attach_tables`.)"""
         args: Qwen4ExpArgs = self.args(config)
-        expected = _derived_constants(args)
+        expected = derived_constants(args)
         rest: dict[str, mx.array] = {}
         for name, array in weights.items():
             if name.rpartition(".")[2] not in DERIVED:
@@ -336,20 +337,3 @@ class Qwen4ExpArchitecture(Qwen35Architecture):
         """Keys and values per attention layer, a recurrent state per DeltaNet layer (with the
         n-gram context and convolution inputs where it has per-layer embeddings)."""
         return [layer.make_cache() for layer in model.layers]
-
-
-def _derived_constants(args: Qwen4ExpArgs) -> dict[str, dict[str, list[int]]]:
-    """Layer stem (``model.layers.3``) -> the hashing constants of its PLE layer."""
-    from mlxr_plugins.archs.qwen4_exp_ple import layer_multipliers, primes_from
-
-    heads = (args.ngram_size - 1) * args.heads_per_ngram
-    primes = primes_from(args.ngram_vocab_size_base, len(args.ple_layer_ids) * heads)
-    out = {}
-    for index, layer in enumerate(args.ple_layer_ids):
-        mine = primes[index * heads : (index + 1) * heads]
-        out[f"model.layers.{layer - 1}"] = {
-            "layer_multipliers": layer_multipliers(args.vocab_size, args.ngram_size, index, args.seed),
-            "ngram_heads_vocab_sizes": mine,
-            "ngram_heads_offsets": [sum(mine[:h]) for h in range(heads)],
-        }
-    return out

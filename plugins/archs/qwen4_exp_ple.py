@@ -23,6 +23,7 @@ inputs and the last ``ngram_size - 1`` tokens.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any
 
 import mlx.core as mx
@@ -59,6 +60,7 @@ def _is_prime(value: int) -> bool:
     return all(value % divisor for divisor in range(3, math.isqrt(value) + 1, 2))
 
 
+@lru_cache(maxsize=8)
 def primes_from(start: int, count: int) -> list[int]:
     """The first ``count`` primes at or above ``start``."""
     primes: list[int] = []
@@ -178,7 +180,8 @@ class NGramEmbedding(nn.Module):
         self.ngram_size, self.per_order = args.ngram_size, args.heads_per_ngram
         heads = (args.ngram_size - 1) * args.heads_per_ngram
         self.eos = args.eos_id
-        primes = primes_from(args.ngram_vocab_size_base, (ple_index + 1) * heads)[ple_index * heads :]
+        every = primes_from(args.ngram_vocab_size_base, len(args.ple_layer_ids) * heads)  # every PLE layer's, cached
+        primes = every[ple_index * heads : (ple_index + 1) * heads]
         offsets = [sum(primes[:head]) for head in range(heads)]
         divisor = args.make_ngram_vocab_size_divisible_by
         #: The table's shape: rows padded to a multiple of ``make_ngram_vocab_size_divisible_by``.
@@ -187,11 +190,6 @@ class NGramEmbedding(nn.Module):
         # Plain lists, not parameters: derived from the config, never loaded.
         self._multipliers = layer_multipliers(args.vocab_size, args.ngram_size, ple_index, args.seed)
         self._primes, self._offsets = primes, offsets
-
-    def derived(self) -> dict[str, list[int]]:
-        """What the checkpoint's buffers of this layer must hold (checked at load)."""
-        return {"layer_multipliers": self._multipliers, "ngram_heads_vocab_sizes": self._primes,
-                "ngram_heads_offsets": self._offsets}  # fmt: skip
 
     def rows(self, tokens: mx.array, history: mx.array) -> mx.array:
         """Table rows ``[B, L, heads]`` of ``tokens`` ``[B, L]`` after ``history`` ``[B, n - 1]``."""
@@ -274,3 +272,18 @@ class PLELayer(nn.Module):
             cache[3] = (mx.concatenate([history, tokens.astype(mx.int32)], axis=1)[:, -self.context :]) - self.eos
         out: mx.array = gated + nn.silu(conv)
         return out
+
+
+def derived_constants(args: Any) -> dict[str, dict[str, list[int]]]:
+    """Layer stem (``model.layers.3``) -> the hashing constants of its PLE layer."""
+    heads = (args.ngram_size - 1) * args.heads_per_ngram
+    primes = primes_from(args.ngram_vocab_size_base, len(args.ple_layer_ids) * heads)
+    out = {}
+    for index, layer in enumerate(args.ple_layer_ids):
+        mine = primes[index * heads : (index + 1) * heads]
+        out[f"model.layers.{layer - 1}"] = {
+            "layer_multipliers": layer_multipliers(args.vocab_size, args.ngram_size, index, args.seed),
+            "ngram_heads_vocab_sizes": mine,
+            "ngram_heads_offsets": [sum(mine[:h]) for h in range(heads)],
+        }
+    return out
