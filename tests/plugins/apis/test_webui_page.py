@@ -25,11 +25,13 @@ PAGE_JS = Path(__file__).with_name("webui_page.js")
 pytestmark = pytest.mark.skipif(NODE is None, reason="needs node")
 
 
-def load_page(messages: list[Any]) -> dict[str, Any]:
-    """The page loaded with ``messages`` as its stored conversation: the error it threw, if any, and
-    each message's classes and body."""
+def load_page(messages: list[Any], quota: int | None = None) -> dict[str, Any]:
+    """The page loaded with ``messages`` as its stored conversation: the error it threw, if any,
+    each message's classes and body, and what it left in storage (refusing values longer than
+    ``quota`` characters, as a full storage does)."""
+    state: dict[str, Any] = {"chat": messages} if quota is None else {"chat": messages, "quota": quota}
     done = subprocess.run(
-        [str(NODE), str(PAGE_JS), str(APP_JS)], input=json.dumps({"chat": messages}),
+        [str(NODE), str(PAGE_JS), str(APP_JS)], input=json.dumps(state),
         capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     page: dict[str, Any] = json.loads(done.stdout)
@@ -88,3 +90,14 @@ def test_the_single_conversation_of_earlier_pages_joins_the_list() -> None:
     assert listed["title"] == "What is MLX?" and storage["mlxr.current"] == listed["id"]
     assert [m["content"] for m in storage[f"mlxr.conversation.{listed['id']}"]] == ["  What is\n MLX?  ", "A framework."]
     assert [m["className"] for m in page["messages"]] == ["message user", "message assistant"]
+
+
+def test_a_conversation_too_big_for_the_storage_is_kept_without_its_images() -> None:
+    image = "data:image/png;base64," + "A" * 20_000
+    messages = [{"role": "user", "content": "look", "images": [image, image]}, reply("a picture")]
+    page = load_page(messages, quota=10_000)
+    assert page["error"] is None, page["error"]
+    storage = {key: json.loads(value) for key, value in page["storage"].items()}
+    (listed,) = storage["mlxr.conversations"]
+    kept = storage[f"mlxr.conversation.{listed['id']}"]
+    assert kept == [{"role": "user", "content": "look", "images_dropped": 2}, reply("a picture")]

@@ -4,6 +4,8 @@
 // what the page left in localStorage.
 //
 //   node webui_page.js APP_JS < '{"chat": [{"role": "assistant", "content": "..."}]}'
+//
+// "quota": N makes localStorage refuse a value longer than N characters, as a full storage does.
 "use strict";
 
 const fs = require("fs");
@@ -60,7 +62,10 @@ const sandbox = {
   location: { hash: "" },
   localStorage: {
     getItem: (key) => stored.get(key) ?? null,
-    setItem: (key, value) => stored.set(key, value),
+    setItem: (key, value) => {
+      if (input.quota !== undefined && value.length > input.quota) throw new Error("QuotaExceededError");
+      stored.set(key, value);
+    },
     removeItem: (key) => stored.delete(key),
   },
   fetch: () => new Promise(() => {}),
