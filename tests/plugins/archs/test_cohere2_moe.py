@@ -96,6 +96,25 @@ def test_a_config_without_the_per_layer_lists_matches(reference, registries, tmp
     check_reference(Reference(folder, reference.prompts, reference.logits, config), registries)
 
 
+def test_packed_weights_stay_close(reference, registries):
+    """``quantization: q8`` (the projections and experts packed where their widths allow; the norms
+    stay float): near the float32 reference, nearly every greedy choice kept, prompt and cache."""
+    import mlx.core as mx
+
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.model.loader import load_model
+
+    loaded = load_model(ModelConfig(path=str(reference.folder), dtype="float32", quantization="q8"), registries)
+    packed = {type(module).__name__ for _, module in loaded.model.named_modules()}
+    assert {"KernelQuantizedLinear", "QuantizedSwitchLinear"} <= packed
+    for ids, want in zip(reference.prompts, reference.logits, strict=True):
+        cache = loaded.make_cache()
+        got = np.array(mx.concatenate([loaded.model(mx.array([ids[:8]]), cache=cache),
+                                       loaded.model(mx.array([ids[8:]]), cache=cache)], axis=1)[0])
+        assert np.abs(got - want).mean() < 0.03 * np.abs(want).max()
+        assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
 @pytest.mark.slow
 def test_the_engine_serves_transformers_greedy_tokens(reference):
     """Three concurrent greedy streams of 12 tokens through the engine (continuous batching, the
