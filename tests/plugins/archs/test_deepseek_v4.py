@@ -19,9 +19,11 @@ import pytest
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.testing.hf_reference import (
     check_reference,
+    engine_greedy,
     load_reference_model,
     o1_init,
     tiny_reference,
+    transformers_greedy,
 )
 
 BASE: dict[str, Any] = {
@@ -74,6 +76,37 @@ def test_v4_matches_transformers(v4, registries):
     loaded = load_reference_model(v4, registries)
     assert "native architecture 'deepseek_v4'" in loaded.arch_reason
     assert loaded.arch.context_length(v4.config) == 256
+
+
+@pytest.mark.slow
+def test_the_engine_serves_transformers_greedy_tokens(registries, tmp_path):
+    """Four concurrent greedy streams of 12 tokens through the engine (continuous batching, prompts
+    prefilled in chunks of 24, a one-token prompt, a prompt extending a cached one), the indexer
+    choosing 3 entries a query, give transformers' tokens for each prompt. The hyper-connections'
+    blocks do not take the compiled step's cut, so the engine decodes eagerly."""
+    made = reference(tmp_path, index_topk=3, index_n_heads=8)
+    prompts = [made.prompts[0], made.prompts[1], [7], [*made.prompts[0][:30], 5, 9]]
+    want = transformers_greedy("DeepseekV4ForCausalLM", made.folder, prompts, 12)
+    assert engine_greedy(made.folder, prompts, 12, compiled=False) == want
+
+
+def test_the_kv_budget_and_info_count_what_each_layer_keeps(v4, registries):
+    """A position's numbers: the sliding layer's key twice (2 x 32); the compressed-sparse layer's
+    key, its compressor's two series of kv and gate (4 x 32) and its indexer's (4 x 16); the heavily
+    compressed layer's key and its compressor's kv and gate (3 x 32). Quantized keys are refused."""
+    from mlxr_core.cli.info import describe_model
+    from mlxr_core.config.schema import KVCacheConfig, ModelConfig
+    from mlxr_core.engine.batch import kv_bytes_per_token
+    from mlxr_core.errors import ConfigError
+    from mlxr_core.model.loader import load_model
+
+    per_token = (2 * 32 + (32 + 4 * 32 + 4 * 16) + 3 * 32) * 4
+    assert kv_bytes_per_token(load_reference_model(v4, registries)) == per_token
+    facts = describe_model(str(v4.folder), dtype="float32")
+    assert facts["architecture"] == "deepseek_v4" and facts["kv_bytes_per_token"] == per_token
+    config = ModelConfig(path=str(v4.folder), dtype="float32", kv_cache=KVCacheConfig(bits=8))
+    with pytest.raises(ConfigError, match="reads its cache itself"):
+        load_model(config, registries)
 
 
 def test_yarn_on_the_compressed_layers_from_a_released_config(registries, tmp_path):
