@@ -95,6 +95,20 @@ def test_it_matches_transformers(reference, registries, backend):
     check_reference(reference, registries, backend=backend, atol=ATOL)
 
 
+#: The other settings: three streams, 4-grams (three shifts cut at eos) in 3 heads each, a longer
+#: dilated convolution, the sigmoid output gate, half of each head rotated, indexer heads wider
+#: than attention heads (carried in two extra key heads, zero-padded), one block picked of 6.
+OTHER = {**SHAPE, "hc_count": 3, "ngram_size": 4, "heads_per_ngram": 3, "ple_embed_dim": 36,
+         "ple_conv_kernel_size": 3, "output_gate_type": "sigmoid", "indexer_head_dim": 24,
+         "indexer_budget": 6, "indexer_compress_ratio": 6, "ple_layer_ids": [3],
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}  # fmt: skip
+
+
+def test_other_settings_match_transformers(registries, tmp_path):
+    reference = tiny_reference("Qwen4ExpForCausalLM", "Qwen4ExpTextConfig", OTHER, tmp_path)
+    check_reference(reference, registries, atol=ATOL)
+
+
 def test_the_ngram_tables_stay_in_the_files_out_of_the_weights(reference, registries):
     """Each table's shards are memory-mapped where the checkpoint holds them (in order, as one
     table), never parameters: the resident weights are the checkpoint's bytes less the tables'."""
