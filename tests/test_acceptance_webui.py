@@ -379,6 +379,25 @@ def test_conversations_are_listed_switched_renamed_deleted_and_kept_across_reloa
     assert titles(page) == ["second <b>question</b>"]
 
 
+def test_two_tabs_add_to_one_list(page: Any) -> None:
+    """Each tab reads the list again before changing it, and shows the other's changes."""
+    sign_in(page)
+    other = page.context.new_page()
+    other.goto("/ui/")
+    for tab, prompt in ((page, "asked in the first tab"), (other, "asked in the second tab")):
+        without_eos(tab)
+        tab.fill("#max-tokens", "2")
+        tab.fill("#prompt", prompt)
+        tab.press("#prompt", "Enter")
+        finished(tab, 2)
+    both = ["asked in the second tab", "asked in the first tab"]
+    until(page, "document.querySelectorAll('#conversations li').length === 2")
+    assert titles(page) == titles(other) == both
+    page.reload()
+    until(page, "document.querySelectorAll('#conversations li').length === 2")
+    assert titles(page) == both
+
+
 def test_regenerate_and_edit_and_resend_drop_what_came_after(page: Any) -> None:
     sign_in(page)
     sent: list[dict[str, Any]] = []

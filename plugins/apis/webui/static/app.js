@@ -211,10 +211,16 @@
 
   const newId = () => `${Date.now().toString(36)}${Math.random().toString(36).slice(2, 8)}`;
 
-  function loadConversations() {
+  // The list as stored: read again before each change, so that two tabs of the page add to it
+  // rather than write over each other's.
+  function readConversations() {
     const listed = store.get("conversations", []);
     conversations = Array.isArray(listed)
       ? listed.filter((c) => c && typeof c.id === "string" && typeof c.title === "string") : [];
+  }
+
+  function loadConversations() {
+    readConversations();
     // The page kept a single conversation under mlxr.chat before: it joins the list.
     const legacy = store.get("chat", null);
     if (Array.isArray(legacy) && legacy.length) saveChat(newId(), legacy);
@@ -251,6 +257,7 @@
   // full the conversation is kept without them.
   function saveChat(id = chat.id, messages = chat.messages) {
     if (!messages.length) return;
+    readConversations();
     let entry = conversations.find((c) => c.id === id);
     if (entry) conversations.splice(conversations.indexOf(entry), 1);
     else entry = { id, title: "", titled: false };
@@ -274,6 +281,7 @@
   }
 
   function renameConversation(id, title) {
+    readConversations();
     const entry = conversations.find((c) => c.id === id);
     if (!entry) return;
     entry.titled = Boolean(title.trim());
@@ -283,6 +291,7 @@
   }
 
   function deleteConversation(id) {
+    readConversations();
     conversations = conversations.filter((c) => c.id !== id);
     store.remove(`conversation.${id}`);
     store.set("conversations", conversations);
@@ -978,6 +987,12 @@
 
   function listenConversations() {
     $("new-chat").addEventListener("click", () => openConversation(null));
+    // Another tab of the page changed the list.
+    window.addEventListener("storage", (event) => {
+      if (event.key !== "mlxr.conversations") return;
+      readConversations();
+      renderConversations();
+    });
     $("conversations").addEventListener("click", (event) => {
       const target = event.target.closest("button");
       const item = target?.closest("li");
