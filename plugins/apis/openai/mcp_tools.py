@@ -26,6 +26,7 @@ import attrs
 import msgspec
 
 from mlxr_core.chat.parsing import Tool
+from mlxr_core.chat.tools import ToolChoice
 from mlxr_core.config.schema import McpServerConfig
 from mlxr_core.engine.request import Finished
 from mlxr_core.errors import RequestError
@@ -100,19 +101,24 @@ async def open_tools(ctx: ServerContext, specs: list[tuple[int, r.FunctionTool]]
     return found
 
 
-def check_choice(mcp: McpTools | None, choice: Any) -> None:
-    """A ``tool_choice`` of type ``mcp`` must name a tool its server (one of the request's ``mcp``
-    tools) lists and the request allows."""
+def check_choice(mcp: McpTools | None, choice: Any, mode: ToolChoice) -> ToolChoice:
+    """The tool choice the request starts with (``mode``, from ``choice`` as sent). A ``tool_choice``
+    of type ``mcp`` must name a tool its server (one of the request's ``mcp`` tools) lists and the
+    request allows; where that server failed to list its tools, the call cannot be forced and the
+    model answers as it will (the server's ``mcp_list_tools`` item has the error)."""
     if not isinstance(choice, r.NamedToolChoiceFields) or choice.type != "mcp":
-        return
+        return mode
     if mcp is None or choice.server_label not in mcp.servers:
         raise RequestError(f"tool_choice names MCP server {choice.server_label!r}, which is not among the request's "
                            "mcp tools", field="tool_choice.server_label")  # fmt: skip
+    if any(item.server_label == choice.server_label and item.error for item in mcp.listed):
+        return ToolChoice("auto")
     tool = mcp.tools.get(choice.name)
     if tool is None or tool.server != choice.server_label:
         offered = sorted(name for name, tool in mcp.tools.items() if tool.server == choice.server_label)
         raise RequestError(f"MCP server {choice.server_label!r} offers no tool {choice.name!r} here; offered: "
                            f"{', '.join(offered) or 'none'}", field="tool_choice.name")  # fmt: skip
+    return mode
 
 
 #: One generation turn over a chat (``first``: the request's first turn, where a forced tool

@@ -411,7 +411,7 @@ class Responses:
         images = await load_images(ctx.config.server, info, inputs)
         tools, choice, parallel = tool_request(body)
         mcp = await open_tools(ctx, [(i, tool) for i, tool in enumerate(body.tools or []) if tool.type == "mcp"])
-        check_choice(mcp, body.tool_choice)
+        choice = check_choice(mcp, body.tool_choice, choice)
         if mcp is not None:
             if body.stream or body.background:
                 raise RequestError("requests with mcp tools are served without stream and background",
@@ -572,7 +572,7 @@ class Responses:
     def _response(self, body: r.ResponsesRequest, tools: list[Tool], choice: ToolChoice) -> r.Response:
         fmt = body.text.format if body.text and body.text.format else r.TextFormat()
         tool_choice: Any = choice.mode if choice.mode != "function" else {"type": "function", "name": choice.name}
-        if isinstance(body.tool_choice, r.NamedToolChoiceFields) and body.tool_choice.type == "mcp":
+        if choice.mode == "function" and isinstance(body.tool_choice, r.NamedToolChoiceFields) and body.tool_choice.type == "mcp":
             tool_choice = {"type": "mcp", "server_label": body.tool_choice.server_label, "name": choice.name}
         return r.Response(
             id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), model=body.model, output=[],

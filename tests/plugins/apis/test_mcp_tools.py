@@ -155,3 +155,8 @@ def test_a_tool_choice_naming_an_mcp_tool_forces_the_first_turn_only(client: ope
         with pytest.raises(openai.BadRequestError) as error:
             client.responses.create(model="fake", input="go", tools=tools("files"), tool_choice=wrong)  # type: ignore[arg-type]
         assert error.value.body["param"] == param  # type: ignore[index]
+    # A server that failed to list its tools cannot have its call forced: the model answers without it.
+    fake.replies = ["No tools."]
+    dead = client.responses.create(model="fake", input="go", tools=tools("dead"), tool_choice={**choice, "server_label": "dead"})  # type: ignore[arg-type]
+    assert dead.output[0].type == "mcp_list_tools" and dead.output[0].error and dead.output_text == "No tools."  # type: ignore[union-attr]
+    assert fake.requests[-1].params.constraint is None
