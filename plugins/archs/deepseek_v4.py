@@ -149,24 +149,32 @@ class DeepseekV4Block(nn.Module):
 
     def connect(self, h: mx.array, part: str) -> tuple[mx.array, mx.array, mx.array]:
         """``(post [B, L, N], comb [B, L, N, N], the block's input [B, L, hidden])`` before ``part``."""
-        N, eps = self.streams, self.hc_eps
-        base, scale = self[f"hc_{part}_base"].astype(mx.float32), self[f"hc_{part}_scale"].astype(mx.float32)
-        pre, post, comb = mx.split(hyper_weights(h, self[f"hc_{part}_fn"], self.eps), [N, 2 * N], axis=-1)
-        pre = mx.sigmoid(pre * scale[0] + base[:N]) + eps
-        post = 2 * mx.sigmoid(post * scale[1] + base[N : 2 * N])
-        comb = mx.softmax(comb.reshape(*comb.shape[:-1], N, N) * scale[2] + base[2 * N :].reshape(N, N), axis=-1) + eps
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-        for _ in range(self.iterations - 1):  # Sinkhorn-Knopp: rows, then columns, sum to 1
-            comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
-            comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
-        collapsed = (pre[..., None] * h).sum(axis=2).astype(h.dtype)
-        return post.astype(h.dtype), comb.astype(h.dtype), collapsed
+        return hyper_connect(self, h, part)
 
     def __call__(self, h: mx.array, mask: str | mx.array | None, cache: KVCache | None, ids: mx.array) -> mx.array:
         post, comb, x = self.connect(h, "attn")
         h = post[..., None] * self.attn(self.attn_norm(x), mask, cache)[:, :, None] + comb.swapaxes(-1, -2) @ h
         post, comb, x = self.connect(h, "ffn")
         return post[..., None] * self.ffn(self.ffn_norm(x), ids)[:, :, None] + comb.swapaxes(-1, -2) @ h
+
+
+def hyper_connect(block: Any, h: mx.array, part: str) -> tuple[mx.array, mx.array, mx.array]:
+    """The hyper-connection of ``block`` before its ``part`` (``attn`` or ``ffn``), from its
+    ``hc_{part}_fn``, ``_base`` and ``_scale`` and its ``streams``, ``eps`` (the RMS norm's),
+    ``hc_eps`` and Sinkhorn ``iterations``: ``(post [B, L, N], comb [B, L, N, N], the part's input
+    [B, L, hidden])``."""
+    N, eps = block.streams, block.hc_eps
+    base, scale = block[f"hc_{part}_base"].astype(mx.float32), block[f"hc_{part}_scale"].astype(mx.float32)
+    pre, post, comb = mx.split(hyper_weights(h, block[f"hc_{part}_fn"], block.eps), [N, 2 * N], axis=-1)
+    pre = mx.sigmoid(pre * scale[0] + base[:N]) + eps
+    post = 2 * mx.sigmoid(post * scale[1] + base[N : 2 * N])
+    comb = mx.softmax(comb.reshape(*comb.shape[:-1], N, N) * scale[2] + base[2 * N :].reshape(N, N), axis=-1) + eps
+    comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    for _ in range(block.iterations - 1):  # Sinkhorn-Knopp: rows, then columns, sum to 1
+        comb = comb / (comb.sum(axis=-1, keepdims=True) + eps)
+        comb = comb / (comb.sum(axis=-2, keepdims=True) + eps)
+    collapsed = (pre[..., None] * h).sum(axis=2).astype(h.dtype)
+    return post.astype(h.dtype), comb.astype(h.dtype), collapsed
 
 
 class HyperHead(nn.Module):

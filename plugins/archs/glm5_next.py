@@ -24,7 +24,6 @@ SwiGLU MLP or DeepSeek-V3's mixture, per ``mlp_layer_types``, gate and up clampe
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -45,6 +44,7 @@ from mlxr_core.model.layers import (
 from mlxr_core.model.layers.kimi_delta import KimiDeltaAttention, sanitize_kimi_delta
 from mlxr_core.model.layers.latent_attention import LatentAttention, split_kv_b_proj
 from mlxr_plugins.archs.deepseek_v3 import EXPERT_NAMES
+from mlxr_plugins.archs.deepseek_v4 import clamped_swiglu, hyper_connect
 from mlxr_plugins.archs.kimi_linear import check_layer_lists, no_rotation, read_linear_attn_config
 from mlxr_plugins.archs.qwen3_5 import text_config
 
@@ -144,60 +144,28 @@ class Glm5NextArgs(TransformerArgs):
                 "linear_head_dim": self.linear_head_dim}
 
 
-def clamped_swiglu(limit: float) -> Callable[[mx.array, mx.array], mx.array]:
-    """``silu(min(gate, limit)) * clip(up, -limit, limit)``."""
-
-    def activation(gate: mx.array, up: mx.array) -> mx.array:
-        return nn.silu(mx.minimum(gate, limit)) * mx.clip(up, -limit, limit)
-
-    return activation
-
-
-class HyperConnection(nn.Module):
-    """One half's mixing weights: ``fn`` ``[(2 + N) N, N * hidden]``, ``base``, ``scale`` ``[3]``."""
-
-    def __init__(self, hidden: int, streams: int, eps: float, hc_eps: float, iterations: int):
-        super().__init__()
-        self.fn = mx.zeros(((2 + streams) * streams, streams * hidden))
-        self.base = mx.zeros(((2 + streams) * streams,))
-        self.scale = mx.ones((3,))
-        self.streams, self.eps, self.hc_eps, self.iterations = streams, eps, hc_eps, iterations
-
-    def __call__(self, x: mx.array, half: Callable[[mx.array], mx.array]) -> mx.array:
-        """``x`` ``[B, L, N, hidden]`` -> the streams after ``half`` (``[B, L, hidden]`` in and out)."""
-        B, L, N, _ = x.shape
-        flat = x.reshape(B, L, -1).astype(mx.float32)
-        flat = flat * mx.rsqrt(mx.mean(flat * flat, axis=-1, keepdims=True) + self.eps)
-        mixed = flat @ self.fn.astype(mx.float32).T
-        scale, base = self.scale.astype(mx.float32), self.base.astype(mx.float32)
-        pre = mx.sigmoid(mixed[..., :N] * scale[0] + base[:N]) + self.hc_eps
-        post = 2 * mx.sigmoid(mixed[..., N : 2 * N] * scale[1] + base[N : 2 * N])
-        comb_logits = mixed[..., 2 * N :].reshape(B, L, N, N) * scale[2] + base[2 * N :].reshape(N, N)
-        comb = mx.softmax(comb_logits, axis=-1) + self.hc_eps
-        comb = comb / (comb.sum(axis=-2, keepdims=True) + self.hc_eps)
-        for _ in range(self.iterations - 1):
-            comb = comb / (comb.sum(axis=-1, keepdims=True) + self.hc_eps)
-            comb = comb / (comb.sum(axis=-2, keepdims=True) + self.hc_eps)
-        out = half((pre[..., None] * x).sum(axis=2).astype(x.dtype))
-        return (post[..., None].astype(x.dtype) * out[:, :, None, :] + comb.swapaxes(-1, -2).astype(x.dtype) @ x)
-
-
 class HyperBlock(nn.Module):
-    """A pre-norm block over ``hc_mult`` streams (module docstring); the hyper-connections under
-    the released names ``hc_attn_*`` and ``hc_ffn_*``."""
+    """A pre-norm block over ``hc_mult`` streams (module docstring), the hyper-connections'
+    tensors under the released names (``hc_attn_fn``, ``hc_ffn_base``, ...), mixed as DeepSeek-V4's
+    (:func:`~mlxr_plugins.archs.deepseek_v4.hyper_connect`)."""
 
     def __init__(self, mixer: nn.Module, mlp: nn.Module, args: Glm5NextArgs, kernels: KernelSet):
         super().__init__()
-        H, eps = args.hidden_size, args.rms_norm_eps
+        H, N, eps = args.hidden_size, args.hc_mult, args.rms_norm_eps
         self.self_attn, self.mlp = mixer, mlp
         self.input_layernorm = RMSNorm(H, eps, kernels)
         self.post_attention_layernorm = RMSNorm(H, eps, kernels)
-        self.hc_attn = HyperConnection(H, args.hc_mult, eps, args.hc_eps, args.hc_sinkhorn_iters)
-        self.hc_ffn = HyperConnection(H, args.hc_mult, eps, args.hc_eps, args.hc_sinkhorn_iters)
+        for part in ("attn", "ffn"):
+            setattr(self, f"hc_{part}_fn", mx.zeros(((2 + N) * N, N * H)))
+            setattr(self, f"hc_{part}_base", mx.zeros(((2 + N) * N,)))
+            setattr(self, f"hc_{part}_scale", mx.ones((3,)))
+        self.streams, self.eps, self.hc_eps, self.iterations = N, eps, args.hc_eps, args.hc_sinkhorn_iters
 
-    def __call__(self, x: mx.array, mask: str | mx.array | None, cache: Any) -> mx.array:
-        x = self.hc_attn(x, lambda h: self.self_attn(self.input_layernorm(h), mask, cache))
-        return self.hc_ffn(x, lambda h: self.mlp(self.post_attention_layernorm(h)))
+    def __call__(self, h: mx.array, mask: str | mx.array | None, cache: Any) -> mx.array:
+        post, comb, x = hyper_connect(self, h, "attn")
+        h = post[..., None] * self.self_attn(self.input_layernorm(x), mask, cache)[:, :, None] + comb.swapaxes(-1, -2) @ h
+        post, comb, x = hyper_connect(self, h, "ffn")
+        return post[..., None] * self.mlp(self.post_attention_layernorm(x))[:, :, None] + comb.swapaxes(-1, -2) @ h
 
 
 class StreamsModel(DecoderModel):
@@ -253,10 +221,6 @@ class Glm5Next(CausalLM):
         self.args = args
 
 
-#: The released names of the hyper-connections' tensors -> the modules'.
-HC_NAMES = {f"hc_{half}_{part}": f"hc_{half}.{part}" for half in ("attn", "ffn") for part in ("fn", "base", "scale")}
-
-
 class Glm5NextArchitecture(DecoderArchitecture):
     """The :class:`mlxr_core.model.arch.Architecture` of ``glm5_next`` (its text model) and
     ``glm5_next_text``."""
@@ -272,8 +236,7 @@ class Glm5NextArchitecture(DecoderArchitecture):
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
         """The text model's weights under plain names (the vision tower's, the indexer's and the
-        layers past ``num_hidden_layers`` set aside), hyper-connections under their modules,
-        ``kv_b_proj`` split per head, experts stacked, KDA's tensors as its layer holds them."""
+        layers past ``num_hidden_layers`` set aside), ``kv_b_proj`` split per head, experts stacked, KDA's tensors as its layer holds them."""
         args = self.args(config)
         kept: dict[str, mx.array] = {}
         for name, array in weights.items():
@@ -288,8 +251,7 @@ class Glm5NextArchitecture(DecoderArchitecture):
                 continue
             if name.startswith("model.layers.") and int(name.split(".")[2]) >= args.num_hidden_layers:
                 continue
-            stem, _, leaf = name.rpartition(".")
-            kept[f"{stem}.{HC_NAMES.get(leaf, leaf)}"] = array
+            kept[name] = array
         split = split_kv_b_proj(kept, args.num_attention_heads, args.qk_nope_head_dim, args.v_head_dim)
         stacked = stack_experts(split, "mlp.experts", "mlp.switch_mlp", EXPERT_NAMES, args.n_routed_experts)
         return {name: array for name, array in sanitize_kimi_delta(stacked).items()
