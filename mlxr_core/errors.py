@@ -179,6 +179,13 @@ class EngineStopped(MlxrError):
     status = 503
 
 
+class RequestCancelled(MlxrError):
+    """An operator cancelled the request (``POST /v1/requests/{id}/cancel``). 410: the clients'
+    retries (on 409, 429 and 5xx) would run again what the operator stopped."""
+
+    status = 410
+
+
 class Unsupported(MlxrError):
     """The server cannot do this in its configuration; the message says which setting keeps it."""
 

@@ -15,7 +15,7 @@ import anyio
 import attrs
 
 from mlxr_core.engine.request import Failed
-from mlxr_core.errors import MlxrError
+from mlxr_core.errors import MlxrError, RequestCancelled
 from mlxr_core.http.metrics import Metrics, RequestTimer
 
 if TYPE_CHECKING:
@@ -93,7 +93,9 @@ class InflightRequests:
         if entry is None or entry[0] != owner:
             return False
         running = [handle for handle in entry[1] if handle in self._timers]
+        why = RequestCancelled(f"the request was cancelled by an operator (POST /v1/requests/{request_id[:64]}/cancel)")
         for handle in running:
+            handle._emit(Failed(why))  # read before the engine's own end, which tells no reason
             handle.cancel()
         return bool(running)
 

@@ -56,7 +56,7 @@ from mlxr_core.engine.request import (
     RequestHandle,
 )
 from mlxr_core.engine.request import Usage as EngineUsage
-from mlxr_core.errors import MlxrError, RequestError
+from mlxr_core.errors import MlxrError, RequestCancelled, RequestError
 from mlxr_core.http.access import key_owner
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
@@ -653,6 +653,8 @@ class Responses:
                         if data:
                             yield data
                     continue
+                if isinstance(event, Failed) and isinstance(event.error, RequestCancelled):
+                    response.status = "cancelled"  # an operator's POST /v1/requests/{id}/cancel
                 if response.status == "cancelled":  # POST .../cancel
                     yield builder.feed(reader.finish()) + builder.finish()
                     await self._put(response, listed, history, owner)

@@ -102,9 +102,17 @@ def test_an_operator_cancels_any_running_request_by_id(url: str, fake: FakeEngin
         assert answer.status_code == 200 and answer.json() == {"id": "job-42", "cancelled": True, "object": "request"}
         assert fake.handles[-1].cancelled
         rest = list(lines)
-    assert rest  # the stream ends
+    assert any("cancelled by an operator" in line for line in rest), rest  # the stream ends saying why
     missing = httpx.post(f"{url}/v1/requests/job-42/cancel", json={})
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_an_operator_cancel_of_a_background_response_leaves_it_cancelled(url: str, client: openai.OpenAI, fake: FakeEngine) -> None:
+    fake.endless = True
+    started = client.responses.create(model="fake", input="hi", background=True)
+    wait_for(client, started.id, ("in_progress",))
+    assert httpx.post(f"{url}/v1/requests/{started.id}/cancel", json={}).status_code == 200
+    assert wait_for(client, started.id, ("cancelled", "failed")).status == "cancelled" and fake.handles[-1].cancelled
 
 
 def test_only_the_key_that_sent_a_request_cancels_it_by_id(fake: FakeEngine, tmp_path: Path) -> None:
