@@ -89,6 +89,8 @@ class DeepseekV4Args(TransformerArgs):
     index_head_dim: int = 128
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    quantization_config: dict[str, Any] | None = None
+    expert_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.partial_rotary_factor is None:
@@ -106,6 +108,14 @@ class DeepseekV4Args(TransformerArgs):
                 raise ModelLoadError(
                     f"{value!r} is not computed by the {self.family} graph ({', '.join(map(repr, allowed))})", key=key
                 )
+        # Released V4 checkpoints may pack their experts as FP4 (two e2m1 codes a byte, one scale per
+        # 32), which no format here unpacks: refused rather than read as FP8 or float.
+        packing = (self.quantization_config or {}).get("expert_dtype", self.expert_dtype)
+        if packing not in (None, "fp8", "bf16", "bfloat16"):
+            raise ModelLoadError(
+                f"experts stored as {packing!r} are not supported by the {self.family} graph (fp8 or float)",
+                key="quantization_config.expert_dtype",
+            )
         n = self.num_hidden_layers
         rates = {CSA: 4, HCA: 128, **(self.compress_rates or {})}
         if self.compress_rate_csa is not None:

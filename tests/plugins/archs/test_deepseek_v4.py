@@ -147,6 +147,7 @@ def test_the_indexer_keeps_each_query_s_best_entries_as_transformers_does(regist
                              "compress": {"rope_type": "default", "rope_theta": 1.6e5}}, "linear"),
         ("n_shared_experts", 2, "integer in"),
         ("mlp_bias", True, "not computed"),
+        ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"}, "fp4"),
     ],
 )
 def test_what_the_graph_does_not_compute_is_named(v4, registries, key, value, match):
