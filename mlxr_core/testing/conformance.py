@@ -101,6 +101,12 @@ TINY_CONFIG: dict[str, Any] = {
     "n_group": 2,
     "topk_group": 1,
     "first_k_dense_replace": 1,
+    # Qwen4-Exp's indexed attention: 2 blocks of 2 tokens picked per query (fewer than the prompts').
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 8,
+    "indexer_budget": 4,
+    "indexer_compress_ratio": 2,
 }
 #: Prompt lengths of the two batch rows: different, and longer than the sliding window.
 LENGTHS = (11, 6)
