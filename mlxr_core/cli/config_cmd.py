@@ -82,5 +82,7 @@ def run_show(args: argparse.Namespace) -> int:
     for secret in ("api_keys", "admin_api_keys"):  # never print secrets
         if server.get(secret):
             server[secret] = ["***"] * len(server[secret])
+    if server.get("compaction_secret"):
+        server["compaction_secret"] = "***"
     print(yaml.safe_dump(shown, sort_keys=False), end="")
     return 0

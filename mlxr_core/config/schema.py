@@ -171,6 +171,10 @@ class ServerConfig:
     max_audio_seconds: float = attrs.field(default=1800.0, validator=v.gt(0.0))
     max_audio_channels: int = attrs.field(default=8, validator=v.ge(1))
     responses_store: ResponsesStoreConfig = attrs.field(factory=ResponsesStoreConfig)
+    #: The secret compaction items (``/v1/responses/compact``) are signed with (HMAC-SHA256), at
+    #: least 32 characters; None: a random one at each start, so items made before a restart are
+    #: refused after it. ``MLXR_SERVER__COMPACTION_SECRET`` sets it without writing it here.
+    compaction_secret: str | None = attrs.field(default=None, validator=v.optional(v.min_len(32)), repr=False)
 
 
 @attrs.define

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import secrets
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -157,9 +158,13 @@ class ServerContext:
     fan_out: anyio.CapacityLimiter = attrs.field(init=False)
     #: The transcriptions being served (``engine.max_transcriptions``), taken without waiting.
     transcriptions: anyio.CapacityLimiter = attrs.field(init=False)
+    #: The key compaction items are signed with: ``server.compaction_secret``, else random per start.
+    compaction_key: bytes = attrs.field(init=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         self.fan_out = anyio.CapacityLimiter(max(1, self.config.engine.max_queue // 2))
         self.transcriptions = anyio.CapacityLimiter(self.config.engine.max_transcriptions)
+        secret = self.config.server.compaction_secret
+        self.compaction_key = secret.encode() if secret else secrets.token_bytes(32)
         inflight = self.inflight
         self.metrics = Metrics(self.engine, inflight=lambda: len(inflight))

@@ -21,7 +21,7 @@ UNSTATABLE = re.compile("|".join([
     # Decisions' and compaction's rules between items (distinct choices and levels, text to ask
     # about) and a compaction item's content, which only the server that wrote it can read.
     "must be unique", "must read differently", "distinct labels", "needs instructions",
-    "decisions take text input", "not made by this server", "encrypted_content is damaged",
+    "decisions take text input", "not a compaction item this server made", "content is damaged",
     # MCP servers are the operator's: a label names one only where the config has it.
     "no MCP server", "offered by two servers", "mcp_approval_request",
     # An upload's content, and the languages a speech model knows, or whether a model takes audio.

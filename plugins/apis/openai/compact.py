@@ -7,7 +7,10 @@ the summary; the compaction is also stored like a response, so ``previous_respon
 The summary is the model's answer to :data:`COMPACT_PROMPT` after the conversation (its
 reasoning, if it thinks, left out). ``encrypted_content`` is opaque to clients; here it is the
 summary's text, base64-encoded behind :data:`PREFIX`, not encrypted (there is nothing to hide
-from the client that sent the conversation).
+from the client that sent the conversation) but signed (:class:`CompactionSeal`, HMAC-SHA256
+with ``server.compaction_secret``, or a random secret per start): the summary reads to the model
+as its own earlier turn, so an item a client wrote or altered is a 400 naming it, not a way to put
+words in the model's mouth.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import hashlib
+import hmac
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -42,6 +47,7 @@ from mlxr_plugins.apis.openai import responses_schemas as r
 from mlxr_plugins.apis.openai.store import Stored
 
 if TYPE_CHECKING:
+    from mlxr_core.http.context import ServerContext
     from mlxr_plugins.apis.openai.responses import Responses
 
 #: What the model is asked after the conversation.
@@ -52,25 +58,53 @@ COMPACT_PROMPT = (
 )
 #: Tokens a summary may take.
 COMPACT_MAX_TOKENS = 1024
-#: How a compaction item's ``encrypted_content`` starts.
-PREFIX = "mlxr-compaction-v1:"
+#: How a compaction item's ``encrypted_content`` starts: then the summary and its signature, each
+#: base64, joined by :data:`SEPARATOR`.
+PREFIX = "mlxr-compaction-v2:"
+SEPARATOR = "."
 #: How the summary reads to the model in a later request (an assistant turn).
 SUMMARY_HEADING = "Summary of the conversation so far:\n\n"
 
 
-def encode_summary(summary: str) -> str:
-    return PREFIX + base64.b64encode(summary.encode()).decode()
+class CompactionSeal:
+    """Signs the compaction items a server makes and checks those sent back (HMAC-SHA256 over
+    the prefix and the encoded summary, compared in constant time)."""
+
+    def __init__(self, key: bytes | str):
+        self._key = key.encode() if isinstance(key, str) else key
+
+    def _signature(self, payload: str) -> str:
+        digest = hmac.new(self._key, (PREFIX + payload).encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).decode()
+
+    def encode(self, summary: str) -> str:
+        """``summary`` as a compaction item's ``encrypted_content``."""
+        payload = base64.b64encode(summary.encode()).decode()
+        return PREFIX + payload + SEPARATOR + self._signature(payload)
+
+    def decode(self, content: str | None, param: str) -> str:
+        """The summary in a compaction item's ``encrypted_content``: a 400 naming ``param`` for
+        one this server did not sign (forged, altered, from another server or an earlier start
+        without ``server.compaction_secret``)."""
+        payload, _, signature = (content or "").removeprefix(PREFIX).rpartition(SEPARATOR)
+        if not content or not content.startswith(PREFIX) or not hmac.compare_digest(
+            signature.encode(), self._signature(payload).encode()
+        ):
+            raise RequestError(
+                f"{param} is not a compaction item this server made, or it was altered: its signature does not "
+                "match (send the items /v1/responses/compact returned as they were; an item made before a restart "
+                "needs server.compaction_secret set)",
+                field=param,
+            )
+        try:
+            return base64.b64decode(payload, validate=True).decode()
+        except (binascii.Error, UnicodeDecodeError):  # signed by this server, so never; kept strict
+            raise RequestError(f"{param}: the compaction item's content is damaged", field=param) from None
 
 
-def decode_summary(content: str | None, param: str) -> str:
-    """The summary in a compaction item's ``encrypted_content`` (a 400 naming ``param`` for one
-    this server did not write)."""
-    if not content or not content.startswith(PREFIX):
-        raise RequestError("this compaction item was not made by this server (/v1/responses/compact)", field=param)
-    try:
-        return base64.b64decode(content[len(PREFIX) :], validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
-        raise RequestError("the compaction item's encrypted_content is damaged", field=param) from None
+def compaction_seal(ctx: ServerContext) -> CompactionSeal:
+    """The seal of the server ``ctx`` serves (its :attr:`~ServerContext.compaction_key`)."""
+    return CompactionSeal(ctx.compaction_key)
 
 
 def summary_message(summary: str) -> dict[str, Any]:
@@ -105,7 +139,8 @@ async def compact(api: Responses, body: r.CompactRequest, request: Any) -> r.Com
     owner = key_owner(request)
     previous = await api._previous(body.previous_response_id, owner)
     inputs = _history_images(previous.messages) if previous else []
-    messages, listed = input_messages(body.input, inputs) if body.input else ([], [])
+    seal = compaction_seal(ctx)
+    messages, listed = input_messages(body.input, inputs, seal) if body.input else ([], [])
     history = (previous.messages if previous else []) + messages
     if not history:
         raise RequestError("there is nothing to compact: send input or previous_response_id", field="input")
@@ -127,7 +162,7 @@ async def compact(api: Responses, body: r.CompactRequest, request: Any) -> r.Com
     usage = reply.finished.usage
     compacted = r.CompactedResponse(
         id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()),
-        output=[*_user_items(history), r.CompactionItem(f"cmp_{uuid.uuid4().hex}", encode_summary(summary))],
+        output=[*_user_items(history), r.CompactionItem(f"cmp_{uuid.uuid4().hex}", seal.encode(summary))],
         usage=r.ResponseUsage(usage.prompt_tokens, usage.completion_tokens, usage.total_tokens,
                               r.InputTokensDetails(usage.cached_tokens)),
     )  # fmt: skip

@@ -153,12 +153,13 @@ MAX_DECISION_TOKENS = 4_000_000
 
 
 async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any, Any, Any]) -> dict[str, Any]:
+    from mlxr_plugins.apis.openai.compact import compaction_seal
     from mlxr_plugins.apis.openai.responses import input_messages
 
     if not constraints_supported(ctx, "choice"):
         raise RequestError("decisions need a sampler plugin that enforces choices (structured output)", field="questions")
     images: list[Any] = []
-    messages, _ = input_messages(body.input, images)
+    messages, _ = input_messages(body.input, images, compaction_seal(ctx))
     if images:
         raise RequestError("decisions take text input here; images are not supported", field="input")
     asked = []

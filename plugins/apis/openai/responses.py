@@ -76,7 +76,12 @@ from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_core.model.paths import data_dir
 from mlxr_plugins.apis.openai import responses_schemas as r
 from mlxr_plugins.apis.openai.background import BackgroundRuns, Run
-from mlxr_plugins.apis.openai.compact import compact, decode_summary, summary_message
+from mlxr_plugins.apis.openai.compact import (
+    CompactionSeal,
+    compact,
+    compaction_seal,
+    summary_message,
+)
 from mlxr_plugins.apis.openai.errors import error_body
 from mlxr_plugins.apis.openai.mcp_tools import (
     McpTools,
@@ -159,10 +164,10 @@ def _without_image_data(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def input_messages(
-    items: str | list[r.InputItem], images: list[ImageInput]
+    items: str | list[r.InputItem], images: list[ImageInput], seal: CompactionSeal
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``input`` as chat messages, and as the input items a stored response lists; ``input_image``
-    parts' data is appended to ``images``."""
+    parts' data is appended to ``images``; a compaction item must carry ``seal``'s signature."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}], [_message_item("user", items)]
     if not items:
@@ -214,7 +219,7 @@ def input_messages(
             listed.append({"type": "mcp_approval_response", "id": item.id or f"mcpa_{uuid.uuid4().hex}",
                            "approval_request_id": item.approval_request_id, "approve": item.approve})  # fmt: skip
         elif item.type == "compaction":
-            summary = decode_summary(item.encrypted_content, f"{param}.encrypted_content")
+            summary = seal.decode(item.encrypted_content, f"{param}.encrypted_content")
             messages.append(summary_message(summary))
             listed.append({"type": "compaction", "id": item.id or f"cmp_{uuid.uuid4().hex}",
                            "encrypted_content": item.encrypted_content})  # fmt: skip
@@ -402,7 +407,7 @@ class Responses:
                                "openai.responses_store on)", field="background")  # fmt: skip
         previous = await self._previous(body.previous_response_id, owner)
         inputs = _history_images(previous.messages) if previous else []
-        messages, listed = input_messages(body.input, inputs)
+        messages, listed = input_messages(body.input, inputs, compaction_seal(ctx))
         answered, approved = await answer_approvals(ctx, body.input, previous.response if previous else None)
         history = (previous.messages if previous else []) + answered + messages
         chat = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + history
