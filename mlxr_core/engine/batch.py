@@ -49,6 +49,7 @@ from mlxr_core.engine.request import (
 from mlxr_core.engine.speculation import (
     PREDICTION_METHOD,
     Drafter,
+    DraftsTogether,
     ReadsHidden,
     draft_inputs,
     next_k,
@@ -581,18 +582,33 @@ class BatchRunner:
             return False
         return self.caches is not None and not any(self.shifts) and rolls_back(self.caches)
 
-    def _draft(self, seq: Sequence) -> tuple[list[int], mx.array | None]:
-        """Row ``seq``'s draft for this step: at most its ``draft_k``, the tokens it may still
-        emit less one (the target's own token follows), and cut at the first token its grammar
-        does not allow; with the logits it was drawn from (None: deterministic)."""
-        room = min(seq.draft_k, seq.max_tokens - seq.generated - 1)
-        if seq.drafter is None or room <= 0:
-            return [], None
-        draft = list(seq.drafter.propose([*seq.prompt, *seq.output], room))[:room]
-        if draft:
-            draft = draft[: seq.sampler.valid_prefix(draft)]
-        drawn = getattr(seq.drafter, "draft_logits", None)
-        return draft, None if drawn is None or not draft else drawn[: len(draft)]
+    def _drafts(self) -> list[tuple[list[int], mx.array | None]]:
+        """Each row's draft for this step: at most its ``draft_k``, the tokens it may still emit
+        less one (the target's own token follows), and cut at the first token its grammar does
+        not allow; with the logits it was drawn from (None: deterministic). Rows whose drafters
+        propose together (:class:`DraftsTogether`) do, one call per kind."""
+        rows = [(row, seq, min(seq.draft_k, seq.max_tokens - seq.generated - 1)) for row, seq in enumerate(self.running)]
+        rows = [(row, seq, room) for row, seq, room in rows if seq.drafter is not None and room > 0]
+        drafted: dict[int, list[int]] = {}
+        together: dict[type[DraftsTogether], list[tuple[int, Sequence, int]]] = {}
+        for row, seq, room in rows:
+            if isinstance(seq.drafter, DraftsTogether):
+                together.setdefault(type(seq.drafter), []).append((row, seq, room))
+            else:
+                drafted[row] = list(seq.drafter.propose([*seq.prompt, *seq.output], room))  # type: ignore[union-attr]
+        for kind, group in together.items():
+            histories = [[*seq.prompt, *seq.output] for _, seq, _ in group]
+            drafters: list[Any] = [seq.drafter for _, seq, _ in group]
+            drafts = kind.propose_rows(drafters, histories, [room for *_, room in group])
+            drafted.update((row, list(draft)) for (row, _, _), draft in zip(group, drafts, strict=True))
+        proposals: list[tuple[list[int], mx.array | None]] = [([], None)] * len(self.running)
+        for row, seq, room in rows:
+            draft = drafted[row][:room]
+            if draft:
+                draft = draft[: seq.sampler.valid_prefix(draft)]
+            drawn = getattr(seq.drafter, "draft_logits", None)
+            proposals[row] = (draft, None if drawn is None or not draft else drawn[: len(draft)])
+        return proposals
 
     def _speculate(self) -> None:
         """One step that verifies every row's draft (rows without one get one token, as a plain
@@ -606,7 +622,7 @@ class BatchRunner:
         if not self.running or self.caches is None:
             return
         values = [values[i] for i in keep]
-        proposals = [self._draft(seq) for seq in self.running]
+        proposals = self._drafts()
         drafts = [draft for draft, _ in proposals]
         inputs, longest = draft_inputs(values, drafts)
         caches: list[Any] = self.caches

@@ -58,6 +58,20 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
+class DraftsTogether(Protocol):
+    """A drafter whose rows of one step propose in one call: what every row would compute
+    alone is batched where it can be (an MTP head's LM head over every row's position at once)."""
+
+    @classmethod
+    def propose_rows(
+        cls, drafters: Sequence[DraftsTogether], histories: Sequence[Sequence[int]], ks: Sequence[int]
+    ) -> list[list[int]]:
+        """Each drafter's :meth:`Drafter.propose` of its row's history and ``k`` (all of this
+        class), each setting its own ``draft_logits`` as that would."""
+        ...
+
+
+@runtime_checkable
 class ReadsHidden(Protocol):
     """A drafter that drafts from the target's hidden states (an MTP head): the batch hands it
     the final (normed) hidden states of the positions its row keeps, computed by the passes that

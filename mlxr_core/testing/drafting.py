@@ -32,7 +32,29 @@ class ControlledDrafter:
         self.inner.observe(start, hidden, following)
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
-        drafted = list(self.inner.propose(history, k))
+        return self.propose_rows([self], [history], [k])[0]
+
+    @classmethod
+    def propose_rows(
+        cls, drafters: Sequence[ControlledDrafter], histories: Sequence[Sequence[int]], ks: Sequence[int]
+    ) -> list[list[int]]:
+        """The wrapped drafters' drafts, together where their kind proposes together (as the
+        batch would call them unwrapped), then each token chosen."""
+        drafted: list[list[int]] = [[] for _ in drafters]
+        kinds: dict[type, list[int]] = {}
+        for index, drafter in enumerate(drafters):
+            kinds.setdefault(type(drafter.inner), []).append(index)
+        for kind, group in kinds.items():
+            if hasattr(kind, "propose_rows"):
+                inner = [drafters[i].inner for i in group]
+                results = kind.propose_rows(inner, [histories[i] for i in group], [ks[i] for i in group])
+            else:
+                results = [drafters[i].inner.propose(histories[i], ks[i]) for i in group]
+            for index, result in zip(group, results, strict=True):
+                drafted[index] = list(result)
+        return [drafter._choose(history, draft) for drafter, history, draft in zip(drafters, histories, drafted, strict=True)]
+
+    def _choose(self, history: Sequence[int], drafted: list[int]) -> list[int]:
         at = len(history) - self.prompt_length  # the reference token after history[-1]
         right = self.reference[at : at + len(drafted)]
         return [

@@ -102,26 +102,43 @@ class MtpDrafter:
             self.chained = 0
 
     def propose(self, history: Sequence[int], k: int) -> list[int]:
-        self.draft_logits = None
-        self._forget_chain()
-        last, self.last = self.last, None
-        # The states read must end just before the row's next input (history[-1]).
-        if last is None or k <= 0 or self.expected != len(history) - 1:
-            return []
-        normed, chained = last
-        proposed: list[mx.array] = []
-        drawn: list[mx.array] = []
-        for i in range(k):
-            logits = self.target.lm_logits(normed)[:, 0]
-            token, self._key, scaled = draft_choice(logits, self.temperature, self._key)
-            drawn.extend([] if scaled is None else [scaled])
-            proposed.append(token)
-            if i + 1 < k:
-                normed, chained = self.head(self.target.embed(token[:, None]), chained, self.cache)
-                self.chained += 1
-        self.draft_logits = mx.concatenate(drawn) if drawn else None
-        values: list[int] = mx.concatenate(proposed).tolist()  # type: ignore[assignment]
-        return values
+        return self.propose_rows([self], [history], [k])[0]
+
+    @classmethod
+    def propose_rows(
+        cls, drafters: Sequence[MtpDrafter], histories: Sequence[Sequence[int]], ks: Sequence[int]
+    ) -> list[list[int]]:
+        """Every row's draft (:class:`~mlxr_core.engine.speculation.DraftsTogether`): per chain
+        step, each row's head pass on its own cache, then one LM head over all rows' outputs
+        (the LM head's weights, the largest part of a step, read once, not once per row); one
+        read back at the end."""
+        rows: list[list[Any]] = []  # [index, drafter, normed, chained, k] of the rows that draft
+        for index, (drafter, history, k) in enumerate(zip(drafters, histories, ks, strict=True)):
+            drafter.draft_logits = None
+            drafter._forget_chain()
+            last, drafter.last = drafter.last, None
+            # The states read must end just before the row's next input (history[-1]).
+            if last is not None and k > 0 and drafter.expected == len(history) - 1:
+                rows.append([index, drafter, *last, k])
+        proposed: list[list[mx.array]] = [[] for _ in drafters]
+        drawn: list[list[mx.array]] = [[] for _ in drafters]
+        for step in range(max((row[4] for row in rows), default=0)):
+            active = [row for row in rows if row[4] > step]
+            target = active[0][1].target
+            logits = target.lm_logits(mx.concatenate([row[2] for row in active]))[:, 0]
+            for at, row in enumerate(active):
+                index, drafter = row[0], row[1]
+                token, drafter._key, scaled = draft_choice(logits[at : at + 1], drafter.temperature, drafter._key)
+                drawn[index].extend([] if scaled is None else [scaled])
+                proposed[index].append(token)
+                if step + 1 < row[4]:
+                    row[2], row[3] = drafter.head(target.embed(token[:, None]), row[3], drafter.cache)
+                    drafter.chained += 1
+        for drafter, draws in zip(drafters, drawn, strict=True):
+            drafter.draft_logits = mx.concatenate(draws) if draws else None
+        tokens = [mx.concatenate(row) if row else mx.zeros((0,), dtype=mx.int32) for row in proposed]
+        mx.eval(tokens)
+        return [row.tolist() for row in tokens]  # type: ignore[misc]
 
 
 class MtpDecoder(PlainDecoder):

@@ -141,6 +141,38 @@ def test_the_head_and_its_chain_draw_as_the_model_card_says(checkpoint):
     np.testing.assert_allclose(np.array(loaded.model.lm_logits(normed)[0]), whole.numpy(), atol=2e-4, rtol=1e-4)
 
 
+def test_rows_proposing_together_draft_as_each_alone_reading_the_lm_head_once_a_step(checkpoint):
+    import mlx.core as mx
+
+    from mlxr_plugins.decoders.mtp import MtpDrafter, load_mtp_head
+
+    folder, _ = checkpoint
+    loaded = load(folder)
+    head = load_mtp_head(loaded, HOST.registries)
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (5, 11, 8)]
+    ks = [3, 1, 4]
+
+    def drafters() -> list[MtpDrafter]:
+        made = []
+        for prompt in prompts:
+            drafter = MtpDrafter(loaded.model, head)
+            drafter.observe(0, loaded.model.model(mx.array([prompt[:-1]]))[0], prompt[1:])
+            made.append(drafter)
+        return made
+
+    alone = [drafter.propose(prompt, k) for drafter, prompt, k in zip(drafters(), prompts, ks, strict=True)]
+    calls = []
+    lm_logits = loaded.model.lm_logits
+    loaded.model.lm_logits = lambda h: calls.append(h.shape[0]) or lm_logits(h)
+    try:
+        together = MtpDrafter.propose_rows(drafters(), prompts, ks)
+    finally:
+        del loaded.model.lm_logits
+    assert together == alone and [len(draft) for draft in together] == ks
+    assert calls == [3, 2, 2, 1]  # one LM head a chain step, over the rows still drafting
+
+
 # --- inside the batch --------------------------------------------------------------------------
 
 
