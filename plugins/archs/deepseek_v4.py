@@ -27,7 +27,7 @@
   token; the chosen scores renormalized, times ``routed_scaling_factor``; one clamped shared expert.
 
 The cache of a layer is a plain :class:`~mlxr_core.model.cache.KVCache`: the rotated key of every
-position, and as values either the key again (sliding layers) or the compressors' per-position
+position, and as values nothing (sliding layers: zero features) or the compressors' per-position
 projections (the indexer's too), from which the entries are summed at each step for every row at
 its own windows. So batching, rollback and the prefix cache work as for any attention layer, at
 the cost of summing every window again at each step (a cost of the order of the attention's own). Weights load under the

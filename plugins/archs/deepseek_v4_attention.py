@@ -167,16 +167,17 @@ class DeepseekV4Attention(nn.Module):
 
     @property
     def cache_width(self) -> int:
-        """Numbers a position takes in the cache: the key, and the key again or the projections."""
+        """Numbers a position takes in the cache: the key, and the compressors' projections."""
         if "compressor" not in self:
-            return 2 * self.head_dim
+            return self.head_dim
         indexed = self.indexer.compressor.width if "indexer" in self else 0
         return self.head_dim + self.compressor.width + indexed
 
     def projections(self, x: mx.array, keys: mx.array) -> mx.array:
-        """The cache's values of ``[B, L, hidden]``: the compressors' projections, else the keys."""
+        """The cache's values of ``[B, L, hidden]``: the compressors' projections, else nothing (the
+        keys are the values, and a sliding layer stores no more)."""
         if "compressor" not in self:
-            return keys
+            return keys[..., :0]
         parts = self.compressor.projections(x)
         if "indexer" in self:
             parts += self.indexer.compressor.projections(x)

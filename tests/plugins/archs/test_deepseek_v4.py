@@ -91,7 +91,7 @@ def test_the_engine_serves_transformers_greedy_tokens(registries, tmp_path):
 
 
 def test_the_kv_budget_and_info_count_what_each_layer_keeps(v4, registries):
-    """A position's numbers: the sliding layer's key twice (2 x 32); the compressed-sparse layer's
+    """A position's numbers: the sliding layer's key (32); the compressed-sparse layer's
     key, its compressor's two series of kv and gate (4 x 32) and its indexer's (4 x 16); the heavily
     compressed layer's key and its compressor's kv and gate (3 x 32). Quantized keys are refused."""
     from mlxr_core.cli.info import describe_model
@@ -100,7 +100,7 @@ def test_the_kv_budget_and_info_count_what_each_layer_keeps(v4, registries):
     from mlxr_core.errors import ConfigError
     from mlxr_core.model.loader import load_model
 
-    per_token = (2 * 32 + (32 + 4 * 32 + 4 * 16) + 3 * 32) * 4
+    per_token = (32 + (32 + 4 * 32 + 4 * 16) + 3 * 32) * 4
     assert kv_bytes_per_token(load_reference_model(v4, registries)) == per_token
     facts = describe_model(str(v4.folder), dtype="float32")
     assert facts["architecture"] == "deepseek_v4" and facts["kv_bytes_per_token"] == per_token
