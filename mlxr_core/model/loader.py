@@ -299,14 +299,18 @@ def stored_tables(path: Path, registries: Registries, format: str = "auto", arch
     them as tables (:class:`~mlxr_core.model.arch.KeepsTablesStored`), found from its
     ``config.json`` before any weight is read; None where there are none, or where the format
     cannot leave tensors (they are then read, and still kept out of the parameters)."""
+    if not (path.is_dir() or path.suffix == ".safetensors"):
+        return None  # a GGUF file: no architecture keeps tables in one
     folder = path if path.is_dir() else path.parent
     try:
         _, fmt = pick_format(path, registries, format)
         if not isinstance(fmt, LeavesTensors) or not (folder / "config.json").is_file():
             return None
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        if not isinstance(config, dict):
+            return None
         chosen = choose_arch(Checkpoint(path, "probe", config, {}), registries, arch).arch
-    except (MlxrError, OSError, ValueError):  # the load itself reports what is wrong
+    except Exception:  # only a probe: the load itself reads the folder and says what is wrong
         return None
     return partial(chosen.stored_table, config) if isinstance(chosen, KeepsTablesStored) else None
 
