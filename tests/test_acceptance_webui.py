@@ -78,6 +78,7 @@ def browser() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def vision_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``mlxr demo-vision``'s tiny random Gemma 3 vision model beside the tiny text model."""
+    pytest.importorskip("PIL", reason="images need the vision extra (pip install 'mlxr[vision]')")
     from mlxr_core.cli.demo_vision import write_demo_vision
     from mlxr_core.testing.tiny import write_tiny_llama_gguf
 
