@@ -117,3 +117,17 @@ def test_the_engine_serves_concurrent_streams_as_transformers_decodes(reference)
     prompts = [reference.prompts[0][:30], reference.prompts[1], [7]]
     want = transformers_greedy("Glm5NextForConditionalGeneration", reference.folder, prompts, 8)
     assert engine_greedy(reference.folder, prompts, 8, prefill_chunk=16, compiled=False) == want
+
+
+def test_past_index_topk_transformers_attends_sparsely_so_the_context_stops_there(registries, tmp_path):
+    """With ``index_topk`` 8 (two pools of 4), transformers' logits equal the dense graph's over the
+    first 8 positions and move away once the indexer drops pools: the cap is needed."""
+    import mlx.core as mx
+    import numpy as np
+
+    sparse = reference_of(tmp_path, index_topk=8)
+    loaded = load_reference_model(sparse, registries)
+    assert loaded.arch.context_length(sparse.config) == 8
+    dense = np.array(loaded.model(mx.array([sparse.prompts[0]]))[0])
+    np.testing.assert_allclose(dense[:8], sparse.logits[0][:8], atol=ATOL)
+    assert np.abs(dense[12:] - sparse.logits[0][12:]).max() > 1e-2
