@@ -23,7 +23,8 @@ from mlxr_plugins.kernels.delta_rule import unit_lower_inverse
 
 #: Positions per chunk: the pairwise decays cost ``CHUNK * Dk`` per position. On the project's
 #: 2-core CPU (OpenBLAS, float32, B=1, L=512, H=8, Dk=Dv=128, one run each after a warm-up):
-#: chunks of 8 0.51 s, 16 0.92 s, 32 1.65 s; the reference 2.3 s.
+#: chunks of 8 0.51 s, 16 0.92 s, 32 1.65 s; the reference 2.3 s. ``bench/kernels/kimi_delta.py``
+#: measures against the reference in one run (bench/results/kimi_delta_cpu.txt: 2.0x at L=512).
 CHUNK = 8
 #: Elements of pairwise decays (``[B, H, chunks, C, C, Dk]``) formed at once: 64 MiB of float32.
 GROUP = 1 << 24
