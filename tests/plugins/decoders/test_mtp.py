@@ -272,6 +272,19 @@ def test_a_checkpoint_without_the_head_is_refused_naming_the_key(tmp_path):
     assert "mtp" in str(caught.value) and "no multi-token-prediction weights" in str(caught.value)
 
 
+def test_an_architecture_without_mtp_heads_is_refused_naming_the_key(tmp_path):
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    path = write_tiny_llama_gguf(tmp_path / "llama.gguf", seed=0)
+    engine = Engine(Config(models=[ModelConfig(path=str(path), name="tiny", dtype="float32",
+                                               speculative=SpeculationConfig(method="mtp"))]), HOST)  # fmt: skip
+    with pytest.raises(ConfigError) as caught:
+        engine.start()
+    engine.stop()
+    assert caught.value.field == "models[].speculative.method"
+    assert "'llama' architecture reads no multi-token-prediction head" in str(caught.value)
+
+
 # --- DeepSeek-V3's next-token layer ------------------------------------------------------------
 
 DEEPSEEK = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
