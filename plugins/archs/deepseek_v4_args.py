@@ -168,7 +168,7 @@ class DeepseekV4Args(TransformerArgs):
             flat = {key: value for key, value in given.items() if key not in ("main", "compress")}
             factor = self.partial_rotary_factor
             compress = {**flat, "rope_theta": self.compress_rope_theta, "partial_rotary_factor": factor}
-            compress.setdefault("rope_type", "default")
+            compress["rope_type"] = rope_type(compress)  # a released config's ``type`` too
             if rope_type(compress) == "yarn":
                 compress.setdefault("attention_factor", 1.0)
             ropes = {

@@ -123,12 +123,13 @@ def test_released_spellings_read_as_transformers_folds_them(v4, registries):
                 if key not in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters",
                                "partial_rotary_factor")}
     released.update(compress_ratios=[0, 4, 128], num_hash_layers=1, qk_rope_head_dim=8,
-                    compress_rate_hca=8, rope_scaling={**YARN, "type": "yarn"})
+                    compress_rate_hca=8, rope_scaling={**{k: v for k, v in YARN.items() if k != "rope_type"}, "type": "yarn"})
     args = DeepseekV4Args.from_config(released)
     assert args.layer_types == BASE["layer_types"] and args.mlp_layer_types == BASE["mlp_layer_types"]
     assert args.compress_rates == BASE["compress_rates"] and args.rope_dims == 8
     compress = args.resolve_ropes()["compress"]
-    assert compress["rope_theta"] == 160000.0 and compress["attention_factor"] == 1.0
+    assert compress["rope_type"] == "yarn" and compress["rope_theta"] == 160000.0
+    assert compress["attention_factor"] == 1.0
 
 
 def test_the_indexer_keeps_each_query_s_best_entries_as_transformers_does(registries, tmp_path):
