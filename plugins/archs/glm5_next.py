@@ -235,8 +235,9 @@ class Glm5NextArchitecture(DecoderArchitecture):
         return Glm5Next(self.args(config), kernels)
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
-        """The text model's weights under plain names (the vision tower's, the indexer's and the
-        layers past ``num_hidden_layers`` set aside), ``kv_b_proj`` split per head, experts stacked, KDA's tensors as its layer holds them."""
+        """The text model's weights under plain names (the vision tower's, the indexer's, the
+        multi-token-prediction layers past ``num_hidden_layers`` and their ``shared_head`` set
+        aside), ``kv_b_proj`` split per head, experts stacked, KDA's tensors as its layer holds them."""
         args = self.args(config)
         kept: dict[str, mx.array] = {}
         for name, array in weights.items():
@@ -247,7 +248,7 @@ class Glm5NextArchitecture(DecoderArchitecture):
             else:
                 if not name.startswith(("model.", "lm_head.")) or name.startswith("model.visual."):
                     continue
-            if name.startswith("model.visual.") or ".self_attn.indexer." in name:
+            if name.startswith("model.visual.") or ".self_attn.indexer." in name or ".shared_head." in name:
                 continue
             if name.startswith("model.layers.") and int(name.split(".")[2]) >= args.num_hidden_layers:
                 continue

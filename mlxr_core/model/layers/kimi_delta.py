@@ -25,6 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import RecurrentCache
 from mlxr_core.model.layers.linear_attention import ConvolvedRecurrence, _rms, _unit_qk
@@ -133,6 +134,10 @@ def sanitize_kimi_delta(weights: dict[str, mx.array]) -> dict[str, mx.array]:
             array = array.swapaxes(1, 2)
         out[name] = array
     for prefix, parts in convs.items():
+        missing = [f"{prefix}{part}_conv1d.weight" for part in "qkv" if part not in parts]
+        if missing:
+            raise ModelLoadError("the checkpoint has the other convolutions of this layer but not this one",
+                                 tensor=missing[0])
         fused = mx.concatenate([parts["q"], parts["k"], parts["v"]], axis=0)
         out[f"{prefix}conv1d.weight"] = fused.swapaxes(1, 2) if fused.shape[1] == 1 else fused
     return out

@@ -116,3 +116,17 @@ def test_the_engine_serves_concurrent_streams_as_transformers_decodes(reference)
     prompts = [[*shared, 5], reference.prompts[1], [7], [*shared, 5, 9, 8]]
     want = transformers_greedy("KimiLinearForCausalLM", reference.folder, prompts, 8)
     assert engine_greedy(reference.folder, prompts, 8, prefill_chunk=16, compiled=False) == want
+
+
+def test_a_missing_convolution_is_named(reference, registries, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(str(reference.folder / "model.safetensors"))
+    del weights["model.layers.2.self_attn.k_conv1d.weight"]
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((reference.folder / name).read_bytes())
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    broken = type(reference)(tmp_path, reference.prompts, reference.logits, reference.config)
+    with pytest.raises(ModelLoadError) as caught:
+        load_reference_model(broken, registries)
+    assert caught.value.tensor == "model.layers.2.self_attn.k_conv1d.weight"
