@@ -56,7 +56,8 @@ def load_mtp_head(model: LoadedModel, registries: Any) -> MtpHead:
     try:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise ModelLoadError(f"its multi-token-prediction head does not load: {exc}", path=str(model.path)) from None
+        raise ModelLoadError(f"{where}: the multi-token-prediction head's tensors do not load: {exc}",
+                             path=str(model.path)) from None  # fmt: skip
     head.set_dtype(DTYPES[model.dtype])
     mx.eval(head.parameters())
     head.eval()

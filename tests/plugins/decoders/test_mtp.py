@@ -392,3 +392,21 @@ def test_deepseek_rows_drafting_with_the_next_token_layer_decode_as_plain(deepse
         assert figures["accepted"] > 0
     finally:
         engine.stop()
+
+
+def test_mtp_tensors_of_the_wrong_shape_are_a_load_error_naming_them(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from mlxr_core.errors import ModelLoadError
+
+    write_checkpoint(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["mtp.fc.weight"] = torch.zeros(SHAPE["hidden_size"], SHAPE["hidden_size"])  # [H, H], not [H, 2H]
+    save_file(tensors, path, metadata={"format": "pt"})
+    engine = Engine(Config(models=[ModelConfig(path=str(tmp_path), name="tiny", dtype="float32",
+                                               speculative=SpeculationConfig(method="mtp"))]), HOST)  # fmt: skip
+    with pytest.raises(ModelLoadError) as caught:
+        engine.start()
+    engine.stop()
+    assert "multi-token-prediction head's tensors do not load" in str(caught.value) and "proj" in str(caught.value)
