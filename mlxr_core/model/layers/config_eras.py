@@ -23,11 +23,14 @@ file holds a placed value, so that an error about it names what the user can fin
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Collection
 from typing import Any
 
 from mlxr_core.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 #: The top-level keys ``rope_parameters`` folds in; the rest of it is the scaling.
@@ -158,14 +161,13 @@ def _place_local(config: dict[str, Any], sliding: dict[str, Any], declared: Coll
 
 
 def _fill(config: dict[str, Any], key: str, value: Any, where: str) -> None:
+    """``config[key]`` from ``rope_parameters``, which wins where both give one: transformers 5
+    reads ``rope_parameters`` and ignores a top-level ``rope_theta`` (or local base) beside it,
+    and its ``save_pretrained`` writes such stale keys for some families (cohere2_moe)."""
     present = config.get(key)
-    if present is None:
-        config[key] = value
-    elif present != value:
-        raise ModelLoadError(
-            f"{key} = {present!r} and {where} = {value!r} disagree; transformers 5 reads the latter, "
-            "give it once", key=key,
-        )
+    if present is not None and present != value:
+        log.warning("%s = %r is ignored: %s = %r, as transformers 5 reads it", key, present, where, value)
+    config[key] = value
 
 
 def file_spellings(stored: dict[str, Any]) -> dict[str, str]:

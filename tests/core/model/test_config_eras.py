@@ -4,6 +4,8 @@ declares, ambiguity and math a graph does not compute are refused naming the key
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 import math
 
@@ -52,7 +54,6 @@ def test_per_layer_type_rope_gives_the_global_and_the_local_base():
 @pytest.mark.parametrize(
     ("config", "key"),
     [
-        ({"rope_theta": 1.0, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "rope_theta"),
         ({"rope_scaling": YARN, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
         ({"rope_scaling": YARN, "rope_parameters": {**YARN, "factor": 8.0}}, "rope_scaling"),
         ({"rope_parameters": {**PER_LAYER, "chunked_attention": {"rope_theta": 1.0}}}, "rope_parameters.chunked_attention"),
@@ -64,6 +65,19 @@ def test_what_cannot_be_placed_is_refused_naming_the_key(config, key):
     with pytest.raises(ModelLoadError) as caught:
         LlamaArgs.from_config({**SHAPE, **config})
     assert caught.value.key == key
+
+
+def test_rope_parameters_win_over_a_stale_top_level_base_as_in_transformers(tmp_path):
+    """transformers 5 reads ``rope_parameters`` and ignores ``rope_theta`` (or a local base) beside
+    it; its own ``save_pretrained`` writes such configs (cohere2_moe)."""
+    stale = {"rope_theta": 1.0, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}
+    assert LlamaArgs.from_config({**SHAPE, **stale}).rope_theta == 5e5
+    local = {"rope_local_base_freq": 3.0, "rope_parameters": PER_LAYER, "sliding_window": 8,
+             "layer_types": ["sliding_attention"] * 3 + ["full_attention"]}  # fmt: skip
+    assert Gemma3Args.from_config({**SHAPE, **local}).rope_local_base_freq == PER_LAYER["sliding_attention"]["rope_theta"]
+    transformers = pytest.importorskip("transformers", reason="the reference reading needs transformers")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **stale}))
+    assert transformers.AutoConfig.from_pretrained(tmp_path).rope_parameters["rope_theta"] == 5e5
 
 
 def test_a_per_layer_rope_no_layer_uses_is_no_reason_to_refuse():
