@@ -4,9 +4,8 @@ declares, ambiguity and math a graph does not compute are refused naming the key
 
 from __future__ import annotations
 
-import json
-
 import dataclasses
+import json
 import math
 
 import pytest
