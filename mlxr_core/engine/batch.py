@@ -228,7 +228,8 @@ class BatchRunner:
             # A verification writes every row's longest draft and its input before the rejected
             # part is forgotten.
             tokens += self.speculation.max_k + 1
-        return sequence_bytes(self.model, tokens, self.kv_bytes_per_token)
+        drafter = tokens * self.model.drafter_bytes_per_token if self.model.speculative is not None else 0
+        return sequence_bytes(self.model, tokens, self.kv_bytes_per_token) + drafter
 
     @property
     def reserved_bytes(self) -> int:

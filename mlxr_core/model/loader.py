@@ -105,6 +105,9 @@ class LoadedModel:
     adapters: AdapterSet | None = None
     #: Drafting inside the batch (``models[].speculative``), or None.
     speculative: SpeculationConfig | None = None
+    #: Bytes a row's drafter keeps per position beside the model's caches (an MTP head's keys
+    #: and values), set when the drafter is prepared; the KV budget reserves them too.
+    drafter_bytes_per_token: int = 0
 
     def make_cache(self) -> list[Any]:
         caches = self.arch.make_cache(self.model)

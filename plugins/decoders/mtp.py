@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlxr_core.engine.request import GenerationRequest
 from mlxr_core.engine.speculation import draft_choice
 from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
+from mlxr_core.model.cache import position_bytes
 from mlxr_core.model.layers import CausalLM
 from mlxr_core.model.layers.mtp import HasMtpHead, MtpHead
 from mlxr_core.model.loader import DTYPES, LoadedModel
@@ -150,9 +151,14 @@ class MtpDecoder(PlainDecoder):
 
     def prepare(self, model: LoadedModel, registries: Any, config: Any) -> None:
         """Read ``model``'s MTP head (refused, naming ``models[].speculative.method``, where the
-        checkpoint has none)."""
+        checkpoint has none), and tell the model what its keys and values cost a row per position."""
         if model.name not in self.heads:
-            self.heads[model.name] = load_mtp_head(model, registries)
+            head = self.heads[model.name] = load_mtp_head(model, registries)
+            shapes = model.arch.kernel_context(model.config)
+            itemsize = DTYPES[model.dtype].size
+            model.drafter_bytes_per_token = position_bytes(
+                [head.make_cache()], int(shapes["n_kv_heads"]), int(shapes["head_dim"]), itemsize
+            )
 
     def release(self, model_name: str) -> None:
         self.heads.pop(model_name, None)

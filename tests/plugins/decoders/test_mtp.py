@@ -410,3 +410,21 @@ def test_mtp_tensors_of_the_wrong_shape_are_a_load_error_naming_them(tmp_path):
         engine.start()
     engine.stop()
     assert "multi-token-prediction head's tensors do not load" in str(caught.value) and "proj" in str(caught.value)
+
+
+def test_the_kv_budget_reserves_the_heads_keys_and_values(checkpoint):
+    """A row of a model drafting with its MTP head reserves the head's keys and values per
+    position too (one attention layer: 2 x 2 key/value heads x 16 x 4 bytes)."""
+    from mlxr_core.config.schema import EngineConfig
+    from mlxr_core.engine.batch import BatchRunner
+    from mlxr_core.engine.request import RequestHandle
+    from mlxr_plugins.decoders.mtp import MtpDecoder
+
+    folder, _ = checkpoint
+    loaded = load(folder, speculative=SpeculationConfig(method="mtp", k=3, max_k=5))
+    runner = BatchRunner(loaded, EngineConfig(), HOST.registries.samplers, None)
+    handle = RequestHandle(GenerationRequest(model="tiny", prompt_ids=[5] * 10, params=SamplingParams(max_tokens=20)))
+    before = runner.reserve_bytes(handle)
+    MtpDecoder().prepare(loaded, HOST.registries, None)
+    assert loaded.drafter_bytes_per_token == 2 * 2 * 16 * 4
+    assert runner.reserve_bytes(handle) - before == (10 + 20 + 5 + 1) * loaded.drafter_bytes_per_token
