@@ -62,7 +62,8 @@ class KimiLinearArgs(DeepseekV3Args):
     limits = {**DeepseekV3Args.limits, "linear_head_dim": (1, 1 << 12), "linear_num_heads": (1, 1 << 12),
               "linear_conv_kernel_dim": (1, 64)}
     #: What the released config can ask for that transformers (and this graph) does not compute.
-    computes = {**DeepseekV3Args.computes, "moe_router_activation_func": ("sigmoid",), "mla_use_nope": (True,)}
+    computes = {**DeepseekV3Args.computes, "moe_router_activation_func": ("sigmoid",), "mla_use_nope": (True,),
+                "mla_use_output_gate": (False,)}
 
     q_lora_rank: int | None = None
     n_group: int = 1
@@ -81,6 +82,9 @@ class KimiLinearArgs(DeepseekV3Args):
         super().__post_init__()
         released = self.linear_attn_config or {}
         read_linear_attn_config(self, released)
+        if released.get("use_full_rank_gate"):  # a later Kimi's gate, not Kimi Linear's low-rank one
+            raise ModelLoadError("a full-rank forget gate is not computed by this graph (low-rank only)",
+                                 key="linear_attn_config.use_full_rank_gate")
         n = self.num_hidden_layers
         if self.layer_types is None and "kda_layers" in released and "full_attn_layers" in released:
             kinds: list[Any] = [None] * n  # the released lists count layers from 1

@@ -90,6 +90,9 @@ def test_the_released_config_spelling_loads(reference, registries, tmp_path):
     [
         ({"moe_router_activation_func": "softmax"}, "moe_router_activation_func"),
         ({"mla_use_nope": False}, "mla_use_nope"),
+        ({"mla_use_output_gate": True}, "mla_use_output_gate"),
+        ({"hidden_act": "situ"}, "hidden_act"),
+        ({"linear_attn_config": {"use_full_rank_gate": True}}, "linear_attn_config.use_full_rank_gate"),
         ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention"]}, "layer_types"),
         ({"mlp_layer_types": ["dense", "sparse"]}, "mlp_layer_types"),
         ({"linear_attn_config": {"kda_layers": [1, 3], "full_attn_layers": [4]}, "layer_types": None},
