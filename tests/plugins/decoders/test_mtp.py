@@ -29,25 +29,45 @@ TOKENS = 64
 ROWS = 8
 
 
-def write_checkpoint(folder, *, mtp: bool = True) -> dict[str, torch.Tensor]:
-    """A tiny ``qwen3_5_text`` model saved by transformers (O(1) random weights); with ``mtp``,
-    an MTP layer's random tensors added under Qwen's names (``mtp.fc``, ``mtp.pre_fc_norm_*``,
-    ``mtp.norm``, ``mtp.layers.0.*``: a full-attention decoder layer). Returns those tensors."""
-    from safetensors.torch import load_file, save_file
+#: family -> (config class, model class, extra config keys): dense Qwen3.5, and Qwen3-Next with
+#: experts (its MTP layer has them too: a router, experts, a gated shared expert).
+FAMILIES = {
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", {}),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                    "shared_expert_intermediate_size": 48}),
+}  # fmt: skip
+
+
+def decoder_layer(config):
+    """transformers' decoder layer of ``config``'s family, as a full-attention layer (index 1)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextDecoderLayer
+
+    kind = Qwen3NextDecoderLayer if config.model_type == "qwen3_next" else Qwen3_5DecoderLayer
+    return kind(config, layer_idx=1)
+
+
+def write_checkpoint(folder, *, mtp: bool = True, family: str = "qwen3_5") -> dict[str, torch.Tensor]:
+    """A tiny ``qwen3_5_text`` (or ``qwen3_next``) model saved by transformers (O(1) random
+    weights); with ``mtp``, an MTP layer's random tensors added under Qwen's names (``mtp.fc``,
+    ``mtp.pre_fc_norm_*``, ``mtp.norm``, ``mtp.layers.0.*``: a full-attention decoder layer).
+    Returns those tensors."""
+    from safetensors.torch import load_file, save_file
 
     from mlxr_core.testing.hf_reference import o1_init, write_tokenizer
 
+    config_class, model_class, extra = FAMILIES[family]
     torch.manual_seed(0)
-    config = transformers.Qwen3_5TextConfig(**SHAPE, attn_implementation="eager")
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
+    config = getattr(transformers, config_class)(**SHAPE, **extra, attn_implementation="eager")
+    model = getattr(transformers, model_class)(config).eval()
     o1_init(model, torch)
     model.save_pretrained(folder)
     write_tokenizer(folder, VOCAB)
     if not mtp:
         return {}
     H = SHAPE["hidden_size"]
-    layer = Qwen3_5DecoderLayer(config, layer_idx=1)  # a full_attention layer's shapes
+    layer = decoder_layer(config)  # a full_attention layer's shapes
     o1_init(layer, torch)
     tensors = {f"mtp.layers.0.{name}": value for name, value in layer.state_dict().items()}
     tensors["mtp.fc.weight"] = torch.randn(H, 2 * H) / (2 * H) ** 0.5
@@ -78,11 +98,8 @@ def torch_mtp_logits(checkpoint_tensors, target, hidden, tokens):
     card and vLLM's Qwen3-Next MTP: ``x = fc([norm_e(embed(t_{i+1})); norm_h(h_i)])``, one
     full-attention decoder layer, ``norm``, the target's LM head. ``hidden [n, H]`` and
     ``tokens [n]`` (``t_{i+1}``). Returns the logits ``[n, V]`` and the normed outputs."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
-
     t = checkpoint_tensors
-    config = target.config
-    layer = Qwen3_5DecoderLayer(config, layer_idx=1).eval()
+    layer = decoder_layer(target.config).eval()
     layer.load_state_dict({name[len("mtp.layers.0."):]: v for name, v in t.items() if name.startswith("mtp.layers.0.")})
     embeddings = target.model.embed_tokens(torch.tensor(tokens))
     x = torch.cat([rms_norm(embeddings, t["mtp.pre_fc_norm_embedding.weight"]),
@@ -107,11 +124,23 @@ def load(folder, speculative=None):
 def test_the_head_and_its_chain_draw_as_the_model_card_says(checkpoint):
     """One pass over a prompt's positions, then three chained steps (the head reading its own
     normed output and the token it drew): its draft logits against the torch function."""
+    folder, tensors = checkpoint
+    check_against_card(folder, tensors, transformers.Qwen3_5ForCausalLM)
+
+
+def test_qwen3_next_heads_with_experts_draw_as_the_model_card_says(tmp_path):
+    """Qwen3-Next's MTP layer has experts and a gated shared expert (saved as transformers
+    writes them); the same check."""
+    tensors = write_checkpoint(tmp_path, family="qwen3_next")
+    assert any(".mlp.experts." in name for name in tensors)
+    check_against_card(tmp_path, tensors, transformers.Qwen3NextForCausalLM)
+
+
+def check_against_card(folder, tensors, target_class) -> None:
     import mlx.core as mx
 
     from mlxr_plugins.decoders.mtp import MtpDrafter, load_mtp_head
 
-    folder, tensors = checkpoint
     loaded = load(folder)
     head = load_mtp_head(loaded, HOST.registries)
     prompt = np.random.default_rng(1).integers(2, VOCAB, 12).tolist()
@@ -123,7 +152,7 @@ def test_the_head_and_its_chain_draw_as_the_model_card_says(checkpoint):
     assert len(drafted) == 4 and drafter.draft_logits is not None
     ours = np.array(drafter.draft_logits)
 
-    target = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    target = target_class.from_pretrained(folder, attn_implementation="eager").eval()
     with torch.no_grad():
         states = target.model(torch.tensor([prompt[:-1]])).last_hidden_state[0]
         tokens = list(prompt[1:])
