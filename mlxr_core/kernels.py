@@ -57,6 +57,12 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   ``S = diag(exp(g_t)) S``, then as ``gated_delta``. Returns ``out`` ``[B, L, H, Dv]`` in ``v``'s
   dtype and the final state (float32).
 
+A ``quantized_matmul`` or ``gather_matmul`` backend is also asked, once the model's weights are
+packed, about each quantization mode they use: the context then carries ``quant_mode``
+(``"affine"``, ``"mxfp4"``, ``"mxfp8"`` or ``"nvfp4"``, MLX's modes) in its ``shapes``, and a
+backend that cannot multiply that packing here returns the reasons
+(:meth:`KernelSet.packing_reasons`); the load is then refused naming ``quantization.mode``.
+
 Selection happens once per model, never in the token loop: :func:`bind_kernels` resolves every op
 to a plain callable and returns a :class:`KernelSet`. An explicit choice that cannot run is a
 startup error listing the backend's reasons; ``auto`` takes the first backend by priority that can
@@ -128,6 +134,13 @@ class KernelSet:
     chosen: Mapping[str, str] = attrs.field(factory=dict)
     #: The chosen ``quantized_matmul`` backend's ``keeps_packed`` (see :class:`KernelBackend`).
     keeps_packed: bool = False
+    #: ``(op, mode)`` -> why the backend chosen for ``op`` cannot run weights packed in ``mode``.
+    packing_check: Callable[[str, str], list[str]] = attrs.field(default=lambda op, mode: [])
+
+    def packing_reasons(self, op: str, mode: str) -> list[str]:
+        """Why the backend bound for ``op`` (``quantized_matmul`` or ``gather_matmul``) cannot
+        multiply weights packed in quantization ``mode`` here; empty when it can."""
+        return self.packing_check(op, mode)
 
 
 def current_platform() -> tuple[str, str]:
@@ -236,15 +249,22 @@ def bind_kernels(
         raise UnknownName("kernel op", unknown[0], OPS)
     chosen: dict[str, str] = {}
     ops: dict[str, Callable[..., Any]] = {}
+    bound: dict[str, tuple[KernelContext, KernelBackend]] = {}
     keeps_packed = False
     for op in OPS:
         ctx = KernelContext(op=op, device=device, platform=platform, dtype=dtype, shapes=shapes)
         name, backend = select_kernel(registry, ctx, choices.get(op, "auto"))
         chosen[op] = name
         ops[op] = backend.op
+        bound[op] = (ctx, backend)
         if op == "quantized_matmul":
             keeps_packed = bool(getattr(backend, "keeps_packed", False))  # optional, see KernelBackend
-    return KernelSet(chosen=chosen, keeps_packed=keeps_packed, **ops)
+
+    def packing_check(op: str, mode: str) -> list[str]:
+        ctx, backend = bound[op]
+        return list(backend.supports(attrs.evolve(ctx, shapes={**ctx.shapes, "quant_mode": mode})))
+
+    return KernelSet(chosen=chosen, keeps_packed=keeps_packed, packing_check=packing_check, **ops)
 
 
 def kernel_report(

@@ -2,7 +2,8 @@
 
 The model is read by its format plugin and built by its architecture exactly as ``mlxr serve``
 would, under ``--quantize`` (a ``models[].quantization`` policy: ``keep`` the file's exact packings,
-``q8``/``q4``/``q4_g64``, or ``none`` for dense weights, which makes a plain Hugging Face folder).
+``q8``/``q4``/``q4_g64``, MLX's float modes ``nvfp4``/``mxfp8``/``mxfp4``, or ``none`` for dense
+weights, which makes a plain Hugging Face folder).
 OUT gets ``model.safetensors`` with the module's own (Hugging Face) tensor names, ``config.json``
 with mlx-lm's ``quantization`` block (per-module overrides where packings differ) and the
 end-of-generation ids, and the tokenizer: a folder's tokenizer files are copied; a GGUF's
@@ -30,7 +31,10 @@ from mlxr_core.model.tokenizer import Tokenizer, WritesHFFiles
 
 log = logging.getLogger(__name__)
 
-POLICIES = {"none": "dequantize", "keep": "keep", "q8": "q8", "q4": "q4", "q4_g64": "q4_g64"}
+POLICIES = {
+    "none": "dequantize", "keep": "keep", "q8": "q8", "q4": "q4", "q4_g64": "q4_g64",
+    "nvfp4": "nvfp4", "mxfp8": "mxfp8", "mxfp4": "mxfp4",
+}
 #: Tokenizer and generation files a Hugging Face / mlx-lm folder may hold, copied as they are.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -66,7 +70,9 @@ def add_parser(subparsers: Subparsers) -> None:
     )
     parser.add_argument("--quantize", choices=tuple(POLICIES), default="none",
                         help="none: dense (a Hugging Face folder); keep: the file's exact packings; "
-                             "q8/q4/q4_g64: MLX 8/4-bit, group 32/32/64 (default none)")  # fmt: skip
+                             "q8/q4/q4_g64: MLX 8/4-bit, group 32/32/64; nvfp4: MLX's NVFP4 (e2m1 "
+                             "values, an e4m3 scale per 16); mxfp8/mxfp4: e4m3/e2m1 values, a "
+                             "power-of-two scale per 32 (default none)")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float16",
                         help="dtype of float weights, scales and biases (default float16)")  # fmt: skip
     parser.set_defaults(handler=run)
@@ -135,29 +141,38 @@ def mlx_config(config: dict[str, Any], model: Any) -> dict[str, Any]:
     quantizable module left in float)."""
     out = {key: value for key, value in config.items() if key != "quantization_config"}
     out["model_type"] = MLX_LM_MODEL_TYPES.get(config["model_type"], config["model_type"])
-    packings: dict[str, dict[str, int]] = {}
+    packings: dict[str, tuple[int, int, str]] = {}
     dense: list[str] = []
     for name, module in model.named_modules():
         if hasattr(module, "bits"):
-            packings[name] = {"group_size": module.group_size, "bits": module.bits}
+            packings[name] = (module.group_size, module.bits, getattr(module, "mode", "affine"))
         elif hasattr(module, "to_quantized"):
             dense.append(name)
     if not packings:
         out.pop("quantization", None)
         return out
-    counts: dict[tuple[int, int], int] = {}
-    for spec in packings.values():
-        key = (spec["group_size"], spec["bits"])
-        counts[key] = counts.get(key, 0) + 1
-    group_size, bits = max(counts, key=lambda key: counts[key])
-    block: dict[str, Any] = {"group_size": group_size, "bits": bits}
-    for name, spec in sorted(packings.items()):
-        if (spec["group_size"], spec["bits"]) != (group_size, bits):
-            block[name] = spec
+    counts: dict[tuple[int, int, str], int] = {}
+    for packing in packings.values():
+        counts[packing] = counts.get(packing, 0) + 1
+    common = max(counts, key=lambda key: counts[key])
+    block: dict[str, Any] = _packing(common)
+    for name, packing in sorted(packings.items()):
+        if packing != common:
+            block[name] = _packing(packing)
     block.update(dict.fromkeys(sorted(dense), False))
     out["quantization"] = block
     out["quantization_config"] = block  # mlx-lm writes both spellings
     return out
+
+
+def _packing(packing: tuple[int, int, str]) -> dict[str, Any]:
+    """One packing as mlx-lm's ``quantization`` block spells it (``mode`` only when not affine,
+    which is also what mlx-lm releases before the float modes read)."""
+    group_size, bits, mode = packing
+    spec: dict[str, Any] = {"group_size": group_size, "bits": bits}
+    if mode != "affine":
+        spec["mode"] = mode
+    return spec
 
 
 def write_tokenizer(source: Path, target: Path, tokenizer: Tokenizer | None) -> None:

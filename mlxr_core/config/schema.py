@@ -15,7 +15,9 @@ from attrs import validators as v
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-QUANTIZATION_POLICIES = ("auto", "keep", "dequantize", "q8", "q4", "q4_g64", "f16", "bf16")
+QUANTIZATION_POLICIES = (
+    "auto", "keep", "dequantize", "q8", "q4", "q4_g64", "nvfp4", "mxfp8", "mxfp4", "f16", "bf16",
+)
 #: When a model's weights load: at startup, or on its first request.
 LOAD_MODES = ("eager", "lazy")
 #: The wire APIs mounted when ``apis:`` is not set; the web page (``webui``) joins them on loopback.
@@ -322,7 +324,8 @@ class ModelConfig:
     #: keep on a GPU and on a CPU where the bound quantized matmul reads packed weights fast
     #: (``cpu_native``), else dequantize (MLX's own CPU quantized matmul is ~20x slower than a dense
     #: one through OpenBLAS; exact in float32, costs memory); ``q8``/``q4``/``q4_g64``: every weight
-    #: as MLX 8/4-bit (group 32/32/64); ``f16``/``bf16``: every weight dense in that dtype.
+    #: as MLX 8/4-bit (group 32/32/64); ``nvfp4``/``mxfp8``/``mxfp4``: every weight in that MLX
+    #: float mode (group 16/32/32); ``f16``/``bf16``: every weight dense in that dtype.
     #: See :mod:`mlxr_core.model.quantize`.
     quantization: str = attrs.field(default="auto", validator=v.in_(QUANTIZATION_POLICIES))
     #: Overrides the checkpoint's context length (must be >= 16 when set).

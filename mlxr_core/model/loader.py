@@ -45,7 +45,7 @@ from mlxr_core.model.layers.attention import Attention
 from mlxr_core.model.layers.mlp import route_gated_activations
 from mlxr_core.model.lora import AdapterSet, read_adapter
 from mlxr_core.model.paths import default_model_name, resolve_model_path
-from mlxr_core.model.quantize import apply_policy, route_quantized_linears
+from mlxr_core.model.quantize import apply_policy, refuse_unrunnable_modes, route_quantized_linears
 from mlxr_core.model.quantized_cache import quantize_caches
 from mlxr_core.model.stages import (
     ArchChoice,
@@ -216,6 +216,7 @@ def build_model(
         keeps_packed=kernels.keeps_packed,
     )
     weights, quantization = result.weights, result.quantization
+    refuse_unrunnable_modes(quantization, weights, kernels, path=str(checkpoint.path))
     for outcome, count in sorted(result.report.items()):
         log.debug("%s: %s: %d tensors", checkpoint.path.name, outcome, count)
     if report is not None:

@@ -16,6 +16,9 @@ policy          effect
 ``q8``/``q4``   every quantizable weight (Linear, Embedding) as MLX 8/4-bit, group 32; packed ones
                 already in that format are kept as they are (no second rounding)
 ``q4_g64``      as ``q4`` with group 64 (smaller, less precise)
+``nvfp4``       every quantizable weight as MLX ``nvfp4``: e2m1 values, an e4m3 scale per 16
+``mxfp8``       ... as MLX ``mxfp8``: e4m3 values, a power-of-two (e8m0) scale per 32
+``mxfp4``       ... as MLX ``mxfp4``: e2m1 values, a power-of-two (e8m0) scale per 32
 ``f16``/``bf16`` every weight dense in that dtype (activations keep the model dtype)
 ==============  ==============================================================================
 """
@@ -31,10 +34,19 @@ import attrs
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.kernels import KernelSet
 from mlxr_core.model.checkpoint import QuantSpec
 
 #: Policies that requantize everything to one MLX format.
-UNIFORM = {"q8": QuantSpec(8, 32), "q4": QuantSpec(4, 32), "q4_g64": QuantSpec(4, 64)}
+UNIFORM = {
+    "q8": QuantSpec(8, 32),
+    "q4": QuantSpec(4, 32),
+    "q4_g64": QuantSpec(4, 64),
+    "nvfp4": QuantSpec(4, 16, "nvfp4"),
+    "mxfp8": QuantSpec(8, 32, "mxfp8"),
+    "mxfp4": QuantSpec(4, 32, "mxfp4"),
+}
 DENSE_DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16}
 
 
@@ -95,16 +107,7 @@ def apply_policy(
         if wanted is None or weight.ndim < 2 or weight.shape[-1] % wanted.group_size:
             continue
         source = source_types.get(module, _dtype_name(weight))
-        packed_weight, scales, biases = mx.quantize(
-            weight, group_size=wanted.group_size, bits=wanted.bits
-        )
-        weights.update(
-            {
-                f"{module}.weight": packed_weight,
-                f"{module}.scales": scales.astype(dtype),
-                f"{module}.biases": biases.astype(dtype),
-            }
-        )
+        weights.update(_pack(module, weight, wanted, dtype))
         out[module] = wanted
         report[f"{source} -> {describe(wanted)} (requantized)"] += 1
 
@@ -119,6 +122,47 @@ def apply_policy(
             source = source_types.get(module) or describe(packed[module])
             report[f"{source} -> dense {_dtype_name(weights[f'{module}.weight'])}"] += 1
     return QuantizedWeights(weights, out, report)
+
+
+def refuse_unrunnable_modes(
+    quantization: Mapping[str, QuantSpec],
+    weights: Mapping[str, mx.array],
+    kernels: KernelSet,
+    *,
+    path: str | None = None,
+) -> None:
+    """Raise ModelLoadError (key ``quantization.mode``) where a kept packing's mode is one the
+    kernel bound for it (``gather_matmul`` for a stack of experts, else ``quantized_matmul``)
+    cannot run here: such weights are refused, never silently dequantized."""
+    asked: set[tuple[str, str]] = set()
+    for module, spec in sorted(quantization.items()):
+        weight = weights.get(f"{module}.weight")
+        op = "gather_matmul" if weight is not None and weight.ndim > 2 else "quantized_matmul"
+        if (op, spec.mode) in asked:
+            continue
+        asked.add((op, spec.mode))
+        reasons = kernels.packing_reasons(op, spec.mode)
+        if reasons:
+            raise ModelLoadError(
+                f"quantization.mode {spec.mode!r} (module {module}): the kernels.{op} backend "
+                f"{kernels.chosen.get(op, '?')!r} cannot run it here: {'; '.join(reasons)} (choose "
+                f"another kernels.{op} backend, or models[].quantization: dequantize)",
+                path=path,
+                key="quantization.mode",
+            )
+
+
+def _pack(module: str, weight: mx.array, spec: QuantSpec, dtype: mx.Dtype) -> dict[str, mx.array]:
+    """``module``'s packed tensors: affine scales and biases in ``dtype``; the float modes'
+    scales as MLX makes them (uint8 codes: e4m3 for ``nvfp4``, e8m0 exponents for ``mx*``)."""
+    packed = mx.quantize(weight, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
+    if spec.mode != "affine":
+        return {f"{module}.weight": packed[0], f"{module}.scales": packed[1]}
+    return {
+        f"{module}.weight": packed[0],
+        f"{module}.scales": packed[1].astype(dtype),
+        f"{module}.biases": packed[2].astype(dtype),
+    }
 
 
 def _unpack(weights: dict[str, Any], module: str, spec: QuantSpec, dtype: mx.Dtype) -> mx.array:

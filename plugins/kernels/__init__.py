@@ -81,10 +81,17 @@ class KernelImpl:
     #: the backend's arithmetic differs from the reference by design (``cpu_int8`` rounds its
     #: inputs to int8) and says by how much; None: the op's own tolerances.
     parity_tolerance: dict[str, tuple[float, float]] | None = None
+    #: The quantization modes a packed-weight op multiplies (None: every mode MLX has), checked
+    #: against the context's ``quant_mode`` (see :meth:`mlxr_core.kernels.KernelSet.packing_reasons`).
+    modes: tuple[str, ...] | None = None
 
     def supports(self, ctx: KernelContext) -> list[str]:
         """Reasons this backend cannot run in ``ctx``; empty when it can."""
-        return self.check(ctx)
+        reasons = self.check(ctx)
+        mode = ctx.shapes.get("quant_mode")
+        if self.modes is not None and mode is not None and mode not in self.modes:
+            reasons = [*reasons, f"no kernel for {mode} packing (runs {', '.join(self.modes)})"]
+        return reasons
 
 
 #: Activation dtypes the hand-written kernels are built for.

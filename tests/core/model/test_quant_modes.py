@@ -1,0 +1,177 @@
+"""MLX's float quantization modes (``nvfp4``, ``mxfp8``, ``mxfp4``): written by ``mlxr convert
+--quantize``, loaded from mlx-lm style folders and run packed through the kernel ops.
+
+The reference dequantizes the folder's packed tensors with numpy from the formats' definitions
+(OCP Microscaling and NVIDIA's NVFP4): E2M1 values (1 sign, 2 exponent, 1 mantissa bit: 0, 0.5,
+1, 1.5, 2, 3, 4, 6) or E4M3 values (bias 7, subnormals below exponent 1), times a scale per group:
+E4M3 per 16 elements (NVFP4) or E8M0, ``2 ** (e - 127)``, per 32 (MXFP4, MXFP8). Elements are
+packed in order into little-endian uint32 words, the earlier of two 4-bit codes in a byte's low
+nibble.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from mlxr_core.cli.main import main
+from mlxr_core.errors import ModelLoadError
+from mlxr_core.kernels import bind_kernels
+from mlxr_core.model.loader import build_model
+from mlxr_core.plugins import load_plugins
+from mlxr_core.registry import Registry
+from mlxr_core.testing.tiny import write_tiny_llama_gguf
+from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat
+from mlxr_plugins.formats.safetensors.checkpoint import SafetensorsFormat
+from mlxr_plugins.kernels import KernelImpl, reference
+
+IDS = [5, 6, 7, 8, 9, 10, 11, 40, 41]
+#: mode -> (bits, group size, scale format) as the formats define them.
+MODES = {"nvfp4": (4, 16, "e4m3"), "mxfp8": (8, 32, "e8m0"), "mxfp4": (4, 32, "e8m0")}
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def e2m1(codes: np.ndarray) -> np.ndarray:
+    magnitude = E2M1[codes & 7]
+    return np.where(codes & 8, -magnitude, magnitude)
+
+
+def e4m3(codes: np.ndarray) -> np.ndarray:
+    codes = codes.astype(np.int64)
+    exponent, mantissa = (codes >> 3) & 15, codes & 7
+    magnitude = np.where(
+        exponent == 0, mantissa / 8 * 2.0**-6, (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+    )
+    return np.where(codes & 0x80, -magnitude, magnitude)
+
+
+def e8m0(codes: np.ndarray) -> np.ndarray:
+    return 2.0 ** (codes.astype(np.int64) - 127)
+
+
+def dequantize(words: np.ndarray, scales: np.ndarray, mode: str) -> np.ndarray:
+    bits, group, scale_format = MODES[mode]
+    data = np.ascontiguousarray(words).view("<u4").view(np.uint8)
+    if bits == 4:
+        codes = np.stack([data & 15, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
+        values = e2m1(codes)
+    else:
+        values = e4m3(data)
+    scale = e4m3(scales) if scale_format == "e4m3" else e8m0(scales)
+    grouped = values.reshape(*values.shape[:-1], -1, group) * scale[..., None]
+    return grouped.reshape(values.shape).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def registries():
+    return load_plugins().registries
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return write_tiny_llama_gguf(tmp_path_factory.mktemp("src") / "tiny.gguf", quant="f32")
+
+
+def logits_of(checkpoint, registries, policy="keep", kernels=None):
+    arch = registries.archs.get(checkpoint.config["model_type"])
+    bound = bind_kernels(
+        kernels or registries.kernels, dtype="float32", shapes=arch.kernel_context(checkpoint.config)
+    )
+    model = build_model(checkpoint, arch, bound, policy, "float32")
+    return model, np.array(model(mx.array([IDS]))[0])
+
+
+def converted(source, folder, mode):
+    assert main(["convert", str(source), str(folder), "--quantize", mode, "--dtype", "float32"]) == 0
+    return folder
+
+
+def dense_copy(folder, out, mode):
+    """The converted folder with every packed module dequantized by :func:`dequantize`."""
+    shutil.copytree(folder, out)
+    tensors = load_file(str(folder / "model.safetensors"))
+    dense = {}
+    for name, array in tensors.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".scales"):
+            continue
+        if f"{module}.scales" in tensors:
+            array = dequantize(array, tensors[f"{module}.scales"], mode)
+        dense[name] = array
+    save_file(dense, str(out / "model.safetensors"), metadata={"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization"), config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+#: The quantization error allowed, as a multiple of MLX affine 4-bit's (``q4``, group 32) on the
+#: same model: 4-bit floats round about as coarsely; E4M3's 3 mantissa bits far less.
+QUANT_ERROR = {"nvfp4": 1.5, "mxfp8": 0.5, "mxfp4": 1.5}
+
+
+def relative_error(logits, original):
+    return float(np.sqrt(((logits - original) ** 2).mean()) / original.std())
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_convert_writes_the_mode_and_the_model_runs_it_packed(source, tmp_path, registries, mode):
+    folder = converted(source, tmp_path / mode, mode)
+    bits, group, _ = MODES[mode]
+    block = json.loads((folder / "config.json").read_text())["quantization"]
+    assert block == {"group_size": group, "bits": bits, "mode": mode}
+    checkpoint = SafetensorsFormat().load(folder, dtype="float32")
+    assert {spec.mode for spec in checkpoint.quantization.values()} == {mode}
+
+    model, packed = logits_of(checkpoint, registries, "keep")
+    layers = [m for _, m in model.named_modules() if getattr(m, "mode", None) == mode]
+    assert len(layers) == len(checkpoint.quantization)  # kept packed, none dequantized
+    assert all(type(m).__name__.startswith("Kernel") for m in layers)  # through the kernel op
+
+    reference_folder = dense_copy(folder, tmp_path / f"{mode}-dense", mode)
+    _, expected = logits_of(SafetensorsFormat().load(reference_folder, dtype="float32"), registries, "dequantize")
+    np.testing.assert_allclose(packed, expected, atol=2e-4, rtol=1e-4)
+
+    _, original = logits_of(GGUFFormat().load(source), registries, "dequantize")
+    _, affine = logits_of(GGUFFormat().load(source), registries, "q4")
+    error = relative_error(packed, original)
+    assert 0 < error < QUANT_ERROR[mode] * relative_error(affine, original)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_policy_requantizes_a_float_model_as_convert_does(source, tmp_path, registries, mode):
+    folder = converted(source, tmp_path / mode, mode)
+    _, from_folder = logits_of(SafetensorsFormat().load(folder, dtype="float32"), registries)
+    _, requantized = logits_of(GGUFFormat().load(source), registries, mode)
+    np.testing.assert_allclose(requantized, from_folder, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_mlx_lm_loads_the_folder_with_mlxr_logits(source, tmp_path, registries, mode):
+    mlx_lm = pytest.importorskip("mlx_lm")
+    pytest.importorskip("transformers")  # mlx-lm's tokenizer loader
+    folder = converted(source, tmp_path / mode, mode)
+    model, _ = mlx_lm.load(str(folder))
+    theirs = np.array(model(mx.array([IDS]))[0])
+    _, ours = logits_of(SafetensorsFormat().load(folder, dtype="float32"), registries)
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_mode_the_bound_backend_cannot_run_is_refused_naming_it(source, tmp_path, registries):
+    kernels = Registry("kernels")
+    for name in registries.kernels.names():
+        entry = registries.kernels.entry(name)
+        kernels.add(name, entry.target, plugin=entry.plugin, **entry.meta)
+    affine_only = KernelImpl(reference.quantized_matmul, modes=("affine",))
+    kernels.add("quantized_matmul:affine_only", affine_only, plugin="test", priority=1000)
+    folder = converted(source, tmp_path / "nvfp4", "nvfp4")
+    checkpoint = SafetensorsFormat().load(folder, dtype="float32")
+    with pytest.raises(ModelLoadError, match=r"quantization\.mode 'nvfp4'.*affine_only.*no kernel for nvfp4") as caught:
+        logits_of(checkpoint, registries, "keep", kernels=kernels)
+    assert caught.value.key == "quantization.mode"
+    logits_of(checkpoint, registries, "dequantize", kernels=kernels)  # the policy may dequantize
