@@ -22,9 +22,11 @@ from safetensors.numpy import load_file, save_file
 from mlxr_core.cli.main import main
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import bind_kernels
+from mlxr_core.model.layers.moe import QuantizedSwitchLinear
 from mlxr_core.model.loader import build_model
 from mlxr_core.plugins import load_plugins
 from mlxr_core.registry import Registry
+from mlxr_core.testing.hf_reference import tiny_reference
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
 from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat
 from mlxr_plugins.formats.safetensors.checkpoint import SafetensorsFormat
@@ -84,6 +86,14 @@ def logits_of(checkpoint, registries, policy="keep", kernels=None):
     )
     model = build_model(checkpoint, arch, bound, policy, "float32")
     return model, np.array(model(mx.array([IDS]))[0])
+
+
+def copy_of(registry):
+    copy = Registry(registry.kind)
+    for name in registry.names():
+        entry = registry.entry(name)
+        copy.add(name, entry.target, plugin=entry.plugin, **entry.meta)
+    return copy
 
 
 def converted(source, folder, mode):
@@ -163,10 +173,7 @@ def test_mlx_lm_loads_the_folder_with_mlxr_logits(source, tmp_path, registries, 
 
 
 def test_a_mode_the_bound_backend_cannot_run_is_refused_naming_it(source, tmp_path, registries):
-    kernels = Registry("kernels")
-    for name in registries.kernels.names():
-        entry = registries.kernels.entry(name)
-        kernels.add(name, entry.target, plugin=entry.plugin, **entry.meta)
+    kernels = copy_of(registries.kernels)
     affine_only = KernelImpl(reference.quantized_matmul, modes=("affine",))
     kernels.add("quantized_matmul:affine_only", affine_only, plugin="test", priority=1000)
     folder = converted(source, tmp_path / "nvfp4", "nvfp4")
@@ -175,3 +182,40 @@ def test_a_mode_the_bound_backend_cannot_run_is_refused_naming_it(source, tmp_pa
         logits_of(checkpoint, registries, "keep", kernels=kernels)
     assert caught.value.key == "quantization.mode"
     logits_of(checkpoint, registries, "dequantize", kernels=kernels)  # the policy may dequantize
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A tiny Qwen3-MoE written by transformers (one tensor per expert, float32)."""
+    pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+    pytest.importorskip("transformers", reason="the reference needs transformers")
+    shape = {
+        "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+        "max_position_embeddings": 128, "tie_word_embeddings": False,
+    }  # fmt: skip
+    folder = tmp_path_factory.mktemp("moe")
+    return tiny_reference("Qwen3MoeForCausalLM", "Qwen3MoeConfig", shape, folder, lengths=(9,))
+
+
+@pytest.mark.parametrize("mode", ["mxfp8", "nvfp4"])
+def test_experts_run_packed_through_gather_matmul(moe, tmp_path, registries, mode):
+    folder = converted(moe.folder, tmp_path / mode, mode)
+    checkpoint = SafetensorsFormat().load(folder, dtype="float32")
+    model, packed = logits_of(checkpoint, registries, "keep")
+    experts = [m for _, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)]
+    assert experts and all(m.mode == mode for m in experts)
+
+    reference_folder = dense_copy(folder, tmp_path / f"{mode}-dense", mode)
+    _, expected = logits_of(SafetensorsFormat().load(reference_folder, dtype="float32"), registries, "dequantize")
+    np.testing.assert_allclose(packed, expected, atol=2e-4, rtol=1e-4)
+
+
+def test_a_gather_backend_without_the_mode_refuses_the_experts(moe, tmp_path, registries):
+    kernels = copy_of(registries.kernels)
+    kernels.add("gather_matmul:affine_only", KernelImpl(reference.gather_matmul, modes=("affine",)),
+                plugin="test", priority=1000)  # fmt: skip
+    checkpoint = SafetensorsFormat().load(converted(moe.folder, tmp_path / "mxfp8", "mxfp8"), dtype="float32")
+    with pytest.raises(ModelLoadError, match=r"quantization\.mode 'mxfp8'.*kernels\.gather_matmul.*affine_only"):
+        logits_of(checkpoint, registries, "keep", kernels=kernels)
