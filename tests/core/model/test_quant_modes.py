@@ -101,21 +101,23 @@ def converted(source, folder, mode):
     return folder
 
 
-def dense_copy(folder, out, mode):
-    """The converted folder with every packed module dequantized by :func:`dequantize`."""
+def dense_copy(folder, out):
+    """The converted folder with every packed module dequantized by :func:`dequantize`, each in
+    its mode in config.json's ``quantization`` block (the default or the module's override)."""
     shutil.copytree(folder, out)
     tensors = load_file(str(folder / "model.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    block = config.pop("quantization")
+    config.pop("quantization_config")
     dense = {}
     for name, array in tensors.items():
         module = name.removesuffix(".weight")
         if name.endswith(".scales"):
             continue
         if f"{module}.scales" in tensors:
-            array = dequantize(array, tensors[f"{module}.scales"], mode)
+            array = dequantize(array, tensors[f"{module}.scales"], block.get(module, block)["mode"])
         dense[name] = array
     save_file(dense, str(out / "model.safetensors"), metadata={"format": "mlx"})
-    config = json.loads((folder / "config.json").read_text())
-    config.pop("quantization"), config.pop("quantization_config")
     (out / "config.json").write_text(json.dumps(config))
     return out
 
@@ -143,7 +145,7 @@ def test_convert_writes_the_mode_and_the_model_runs_it_packed(source, tmp_path, 
     assert len(layers) == len(checkpoint.quantization)  # kept packed, none dequantized
     assert all(type(m).__name__.startswith("Kernel") for m in layers)  # through the kernel op
 
-    reference_folder = dense_copy(folder, tmp_path / f"{mode}-dense", mode)
+    reference_folder = dense_copy(folder, tmp_path / f"{mode}-dense")
     _, expected = logits_of(SafetensorsFormat().load(reference_folder, dtype="float32"), registries, "dequantize")
     np.testing.assert_allclose(packed, expected, atol=2e-4, rtol=1e-4)
 
@@ -207,7 +209,7 @@ def test_experts_run_packed_through_gather_matmul(moe, tmp_path, registries, mod
     experts = [m for _, m in model.named_modules() if isinstance(m, QuantizedSwitchLinear)]
     assert experts and all(m.mode == mode for m in experts)
 
-    reference_folder = dense_copy(folder, tmp_path / f"{mode}-dense", mode)
+    reference_folder = dense_copy(folder, tmp_path / f"{mode}-dense")
     _, expected = logits_of(SafetensorsFormat().load(reference_folder, dtype="float32"), registries, "dequantize")
     np.testing.assert_allclose(packed, expected, atol=2e-4, rtol=1e-4)
 
@@ -219,3 +221,39 @@ def test_a_gather_backend_without_the_mode_refuses_the_experts(moe, tmp_path, re
     checkpoint = SafetensorsFormat().load(converted(moe.folder, tmp_path / "mxfp8", "mxfp8"), dtype="float32")
     with pytest.raises(ModelLoadError, match=r"quantization\.mode 'mxfp8'.*kernels\.gather_matmul.*affine_only"):
         logits_of(checkpoint, registries, "keep", kernels=kernels)
+
+
+def test_a_folder_mixing_modes_per_module_loads_each_and_converts_back(source, tmp_path, registries):
+    """mlx-lm's per-module overrides: one module ``mxfp8`` in an ``nvfp4`` folder, one ``false``
+    (float); each loads as written, mlx-lm agrees, and ``convert --quantize keep`` writes them."""
+    folder = converted(source, tmp_path / "mixed", "nvfp4")
+    tensors = load_file(str(folder / "model.safetensors"))
+    fp8, dense = "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj"
+    weight = dequantize(tensors[f"{fp8}.weight"], tensors[f"{fp8}.scales"], "nvfp4")
+    packed, scales = mx.quantize(mx.array(weight), mode="mxfp8")
+    tensors[f"{fp8}.weight"], tensors[f"{fp8}.scales"] = np.array(packed), np.array(scales)
+    tensors[f"{dense}.weight"] = dequantize(tensors[f"{dense}.weight"], tensors.pop(f"{dense}.scales"), "nvfp4")
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "mlx"})
+    config = json.loads((folder / "config.json").read_text())
+    block = {**config["quantization"], fp8: {"group_size": 32, "bits": 8, "mode": "mxfp8"}, dense: False}
+    config["quantization"] = config["quantization_config"] = block
+    (folder / "config.json").write_text(json.dumps(config))
+
+    checkpoint = SafetensorsFormat().load(folder, dtype="float32")
+    assert checkpoint.quantization[fp8].mode == "mxfp8" and dense not in checkpoint.quantization
+    _, ours = logits_of(checkpoint, registries)
+    reference_folder = dense_copy(folder, tmp_path / "mixed-dense")
+    _, expected = logits_of(SafetensorsFormat().load(reference_folder, dtype="float32"), registries, "dequantize")
+    np.testing.assert_allclose(ours, expected, atol=2e-4, rtol=1e-4)
+
+    mlx_lm = pytest.importorskip("mlx_lm")
+    pytest.importorskip("transformers")  # mlx-lm's tokenizer loader
+    model, _ = mlx_lm.load(str(folder))
+    np.testing.assert_allclose(np.array(model(mx.array([IDS]))[0]), ours, atol=1e-4, rtol=1e-4)
+
+    again = converted(folder, tmp_path / "again", "keep")
+    written = json.loads((again / "config.json").read_text())["quantization"]
+    assert written[fp8] == block[fp8] and written[dense] is False
+    assert {key: written[key] for key in ("group_size", "bits", "mode")} == {"group_size": 16, "bits": 4, "mode": "nvfp4"}
+    _, from_again = logits_of(SafetensorsFormat().load(again, dtype="float32"), registries)
+    np.testing.assert_allclose(from_again, ours, atol=1e-5)
