@@ -51,6 +51,7 @@ ARCHITECTURES = {
     "mistral4": "mlxr_plugins.archs.mistral4:Mistral4Architecture",
     "whisper": "mlxr_plugins.archs.whisper:WhisperArchitecture",
     "lfm2": "mlxr_plugins.archs.lfm2:Lfm2Architecture",
+    "lfm2_moe": "mlxr_plugins.archs.lfm2_moe:Lfm2MoeArchitecture",
     "lfm3": "mlxr_plugins.archs.lfm3:Lfm3Architecture",
     # llama.cpp's names for the same families, as GGUF files carry them.
     "qwen3moe": "mlxr_plugins.archs.qwen3_moe:Qwen3MoeArchitecture",

@@ -21,6 +21,7 @@ Hugging Face's names are kept where the graph's modules differ: the feed-forward
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import mlx.core as mx
@@ -189,7 +190,11 @@ def lfm_model(args: TransformerArgs, blocks: list[LfmBlock], kernels: KernelSet)
     return CausalLM(model, tied=args.tie_word_embeddings)
 
 
-def lfm2_blocks(args: Lfm2Args, kernels: KernelSet) -> list[LfmBlock]:
+def lfm2_blocks(
+    args: Lfm2Args, kernels: KernelSet, feed_forward: Callable[[int], nn.Module] | None = None
+) -> list[LfmBlock]:
+    """A block per ``layer_types`` entry; layer ``i``'s feed-forward is ``feed_forward(i)``
+    (default: the SwiGLU of :attr:`Lfm2Args.feed_forward_size`)."""
     rotary = args_rotary(args, kernels, types=("default",))
     H, eps = args.hidden_size, args.rms_norm_eps
     assert args.layer_types is not None
@@ -200,10 +205,11 @@ def lfm2_blocks(args: Lfm2Args, kernels: KernelSet) -> list[LfmBlock]:
         return "self_attn", Attention(H, args.num_attention_heads, args.kv_heads, args.dims, kernels=kernels,
                                       rotary=rotary, head_norm_eps=eps)  # fmt: skip
 
-    return [
-        LfmBlock(*mixer(kind), GatedMLP(H, args.feed_forward_size), H, eps, kernels)
-        for kind in args.layer_types
-    ]
+    def dense(layer: int) -> nn.Module:
+        return GatedMLP(H, args.feed_forward_size)
+
+    make = feed_forward or dense
+    return [LfmBlock(*mixer(kind), make(i), H, eps, kernels) for i, kind in enumerate(args.layer_types)]
 
 
 def sanitize_lfm(weights: dict[str, mx.array]) -> dict[str, mx.array]:

@@ -18,7 +18,13 @@ import pytest
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.cache import RecurrentCache
-from mlxr_core.testing.hf_reference import check_reference, family_reference, load_reference_model
+from mlxr_core.testing.hf_reference import (
+    check_reference,
+    family_reference,
+    load_reference_model,
+    o1_init,
+    tiny_reference,
+)
 
 BASE = {
     "vocab_size": 97,
@@ -42,6 +48,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "lfm2": ("Lfm2ForCausalLM", "Lfm2Config", {
         "full_attn_idxs": [1, 3], "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.5, "conv_bias": True,
     }),
+    # Sigmoid routing with a bias on the choice and a scale on the weights; the first layer dense.
+    "lfm2_moe": ("Lfm2MoeForCausalLM", "Lfm2MoeConfig", {
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"], "num_dense_layers": 1,
+        "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "routed_scaling_factor": 1.5,
+    }),
 }
 ATOL = 1e-4
 
@@ -53,9 +64,24 @@ def registries():
     return load_plugins().registries
 
 
+def biased_experts(model: Any, torch: Any) -> None:
+    """O(1) weights, and LFM2-MoE's routing bias (a buffer, zeros as initialized) random, so that
+    it changes which experts are chosen."""
+    o1_init(model, torch)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("expert_bias"):
+                buffer.copy_(0.5 * torch.randn_like(buffer))
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def reference(request, tmp_path_factory):
-    return family_reference(FAMILIES, BASE, request.param, tmp_path_factory.mktemp(request.param))
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param != "lfm2_moe":
+        return family_reference(FAMILIES, BASE, request.param, folder)
+    pytest.importorskip("torch", reason="the reference needs torch (CPU)")
+    model_class, config_class, extra = FAMILIES["lfm2_moe"]
+    return tiny_reference(model_class, config_class, {**BASE, **extra}, folder, init=biased_experts)
 
 
 @pytest.mark.parametrize("backend", ["mlx_fast", "reference"])
