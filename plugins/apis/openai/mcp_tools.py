@@ -109,15 +109,15 @@ def check_choice(mcp: McpTools | None, choice: Any, mode: ToolChoice) -> ToolCho
     if not isinstance(choice, r.NamedToolChoiceFields) or choice.type != "mcp":
         return mode
     if mcp is None or choice.server_label not in mcp.servers:
-        raise RequestError(f"tool_choice names MCP server {choice.server_label!r}, which is not among the request's "
-                           "mcp tools", field="tool_choice.server_label")  # fmt: skip
+        raise RequestError(f"tool_choice names MCP server {choice.server_label!r}, which is not among tools (add "
+                           "its mcp tool)", field="tool_choice.server_label")  # fmt: skip
     if any(item.server_label == choice.server_label and item.error for item in mcp.listed):
         return ToolChoice("auto")
     tool = mcp.tools.get(choice.name)
     if tool is None or tool.server != choice.server_label:
         offered = sorted(name for name, tool in mcp.tools.items() if tool.server == choice.server_label)
-        raise RequestError(f"MCP server {choice.server_label!r} offers no tool {choice.name!r} here; offered: "
-                           f"{', '.join(offered) or 'none'}", field="tool_choice.name")  # fmt: skip
+        raise RequestError(f"tool_choice.name {choice.name!r} is not an offered tool's name of MCP server "
+                           f"{choice.server_label!r}; offered: {', '.join(offered) or 'none'}", field="tool_choice.name")  # fmt: skip
     return mode
 
 
