@@ -141,3 +141,14 @@ def test_lfm3_refuses_math_it_does_not_compute(registries, keys, named):
     with pytest.raises(ModelLoadError) as caught:
         arch.args(config)
     assert caught.value.key == named
+
+
+def test_the_engine_serves_it_batched_as_transformers(reference):
+    """Three concurrent greedy streams (continuous batching with conv rows joining and leaving,
+    chunked prefill, a one-token prompt) give transformers' tokens."""
+    from mlxr_core.testing.hf_reference import engine_greedy, transformers_greedy
+
+    prompts = [reference.prompts[0], reference.prompts[1], [7]]
+    model_class = FAMILIES[reference.config["model_type"]][0]
+    want = transformers_greedy(model_class, reference.folder, prompts, 6)
+    assert engine_greedy(reference.folder, prompts, 6, prefill_chunk=16, compiled=False) == want
