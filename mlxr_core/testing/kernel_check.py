@@ -230,23 +230,29 @@ def _cases(op: str) -> Iterator[Case]:
 
                 yield Case(f"shape={extent} {layout} {activation}", {"activation": activation}, make_gated)
     elif op == "quantized_matmul":
-        for L, K, N, bits, group_size in ((1, 256, 128, 4, 64), (7, 512, 96, 8, 32), (16, 256, 64, 4, 32)):
+        # Affine packings, then MLX's float modes (no biases; a backend may decline them by mode).
+        for L, K, N, bits, group_size, mode in (
+            (1, 256, 128, 4, 64, "affine"), (7, 512, 96, 8, 32, "affine"), (16, 256, 64, 4, 32, "affine"),
+            (1, 256, 64, 4, 16, "nvfp4"), (7, 256, 96, 8, 32, "mxfp8"), (16, 256, 64, 4, 32, "mxfp4"),
+        ):
 
             def make_qmm(dtype: Any, L: int = L, K: int = K, N: int = N, bits: int = bits,
-                         group_size: int = group_size) -> tuple[tuple[Any, ...], dict[str, Any]]:
-                w, scales, biases = mx.quantize(normal((N, K), 8, dtype), group_size, bits)
-                kwargs = {"transpose": True, "group_size": group_size, "bits": bits}
-                return (normal((L, K), 9, dtype), w, scales, biases), kwargs
+                         group_size: int = group_size, mode: str = mode) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                w, scales, *rest = mx.quantize(normal((N, K), 8, dtype), group_size, bits, mode=mode)
+                kwargs = {"transpose": True, "group_size": group_size, "bits": bits, "mode": mode}
+                return (normal((L, K), 9, dtype), w, scales, rest[0] if rest else None), kwargs
 
-            shapes = {"bits": bits, "group_size": group_size}
-            yield Case(f"L={L} K={K} N={N} bits={bits} group={group_size}", shapes, make_qmm)
+            packed: dict[str, Any] = {"bits": bits, "group_size": group_size, "quant_mode": mode}
+            label = "" if mode == "affine" else f" {mode}"
+            yield Case(f"L={L} K={K} N={N} bits={bits} group={group_size}{label}", packed, make_qmm)
     elif op == "gather_matmul":
         # Decode (one token, top-2 of 8 experts), a prompt chunk sorted by expert (as MoE layers
-        # pass it from 64 rows), dense and packed experts (affine 4/8-bit, mxfp4).
+        # pass it from 64 rows), dense and packed experts (affine 4/8-bit, mxfp4, nvfp4, mxfp8).
         for N, k, K, M, packing, sort in (
             (1, 2, 256, 64, None, False), (6, 2, 128, 96, (4, 32, "affine"), False),
             (3, 4, 256, 64, (8, 64, "affine"), False), (40, 2, 128, 64, (4, 32, "affine"), True),
             (4, 2, 128, 64, (4, 32, "mxfp4"), False), (40, 2, 128, 64, None, True),
+            (4, 2, 128, 64, (4, 16, "nvfp4"), False), (40, 2, 128, 64, (8, 32, "mxfp8"), True),
         ):
 
             def make_gmm(dtype: Any, N: int = N, k: int = k, K: int = K, M: int = M,
@@ -268,9 +274,11 @@ def _cases(op: str) -> Iterator[Case]:
                 kwargs.update(group_size=group_size, bits=bits, mode=mode, indices=indices)
                 return (x, w, scales, biases), kwargs
 
-            shapes = {"bits": packing[0], "group_size": packing[1]} if packing else {}
+            experts_packed: dict[str, Any] = (
+                {"bits": packing[0], "group_size": packing[1], "quant_mode": packing[2]} if packing else {}
+            )
             name = f"N={N} top-{k} K={K} M={M} {packing or 'dense'}{' sorted' if sort else ''}"
-            yield Case(name, shapes, make_gmm)
+            yield Case(name, experts_packed, make_gmm)
     elif op == "route":
         # One decode token, a few, a prompt chunk; 8 to 300 experts (not a multiple of 32 too).
         for rows, experts, k, scoring, normalize in (

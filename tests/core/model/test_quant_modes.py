@@ -27,6 +27,7 @@ from mlxr_core.model.loader import build_model
 from mlxr_core.plugins import load_plugins
 from mlxr_core.registry import Registry
 from mlxr_core.testing.hf_reference import tiny_reference
+from mlxr_core.testing.kernel_check import check_kernel_parity
 from mlxr_core.testing.tiny import write_tiny_llama_gguf
 from mlxr_plugins.formats.gguf.checkpoint import GGUFFormat
 from mlxr_plugins.formats.safetensors.checkpoint import SafetensorsFormat
@@ -257,3 +258,15 @@ def test_a_folder_mixing_modes_per_module_loads_each_and_converts_back(source, t
     assert {key: written[key] for key in ("group_size", "bits", "mode")} == {"group_size": 16, "bits": 4, "mode": "nvfp4"}
     _, from_again = logits_of(SafetensorsFormat().load(again, dtype="float32"), registries)
     np.testing.assert_allclose(from_again, ours, atol=1e-5)
+
+
+def test_the_parity_check_runs_the_float_modes_and_skips_those_a_backend_declines(registries):
+    kernels = copy_of(registries.kernels)
+    kernels.add("quantized_matmul:affine_only", KernelImpl(reference.quantized_matmul, modes=("affine",)),
+                plugin="test")  # fmt: skip
+    ran = check_kernel_parity(kernels, "quantized_matmul", "mlx_fast", dtypes=("float32",)).ran
+    assert {mode for mode in MODES if any(mode in label for label in ran)} == set(MODES)
+    report = check_kernel_parity(kernels, "quantized_matmul", "affine_only", dtypes=("float32",))
+    assert report.skipped and all("fp" in label for label in report.skipped)
+    assert {mode for mode in MODES if any(mode in label for label in report.skipped)} == set(MODES)
+    assert not any("fp" in label for label in report.ran)
