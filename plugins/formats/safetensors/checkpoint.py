@@ -419,6 +419,15 @@ def quantization_specs(
             )
         if spec.mode == "affine" and f"{module}.biases" not in weights:
             raise ModelLoadError("an affine-quantized module needs biases", **where)
+        if f"{module}.global_scale" in weights:
+            # mlx-lm's nvfp4 experts with one float32 scale per expert over the e4m3 ones
+            # (``mlx_lm.convert --global-scale``): the kernel ops take no such second scale.
+            raise ModelLoadError(
+                f"quantization.mode {spec.mode!r} with a per-tensor global_scale is not supported "
+                "(the quantized_matmul / gather_matmul kernels take one scale per group); convert "
+                "the model without a global scale",
+                path=where["path"], tensor=f"{module}.global_scale", key="quantization.mode",
+            )
         columns = scales.shape[-1] * spec.group_size
         if spec.bits not in QUANT_BITS or weight.shape[-1] * 32 != columns * spec.bits:
             raise ModelLoadError(

@@ -270,3 +270,16 @@ def test_the_parity_check_runs_the_float_modes_and_skips_those_a_backend_decline
     assert report.skipped and all("fp" in label for label in report.skipped)
     assert {mode for mode in MODES if any(mode in label for label in report.skipped)} == set(MODES)
     assert not any("fp" in label for label in report.ran)
+
+
+def test_nvfp4_with_a_global_scale_is_refused_naming_it(source, tmp_path):
+    """mlx-lm's nvfp4 experts may carry a float32 scale per expert beside the e4m3 ones; mlxr's
+    kernel ops take none, so such a folder is refused rather than loaded wrong."""
+    folder = converted(source, tmp_path / "nvfp4", "nvfp4")
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.0.mlp.down_proj.global_scale"] = np.array(3.0, np.float32)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "mlx"})
+    with pytest.raises(ModelLoadError, match="global_scale is not supported") as caught:
+        SafetensorsFormat().load(folder, dtype="float32")
+    assert caught.value.key == "quantization.mode"
+    assert caught.value.tensor == "model.layers.0.mlp.down_proj.global_scale"
