@@ -212,12 +212,18 @@ def lfm2_blocks(
     return [LfmBlock(*mixer(kind), make(i), H, eps, kernels) for i, kind in enumerate(args.layer_types)]
 
 
+def renamed(name: str) -> str:
+    """A checkpoint tensor's (or module's) name as the graph's (:data:`RENAMES`)."""
+    for old, new in RENAMES:
+        name = name.replace(old, new)
+    return name
+
+
 def sanitize_lfm(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """Hugging Face's names as the graph's (:data:`RENAMES`), the conv weight in MLX's layout."""
     out: dict[str, mx.array] = {}
     for name, array in weights.items():
-        for old, new in RENAMES:
-            name = name.replace(old, new)
+        name = renamed(name)
         if name.endswith(".conv.conv.weight") and array.ndim == 3 and array.shape[1] == 1 and array.shape[2] > 1:
             array = array.swapaxes(1, 2)  # [C, 1, K] -> [C, K, 1]
         out[name] = array
@@ -237,6 +243,10 @@ class Lfm2Architecture(DecoderArchitecture):
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
         """Hugging Face's names and conv layout as the graph's, a tied ``lm_head`` dropped."""
         return super().sanitize(sanitize_lfm(weights), config)
+
+    def sanitized_modules(self, module: str) -> list[str]:
+        """A packed module (mlx-lm's quantized folders) under the name :meth:`sanitize` gives it."""
+        return [renamed(module + ".")[:-1]]
 
     def make_cache(self, model: nn.Module) -> list[Any]:
         """The convolution's state per conv layer, keys and values per attention layer."""

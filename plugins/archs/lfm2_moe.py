@@ -7,8 +7,7 @@ the unbiased scores), which ``norm_topk_prob`` rescales to sum to 1, then
 ``routed_scaling_factor`` multiplies. The dense layers' SwiGLU has ``intermediate_size`` (no
 auto-adjustment, unlike LFM2's). Hugging Face's per-expert ``w1``, ``w3``, ``w2`` (or
 transformers' fused ``gate_up_proj``, ``down_proj``) are stacked as ``switch_mlp``'s
-``gate_proj``, ``up_proj``, ``down_proj``; ``expert_bias`` is read as the router's
-``e_score_correction_bias``.
+``gate_proj``, ``up_proj``, ``down_proj``.
 """
 
 from __future__ import annotations
@@ -41,15 +40,32 @@ class Lfm2MoeArgs(Lfm2Args):
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
 
+class BiasedSigmoidMoE(SparseMoE):
+    """:class:`SparseMoE` with a sigmoid router whose choice adds ``expert_bias`` (a vector beside
+    the ``gate`` linear layer, as both the checkpoint and mlx-lm's folders hold it, so that a
+    packed ``gate`` loads packed)."""
+
+    def __init__(self, *args: Any, expert_bias: bool, **kwargs: Any):
+        super().__init__(*args, scoring="sigmoid", **kwargs)
+        if expert_bias:
+            self.expert_bias = mx.zeros((self.switch_mlp.experts,))
+
+    def choose(self, x: mx.array) -> tuple[mx.array, mx.array]:
+        extra = {"bias": self.expert_bias} if "expert_bias" in self else {}
+        indices, weights = self._route(self.gate(x), top_k=self.top_k, scoring="sigmoid", normalize=self.normalize,
+                                       **extra)  # fmt: skip
+        return indices, weights * self.scale if self.scale != 1.0 else weights
+
+
 def lfm2_moe_blocks(args: Lfm2MoeArgs, kernels: KernelSet) -> list[LfmBlock]:
     """LFM2's blocks, each past the first ``num_dense_layers`` with sparse experts."""
 
     def feed_forward(layer: int) -> nn.Module:
         if layer < args.num_dense_layers:
             return GatedMLP(args.hidden_size, args.intermediate_size)
-        return SparseMoE(
+        return BiasedSigmoidMoE(
             args.hidden_size, args.moe_intermediate_size, args.num_experts, args.num_experts_per_tok,
-            kernels=kernels, scoring="sigmoid", normalize=args.norm_topk_prob, corrected=args.use_expert_bias,
+            kernels=kernels, normalize=args.norm_topk_prob, expert_bias=args.use_expert_bias,
             scale=args.routed_scaling_factor,
         )  # fmt: skip
 
@@ -67,12 +83,8 @@ class Lfm2MoeArchitecture(Lfm2Architecture):
         return lfm_model(args, lfm2_moe_blocks(args, kernels), kernels)
 
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
-        """LFM2's names, experts stacked, ``expert_bias`` as the router's."""
+        """LFM2's names, experts stacked."""
         args = self.args(config)
-        weights = {
-            name.replace(".feed_forward.expert_bias", ".feed_forward.gate.e_score_correction_bias"): array
-            for name, array in weights.items()
-        }
         weights = split_fused_experts(weights, "feed_forward.experts", "feed_forward.switch_mlp")
         weights = stack_experts(weights, "feed_forward.experts", "feed_forward.switch_mlp", EXPERT_NAMES,
                                 args.num_experts)  # fmt: skip

@@ -152,3 +152,25 @@ def test_the_engine_serves_it_batched_as_transformers(reference):
     model_class = FAMILIES[reference.config["model_type"]][0]
     want = transformers_greedy(model_class, reference.folder, prompts, 6)
     assert engine_greedy(reference.folder, prompts, 6, prefill_chunk=16, compiled=False) == want
+
+
+def test_an_mlx_lm_quantized_lfm2_moe_folder_loads_packed(registries, tmp_path):
+    """mlx-lm's converted folder (8-bit, its names: dense ``gate_proj``, stacked ``switch_mlp``,
+    attention ``out_proj`` packed), kept packed or dequantized, gives mlx-lm's logits on the same
+    folder."""
+    pytest.importorskip("torch", reason="the checkpoint is written by transformers")
+    mlx_lm = pytest.importorskip("mlx_lm", reason="the folder is converted by mlx-lm")
+    model_class, config_class, extra = FAMILIES["lfm2_moe"]
+    shape = {**BASE, **extra, "tie_word_embeddings": True}  # mlx-lm's lfm2_moe ties the head
+    reference = tiny_reference(model_class, config_class, shape, tmp_path / "hf", init=biased_experts)
+    mlx_lm.convert(str(reference.folder), str(tmp_path / "mlx"), quantize=True, q_bits=8, q_group_size=32)
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.model.loader import load_model
+
+    ids = mx.array([reference.prompts[0]])
+    theirs = np.array(mlx_lm.load(str(tmp_path / "mlx"))[0](ids)[0].astype(mx.float32))
+    for policy in ("keep", "dequantize"):
+        config = ModelConfig(path=str(tmp_path / "mlx"), dtype="float32", quantization=policy, compile_decode=False)
+        ours = np.array(load_model(config, registries).model(ids)[0])
+        np.testing.assert_allclose(ours, theirs, atol=1e-4, err_msg=policy)
+        assert (ours.argmax(-1) == theirs.argmax(-1)).all(), policy
