@@ -43,8 +43,11 @@ def concat_linears(layers: Sequence[nn.Module]) -> nn.Module | None:
             first.get("biases") is None
         ):
             return None
+        # A placeholder whose parameters are replaced below; 128 inputs quantize in every mode
+        # (nvfp4's 16 alone do not).
         fused = nn.QuantizedLinear(
-            first.group_size, 1, bias=has_bias[0], group_size=first.group_size, bits=first.bits, mode=first.mode
+            max(first.group_size, 128), 1, bias=has_bias[0], group_size=first.group_size, bits=first.bits,
+            mode=first.mode,
         )
         object.__setattr__(fused, "__class__", kind)  # a routing subclass, see route_quantized_linears
         for name, value in vars(first).items():

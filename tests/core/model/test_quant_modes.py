@@ -20,10 +20,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mlxr_core.cli.main import main
+from mlxr_core.config.schema import ModelConfig
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import bind_kernels
 from mlxr_core.model.layers.moe import QuantizedSwitchLinear
-from mlxr_core.model.loader import build_model
+from mlxr_core.model.loader import build_model, load_model
 from mlxr_core.plugins import load_plugins
 from mlxr_core.registry import Registry
 from mlxr_core.testing.hf_reference import tiny_reference
@@ -283,3 +284,17 @@ def test_nvfp4_with_a_global_scale_is_refused_naming_it(source, tmp_path):
         SafetensorsFormat().load(folder, dtype="float32")
     assert caught.value.key == "quantization.mode"
     assert caught.value.tensor == "model.layers.0.mlp.down_proj.global_scale"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_served_model_fuses_its_packed_projections_in_the_mode(source, tmp_path, registries, mode):
+    """``load_model`` (as ``mlxr serve`` loads) joins q/k/v and gate/up into one packed matmul
+    each: the same logits as the numpy-dequantized folder."""
+    folder = converted(source, tmp_path / mode, mode)
+    loaded = load_model(ModelConfig(path=str(folder), dtype="float32", quantization="keep"), registries)
+    fused = [m for _, m in loaded.model.named_modules() if getattr(m, "mode", None) == mode]
+    assert 0 < len(fused) < len(SafetensorsFormat().load(folder, dtype="float32").quantization)
+    got = np.array(loaded.model(mx.array([IDS]))[0])
+    reference_folder = dense_copy(folder, tmp_path / f"{mode}-dense")
+    _, expected = logits_of(SafetensorsFormat().load(reference_folder, dtype="float32"), registries, "dequantize")
+    np.testing.assert_allclose(got, expected, atol=2e-4, rtol=1e-4)
