@@ -53,6 +53,7 @@ ARCHITECTURES = {
     "lfm2": "mlxr_plugins.archs.lfm2:Lfm2Architecture",
     "lfm2_moe": "mlxr_plugins.archs.lfm2_moe:Lfm2MoeArchitecture",
     "lfm3": "mlxr_plugins.archs.lfm3:Lfm3Architecture",
+    "nemotron_h": "mlxr_plugins.archs.nemotron_h:NemotronHArchitecture",
     # llama.cpp's names for the same families, as GGUF files carry them.
     "qwen3moe": "mlxr_plugins.archs.qwen3_moe:Qwen3MoeArchitecture",
     "qwen2moe": "mlxr_plugins.archs.qwen2_moe:Qwen2MoeArchitecture",

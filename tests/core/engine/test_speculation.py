@@ -394,6 +394,11 @@ HYBRIDS = {
                     "v_head_dim": 10, "linear_head_dim": 16, "linear_num_heads": 4, "pad_token_id": 0,
                     "bos_token_id": 0, "eos_token_id": 1,
                     "layer_types": ["linear_attention", "full_attention", "linear_attention"]},
+    "nemotron_h": {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                   "intermediate_size": 96, "vocab_size": 97, "mamba_num_heads": 8, "mamba_head_dim": 16,
+                   "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16, "n_routed_experts": 4,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48,
+                   "layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention"]},
 }  # fmt: skip
 
 
@@ -401,7 +406,8 @@ HYBRIDS = {
 @pytest.mark.parametrize("model_type", list(HYBRIDS))
 def test_hybrid_rows_with_different_drafts_decode_as_plain(tmp_path, model_type):
     """Qwen3-Next (Gated DeltaNet and gated attention layers, MoE), Kimi Linear (Kimi delta
-    attention and latent attention): the recurrent layers keep each verified position's states,
+    attention and latent attention), Nemotron-H (Mamba-2, attention, MLP and MoE layers): the
+    recurrent layers keep each verified position's states,
     so every row undoes its own rejected tokens."""
     from mlxr_core.testing.hf_reference import greedy_reference
 

@@ -8,9 +8,9 @@ then served by the engine with four concurrent greedy streams, each getting its 
 OLMoE (a mixture of experts with query/key norms), Granite-MoE (embedding, attention, residual and
 logit multipliers), OLMo 3 (sliding-window layers, for which
 mlx-lm makes a rotating cache and the bridge a full one with a window mask), Cohere 2 (tied
-embeddings, a window pattern, parallel blocks), and two hybrids whose recurrent layers keep their
+embeddings, a window pattern, parallel blocks), and recurrent models whose layers keep their
 state in mlxr's ``StateCache`` as mlx-lm's layers use theirs: LFM2 (short convolutions beside
-attention), Nemotron-H (Mamba-2 layers, attention and an MLP-only layer) and Mamba (whose layers
+attention) and Mamba (whose layers
 write their state back only into an ``ArraysCache``: the bridge hands them a view of that class).
 """
 
@@ -73,14 +73,6 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"tie_word_embeddings": True, "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1], "conv_L_cache": 3,
          "block_auto_adjust_ff_dim": False, "block_multiple_of": 32, "block_dim": 64, "block_ff_dim": 96},
     ),
-    "nemotron_h": (
-        "NemotronHForCausalLM",
-        "NemotronHConfig",
-        {"num_hidden_layers": 3, "layers_block_type": ["linear_attention", "full_attention", "mlp"],
-         "head_dim": 16, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
-         "ssm_state_size": 16, "conv_kernel": 4, "expand": 2, "chunk_size": 16,
-         "time_step_limit": [0.0, 1e9]},
-    ),
     "mamba": ("MambaForCausalLM", "MambaConfig", {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4, "expand": 2}),
 }
 
@@ -113,7 +105,7 @@ def test_the_family_matches_transformers_through_the_bridge(reference, registrie
     facts = describe_model(str(reference.folder), dtype="float32")
     assert facts["architecture_path"] == "mlx-lm"
     assert facts["architecture_reason"] == loaded.arch_reason
-    assert facts["layers"] == len(loaded.make_cache())  # layers that keep state (not Nemotron-H's MLPs)
+    assert facts["layers"] == len(loaded.make_cache())  # layers that keep state
 
 
 def test_the_engine_serves_it_batched_as_solo(reference):

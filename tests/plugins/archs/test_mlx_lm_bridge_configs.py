@@ -5,8 +5,7 @@ Tiny models saved by transformers 5.25 from their config classes' defaults (size
 through the bridge and decoded greedily against transformers: Ministral 3 (YaRN and Llama 4's
 attention scaling, only in ``rope_parameters``; also rewritten as transformers 4 spelled RoPE),
 LFM2 (no ``block_dim``, which mlx-lm requires), GLM-4.5 (no ``head_dim``, which mlx-lm requires;
-half of each head rotated, in ``rope_parameters``) and Nemotron-H (``time_step_limit`` ending in
-``{"__float__": "Infinity"}``). Then the refusals, on transformers' MiniMax and on mlx-lm's own
+half of each head rotated, in ``rope_parameters``). Then the refusals, on transformers' MiniMax and on mlx-lm's own
 ``ModelArgs`` classes.
 """
 
@@ -38,10 +37,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "lfm2": {"conv_L_cache": 3, "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "glm4_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
                  "n_group": 1, "topk_group": 1},
-    "nemotron_h": {
-        "layers_block_type": ["linear_attention", "full_attention", "mlp", "linear_attention"], "head_dim": 16,
-        "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2, "ssm_state_size": 16, "chunk_size": 16,
-    },
 }
 #: Families a transformers 5 config of which mlx-lm's ModelArgs read wrongly or not at all before
 #: the bridge filled what they lack, from their defaults as the zoo check shrinks them: GLM-4.7-Flash
