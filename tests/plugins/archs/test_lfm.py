@@ -174,3 +174,21 @@ def test_an_mlx_lm_quantized_lfm2_moe_folder_loads_packed(registries, tmp_path):
         ours = np.array(load_model(config, registries).model(ids)[0])
         np.testing.assert_allclose(ours, theirs, atol=1e-4, err_msg=policy)
         assert (ours.argmax(-1) == theirs.argmax(-1)).all(), policy
+
+
+def test_lfm2_reads_the_released_config_keys(registries):
+    """The released LFM2 configs' spellings: ``block_ff_dim`` (the MLP width before its
+    adjustment), ``tie_embedding``, ``full_attn_idxs``; as ``Lfm2Config`` reads them."""
+    transformers = pytest.importorskip("transformers", reason="the reference config is transformers'")
+    released = {
+        "model_type": "lfm2", "vocab_size": 97, "hidden_size": 64, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "block_ff_dim": 192, "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0, "block_auto_adjust_ff_dim": True, "tie_embedding": False,
+        "full_attn_idxs": [2], "norm_eps": 1e-5, "conv_L_cache": 3,
+    }
+    args = registries.archs.get("lfm2").args(released)
+    theirs = transformers.Lfm2Config(**{k: v for k, v in released.items() if k != "model_type"})
+    mlp = transformers.models.lfm2.modeling_lfm2.Lfm2MLP(theirs)
+    assert args.feed_forward_size == mlp.w1.out_features
+    assert args.tie_word_embeddings == theirs.tie_word_embeddings is False
+    assert args.layer_types == theirs.layer_types
