@@ -96,3 +96,41 @@ def test_fields_it_does_not_compute_are_refused_by_name(keys, key):
     with pytest.raises(ModelLoadError) as caught:
         NemotronHArgs.from_config({"hidden_size": 64, **keys})
     assert caught.value.key == key
+
+
+def test_the_engine_serves_it_batched_as_solo(tmp_path):
+    """Three concurrent greedy streams (continuous batching with Mamba, attention and
+    feed-forward rows joining and leaving, chunked prefill, a one-token prompt), then a prompt
+    extending a served one: each stream gets its solo tokens, the extension from the prefix cache."""
+    from mlxr_core.config.schema import Config, EngineConfig, ModelConfig, PrefixCacheConfig
+    from mlxr_core.engine.engine import Engine
+    from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+    from mlxr_core.plugins import load_plugins
+
+    reference = family_reference(FAMILIES, BASE, "written", tmp_path)
+    shared = reference.prompts[0][:24]
+    prompts = [[*shared, 5], reference.prompts[1], [7], [*shared, 5, 9, 8]]
+
+    def run(**engine: Any) -> tuple[list[list[int]], Any]:
+        model = ModelConfig(path=str(reference.folder), name="nemotron", dtype="float32", context_length=128)
+        eng = Engine(Config(models=[model], engine=EngineConfig(**engine)), load_plugins())
+        eng.start()
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=8, extra={"ignore_eos": True})
+            requests = [GenerationRequest(model="nemotron", prompt_ids=p, params=params) for p in prompts[:3]]
+            outputs = []
+            for handle in [eng.submit(request) for request in requests]:
+                events = list(handle)
+                assert isinstance(events[-1], Finished), events[-1]
+                outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
+            events = list(eng.submit(GenerationRequest(model="nemotron", prompt_ids=prompts[3], params=params)))
+            outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
+            return outputs, eng.stats().get("prefix_cache", {}).get("nemotron")
+        finally:
+            eng.stop()
+
+    solo, _ = run(max_batch_size=1, prefix_cache=PrefixCacheConfig(enabled=False))
+    batched, stats = run(max_batch_size=4, prefill_chunk=16)
+    assert [len(out) for out in solo] == [8] * 4
+    assert batched == solo
+    assert stats["hits"] >= 1 and stats["reused_tokens"] >= 24
