@@ -56,6 +56,13 @@ cannot run in ``ctx`` (empty when it can) and an ``op`` callable with the op's s
   ``[B, L, H]``, ``state`` ``[B, H, Dk, Dv]`` float32 or None. Per step ``t`` and head:
   ``S = diag(exp(g_t)) S``, then as ``gated_delta``. Returns ``out`` ``[B, L, H, Dv]`` in ``v``'s
   dtype and the final state (float32).
+- ``ssd(q, k, v, g, beta, state) -> (out, state)``: Mamba-2's selective state space recurrence
+  (SSD: Nemotron-H), ``gated_delta``'s signature: ``q`` (C) and ``k`` (B) ``[B, L, H, N]`` (the
+  caller repeats a group's B and C over its heads), ``v`` (x) ``[B, L, H, P]``, ``g`` ``[B, L, H]``
+  the log decay (``A * dt`` <= 0, float32), ``beta`` ``[B, L, H]`` the step size ``dt``, ``state``
+  ``[B, H, P, N]`` float32 or None. Per step ``t`` and head: ``S = exp(g_t) S + beta_t v_t k_t^T``,
+  ``out_t = S q_t`` (no ``D`` skip, no gate). Returns ``out`` ``[B, L, H, P]`` in ``v``'s dtype
+  and the final state (float32).
 
 A ``quantized_matmul`` or ``gather_matmul`` backend is also asked, once the model's weights are
 packed, about each quantization mode they use: the context then carries ``quant_mode``
@@ -88,7 +95,7 @@ log = logging.getLogger(__name__)
 #: Every op an architecture may ask for, in the order ``mlxr kernels`` lists them.
 OPS = (
     "attention", "rms_norm", "add_rms_norm", "rope", "gated_activation", "quantized_matmul",
-    "gather_matmul", "route", "gated_delta", "kimi_delta",
+    "gather_matmul", "route", "gated_delta", "kimi_delta", "ssd",
 )
 
 
@@ -130,6 +137,7 @@ class KernelSet:
     route: Callable[..., Any]
     gated_delta: Callable[..., Any]
     kimi_delta: Callable[..., Any]
+    ssd: Callable[..., Any]
     #: op -> backend name, for logs and ``mlxr info``.
     chosen: Mapping[str, str] = attrs.field(factory=dict)
     #: The chosen ``quantized_matmul`` backend's ``keeps_packed`` (see :class:`KernelBackend`).

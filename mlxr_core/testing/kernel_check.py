@@ -23,7 +23,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 #: The ops :func:`check_kernel_parity` has cases for.
 PARITY_OPS = (
     "attention", "rms_norm", "add_rms_norm", "rope", "gated_activation", "quantized_matmul",
-    "gather_matmul", "route", "gated_delta", "kimi_delta",
+    "gather_matmul", "route", "gated_delta", "kimi_delta", "ssd",
 )
 #: dtype -> (atol, rtol) per op.
 TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
@@ -43,6 +43,7 @@ TOLERANCES: dict[str, dict[str, tuple[float, float]]] = {
     # rounding to the output dtype (the state stays float32).
     "gated_delta": {"float32": (1e-4, 1e-4), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
     "kimi_delta": {"float32": (1e-4, 1e-4), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
+    "ssd": {"float32": (1e-4, 1e-4), "float16": (2e-3, 2.0**-9), "bfloat16": (1.6e-2, 2.0**-6)},
 }
 
 
@@ -340,6 +341,15 @@ def _cases(op: str) -> Iterator[Case]:
 
             name = f"B={B} L={L} H={H} Dk={Dk} Dv={Dv}{' state' if with_state else ''}"
             yield Case(name, {"linear_head_dim": Dk}, make_kimi)
+    elif op == "ssd":
+        # Decode onto a state, a short prompt from zeros, one across a chunk boundary.
+        for B, L, H, P, N, with_state in ((2, 1, 4, 16, 32, True), (1, 5, 2, 8, 16, False), (1, 70, 2, 16, 16, True)):
+
+            def make_ssd(dtype: Any, B: int = B, L: int = L, H: int = H, P: int = P, N: int = N,
+                         with_state: bool = with_state) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                return ssd_inputs(B, L, H, P, N, with_state=with_state, dtype=dtype, seed=L), {}
+
+            yield Case(f"B={B} L={L} H={H} P={P} N={N}{' state' if with_state else ''}", {}, make_ssd)
     else:
         raise ValueError(f"no parity cases for op {op!r} (ops with cases: {', '.join(PARITY_OPS)})")
 
@@ -401,3 +411,30 @@ def kimi_delta_inputs(
     beta = mx.sigmoid(mx.random.normal((B, L, H), key=keys[4]))
     state = mx.random.normal((B, H, Dk, Dv), key=keys[5]) if with_state else None
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta.astype(dtype), state
+
+
+def ssd_inputs(
+    B: int = 1,
+    L: int = 5,
+    H: int = 2,
+    P: int = 8,
+    N: int = 16,
+    *,
+    with_state: bool = True,
+    dtype: Any = None,
+    seed: int = 0,
+) -> tuple[Any, ...]:
+    """Arguments of ``ssd`` as a Mamba-2 layer hands them over: C and B (``q``, ``k``) and x
+    (``v``) after the convolution's SiLU, ``dt`` (``beta``) a softplus, ``g = -A dt`` <= 0, and a
+    float32 state (or None) drawn from ``seed``; q, k, v and beta in ``dtype`` (float32)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    dtype = dtype or mx.float32
+    keys = mx.random.split(mx.random.key(seed), 6)
+    q, k = (nn.silu(mx.random.normal((B, L, H, N), key=keys[i])) for i in (0, 1))
+    v = nn.silu(mx.random.normal((B, L, H, P), key=keys[2]))
+    dt = nn.softplus(mx.random.normal((B, L, H), key=keys[3]) - 2.0)
+    g = -mx.random.uniform(0.5, 4.0, (H,), key=keys[4]) * dt
+    state = mx.random.normal((B, H, P, N), key=keys[5]) if with_state else None
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, dt.astype(dtype), state

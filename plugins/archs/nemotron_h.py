@@ -221,7 +221,7 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(
                 H, heads=args.mamba_num_heads, head_dim=args.mamba_head_dim, groups=args.n_groups,
                 state_size=args.ssm_state_size, conv_kernel=args.conv_kernel, eps=eps,
-                conv_bias=args.use_conv_bias, bias=args.use_bias, time_step_limit=(float(low), float(high)),
+                conv_bias=args.use_conv_bias, bias=args.use_bias, time_step_limit=(float(low), float(high)), kernels=kernels,
             )
         elif kind == "full_attention":
             self.mixer = Attention(H, args.num_attention_heads, args.kv_heads, args.dims, kernels=kernels,

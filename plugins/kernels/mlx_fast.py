@@ -15,6 +15,7 @@ from mlxr_plugins.kernels import FLOAT_DTYPES, KernelImpl
 from mlxr_plugins.kernels.delta_rule import gated_delta
 from mlxr_plugins.kernels.kimi_delta import kimi_delta
 from mlxr_plugins.kernels.reference import route
+from mlxr_plugins.kernels.ssd import ssd
 
 
 def _float_dtype(ctx: KernelContext) -> list[str]:
@@ -149,3 +150,7 @@ gated_delta_kernel = KernelImpl(
 kimi_delta_kernel = KernelImpl(
     kimi_delta, summary="decode as one step of mx ops; prompts by chunks of 8 (per-channel decays, WY form)"
 )
+
+#: Mamba-2's SSD recurrence: one step of batched ops, or chunks of 64 in the quadratic form
+#: (:mod:`mlxr_plugins.kernels.ssd`).
+ssd_kernel = KernelImpl(ssd, summary="decode as one step of mx ops; prompts by chunks of 64 (quadratic form)")

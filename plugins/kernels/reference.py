@@ -294,6 +294,35 @@ kimi_delta_kernel = KernelImpl(
 )
 
 
+def ssd(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: mx.array | None = None,
+) -> tuple[mx.array, mx.array]:
+    """Mamba-2's SSD recurrence one step at a time, in float32 (see ``mlxr_core.kernels``): per
+    head ``S = exp(g_t) S + beta_t v_t k_t^T``, ``out_t = S q_t``. q, k ``[B, L, H, N]``, v
+    ``[B, L, H, P]``, g and beta ``[B, L, H]``, state ``[B, H, P, N]`` or None. Returns the outputs
+    ``[B, L, H, P]`` in v's dtype and the final state."""
+    B, L, H, N = k.shape
+    if v.shape[:3] != (B, L, H) or q.shape != k.shape:
+        raise ValueError(f"q {q.shape}, k {k.shape} and v {v.shape} must share batch, length and heads")
+    queries, keys, values = (x.astype(mx.float32) for x in (q, k, v))
+    decay, rate = mx.exp(g.astype(mx.float32)), beta.astype(mx.float32)
+    S = mx.zeros((B, H, v.shape[-1], N), dtype=mx.float32) if state is None else state.astype(mx.float32)
+    outputs = []
+    for t in range(L):
+        written = (rate[:, t, :, None] * values[:, t])[..., None] * keys[:, t, :, None, :]  # beta v k^T
+        S = decay[:, t, :, None, None] * S + written
+        outputs.append((S * queries[:, t, :, None, :]).sum(axis=-1))  # S q
+    return mx.stack(outputs, axis=1).astype(v.dtype), S
+
+
+ssd_kernel = KernelImpl(ssd, summary="one step at a time in plain mx ops, float32: the ground truth")
+
+
 def fused_below(min_rows: int, dense: Callable[..., mx.array]) -> Callable[..., mx.array]:
     """A quantized matmul that runs ``mx.quantized_matmul`` for fewer than ``min_rows`` input rows
     (batch x positions) and ``dense`` (same arguments) from there on; affine packing with biases

@@ -9,10 +9,10 @@ reads group ``h // (H / G)``)::
     S = exp(a) S + dt * x B^T;  y = S C + D * x                                   # S [H, P, N]
     out = out_proj(group_rms_norm(y * silu(z)) * weight)
 
-The recurrence has the ``gated_delta`` op's signature (``q = C``, ``k = B``, ``v = x``, ``g = a``,
-``beta = dt``), so :class:`~mlxr_core.model.layers.linear_attention.ConvolvedRecurrence` keeps
-the states of a verified draft position by position for a row's rollback. :func:`ssd` steps one
-position, and runs a longer input by chunks in the quadratic (attention-like) form.
+The recurrence is the ``ssd`` kernel op (``q = C``, ``k = B``, ``v = x``, ``g = a``, ``beta = dt``:
+``gated_delta``'s signature), so
+:class:`~mlxr_core.model.layers.linear_attention.ConvolvedRecurrence` keeps the states of a
+verified draft position by position for a row's rollback.
 """
 
 from __future__ import annotations
@@ -23,54 +23,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxr_core.kernels import KernelSet
 from mlxr_core.model.cache import RecurrentCache
 from mlxr_core.model.layers.linear_attention import ConvolvedRecurrence
-
-#: Positions per chunk of the quadratic form: ``[B, H, CHUNK, CHUNK]`` decays at once.
-CHUNK = 64
-
-
-def ssd(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array | None = None
-) -> tuple[mx.array, mx.array]:
-    """``S = exp(g) S + beta v k^T; out = S q`` per head: ``q`` (C) and ``k`` (B) ``[B, L, H, N]``,
-    ``v`` (x) ``[B, L, H, P]``, ``g`` (log decay) and ``beta`` (dt) ``[B, L, H]``, ``state``
-    ``[B, H, P, N]`` float32 (zeros when None). Returns ``out`` ``[B, L, H, P]`` (v's dtype) and
-    the final state; float32 inside."""
-    Bsz, L, H, N = k.shape
-    P = v.shape[-1]
-    S = mx.zeros((Bsz, H, P, N), dtype=mx.float32) if state is None else state.astype(mx.float32)
-    q, k, v = (a.astype(mx.float32).transpose(0, 2, 1, 3) for a in (q, k, v))  # [B, H, L, *]
-    g, beta = g.astype(mx.float32).transpose(0, 2, 1), beta.astype(mx.float32).transpose(0, 2, 1)
-    outs = []
-    for start in range(0, L, CHUNK):
-        end = min(start + CHUNK, L)
-        out, S = _chunk(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end], g[:, :, start:end],
-                        beta[:, :, start:end], S)
-        outs.append(out)
-    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-    return out.transpose(0, 2, 1, 3).astype(v.dtype if state is None else mx.float32), S
-
-
-def _chunk(
-    q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, S: mx.array
-) -> tuple[mx.array, mx.array]:
-    """One chunk ``[B, H, T, *]`` from state ``S``: ``G_t`` the cumulative log decay, ``out_t =
-    exp(G_t) S q_t + sum_{s<=t} exp(G_t - G_s) (q_t . k_s) beta_s v_s``; the next state
-    ``exp(G_T) S + sum_s exp(G_T - G_s) beta_s v_s k_s^T``."""
-    T = g.shape[-1]
-    G = mx.cumsum(g, axis=-1)  # [B, H, T]
-    if T == 1:
-        S = mx.exp(g)[..., None] * S + (beta[..., None] * v).swapaxes(-1, -2) @ k
-        return q @ S.swapaxes(-1, -2), S
-    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
-    # masked before the exp: above the diagonal the difference is positive and could overflow
-    decay = mx.exp(mx.where(causal, G[..., :, None] - G[..., None, :], -math.inf))  # [B, H, T, T]
-    scores = (q @ k.swapaxes(-1, -2)) * decay * beta[..., None, :]
-    out = scores @ v + mx.exp(G)[..., None] * (q @ S.swapaxes(-1, -2))
-    weights = (mx.exp(G[..., -1:] - G) * beta)[..., None]  # [B, H, T, 1]
-    S = mx.exp(G[..., -1])[..., None, None] * S + (weights * v).swapaxes(-1, -2) @ k
-    return out, S
 
 
 class Mamba2Mixer(ConvolvedRecurrence):
@@ -90,6 +45,7 @@ class Mamba2Mixer(ConvolvedRecurrence):
         conv_bias: bool,
         bias: bool,
         time_step_limit: tuple[float, float],
+        kernels: KernelSet,
     ):
         super().__init__()
         if heads % groups:
@@ -107,7 +63,7 @@ class Mamba2Mixer(ConvolvedRecurrence):
         self.out_proj = nn.Linear(self.inner, hidden, bias=bias)
         self.state_shape = (heads, head_dim, state_size)
         self.time_step_limit = time_step_limit
-        self._recurrence = ssd
+        self._recurrence = kernels.ssd
 
     def convolve(self, qkv: mx.array, state: mx.array | None) -> tuple[mx.array, mx.array]:
         """The causal depthwise convolution with its bias, then SiLU."""

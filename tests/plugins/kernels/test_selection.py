@@ -35,6 +35,7 @@ CPU_AUTO = {
     "route": "mlx_fast",
     "gated_delta": "mlx_fast",
     "kimi_delta": "mlx_fast",
+    "ssd": "mlx_fast",
 }
 
 
@@ -167,7 +168,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     by_key = {(row["op"], row["backend"]): row for row in rows}
     assert set(by_key) == {(op, b) for op in ("attention", "rms_norm", "add_rms_norm", "rope",
                                               "gated_activation", "quantized_matmul", "gather_matmul",
-                                              "route", "gated_delta", "kimi_delta")
+                                              "route", "gated_delta", "kimi_delta", "ssd")
                            for b in ("mlx_fast", "reference")} | {
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
         ("add_rms_norm", "cuda_norm"), ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"),
@@ -189,7 +190,8 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
     chosen = {row["op"]: row["backend"] for row in cuda_rows if row["auto"]}
     assert chosen == {"attention": "cuda", "rms_norm": "mlx_fast", "add_rms_norm": "cuda_norm",
                       "rope": "mlx_fast", "gated_activation": "mlx_fast", "quantized_matmul": "cuda_qmm", "gather_matmul": "mlx_fast",
-                      "route": "cuda_moe", "gated_delta": "cuda_delta", "kimi_delta": "mlx_fast"}
+                      "route": "cuda_moe", "gated_delta": "cuda_delta", "kimi_delta": "mlx_fast",
+                      "ssd": "mlx_fast"}
     dense_row = next(r for r in cuda_rows if r["backend"] == "cuda_dense")
     assert dense_row["supported"] and not dense_row["auto"]  # opt-in too
     for blas_row in (r for r in cuda_rows if r["backend"] == "cpu_blas"):
