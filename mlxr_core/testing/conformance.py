@@ -108,6 +108,19 @@ TINY_CONFIG: dict[str, Any] = {
     "indexer_budget": 4,
     "indexer_compress_ratio": 2,
 }
+#: What a family needs beside :data:`TINY_CONFIG`: GLM-5-Next's latent attention rotates nothing;
+#: Mistral 4 computes only YaRN (as transformers' graph does).
+TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "glm5_next": {"qk_rope_head_dim": 0},
+    "glm5_next_text": {"qk_rope_head_dim": 0},
+    "mistral4": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                  "beta_fast": 32.0, "beta_slow": 1.0}},
+}
+
+
+def tiny_config(model_type: str) -> dict[str, Any]:
+    """:data:`TINY_CONFIG` for ``model_type``, with what its family needs (:data:`TINY_OVERRIDES`)."""
+    return {**TINY_CONFIG, **TINY_OVERRIDES.get(model_type, {}), "model_type": model_type}
 #: Prompt lengths of the two batch rows: different, and longer than the sliding window.
 LENGTHS = (11, 6)
 DECODE_STEPS = 3
@@ -117,12 +130,15 @@ def random_model(
     arch: Architecture, config: dict[str, Any], kernels: KernelSet, seed: int = 0
 ) -> nn.Module:
     """The module with O(1) logits: matrices scaled by ``1/sqrt(fan_in)``, vectors near 1 (norms)
-    or near 0 (biases). MLX's default initialization gives near-zero logits, which prove little."""
+    or near 0 (biases); integer tables are kept. MLX's default initialization gives near-zero
+    logits, which prove little."""
     model = arch.build(config, kernels)
     rng = np.random.default_rng(seed)
     params = []
     flat: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     for name, array in flat:
+        if not mx.issubdtype(array.dtype, mx.floating):
+            continue  # tables of ids (DeepSeek-V4's token -> experts) stay as built: noise is no id
         noise = rng.standard_normal(array.shape).astype(np.float32)
         if array.ndim == 1:
             value = 0.1 * noise + (0.0 if name.endswith("bias") else 1.0)

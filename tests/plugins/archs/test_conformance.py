@@ -7,7 +7,7 @@ import pytest
 from mlxr_core.kernels import OPS, bind_kernels
 from mlxr_core.model.audio import ProvidesSpeech
 from mlxr_core.plugins import load_plugins
-from mlxr_core.testing.conformance import TINY_CONFIG, check_architecture
+from mlxr_core.testing.conformance import TINY_CONFIG, check_architecture, tiny_config
 
 REGISTRIES = load_plugins().registries
 
@@ -18,7 +18,7 @@ def test_architecture_conforms(model_type, backend):
     arch = REGISTRIES.archs.get(model_type)
     if isinstance(arch, ProvidesSpeech):
         pytest.skip("a speech-to-text model continues no text prompt; tests/plugins/archs/test_whisper.py checks it")
-    config = {**TINY_CONFIG, "model_type": model_type}
+    config = tiny_config(model_type)
     kernels = bind_kernels(
         REGISTRIES.kernels,
         dtype="float32",
