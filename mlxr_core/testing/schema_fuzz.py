@@ -28,6 +28,8 @@ UNSTATABLE = re.compile("|".join([
     "the audio", "does not transcribe audio", "does not know the language",
     # Rules between the grammar fields (mlxr_core.http.constraints), to state with the constraint limits.
     "send one output constraint per request", "structured_outputs needs one of",
+    # What a stored response allows depends on how it was made (background or not), not on the body.
+    "only a background response", "only background responses can be cancelled",
 ]))  # fmt: skip
 
 

@@ -67,6 +67,7 @@ async def create_embed(
     started = time.perf_counter_ns()
     if body.dimensions:
         raise RequestError("dimensions is not supported by this server", field="dimensions")
+    _check_options(ctx, body.options)
     engine = ready_engine(ctx)
     info = await resolve(ctx, body.model)
     if isinstance(body.input, str):
@@ -89,6 +90,7 @@ async def create_embeddings(
     ctx: ServerContext, body: EmbeddingsRequest, request: Request[Any, Any, Any], resolve: Resolver
 ) -> EmbeddingsResponse:
     """``POST /api/embeddings`` (legacy): one ``prompt`` -> one ``embedding``."""
+    _check_options(ctx, body.options)
     engine = ready_engine(ctx)
     info = await resolve(ctx, body.model)
     if not body.prompt:
@@ -97,6 +99,14 @@ async def create_embeddings(
     token_lists = await prepare_in_thread(ctx, request, encode)
     result = await unless_disconnected(request, engine.embed_async(_asked(engine, body.model, info.name), token_lists))
     return EmbeddingsResponse(result.vectors[0])
+
+
+def _check_options(ctx: ServerContext, options: s.Options | None) -> None:
+    """``options`` held to the rules a generation request's are (a 400 naming the option): an
+    embedding uses none of them, but a body the document refuses is refused here too."""
+    from mlxr_plugins.apis.ollama.routes import options_params
+
+    options_params(ctx, options)
 
 
 def _token_lists(engine: EngineClient, info: ModelInfo, texts: list[str], *, truncate: bool) -> list[list[int]]:

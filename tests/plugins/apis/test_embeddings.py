@@ -226,3 +226,13 @@ def test_a_client_that_leaves_cancels_the_embedding_it_waits_for() -> None:
 
     asyncio.run(asyncio.wait_for(scenario(), 5))
     assert cancelled == [True]
+
+
+def test_ollama_embed_options_follow_the_generation_rules(client: TestClient) -> None:
+    """options are unused by an embedding, but a body the document refuses is a 400 naming the
+    option there too (schemathesis found /api/embed answering 200 to a 300-character stop)."""
+    bad = {"stop": "x" * 300}
+    for path, body in (("/api/embed", {"model": "one", "input": "the cat"}), ("/api/embeddings", {"model": "one", "prompt": "the cat"})):
+        r = client.post(path, json={**body, "options": bad})
+        assert r.status_code == 400 and "options.stop" in r.text, r.text
+        assert client.post(path, json={**body, "options": {"stop": ["</s>"], "temperature": 0.2}}).status_code == 200
