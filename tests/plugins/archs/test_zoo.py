@@ -19,8 +19,8 @@ from mlxr_core.testing import zoo
 
 #: One of each kind, run by default.
 REPRESENTATIVE = (
-    "llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "nemotron_h",  # native
-    "cohere", "olmoe", "lfm2_moe",  # through the mlx-lm bridge
+    "llama", "qwen3_moe", "deepseek_v3", "gemma3_text", "nemotron_h", "lfm2_moe",  # native
+    "cohere", "olmoe", "falcon_mamba",  # through the mlx-lm bridge
 )  # fmt: skip
 RECORDED = zoo.recorded()
 CLAIMED = sorted(name for name, result in RECORDED.items() if result.claim is not None)
