@@ -173,6 +173,8 @@ def test_decisions_answer_every_kind_of_question_from_one_prefill(client: openai
     assert sum(p.probability for p in currency.probabilities) == pytest.approx(1.0, abs=1e-3)  # type: ignore[union-attr]
     chosen = next(p.probability for p in currency.probabilities if p.value == currency.choice)  # type: ignore[union-attr]
     assert currency.confidence == pytest.approx(chosen)  # type: ignore[union-attr]
+    # the choice is the option the model's probabilities rank first (it was "yen" at 0.14 once)
+    assert chosen == max(p.probability for p in currency.probabilities)  # type: ignore[union-attr]
     assert urgency.type == "score" and 0.0 <= urgency.score <= 2.0  # type: ignore[union-attr]
     assert [p.value for p in urgency.probabilities] == [0, 1, 2]  # type: ignore[union-attr]
     expected = sum(p.value * p.probability for p in urgency.probabilities)  # type: ignore[union-attr]

@@ -227,9 +227,12 @@ async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any
         usage["input"] += finished.usage.prompt_tokens - finished.usage.cached_tokens
         usage["cached"] += finished.usage.cached_tokens
         usage["output"] += finished.usage.completion_tokens
-        reply = text.strip()
-        chosen = options.index(reply) if reply in options else None
-        answers.append(answer(question, values, options, chosen, probabilities(scores)))
+        # The answer is the option the scores rank first: the constrained greedy row can reach an
+        # option through a spelling the model would not use (``y`` + ``en`` for "yen"), where the
+        # scores read each option as the tokenizer writes it. A row that matched no option refuses.
+        chances = probabilities(scores)
+        chosen = max(range(len(chances)), key=chances.__getitem__) if text.strip() in options else None
+        answers.append(answer(question, values, options, chosen, chances))
     total_in = usage["input"] + usage["cached"]
     return {
         "answers": answers, "model": body.model,
