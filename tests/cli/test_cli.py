@@ -189,7 +189,7 @@ def test_plugin_commands_are_added_after_the_built_in_ones(fake_plugin_dist, cap
     fake_plugin_dist("mlxr-test-clash", modules={"mlxr_test_clash": CLASHING_COMMAND}, entry_points={"clash": "mlxr_test_clash"})
     assert main(["--help"]) == 0
     help_text = capsys.readouterr().out
-    assert help_text.index("plugins") < help_text.index("demo") and "a plugin's command" in help_text
+    assert help_text.index("plugins") < help_text.index("a plugin's command")  # the plugin's "demo" row
 
     assert main(["demo"]) == 0
     assert capsys.readouterr().out == "hello from a plugin command\n"

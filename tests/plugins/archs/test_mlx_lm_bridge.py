@@ -67,12 +67,6 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         {"tie_word_embeddings": True, "sliding_window": 12, "sliding_window_pattern": 2,
          "layer_types": ["sliding_attention", "full_attention"]},
     ),
-    "lfm2": (
-        "Lfm2ForCausalLM",
-        "Lfm2Config",
-        {"tie_word_embeddings": True, "layer_types": ["conv", "full_attention"], "full_attn_idxs": [1], "conv_L_cache": 3,
-         "block_auto_adjust_ff_dim": False, "block_multiple_of": 32, "block_dim": 64, "block_ff_dim": 96},
-    ),
     "mamba": ("MambaForCausalLM", "MambaConfig", {"state_size": 16, "time_step_rank": 8, "conv_kernel": 4, "expand": 2}),
 }
 

@@ -34,7 +34,6 @@ MINISTRAL_ROPE = {
 }
 FAMILIES: dict[str, dict[str, Any]] = {
     "ministral3": {"rope_parameters": MINISTRAL_ROPE, "max_position_embeddings": 128},
-    "lfm2": {"conv_L_cache": 3, "layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "glm4_moe": {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
                  "n_group": 1, "topk_group": 1},
 }
