@@ -9,32 +9,18 @@ difference from the reference, for decode steps and prompts.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
-from typing import Any
 
 # isort: off
 import mlxr_core  # noqa: F401  (before mlx.core is loaded: it preloads OpenBLAS on Linux CPUs)
 import mlx.core as mx
 
 # isort: on
+from gated_delta import timed  # the same timing (this folder is on the path of a script run)
+
 from mlxr_core.kernels import current_platform
 from mlxr_core.testing.kernel_check import ssd_inputs
 from mlxr_plugins.kernels import reference
 from mlxr_plugins.kernels.ssd import ssd as chunked
-
-
-def timed(fn: Callable[..., Any], args: tuple[Any, ...], repeats: int) -> float:
-    """Median milliseconds of ``fn(*args)`` evaluated alone (after a warm-up)."""
-    for _ in range(2):
-        mx.eval(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(fn(*args))
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
 
 
 def main() -> int:
