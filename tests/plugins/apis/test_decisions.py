@@ -47,6 +47,7 @@ def test_options_sharing_tokens_are_scored_by_all_of_them_as_transformers_comput
     model's distributions from transformers reading the same GGUF."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers reads a GGUF file only with accelerate installed")
     from litestar.testing import TestClient
 
     from mlxr_core.chat.tools import model_parsers, prepare_chat
