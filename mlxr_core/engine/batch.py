@@ -102,6 +102,8 @@ class Sequence:
         self.cache: list[Any] | None = None  # own cache while prefilling
         #: The slot of its LoRA adapter in the model's AdapterSet (0: none), set when it joins.
         self.adapter_slot = 0
+        #: Its adapter's scale (``GenerationRequest.adapter_scale``).
+        self.adapter_scale = handle.request.adapter_scale
         self.prefilled = 0
         #: Prompt tokens the prefix cache gave, and that this request stored in it (the usage).
         self.cached = self.written = 0
@@ -204,6 +206,7 @@ class BatchRunner:
         self.running: list[Sequence] = []
         if model.adapters is not None:  # a decode step's rows are the running ones, in order
             model.adapters.batch_slots = lambda: [seq.adapter_slot for seq in self.running]
+            model.adapters.batch_scales = lambda: [seq.adapter_scale for seq in self.running]
             model.adapters.busy_slots = lambda: {seq.adapter_slot for seq in (*self.prefilling, *self.running)}
         self.caches: list[BatchLayerCache] | None = None
         self.tokens: mx.array | None = None  # [B]: each row's next input (and, unless fresh, output)
@@ -443,13 +446,19 @@ class BatchRunner:
         """The prompt as the prefix cache keys it: images by their content hash, and under its
         LoRA adapter's mark (another adapter's keys and values differ from the first layer on)."""
         key = seq.prompt if seq.images is None else seq.images.cache_key(seq.prompt)
-        adapter = seq.handle.request.adapter
-        return key if adapter is None else adapter_key(key, adapter)
+        request = seq.handle.request
+        if request.adapter is None:
+            return key
+        # Another scale of the adapter is another model: its keys and values differ too.
+        scale = request.adapter_scale
+        return adapter_key(key, request.adapter if scale == 1.0 else f"{request.adapter}*{scale!r}")
 
     def _adapter_rows(self, seqs: list[Sequence]) -> AbstractContextManager[None]:
         """While a forward pass over ``seqs`` (its rows, in order) is built: their adapters."""
         adapters = self.model.adapters
-        return nullcontext() if adapters is None else adapters.rows([seq.adapter_slot for seq in seqs])
+        if adapters is None:
+            return nullcontext()
+        return adapters.rows([seq.adapter_slot for seq in seqs], [seq.adapter_scale for seq in seqs])
 
     def _join(self, seq: Sequence) -> None:
         self._append_rows([seq], [cache.to_batch() for cache in seq.cache or self.model.make_cache()])

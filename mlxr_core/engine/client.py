@@ -10,6 +10,7 @@ process of its own (``engine.core: process``). Each checks a request in the call
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -183,6 +184,11 @@ class EngineCaller:
         adapter = self.adapters.get(request.model)
         if adapter is not None:  # an adapter served as a model: its model, with the adapter
             request.adapter = adapter[1]
+        if request.adapter_scale != 1.0 and (request.adapter is None or not math.isfinite(request.adapter_scale)):
+            raise RequestError(
+                f"an adapter scale ({request.adapter_scale}) needs a finite number and a model naming a LoRA adapter",
+                field="lora_scale",
+            )
         info = self.model(request.model)
         check_request(
             info, request, config=self.config.engine, samplers=self.host.registries.samplers,

@@ -117,6 +117,9 @@ class GenerationRequest:
     #: The model's LoRA adapter the request runs with (``models[].adapters``), or None; set at
     #: admission from a ``model`` naming one (``<model>:<adapter>``).
     adapter: str | None = None
+    #: The strength of :attr:`adapter`: its update times this (1: as its file has it; 0: the
+    #: base's output, with the adapter's cache keys).
+    adapter_scale: float = 1.0
     #: The output the client expects (OpenAI's Predicted Outputs), as token ids: drafted from
     #: inside the batch (see :mod:`mlxr_core.engine.speculation`); None: no prediction.
     prediction: list[int] | None = None

@@ -12,8 +12,10 @@ changes, its parameters stay) that adds, per row ``i`` of its input, ``scale * (
 for the adapter row ``i`` uses: the base matmul runs once for every row, and the updates are two
 ``mx.gather_mm`` over the resident adapters' stacked ``A`` and ``B`` (ranks padded to the layer's
 largest). :class:`AdapterSet` holds those stacks (one slot per resident adapter) and, while a
-forward pass is built (:meth:`AdapterSet.rows`), which slot each row uses; rows with slot 0 (no
-adapter) and a pass with no adapter row at all add nothing.
+forward pass is built (:meth:`AdapterSet.rows`), which slot each row uses and at which scale
+(a request may ask for its adapter at another strength than the file's, as llama.cpp's ``lora``
+scales: the update times that factor, per row); rows with slot 0 (no adapter) and a pass with no
+adapter row at all add nothing.
 """
 
 from __future__ import annotations
@@ -232,24 +234,29 @@ class LayerUpdates:
             return y
         if rows.size != x.shape[0]:
             raise ValueError(f"{rows.size} adapter rows for a pass over {x.shape[0]} rows")
-        index, mask = rows.lookup(self.key)
+        index, factor = rows.lookup(self.key)
         if index is None:
             return y  # no row's adapter targets this layer
         low = mx.gather_mm(x, self.a, rows.every, index)  # [B, L, R]
-        if mask is not None:  # rows whose adapter does not target this layer add nothing
-            low = low * mask
+        if factor is not None:  # each row's scale; 0 where its adapter does not target this layer
+            low = low * factor.astype(low.dtype)
         update: mx.array = mx.gather_mm(low, self.b, rows.every, index)  # [B, L, out]
         return y + update
 
 
 class StepRows:
-    """The adapter slots of the rows of one forward pass, and per layer table (a
-    :attr:`LayerUpdates.key`) the rows' indices into its stacks and the mask of rows it does not
-    update, made once per pass and table on the host (the layers of a model mostly share one)."""
+    """The adapter slots of the rows of one forward pass and each row's scale of its adapter
+    (1: the file's own), and per layer table (a :attr:`LayerUpdates.key`) the rows' indices into
+    its stacks and their factors (the scale, 0 for a row it does not update; None when every row
+    takes its update whole), made once per pass and table on the host (the layers of a model
+    mostly share one)."""
 
-    def __init__(self, slots: tuple[int, ...]):
+    def __init__(self, slots: tuple[int, ...], scales: tuple[float, ...] | None = None):
         self.slots = slots
         self.size = len(slots)
+        self.scales = scales if scales is not None else (1.0,) * self.size
+        if len(self.scales) != self.size:
+            raise ValueError(f"{len(self.scales)} adapter scales for {self.size} rows")
         self.every = mx.arange(self.size, dtype=mx.uint32)
         self._tables: dict[tuple[int, ...], tuple[mx.array | None, mx.array | None]] = {}
 
@@ -261,12 +268,9 @@ class StepRows:
                 found = (None, None)
             else:
                 index = mx.array([max(i, 0) for i in where], dtype=mx.uint32)
-                mask = (
-                    None
-                    if all(i >= 0 for i in where)
-                    else mx.array([float(i >= 0) for i in where])[:, None, None]
-                )
-                found = (index, mask)
+                factors = [scale if i >= 0 else 0.0 for i, scale in zip(where, self.scales, strict=True)]
+                factor = None if all(f == 1.0 for f in factors) else mx.array(factors)[:, None, None]
+                found = (index, factor)
             self._tables[key] = found
         return found
 
@@ -335,13 +339,15 @@ class AdapterSet:
         self.layers: dict[str, LayerUpdates] = {}
         #: Each running row's slot, in batch order (set by the engine's batch), or None.
         self.batch_slots: Callable[[], Sequence[int]] | None = None
+        #: Each running row's scale of its adapter, in batch order (set with :attr:`batch_slots`).
+        self.batch_scales: Callable[[], Sequence[float]] | None = None
         #: The slots requests use now, running or prefilling (set by the engine's batch), or None.
         self.busy_slots: Callable[[], Collection[int]] | None = None
         #: Told the change in :attr:`nbytes` after each add and remove (the memory budget's count).
         self.on_change: Callable[[int], None] | None = None
         self._override = False
         self._current: StepRows | None = None
-        self._steps: dict[tuple[int, ...], StepRows] = {}
+        self._steps: dict[tuple[tuple[int, ...], tuple[float, ...] | None], StepRows] = {}
 
     @property
     def nbytes(self) -> int:
@@ -406,19 +412,23 @@ class AdapterSet:
         slots = tuple(self.batch_slots())
         if not any(slots):
             return None
-        rows = self._steps.get(slots)
+        scales = tuple(self.batch_scales()) if self.batch_scales is not None else None
+        if scales is not None and all(scale == 1.0 for scale in scales):
+            scales = None
+        rows = self._steps.get((slots, scales))
         if rows is None:
             if len(self._steps) > 64:
                 self._steps.clear()
-            rows = self._steps[slots] = StepRows(slots)
+            rows = self._steps[slots, scales] = StepRows(slots, scales)
         return rows
 
     @contextmanager
-    def rows(self, slots: Sequence[int]) -> Iterator[None]:
-        """While a forward pass over rows using ``slots`` (one per row; 0: none) is built."""
+    def rows(self, slots: Sequence[int], scales: Sequence[float] | None = None) -> Iterator[None]:
+        """While a forward pass over rows using ``slots`` (one per row; 0: none) is built, each
+        row's update times its ``scales`` entry (None: every update as its file has it)."""
         previous = self._override, self._current
         self._override = True
-        self._current = StepRows(tuple(slots)) if any(slots) else None
+        self._current = StepRows(tuple(slots), tuple(scales) if scales is not None else None) if any(slots) else None
         try:
             yield
         finally:

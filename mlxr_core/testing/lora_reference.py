@@ -36,15 +36,20 @@ class LoraReference:
     def base(self) -> Path:
         return self.root / "base"
 
-    def merged(self, name: str | None) -> Any:
-        """transformers' model with adapter ``name`` merged by PEFT (the base for None)."""
+    def merged(self, name: str | None, scale: float = 1.0) -> Any:
+        """transformers' model with adapter ``name`` merged by PEFT (the base for None), its
+        update times ``scale`` (PEFT's ``LoraLayer.scale_layer``)."""
         import peft
         import transformers
 
         base = transformers.LlamaForCausalLM.from_pretrained(self.base).eval()
         if name is None:
             return base
-        return peft.PeftModel.from_pretrained(base, self.root / name).merge_and_unload()
+        wrapped = peft.PeftModel.from_pretrained(base, self.root / name)
+        for module in wrapped.modules():
+            if isinstance(module, peft.tuners.lora.LoraLayer):
+                module.scale_layer(scale)
+        return wrapped.merge_and_unload()
 
 
 def lora_reference(

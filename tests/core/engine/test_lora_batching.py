@@ -22,6 +22,7 @@ from mlxr_core.config.schema import (
 )
 from mlxr_core.engine.engine import Engine
 from mlxr_core.engine.request import Delta, Failed, Finished, GenerationRequest, SamplingParams
+from mlxr_core.errors import RequestError
 from mlxr_core.plugins import load_plugins
 
 pytest.importorskip("torch", reason="the reference needs torch (CPU)")
@@ -60,9 +61,9 @@ def start(
     return eng
 
 
-def request(model: str, prompt: list[int]) -> GenerationRequest:
+def request(model: str, prompt: list[int], scale: float = 1.0) -> GenerationRequest:
     params = SamplingParams(max_tokens=TOKENS, temperature=0.0, extra={"ignore_eos": True})
-    return GenerationRequest(model=model, prompt_ids=list(prompt), params=params)
+    return GenerationRequest(model=model, prompt_ids=list(prompt), params=params, adapter_scale=scale)
 
 
 def tokens_of(handle: Any) -> list[int]:
@@ -188,3 +189,37 @@ def test_more_adapters_than_slots_take_turns(reference: LoraReference) -> None:
     for model, prompt, tokens in list(zip(MODELS, PROMPTS, got, strict=True))[:4]:
         assert tokens == peft_greedy(reference, model.partition(":")[2] or None, prompt), model
     assert footprint > 0
+
+
+def test_rows_at_different_scales_batch_and_match_alone(reference: LoraReference) -> None:
+    """Streams of one adapter at different scales (and another adapter, and the base) decode in
+    one batch, each equal to it served alone; a scale's tokens equal PEFT's merge at that scale."""
+    rows = [("tiny:all", 0.5), ("tiny:all", 2.0), ("tiny:all", 1.0), ("tiny:qv", 0.3), ("tiny", 1.0), ("tiny:all", 0.0)]
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    alone_engine = start(reference, max_batch_size=1, prefix_cache=PrefixCacheConfig(enabled=False))
+    try:
+        alone = [tokens_of(alone_engine.submit(request(m, p, s))) for (m, s), p in zip(rows, prompts, strict=True)]
+    finally:
+        alone_engine.stop()
+    eng = start(reference, max_batch_size=8)
+    try:
+        handles = [eng.submit(request(m, p, s)) for (m, s), p in zip(rows, prompts, strict=True)]
+        together = [tokens_of(handle) for handle in handles]
+        steps = eng.stats()["steps"]
+        # the prefix cache keys a prompt by its adapter's scale too: the same prompt at 0.5 again
+        again = tokens_of(eng.submit(request("tiny:all", PROMPTS[0], 0.5)))
+        with pytest.raises(RequestError, match="adapter scale"):
+            eng.submit(request("tiny", PROMPTS[0], 0.5))
+    finally:
+        eng.stop()
+    assert together == alone and again == alone[0]
+    assert steps < len(rows) * TOKENS
+    assert len({tuple(tokens) for tokens in together[:3]}) == 3  # three scales, three continuations
+    assert together[5] == peft_greedy(reference, None, PROMPTS[3])  # scale 0: the base's tokens
+    import torch
+
+    with torch.no_grad():
+        out = reference.merged("all", 0.5).generate(torch.tensor([PROMPTS[0]]), max_new_tokens=TOKENS,
+                                                     min_new_tokens=TOKENS, do_sample=False, pad_token_id=0,
+                                                     eos_token_id=None)  # fmt: skip
+    assert together[0] == out[0, len(PROMPTS[0]) :].tolist()

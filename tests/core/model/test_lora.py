@@ -70,6 +70,27 @@ def test_rows_of_one_batch_match_peft_merged(tiny: dict[str, Any], registries: A
             assert np.abs(want - tiny["logits"][None][i % 2]).max() > 0.5
 
 
+def test_rows_at_different_scales_match_peft_scaled(tiny: dict[str, Any], registries: Any) -> None:
+    """Rows of one pass using one adapter at different scales (llama.cpp's per-request ``lora``
+    scales), another adapter whole and the base: each equals PEFT's merge with its layers' scaling
+    times that scale (``scale_layer``)."""
+    from mlxr_core.testing.lora_reference import LoraReference
+
+    loaded = serve(tiny, registries)
+    reference = LoraReference(tiny["root"], PROMPTS, tiny["logits"])
+    rows: list[tuple[str | None, float]] = [("all", 0.5), ("all", -1.0), ("mlp", 1.0), ("all", 2.0), ("mlp", 0.0), (None, 1.0)]
+    prompts = [PROMPTS[i % 2] for i in range(len(rows))]
+    slots = [0 if name is None else loaded.adapters.slot(name) for name, _ in rows]
+    with loaded.adapters.rows(slots, [scale for _, scale in rows]):
+        got = np.array(loaded.model(mx.array(prompts)))
+    for i, (name, scale) in enumerate(rows):
+        with torch.no_grad():
+            want = reference.merged(name, scale)(torch.tensor([prompts[i]])).logits[0].numpy()
+        np.testing.assert_allclose(got[i], want, atol=2e-4, err_msg=f"{name} at {scale}")
+    np.testing.assert_allclose(got[4], tiny["logits"][None][0], atol=2e-4)  # scale 0: the base
+    assert np.abs(got[0] - tiny["logits"]["all"][0]).max() > 0.5  # the scale changed the logits
+
+
 def test_cached_decoding_with_adapter(tiny: dict[str, Any], registries: Any) -> None:
     loaded = serve(tiny, registries)
     prompt = PROMPTS[0]
