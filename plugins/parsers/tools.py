@@ -398,3 +398,55 @@ class PythonicParser:
 
     def render_result(self, name: str | None, content: str) -> str:
         return f"```tool_output\n{content}\n```"
+
+
+# -- LFM (Liquid) -------------------------------------------------------------------------------
+
+LFM_CALL, LFM_CALL_END = "<|tool_call_start|>", "<|tool_call_end|>"
+LFM_RESPONSE, LFM_RESPONSE_END = "<|tool_response_start|>", "<|tool_response_end|>"
+
+
+class LfmStream(MarkupStream):
+    starts = (LFM_CALL,)
+
+    def close(self, marker: str, body: str) -> Result:
+        end = body.find(LFM_CALL_END)
+        if end < 0:
+            return None
+        return end + len(LFM_CALL_END), _lfm_calls(body[:end])
+
+    def close_at_end(self, marker: str, body: str) -> list[ToolCall] | None:
+        return _lfm_calls(body)
+
+
+def _lfm_calls(body: str) -> list[ToolCall] | None:
+    """A Python list of calls (LFM's default) or, when the system prompt asked for JSON, a JSON
+    call or list of calls."""
+    calls = python_calls(body)
+    if calls is None and body.strip().startswith(("{", "[{")):
+        calls = json_calls(body)
+    return calls
+
+
+class LfmParser:
+    """LFM2 / LFM2.5 / LFM3's ``<|tool_call_start|>[get_weather(city="Paris")]<|tool_call_end|>``
+    (Python calls by default, JSON when the system prompt asks for it); results between
+    ``<|tool_response_start|>`` and ``<|tool_response_end|>``. The markers are special tokens, kept
+    in the text for this parser."""
+
+    markup_tokens = (LFM_CALL, LFM_CALL_END, LFM_RESPONSE, LFM_RESPONSE_END)
+
+    def detect(self, template: str) -> int:
+        return 3 if LFM_CALL in template or "<|tool_list_start|>" in template else 0
+
+    def stream(self) -> LfmStream:
+        return LfmStream()
+
+    def system_prompt(self, tools: list[Tool]) -> str:
+        return "List of tools: <|tool_list_start|>" + _tools_json(tools) + "<|tool_list_end|>"
+
+    def render_calls(self, calls: list[ToolCall]) -> str:
+        return LFM_CALL + PythonicParser().render_calls(calls) + LFM_CALL_END
+
+    def render_result(self, name: str | None, content: str) -> str:
+        return f"{LFM_RESPONSE}{content}{LFM_RESPONSE_END}"

@@ -8,13 +8,20 @@ import pytest
 
 from mlxr_core.chat.parsing import OutputSplitter, Text, ToolCall, merge, split_all
 from mlxr_plugins.parsers.reasoning import ThinkParser
-from mlxr_plugins.parsers.tools import HermesParser, Llama3JsonParser, MistralParser, PythonicParser
+from mlxr_plugins.parsers.tools import (
+    HermesParser,
+    LfmParser,
+    Llama3JsonParser,
+    MistralParser,
+    PythonicParser,
+)
 
 PARSERS = {
     "hermes": HermesParser(),
     "llama3_json": Llama3JsonParser(),
     "mistral": MistralParser(),
     "pythonic": PythonicParser(),
+    "lfm": LfmParser(),
 }
 
 
@@ -58,6 +65,12 @@ CASES = [
     ("pythonic", '```tool_code\nget_weather(city="Paris")\n```', "", [("get_weather", {"city": "Paris"})]),
     ("pythonic", "[1, 2] are numbers", "[1, 2] are numbers", []),
     ("pythonic", "Paris is sunny.", "Paris is sunny.", []),
+    # LFM's card: Python calls between its markers, JSON when the system prompt asks for it
+    ("lfm", '<|tool_call_start|>[get_candidate_status(candidate_id="12345")]<|tool_call_end|>Checking.',
+     "Checking.", [("get_candidate_status", {"candidate_id": "12345"})]),
+    ("lfm", 'Sure. <|tool_call_start|>[{"name": "a", "arguments": {"x": 1}}]<|tool_call_end|>', "Sure. ", [("a", {"x": 1})]),
+    ("lfm", "<|tool_call_start|>[f(a=[1, 2]), g()]", "", [("f", {"a": [1, 2]}), ("g", {})]),
+    ("lfm", "[f()] is how a call looks", "[f()] is how a call looks", []),
 ]
 
 
@@ -77,6 +90,7 @@ MALFORMED = [
     ("mistral", '[TOOL_CALLS][{"name": 3}]'),
     ("pythonic", "[get_weather(**kw)]"),
     ("pythonic", "[get_weather(city=input())]"),
+    ("lfm", "<|tool_call_start|>[f(**kw)]<|tool_call_end|>"),
 ]
 
 
@@ -95,6 +109,7 @@ def test_streamed_content_never_shows_markup(parser: str) -> None:
         "llama3_json": 'Hi <|python_tag|>{"name": "f", "parameters": {}}',
         "mistral": 'Hi [TOOL_CALLS][{"name": "f", "arguments": {}}]',
         "pythonic": "[f()]",
+        "lfm": "Hi <|tool_call_start|>[f()]<|tool_call_end|>",
     }
     stream = PARSERS[parser].stream()
     shown = ""
@@ -105,7 +120,7 @@ def test_streamed_content_never_shows_markup(parser: str) -> None:
     pieces = stream.finish()
     assert shown.strip() in ("Hi", "")
     assert [p.name for p in pieces if isinstance(p, ToolCall)] in (["f"], [])
-    for marker in ("<tool", "python_tag", "TOOL_CALLS", "f()", "{"):
+    for marker in ("<tool", "python_tag", "TOOL_CALLS", "f()", "{", "<|tool"):
         assert marker not in shown
 
 
@@ -152,6 +167,8 @@ def test_splitter_reads_calls_after_the_reasoning() -> None:
         ("<|start_header_id|>ipython<|eot_id|>", "llama3_json", None),
         ("[INST] {{ m }} [/INST][TOOL_CALLS]", "mistral", None),
         ("<start_of_turn>user", "pythonic", None),
+        # LFM2's template: ChatML, with its tool list markers (so not Hermes)
+        ('<|im_start|>system\nList of tools: <|tool_list_start|>{{ tools }}<|tool_list_end|>', "lfm", None),
         ("{{ m }}", None, None),
     ],
 )
