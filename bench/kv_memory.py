@@ -81,8 +81,12 @@ def filled_caches(model: LoadedModel, positions: int, chunk: int = 2048) -> list
 
 
 def decode_speed(model: LoadedModel, positions: int, steps: int, warmup: int) -> float:
-    caches = filled_caches(model, positions)
-    token = mx.array([1], dtype=mx.int32)
+    return timed_decode(model, filled_caches(model, positions), mx.array([1], dtype=mx.int32), steps, warmup)
+
+
+def timed_decode(model: LoadedModel, caches: list, token: mx.array, steps: int, warmup: int) -> float:
+    """Tokens/s of ``steps`` greedy decode steps on ``caches`` from ``token``, after ``warmup``
+    untimed ones."""
     for _ in range(warmup):  # the compiled step's first trace
         token = mx.argmax(model.decode(token, caches), axis=-1).astype(mx.int32)
         mx.eval(token)

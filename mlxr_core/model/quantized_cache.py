@@ -76,10 +76,11 @@ class KVQuantization:
 
 
 #: Queries from which a CPU attends over the packed keys and values dequantized (the same values,
-#: stored packed all the same): MLX's CPU ``quantized_matmul`` costs each query row a pass over
-#: the cache, where a dense matmul goes through BLAS; at 3,000 cached positions, 16 rows are 1.7x
-#: (4-bit) to 3.1x (8-bit) faster dense, 512 rows (a prefill chunk) 3.5-5.3x, one row (a decode
-#: step) 0.4-0.7x (``bench/kv_prefill.py``).
+#: stored packed all the same), through the layer's own attention kernel (the fused one full
+#: precision uses) where the caller hands it over: MLX's CPU ``quantized_matmul`` costs each query
+#: row a pass over the cache, where a dense matmul goes through BLAS; at 3,000 cached positions,
+#: 16 rows are 1.7x (4-bit) to 3.1x (8-bit) faster dense, 512 rows (a prefill chunk) 3.5-5.3x, one
+#: row (a decode step) 0.4-0.7x (``bench/kv_prefill.py``).
 DENSE_ROWS = 16
 
 
@@ -93,20 +94,29 @@ def quantized_attention(
     group_size: int,
     bits: int,
     sinks: mx.array | None = None,
+    kernel: Callable[..., mx.array] | None = None,
 ) -> mx.array:
     """The attention kernel's contract (:mod:`mlxr_core.kernels`) over packed keys and values:
     ``queries`` ``[B, Hq, L, D]``; ``keys``, ``values`` each ``(words, scales, biases)`` of
     ``[B, Hkv, S, D]`` quantized along ``D``. Scores and the softmax in the queries' dtype (the
     softmax precise), as mlx-lm's ``quantized_scaled_dot_product_attention``; a prompt's chunk of
-    :data:`DENSE_ROWS` queries or more on a CPU over them dequantized."""
+    :data:`DENSE_ROWS` queries or more on a CPU over them dequantized, through ``kernel`` (the
+    layer's attention kernel) when given."""
     B, Hq, L, D = queries.shape
     Hkv = keys[0].shape[1]
     R = Hq // Hkv
+    chunk_on_cpu = L >= DENSE_ROWS and mx.default_device() == mx.cpu
+    if chunk_on_cpu and kernel is not None:
+        # The kernel full precision runs (fused, no [L, S] mask or scores of its own to build):
+        # the dense grouped matmuls below cost 2-6x it on a 512-token chunk.
+        k, v = (mx.dequantize(w, s, b, group_size=group_size, bits=bits) for w, s, b in (keys, values))
+        extra = {} if sinks is None else {"sinks": sinks}
+        return kernel(queries, k.astype(queries.dtype), v.astype(queries.dtype), scale=scale, mask=mask, **extra)
     # Grouped-query heads: [B, Hkv, R, L, D] queries against [B, Hkv, 1, S, *] keys.
     q = (queries * scale).reshape(B, Hkv, R, L, D)
     k_words, k_scales, k_biases = (part[:, :, None] for part in keys)
     v_words, v_scales, v_biases = (part[:, :, None] for part in values)
-    if _no_batched_quantized_matmul() or (L >= DENSE_ROWS and mx.default_device() == mx.cpu):
+    if _no_batched_quantized_matmul() or chunk_on_cpu:
         k = mx.dequantize(k_words, k_scales, k_biases, group_size=group_size, bits=bits)
         v = mx.dequantize(v_words, v_scales, v_biases, group_size=group_size, bits=bits)
         probs = grouped_softmax(q @ k.swapaxes(-1, -2), mask, sinks)
@@ -373,6 +383,7 @@ class BatchQuantizedKVCache(PackedRows):
                 group_size=self.spec.group_size,
                 bits=self.spec.bits,
                 sinks=extra.get("sinks"),
+                kernel=attention,
             )
             if out is not None:  # each query its own: full precision before position N
                 positions = mx.array(before)[:, None] + mx.arange(L)[None, :]

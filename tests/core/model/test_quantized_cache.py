@@ -242,3 +242,28 @@ def test_a_prompt_chunk_on_a_cpu_attends_over_the_packed_cache_dequantized(monke
         patch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(1) or original(*a, **k))
         quantized_cache.quantized_attention(one_row, keys, values, scale=0.125, mask=None, group_size=64, bits=8)
     assert calls
+
+
+def test_a_prompt_chunk_on_a_cpu_goes_through_the_layers_kernel(monkeypatch) -> None:
+    """A chunk's dequantized keys and values go through the layer's own attention kernel (the
+    fused one full precision runs; the grouped matmuls cost 2-6x it on a 512-token chunk), with
+    the layer's mask and sinks: the same output as attending over the packed cache."""
+    from mlxr_core.model import quantized_cache
+
+    L = quantized_cache.DENSE_ROWS
+    cache = QuantizedKVCache(KVQuantization(8))
+    queries, keys, values = qkv(L, 5, rows=1)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0, 1.0, -0.5])
+    calls = []
+
+    def kernel(q, k, v, **kwargs):
+        calls.append((k.shape, kwargs))
+        return sdpa(q, k, v, **kwargs)
+
+    mine = cache.update_and_attend(queries, keys, values, scale=SCALE, mask="causal", window=None,
+                                   attention=kernel, sinks=sinks)  # fmt: skip
+    assert calls == [((1, HKV, L, D), {"scale": SCALE, "mask": "causal", "sinks": sinks})]
+    monkeypatch.setattr(quantized_cache, "DENSE_ROWS", 1 << 30)  # the packed path, as a reference
+    kq, vq = mx.quantize(keys, 64, 8), mx.quantize(values, 64, 8)
+    packed = quantized_attention(queries, kq, vq, scale=SCALE, mask="causal", group_size=64, bits=8, sinks=sinks)
+    np.testing.assert_allclose(mine, packed, atol=2e-5)
