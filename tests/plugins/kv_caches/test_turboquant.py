@@ -210,3 +210,30 @@ def test_packed_bytes_per_position_and_which_caches_are_replaced():
     replaced = quantize_caches([KVCache(), marker, KVCache()], spec)
     assert isinstance(replaced[0], TurboQuantKVCache) and replaced[1] is marker
     assert replaced[2].rows.layer == 2  # each layer its own rotation and sketch
+
+
+@pytest.mark.parametrize("sketch", [True, False])
+def test_a_prompt_chunk_on_a_cpu_goes_through_the_layers_kernel(sketch, monkeypatch):
+    """Without a window, a chunk's keys and values decoded from their codes go through the
+    layer's kernel (the fused one full precision runs), with its mask and sinks: the same output
+    as the scores and sums over the codes."""
+    from mlxr_core.model import quantized_cache
+
+    spec = TurboQuantKV(4, 0, sketch=sketch)
+    queries, keys, values = qkv(quantized_cache.DENSE_ROWS, 4)
+    sinks = mx.array([0.5, -1.0, 2.0, 0.0, 1.0, -0.5])
+    calls = []
+
+    def kernel(q, k, v, **kwargs):
+        calls.append(k.shape)
+        return sdpa(q, k, v, **kwargs)
+
+    def run(cache):
+        return cache.update_and_attend(queries, keys, values, scale=SCALE, mask="causal", window=None,
+                                       attention=kernel, sinks=sinks)  # fmt: skip
+
+    mine = run(BatchTurboQuantKVCache(spec, 0, rows=B))
+    assert calls == [(B, HKV, quantized_cache.DENSE_ROWS, D)]
+    monkeypatch.setattr(quantized_cache, "DENSE_ROWS", 1 << 30)  # the codes' own path, as a reference
+    np.testing.assert_allclose(mine, run(BatchTurboQuantKVCache(spec, 0, rows=B)), atol=1e-4)
+    assert len(calls) == 1
