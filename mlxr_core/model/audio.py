@@ -48,13 +48,15 @@ class AudioFrontEnd(Protocol):
 class TranscriptionOptions:
     """One request's choices: ``task`` (one of :data:`TASKS`), ``language`` (a code such as
     ``en``; None: detected), ``prompt`` (token ids of earlier text, to condition on), the sampling
-    ``temperature`` (0: greedy), whether segments get ``timestamps``, and a ``seed``."""
+    ``temperature`` (0: greedy), whether segments get ``timestamps``, whether the transcript's
+    ``words`` are timed, and a ``seed``."""
 
     task: str = "transcribe"
     language: str | None = None
     prompt: tuple[int, ...] = ()
     temperature: float = 0.0
     timestamps: bool = False
+    words: bool = False
     seed: int | None = None
 
 
@@ -76,15 +78,27 @@ class Segment:
 
 
 @attrs.frozen
+class Word:
+    """A word of the transcript (as decoded: a leading space included, punctuation attached) and
+    its times (seconds from the start)."""
+
+    word: str
+    start: float
+    end: float
+
+
+@attrs.frozen
 class Transcript:
     """The whole transcript: its segments in order, the language spoken (or detected), the
-    sound's length, and the tokens the decoder produced (usage)."""
+    sound's length, the tokens the decoder produced (usage), and its words in order when they
+    were asked for (``TranscriptionOptions.words``)."""
 
     text: str
     segments: tuple[Segment, ...]
     language: str
     duration: float
     tokens: int
+    words: tuple[Word, ...] = ()
 
 
 class SpeechToText(Protocol):

@@ -41,6 +41,7 @@ class WhisperArgs(ConfigArgs):
         "encoder_attention_heads": (1, 1 << 12), "decoder_attention_heads": (1, 1 << 12),
         "encoder_ffn_dim": (1, 1 << 20), "decoder_ffn_dim": (1, 1 << 20), "vocab_size": (1, 1 << 24),
         "num_mel_bins": (1, 1024), "max_source_positions": (1, MAX_DIM), "max_target_positions": (2, MAX_DIM),
+        "median_filter_width": (1, 999),
     }  # fmt: skip
     #: The MLP's activation (exact GELU) and the unscaled embeddings transformers computes.
     computes = {"activation_function": ("gelu",)}
@@ -56,6 +57,8 @@ class WhisperArgs(ConfigArgs):
     num_mel_bins: int = 80
     max_source_positions: int = 1500
     max_target_positions: int = 448
+    #: The median filter over the frames of word timings' attention weights (odd).
+    median_filter_width: int = 7
 
 
 def no_rotation(x: mx.array, offset: int | mx.array) -> mx.array:
@@ -77,9 +80,13 @@ class CrossAttention(Attention):
         values = self.v_proj(encoded).reshape(B, S, self.n_heads, -1).transpose(0, 2, 1, 3)
         return keys, values
 
-    def attend(self, x: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+    def attend(self, x: mx.array, keys: mx.array, values: mx.array, weights: list[mx.array] | None = None) -> mx.array:
+        """The attended output; with a ``weights`` list, the heads' weights over the encoder's
+        positions are appended to it (``[B, heads, L, positions]``, float32)."""
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        if weights is not None:
+            weights.append(self.weights(queries, keys))
         return self.output(self._attention(queries, keys, values, scale=self.scale, mask=None))
 
     def fuse_projections(self) -> bool:
@@ -141,9 +148,12 @@ class DecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(D)
         self.mlp = MLP(D, args.decoder_ffn_dim)
 
-    def __call__(self, x: mx.array, mask: str | None, cache: KVCache | None, cross: tuple[mx.array, mx.array]) -> mx.array:
+    def __call__(
+        self, x: mx.array, mask: str | None, cache: KVCache | None, cross: tuple[mx.array, mx.array],
+        weights: list[mx.array] | None = None,
+    ) -> mx.array:  # fmt: skip
         x = x + self.self_attn(self.self_attn_layer_norm(x), mask, cache)
-        x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), *cross)
+        x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), *cross, weights)
         return x + self.mlp(self.final_layer_norm(x))
 
 
@@ -166,7 +176,9 @@ class Seq2Seq(nn.Module):
 
 class Whisper(nn.Module):
     """:meth:`encode` a window's features, :meth:`cross` its keys and values for every decoder
-    layer, then ``model(tokens [B, L], cache, cross=...) -> logits [B, L, vocab]``."""
+    layer, then ``model(tokens [B, L], cache, cross=...) -> logits [B, L, vocab]``; with
+    ``cross_weights=[]``, each decoder layer's cross-attention weights are appended to that list
+    (word timings: :mod:`mlxr_plugins.archs.whisper_timing`)."""
 
     def __init__(self, args: WhisperArgs, kernels: KernelSet):
         super().__init__()
@@ -186,8 +198,9 @@ class Whisper(nn.Module):
         return [layer.encoder_attn.keys_values(encoded) for layer in self.layers]
 
     def __call__(
-        self, inputs: mx.array, cache: list[Any] | None = None, *, cross: list[tuple[mx.array, mx.array]] | None = None
-    ) -> mx.array:
+        self, inputs: mx.array, cache: list[Any] | None = None, *, cross: list[tuple[mx.array, mx.array]] | None = None,
+        cross_weights: list[mx.array] | None = None,
+    ) -> mx.array:  # fmt: skip
         if cross is None:
             raise ValueError("a Whisper decoder step attends to a window of sound: pass cross=model.cross(...)")
         decoder = self.model.decoder
@@ -197,7 +210,7 @@ class Whisper(nn.Module):
         x = decoder.embed_tokens(inputs) + decoder.embed_positions.weight[offset : offset + inputs.shape[1]]
         mask = "causal" if inputs.shape[1] > 1 else None
         for layer, layer_cache, kv in zip(self.layers, cache or [None] * len(self.layers), cross, strict=True):
-            x = layer(x, mask, layer_cache, kv)
+            x = layer(x, mask, layer_cache, kv, cross_weights)
         logits: mx.array = decoder.embed_tokens.as_linear(decoder.layer_norm(x))
         return logits
 

@@ -17,6 +17,7 @@ time is the window's start plus the token's, so the windows' segments stitch int
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from typing import Any
 
@@ -24,9 +25,10 @@ import mlx.core as mx
 import numpy as np
 
 from mlxr_core.errors import ModelLoadError, RequestError
-from mlxr_core.model.audio import Segment, Transcript, TranscriptionOptions, compression_ratio
+from mlxr_core.model.audio import Segment, Transcript, TranscriptionOptions, Word, compression_ratio
 from mlxr_core.model.cache import KVCache
 from mlxr_core.model.tokenizer import Tokenizer
+from mlxr_plugins.archs import whisper_timing as timing
 from mlxr_plugins.archs.whisper_audio import LogMel
 
 #: Seconds one timestamp token stands for.
@@ -56,6 +58,8 @@ class WhisperSpeech:
         self.begin_suppress = [int(t) for t in generation.get("begin_suppress_tokens") or []]
         self.max_initial_timestamp = generation.get("max_initial_timestamp_index")
         self.max_positions = int(model.args.max_target_positions)
+        self.alignment_heads = alignment_heads(generation.get("alignment_heads"), model.args, where)
+        self.median_filter_width = int(model.args.median_filter_width)
         #: Frames of the front end one timestamp step covers (2 at 10 ms a frame).
         self.frames_per_step = round(TIME_PRECISION * front_end.sample_rate / front_end.hop_length)
 
@@ -155,6 +159,33 @@ class WhisperSpeech:
             step = self.model(mx.array([[token]]), cache, cross=cross)[0, -1]
         return sampled, total, no_speech
 
+    # -- word timings (:mod:`mlxr_plugins.archs.whisper_timing`) -----------------------------
+
+    def cross_weights(self, tokens: list[int], cross: list[tuple[mx.array, mx.array]]) -> np.ndarray:
+        """The alignment heads' cross-attention weights as the decoder reads ``tokens`` at once:
+        ``[heads, len(tokens), encoder positions]``."""
+        collected: list[mx.array] = []
+        self.model(mx.array([tokens]), None, cross=cross, cross_weights=collected)
+        heads = mx.stack([collected[layer][0, head] for layer, head in self.alignment_heads])
+        return np.array(heads)
+
+    def align_words(
+        self, text: list[int], cross: list[tuple[mx.array, mx.array]], language: str, task: str, size: int
+    ) -> list[timing.Timing]:
+        """The words of a window's ``text`` tokens, timed in seconds from the window's start
+        (``size``: the frames of sound the window holds)."""
+        if not text:
+            return []
+        prompt = self.prompt(language, task, False, [])
+        weights = self.cross_weights([*prompt, *text, self.eot], cross)
+        rows = slice(len(prompt) - 1, len(prompt) + len(text))  # <|notimestamps|> .. the last text token
+        positions = max(1, size // 2)  # two front-end frames an encoder position
+        starts = timing.row_positions(weights, positions, self.median_filter_width, rows)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        timed = timing.word_timings(timing.split_words(text, decode, language), starts)
+        timing.shorten_at_sentence_ends(timed)
+        return timing.merge_punctuations(timed)
+
     # -- the whole sound ----------------------------------------------------------------------
 
     def transcribe(
@@ -169,6 +200,7 @@ class WhisperSpeech:
         language = options.language
         previous, produced, seek = list(options.prompt), 0, 0
         segments: list[Segment] = []
+        timed_words: list[Word] = []
         while seek < max(total, 1):
             size = min(window, total - seek)
             cross = self.model.cross(self.model.encode(mx.array(features[None, :, seek : seek + window])))
@@ -187,11 +219,17 @@ class WhisperSpeech:
                     temperature=options.temperature, avg_logprob=logprob / (len(tokens) + 1),
                     compression_ratio=compression_ratio(words), no_speech_prob=no_speech,
                 ))  # fmt: skip
+            if options.words:
+                kept = [token for _, _, part in spans for token in part if token < self.eot]
+                offset = seek * seconds_per_frame
+                for timed in self.align_words(kept, cross, language, options.task, size):
+                    timed_words.append(Word(timed.word, round(offset + timed.start, 2), round(offset + timed.end, 2)))
+                yield
             previous += text
             seek += max(advance, 1)
         return Transcript(
             text="".join(segment.text for segment in segments).strip(),
-            segments=tuple(segments), language=language or "en",
+            segments=tuple(segments), language=language or "en", words=tuple(timed_words),
             duration=duration, tokens=produced,
         )  # fmt: skip
 
@@ -221,3 +259,22 @@ class WhisperSpeech:
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     top = logits.max()
     return logits - top - np.log(np.exp(logits - top).sum())
+
+
+def alignment_heads(value: Any, args: Any, where: str) -> list[tuple[int, int]]:
+    """``generation_config.json``'s ``alignment_heads`` (``[[layer, head], ...]``), or, where it
+    has none, every head of the last half of the decoder's layers (OpenAI's default)."""
+    layers, heads = int(args.decoder_layers), int(args.decoder_attention_heads)
+    if value is None:
+        return [(layer, head) for layer in range(layers // 2, layers) for head in range(heads)]
+    try:
+        pairs = [(int(layer), int(head)) for layer, head in value]
+    except (TypeError, ValueError):
+        raise ModelLoadError("alignment_heads must be a list of [layer, head] pairs", path=where, key="alignment_heads") from None
+    outside = [pair for pair in pairs if not (0 <= pair[0] < layers and 0 <= pair[1] < heads)]
+    if not pairs or outside:
+        raise ModelLoadError(
+            f"alignment_heads names no head of the decoder's {layers} layers of {heads} heads: {outside or pairs}",
+            path=where, key="alignment_heads",
+        )  # fmt: skip
+    return pairs

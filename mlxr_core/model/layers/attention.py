@@ -169,6 +169,21 @@ class Attention(nn.Module):
         attended: mx.array = self._attention(queries, keys, values, scale=self.scale, mask=mask, **extra)
         return attended
 
+    def weights(self, queries: mx.array, keys: mx.array, mask: str | None = None) -> mx.array:
+        """Where the queries looked: ``softmax(scale * q @ k.T)`` as ``[B, n_heads, L, S]`` in
+        float32 (``"causal"``: aligned bottom-right, as the kernels align it). A kernel returns
+        only the weighted values, so a model that reports its weights (Whisper's word timings)
+        asks for them beside the kernel's call, on the same queries and keys."""
+        B, H, L, D = queries.shape
+        S = keys.shape[2]
+        grouped = (queries * self.scale).reshape(B, self.n_kv_heads, H // self.n_kv_heads, L, D)
+        scores = (grouped @ keys[:, :, None].swapaxes(-1, -2)).astype(mx.float32).reshape(B, H, L, S)
+        if mask == "causal":
+            scores = mx.where(mx.arange(S - L, S)[:, None] >= mx.arange(S)[None, :], scores, -mx.inf)
+        elif mask is not None:
+            raise ValueError(f"attention weights take no mask or 'causal', not {mask!r}")
+        return mx.softmax(scores, axis=-1)
+
     def output(self, out: mx.array) -> mx.array:
         """Attention's ``[B, heads, L, D]`` -> ``[B, L, hidden]``: heads merged, projected."""
         B, _, L, _ = out.shape

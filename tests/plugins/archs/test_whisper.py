@@ -163,3 +163,113 @@ def test_the_language_is_detected_when_not_given(whisper: Any) -> None:
     _, loaded, _ = whisper
     transcript, _ = transcribe(loaded, tones(0.5), temperature=0.7, seed=1)
     assert transcript.language in ("en", "de", "fr")
+
+
+def speech_with(loaded: Any, folder: Path, **generation: Any) -> Any:
+    """The model's speech side, read from a generation_config.json changed by ``generation``."""
+    import json
+
+    from mlxr_plugins.archs.whisper_decoding import WhisperSpeech
+
+    settings = {**json.loads((folder / "generation_config.json").read_text()), **generation}
+    return WhisperSpeech(loaded.model, loaded.tokenizer, loaded.speech.front_end, settings, "generation_config.json")
+
+
+@pytest.mark.parametrize(("language", "heads"), [("de", None), ("en", [[0, 1], [1, 3], [0, 2]])])
+def test_token_times_equal_generate(whisper: Any, language: str, heads: list[list[int]] | None) -> None:
+    """transformers' token timestamps: each generated token's time is where the warped path first
+    reaches the row that reads it (the prompt's rows and the last token's left out)."""
+    import copy
+
+    from mlxr_plugins.archs.whisper_timing import SECONDS_PER_POSITION, row_positions
+
+    reference, loaded, folder = whisper
+    speech = speech_with(loaded, folder, alignment_heads=heads) if heads else loaded.speech
+    if heads is None:  # none in the folder: the last half of the decoder's layers, every head
+        assert speech.alignment_heads == [(1, 0), (1, 1), (1, 2), (1, 3)]
+    features = reference_features(folder, tones(CHUNK, seed=11))  # a whole window of sound
+    config = copy.deepcopy(reference.generation_config)
+    config.alignment_heads = [list(pair) for pair in speech.alignment_heads]
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor(features[None]), generation_config=config, max_new_tokens=16, do_sample=False,
+            language=language, task="transcribe", return_token_timestamps=True,
+        )  # fmt: skip
+    tokens, want = out["sequences"][0].tolist(), out["token_timestamps"][0].numpy()
+    prompt = speech.prompt(language, "transcribe", False, [])
+    cross = loaded.model.cross(loaded.model.encode(mx.array(features[None])))
+    weights = speech.cross_weights([*prompt, *tokens[:-1]], cross)[:, len(prompt) :]
+    got = row_positions(weights, weights.shape[-1], speech.median_filter_width) * SECONDS_PER_POSITION
+    assert len(got) == len(tokens) - 1 and want[-1] == want[-2]  # the last token repeats the one before
+    np.testing.assert_allclose(got, want[:-1], atol=SECONDS_PER_POSITION + 1e-6)
+
+
+def openai_alignment(reference: Any, features: np.ndarray, tokens: list[int], heads: list[tuple[int, int]],
+                     text_start: int, positions: int) -> np.ndarray:  # fmt: skip
+    """OpenAI's find_alignment on transformers' model: the heads' cross-attention over the sound
+    (renormalized: a softmax over the sound's positions), standardized over the tokens, transformers'
+    median filter, averaged, the rows from <|notimestamps|> to the last text token warped by
+    transformers' DTW; each row's first position."""
+    from transformers.models.whisper.generation_whisper import _dynamic_time_warping, _median_filter
+
+    with torch.no_grad():
+        out = reference(input_features=torch.tensor(features[None]), decoder_input_ids=torch.tensor([tokens]),
+                        output_attentions=True)  # fmt: skip
+    weights = torch.stack([out.cross_attentions[layer][0, head] for layer, head in heads])[..., :positions].double()
+    weights = weights / weights.sum(-1, keepdim=True)
+    std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
+    matrix = _median_filter((weights - mean) / std, 7).mean(0)[text_start - 1 : -1]
+    rows, frames = _dynamic_time_warping(-matrix.numpy())
+    return frames[np.diff(rows, prepend=-1).astype(bool)]  # type: ignore[no-any-return]
+
+
+def test_word_times_follow_openai_find_alignment(whisper: Any) -> None:
+    from transformers.models.whisper.tokenization_whisper import _split_tokens_on_spaces
+
+    from mlxr_plugins.archs.whisper_timing import SECONDS_PER_POSITION
+
+    reference, loaded, folder = whisper
+    speech = loaded.speech
+    seconds = 1.3  # part of the window: the weights are cut to its 65 positions
+    features = reference_features(folder, tones(seconds, seed=2))
+    text = loaded.tokenizer.encode(' Hello, world "this" is (a) test', add_special_tokens=False)
+    prompt = speech.prompt("en", "transcribe", False, [])
+    starts = openai_alignment(reference, features, [*prompt, *text, speech.eot], speech.alignment_heads,
+                              len(prompt), round(seconds * 100) // 2) * SECONDS_PER_POSITION  # fmt: skip
+    cross = loaded.model.cross(loaded.model.encode(mx.array(features[None])))
+    words = speech.align_words(text, cross, "en", "transcribe", round(seconds * 100))
+
+    class Decoder:
+        eos_token_id = speech.eot
+
+        def decode(self, tokens: list[int], **_: Any) -> str:
+            return loaded.tokenizer.decode(tokens, skip_special_tokens=False)  # type: ignore[no-any-return]
+
+    pieces = _split_tokens_on_spaces(Decoder(), text)[2]  # the words before punctuation joins them
+    spans = {(round(starts[p[0]], 2), round(starts[p[-1] + 1], 2)) for p in pieces}
+    assert "".join(w.word for w in words) == ' Hello, world "this" is (a) test'
+    assert [w.word for w in words] == [" Hello,", " world", ' "this"', " is", " (a)", " test"]
+    for word in words:  # each keeps the times of the word that punctuation joined
+        assert (round(word.start, 2), round(word.end, 2)) in spans
+    assert words[0].start == pytest.approx(starts[0]) and words[-1].end == pytest.approx(starts[-1])
+
+
+def test_words_leave_the_transcript_as_it_was(whisper: Any) -> None:
+    _, loaded, _ = whisper
+    sound = tones(5.3, seed=7)
+    plain, _ = transcribe(loaded, sound, language="en", timestamps=True)
+    timed, _ = transcribe(loaded, sound, language="en", timestamps=True, words=True)
+    assert timed.segments == plain.segments and not plain.words
+    assert "".join(w.word for w in timed.words) == "".join(s.text for s in timed.segments)
+    assert all(0 <= w.start <= w.end <= 5.3 + CHUNK for w in timed.words)
+    assert timed.words[-1].end > CHUNK  # words of later windows too, on one timeline
+
+
+@pytest.mark.parametrize("heads", [[[2, 0]], [[0, 4]], "all", []])
+def test_bad_alignment_heads_name_the_key(whisper: Any, heads: Any) -> None:
+    from mlxr_core.errors import ModelLoadError
+
+    _, loaded, folder = whisper
+    with pytest.raises(ModelLoadError) as caught:
+        speech_with(loaded, folder, alignment_heads=heads)
+    assert caught.value.key == "alignment_heads"
