@@ -392,7 +392,7 @@ class EngineCaller:
         from mlxr_core.engine.option_scoring import OptionScoringWork
 
         self.check_ready()
-        self._refuse_adapter(model, "option scores")
+        adapter = self.adapters.get(model)  # an adapter served as a model: its model, with it
         info = self.model(model)
         token_lists = check_inputs(info, prompts)
         choices = [[list(ids) for ids in row] for row in options]
@@ -401,7 +401,8 @@ class EngineCaller:
             if not row or any(not ids or min(ids) < 0 or max(ids) >= width for ids in row):
                 raise RequestError(f"options must be token ids in [0, {width}), none empty", field=f"options[{i}]")
         end = sorted(info.tokenizer.eos_token_ids)
-        work = OptionScoringWork(info.name, token_lists, choices, end, self.config.engine.prefill_chunk)
+        work = OptionScoringWork(info.name, token_lists, choices, end, self.config.engine.prefill_chunk,
+                                 adapter[1] if adapter is not None else None)  # fmt: skip
         return await _wait(self.queue_job(EngineJob(work, what=f"option scoring with model {info.name}", model=info.name)))  # type: ignore[no-any-return]
 
     def _refuse_adapter(self, model: str, what: str) -> None:

@@ -16,12 +16,15 @@ normalized over the options. The probabilities over the options add up to 1.
 Runs on the engine thread as a job (:class:`OptionScoringWork`): the prompts' shared prefix is
 prefilled once, each prompt's rest from a restored copy of it, and each option's tokens from a
 restored copy of its prompt's cache, only where a branch point needs the model's distribution.
+Under a LoRA adapter (one served as a model of its own) every forward pass runs with it, as the
+rows of a request to it do; the job holds its slot until it ends.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -84,16 +87,28 @@ def _logsumexp(values: Sequence[float]) -> float:
 class OptionScoringWork:
     """A job's work (:class:`~mlxr_core.engine.jobs.EngineJob`): per prompt, its options'
     log-probabilities (:func:`option_logprobs`). A value, so an engine in another process can be
-    sent it. ``end`` holds the ids that end an answer (the tokenizer's end-of-sequence ids)."""
+    sent it. ``end`` holds the ids that end an answer (the tokenizer's end-of-sequence ids);
+    ``adapter`` the model's LoRA adapter every pass runs with, or None."""
 
     model: str
     prompts: list[list[int]]
     options: list[list[list[int]]]
     end: list[int]
     chunk: int
+    adapter: str | None = None
 
     def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[None, None, list[list[float]]]:
+        from mlxr_core.engine.adapters import hold_adapter, release_adapter
+
         loaded = models[self.model]
+        slot = (yield from hold_adapter(loaded, self.adapter)) if self.adapter is not None else 0
+        try:
+            return (yield from self._run(_Passes(loaded, slot)))
+        finally:
+            if slot:
+                release_adapter(loaded, slot)
+
+    def _run(self, loaded: _Passes) -> Generator[None, None, list[list[float]]]:
         shared = common_prefix(self.prompts)
         cache = loaded.make_cache()
         last = yield from _prefill(loaded, cache, shared, self.chunk)
@@ -109,7 +124,7 @@ class OptionScoringWork:
             results.append(self._score(loaded, cache, len(prompt), first, options))
         return results
 
-    def _score(self, loaded: LoadedModel, cache: list[Any], length: int, first: mx.array, options: list[list[int]]) -> list[float]:
+    def _score(self, loaded: _Passes, cache: list[Any], length: int, first: mx.array, options: list[list[int]]) -> list[float]:
         allowed = allowed_tokens(options)
         branches = {prefix for prefix, tokens in allowed.items() if len(tokens) > 1}
         logprobs: dict[tuple[int, ...], dict[int, float]] = {}
@@ -151,7 +166,26 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
     return list(shortest)
 
 
-def _restored(loaded: LoadedModel, snapshot: list[tuple[mx.array, ...]], length: int) -> list[Any]:
+class _Passes:
+    """A loaded model's forward passes for one job, each with adapter ``slot`` (0: none)."""
+
+    def __init__(self, loaded: LoadedModel, slot: int):
+        self.loaded, self.slot = loaded, slot
+
+    def make_cache(self) -> list[Any]:
+        return self.loaded.make_cache()
+
+    def model(self, tokens: mx.array, cache: list[Any]) -> mx.array:
+        adapters = self.loaded.adapters
+        rows: AbstractContextManager[None] = (
+            adapters.rows([self.slot]) if self.slot and adapters is not None else nullcontext()
+        )
+        with rows:  # the pass is built here: its layers take the slot's updates
+            logits: mx.array = self.loaded.model(tokens, cache=cache)
+        return logits
+
+
+def _restored(loaded: _Passes, snapshot: list[tuple[mx.array, ...]], length: int) -> list[Any]:
     """A fresh cache holding the first ``length`` positions of ``snapshot`` (empty for 0)."""
     cache = loaded.make_cache()
     if length == 0:
@@ -161,7 +195,7 @@ def _restored(loaded: LoadedModel, snapshot: list[tuple[mx.array, ...]], length:
     return cache
 
 
-def _prefill(loaded: LoadedModel, cache: list[Any], tokens: list[int], chunk: int) -> Generator[None, None, mx.array | None]:
+def _prefill(loaded: _Passes, cache: list[Any], tokens: list[int], chunk: int) -> Generator[None, None, mx.array | None]:
     """Run ``tokens`` through ``cache`` a chunk at a time (yielding between chunks); the last
     position's ``[V]`` logits, None for no tokens."""
     logits = None

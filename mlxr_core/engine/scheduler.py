@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from mlxr_core.config.schema import SpeculationConfig
+from mlxr_core.engine.adapters import make_resident
 from mlxr_core.engine.batch import BatchRunner, Sequence
 from mlxr_core.engine.jobs import EngineJob, run_jobs
 from mlxr_core.engine.prefix_cache import PrefixCache
@@ -31,7 +32,6 @@ from mlxr_core.engine.request import (
 )
 from mlxr_core.engine.speculation import PREDICTION_METHOD, DraftingDecoder
 from mlxr_core.errors import EngineStopped, MlxrError
-from mlxr_core.model.lora import make_resident
 
 if TYPE_CHECKING:
     from mlxr_core.config.schema import EngineConfig
@@ -106,6 +106,8 @@ class Scheduler:
         for model in models.values():
             self._add_runner(model)
         self._warned: set[tuple[str, str]] = set()
+        #: The first in line waits for its adapter's file to be read.
+        self._reading = False
         #: (decoder, model) pairs whose ``prepare`` ran; see :meth:`prepare_decoders`.
         self._prepared: dict[tuple[str, str], Any] = {}
         self._plugin_config: Mapping[str, Any] = {}
@@ -114,6 +116,9 @@ class Scheduler:
         budget = self.config.prefix_cache.max_bytes if self.config.prefix_cache.enabled else 0
         prefix = PrefixCache(budget, open_disk_tier(self.config, model)) if budget > 0 else None
         self.runners[model.name] = BatchRunner(model, self.config, self.registries.samplers, prefix, self.outbox)
+        if model.adapters is not None:  # adapters are read off this thread, which a read's end wakes
+            model.adapters.on_read = lambda: self.requests.put(None)
+            model.adapters.background = self.lockstep is None
 
     # -- models loaded and unloaded while serving (engine thread) ----------------------------
 
@@ -379,7 +384,9 @@ class Scheduler:
         idle = block and not self.waiting
         try:
             while True:
-                handle = self.requests.get(block=block and not self.waiting, timeout=0.05)
+                # The first in line waiting for its adapter's read leaves nothing to do until the
+                # read's end wakes the loop (or a request comes).
+                handle = self.requests.get(block=block and (not self.waiting or self._reading), timeout=0.05)
                 block = False
                 if handle is not None:
                     self.waiting.append(handle)
@@ -387,6 +394,7 @@ class Scheduler:
             pass
         if idle and self.waiting:
             self._gather_burst()
+        self._reading = False
         while self.waiting:
             handle = self.waiting[0]
             if handle.cancelled:
@@ -464,14 +472,16 @@ class Scheduler:
                 return
 
     def _adapter_resident(self, runner: BatchRunner, handle: RequestHandle) -> bool | None:
-        """Whether the LoRA adapter of ``handle`` (first in line) is resident, loaded now if it
-        was not (:func:`~mlxr_core.model.lora.make_resident`); None when it cannot be loaded:
-        the request leaves the line with the error."""
+        """Whether the LoRA adapter of ``handle`` (first in line) is resident: False while its
+        file is read off this thread or every slot is in use (the running streams step on
+        meanwhile; :func:`~mlxr_core.engine.adapters.make_resident`); None when it cannot be
+        loaded: the request leaves the line with the error."""
         model = runner.model
         try:
             if model.adapters is None:
                 raise MlxrError(f"model {model.name} serves no adapters")
-            slot = make_resident(model, str(handle.request.adapter), self.registries)
+            slot = make_resident(model, str(handle.request.adapter))
+            self._reading = slot is None and str(handle.request.adapter) in model.adapters.reading
         except MlxrError as exc:
             log.error("model %s: adapter %s could not be loaded: %s", model.name, handle.request.adapter, exc)
             self.waiting.popleft()

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import attrs
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from mlxr_core.errors import ConfigError, ModelLoadError, UnsupportedFormat
 from mlxr_core.model.quantize import KernelQuantizedLinear
@@ -41,13 +44,28 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class LowRank:
-    """One linear module's update, ``y += scale * (x @ a.T) @ b.T``, with the file's names for
-    ``a`` and ``b`` (what a refusal names)."""
+    """One linear module's update, ``y += scale * (x @ a.T) @ b.T``, as its file holds it: host
+    arrays (numpy, float16 or float32; an adapter is read off the engine thread, which alone runs
+    MLX), with the file's names for ``a`` and ``b`` (what a refusal names)."""
+
+    a: np.ndarray  # [r, in]
+    b: np.ndarray  # [out, r]
+    scale: float
+    names: tuple[str, str]
+
+    @property
+    def rank(self) -> int:
+        return int(self.a.shape[0])
+
+
+@attrs.frozen
+class FittedUpdate:
+    """A :class:`LowRank` checked against its module and made MLX arrays in the model's dtype
+    (:func:`fit_adapter`, on the engine thread): what an :class:`AdapterSet` stacks."""
 
     a: mx.array  # [r, in]
     b: mx.array  # [out, r]
     scale: float
-    names: tuple[str, str]
 
     @property
     def rank(self) -> int:
@@ -78,8 +96,9 @@ class ReadsAdapters(Protocol):
 
     def load_adapter(self, path: Path, *, base_config: Mapping[str, Any]) -> AdapterCheckpoint:
         """Read the adapter at ``path`` for a base with ``base_config`` (its checkpoint config:
-        head counts a format may need to put rows in the base's order). Raises ModelLoadError
-        naming the field or tensor it cannot serve (DoRA, a bias, a module saved whole)."""
+        head counts a format may need to put rows in the base's order) into host arrays. Runs
+        off the engine thread: numpy only, no MLX. Raises ModelLoadError naming the field or
+        tensor it cannot serve (DoRA, a bias, a module saved whole)."""
 
 
 def read_adapter(
@@ -140,14 +159,14 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
 
 def fit_adapter(
     model: nn.Module, arch: Architecture, adapter: AdapterCheckpoint, dtype: mx.Dtype
-) -> dict[str, LowRank]:
-    """``adapter``'s updates under the loaded ``model``'s module names, in ``dtype``; refuses,
-    naming the tensor, an update whose module the model lacks or is not linear, or whose shapes do
-    not fit it."""
+) -> dict[str, FittedUpdate]:
+    """``adapter``'s updates under the loaded ``model``'s module names, as MLX arrays in
+    ``dtype``; refuses, naming the tensor, an update whose module the model lacks or is not
+    linear, or whose shapes do not fit it."""
     from mlxr_core.model.loader import renamed_modules
 
     modules = dict(model.named_modules())
-    fitted: dict[str, LowRank] = {}
+    fitted: dict[str, FittedUpdate] = {}
     for module, update in renamed_modules(arch, adapter.updates).items():
         a_name, b_name = update.names
         target = modules.get(module)
@@ -166,7 +185,7 @@ def fit_adapter(
             raise ModelLoadError(f"shape {tuple(update.b.shape)} does not fit {module} ({out} outputs, rank "
                                  f"{update.rank}): expected [{out}, {update.rank}]",
                                  path=str(adapter.path), tensor=b_name)  # fmt: skip
-        fitted[module] = attrs.evolve(update, a=update.a.astype(dtype), b=update.b.astype(dtype))
+        fitted[module] = FittedUpdate(mx.array(update.a).astype(dtype), mx.array(update.b).astype(dtype), update.scale)
     if not fitted:
         raise ModelLoadError("the adapter holds no LoRA update", path=str(adapter.path))
     return fitted
@@ -189,7 +208,7 @@ class LayerUpdates:
     def nbytes(self) -> int:
         return (self.a.nbytes + self.b.nbytes) if self.a is not None and self.b is not None else 0
 
-    def add(self, slot: int, update: LowRank) -> None:
+    def add(self, slot: int, update: FittedUpdate) -> None:
         r = update.rank
         width = max(r, self.a.shape[-1] if self.a is not None else 0)
         # [1, in, r] and [1, r, out], the scale folded into B (no multiply per step).
@@ -345,6 +364,16 @@ class AdapterSet:
         self.busy_slots: Callable[[], Collection[int]] | None = None
         #: Told the change in :attr:`nbytes` after each add and remove (the memory budget's count).
         self.on_change: Callable[[int], None] | None = None
+        #: Slots engine jobs hold (option scoring with an adapter): not replaced while held.
+        self.held: Counter[int] = Counter()
+        #: Adapters being read off the engine thread, or read and waiting for a slot: name -> the
+        #: read (:mod:`mlxr_core.engine.adapters`).
+        self.reading: dict[str, Future[AdapterCheckpoint]] = {}
+        #: Called on the reading thread as a read ends (the engine's wake-up), or None.
+        self.on_read: Callable[[], None] | None = None
+        #: Whether adapters are read off the engine thread; False: it waits for each read (ranks
+        #: serving together, ``distributed:``, swap an adapter in at the same step).
+        self.background = True
         self._override = False
         self._current: StepRows | None = None
         self._steps: dict[tuple[tuple[int, ...], tuple[float, ...] | None], StepRows] = {}
@@ -358,7 +387,7 @@ class AdapterSet:
         resident = self.resident.get(name)
         return resident.slot if resident is not None else None
 
-    def add(self, name: str, updates: Mapping[str, LowRank]) -> int:
+    def add(self, name: str, updates: Mapping[str, FittedUpdate]) -> int:
         """Make ``updates`` (from :func:`fit_adapter`) resident as ``name``; its slot."""
         if name in self.resident:
             raise ValueError(f"adapter {name!r} is resident already")
@@ -390,10 +419,15 @@ class AdapterSet:
             self.layers[path].remove(resident.slot)
         self._changed(before)
 
+    def in_use(self) -> set[int]:
+        """The slots running requests and engine jobs use now."""
+        busy = set(self.busy_slots()) if self.busy_slots is not None else set()
+        return busy | {slot for slot, holders in self.held.items() if holders}
+
     def unload(self, name: str) -> bool:
-        """Remove ``name`` unless a request uses it now; whether it is gone."""
+        """Remove ``name`` unless a request or job uses it now; whether it is gone."""
         slot = self.slot(name)
-        if slot is not None and self.busy_slots is not None and slot in self.busy_slots():
+        if slot is not None and slot in self.in_use():
             return False
         self.remove(name)
         return True
@@ -438,48 +472,39 @@ class AdapterSet:
 def load_adapter(
     loaded: Any, name: str, path: str | Path, registries: Registries | None = None
 ) -> int:
-    """Read the adapter at ``path`` (through ``registries``' formats, else the model's own
-    reader), fit it to ``loaded`` (a LoadedModel served with adapters) and make it resident as
-    ``name``; its slot. Nothing changes when it is refused."""
-    from mlxr_core.model.loader import DTYPES
+    """Read the adapter at ``path`` (:func:`read_for`) and make it resident in ``loaded`` as
+    ``name`` (:func:`swap_in`); its slot. Nothing changes when it is refused."""
+    return swap_in(loaded, name, read_for(loaded, path, registries))
+
+
+def read_for(loaded: Any, path: str | Path, registries: Registries | None = None) -> AdapterCheckpoint:
+    """The adapter at ``path`` for ``loaded`` (a LoadedModel served with adapters), read through
+    ``registries``' formats, else the model's own reader: host arrays, so any thread may read it."""
     from mlxr_core.model.paths import resolve_model_path
 
+    adapters = served_adapters(loaded)
+    where = resolve_model_path(str(path))
+    if registries is not None:
+        return read_adapter(where, registries, loaded.config)
+    if adapters.read is not None:
+        return adapters.read(where)
+    raise ConfigError(f"model {loaded.name}: no format reads its adapters", field="models[].adapters")
+
+
+def swap_in(loaded: Any, name: str, checkpoint: AdapterCheckpoint) -> int:
+    """Fit ``checkpoint`` to ``loaded`` and stack it into a free slot as ``name`` (on the engine
+    thread: the cheap part of a load); its slot. Nothing changes when it is refused."""
+    from mlxr_core.model.loader import DTYPES
+
+    updates = fit_adapter(loaded.model, loaded.arch, checkpoint, DTYPES[loaded.dtype])
+    return served_adapters(loaded).add(name, updates)
+
+
+def served_adapters(loaded: Any) -> AdapterSet:
+    """``loaded``'s adapters; ConfigError for a model served without any."""
     adapters: AdapterSet | None = loaded.adapters
     if adapters is None:
         raise ConfigError(
             f"model {loaded.name} serves no adapters (models[].adapters)", field="models[].adapters"
         )
-    where = resolve_model_path(str(path))
-    if registries is not None:
-        checkpoint = read_adapter(where, registries, loaded.config)
-    elif adapters.read is not None:
-        checkpoint = adapters.read(where)
-    else:
-        raise ConfigError(
-            f"model {loaded.name}: no format reads its adapters", field="models[].adapters"
-        )
-    updates = fit_adapter(loaded.model, loaded.arch, checkpoint, DTYPES[loaded.dtype])
-    return adapters.add(name, updates)
-
-
-def make_resident(loaded: Any, name: str, registries: Registries | None = None) -> int | None:
-    """The slot of ``loaded``'s configured adapter ``name``, loaded first if it is not resident
-    (in place of the least recently used adapter no request uses when every slot is taken); None
-    when every slot is in use. Raises what :func:`load_adapter` raises."""
-    adapters: AdapterSet = loaded.adapters
-    resident = adapters.resident.get(name)
-    if resident is None:
-        if name not in adapters.configured:
-            raise ConfigError(
-                f"model {loaded.name} has no adapter {name!r}", field="models[].adapters"
-            )
-        if len(adapters.resident) >= adapters.capacity:
-            in_use = set(adapters.busy_slots()) if adapters.busy_slots is not None else set()
-            idle = [r for r in adapters.resident.values() if r.slot not in in_use]
-            if not idle:
-                return None
-            adapters.remove(min(idle, key=lambda r: r.last_used).name)
-        load_adapter(loaded, name, adapters.configured[name], registries)
-        resident = adapters.resident[name]
-    resident.last_used = time.monotonic()
-    return resident.slot
+    return adapters

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf.quants import dequantize
@@ -79,7 +78,5 @@ def load(path: Path, base_config: Mapping[str, Any]) -> AdapterCheckpoint:
                     f"does not fit the base's heads: {exc}", path=str(path), tensor=b_name
                 ) from exc
         module = hf_name(weight, arch).removesuffix(".weight")
-        updates[module] = LowRank(
-            mx.array(a), mx.array(b), lora_scale(float(alpha), a.shape[0]), (name, b_name)
-        )
+        updates[module] = LowRank(a, b, lora_scale(float(alpha), a.shape[0]), (name, b_name))
     return AdapterCheckpoint(path, "gguf", updates, {"alpha": float(alpha), "architecture": arch})

@@ -17,11 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
+import numpy as np
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.model.lora import AdapterCheckpoint, LowRank, lora_scale, paired_tensors
 from mlxr_plugins.formats.safetensors.files import read_json
+
+#: The stored types of LoRA matrices read.
+FLOAT_DTYPES = ("F16", "BF16", "F32")
 
 CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -58,12 +61,33 @@ def load(path: Path) -> AdapterCheckpoint:
     return load_mlx_lm(path, config)
 
 
-def _load_tensors(file: Path) -> dict[str, mx.array]:
+def _load_tensors(file: Path) -> dict[str, np.ndarray]:
+    """The file's tensors as host arrays (numpy: adapters are read off the engine thread),
+    float16 and float32 as stored, bfloat16 widened to float32 (exactly); the header checked
+    first, a tensor of another dtype or with non-finite values refused by name."""
+    from mlxr_plugins.formats.safetensors.checkpoint import (  # it imports this module
+        check_header,
+        decode_stored,
+    )
+
+    header, start = check_header(file)
     try:
-        tensors = mx.load(str(file))
-    except Exception as exc:
+        data = np.fromfile(file, dtype=np.uint8)
+    except OSError as exc:
         raise ModelLoadError(f"unreadable safetensors file: {exc}", path=str(file)) from exc
-    assert isinstance(tensors, dict)
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in FLOAT_DTYPES:
+            raise ModelLoadError(f"{entry['dtype']} is not a float type a LoRA update is stored in",
+                                 path=str(file), tensor=name)  # fmt: skip
+        begin, end = entry["data_offsets"]
+        try:
+            ((array, kind),) = decode_stored(entry["dtype"], data[start + begin : start + end], tuple(entry["shape"])).values()
+        except ValueError as exc:
+            raise ModelLoadError(str(exc), path=str(file), tensor=name) from exc
+        tensors[name] = (array.astype(np.uint32) << 16).view(np.float32) if kind == "bf16" else array
     return tensors
 
 

@@ -40,27 +40,41 @@ def test_option_logprobs_count_every_token_where_options_part() -> None:
 
 
 def test_options_sharing_tokens_are_scored_by_all_of_them_as_transformers_computes(
-    tiny_model_path: Path,
+    tiny_model_path: Path, tmp_path: Path
 ) -> None:
     """Options 1, 10, 100 and 2 on a tokenizer that writes 10 as 1, 0: each option's probability
     from every token it takes (and the end where another option goes on), against the tiny
-    model's distributions from transformers reading the same GGUF."""
+    model's distributions from transformers reading the same GGUF; and with a random LoRA adapter
+    served as a model of its own, against PEFT's model with that adapter (the rows and the scoring
+    run with it, not with the base)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
     pytest.importorskip("accelerate", reason="transformers reads a GGUF file only with accelerate installed")
     from litestar.testing import TestClient
 
     from mlxr_core.chat.tools import model_parsers, prepare_chat
+    from mlxr_core.config.schema import AdapterConfig
     from mlxr_core.engine.engine import Engine
     from mlxr_core.http.context import ServerContext
     from mlxr_core.http.server import build_app
     from mlxr_core.plugins import load_plugins
     from mlxr_plugins.apis.openai.decisions import ChoiceOption, QuestionFields, question_text
 
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
+    base = transformers.AutoModelForCausalLM.from_pretrained(
         str(tiny_model_path.parent), gguf_file=tiny_model_path.name, dtype=torch.float32
     ).eval()
-    config = Config(models=[ModelConfig(path=str(tiny_model_path), name="tiny", dtype="float32")], apis=["openai"])
+    torch.manual_seed(0)
+    settings = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    reference = peft.get_peft_model(base, settings)
+    with torch.no_grad():  # O(1) updates: PEFT's own B starts at zero
+        for key, parameter in reference.named_parameters():
+            if "lora_" in key:
+                parameter.copy_(torch.randn_like(parameter) / parameter.shape[-1] ** 0.5)
+    reference.save_pretrained(str(tmp_path / "adapter"))
+    model = ModelConfig(path=str(tiny_model_path), name="tiny", dtype="float32",
+                        adapters=[AdapterConfig("rand", str(tmp_path / "adapter"))])  # fmt: skip
+    config = Config(models=[model], apis=["openai"])
     host = load_plugins()
     engine = Engine(config, host)
     engine.start()
@@ -77,12 +91,16 @@ def test_options_sharing_tokens_are_scored_by_all_of_them_as_transformers_comput
         prompt = prepare_chat(info, model_parsers(ctx, info), messages).prompt_ids
         end = sorted(info.tokenizer.eos_token_ids)
 
-        def distribution(prefix: list[int]) -> Any:
+        def distribution(prefix: list[int], adapter: bool) -> Any:
             with torch.no_grad():
-                logits = reference(torch.tensor([prompt + prefix])).logits[0, -1].double()
-            return torch.log_softmax(logits, dim=-1)
+                if adapter:
+                    logits = reference(torch.tensor([prompt + prefix])).logits
+                else:
+                    with reference.disable_adapter():
+                        logits = reference(torch.tensor([prompt + prefix])).logits
+            return torch.log_softmax(logits[0, -1].double(), dim=-1)
 
-        def constrained(option: list[int]) -> float:
+        def constrained(option: list[int], adapter: bool) -> float:
             """log P(option) as a decode constrained to the options reads it, step by step."""
             total = 0.0
             for i in range(len(option) + 1):
@@ -90,20 +108,26 @@ def test_options_sharing_tokens_are_scored_by_all_of_them_as_transformers_comput
                 ways = {o[i] if i < len(o) else -1 for o in options if o[:i] == prefix and len(o) >= i}
                 if len(ways) < 2:
                     continue
-                logprobs = distribution(prefix)
+                logprobs = distribution(prefix, adapter)
                 value = {w: float(logprobs[w]) if w >= 0 else float(torch.logsumexp(logprobs[end], 0)) for w in ways}
                 chosen = option[i] if i < len(option) else -1
                 total += value[chosen] - math.log(sum(math.exp(v) for v in value.values()))
             return total
 
-        want = [math.exp(constrained(option)) for option in options]
-        assert sum(want) == pytest.approx(1.0)
+        got = {}
         with TestClient(build_app(ctx)) as client:
-            r = client.post("/v1/decisions", json={"model": "tiny", "input": INPUT, "questions": [question]})
-        assert r.status_code == 200, r.text
-        got = [p["probability"] for p in r.json()["answers"][0]["probabilities"]]
-        assert got == pytest.approx(want, rel=1e-3, abs=1e-6)
-        assert got[0] != pytest.approx(got[1])  # 1 and 10 no longer share their first token's probability
+            for name, adapter in (("tiny", False), ("tiny:rand", True)):
+                want = [math.exp(constrained(option, adapter)) for option in options]
+                assert sum(want) == pytest.approx(1.0)
+                r = client.post("/v1/decisions", json={"model": name, "input": INPUT, "questions": [question]})
+                assert r.status_code == 200, r.text
+                answer = r.json()["answers"][0]
+                assert answer["type"] == "choice", answer  # the constrained row answered an option
+                got[name] = [p["probability"] for p in answer["probabilities"]]
+                assert got[name] == pytest.approx(want, rel=1e-3, abs=1e-6), name
+                assert answer["choice"] == values[max(range(len(want)), key=want.__getitem__)]
+        assert got["tiny"][0] != pytest.approx(got["tiny"][1])  # 1 and 10 no longer share their first token's probability
+        assert got["tiny:rand"] != pytest.approx(got["tiny"], rel=1e-2)  # the adapter's scores, not the base's
     finally:
         engine.stop()
 
@@ -166,3 +190,48 @@ def test_an_input_past_the_context_or_the_token_bound_is_refused_before_every_qu
     with pytest.raises(openai.BadRequestError) as error:
         client.decisions.create(model="tiny", input=INPUT, questions=[{"type": "predicate", "instructions": "x"}] * 8)  # type: ignore[list-item]
     assert error.value.body["param"] == "questions"  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_decisions_with_the_engine_in_a_process_of_its_own_answer_as_in_process(tiny_model_path: Path) -> None:
+    """``engine.core: process``: the option scoring job crosses the pipe, and every kind of
+    question gets the answers and probabilities the engine thread gives (marked slow: it starts
+    an engine process)."""
+    from litestar.testing import TestClient
+
+    from mlxr_core.config.schema import EngineConfig
+    from mlxr_core.engine.remote import RemoteEngine, make_engine
+    from mlxr_core.http.context import ServerContext
+    from mlxr_core.http.server import build_app
+    from mlxr_core.plugins import load_plugins
+
+    questions = [
+        {"type": "predicate", "instructions": "The failure is caused by the slow machine."},
+        {"type": "choice", "instructions": "How many cores?", "choices": [{"value": v} for v in ("1", "10", "100", "2")]},
+        {"type": "score", "instructions": "How urgent is a fix?", "levels": [{"label": "low"}, {"label": "high"}]},
+    ]  # fmt: skip
+    answers = {}
+    for core in ("thread", "process"):
+        model = ModelConfig(path=str(tiny_model_path), name="tiny", dtype="float32")
+        config = Config(models=[model], engine=EngineConfig(core=core), apis=["openai"])
+        host = load_plugins()
+        engine = make_engine(config, host)
+        assert isinstance(engine, RemoteEngine) == (core == "process")
+        engine.start()
+        try:
+            with TestClient(build_app(ServerContext(config=config, host=host, engine=engine))) as client:
+                r = client.post("/v1/decisions", json={"model": "tiny", "input": INPUT, "questions": questions})
+        finally:
+            engine.stop()
+        assert r.status_code == 200, r.text
+        answers[core] = r.json()["answers"]
+    assert [a["type"] for a in answers["process"]] == ["predicate", "choice", "score"]
+    for thread, process in zip(answers["thread"], answers["process"], strict=True):
+        assert process.keys() == thread.keys()
+        for key, value in thread.items():
+            if key == "probabilities":
+                assert [p["probability"] for p in process[key]] == pytest.approx([p["probability"] for p in value], rel=1e-5)
+            elif isinstance(value, float):
+                assert process[key] == pytest.approx(value, rel=1e-5), key
+            else:
+                assert process[key] == value, key
