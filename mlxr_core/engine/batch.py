@@ -52,6 +52,7 @@ from mlxr_core.engine.speculation import (
     DraftsTogether,
     ReadsHidden,
     draft_inputs,
+    drafter_hidden,
     next_k,
     verify_rows,
 )
@@ -330,7 +331,8 @@ class BatchRunner:
                 logits_with_images(self.model.model, ids, encoded, vision.tokens, seq.cache, start, positions)
             elif isinstance(seq.drafter, ReadsHidden) and isinstance(self.model.model, CausalLM):
                 # The drafter reads the prompt's hidden states (no LM head over the prompt either).
-                hidden = self.model.model.model(ids, cache=seq.cache)
+                final, layers = self.model.model.forward_hidden(ids, seq.cache, layers=seq.drafter.hidden_layers)
+                hidden = drafter_hidden(seq.drafter, final, layers)
                 seq.drafter.observe(start, hidden[0], seq.prompt[start + 1 : stop + 1])
             else:
                 self.model.model(ids, cache=seq.cache)
@@ -650,16 +652,25 @@ class BatchRunner:
             for cache in caches:
                 cache.rollback(drop)
         if hidden is not None:
+            final, layers = hidden
             for row, seq in enumerate(self.running):
                 if isinstance(seq.drafter, ReadsHidden) and row not in failed:
-                    seq.drafter.observe(starts[row], hidden[row, : len(emitted[row])], emitted[row])
+                    states = drafter_hidden(seq.drafter, final[row], {i: h[row] for i, h in layers.items()})
+                    seq.drafter.observe(starts[row], states[: len(emitted[row])], emitted[row])
         self._after_verify(logits, drafts, emitted, failed)
 
-    def _verify_pass(self, inputs: mx.array, longest: int, caches: list[Any]) -> tuple[mx.array, mx.array | None]:
+    def _verify_pass(
+        self, inputs: mx.array, longest: int, caches: list[Any]
+    ) -> tuple[mx.array, tuple[mx.array, dict[int, mx.array]] | None]:
         """The logits ``[B, longest + 1, vocab]`` of every row's pending token and draft, and
-        the final hidden states they come from where a row's drafter reads them (else None)."""
+        where a row's drafter reads hidden states, the final ones they come from with the
+        inputs of the layers the drafters read (:meth:`CausalLM.forward_hidden`; else None)."""
         lm = self.model.model
-        reads = isinstance(lm, CausalLM) and any(isinstance(seq.drafter, ReadsHidden) for seq in self.running)
+        wanted: set[int] = set()  # the layers whose inputs the drafters read
+        reads = False
+        for seq in self.running:
+            if isinstance(seq.drafter, ReadsHidden):
+                reads, wanted = isinstance(lm, CausalLM), wanted | set(seq.drafter.hidden_layers)
         if longest == 0 and not reads:
             return self.model.decode(inputs[:, 0], caches, batch_mask(caches))[:, None], None
         if longest == 0:
@@ -672,8 +683,8 @@ class BatchRunner:
             cache.keeps_positions = True
         try:
             if reads:
-                hidden: mx.array = lm.model(inputs, cache=caches, mask=mask)
-                return lm.lm_logits(hidden), hidden
+                hidden, layers = lm.forward_hidden(inputs, caches, mask, sorted(wanted))
+                return lm.lm_logits(hidden), (hidden, layers)
             logits: mx.array = lm(inputs, cache=caches, mask=mask)
         finally:
             for cache in recurrent:

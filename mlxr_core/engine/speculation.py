@@ -28,7 +28,7 @@ Drafters are registered as decoders (``mlxr_register_decoders``) that offer ``ro
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import mlx.core as mx
@@ -73,15 +73,28 @@ class DraftsTogether(Protocol):
 
 @runtime_checkable
 class ReadsHidden(Protocol):
-    """A drafter that drafts from the target's hidden states (an MTP head): the batch hands it
-    the final (normed) hidden states of the positions its row keeps, computed by the passes that
-    run anyway: the prompt's prefill, and each verification's accepted span."""
+    """A drafter that drafts from the target's hidden states (an MTP head, an EAGLE-3 head): the
+    batch hands it the hidden states of the positions its row keeps, computed by the passes that
+    run anyway: the prompt's prefill, and each verification's accepted span. Which states:
+    :attr:`hidden_layers`."""
+
+    #: Empty: the final (normed) hidden states. Else the target layers whose inputs (the
+    #: residual stream entering layer ``i``; ``0``: the embeddings) it reads, concatenated in
+    #: this order (``[n, len(hidden_layers) * H]``).
+    hidden_layers: tuple[int, ...]
 
     def observe(self, start: int, hidden: mx.array, following: Sequence[int]) -> None:
-        """``hidden`` (``[n, H]``) of target positions ``start .. start + n - 1`` and the ``n``
+        """``hidden`` (``[n, W]``) of target positions ``start .. start + n - 1`` and the ``n``
         tokens that followed them (the last is the row's next input). A ``start`` past the last
         position handed means the row decoded steps without them."""
         ...
+
+
+def drafter_hidden(drafter: ReadsHidden, final: mx.array, layers: Mapping[int, mx.array]) -> mx.array:
+    """The states ``drafter`` reads (:attr:`ReadsHidden.hidden_layers`) from one pass's final
+    hidden states and its layers' inputs (``[..., L, W]``)."""
+    wanted = drafter.hidden_layers
+    return final if not wanted else mx.concatenate([layers[index] for index in wanted], axis=-1)
 
 
 @runtime_checkable

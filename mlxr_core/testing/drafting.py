@@ -28,6 +28,12 @@ class ControlledDrafter:
         self.rng = rng
         self.draft_logits = None
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The wrapped drafter's (:class:`~mlxr_core.engine.speculation.ReadsHidden`)."""
+        layers: tuple[int, ...] = getattr(self.inner, "hidden_layers", ())
+        return layers
+
     def observe(self, start: int, hidden: mx.array, following: Sequence[int]) -> None:
         self.inner.observe(start, hidden, following)
 
@@ -97,3 +103,26 @@ def control_acceptance(
     decoder.row_drafter = row_drafter
     decoder.acceptance_control = control
     return control
+
+
+def decode_together(
+    engine: Any, model: str, prompts: Sequence[Sequence[int]], tokens: int, *, speculative: bool = True, **params: Any
+) -> list[list[int]]:
+    """Submit every prompt to ``engine``'s ``model`` at once (greedy, ``tokens`` each with EOS
+    ignored, unless ``params`` say otherwise; drafting unless ``speculative`` is False) and
+    return each one's tokens once all have finished."""
+    from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+
+    settings = {"temperature": 0.0, "max_tokens": tokens, "extra": {"ignore_eos": True}, **params}
+    requests = [
+        GenerationRequest(model=model, prompt_ids=list(prompt), params=SamplingParams(**settings), speculative=speculative)
+        for prompt in prompts
+    ]
+    handles = [engine.submit(request) for request in requests]
+    outputs = []
+    for handle in handles:
+        events = list(handle)
+        if not isinstance(events[-1], Finished):
+            raise AssertionError(f"a request ended with {events[-1]!r}")
+        outputs.append([token for event in events if isinstance(event, Delta) for token in event.token_ids])
+    return outputs

@@ -68,9 +68,14 @@ def load_mtp_head(model: LoadedModel, registries: Any) -> MtpHead:
 class MtpDrafter:
     """One request's MTP drafter (:class:`~mlxr_core.engine.speculation.Drafter` and
     :class:`~mlxr_core.engine.speculation.ReadsHidden`): greedy choices for a greedy request,
-    draws at the request's temperature (with :attr:`draft_logits`) for a sampled one."""
+    draws at the request's temperature (with :attr:`draft_logits`) for a sampled one. A head of
+    another kind (EAGLE-3's) changes what :meth:`read`, :meth:`chain`, :meth:`head_logits` and
+    :meth:`choose` do."""
 
-    def __init__(self, target: CausalLM, head: MtpHead, temperature: float = 0.0, seed: int | None = None):
+    #: The target's final (normed) hidden states.
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, target: CausalLM, head: Any, temperature: float = 0.0, seed: int | None = None):
         self.target = target
         self.head = head
         self.cache = head.make_cache()
@@ -86,6 +91,27 @@ class MtpDrafter:
         #: The logits the last proposal was drawn from (``[k, V]``), or None (greedy).
         self.draft_logits: mx.array | None = None
 
+    def read(self, tokens: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
+        """The head over the target's states ``hidden [1, L, W]`` and the tokens that followed
+        them (``[1, L]``), on this row's cache: ``(normed, chained)``."""
+        normed, chained = self.head(self.target.embed(tokens), hidden, self.cache)
+        return normed, chained
+
+    def chain(self, tokens: mx.array, chained: mx.array) -> tuple[mx.array, mx.array]:
+        """One chained step: the head over its own previous output and the token it drafted."""
+        return self.read(tokens, chained)
+
+    def head_logits(self, normed: mx.array) -> mx.array:
+        """The logits of the head's normed outputs ``[R, 1, H]`` (every drafting row's)."""
+        logits: mx.array = self.target.lm_logits(normed)
+        return logits
+
+    def choose(self, logits: mx.array) -> tuple[mx.array, mx.array | None]:
+        """The drafted token ``[1]`` (a target id) from :meth:`head_logits`' row ``[1, V']``, and
+        the target-vocabulary logits it was drawn from (None: the greedy choice)."""
+        token, self._key, scaled = draft_choice(logits, self.temperature, self._key)
+        return token, scaled
+
     def observe(self, start: int, hidden: mx.array, following: Sequence[int]) -> None:
         """The head reads the target's states with the tokens that followed, in one pass (its
         graph queued, not waited for): its cache then holds those positions."""
@@ -93,7 +119,7 @@ class MtpDrafter:
             self.cache, self.chained = self.head.make_cache(), 0  # a gap: start afresh from here
         self._forget_chain()
         tokens = mx.array(list(following), dtype=mx.int32)[None]
-        normed, chained = self.head(self.target.embed(tokens), hidden[None], self.cache)
+        normed, chained = self.read(tokens, hidden[None])
         self.last = (normed[:, -1:], chained[:, -1:])
         mx.async_eval(*self.last)
         self.expected = start + hidden.shape[0]
@@ -126,15 +152,14 @@ class MtpDrafter:
         drawn: list[list[mx.array]] = [[] for _ in drafters]
         for step in range(max((row[4] for row in rows), default=0)):
             active = [row for row in rows if row[4] > step]
-            target = active[0][1].target
-            logits = target.lm_logits(mx.concatenate([row[2] for row in active]))[:, 0]
+            logits = active[0][1].head_logits(mx.concatenate([row[2] for row in active]))[:, 0]
             for at, row in enumerate(active):
                 index, drafter = row[0], row[1]
-                token, drafter._key, scaled = draft_choice(logits[at : at + 1], drafter.temperature, drafter._key)
+                token, scaled = drafter.choose(logits[at : at + 1])
                 drawn[index].extend([] if scaled is None else [scaled])
                 proposed[index].append(token)
                 if step + 1 < row[4]:
-                    row[2], row[3] = drafter.head(target.embed(token[:, None]), row[3], drafter.cache)
+                    row[2], row[3] = drafter.chain(token[:, None], row[3])
                     drafter.chained += 1
         for drafter, draws in zip(drafters, drawn, strict=True):
             drafter.draft_logits = mx.concatenate(draws) if draws else None
@@ -147,7 +172,8 @@ class MtpDecoder(PlainDecoder):
     """Plain decoding whose requests draft with the checkpoint's MTP head inside the batch."""
 
     def __init__(self) -> None:
-        self.heads: dict[str, MtpHead] = {}
+        #: model name -> its draft head (an :class:`MtpHead` here, a subclass's own kind).
+        self.heads: dict[str, Any] = {}
 
     def prepare(self, model: LoadedModel, registries: Any, config: Any) -> None:
         """Read ``model``'s MTP head (refused, naming ``models[].speculative.method``, where the

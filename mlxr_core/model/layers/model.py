@@ -8,7 +8,22 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxr_core.errors import MlxrError
 from mlxr_core.model.layers.norms import LayerNorm, RMSNorm
+
+
+class LayerTaps:
+    """The residual stream entering chosen layers (``states[i]``: layer ``i``'s input, the
+    output of layer ``i - 1``; ``0``: the embeddings), recorded by one pass of
+    :meth:`DecoderModel.run_layers` (EAGLE-3's auxiliary hidden states)."""
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = frozenset(layers)
+        self.states: dict[int, mx.array] = {}
+
+    def record(self, index: int, h: mx.array) -> None:
+        if index in self.layers:
+            self.states[index] = h
 
 
 class DecoderModel(nn.Module):
@@ -33,6 +48,8 @@ class DecoderModel(nn.Module):
         self.layers = list(layers)
         self.norm = norm
         self.embed_scale = embed_scale
+        #: Set around one pass by :meth:`CausalLM.forward_hidden`: the layers' inputs it records.
+        self.taps: LayerTaps | None = None
 
     def embed(self, inputs: mx.array) -> mx.array:
         """``[B, L]`` token ids -> ``[B, L, hidden]``."""
@@ -67,7 +84,10 @@ class DecoderModel(nn.Module):
             mask = "causal"
         layer_caches = cache if cache is not None else [None] * len(self.layers)
         at = {} if positions is None else {"positions": positions}
+        taps = self.taps
         for index, (layer, layer_cache) in enumerate(zip(self.layers, layer_caches, strict=True)):
+            if taps is not None:
+                taps.record(index, h)
             h = layer(h, mask, layer_cache, **at)
             if index < len(added):
                 h = h + added[index]
@@ -125,6 +145,29 @@ class CausalLM(nn.Module):
     @property
     def layers(self) -> list[Any]:
         return self.model.layers
+
+    def forward_hidden(
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        mask: str | mx.array | None = None,
+        layers: Sequence[int] = (),
+    ) -> tuple[mx.array, dict[int, mx.array]]:
+        """The backbone's output (after the final norm, before the LM head) and the residual
+        stream entering each of ``layers`` (:class:`LayerTaps`), from one pass. Raises
+        :class:`MlxrError` where the model's own layer loop records none of them."""
+        if not layers:
+            return self.model(inputs, cache, mask), {}
+        taps = self.model.taps = LayerTaps(layers)
+        try:
+            hidden: mx.array = self.model(inputs, cache, mask)
+        finally:
+            self.model.taps = None
+        missing = sorted(taps.layers - taps.states.keys())
+        if missing:
+            raise MlxrError(f"{type(self).__name__} records no hidden states of layers {missing} (its layers "
+                            f"run outside DecoderModel.run_layers, or it has {len(self.layers)} layers)")  # fmt: skip
+        return hidden, taps.states
 
     def hidden_states(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         """The backbone's output: after the final norm, before the LM head (and soft-capping)."""

@@ -11,7 +11,7 @@ import pytest
 
 from mlxr_core.config.schema import Config, ModelConfig, SpeculationConfig
 from mlxr_core.engine.engine import Engine
-from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
+from mlxr_core.engine.request import Delta, GenerationRequest, SamplingParams
 from mlxr_core.errors import ConfigError
 from mlxr_core.plugins import load_plugins
 
@@ -214,16 +214,9 @@ def serve(folder, k: int = 3) -> Engine:
 
 
 def run(engine, prompts, *, speculative=True, **params) -> list[list[int]]:
-    handles = []
-    for prompt in prompts:
-        sampling = SamplingParams(**{"temperature": 0.0, "max_tokens": TOKENS, "extra": {"ignore_eos": True}, **params})
-        handles.append(engine.submit(GenerationRequest(model="tiny", prompt_ids=prompt, params=sampling, speculative=speculative)))
-    outputs = []
-    for handle in handles:
-        events = list(handle)
-        assert isinstance(events[-1], Finished), events[-1]
-        outputs.append([t for e in events if isinstance(e, Delta) for t in e.token_ids])
-    return outputs
+    from mlxr_core.testing.drafting import decode_together
+
+    return decode_together(engine, "tiny", prompts, TOKENS, speculative=speculative, **params)
 
 
 def controlled(engine, references: dict[tuple[int, ...], list[int]], acceptance: float):
