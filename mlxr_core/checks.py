@@ -136,6 +136,8 @@ def missing_models(config: Config) -> list[Problem]:
             paths[("mmproj",)] = model.mmproj
         for j, adapter in enumerate(model.adapters):
             paths[("adapters", j, "path")] = adapter.path
+        if model.speculative is not None and model.speculative.path is not None:
+            paths[("speculative", "path")] = model.speculative.path
         for key, spec in paths.items():
             try:
                 resolve_model_path(spec, join=False)  # a check writes nothing

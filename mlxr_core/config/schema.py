@@ -249,6 +249,9 @@ class SpeculationConfig:
     #: Rows in the batch above which the batch decodes plainly: a large batch is bound by its
     #: weights' reads no longer, and verifying drafts costs more than it saves.
     max_batch: int = attrs.field(default=8, validator=v.ge(1))
+    #: The drafter's own checkpoint, where its method reads one (``eagle3``: the EAGLE-3 draft
+    #: folder); a file, a folder or ``pkg:DISTRIBUTION``, as ``models[].path``.
+    path: str | None = attrs.field(default=None, validator=v.optional(v.min_len(1)))
 
 
 #: Where a mixture of experts' expert weights live (``models[].experts.residency``).

@@ -49,6 +49,7 @@ ARCHITECTURES = {
     "glm5_next_text": "mlxr_plugins.archs.glm5_next:Glm5NextArchitecture",
     "deepseek_v4": "mlxr_plugins.archs.deepseek_v4:DeepseekV4Architecture",
     "mistral4": "mlxr_plugins.archs.mistral4:Mistral4Architecture",
+    "mistral3": "mlxr_plugins.archs.mistral3:Mistral3Architecture",
     "whisper": "mlxr_plugins.archs.whisper:WhisperArchitecture",
     "lfm2": "mlxr_plugins.archs.lfm2:Lfm2Architecture",
     "lfm2_moe": "mlxr_plugins.archs.lfm2_moe:Lfm2MoeArchitecture",

@@ -102,7 +102,7 @@ class LlamaArchitecture(DecoderArchitecture):
 
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
         """Build the graph from a tolerant config dict."""
-        return Llama(LlamaArgs.from_config(config), kernels)
+        return Llama(self.args(config), kernels)
 
 
 class MinistralArchitecture(LlamaArchitecture):
@@ -112,4 +112,4 @@ class MinistralArchitecture(LlamaArchitecture):
 
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
         """Build the graph from a tolerant config dict."""
-        return Llama(MinistralArgs.from_config(config), kernels)
+        return Llama(self.args(config), kernels)

@@ -1,7 +1,7 @@
 """Built-in decoding strategies: ``plain``, and the drafting ``prompt_lookup`` and ``speculative``
 (configured under ``plugins.config.decoders``; see :mod:`mlxr_plugins.decoders.config`), and
-``prediction``, which drafts a request's Predicted Output, and ``mtp``, the checkpoint's
-multi-token-prediction head. Those registered with ``drafts=True``
+``prediction``, which drafts a request's Predicted Output, ``mtp``, the checkpoint's
+multi-token-prediction head, and ``eagle3``, an EAGLE-3 draft head. Those registered with ``drafts=True``
 draft inside the batch (``models[].speculative.method``; :mod:`mlxr_core.engine.speculation`)."""
 
 from mlxr_core.plugin_api import hookimpl
@@ -18,6 +18,7 @@ def mlxr_register_decoders(register):  # type: ignore[no-untyped-def]
     register("prediction", "mlxr_plugins.decoders.prediction:PredictionDecoder", drafts=True)
     register("speculative", "mlxr_plugins.decoders.speculative:SpeculativeDecoder", drafts=True)
     register("mtp", "mlxr_plugins.decoders.mtp:MtpDecoder", drafts=True)
+    register("eagle3", "mlxr_plugins.decoders.eagle3:Eagle3Decoder", drafts=True)
 
 
 @hookimpl
