@@ -24,8 +24,9 @@ UNSTATABLE = re.compile("|".join([
     "decisions take text input", "not a compaction item this server made", "content is damaged",
     # MCP servers are the operator's: a label names one only where the config has it.
     "no MCP server", "offered by two servers", "mcp_approval_request",
-    # An upload's content, and the languages a speech model knows, or whether a model takes audio.
-    "the audio", "does not transcribe audio", "does not know the language",
+    # An upload's content, and the languages a speech model knows, or whether a model takes audio;
+    # word timestamps asked with a response_format other than verbose_json (two fields' values).
+    "the audio", "does not transcribe audio", "does not know the language", "come with response_format verbose_json",
     # Rules between the grammar fields (mlxr_core.http.constraints), to state with the constraint limits.
     "send one output constraint per request", "structured_outputs needs one of",
     # What a stored response allows depends on how it was made (background or not), not on the body.

@@ -2,8 +2,9 @@
 
 A multipart form: ``file`` (the audio, at most ``server.max_audio_bytes``), ``model``,
 ``language`` (transcriptions only), ``prompt``, ``response_format`` (``json``, ``text``, ``srt``,
-``vtt``, ``verbose_json``), ``temperature`` and ``timestamp_granularities[]`` (``segment``; word
-timestamps are refused). The file is decoded and its features computed in a worker thread
+``vtt``, ``verbose_json``), ``temperature`` and ``timestamp_granularities[]`` (``segment``,
+``word``: with ``verbose_json``, the reply's ``segments`` and ``words``; ``word`` with another
+format is refused, as OpenAI refuses it). The file is decoded and its features computed in a worker thread
 (:mod:`mlxr_core.http.audio`, the model's front end), then transcribed on the engine thread
 (:meth:`~mlxr_core.engine.client.EngineClient.transcribe_async`), a decoder step at a time between
 the engine's batch steps. Replies are whole (OpenAI streams only its gpt-4o models' transcripts).
@@ -61,8 +62,8 @@ class TranscriptionForm(Struct, kw_only=True):
     prompt: str = ""
     response_format: Literal["json", "text", "srt", "vtt", "verbose_json"] = "json"
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
-    #: ``segment`` only (word timings are not computed), once per value.
-    timestamp_granularities: list[Literal["segment"]] = field(default_factory=list, name="timestamp_granularities[]")
+    #: ``segment`` and/or ``word`` (``verbose_json`` only), once per value.
+    timestamp_granularities: list[Literal["segment", "word"]] = field(default_factory=list, name="timestamp_granularities[]")
 
 
 class TranscriptionSegment(Struct):
@@ -76,6 +77,12 @@ class TranscriptionSegment(Struct):
     avg_logprob: float
     compression_ratio: float
     no_speech_prob: float
+
+
+class TranscriptionWord(Struct):
+    word: str
+    start: float
+    end: float
 
 
 class TranscriptionUsage(Struct):
@@ -92,6 +99,7 @@ class Transcription(Struct, omit_defaults=True):
     language: str | None = None
     duration: float | None = None
     segments: list[TranscriptionSegment] | None = None
+    words: list[TranscriptionWord] | None = None
 
 
 #: Characters of the ``prompt`` field (OpenAI documents it for a few sentences; Whisper's decoder
@@ -132,10 +140,11 @@ async def transcribe(ctx: ServerContext, request: Request[Any, Any, Any], task: 
     granularities = [str(value) for key in ("timestamp_granularities[]", "timestamp_granularities")
                      for value in form.getall(key, [])]  # fmt: skip
     for granularity in granularities:
-        if granularity == "word":
-            raise RequestError("word timestamps are not supported by this server; ask for segment", field="timestamp_granularities")
-        if granularity != "segment":
+        if granularity not in ("segment", "word"):
             raise RequestError("timestamp_granularities holds segment or word", field="timestamp_granularities")
+    words = "word" in granularities
+    if words and response_format != "verbose_json":
+        raise RequestError("word timestamps come with response_format verbose_json only", field="timestamp_granularities")
     temperature = _number(_text(form, "temperature"), "temperature")
     prompt_text = (_text(form, "prompt") or "").strip()
     if len(prompt_text) > MAX_PROMPT_CHARS:  # the decoder reads the last 224 of its tokens at most
@@ -147,7 +156,7 @@ async def transcribe(ctx: ServerContext, request: Request[Any, Any, Any], task: 
         raise RequestError(f"the model {info.name!r} does not transcribe audio (it is no speech model)", field="model")
     options = TranscriptionOptions(
         task=task, language=language.lower() if language else None, temperature=temperature,
-        timestamps=response_format in ("srt", "vtt", "verbose_json"),
+        timestamps=response_format in ("srt", "vtt", "verbose_json"), words=words,
     )  # fmt: skip
     slots = ctx.transcriptions
     try:
@@ -160,7 +169,8 @@ async def transcribe(ctx: ServerContext, request: Request[Any, Any, Any], task: 
         transcript = await _transcribe(ctx, request, info, front_end, upload, prompt_text, options)
     finally:
         slots.release()
-    return reply(transcript, response_format, task)
+    # verbose_json holds the segments unless only words were asked for (OpenAI's reply).
+    return reply(transcript, response_format, task, segments=not words or "segment" in granularities, words=words)
 
 
 async def _transcribe(
@@ -178,12 +188,16 @@ async def _transcribe(
     return await unless_disconnected(request, engine.transcribe_async(info.name, features, audio.seconds, options))
 
 
-def reply(transcript: Transcript, response_format: str, task: str) -> Response[Any]:
+def reply(
+    transcript: Transcript, response_format: str, task: str, *, segments: bool = True, words: bool = False
+) -> Response[Any]:
+    """The reply in ``response_format``; ``verbose_json`` holds the ``segments`` and/or the
+    ``words`` as asked (a word is its text without the space before it; one of only spaces is left out)."""
     usage = TranscriptionUsage("duration", round(transcript.duration, 3))
     if response_format == "json":
         return json_response(Transcription(transcript.text, usage))
     if response_format == "verbose_json":
-        segments = [
+        listed = [
             TranscriptionSegment(
                 id=seg.id, seek=seg.seek, start=seg.start, end=seg.end, text=seg.text, tokens=list(seg.tokens),
                 temperature=seg.temperature, avg_logprob=seg.avg_logprob, compression_ratio=seg.compression_ratio,
@@ -191,9 +205,11 @@ def reply(transcript: Transcript, response_format: str, task: str) -> Response[A
             )
             for seg in transcript.segments
         ]
+        timed = [TranscriptionWord(word.word.strip(), word.start, word.end) for word in transcript.words if word.word.strip()]
         return json_response(Transcription(
             transcript.text, usage, task="translate" if task == "translate" else "transcribe",
-            language=LANGUAGE_NAMES.get(transcript.language, transcript.language), duration=round(transcript.duration, 3), segments=segments,
+            language=LANGUAGE_NAMES.get(transcript.language, transcript.language), duration=round(transcript.duration, 3),
+            segments=listed if segments else None, words=timed if words else None,
         ))  # fmt: skip
     if response_format == "text":
         return Response(transcript.text + "\n", media_type="text/plain; charset=utf-8")

@@ -88,6 +88,21 @@ def test_verbose_json_segments_cover_the_sound(client: httpx.Client) -> None:
     assert body["text"] == "".join(s["text"] for s in segments).strip()
 
 
+@pytest.mark.parametrize("granularities", [["word"], ["word", "segment"]])
+def test_verbose_json_words(client: httpx.Client, granularities: list[str]) -> None:
+    form = {"language": "en", "response_format": "verbose_json", "timestamp_granularities[]": granularities}
+    r = post(client, form)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    words = body["words"]
+    assert words and all(set(word) == {"word", "start", "end"} for word in words)
+    assert all(isinstance(w["word"], str) and w["word"] == w["word"].strip() for w in words)
+    assert all(0 <= w["start"] <= w["end"] <= 3.1 + 2 for w in words) and words[-1]["end"] > 2.0  # both windows
+    assert [w["start"] for w in words[:3]] == sorted(w["start"] for w in words[:3])
+    assert ("segments" in body) == ("segment" in granularities)  # only words were asked for: no segments
+    assert "".join(w["word"] for w in words) == "".join(body["text"].split())
+
+
 @pytest.mark.parametrize("kind", ["srt", "vtt"])
 def test_subtitles(client: httpx.Client, kind: str) -> None:
     r = post(client, {"language": "en", "response_format": kind})
@@ -128,7 +143,9 @@ def test_hostile_files_are_400s_and_the_server_keeps_serving(client: httpx.Clien
 
 def test_bad_fields_are_400s(client: httpx.Client) -> None:
     assert "response_format" in refused(post(client, {"response_format": "xml"}), "response_format")
-    assert "word" in refused(post(client, {"timestamp_granularities[]": "word"}), "timestamp_granularities")
+    for form in ({"timestamp_granularities[]": "word"}, {"timestamp_granularities[]": "word", "response_format": "srt"}):
+        assert "verbose_json" in refused(post(client, form), "timestamp_granularities")  # as OpenAI refuses it
+    assert "segment or word" in refused(post(client, {"timestamp_granularities[]": "phoneme"}), "timestamp_granularities")
     assert "xx" in refused(post(client, {"language": "xx"}), "language")
     refused(post(client, {"temperature": "hot"}), "temperature")
     assert "4096" in refused(post(client, {"prompt": "word " * 1000}), "prompt")  # tokenized on the event loop
@@ -212,6 +229,13 @@ def test_the_openai_client_transcribes_from_a_live_server(whisper_folder: Path, 
             )
         assert verbose.duration == pytest.approx(2.5) and verbose.segments
         assert all(segment.start <= segment.end for segment in verbose.segments)
+        for granularities in (["word"], ["word", "segment"]):
+            with wav.open("rb") as file:
+                timed = client.audio.transcriptions.create(
+                    model="whisper", file=file, response_format="verbose_json", timestamp_granularities=granularities
+                )
+            assert timed.words and all(0 <= w.start <= w.end and isinstance(w.word, str) for w in timed.words)
+            assert bool(timed.segments) == ("segment" in granularities)
     finally:
         process.terminate()
         process.communicate(timeout=30)
