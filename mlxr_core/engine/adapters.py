@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from mlxr_core.engine.jobs import WAITING
 from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
 from mlxr_core.model.lora import AdapterCheckpoint, AdapterSet, read_for, served_adapters, swap_in
 
@@ -89,16 +90,24 @@ def _checkpoint(adapters: AdapterSet, name: str, read: Future[AdapterCheckpoint]
                          path=adapters.configured[name]) from error  # fmt: skip
 
 
-def hold_adapter(loaded: LoadedModel, name: str) -> Generator[None, None, int]:
-    """For an engine job running under adapter ``name``: wait (yielding between the job's parts)
-    until it is resident, then hold its slot, which no load replaces and no unload removes until
-    :func:`release_adapter`; the slot."""
+def hold_adapter(loaded: LoadedModel, name: str) -> Generator[str | None, None, int]:
+    """For an engine job running under adapter ``name``: wait (yielding between the job's parts,
+    :data:`~mlxr_core.engine.jobs.WAITING` while its file is read) until it is resident, then
+    hold its slot, which no load replaces and no unload removes until :func:`release_adapter`;
+    the slot."""
     while True:
         slot = make_resident(loaded, name)
         if slot is not None:
             served_adapters(loaded).held[slot] += 1
             return slot
-        yield
+        yield _waiting(loaded, name)
+
+
+def _waiting(loaded: LoadedModel, name: str) -> str | None:
+    """:data:`~mlxr_core.engine.jobs.WAITING` while adapter ``name``'s file is being read (its
+    end wakes the engine); None while it waits for a slot requests may free at any step."""
+    read = served_adapters(loaded).reading.get(name)
+    return WAITING if read is not None and not read.done() else None
 
 
 def release_adapter(loaded: LoadedModel, slot: int) -> None:
@@ -120,7 +129,7 @@ class AdapterWork:
     adapter: str
     action: str
 
-    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[None, None, bool]:
+    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[str | None, None, bool]:
         loaded = models[self.model]
         adapters = loaded.adapters
         if adapters is None:
@@ -132,5 +141,5 @@ class AdapterWork:
             if read is not None and read.done():  # read, and every slot is in use
                 del adapters.reading[self.adapter]
                 return False
-            yield
+            yield _waiting(loaded, self.adapter)
         return True

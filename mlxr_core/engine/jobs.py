@@ -5,7 +5,9 @@ A caller wraps a function of the loaded models in an :class:`EngineJob` and wait
 between batch steps, so MLX only ever runs on the engine thread. A long job is a generator that
 yields between its parts (an embedding's forward passes): the scheduler runs one part of each job
 between batch steps, so generation goes on meanwhile, and a job whose caller has left
-(:meth:`EngineJob.cancel`) stops at its next part.
+(:meth:`EngineJob.cancel`) stops at its next part. A part that yields :data:`WAITING` waits for
+another thread (an adapter's file being read), which wakes the engine when it is done: while
+every running job waits so and no request runs, the engine sleeps instead of running them again.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: What a job's part yields when the job has nothing to do until another thread wakes the engine.
+WAITING = "waiting"
+
 
 class EngineJob:
     """``work(models)`` to run on the engine thread; its result or error lands in ``future``.
@@ -38,6 +43,8 @@ class EngineJob:
         self.model = model
         self.future: Future[Any] = Future()
         self.cancelled = False
+        #: Its last part yielded :data:`WAITING`.
+        self.waiting = False
         self._parts: Generator[Any, None, Any] | None = None
 
     def cancel(self) -> None:
@@ -66,7 +73,7 @@ class EngineJob:
                 self._parts.close()
                 self.future.set_exception(MlxrError(f"{self.what} was cancelled"))
                 return True
-            next(self._parts)
+            self.waiting = next(self._parts) == WAITING
             return False
         except StopIteration as stop:
             self.future.set_result(stop.value)

@@ -97,7 +97,7 @@ class OptionScoringWork:
     chunk: int
     adapter: str | None = None
 
-    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[None, None, list[list[float]]]:
+    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[str | None, None, list[list[float]]]:
         from mlxr_core.engine.adapters import hold_adapter, release_adapter
 
         loaded = models[self.model]

@@ -284,7 +284,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             busy = any(runner.busy for runner in self.runners.values())
-            idle = not busy and self.jobs.empty() and not self.running_jobs
+            idle = not busy and self.jobs.empty() and all(job.waiting for job in self.running_jobs)
             if self.lockstep is not None or not (busy and self._straight_to_step()):
                 # Held only from one decode step to the next; not across the ranks' exchange, which
                 # a watchdog may end on its own thread, and which NCCL queues behind the step.

@@ -1,6 +1,8 @@
 """An adapter that is not resident is read off the engine thread: a running stream keeps
 decoding while the file is read (the read held on an Event here), and the request that needs the
-adapter runs once it is swapped in, in place of the least recently used one, as PEFT computes."""
+adapter runs once it is swapped in, in place of the least recently used one, as PEFT computes; an
+engine job under an adapter (decisions' option scoring) waits for its read the same way and holds
+its slot only while it runs."""
 
 from __future__ import annotations
 
@@ -39,13 +41,19 @@ def request(model: str, max_tokens: int) -> GenerationRequest:
     return GenerationRequest(model=model, prompt_ids=list(PROMPT), params=params)
 
 
-def test_a_stream_decodes_on_while_an_adapter_is_read(reference: LoraReference) -> None:
-    import torch
-
+def start(reference: LoraReference) -> Engine:
+    """The tiny model with both adapters and one slot (qv resident from the start)."""
     model = ModelConfig(path=str(reference.base), name="tiny", dtype="float32", context_length=128, max_adapters=1,
                         adapters=[AdapterConfig(name, str(reference.root / name)) for name in ADAPTERS])  # fmt: skip
     engine = Engine(Config(models=[model], engine=EngineConfig(max_batch_size=4)), load_plugins())
     engine.start()
+    return engine
+
+
+def test_a_stream_decodes_on_while_an_adapter_is_read(reference: LoraReference) -> None:
+    import torch
+
+    engine = start(reference)
     started, release = threading.Event(), threading.Event()
     #: Per read: its thread, and whether it was let go (not left to time out on a stalled engine).
     readers: list[tuple[str, bool]] = []
@@ -83,3 +91,25 @@ def test_a_stream_decodes_on_while_an_adapter_is_read(reference: LoraReference) 
         want = reference.merged("mlp").generate(torch.tensor([PROMPT]), max_new_tokens=6, min_new_tokens=6,
                                                 do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
     assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == want[0, len(PROMPT) :].tolist()
+
+
+def test_option_scoring_under_an_adapter_reads_it_then_lets_its_slot_go(reference: LoraReference) -> None:
+    """Scores for mlp (not resident: read for the job) and then for qv (in mlp's place: the job
+    let its slot go) equal the softmax over the options of PEFT's merged model's last logits."""
+    import asyncio
+
+    import torch
+
+    options = [[5], [7], [11]]
+    engine = start(reference)
+    try:
+        got = {name: asyncio.run(engine.option_scores_async(f"tiny:{name}", [PROMPT], [options]))[0] for name in ("mlp", "qv")}
+        adapters = engine._loaded["tiny"].adapters
+        assert adapters is not None and list(adapters.resident) == ["qv"] and not adapters.held
+    finally:
+        engine.stop()
+    for name, scores in got.items():
+        with torch.no_grad():
+            logits = reference.merged(name)(torch.tensor([PROMPT])).logits[0, -1].double()
+        want = torch.log_softmax(logits[[ids[0] for ids in options]], 0).tolist()
+        assert scores == pytest.approx(want, abs=1e-4), name
