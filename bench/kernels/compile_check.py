@@ -1,4 +1,4 @@
-"""Compile the ``cuda`` and ``cuda_norm`` backends' kernels offline with ``nvcc`` and print their
+"""Compile the ``cuda``, ``cuda_norm`` and ``cuda_qmv`` backends' kernels offline with ``nvcc`` and print their
 resource usage.
 
     python bench/kernels/compile_check.py [--arch sm_90] [--keep DIR]
@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -90,13 +91,37 @@ def instantiations() -> list[tuple[str, str]]:
                 f"add_rms_norm_{dtype}_D{D}", "", cuda_norm._SOURCE,
                 {"x": ctype, "y": ctype, "w": ctype}, {"h": ctype, "n": ctype}, template,
             )))
+    from mlxr_plugins.kernels import cuda_qmv
+
+    shapes = [(3072, 2048), (16384, 2048), (2048, 8192), (512, 2048), (4096, 4096)]
+    for dtype, ctype in CUDA_TYPES.items():
+        for bits in cuda_qmv.BITS:
+            for n, k in shapes:
+                plan = cuda_qmv.layout(n, k, bits, 64)
+                out.append(qmv_text(plan, dtype, ctype))
+    # The layouts the tests force (benchmarks sweep them too).
+    for splits, rows_per_warp in ((8, 1), (4, 2), (1, 4), (2, 2)):
+        out.append(qmv_text(cuda_qmv.layout(1000, 2048, 4, 64, splits, rows_per_warp), "bfloat16", "__nv_bfloat16"))
     return out
+
+
+def qmv_text(plan: Any, dtype: str, ctype: str) -> tuple[str, str]:
+    """(label, CUDA text) of one ``cuda_qmv`` instantiation."""
+    from mlxr_plugins.kernels import cuda_qmv
+
+    template = {key: ctype if key == "T" else value for key, value in plan.template(mx.float32)}
+    name = (f"qmv_{dtype}_{plan.bits}bit_{plan.n}x{plan.k}_S{plan.splits}_R{plan.rows_per_warp}"
+            f"_U{plan.in_flight}")
+    return name, kernel_text(name, cuda_qmv._HEADER, cuda_qmv._SOURCE,
+                             {"x": ctype, "w": "uint32_t", "scales": ctype, "biases": ctype}, {"o": ctype},
+                             template)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--keep", type=Path, help="also write the .cu files here")
+    parser.add_argument("--only", default="", help="only the kernels whose label starts with this")
     args = parser.parse_args()
     nvcc = shutil.which("nvcc")
     if nvcc is None:
@@ -105,6 +130,8 @@ def main() -> int:
     failed = 0
     with tempfile.TemporaryDirectory() as tmp:
         for label, text in instantiations():
+            if not label.startswith(args.only):
+                continue
             path = Path(args.keep or tmp) / f"{label}.cu"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
@@ -120,7 +147,7 @@ def main() -> int:
             usage = re.findall(r"Used (\d+) registers.*", proc.stderr)
             spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr)
             smem = re.findall(r"(\d+) bytes smem", proc.stderr)
-            print(f"{label:28s} registers {usage[-1] if usage else '?':>4}  "
+            print(f"{label:40s} registers {usage[-1] if usage else '?':>4}  "
                   f"spill st/ld {'/'.join(spills[-1]) if spills else '?':>7}  "
                   f"smem {smem[-1] if smem else '0':>6} B")
     return 1 if failed else 0

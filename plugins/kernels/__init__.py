@@ -38,7 +38,9 @@ MLXR_ESSENTIAL = True
 #: (residual add + RMS norm as one kernel, CUDA only) sit above ``mlx_fast``; ``cuda_dense`` (quantized matmul for several rows as dequantize + dense matmul, on
 #: MLX's CUDA backend only) below it, opt-in; ``cuda_qmm`` (4-bit packed matmul for a few rows with
 #: a split reduction, CUDA only; it hands wide layers and one-row calls to mx) above it: see their
-#: modules. ``cuda_moe`` (a mixture of experts' router in one kernel, CUDA only) sits above
+#: modules. ``cuda_qmv`` (``cuda_qmm`` plus a 4- and 8-bit kernel for one row, batch-1 decode) sits
+#: between ``mlx_fast`` and ``cuda_qmm``, opt-in (``kernels: {quantized_matmul: cuda_qmv}``) until
+#: its parity and timings on a GPU are in. ``cuda_moe`` (a mixture of experts' router in one kernel, CUDA only) sits above
 #: ``mlx_fast``, and so does ``cuda_delta`` (the gated delta rule's whole recurrence in one kernel,
 #: CUDA only). ``metal``'s gated delta kernel is untested (no Apple GPU here), so opt-in too.
 BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
@@ -55,6 +57,7 @@ BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
     "cuda_moe": ("mlxr_plugins.kernels.cuda_moe", 15, ("route",)),
     "cuda_delta": ("mlxr_plugins.kernels.cuda_delta", 15, ("gated_delta",)),
     "cuda_qmm": ("mlxr_plugins.kernels.cuda_qmm", 15, ("quantized_matmul",)),
+    "cuda_qmv": ("mlxr_plugins.kernels.cuda_qmv", 12, ("quantized_matmul",)),
     "cuda_norm": ("mlxr_plugins.kernels.cuda_norm", 20, ("add_rms_norm",)),
     "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm", "gated_delta")),
     "mlx_fast": ("mlxr_plugins.kernels.mlx_fast", 10, None),

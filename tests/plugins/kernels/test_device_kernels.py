@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mlxr_core.kernels import KernelContext, current_platform
-from mlxr_plugins.kernels import cuda, cuda_qmm, metal, reference
+from mlxr_plugins.kernels import cuda, cuda_qmm, cuda_qmv, metal, reference
 
 DEVICE, PLATFORM = current_platform()
 ATTENTION_TOL = {
@@ -408,3 +408,339 @@ def test_cuda_qmm_parity(dtype, rows, n, k, group_size):
     np.testing.assert_allclose(
         np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol
     )
+
+
+# --------------------------------------------------------------------------------------------
+# cuda_qmv: the one-row (batch-1 decode) matrix-vector kernel
+
+
+def emulate_qmv(x: np.ndarray, w: np.ndarray, scales: np.ndarray, biases: np.ndarray,
+                plan: cuda_qmv.OneRowPlan, visits: np.ndarray | None = None,
+                worst_conflict: list[int] | None = None) -> np.ndarray:
+    """``mlxr_qmv`` step by step in numpy, float32: the same staging (swizzled 16-byte chunks, one
+    sum per vector by shuffles), the same block / iteration / warp / lane / vector walk, the same
+    words, shifts and masks, the same float32 arithmetic (up to fused multiply-adds) and shuffle
+    order. ``visits`` [N, vectors per row] counts the (row, vector) pairs read; ``worst_conflict``
+    gets the most lanes of a quarter warp that read one shared-memory bank group at once."""
+    f32 = np.float32
+    NT, NW, K, N = cuda_qmv.THREADS, cuda_qmv.THREADS // 32, plan.k, plan.n
+    bits, S, RPW, U = plan.bits, plan.splits, plan.rows_per_warp, plan.in_flight
+    VW, EPW = 128 // bits, 32 // bits
+    VPR = K // VW
+    VS = VPR // S
+    NV = -(-VS // 32)
+    RPI = NW // S * RPW
+    TOP = 23 - bits
+    QMASK = np.uint32(((1 << bits) - 1) << TOP)
+    QSCALE = f32(1 << bits)
+    x = x.astype(f32).reshape(-1)
+    words = w.reshape(N, VPR, 4)  # the 16-byte vectors of each row, word by word
+    swizzle = lambda f: f ^ ((f >> 3) & 7)  # noqa: E731
+
+    xs4 = np.full((K // 4, 4), np.nan, dtype=f32)
+    xsum = np.full(VPR, np.nan, dtype=f32)
+    for e0 in range(0, K // 8, NT):
+        e = e0 + np.arange(NT)
+        has = e < K // 8
+        v = np.where(has[:, None], x[np.minimum(e, K // 8 - 1)[:, None] * 8 + np.arange(8)], f32(0))
+        total = np.zeros(NT, dtype=f32)
+        for i in range(8):
+            total = total + v[:, i]
+        off = 1
+        while off < VW // 8:
+            total = total + total[np.arange(NT) ^ off]
+            off <<= 1
+        for t in np.flatnonzero(has):
+            assert np.isnan(xs4[swizzle(2 * e[t])]).all() and np.isnan(xs4[swizzle(2 * e[t] + 1)]).all()
+            xs4[swizzle(2 * e[t])] = v[t, :4]
+            xs4[swizzle(2 * e[t] + 1)] = v[t, 4:]
+            if e[t] % (VW // 8) == 0:
+                xsum[e[t] // (VW // 8)] = total[t]
+    assert not np.isnan(xs4).any() and not np.isnan(xsum).any()
+
+    out = np.full(N, np.nan, dtype=f32)
+    lane = np.arange(32)
+    for block in range(plan.blocks):
+        for row0 in range(block * RPI, N, plan.blocks * RPI):
+            part = np.zeros(NW * RPW, dtype=f32)
+            for warp in range(NW):
+                split, slot = warp % S, warp // S
+                rows = [row0 + slot * RPW + r for r in range(RPW)]
+                live = [row < N for row in rows]
+                acc = np.zeros((RPW, 32), dtype=f32)
+                for c0 in range(0, NV, U):
+                    q = np.zeros((U, RPW, 32, 4), dtype=np.uint32)
+                    sq = np.zeros((U, RPW, 32), dtype=f32)
+                    bq = np.zeros((U, RPW, 32), dtype=f32)
+                    for u in range(U):
+                        c = c0 + u
+                        v = split * VS + c * 32 + lane
+                        ok = (c < NV) & (c * 32 + lane < VS)
+                        for r in range(RPW):
+                            take = ok & live[r]
+                            row = rows[r] if live[r] else 0
+                            vv = np.where(take, v, 0)
+                            q[u, r] = np.where(take[:, None], words[row, vv], 0)
+                            g = (vv * VW) // plan.group_size
+                            sq[u, r] = np.where(take, QSCALE * scales[row, g], 0)
+                            bq[u, r] = np.where(take, biases[row, g], 0)
+                            if visits is not None:
+                                np.add.at(visits, (row, v[take]), 1)
+                    for u in range(U):
+                        c = c0 + u
+                        v = split * VS + c * 32 + lane
+                        ok = (c < NV) & (c * 32 + lane < VS)
+                        vv = np.where(ok, v, 0)
+                        a = np.zeros((RPW, 32), dtype=f32)
+                        for f in range(VW // 4):
+                            chunk = swizzle(vv * (VW // 4) + f)
+                            if worst_conflict is not None:
+                                for quarter in range(4):
+                                    banks = (chunk % 8)[quarter * 8:(quarter + 1) * 8][ok[quarter * 8:(quarter + 1) * 8]]
+                                    if banks.size:
+                                        worst_conflict[0] = max(worst_conflict[0], int(np.bincount(banks).max()))
+                            xf = xs4[chunk]  # [32 lanes, 4]
+                            j, i0 = f // (EPW // 4), (f % (EPW // 4)) * 4
+                            for r in range(RPW):
+                                word = q[u, r, :, j]
+                                for i in range(4):
+                                    pos = (i0 + i) * bits
+                                    moved = word << np.uint32(TOP - pos) if pos <= TOP else word >> np.uint32(pos - TOP)
+                                    m = (np.uint32(0x3F800000) | (moved & QMASK)).view(f32)
+                                    a[r] = m * xf[:, i] + a[r]
+                        s = xsum[vv]
+                        for r in range(RPW):
+                            acc[r] = np.where(ok, sq[u, r] * (a[r] - s) + (bq[u, r] * s + acc[r]), acc[r])
+                for r in range(RPW):
+                    for off in (16, 8, 4, 2, 1):
+                        acc[r] = acc[r] + acc[r][lane ^ off]
+                for r in range(RPW):
+                    if S == 1 and live[r]:
+                        assert np.isnan(out[rows[r]]), "a row written twice"
+                        out[rows[r]] = acc[r][0]
+                    part[warp * RPW + r] = acc[r][0]
+            if S > 1:
+                for t in range(RPI):
+                    rows_slot, r = t // RPW, t % RPW
+                    total = f32(0)
+                    for sp in range(S):
+                        total = total + part[(rows_slot * S + sp) * RPW + r]
+                    row = row0 + rows_slot * RPW + r
+                    if row < N:
+                        assert np.isnan(out[row]), "a row written twice"
+                        out[row] = total
+    assert not np.isnan(out).any(), "rows never written"
+    return out
+
+
+QMV_EMULATED = [  # n, k, group size, bits, splits, rows per warp, max blocks
+    (40, 512, 64, 4, None, None, cuda_qmv.MAX_BLOCKS),
+    (37, 1024, 32, 4, 2, 1, 3),
+    (24, 2048, 128, 4, 4, 2, 2),
+    (50, 320, 64, 4, 1, 2, 4),     # 10 vectors a row: lanes past them idle
+    (9, 64, 32, 4, 1, 1, cuda_qmv.MAX_BLOCKS),
+    (33, 512, 32, 8, 2, 1, 2),
+    (20, 1024, 128, 8, 8, 1, cuda_qmv.MAX_BLOCKS),
+    (17, 768, 64, 8, 1, 4, 1),
+]
+
+
+@pytest.mark.parametrize("n, k, group_size, bits, splits, rows_per_warp, max_blocks", QMV_EMULATED)
+def test_cuda_qmv_walk_emulated_matches_mx_quantized_matmul(n, k, group_size, bits, splits,
+                                                            rows_per_warp, max_blocks):
+    """The kernel's indexing, in numpy on this machine: every (row, vector) read once, every row
+    written once, and the result is ``mx.quantized_matmul``'s (float32, up to summation order)."""
+    w = mx.random.normal((n, k), key=mx.random.key(n + k)) / k**0.5
+    packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    x = mx.random.normal((1, k), key=mx.random.key(bits))
+    plan = cuda_qmv.one_row_plan(x, packed, scales, biases, group_size=group_size, bits=bits)
+    assert isinstance(plan, cuda_qmv.OneRowPlan), plan
+    if (splits, rows_per_warp, max_blocks) != (None, None, cuda_qmv.MAX_BLOCKS):
+        plan = cuda_qmv.layout(n, k, bits, group_size, splits, rows_per_warp, max_blocks)
+    visits = np.zeros((n, k * bits // 128), dtype=np.int64)
+    got = emulate_qmv(np.array(x), np.array(packed), np.array(scales), np.array(biases), plan, visits)
+    assert (visits == 1).all()
+    expected = np.array(mx.quantized_matmul(x, packed, scales, biases, transpose=True,
+                                            group_size=group_size, bits=bits))[0]
+    np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-4)
+
+
+def test_cuda_qmv_emulated_in_bfloat16_inputs():
+    """bfloat16 inputs, scales and biases, read as float32 by the kernel: the float64 product of the
+    weights dequantized in float32 (MLX's CPU kernel rounds them and adds up in bfloat16, about
+    0.05 off here)."""
+    n, k = 64, 1024
+    w = (mx.random.normal((n, k), key=mx.random.key(1)) / k**0.5).astype(mx.bfloat16)
+    packed, scales, biases = mx.quantize(w, group_size=64, bits=4)
+    x = mx.random.normal((1, 1, k), key=mx.random.key(2)).astype(mx.bfloat16)
+    plan = cuda_qmv.one_row_plan(x, packed, scales, biases)
+    assert isinstance(plan, cuda_qmv.OneRowPlan)
+    f32 = [np.array(a.astype(mx.float32)) for a in (x, scales, biases)]
+    got = emulate_qmv(f32[0], np.array(packed), f32[1], f32[2], plan)
+    np.testing.assert_allclose(got, qmv_expected(x, packed, scales, biases, 64, 4)[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cuda_qmv_shared_memory_reads_do_not_conflict(bits):
+    """The swizzle: the 8 lanes of a quarter warp read 8 different 16-byte bank groups."""
+    n, k = 8, 2048
+    packed, scales, biases = mx.quantize(mx.random.normal((n, k)), group_size=64, bits=bits)
+    worst = [0]
+    plan = cuda_qmv.layout(n, k, bits, 64, 1, 1)
+    emulate_qmv(np.ones(k, dtype=np.float32), np.array(packed), np.array(scales), np.array(biases),
+                plan, worst_conflict=worst)
+    assert worst == [1]
+
+
+@pytest.mark.parametrize("n, k, bits, splits, rows_per_warp", [
+    (3072, 2048, 4, 2, 1), (16384, 2048, 4, 1, 2), (2048, 8192, 4, 2, 1), (128256, 2048, 4, 1, 2),
+    (512, 2048, 4, 2, 1), (512, 2048, 8, 4, 1), (64, 64, 4, 1, 1),
+])
+def test_cuda_qmv_layout_fills_the_gpu_and_keeps_lanes_busy(n, k, bits, splits, rows_per_warp):
+    plan = cuda_qmv.layout(n, k, bits, 64)
+    assert (plan.splits, plan.rows_per_warp) == (splits, rows_per_warp)
+    assert plan.blocks <= cuda_qmv.MAX_BLOCKS
+    rows_per_iteration = cuda_qmv.THREADS // 32 // plan.splits * plan.rows_per_warp
+    iterations = -(-n // rows_per_iteration // plan.blocks)
+    assert plan.blocks * iterations * rows_per_iteration >= n  # every row has a block
+    assert plan.vectors_per_lane >= 1 and plan.in_flight * plan.rows_per_warp <= cuda_qmv.IN_FLIGHT
+
+
+@pytest.mark.parametrize("case, expected", [
+    (dict(rows=2), "(kernel: one row)"),
+    (dict(bits=3), "affine 3-bit"),
+    (dict(group_size=16), "group size 16"),
+    (dict(biases=False), "without biases"),
+    (dict(transpose=False), "not transposed"),
+    (dict(dtype=mx.float16), "one floating dtype"),
+    (dict(k=16384), "reduction 16384"),
+    (dict(mode="mxfp4"), "mxfp4"),
+])
+def test_what_cuda_qmv_does_not_take_is_named(case, expected):
+    k, group_size = case.get("k", 512), case.get("group_size", 64)
+    bits = case.get("bits", 4)
+    packed, scales, biases = mx.quantize(mx.random.normal((64, k)).astype(mx.bfloat16),
+                                         group_size=group_size if group_size in (32, 64, 128) else 64,
+                                         bits=bits)
+    x = mx.zeros((case.get("rows", 1), k), dtype=mx.bfloat16)
+    reason = cuda_qmv.one_row_plan(
+        x.astype(case.get("dtype", mx.bfloat16)), packed, scales, biases if case.get("biases", True) else None,
+        group_size=group_size, bits=bits, transpose=case.get("transpose", True),
+        mode=case.get("mode", "affine"),
+    )
+    assert isinstance(reason, str) and expected in reason
+
+
+@pytest.mark.parametrize("rows", [2, 40])
+def test_cuda_qmv_hands_more_rows_to_cuda_qmm(monkeypatch, rows):
+    """Two or more rows: ``cuda_qmm``'s op (here, where its kernel would not run either, it is
+    exactly ``mx.quantized_matmul``)."""
+    packed, scales, biases = packed_layer(256, 512)
+    x = mx.random.normal((rows, 512)).astype(mx.bfloat16)
+    monkeypatch.setattr(cuda_qmm, "rows_plan", lambda *args, **kwargs: "not here")
+    monkeypatch.setattr(cuda_qmv, "_kernel", lambda: pytest.fail("the one-row kernel ran"))
+    assert mx.array_equal(
+        cuda_qmv.quantized_matmul(x, packed, scales, biases, group_size=64, bits=4),
+        mx.quantized_matmul(x, packed, scales, biases, transpose=True, group_size=64, bits=4),
+    )
+
+
+def test_cuda_qmv_runs_only_on_cuda_and_says_why():
+    assert cuda_qmv.quantized_matmul_kernel.supports(ctx("quantized_matmul", "cuda")) == []
+    for other in ("cpu", "metal"):
+        reasons = cuda_qmv.quantized_matmul_kernel.supports(ctx("quantized_matmul", other))
+        assert len(reasons) == 1 and reasons[0].startswith("needs MLX's CUDA backend")
+
+
+QMV_CASES = [  # n, k, group size, bits
+    (512, 2048, 64, 4), (3072, 2048, 64, 4), (2048, 8192, 64, 4), (8192, 2048, 32, 4),
+    (16384, 2048, 128, 4), (1000, 4096, 128, 4), (100, 320, 64, 4), (4096, 4096, 32, 4),
+    (512, 2048, 64, 8), (2048, 8192, 32, 8), (4096, 1024, 128, 8),
+]
+QMV_TOL = {mx.float32: (1e-4, 1e-4), mx.float16: (2e-3, 2e-3), mx.bfloat16: (1.6e-2, 1e-2)}
+
+
+def qmv_expected(x: mx.array, packed: mx.array, scales: mx.array, biases: mx.array, group_size: int,
+                 bits: int) -> np.ndarray:
+    """float64 on the host (a float32 GPU matmul may round through TF32), of the weights
+    dequantized in float32 (the kernel does not round them to the input's dtype)."""
+    dense = np.array(mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32),
+                                   group_size=group_size, bits=bits), dtype=np.float64)
+    return np.array(x.astype(mx.float32), dtype=np.float64).reshape(1, -1) @ dense.T
+
+
+@pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("n, k, group_size, bits", QMV_CASES)
+def test_cuda_qmv_parity(dtype, n, k, group_size, bits):
+    w = (mx.random.normal((n, k), key=mx.random.key(n)) / k**0.5).astype(dtype)
+    packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    x = mx.random.normal((1, k), key=mx.random.key(k)).astype(dtype)
+    assert isinstance(cuda_qmv.one_row_plan(x, packed, scales, biases, group_size=group_size, bits=bits),
+                      cuda_qmv.OneRowPlan)
+    out = cuda_qmv.quantized_matmul(x, packed, scales, biases, group_size=group_size, bits=bits)
+    assert out.shape == (1, n) and out.dtype == dtype
+    atol, rtol = QMV_TOL[dtype]
+    expected = qmv_expected(x, packed, scales, biases, group_size, bits)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), expected, atol=atol, rtol=rtol)
+    # No further from the exact product than MLX's own kernel (which rounds the dequantized
+    # weights to the input's dtype, and adds up 4-bit products in it).
+    theirs = mx.quantized_matmul(x, packed, scales, biases, group_size=group_size, bits=bits)
+    ours_off = np.abs(np.array(out.astype(mx.float32)) - expected).max()
+    theirs_off = np.abs(np.array(theirs.astype(mx.float32)) - expected).max()
+    assert ours_off <= 2 * theirs_off + atol / 4, (ours_off, theirs_off)
+
+
+@pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
+@pytest.mark.parametrize("splits, rows_per_warp, max_blocks", [
+    (1, 1, 528), (2, 1, 7), (4, 2, 3), (8, 1, 528), (1, 4, 2), (2, 2, 528),
+])
+@pytest.mark.parametrize("shape", [(1, 2048), (1, 1, 2048), (2048,)])
+def test_cuda_qmv_every_layout_and_input_shape(splits, rows_per_warp, max_blocks, shape):
+    n, k = 1000, 2048
+    packed, scales, biases = packed_layer(n, k, 64, mx.bfloat16, seed=splits)
+    x = mx.random.normal(shape, key=mx.random.key(rows_per_warp)).astype(mx.bfloat16)
+    plan = cuda_qmv.layout(n, k, 4, 64, splits, rows_per_warp, max_blocks)
+    out = cuda_qmv.one_row_matmul(x, packed, scales, biases, plan)
+    assert out.shape == (*shape[:-1], n)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)).reshape(1, -1),
+                               qmv_expected(x, packed, scales, biases, 64, 4), atol=1.6e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(PLATFORM != "cuda", reason=CUDA_REASON or "needs CUDA")
+def test_cuda_qmv_through_the_registry_and_greedy_tokens_of_a_model(tmp_path):
+    """The op's parity harness, and a tiny 4-bit Llama decoding through ``cuda_qmv``: the same
+    greedy tokens as through ``mlx_fast`` (MLX's own kernel), logits close."""
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.model.loader import load_model
+    from mlxr_core.plugins import load_plugins
+    from mlxr_core.testing.hf_reference import greedy_tokens
+    from mlxr_core.testing.kernel_check import check_kernel_parity
+    from mlxr_core.testing.tiny import write_tiny_llama_gguf
+
+    registries = load_plugins().registries
+    assert check_kernel_parity(registries.kernels, "quantized_matmul", "cuda_qmv").ran
+    path = write_tiny_llama_gguf(tmp_path / "q4.gguf", quant="q4_0", hidden=256, intermediate=512, heads=4,
+                                 kv_heads=2)
+    calls = []
+    real = cuda_qmv.one_row_matmul
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    runs = {}
+    for backend in ("mlx_fast", "cuda_qmv"):
+        config = ModelConfig(path=str(path), dtype="float32", quantization="keep",
+                             kernels={"quantized_matmul": backend})
+        loaded = load_model(config, registries)
+        assert loaded.kernels.chosen["quantized_matmul"] == backend
+        if backend == "cuda_qmv":
+            cuda_qmv.one_row_matmul = counted  # the layers bound the module's function
+        try:
+            runs[backend] = greedy_tokens(loaded, [3, 14, 15, 92, 65, 35], 12)
+        finally:
+            cuda_qmv.one_row_matmul = real
+    assert calls, "the one-row kernel never ran"
+    assert runs["cuda_qmv"][0] == runs["mlx_fast"][0]
+    np.testing.assert_allclose(runs["cuda_qmv"][1], runs["mlx_fast"][1], atol=1e-3, rtol=1e-3)

@@ -172,7 +172,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
                            for b in ("mlx_fast", "reference")} | {
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
         ("add_rms_norm", "cuda_norm"), ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"),
-        ("quantized_matmul", "cuda_dense"), ("quantized_matmul", "cuda_qmm"),
+        ("quantized_matmul", "cuda_dense"), ("quantized_matmul", "cuda_qmm"), ("quantized_matmul", "cuda_qmv"),
         ("quantized_matmul", "cpu_int8"), ("gather_matmul", "cpu_int8"),
         ("route", "cuda_moe"), ("gated_delta", "cuda_delta"), ("gated_delta", "metal")} | {
         (op, "cpu_native") for op in ("attention", "rms_norm", "add_rms_norm", "rope",
@@ -194,6 +194,8 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
                       "ssd": "mlx_fast"}
     dense_row = next(r for r in cuda_rows if r["backend"] == "cuda_dense")
     assert dense_row["supported"] and not dense_row["auto"]  # opt-in too
+    qmv_row = next(r for r in cuda_rows if r["backend"] == "cuda_qmv")
+    assert qmv_row["supported"] and not qmv_row["auto"]  # opt-in until measured on a GPU
     for blas_row in (r for r in cuda_rows if r["backend"] == "cpu_blas"):
         assert not blas_row["supported"] and "CPU backend" in blas_row["reasons"][0]
 
