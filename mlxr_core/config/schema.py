@@ -383,6 +383,9 @@ class ModelConfig:
     #: Adapters resident at once; a request for another loads it in place of the least recently
     #: used one no running request uses.
     max_adapters: int = attrs.field(default=4, validator=v.ge(1))
+    #: Accept adapters created while serving (Ollama's ``/api/create`` with ``adapters``), even
+    #: with none configured: the model is served as one with adapters (projections kept apart).
+    runtime_adapters: bool = False
 
 
 #: Claude Code's first system block, ``x-anthropic-billing-header: cc_version=2.1.37.0d9;

@@ -97,6 +97,8 @@ class EngineClient(Protocol):
 
     def administer_adapter(self, name: str, action: str) -> Future[bool]: ...
 
+    def create_adapter(self, model: str, name: str, path: str | None) -> Future[bool]: ...
+
     def set_keep_alive(self, name: str, seconds: float | None) -> Future[None]: ...
 
     def loaded_models(self) -> list[tuple[ModelInfo, ModelSlot]]: ...
@@ -265,6 +267,18 @@ class EngineCaller:
         model, adapter = self.adapters[name]
         work = AdapterWork(model, adapter, action)
         future: Future[bool] = self.queue_job(EngineJob(work, f"adapter {name} {action}", model=model)).future
+        return future
+
+    def create_adapter(self, model: str, name: str, path: str | None) -> Future[bool]:
+        """Serve the LoRA adapter at ``path`` over the served model ``model`` as a model of its own
+        named ``name`` (replacing one created earlier under it), or delete it (``path`` None)
+        (:class:`~mlxr_core.engine.created_adapters.CreatedAdapter`); the future holds whether it
+        is served afterwards, or the error that refused it."""
+        from mlxr_core.engine.created_adapters import CreatedAdapter
+
+        served = self.resolve(model)
+        what = f"adapter {name} {'created' if path is not None else 'deleted'} over {served}"
+        future: Future[bool] = self.queue_job(EngineJob(CreatedAdapter(served, name, path), what, model=served)).future
         return future
 
     def unload_model(self, name: str) -> Future[None]:

@@ -10,6 +10,7 @@ detokenized on the consumer's side (:class:`~mlxr_core.engine.request.Tokens`), 
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -52,6 +53,9 @@ class Engine(EngineCaller):
         #: This process's rank among several serving together (``distributed:``), or None.
         self.world = world
         self._loaded: dict[str, LoadedModel] = {}
+        #: Per model, the LoRA adapters created while serving (``/api/create``): name -> path;
+        #: they are served again when the model is loaded again.
+        self._created: dict[str, dict[str, str]] = {}
         self._queue: queue.Queue[RequestHandle | None] = queue.Queue()
         self._jobs: queue.Queue[EngineJob] = queue.Queue()
         self._jobs_lock = threading.Lock()
@@ -303,6 +307,9 @@ class Engine(EngineCaller):
             except BaseException:
                 self._loaded.pop(name, None)
                 raise
+            if loaded.adapters is not None:
+                loaded.adapters.configured.update(self._created.get(name, {}))
+                loaded.adapters.on_created = functools.partial(self._serve_created, name)
             self._load_adapters(loaded)
         self._warm_decode(loaded)
         self.models[name] = self._model_info(loaded, slot.index)
@@ -416,6 +423,19 @@ class Engine(EngineCaller):
                 raise ConfigError(f"{key}: {served!r} already names the model {self.names[served]!r}", field=key)
             self.names[served] = name
             self.adapters[served] = (name, adapter.name)
+
+    def _serve_created(self, model: str, adapter: str, path: str | None) -> None:
+        """Serve ``model``'s adapter ``adapter``, created at ``path`` while serving, as a model of
+        its own under its name (None: deleted, no longer served); on the engine thread."""
+        created = self._created.setdefault(model, {})
+        if path is None:
+            created.pop(adapter, None)
+            self.adapters.pop(adapter, None)
+            self.names.pop(adapter, None)
+            return
+        created[adapter] = path
+        self.names[adapter] = model
+        self.adapters[adapter] = (model, adapter)
 
     def _load_adapters(self, loaded: LoadedModel) -> None:
         """Make the first ``models[].max_adapters`` configured adapters of ``loaded`` resident; one

@@ -439,7 +439,7 @@ def load_model(
         except ModelLoadError as exc:
             raise ModelLoadError(exc.detail, path=str(path), key=exc.key) from None
     # An adapter updates q_proj, k_proj, ... one by one: a model serving adapters keeps them apart.
-    if model_config.fuse_projections and not model_config.adapters:
+    if model_config.fuse_projections and not (model_config.adapters or model_config.runtime_adapters):
         log.debug("%s: %d layer groups fused into one matmul each", path.name, fuse_model(model))
     compiled = None
     if model_config.compile_decode and experts is not None:
@@ -494,7 +494,7 @@ def load_model(
             {adapter.name: adapter.path for adapter in model_config.adapters},
             partial(read_adapter, registries=registries, base_config=config),
         )
-        if model_config.adapters
+        if model_config.adapters or model_config.runtime_adapters
         else None,
     )
     if experts is not None:

@@ -364,6 +364,9 @@ class AdapterSet:
         self.busy_slots: Callable[[], Collection[int]] | None = None
         #: Told the change in :attr:`nbytes` after each add and remove (the memory budget's count).
         self.on_change: Callable[[int], None] | None = None
+        #: Told an adapter created while serving (its name and path) or deleted (its name, None):
+        #: the engine serves it as a model of its own, or no longer (set by the engine).
+        self.on_created: Callable[[str, str | None], None] | None = None
         #: Slots engine jobs hold (option scoring with an adapter): not replaced while held.
         self.held: Counter[int] = Counter()
         #: Adapters being read off the engine thread, or read and waiting for a slot: name -> the

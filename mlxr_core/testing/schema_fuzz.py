@@ -31,6 +31,9 @@ UNSTATABLE = re.compile("|".join([
     "send one output constraint per request", "structured_outputs needs one of",
     # What a stored response allows depends on how it was made (background or not), not on the body.
     "only a background response", "only background responses can be cancelled",
+    # Ollama's create: the blobs uploaded, the names served, the files on the server, a Modelfile's text.
+    "upload it first", "the body's digest is", "already names a served model", "is an adapter;",
+    "Modelfile", "adapters created while serving", "served from the server's config",
 ]))  # fmt: skip
 
 

@@ -31,6 +31,17 @@ def listed(info: ModelInfo) -> s.ListedModel:
     )
 
 
+def listed_adapter(name: str, base: str, info: ModelInfo | None) -> s.ListedModel:
+    """A LoRA adapter served as a model of its own (``models[].adapters``, ``/api/create``): its
+    model's details with ``parent_model``; ``size`` 0 (its bytes are counted in its model's)."""
+    known = details(info) if info is not None else s.ModelDetails(format="", family="", families=[],
+                                                                   parameter_size="", quantization_level="")  # fmt: skip
+    known.parent_model = base
+    digest = hashlib.sha256(f"{name}\0{base}".encode()).hexdigest()
+    modified = rfc3339(info.created) if info is not None else rfc3339(0.0)
+    return s.ListedModel(name=name, model=name, modified_at=modified, size=0, digest=digest, details=known)
+
+
 def listed_unloaded(slot: ModelSlot) -> s.ListedModel:
     """A model never loaded yet (``load: lazy``): what its file says; details come with its load."""
     modified, size = 0.0, 0

@@ -16,7 +16,9 @@ go to a vision model). ``keep_alive`` is honoured as Ollama does (seconds, or a 
 ``idle_unload_seconds``), except on a pinned model, which stays loaded; a chat without messages or a
 generate without prompt loads the model (with ``keep_alive: 0``, unloads it). ``/api/ps`` lists the
 models loaded now (:mod:`mlxr_core.engine.lifecycle`). ``/api/embed`` and ``/api/embeddings`` are
-in :mod:`mlxr_plugins.apis.ollama.embed`.
+in :mod:`mlxr_plugins.apis.ollama.embed`; ``/api/blobs``, ``/api/create`` (LoRA adapters over a
+served model) and ``/api/delete`` in :mod:`mlxr_plugins.apis.ollama.create`. ``/api/tags`` lists
+LoRA adapters served as models of their own too, with ``details.parent_model``.
 """
 
 from __future__ import annotations
@@ -97,10 +99,13 @@ def make_router(ctx: ServerContext) -> Router:
     def tags() -> s.ModelList:
         engine = ready_engine(ctx)
         slots = engine.lifecycle.slots if engine.lifecycle is not None else {}
-        return s.ModelList([
+        served = [
             models.listed(engine.models[name]) if name in engine.models else models.listed_unloaded(slots[name])
-            for name in sorted(engine.served)
-        ])  # fmt: skip
+            for name in engine.served
+        ]
+        # LoRA adapters served as models of their own, with their model as parent_model.
+        adapters = [models.listed_adapter(name, base, engine.models.get(base)) for name, (base, _) in engine.adapters.items()]
+        return s.ModelList(sorted([*served, *adapters], key=lambda listed: listed.name))
 
     @post("/show", status_code=200, operation_class=ERRORS)
     async def show(data: JSONBody[s.ShowRequest]) -> s.ShowResponse:
@@ -127,9 +132,11 @@ def make_router(ctx: ServerContext) -> Router:
     ) -> embedding.EmbeddingsResponse:
         return await embedding.create_embeddings(ctx, data, request, kept_alive(data))
 
+    from mlxr_plugins.apis.ollama.create import create_routes
+
     return Router(
         path="/api",
-        route_handlers=[chat, generate, tags, show, ps, version, embed, embeddings],
+        route_handlers=[chat, generate, tags, show, ps, version, embed, embeddings, *create_routes(ctx)],
         exception_handlers=EXCEPTION_HANDLERS,
         tags=["ollama"],
     )

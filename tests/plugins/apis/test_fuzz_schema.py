@@ -310,7 +310,8 @@ def test_options_lists_every_method_the_document_lists(client: TestClient, docum
         response = client.options(concrete)
         assert response.status_code == 204, (path, response.status_code)
         allowed = {method.strip() for method in response.headers["allow"].split(",")} - {"OPTIONS", "HEAD"}
-        assert allowed == {method.upper() for method in operations}, path
+        # HEAD: Litestar's own for every GET, and a route of its own for Ollama's blobs.
+        assert allowed == {method.upper() for method in operations} - {"HEAD"}, path
 
 
 @pytest.mark.parametrize(
