@@ -52,28 +52,30 @@ def dynamic_time_warping(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     each step one row down, one frame on, or both: ``(rows, frames)`` of the path's cells.
 
     The accumulated cost is kept in float32 and ties go as OpenAI's ``dtw_cpu`` breaks them
-    (diagonal only when strictly least, then down, else across); the cells of one anti-diagonal
-    depend only on the two before it, so each anti-diagonal is one vectorized step."""
+    (diagonal only when strictly least, then down, else across). The cells of one anti-diagonal
+    depend only on the two before it, so the tables are kept by anti-diagonal (``[i + j, i]``) and
+    each anti-diagonal is one vectorized step over slices."""
     N, M = cost.shape
-    total = np.full((N + 1, M + 1), np.inf, dtype=np.float32)
-    trace = np.full((N + 1, M + 1), -1, dtype=np.int8)
+    i, j = np.meshgrid(np.arange(1, N + 1), np.arange(1, M + 1), indexing="ij")
+    skewed = np.zeros((N + M + 1, N + 1))
+    skewed[i + j, i] = cost
+    total = np.full((N + M + 1, N + 1), np.inf, dtype=np.float32)
+    trace = np.full((N + M + 1, N + 1), -1, dtype=np.int8)
     total[0, 0] = 0
     for d in range(2, N + M + 1):
-        i = np.arange(max(1, d - M), min(N, d - 1) + 1)
-        j = d - i
-        c0, c1, c2 = total[i - 1, j - 1], total[i - 1, j], total[i, j - 1]
+        lo, hi = max(1, d - M), min(N, d - 1) + 1
+        c0, c1, c2 = total[d - 2, lo - 1 : hi - 1], total[d - 1, lo - 1 : hi - 1], total[d - 1, lo:hi]
         step = np.where((c0 < c1) & (c0 < c2), 0, np.where((c1 < c0) & (c1 < c2), 1, 2))
-        best = np.choose(step, [c0, c1, c2])
-        total[i, j] = (cost[i - 1, j - 1] + best.astype(np.float64)).astype(np.float32)
-        trace[i, j] = step
-    trace[0, :], trace[:, 0] = 2, 1
+        best = np.where(step == 0, c0, np.where(step == 1, c1, c2))
+        total[d, lo:hi] = (skewed[d, lo:hi] + best.astype(np.float64)).astype(np.float32)
+        trace[d, lo:hi] = step
     rows, frames = [], []
-    i, j = N, M
-    while i > 0 or j > 0:
-        rows.append(i - 1)
-        frames.append(j - 1)
-        move = trace[i, j]
-        i, j = (i - 1, j - 1) if move == 0 else (i - 1, j) if move == 1 else (i, j - 1)
+    r, f = N, M
+    while r > 0 or f > 0:
+        rows.append(r - 1)
+        frames.append(f - 1)
+        move = 2 if r == 0 else 1 if f == 0 else trace[r + f, r]
+        r, f = (r - 1, f - 1) if move == 0 else (r - 1, f) if move == 1 else (r, f - 1)
     return np.array(rows[::-1]), np.array(frames[::-1])
 
 
