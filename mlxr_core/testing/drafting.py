@@ -106,17 +106,25 @@ def control_acceptance(
 
 
 def decode_together(
-    engine: Any, model: str, prompts: Sequence[Sequence[int]], tokens: int, *, speculative: bool = True, **params: Any
+    engine: Any,
+    model: str,
+    prompts: Sequence[Sequence[int]],
+    tokens: int,
+    *,
+    speculative: bool = True,
+    rows: Sequence[Mapping[str, Any]] = (),
+    **params: Any,
 ) -> list[list[int]]:
     """Submit every prompt to ``engine``'s ``model`` at once (greedy, ``tokens`` each with EOS
-    ignored, unless ``params`` say otherwise; drafting unless ``speculative`` is False) and
-    return each one's tokens once all have finished."""
+    ignored, unless ``params``, or for prompt ``i`` ``rows[i]``, say otherwise; drafting unless
+    ``speculative`` is False) and return each one's tokens once all have finished."""
     from mlxr_core.engine.request import Delta, Finished, GenerationRequest, SamplingParams
 
     settings = {"temperature": 0.0, "max_tokens": tokens, "extra": {"ignore_eos": True}, **params}
+    own = [{**settings, **(rows[i] if i < len(rows) else {})} for i in range(len(prompts))]
     requests = [
-        GenerationRequest(model=model, prompt_ids=list(prompt), params=SamplingParams(**settings), speculative=speculative)
-        for prompt in prompts
+        GenerationRequest(model=model, prompt_ids=list(prompt), params=SamplingParams(**row), speculative=speculative)
+        for prompt, row in zip(prompts, own, strict=True)
     ]
     handles = [engine.submit(request) for request in requests]
     outputs = []

@@ -198,8 +198,8 @@ def test_the_head_and_its_chain_draw_as_the_paper_says(target, tmp_path, embeddi
 # --- inside the batch --------------------------------------------------------------------------
 
 
-def serve(target, draft_folder, k: int = 3, **engine) -> Engine:
-    speculative = SpeculationConfig(method="eagle3", path=str(draft_folder), k=k, max_k=5)
+def serve(target, draft_folder, k: int = 3, max_batch: int = 8, **engine) -> Engine:
+    speculative = SpeculationConfig(method="eagle3", path=str(draft_folder), k=k, max_k=5, max_batch=max_batch)
     model = ModelConfig(path=str(target), name="tiny", context_length=256, dtype="float32", speculative=speculative)
     started = Engine(Config(models=[model], engine=EngineConfig(**engine)), HOST)
     started.start()
@@ -236,6 +236,35 @@ def test_eight_rows_drafting_with_the_head_decode_as_plain(target, draft):
             assert forced[row] == plain[row], f"row {row} (controlled acceptance)"
         after = dict(engine.stats()["decoders"]["tiny"]["eagle3"])
         assert after["accepted"] - figures["accepted"] > (after["drafted"] - figures["drafted"]) // 2
+    finally:
+        engine.stop()
+
+
+def test_gaps_and_sampled_rows(target, draft):
+    """A batch above ``max_batch`` (plain steps: the rows' heads start afresh from the states
+    handed after it shrinks), rows leaving at different lengths, two sampled rows (drafts drawn
+    from the draft vocabulary's distribution placed at target ids): the greedy rows give plain
+    decoding's tokens, the sampled ones their full length."""
+    from mlxr_core.testing.drafting import control_acceptance, decode_together
+
+    folder, _ = draft
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, VOCAB, int(n)).tolist() for n in rng.integers(5, 24, ROWS)]
+    lengths = [TOKENS - 6 * row for row in range(ROWS)]
+    # The two longest rows sample: they still run when the batch is small enough to draft.
+    rows = [{"max_tokens": n, "temperature": 0.8, "seed": row} for row, n in enumerate(lengths[:2])]
+    rows += [{"max_tokens": n} for n in lengths[2:]]
+    engine = serve(target, folder, max_batch=4)
+    try:
+        plain = run(engine, prompts, speculative=False)
+        # The greedy rows' drafts forced right half the time; the sampled rows draw the head's own.
+        references = {tuple(p): out for p, out in zip(prompts[2:], plain[2:], strict=True)}
+        control_acceptance(engine.host.registries.decoders.get("eagle3"), references, 0.5, seed=1)
+        outputs = decode_together(engine, "tiny", prompts, TOKENS, rows=rows)
+        for row in range(2, ROWS):
+            assert outputs[row] == plain[row][: lengths[row]], f"row {row}"
+        assert [len(out) for out in outputs[:2]] == lengths[:2]
+        assert dict(engine.stats()["decoders"]["tiny"]["eagle3"])["accepted"] > 0
     finally:
         engine.stop()
 
