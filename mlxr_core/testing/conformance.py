@@ -108,9 +108,14 @@ TINY_CONFIG: dict[str, Any] = {
     "indexer_budget": 4,
     "indexer_compress_ratio": 2,
 }
+#: Gemma 3n: its second layer shares the first's keys and values (15 shared by default), the
+#: first's MLP sparse, a LAuReL rank below the hidden size.
+_GEMMA3N = {"num_kv_shared_layers": 1, "activation_sparsity_pattern": [0.95, 0.0], "laurel_rank": 4}
 #: What a family needs beside :data:`TINY_CONFIG`: GLM-5-Next's latent attention rotates nothing;
 #: Mistral 4 computes only YaRN (as transformers' graph does).
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "gemma3n": _GEMMA3N,
+    "gemma3n_text": _GEMMA3N,
     "glm5_next": {"qk_rope_head_dim": 0},
     "glm5_next_text": {"qk_rope_head_dim": 0},
     "mistral4": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,

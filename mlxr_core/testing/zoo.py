@@ -85,6 +85,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # Gemma 4's last layers reuse the caches of earlier ones of their kind: both kinds come first.
     **{name: {"text_config": {"layer_types": GEMMA4_LAYERS}} for name in ("gemma4", "gemma4_unified")},
     "gemma4_text": {"layer_types": GEMMA4_LAYERS},
+    # Gemma 3n's too (the multimodal type is written only where timm is installed).
+    "gemma3n": {"text_config": {"layer_types": GEMMA4_LAYERS}},
+    "gemma3n_text": {"layer_types": GEMMA4_LAYERS},
     # Qwen4-Exp's attention needs its indexer's keys; a PLE layer with a table of ~600 rows, not 160 M.
     **{name: QWEN4_EXP if name.endswith("_text") else {"text_config": QWEN4_EXP} for name in ("qwen4_exp", "qwen4_exp_text")},
 }

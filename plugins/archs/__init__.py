@@ -35,6 +35,8 @@ ARCHITECTURES = {
     "gpt_oss": "mlxr_plugins.archs.gpt_oss:GptOssArchitecture",
     "gemma4": "mlxr_plugins.archs.gemma4:Gemma4Architecture",
     "gemma4_text": "mlxr_plugins.archs.gemma4:Gemma4Architecture",
+    "gemma3n": "mlxr_plugins.archs.gemma3n:Gemma3nArchitecture",
+    "gemma3n_text": "mlxr_plugins.archs.gemma3n:Gemma3nArchitecture",
     "qwen3_next": "mlxr_plugins.archs.qwen3_next:Qwen3NextArchitecture",
     "qwen3_5": "mlxr_plugins.archs.qwen3_5:Qwen35Architecture",
     "qwen3_5_text": "mlxr_plugins.archs.qwen3_5:Qwen35Architecture",

@@ -41,7 +41,7 @@ from mlxr_core.model.layers import (
     geglu,
     weighted_sum,
 )
-from mlxr_plugins.archs.gemma4_args import FULL, SLIDING, Gemma4Args
+from mlxr_plugins.archs.gemma4_args import FULL, SLIDING, Gemma4Args, LayerRules
 
 QKV = tuple[mx.array, mx.array, mx.array]
 
@@ -59,7 +59,7 @@ class Gemma4Attention(Attention):
     values there (a producer) or, if it shares another's, attends over those instead of its own."""
 
     def __init__(
-        self, args: Gemma4Args, layer: int, kernels: KernelSet, rotary: Rotary, shared: SharedKV | None
+        self, args: LayerRules, layer: int, kernels: KernelSet, rotary: Rotary, shared: SharedKV | None
     ):
         D, kv_heads = args.layer_shape(layer)
         sliding, reads = args.kind(layer) == SLIDING, args.kv_source(layer) is not None
@@ -182,9 +182,10 @@ class Gemma4Block(AttentionBlock):
 
 class Gemma4Model(DecoderModel):
     """Gemma's scaled embeddings, then (with per-layer inputs, ``P > 0``) each layer's ``P``
-    input features: ``(norm(proj(embeddings) / sqrt(hidden)) + table[ids] * sqrt(P)) / sqrt(2)``."""
+    input features: ``(norm(proj(embeddings) / sqrt(hidden)) + table[ids] * sqrt(P)) / sqrt(2)``,
+    ids past the table reading its row 0 (Gemma 3n's image and audio tokens)."""
 
-    def __init__(self, args: Gemma4Args, layers: list[Gemma4Block], kernels: KernelSet):
+    def __init__(self, args: LayerRules, layers: list[Any], kernels: KernelSet):
         H, eps, P = args.hidden_size, args.rms_norm_eps, args.hidden_size_per_layer_input
         super().__init__(args.vocab_size, H, layers, RMSNorm(H, eps, kernels), math.sqrt(H))
         if P:
@@ -197,13 +198,18 @@ class Gemma4Model(DecoderModel):
         h = super().embed(inputs)
         if not self.per_layer:
             return h
+        return mx.concatenate([h, self.per_layer_inputs(inputs, h)], axis=-1)
+
+    def per_layer_inputs(self, inputs: mx.array, h: mx.array) -> mx.array:
+        """``[B, L, layers * P]``: every layer's input features, from the ids and the embeddings."""
         B, L, P = *inputs.shape, self.per_layer
-        table = self.embed_tokens_per_layer(inputs)
+        rows = self.embed_tokens_per_layer.weight.shape[0]
+        table = self.embed_tokens_per_layer(mx.where(inputs < rows, inputs, 0))
         tokens = (table * mx.array(math.sqrt(P), dtype=table.dtype)).reshape(B, L, -1, P)
         context = self.per_layer_model_projection(h) * h.shape[-1] ** -0.5
         context = self.per_layer_projection_norm(context.reshape(B, L, -1, P))
-        per_layer = (context + tokens) * 2**-0.5
-        return mx.concatenate([h, per_layer.reshape(B, L, -1)], axis=-1)
+        per_layer: mx.array = (context + tokens) * 2**-0.5
+        return per_layer.reshape(B, L, -1)
 
 
 class Gemma4(CausalLM):

@@ -5,7 +5,7 @@ layer (its type, head shape, the layer whose keys and values it shares, its RoPE
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 from mlxr_core.errors import ModelLoadError
 from mlxr_core.kernels import KernelSet
@@ -21,8 +21,65 @@ DEFAULT_ROPE = {
 }
 
 
+class LayerRules(Protocol):
+    """What Gemma 4's attention and per-layer inputs read of a config: :class:`Gemma4Args`, and
+    Gemma 3n's, which shares both (:mod:`mlxr_plugins.archs.gemma3n`)."""
+
+    hidden_size: int
+    num_attention_heads: int
+    num_hidden_layers: int
+    vocab_size: int
+    rms_norm_eps: float
+    sliding_window: int | None
+    attention_bias: bool
+    vocab_size_per_layer_input: int
+    hidden_size_per_layer_input: int
+
+    @property
+    def attention_k_eq_v(self) -> bool: ...
+
+    def kind(self, layer: int) -> str: ...
+
+    def layer_shape(self, layer: int) -> tuple[int, int]: ...
+
+    def kv_source(self, layer: int) -> int | None: ...
+
+
+class SharedKVLayers:
+    """The rule of the Gemma families whose last ``num_kv_shared_layers`` layers attend over an
+    earlier layer's keys and values (Gemma 3n, Gemma 4): each over the last layer of its type
+    (``layer_types``) before the shared ones."""
+
+    family = "gemma"
+    layer_types: list[str] | None
+    num_hidden_layers: int
+    num_kv_shared_layers: int
+
+    def kind(self, layer: int) -> str:
+        assert self.layer_types is not None
+        return self.layer_types[layer]
+
+    @property
+    def first_shared(self) -> int:
+        return self.num_hidden_layers - self.num_kv_shared_layers
+
+    def kv_source(self, layer: int) -> int | None:
+        """The layer whose keys and values ``layer`` attends over (None: its own): the last layer
+        of its type before the shared ones."""
+        if layer < self.first_shared:
+            return None
+        sources = [i for i in range(self.first_shared) if self.kind(i) == self.kind(layer)]
+        if not sources:
+            kind = self.kind(layer)
+            raise ModelLoadError(
+                f"{self.family} layer {layer} shares keys and values, no earlier {kind} layer",
+                key="num_kv_shared_layers",
+            )
+        return sources[-1]
+
+
 @dataclasses.dataclass
-class Gemma4Args(TransformerArgs):
+class Gemma4Args(SharedKVLayers, TransformerArgs):
     """``Gemma4TextConfig``'s keys and defaults. Global layers' head size and key/value heads come
     from ``global_head_dim`` / ``num_global_key_value_heads`` (hub configs) or ``per_layer_config``
     (saved by transformers 5, keyed by layer index strings)."""
@@ -76,29 +133,10 @@ class Gemma4Args(TransformerArgs):
         for index in range(L):
             self.kv_source(index)  # refuses a shared layer without a producer of its type
 
-    def kind(self, layer: int) -> str:
-        assert self.layer_types is not None
-        return self.layer_types[layer]
-
     def layer_shape(self, layer: int) -> tuple[int, int]:
         """``(head_dim, num_key_value_heads)`` of ``layer``: its override, else the global values."""
         own = (self.per_layer_config or {}).get(layer, {})
         return int(own.get("head_dim", self.dims)), int(own.get("num_key_value_heads", self.kv_heads))
-
-    @property
-    def first_shared(self) -> int:
-        return self.num_hidden_layers - self.num_kv_shared_layers
-
-    def kv_source(self, layer: int) -> int | None:
-        """The layer whose keys and values ``layer`` attends over (None: its own): the last layer
-        of its type before the shared ones."""
-        if layer < self.first_shared:
-            return None
-        sources = [i for i in range(self.first_shared) if self.kind(i) == self.kind(layer)]
-        if not sources:
-            kind = self.kind(layer)
-            raise ModelLoadError(f"gemma4 layer {layer} shares keys and values, no earlier {kind} layer")
-        return sources[-1]
 
     def rotary(self, layer: int, kernels: KernelSet) -> Rotary:
         """RoPE of ``layer``'s type (``proportional`` on global layers: see :mod:`~mlxr_core.model.layers.rope`)."""
