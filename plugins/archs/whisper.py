@@ -70,6 +70,15 @@ def attention(dims: int, heads: int, kernels: KernelSet) -> Attention:
     return Attention(dims, heads, heads, dims // heads, kernels=kernels, rotary=no_rotation, qkv_bias=True, out_bias=True)
 
 
+@dataclasses.dataclass
+class HeadWeights:
+    """A request to a decoder layer for its cross-attention weights: of these ``heads``, found
+    in ``weights`` after the pass (``[B, len(heads), L, positions]``, float32)."""
+
+    heads: list[int]
+    weights: mx.array | None = None
+
+
 class CrossAttention(Attention):
     """Queries from the decoder, keys and values from the encoder's output (:meth:`keys_values`,
     computed once per window); never fused, since its projections read different inputs."""
@@ -80,13 +89,13 @@ class CrossAttention(Attention):
         values = self.v_proj(encoded).reshape(B, S, self.n_heads, -1).transpose(0, 2, 1, 3)
         return keys, values
 
-    def attend(self, x: mx.array, keys: mx.array, values: mx.array, weights: list[mx.array] | None = None) -> mx.array:
-        """The attended output; with a ``weights`` list, the heads' weights over the encoder's
-        positions are appended to it (``[B, heads, L, positions]``, float32)."""
+    def attend(self, x: mx.array, keys: mx.array, values: mx.array, report: HeadWeights | None = None) -> mx.array:
+        """The attended output; with a ``report``, its heads' weights over the encoder's
+        positions go in it too."""
         B, L, _ = x.shape
         queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
-        if weights is not None:
-            weights.append(self.weights(queries, keys))
+        if report is not None:
+            report.weights = self.weights(queries, keys, heads=report.heads)
         return self.output(self._attention(queries, keys, values, scale=self.scale, mask=None))
 
     def fuse_projections(self) -> bool:
@@ -150,10 +159,10 @@ class DecoderLayer(nn.Module):
 
     def __call__(
         self, x: mx.array, mask: str | None, cache: KVCache | None, cross: tuple[mx.array, mx.array],
-        weights: list[mx.array] | None = None,
+        report: HeadWeights | None = None,
     ) -> mx.array:  # fmt: skip
         x = x + self.self_attn(self.self_attn_layer_norm(x), mask, cache)
-        x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), *cross, weights)
+        x = x + self.encoder_attn.attend(self.encoder_attn_layer_norm(x), *cross, report)
         return x + self.mlp(self.final_layer_norm(x))
 
 
@@ -177,8 +186,9 @@ class Seq2Seq(nn.Module):
 class Whisper(nn.Module):
     """:meth:`encode` a window's features, :meth:`cross` its keys and values for every decoder
     layer, then ``model(tokens [B, L], cache, cross=...) -> logits [B, L, vocab]``; with
-    ``cross_weights=[]``, each decoder layer's cross-attention weights are appended to that list
-    (word timings: :mod:`mlxr_plugins.archs.whisper_timing`)."""
+    ``cross_weights={layer: HeadWeights(heads)}``, those layers also report those heads'
+    cross-attention weights (word timings: :mod:`mlxr_plugins.archs.whisper_timing`); nothing of
+    it is computed otherwise."""
 
     def __init__(self, args: WhisperArgs, kernels: KernelSet):
         super().__init__()
@@ -199,7 +209,7 @@ class Whisper(nn.Module):
 
     def __call__(
         self, inputs: mx.array, cache: list[Any] | None = None, *, cross: list[tuple[mx.array, mx.array]] | None = None,
-        cross_weights: list[mx.array] | None = None,
+        cross_weights: dict[int, HeadWeights] | None = None,
     ) -> mx.array:  # fmt: skip
         if cross is None:
             raise ValueError("a Whisper decoder step attends to a window of sound: pass cross=model.cross(...)")
@@ -209,8 +219,9 @@ class Whisper(nn.Module):
             raise ValueError(f"Whisper's decoder holds at most {self.args.max_target_positions} positions")
         x = decoder.embed_tokens(inputs) + decoder.embed_positions.weight[offset : offset + inputs.shape[1]]
         mask = "causal" if inputs.shape[1] > 1 else None
-        for layer, layer_cache, kv in zip(self.layers, cache or [None] * len(self.layers), cross, strict=True):
-            x = layer(x, mask, layer_cache, kv, cross_weights)
+        reports = cross_weights or {}
+        for index, (layer, layer_cache, kv) in enumerate(zip(self.layers, cache or [None] * len(self.layers), cross, strict=True)):
+            x = layer(x, mask, layer_cache, kv, reports.get(index))
         logits: mx.array = decoder.embed_tokens.as_linear(decoder.layer_norm(x))
         return logits
 

@@ -29,6 +29,7 @@ from mlxr_core.model.audio import Segment, Transcript, TranscriptionOptions, Wor
 from mlxr_core.model.cache import KVCache
 from mlxr_core.model.tokenizer import Tokenizer
 from mlxr_plugins.archs import whisper_timing as timing
+from mlxr_plugins.archs.whisper import HeadWeights
 from mlxr_plugins.archs.whisper_audio import LogMel
 
 #: Seconds one timestamp token stands for.
@@ -164,10 +165,17 @@ class WhisperSpeech:
     def cross_weights(self, tokens: list[int], cross: list[tuple[mx.array, mx.array]]) -> np.ndarray:
         """The alignment heads' cross-attention weights as the decoder reads ``tokens`` at once:
         ``[heads, len(tokens), encoder positions]``."""
-        collected: list[mx.array] = []
-        self.model(mx.array([tokens]), None, cross=cross, cross_weights=collected)
-        heads = mx.stack([collected[layer][0, head] for layer, head in self.alignment_heads])
-        return np.array(heads)
+        reports: dict[int, HeadWeights] = {}
+        for layer, head in self.alignment_heads:
+            reports.setdefault(layer, HeadWeights([])).heads.append(head)
+        self.model(mx.array([tokens]), None, cross=cross, cross_weights=reports)
+        picked = []
+        for layer, head in self.alignment_heads:
+            weights = reports[layer].weights
+            if weights is None:
+                raise RuntimeError(f"decoder layer {layer} did not report its cross-attention weights")
+            picked.append(weights[0, reports[layer].heads.index(head)])
+        return np.array(mx.stack(picked))
 
     def align_words(
         self, text: list[int], cross: list[tuple[mx.array, mx.array]], language: str, task: str, size: int

@@ -10,7 +10,7 @@ Where the attention kernel offers ``into_cache`` (a cache write and the attentio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -169,15 +169,19 @@ class Attention(nn.Module):
         attended: mx.array = self._attention(queries, keys, values, scale=self.scale, mask=mask, **extra)
         return attended
 
-    def weights(self, queries: mx.array, keys: mx.array, mask: str | None = None) -> mx.array:
-        """Where the queries looked: ``softmax(scale * q @ k.T)`` as ``[B, n_heads, L, S]`` in
-        float32 (``"causal"``: aligned bottom-right, as the kernels align it). A kernel returns
-        only the weighted values, so a model that reports its weights (Whisper's word timings)
-        asks for them beside the kernel's call, on the same queries and keys."""
-        B, H, L, D = queries.shape
-        S = keys.shape[2]
-        grouped = (queries * self.scale).reshape(B, self.n_kv_heads, H // self.n_kv_heads, L, D)
-        scores = (grouped @ keys[:, :, None].swapaxes(-1, -2)).astype(mx.float32).reshape(B, H, L, S)
+    def weights(
+        self, queries: mx.array, keys: mx.array, mask: str | None = None, heads: Sequence[int] | None = None
+    ) -> mx.array:
+        """Where the queries looked: ``softmax(scale * q @ k.T)`` as ``[B, heads, L, S]`` in
+        float32, for the query ``heads`` asked (all by default; each reads its key head);
+        ``"causal"`` is aligned bottom-right, as the kernels align it. A kernel returns only the
+        weighted values, so a model that reports its weights (Whisper's word timings) asks for
+        them beside the kernel's call, on the same queries and keys."""
+        chosen = list(range(self.n_heads)) if heads is None else list(heads)
+        group = self.n_heads // self.n_kv_heads
+        L, S = queries.shape[2], keys.shape[2]
+        picked = keys[:, [head // group for head in chosen]]
+        scores = ((queries[:, chosen] * self.scale) @ picked.swapaxes(-1, -2)).astype(mx.float32)
         if mask == "causal":
             scores = mx.where(mx.arange(S - L, S)[:, None] >= mx.arange(S)[None, :], scores, -mx.inf)
         elif mask is not None:
