@@ -34,6 +34,8 @@ UNSTATABLE = re.compile("|".join([
     # Ollama's create: the blobs uploaded, the names served, the files on the server, a Modelfile's text.
     "upload it first", "the body's digest is", "already names a served model", "is an adapter;",
     "Modelfile", "adapters created while serving", "served from the server's config",
+    # LoRA scales: lora picks among the served model's adapters, lora_scale needs a model naming one.
+    "model naming a LoRA adapter", "names a LoRA adapter already", "no adapter with id", "one adapter per request",
 ]))  # fmt: skip
 
 

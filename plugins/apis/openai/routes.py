@@ -39,6 +39,7 @@ from mlxr_core.http.images import ImageInput, load_images
 from mlxr_core.http.openapi import Stream, documented
 from mlxr_core.http.requests import sampling_params, template_variables
 from mlxr_plugins.apis.openai import schemas as s
+from mlxr_plugins.apis.openai.adapters import adapter_choice
 from mlxr_plugins.apis.openai.audio import audio_routes
 from mlxr_plugins.apis.openai.decisions import decision_routes
 from mlxr_plugins.apis.openai.embeddings import (
@@ -156,9 +157,10 @@ async def create_chat_completion(
         prediction = await prepare_in_thread(
             ctx, request, functools.partial(info.encode, text, add_special_tokens=False, param="prediction")
         )
+    model, scale = adapter_choice(ctx.engine, body.model, body.lora, body.lora_scale)
     generation = GenerationRequest(
-        body.model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images,
-        prediction=prediction or None, speculative=body.speculative,
+        model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images,
+        prediction=prediction or None, speculative=body.speculative, adapter_scale=scale,
     )
     handles = submit_choices(ctx, generation, body.n)
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
@@ -205,7 +207,9 @@ async def create_completion(
             raise RequestError(f"prompt token ids must be in [0, {vocab})", field="prompt")
         prompt_ids = prompt
     try:
-        generation = GenerationRequest(model=body.model, prompt_ids=prompt_ids, params=params, speculative=body.speculative)
+        model, scale = adapter_choice(engine, body.model, body.lora, body.lora_scale)
+        generation = GenerationRequest(model=model, prompt_ids=prompt_ids, params=params, speculative=body.speculative,
+                                       adapter_scale=scale)  # fmt: skip
         handles = submit_choices(ctx, generation, body.n)
     except ContextLengthExceeded as exc:
         exc.field = "prompt"

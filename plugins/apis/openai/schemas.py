@@ -80,6 +80,22 @@ class Request(GrammarFields, forbid_unknown_fields=False):
     response_format: Format = None
     #: mlxr's extension: false drafts nothing for this request (``models[].speculative``).
     speculative: bool = True
+    #: llama.cpp's per-request LoRA scales, on a request naming a base model: ``[{"id": i,
+    #: "scale": s}]`` (:mod:`mlxr_plugins.apis.openai.adapters`).
+    lora: list[LoraScale] | None = None
+    #: mlxr's extension, on a request whose ``model`` names a LoRA adapter: its update times this.
+    lora_scale: AdapterScale | None = None
+
+
+#: How strongly a request's LoRA adapter applies (1: as its file has it, 0: not at all).
+AdapterScale = Annotated[float, Meta(ge=-16.0, le=16.0)]
+
+
+class LoraScale(Struct, forbid_unknown_fields=False):
+    """One entry of llama.cpp's ``lora``: the model's adapter ``id`` at ``scale``."""
+
+    id: Annotated[int, Meta(ge=0)]
+    scale: AdapterScale
 
 
 class StreamOptions(Struct, forbid_unknown_fields=False):

@@ -50,7 +50,7 @@ def client(reference: LoraReference) -> Iterator[TestClient[Any]]:
         engine.stop()
 
 
-def completion(client: TestClient[Any], model: str) -> Any:
+def completion(client: TestClient[Any], model: str, **extra: Any) -> Any:
     body = {
         "model": model,
         "prompt": PROMPT,
@@ -58,6 +58,7 @@ def completion(client: TestClient[Any], model: str) -> Any:
         "temperature": 0,
         "ignore_eos": True,
         "logprobs": 0,
+        **extra,
     }
     return client.post("/v1/completions", json=body)
 
@@ -149,3 +150,28 @@ def test_an_adapter_load_past_the_wait_is_a_503(client: TestClient[Any], monkeyp
     monkeypatch.setattr(ctx.engine, "administer_adapter", lambda name, action: concurrent.futures.Future())
     r = client.post("/v1/models/tiny:mlp/load", json={})
     assert r.status_code == 503 and "model_load_wait_s" in r.text
+
+
+def test_per_request_scales(client: TestClient[Any], reference: LoraReference) -> None:
+    """llama.cpp's lora ([{id, scale}], ids in models[].adapters order: qv, all, mlp) on the base
+    model and mlxr's lora_scale on an adapter's name run the adapter at that scale: PEFT's merge
+    with its layers' scaling times it; every adapter at 0 is the base."""
+    import torch
+
+    with torch.no_grad():
+        out = reference.merged("all", 0.5).generate(torch.tensor([PROMPT]), max_new_tokens=6, min_new_tokens=6,
+                                                     do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    want = out[0, len(PROMPT) :].tolist()
+    assert want != greedy(reference, "all")
+    assert tokens(completion(client, "tiny", lora=[{"id": 1, "scale": 0.5}, {"id": 0, "scale": 0}])) == want
+    assert tokens(completion(client, "tiny:all", lora_scale=0.5)) == want
+    assert tokens(completion(client, "tiny", lora=[{"id": 2, "scale": 0.0}])) == greedy(reference, None)
+    refused = {
+        "lora": completion(client, "tiny", lora=[{"id": 0, "scale": 1}, {"id": 1, "scale": 1}]),
+        "lora[0].id": completion(client, "tiny", lora=[{"id": 7, "scale": 1}]),
+        "lora_scale": completion(client, "tiny", lora_scale=0.5),
+    }
+    for param, reply in refused.items():
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    assert completion(client, "tiny:qv", lora=[{"id": 0, "scale": 1}]).status_code == 400
+    assert completion(client, "tiny:qv", lora_scale=99).status_code == 400
