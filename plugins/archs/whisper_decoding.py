@@ -13,6 +13,8 @@ timestamps together are likelier than any text token. With timestamps, each pair
 segment, and the next window starts at the last closed timestamp (the rest of the window is
 decoded again); without them, a window is one segment and the next starts where it ends. Every
 time is the window's start plus the token's, so the windows' segments stitch into one timeline.
+With words asked, the text a window keeps is read once more and its words timed from the
+cross-attention (:mod:`mlxr_plugins.archs.whisper_timing`), on the same timeline.
 """
 
 from __future__ import annotations
