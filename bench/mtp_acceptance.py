@@ -1,8 +1,8 @@
-"""MTP drafting inside the batch against plain decoding, at a controlled acceptance rate.
+"""MTP (or EAGLE-3) drafting inside the batch against plain decoding, at a controlled acceptance rate.
 
     python bench/mtp_acceptance.py [--shape qwen3.5-35b-a3b-8l] [--weights q4] [--acceptance 0.5 0.7 0.9]
                                    [--k 1 2 3 4] [--streams 1 8 32] [--prompt-tokens 128]
-                                   [--gen-tokens 128] [--rounds 2] [--out PREFIX]
+                                   [--gen-tokens 128] [--rounds 2] [--method mtp|eagle3] [--out PREFIX]
     python bench/mtp_acceptance.py --smoke     # a tiny shape, to check the script on a CPU
 
 Writes a Qwen3.5-shaped random-weight folder (:mod:`gpu_decode`'s shapes, mlx-lm's writer) and
@@ -16,6 +16,10 @@ over the accepted span, its chain, its cache), only its tokens are chosen. For e
 plain decoding (the requests opt out) and every (a, k) run back to back; the speedup is aggregate
 decode tokens/s over plain's in the same round, the median over rounds reported, with the
 acceptance the engine counted and whether every row gave plain decoding's tokens.
+
+``--method eagle3`` drafts with a random EAGLE-3 head instead (a separate folder beside the model:
+one Llama layer of the model's width and heads, a draft vocabulary of at most 32,000 ids with a
+``d2t`` map; ``models[].speculative.path``), reading the model's layers 2, n // 2 and n - 3.
 """
 
 from __future__ import annotations
@@ -79,6 +83,36 @@ def add_mtp_layer(folder: Path) -> int:
     return sum(array.nbytes for array in tensors.values())
 
 
+def write_eagle3_draft(folder: Path, text: dict[str, Any]) -> int:
+    """A random EAGLE-3 draft for a model of ``text`` config in ``folder`` (the released layout:
+    ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``); its bytes."""
+    from mlx.utils import tree_flatten
+
+    from mlxr_core.kernels import bind_kernels
+    from mlxr_core.model.layers.eagle3 import Eagle3Args, Eagle3Head
+    from mlxr_core.plugins import load_plugins
+
+    vocab = int(text["vocab_size"])
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+              "hidden_act": "silu", "vocab_size": vocab, "draft_vocab_size": min(vocab, 32000),
+              "intermediate_size": 4 * int(text["hidden_size"]), "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+              **{key: text[key] for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")}}  # fmt: skip
+    layers = int(text["num_hidden_layers"])
+    if len({2, layers // 2, layers - 3}) < 3:  # too few layers for the default three
+        config["eagle_aux_hidden_state_layer_ids"] = [0, layers // 2, layers - 1]
+    args = Eagle3Args.from_config(config)
+    kernels = bind_kernels(load_plugins().registries.kernels, dtype="float32", shapes=args.kernel_shapes())
+    mx.random.seed(2)
+    head = Eagle3Head(args, kernels, own_embedding=False)
+    tensors = {name: array.astype(mx.bfloat16) for name, array in tree_flatten(head.parameters())}
+    targets = mx.sort(mx.random.permutation(vocab)[: config["draft_vocab_size"]])
+    tensors["d2t"] = (targets - mx.arange(config["draft_vocab_size"])).astype(mx.int64)
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return sum(array.nbytes for array in tensors.values())
+
+
 def decode(engine: Any, prompts: list[list[int]], gen: int, speculative: bool) -> tuple[float, list[list[int]]]:
     """Every prompt at once, greedy, ``gen`` tokens each: aggregate decode tokens/s (from the
     last first token to the last token) and each row's tokens."""
@@ -100,6 +134,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--method", default="mtp", choices=("mtp", "eagle3"))
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, float32 (checks the script on a CPU)")
     parser.add_argument("--out", default=None, help="write PREFIX.json")
     args = parser.parse_args()
@@ -120,16 +155,17 @@ def main() -> int:
         shape = {**shape, "text_config": {**shape["text_config"], **SMOKE_TEXT}}
     root = Path(tempfile.mkdtemp(prefix="mtp_bench_"))
     folder = write_folders(root, shape, (args.weights,))[args.weights]
-    head_bytes = add_mtp_layer(folder)
+    method, draft = args.method, root / "eagle3"
+    head_bytes = add_mtp_layer(folder) if method == "mtp" else write_eagle3_draft(draft, shape["text_config"])
     # k is the model's setting, read when a request is admitted: the runs below set it in place.
-    speculative = SpeculationConfig(method="mtp", k=max(args.k), max_k=max(args.k), adaptive=False,
-                                    max_batch=max(args.streams))  # fmt: skip
+    speculative = SpeculationConfig(method=method, k=max(args.k), max_k=max(args.k), adaptive=False,
+                                    max_batch=max(args.streams), path=str(draft) if method == "eagle3" else None)  # fmt: skip
     model = ModelConfig(path=str(folder), name="bench", dtype="float32" if args.smoke else "bfloat16",
                         context_length=args.prompt_tokens + args.gen_tokens + 64, speculative=speculative)  # fmt: skip
     engine_config = EngineConfig(max_batch_size=max(args.streams), prefix_cache=PrefixCacheConfig(enabled=False))
     engine = Engine(Config(models=[model], engine=engine_config), load_plugins())
     engine.start()
-    decoder = engine.host.registries.decoders.get("mtp")
+    decoder = engine.host.registries.decoders.get(method)
     vocab = min(int(shape["text_config"]["vocab_size"]), 256)  # within the copied tokenizer's ids
     rows: list[dict[str, Any]] = []
     try:
@@ -147,13 +183,13 @@ def main() -> int:
                     for k in args.k:
                         speculative.k = k
                         control_acceptance(decoder, references, a, seed=k)
-                        before = dict(engine.stats()["decoders"].get("bench", {}).get("mtp", {}))
+                        before = dict(engine.stats()["decoders"].get("bench", {}).get(method, {}))
                         tps, tokens = decode(engine, prompts, args.gen_tokens, speculative=True)
-                        after = dict(engine.stats()["decoders"]["bench"]["mtp"])
+                        after = dict(engine.stats()["decoders"]["bench"][method])
                         drafted = after["drafted"] - before.get("drafted", 0)
                         accepted = after["accepted"] - before.get("accepted", 0)
                         speedups.setdefault((a, k), []).append(tps / plain_tps)
-                        found[(a, k)] = {"plain_tps": plain_tps, "mtp_tps": tps, "exact": tokens == plain,
+                        found[(a, k)] = {"plain_tps": plain_tps, f"{method}_tps": tps, "exact": tokens == plain,
                                          "acceptance_measured": accepted / drafted if drafted else None}  # fmt: skip
             for (a, k), ratios in speedups.items():
                 row = {"streams": streams, "a": a, "k": k, "speedup": statistics.median(ratios), **found[(a, k)]}
@@ -161,7 +197,7 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
     finally:
         engine.stop()
-    report = {"command": " ".join(sys.argv), "shape": args.shape, "weights": args.weights, "smoke": args.smoke,
+    report = {"command": " ".join(sys.argv), "shape": args.shape, "weights": args.weights, "smoke": args.smoke, "method": method,
               "device": str(mx.default_device()), "mtp_head_bytes": head_bytes, "rows": rows}  # fmt: skip
     if args.out:
         Path(f"{args.out}.json").write_text(json.dumps(report, indent=1))

@@ -55,7 +55,7 @@ def load_eagle3_head(model: LoadedModel, registries: Any) -> tuple[Eagle3Head, t
     if not any(name in ARCHITECTURES for name in named):
         raise ConfigError(f"{where}: {path} is no EAGLE-3 draft (its config names {named}, not one of "
                           f"{list(ARCHITECTURES)})", field=PATH_KEY)  # fmt: skip
-    target_hidden = int(lm.model.embed_tokens.weight.shape[1])
+    target_hidden = int(lm.model.norm.weight.shape[-1])  # (a quantized embedding's columns are packed)
     try:
         args = Eagle3Args.from_config(config)
         layers = args.aux_layers(len(lm.layers))

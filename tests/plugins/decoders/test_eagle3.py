@@ -269,6 +269,26 @@ def test_gaps_and_sampled_rows(target, draft):
         engine.stop()
 
 
+def test_a_quantized_target_hands_its_states_to_the_head(target, draft):
+    """A 4-bit target (its embedding packed: the head's width checks read the final norm's) serves
+    the head; its rows decode the 4-bit model's plain greedy tokens."""
+    folder, _ = draft
+    speculative = SpeculationConfig(method="eagle3", path=str(folder), k=3)
+    model = ModelConfig(path=str(target), name="tiny", context_length=256, dtype="float32", quantization="q4",
+                        speculative=speculative)  # fmt: skip
+    engine = Engine(Config(models=[model]), HOST)
+    engine.start()
+    try:
+        from mlxr_core.testing.drafting import decode_together
+
+        prompts = [np.random.default_rng(row).integers(2, VOCAB, 9).tolist() for row in range(3)]
+        plain = decode_together(engine, "tiny", prompts, 24, speculative=False)
+        assert decode_together(engine, "tiny", prompts, 24) == plain
+        assert dict(engine.stats()["decoders"]["tiny"]["eagle3"])["drafted"] > 0
+    finally:
+        engine.stop()
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 
