@@ -212,15 +212,16 @@ def test_packed_bytes_per_position_and_which_caches_are_replaced():
     assert replaced[2].rows.layer == 2  # each layer its own rotation and sketch
 
 
-@pytest.mark.parametrize("sketch", [True, False])
-def test_a_prompt_chunk_on_a_cpu_goes_through_the_layers_kernel(sketch, monkeypatch):
-    """Without a window, a chunk's keys and values decoded from their codes go through the
-    layer's kernel (the fused one full precision runs), with its mask and sinks: the same output
-    as the scores and sums over the codes."""
+@pytest.mark.parametrize(("window", "sketch"), [(0, True), (0, False), (5, True), (5, False)])
+def test_a_prompt_chunk_on_a_cpu_goes_through_the_layers_kernel(window, sketch, monkeypatch):
+    """A chunk's keys and values decoded from their codes (and, with a window, its exact
+    positions beside them, a boolean mask picking each query's copy) go through the layer's kernel
+    (the fused one full precision runs), with its mask and sinks: the same output, chunk after
+    chunk, as the scores and sums over the codes."""
     from mlxr_core.model import quantized_cache
 
-    spec = TurboQuantKV(4, 0, sketch=sketch)
-    queries, keys, values = qkv(quantized_cache.DENSE_ROWS, 4)
+    spec = TurboQuantKV(4, window, sketch=sketch)
+    rows = quantized_cache.DENSE_ROWS
     sinks = mx.array([0.5, -1.0, 2.0, 0.0, 1.0, -0.5])
     calls = []
 
@@ -228,12 +229,34 @@ def test_a_prompt_chunk_on_a_cpu_goes_through_the_layers_kernel(sketch, monkeypa
         calls.append(k.shape)
         return sdpa(q, k, v, **kwargs)
 
-    def run(cache):
+    def run(cache, L, seed):
+        queries, keys, values = qkv(L, seed)
         return cache.update_and_attend(queries, keys, values, scale=SCALE, mask="causal", window=None,
                                        attention=kernel, sinks=sinks)  # fmt: skip
 
-    mine = run(BatchTurboQuantKVCache(spec, 0, rows=B))
-    assert calls == [(B, HKV, quantized_cache.DENSE_ROWS, D)]
+    cache = BatchTurboQuantKVCache(spec, 0, rows=B)
+    mine = [run(cache, rows, 4), run(cache, rows + 4, 5)]
+    # with a window the exact positions come beside the decoded ones: the tail's and the chunk's
+    exact = [0, 0] if not window else [rows, min(rows, window + TRIM_SLACK) + rows + 4]
+    assert calls == [(B, HKV, rows + exact[0], D), (B, HKV, 2 * rows + 4 + exact[1], D)]
     monkeypatch.setattr(quantized_cache, "DENSE_ROWS", 1 << 30)  # the codes' own path, as a reference
-    np.testing.assert_allclose(mine, run(BatchTurboQuantKVCache(spec, 0, rows=B)), atol=1e-4)
-    assert len(calls) == 1
+    cache = BatchTurboQuantKVCache(spec, 0, rows=B)
+    for chunk, (L, seed) in zip(mine, [(rows, 4), (rows + 4, 5)], strict=True):
+        np.testing.assert_allclose(chunk, run(cache, L, seed), atol=1e-4)
+    assert len(calls) == 2
+
+
+def test_a_windowed_chunk_with_an_additive_mask_keeps_the_codes_path():
+    """The window's copy is picked by a boolean mask: an additive mask keeps the reference path."""
+    from mlxr_core.model import quantized_cache
+
+    queries, keys, values = qkv(quantized_cache.DENSE_ROWS, 6)
+    additive = mx.zeros((1, 1, quantized_cache.DENSE_ROWS, quantized_cache.DENSE_ROWS))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the kernel took an additive mask with a window")
+
+    out = BatchTurboQuantKVCache(TurboQuantKV(4, 5), 0, rows=B).update_and_attend(
+        queries, keys, values, scale=SCALE, mask=additive, window=None, attention=refused
+    )
+    assert out.shape == queries.shape and bool(mx.all(mx.isfinite(out)).item())
