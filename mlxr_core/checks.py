@@ -18,8 +18,8 @@ from mlxr_core.config.structure import Problem
 from mlxr_core.errors import UnknownName
 
 if TYPE_CHECKING:
-    from mlxr_core.config.schema import Config
-    from mlxr_core.plugins import PluginHost
+    from mlxr_core.config.schema import Config, SpeculationConfig
+    from mlxr_core.plugins import PluginHost, Registries
 
 
 def check_config(config: Config, host: PluginHost) -> dict[str, Any]:
@@ -85,8 +85,21 @@ def unregistered_names(config: Config, host: PluginHost) -> list[Problem]:
         if model.speculative is not None and model.speculative.method != "none":
             drafting = [entry.name for entry in registries.decoders if entry.meta.get("drafts")]
             check((*where, "speculative", "method"), "drafting decoder", model.speculative.method, drafting)
+            problems += draft_path_problems(where, model.speculative, registries)
         check_kernels((*where, "kernels"), model.kernels)
     return [*problems, *parser_problems(config, registries), *kv_cache_problems(config, registries)]
+
+
+def draft_path_problems(
+    where: tuple[str | int, ...], speculative: SpeculationConfig, registries: Registries
+) -> list[Problem]:
+    """``speculative.path`` missing for a method that drafts from a checkpoint of its own (one
+    registered with ``draft_checkpoint=True``: ``eagle3``)."""
+    method = speculative.method
+    entry = next((entry for entry in registries.decoders if entry.name == method), None)
+    if entry is None or not entry.meta.get("draft_checkpoint") or speculative.path is not None:
+        return []
+    return [Problem((*where, "speculative", "path"), f"the {method} method drafts from a checkpoint of its own: set its folder")]
 
 
 #: Shapes the kernel check asks backends about before any model is read (``mlxr kernels``'

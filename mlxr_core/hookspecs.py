@@ -146,13 +146,14 @@ def mlxr_register_decoders(register: RegisterName) -> None:
 
     Called once per plugin manager, when the registries are assembled.
 
-    :param register: ``register(name, target, *, override=False, drafts=False)``. ``name`` is
-        what ``models[].decoder`` names; ``target`` implements
-        :class:`mlxr_core.engine.decoding.Decoder`. With ``drafts=True`` the target also drafts
-        inside the batch (:class:`mlxr_core.engine.speculation.DraftingDecoder`: its
+    :param register: ``register(name, target, *, override=False, drafts=False,
+        draft_checkpoint=False)``. ``name`` is what ``models[].decoder`` names; ``target``
+        implements :class:`mlxr_core.engine.decoding.Decoder`. With ``drafts=True`` the target
+        also drafts inside the batch (:class:`mlxr_core.engine.speculation.DraftingDecoder`: its
         ``row_drafter(model, request)`` gives each admitted request its drafter) and
-        ``models[].speculative.method`` may name it; the decoder named ``prediction`` drafts
-        every request that brings an OpenAI ``prediction``.
+        ``models[].speculative.method`` may name it; with ``draft_checkpoint=True`` it drafts from
+        a checkpoint of its own, ``models[].speculative.path`` (``mlxr config check`` requires it);
+        the decoder named ``prediction`` drafts every request that brings an OpenAI ``prediction``.
     :return: nothing.
     """
 

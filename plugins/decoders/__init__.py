@@ -18,7 +18,7 @@ def mlxr_register_decoders(register):  # type: ignore[no-untyped-def]
     register("prediction", "mlxr_plugins.decoders.prediction:PredictionDecoder", drafts=True)
     register("speculative", "mlxr_plugins.decoders.speculative:SpeculativeDecoder", drafts=True)
     register("mtp", "mlxr_plugins.decoders.mtp:MtpDecoder", drafts=True)
-    register("eagle3", "mlxr_plugins.decoders.eagle3:Eagle3Decoder", drafts=True)
+    register("eagle3", "mlxr_plugins.decoders.eagle3:Eagle3Decoder", drafts=True, draft_checkpoint=True)
 
 
 @hookimpl

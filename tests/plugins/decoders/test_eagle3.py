@@ -337,8 +337,15 @@ def test_a_draft_that_does_not_fit_is_a_load_error_naming_the_tensor_or_key(targ
 
 
 def test_config_check_names_a_missing_draft_path(tmp_path, target):
-    from mlxr_core.checks import missing_models
+    """A path that does not resolve; eagle3 without a path."""
+    from mlxr_core.checks import missing_models, unregistered_names
 
-    speculative = SpeculationConfig(method="eagle3", path=str(tmp_path / "nowhere"))
-    problems = missing_models(Config(models=[ModelConfig(path=str(target), name="tiny", speculative=speculative)]))
+    def config(**speculative) -> Config:
+        return Config(models=[ModelConfig(path=str(target), name="tiny", speculative=SpeculationConfig(**speculative))])
+
+    problems = missing_models(config(method="eagle3", path=str(tmp_path / "nowhere")))
     assert [problem.path for problem in problems] == [("models", 0, "speculative", "path")]
+    problems = unregistered_names(config(method="eagle3"), HOST)
+    assert [problem.path for problem in problems] == [("models", 0, "speculative", "path")]
+    assert "set its folder" in str(problems[0])
+    assert unregistered_names(config(method="eagle3", path=str(target)), HOST) == []
