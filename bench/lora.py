@@ -118,7 +118,8 @@ def step_times(
 ) -> dict[str, float]:
     """Milliseconds of one decode step of ``streams`` rows, with no engine around it (medians of
     ``rounds`` interleaved rounds of 5 steps): the compiled step of base rows, the eager step of
-    base rows, and the eager step of rows spread over the adapters."""
+    base rows, the eager step of rows spread over the adapters, and the same rows each at its own
+    scale of its adapter (per-request scales: a factor per row in every targeted layer)."""
     import mlx.core as mx
 
     from mlxr_core.config.schema import AdapterConfig, ModelConfig
@@ -136,6 +137,7 @@ def step_times(
     loaded.model(mx.array([[100 + i for i in range(32)]] * streams), cache=caches)
     tokens = mx.array([5] * streams)
     slots = [1 + i % len(folders) for i in range(streams)]
+    scales = [(0.25, 0.5, 1.5, 2.0)[i % 4] for i in range(streams)]
 
     def step(kind: str) -> None:
         if kind == "compiled_base":
@@ -143,18 +145,18 @@ def step_times(
         elif kind == "eager_base":
             out = eager_step(loaded.model, tokens, caches)
         else:
-            with loaded.adapters.rows(slots):
+            with loaded.adapters.rows(slots, scales if kind == "eager_adapters_scaled" else None):
                 out = eager_step(loaded.model, tokens, caches)
         mx.eval(out)
         for cache in caches:
             cache.trim(1)  # the same position again: every step costs the same
 
-    kinds = ["compiled_base", "eager_base", "eager_adapters"]
+    kinds = ["compiled_base", "eager_base", "eager_adapters", "eager_adapters_scaled"]
     for kind in kinds:
         step(kind)
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     for r in range(rounds):
-        for kind in kinds[r % 3 :] + kinds[: r % 3]:
+        for kind in kinds[r % len(kinds) :] + kinds[: r % len(kinds)]:
             started = time.perf_counter()
             for _ in range(5):
                 step(kind)
@@ -203,7 +205,8 @@ def main() -> None:
         steps = step_times(args.model, folders, host, args.streams, 2 * args.rounds)
         result = {"command": "python " + " ".join(sys.argv), "model": args.model, "streams": args.streams,
                   "adapters": args.adapters, "rank": args.rank, "ms_per_step": steps,
-                  "adapters_over_base_speed": steps["compiled_base"] / steps["eager_adapters"]}  # fmt: skip
+                  "adapters_over_base_speed": steps["compiled_base"] / steps["eager_adapters"],
+                  "scaled_over_unscaled_speed": steps["eager_adapters"] / steps["eager_adapters_scaled"]}  # fmt: skip
         text = json.dumps(result, indent=2)
         print(text)
         if args.out:

@@ -223,3 +223,31 @@ def test_rows_at_different_scales_batch_and_match_alone(reference: LoraReference
                                                      min_new_tokens=TOKENS, do_sample=False, pad_token_id=0,
                                                      eos_token_id=None)  # fmt: skip
     assert together[0] == out[0, len(PROMPTS[0]) :].tolist()
+
+
+def test_adapter_created_in_an_engine_process(reference: LoraReference) -> None:
+    """An adapter created while serving (Ollama's create) over a model with runtime_adapters, on an
+    engine in a process of its own: the caller serves its name (the core's snapshot carries it),
+    its tokens and those at scale 0.5 equal PEFT's merges; deleted, the name is gone."""
+    import torch
+
+    from mlxr_core.engine.remote import make_engine
+
+    model = ModelConfig(path=str(reference.base), name="tiny", dtype="float32", context_length=128,
+                        runtime_adapters=True)  # fmt: skip
+    eng = make_engine(Config(models=[model], engine=EngineConfig(core="process", max_batch_size=4)), load_plugins())
+    eng.start()
+    try:
+        assert eng.create_adapter("tiny", "pirate", str(reference.root / "qv")).result(120) is True
+        assert eng.adapters == {"pirate": ("tiny", "pirate")}
+        got = [tokens_of(eng.submit(request("pirate", PROMPTS[0], scale))) for scale in (1.0, 0.5)]
+        assert eng.create_adapter("tiny", "pirate", None).result(120) is False
+        assert "pirate" not in eng.adapters
+    finally:
+        eng.stop()
+    for tokens, scale in zip(got, (1.0, 0.5), strict=True):
+        with torch.no_grad():
+            out = reference.merged("qv", scale).generate(torch.tensor([PROMPTS[0]]), max_new_tokens=TOKENS,
+                                                          min_new_tokens=TOKENS, do_sample=False, pad_token_id=0,
+                                                          eos_token_id=None)  # fmt: skip
+        assert tokens == out[0, len(PROMPTS[0]) :].tolist(), scale
