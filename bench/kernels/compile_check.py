@@ -102,6 +102,9 @@ def instantiations() -> list[tuple[str, str]]:
     # The layouts the tests force (benchmarks sweep them too).
     for splits, rows_per_warp in ((8, 1), (4, 2), (1, 4), (2, 2)):
         out.append(qmv_text(cuda_qmv.layout(1000, 2048, 4, 64, splits, rows_per_warp), "bfloat16", "__nv_bfloat16"))
+    for in_flight in (1, 4):
+        out.append(qmv_text(cuda_qmv.layout(1000, 8192, 4, 64, 1, 1, in_flight=in_flight), "bfloat16",
+                            "__nv_bfloat16"))
     return out
 
 

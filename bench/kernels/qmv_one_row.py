@@ -15,9 +15,9 @@ scales and biases read per call; the fraction is of the H100's 3.35 TB/s and of 
 measured in the same run. Small layers are bound by the host's per-call work for both: their
 device time comes from Nsight Compute:
 
-    ncu --metrics gpu__time_duration.sum --csv --log-file $OUT/qmv_ncu.csv \\
-        python bench/kernels/qmv_one_row.py --ncu-calls 3 --out $OUT/qmv_ncu_run.json
-    python bench/kernels/qmv_one_row.py --summarize-ncu $OUT/qmv_ncu.csv --out $OUT/qmv_ncu.json
+    ncu --metrics gpu__time_duration.sum --csv --kernel-name regex:"qmv|qmm|gemv|marker" \\
+        --log-file $OUT/qmv_ncu.csv python bench/kernels/qmv_one_row.py --ncu-calls 3 --out $OUT/run.json
+    python bench/kernels/qmv_one_row.py --ncu-calls 3 --summarize-ncu $OUT/qmv_ncu.csv --out $OUT/qmv_ncu.json
 
 (the same ``--bits``/``--dtype``/``--models`` in both). ``--sweep`` also times every layout
 (splits of the reduction x rows per warp) per shape. ``--smoke`` runs tiny shapes, and on a machine
@@ -166,12 +166,16 @@ def measure(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
                 plan = cuda_qmv.layout(n, k, bits, args.group_size)
                 variants = {"mx": mlx_call(args.group_size, bits),
                             "qmv": kernel_call(cuda, args.group_size, bits)}
-                if args.sweep:
+                if args.sweep:  # every work split, then steps of 1, 2 and 4 vectors on the default one
                     for s in (1, 2, 4, 8):
                         for r in (1, 2):
                             if (k * bits // 128) % s == 0:
                                 variants[f"qmv_s{s}_r{r}"] = kernel_call(cuda, args.group_size, bits,
                                                                          splits=s, rows_per_warp=r)
+                    for u in (1, 2, 4):
+                        if u != plan.in_flight and u * plan.rows_per_warp <= 4 and u <= plan.vectors_per_lane:
+                            variants[f"qmv_u{u}"] = kernel_call(cuda, args.group_size, bits, splits=plan.splits,
+                                                                rows_per_warp=plan.rows_per_warp, in_flight=u)
                 row: dict[str, Any] = {"model": model, "layer": name, "k": k, "n": n, "bits": bits,
                                        "weight_bytes": weight_bytes, "copies": len(copies),
                                        "calls": calls, "plan": {
@@ -186,7 +190,7 @@ def measure(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
                     row[f"{label}_of_copy_bw"] = round(weight_bytes / seconds / bandwidth, 3)
                 row["qmv_speedup"] = round(row["mx_us"] / row["qmv_us"], 2)
                 if args.sweep:
-                    best = min((label for label in variants if label.startswith("qmv_s")),
+                    best = min((label for label in variants if label.startswith(("qmv_s", "qmv_u"))),
                                key=lambda label: row[f"{label}_us"])
                     row["best_layout"] = best
                     row["best_layout_speedup"] = round(row["mx_us"] / row[f"{best}_us"], 2)
@@ -242,7 +246,7 @@ def summarize(args: argparse.Namespace) -> dict[str, Any]:
     for index, (label, k, n, bits, _) in enumerate(ncu_labels(args), start=1):
         groups = k // args.group_size
         weight_bytes = n * k * bits // 8 + 2 * n * groups * dtype.size
-        labels[index] = {"label": label, "steps": args.ncu_calls, "weight_bytes_per_step": weight_bytes}
+        labels[index] = {"label": label, "steps": args.ncu_calls or 3, "weight_bytes_per_step": weight_bytes}
     summary = summarize_ncu(args.summarize_ncu, labels)
     for label, row in summary.items():
         row["of_3.35TBps"] = (row["achieved_GBps"] * 1e9 / H100_BYTES_PER_S) if row["achieved_GBps"] else None

@@ -12,9 +12,11 @@ spends fewer instructions per weight:
    hit distinct banks) and the sum of each 16-byte weight vector's inputs.
 2. Each warp owns ``rows_per_warp`` output rows and one of ``splits`` equal slices of the
    reduction; a lane reads 16-byte vectors of packed words (32 4-bit or 16 8-bit weights, within
-   one group), consecutive lanes consecutive vectors, several vectors and rows loaded before any
-   is used. Blocks loop over rows (at most :data:`MAX_BLOCKS` of them: the staging is paid once
-   per block, not once per row).
+   one group), consecutive lanes consecutive vectors. Blocks loop over rows (at most
+   :data:`MAX_BLOCKS` blocks: the staging is paid once per block, not once per row), and a warp
+   walks its rows in steps of a few vectors per lane, the next step's vectors, scales and biases
+   loaded while the current one is computed (the first while the input is staged), so loads
+   stay in flight from the kernel's start to its end.
 3. A packed value ``q`` is moved to the top of a float's mantissa with one shift and one logic
    op: ``m = 1 + q / 2^bits`` exactly; the inner loop is one FMA per weight, ``A += m * x``. With
    the staged sum ``S`` of the vector's inputs, ``sum(q * x) = 2^bits (A - S)``, so the vector adds
@@ -43,15 +45,18 @@ from mlxr_plugins.kernels import KernelImpl, cuda_qmm, device_reasons
 THREADS = 256
 #: Longest reduction: the block's float32 copy of the input (32 KiB) stays in static shared memory.
 MAX_K = 8192
-#: Grid cap: blocks loop over rows past it (about four per SM of an H100's 132), so the input row
-#: is staged a few hundred times per call, not once per 8 rows.
-MAX_BLOCKS = 528
+#: Grid cap: blocks loop over rows past it (three per SM of an H100's 132, what the registers of
+#: most instantiations leave room for: one wave), so the input row is staged a few hundred times
+#: per call, not once per 8 rows.
+MAX_BLOCKS = 396
 #: Warps (rows times splits) from which a layer is not split further along its reduction.
 TARGET_WARPS = 4096
 #: Output rows from which a warp takes two rows (its inputs read once from shared memory for both).
 TWO_ROWS_FROM = 8192
-#: 16-byte vectors per lane, times rows per warp, loaded before the first is used.
-IN_FLIGHT = 4
+#: 16-byte vectors per lane, times rows per warp, per step (loaded a step ahead), by bit width:
+#: unpacking 4 at 4 bits takes 122 registers (2 blocks per SM), 2 take 76; 4 at 8 bits take 71
+#: (``bench/kernels/compile_check.py``).
+IN_FLIGHT = {4: 2, 8: 4}
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
 
@@ -61,10 +66,39 @@ _HEADER = r"""
 __device__ __forceinline__ int mlxr_qmv_swizzle(int f) { return f ^ ((f >> 3) & 7); }
 """
 
+# Loads step ``STEP``'s chunk (U vectors of each of the warp's rows, with their groups' scale and
+# bias) into nq / nsq / nbq: issued one step ahead of its use, and the first before the staging.
+_LOAD = r"""{
+      const int lrow0 = first + (STEP / CH) * stride;
+      const int lc0 = (STEP % CH) * U;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = lc0 + u;
+        const int v = split * VS + c * 32 + lane;
+        const bool ok = c < NV && c * 32 + lane < VS;
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+          const int row = lrow0 + slot * RPW + r;
+          if (ok && row < N) {
+            nq[u][r] = __ldg(reinterpret_cast<const uint4*>(w + (long long)row * WPR) + v);
+            const long long g = (long long)row * GPR + (v * VW) / GS;
+            const float scale = static_cast<float>(scales[g]);
+            nsq[u][r] = QSCALE * scale;
+            nbq[u][r] = static_cast<float>(biases[g]);
+          } else {
+            nq[u][r] = make_uint4(0u, 0u, 0u, 0u);
+            nsq[u][r] = 0.f;
+            nbq[u][r] = 0.f;
+          }
+        }
+      }
+    }"""
+
 # Template: T (input dtype), QBITS (4 or 8), GS (group size), KDIM (reduction), SPLITS (warps per
-# row: 1, 2, 4 or 8), RPW (rows per warp), U (vectors per lane loaded ahead), NT (threads).
+# row: 1, 2, 4 or 8), RPW (rows per warp), U (vectors per lane and step), NT (threads).
 # Inputs x [..., KDIM] (one row), w [N, KDIM * QBITS / 32] uint32, scales and biases
-# [N, KDIM / GS]; output o [..., N].
+# [N, KDIM / GS]; output o [..., N]. A warp walks its rows in steps of U vectors per lane: CH
+# steps per row, rows ``first``, ``first + stride``, ... (the block's RPI rows per iteration).
 _SOURCE = r"""
   constexpr int NW = NT / 32;                     // warps per block
   constexpr int VW = 128 / QBITS;                 // weights per 16-byte vector: 32 or 16
@@ -72,6 +106,7 @@ _SOURCE = r"""
   constexpr int VPR = KDIM / VW;                  // vectors per row
   constexpr int VS = VPR / SPLITS;                // vectors per split
   constexpr int NV = (VS + 31) / 32;              // vectors per lane and split
+  constexpr int CH = (NV + U - 1) / U;            // steps per row
   constexpr int WPR = KDIM * QBITS / 32;          // words per row
   constexpr int GPR = KDIM / GS;                  // groups per row
   constexpr int RPI = NW / SPLITS * RPW;          // rows per block and iteration
@@ -84,12 +119,20 @@ _SOURCE = r"""
   const int warp = tid / 32;
   const int split = warp % SPLITS;
   const int slot = warp / SPLITS;
+  const int first = blockIdx.x * RPI;
+  const int stride = gridDim.x * RPI;
+  const int steps = first < N ? (N - first + stride - 1) / stride * CH : 0;   // same for the block
 
   __shared__ __align__(16) float xs[KDIM];        // the input row, float32, chunks swizzled
   __shared__ float xsum[VPR];                     // each vector's inputs, added up
   __shared__ float part[NW * RPW];                // the splits' partial sums
 
-  // Stage the row: 8 inputs per thread and step; the VW / 8 neighbouring threads of one vector
+  uint4 nq[U][RPW];    // the next step's packed vectors
+  float nsq[U][RPW];   // their QSCALE * scale
+  float nbq[U][RPW];   // their bias
+  if (steps > 0) /*LOAD(0)*/
+
+  // Stage the row: 8 inputs per thread and pass; the VW / 8 neighbouring threads of one vector
   // add up its inputs by shuffles (the loop bound is the same for the whole block).
   float4* xs4w = reinterpret_cast<float4*>(xs);
   for (int e0 = 0; e0 < KDIM / 8; e0 += NT) {
@@ -113,78 +156,58 @@ _SOURCE = r"""
   __syncthreads();
   const float4* xs4 = reinterpret_cast<const float4*>(xs);
 
-  for (int row0 = blockIdx.x * RPI; row0 < N; row0 += gridDim.x * RPI) {
-    float acc[RPW];
-    const uint4* wrow[RPW];
-    long long grow[RPW];
-    bool live[RPW];
+  float acc[RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const int row = row0 + slot * RPW + r;
-      live[r] = row < N;
-      const long long safe = live[r] ? row : 0;
-      wrow[r] = reinterpret_cast<const uint4*>(w + safe * WPR);
-      grow[r] = safe * GPR;
-      acc[r] = 0.f;
-    }
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+  for (int t = 0; t < steps; ++t) {
+    uint4 q[U][RPW];
+    float sq[U][RPW];
+    float bq[U][RPW];
 #pragma unroll
-    for (int c0 = 0; c0 < NV; c0 += U) {
-      // Load U vectors of each row (and their group's scale and bias) before using any.
-      uint4 q[U][RPW];
-      float sq[U][RPW];   // QSCALE * scale
-      float bq[U][RPW];   // bias
+    for (int u = 0; u < U; ++u) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = c0 + u;
-        const int v = split * VS + c * 32 + lane;
-        const bool ok = c < NV && c * 32 + lane < VS;
-#pragma unroll
-        for (int r = 0; r < RPW; ++r) {
-          if (ok && live[r]) {
-            q[u][r] = __ldg(wrow[r] + v);
-            const long long g = grow[r] + (v * VW) / GS;
-            const float scale = static_cast<float>(scales[g]);
-            sq[u][r] = QSCALE * scale;
-            bq[u][r] = static_cast<float>(biases[g]);
-          } else {
-            q[u][r] = make_uint4(0u, 0u, 0u, 0u);
-            sq[u][r] = 0.f;
-            bq[u][r] = 0.f;
-          }
-        }
+      for (int r = 0; r < RPW; ++r) {
+        q[u][r] = nq[u][r];
+        sq[u][r] = nsq[u][r];
+        bq[u][r] = nbq[u][r];
       }
+    }
+    if (t + 1 < steps) /*LOAD(t + 1)*/
+    const int row0 = first + (t / CH) * stride;
+    const int c0 = (t % CH) * U;
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = c0 + u;
-        const int v = split * VS + c * 32 + lane;
-        if (c < NV && c * 32 + lane < VS) {
-          float a[RPW];
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u;
+      const int v = split * VS + c * 32 + lane;
+      if (c < NV && c * 32 + lane < VS) {
+        float a[RPW];
 #pragma unroll
-          for (int r = 0; r < RPW; ++r) a[r] = 0.f;
+        for (int r = 0; r < RPW; ++r) a[r] = 0.f;
 #pragma unroll
-          for (int f = 0; f < VW / 4; ++f) {   // the vector's inputs, 4 at a time
-            const float4 xv = xs4[mlxr_qmv_swizzle(v * (VW / 4) + f)];
-            const float xf[4] = {xv.x, xv.y, xv.z, xv.w};
-            const int j = f / (EPW / 4);           // word of the vector
-            const int i0 = (f % (EPW / 4)) * 4;    // first weight of the word for these inputs
+        for (int f = 0; f < VW / 4; ++f) {   // the vector's inputs, 4 at a time
+          const float4 xv = xs4[mlxr_qmv_swizzle(v * (VW / 4) + f)];
+          const float xf[4] = {xv.x, xv.y, xv.z, xv.w};
+          const int j = f / (EPW / 4);           // word of the vector
+          const int i0 = (f % (EPW / 4)) * 4;    // first weight of the word for these inputs
 #pragma unroll
-            for (int r = 0; r < RPW; ++r) {
-              const unsigned int word =
-                  j == 0 ? q[u][r].x : j == 1 ? q[u][r].y : j == 2 ? q[u][r].z : q[u][r].w;
+          for (int r = 0; r < RPW; ++r) {
+            const unsigned int word =
+                j == 0 ? q[u][r].x : j == 1 ? q[u][r].y : j == 2 ? q[u][r].z : q[u][r].w;
 #pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                const int pos = (i0 + i) * QBITS;   // the value's bits in the word
-                const unsigned int moved = pos <= TOP ? word << (TOP - pos) : word >> (pos - TOP);
-                a[r] = fmaf(__uint_as_float(0x3f800000u | (moved & QMASK)), xf[i], a[r]);
-              }
+            for (int i = 0; i < 4; ++i) {
+              const int pos = (i0 + i) * QBITS;   // the value's bits in the word
+              const unsigned int moved = pos <= TOP ? word << (TOP - pos) : word >> (pos - TOP);
+              a[r] = fmaf(__uint_as_float(0x3f800000u | (moved & QMASK)), xf[i], a[r]);
             }
           }
-          const float s = xsum[v];
-#pragma unroll
-          for (int r = 0; r < RPW; ++r) acc[r] = fmaf(sq[u][r], a[r] - s, fmaf(bq[u][r], s, acc[r]));
         }
+        const float s = xsum[v];
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) acc[r] = fmaf(sq[u][r], a[r] - s, fmaf(bq[u][r], s, acc[r]));
       }
     }
+    if (t % CH != CH - 1) continue;   // the rows go on (the same for the whole block)
+
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
 #pragma unroll
@@ -194,7 +217,8 @@ _SOURCE = r"""
       if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-          if (live[r]) o[row0 + slot * RPW + r] = static_cast<T>(acc[r]);
+          const int row = row0 + slot * RPW + r;
+          if (row < N) o[row] = static_cast<T>(acc[r]);
         }
       }
     } else {
@@ -212,10 +236,12 @@ _SOURCE = r"""
         const int row = row0 + rows_slot * RPW + r;
         if (row < N) o[row] = static_cast<T>(total);
       }
-      __syncthreads();   // part is written again in the next iteration
+      __syncthreads();   // part is written again for the next rows
     }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
   }
-"""
+""".replace("/*LOAD(0)*/", _LOAD.replace("STEP", "0")).replace("/*LOAD(t + 1)*/", _LOAD.replace("STEP", "(t + 1)"))
 
 
 @functools.cache
@@ -266,9 +292,11 @@ def layout(
     splits: int | None = None,
     rows_per_warp: int | None = None,
     max_blocks: int = MAX_BLOCKS,
+    in_flight: int | None = None,
 ) -> OneRowPlan:
     """The work split for an ``[n, k]`` layer (cached: one per layer shape). ``splits``,
-    ``rows_per_warp`` and ``max_blocks`` override the defaults (for benchmarks and tests)."""
+    ``rows_per_warp``, ``max_blocks`` and ``in_flight`` override the defaults (for benchmarks and
+    tests)."""
     vectors = k * bits // 128  # 16-byte vectors per row
     if splits is not None and (splits not in (1, 2, 4, 8) or vectors % splits):
         raise ValueError(f"{splits} splits of {vectors} vectors (1, 2, 4 or 8 dividing them)")
@@ -283,7 +311,8 @@ def layout(
                and vectors % (2 * splits) == 0 and vectors // (2 * splits) >= 32):
             splits *= 2
     per_lane = -(-(vectors // splits) // 32)
-    in_flight = max(1, min(per_lane, IN_FLIGHT // rows_per_warp))
+    if in_flight is None:
+        in_flight = max(1, min(per_lane, IN_FLIGHT[bits] // rows_per_warp))
     rows_per_iteration = THREADS // 32 // splits * rows_per_warp
     needed = -(-n // rows_per_iteration)
     iterations = -(-needed // max_blocks)
