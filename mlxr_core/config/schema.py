@@ -578,6 +578,9 @@ class McpServerConfig:
     allowed_tools: list[str] | None = None
     #: Seconds a list or a call may take; past it the call is an error item.
     timeout_s: float = attrs.field(default=30.0, validator=v.gt(0.0))
+    #: Offer its tools to every chat completion (``/v1/chat/completions``) too, run without asking
+    #: for approval (docs/agents.md); else only the Responses API's ``mcp`` tools name it.
+    chat: bool = False
 
 
 def _unique_servers(instance: Any, attribute: attrs.Attribute[Any], servers: list[McpServerConfig]) -> None:
@@ -589,13 +592,16 @@ def _unique_servers(instance: Any, attribute: attrs.Attribute[Any], servers: lis
 @attrs.define
 class McpConfig:
     """MCP servers whose tools the server runs between generation turns (``mcp`` tools of the
-    Responses API), and the loop's bounds."""
+    Responses API; chat completions, for a server with ``chat: true``), and the loop's bounds."""
 
     servers: list[McpServerConfig] = attrs.field(factory=list, validator=_unique_servers)
     #: Generation turns one request may take with tool calls between them.
     max_turns: int = attrs.field(default=8, validator=v.ge(1))
     #: Seconds one request's tool loop may take, generation included; past it the loop stops.
     max_seconds: float = attrs.field(default=300.0, validator=v.gt(0.0))
+    #: Seconds the tools of the servers with ``chat: true`` stay listed (a failed listing too),
+    #: so chat completions do not start every server on every request; 0 lists on each request.
+    chat_list_ttl_s: float = attrs.field(default=60.0, validator=v.ge(0.0))
 
 
 def is_loopback(host: str) -> bool:

@@ -34,7 +34,13 @@ class McpTool:
 
 
 class ToolError(Exception):
-    """A server or tool that failed; ``str()`` says how, for the error item."""
+    """A server or tool that failed; ``str()`` says how, for the error item, and ``code`` which
+    way: ``mcp_timeout`` (no answer within the server's ``timeout_s``), ``mcp_tool_error`` (the
+    tool answered with an error, or was not allowed), ``mcp_server_error`` (the rest)."""
+
+    def __init__(self, message: str, code: str = "mcp_server_error"):
+        super().__init__(message)
+        self.code = code
 
 
 def _sdk() -> Any:
@@ -78,7 +84,8 @@ async def list_tools(server: McpServerConfig) -> list[McpTool]:
     except MissingDependency:
         raise
     except TimeoutError:
-        raise ToolError(f"MCP server {server.name!r} did not list its tools within {server.timeout_s:g} s") from None
+        raise ToolError(f"MCP server {server.name!r} did not list its tools within {server.timeout_s:g} s",
+                        "mcp_timeout") from None
     except Exception as error:  # a dead process, a refused connection, a protocol error
         raise ToolError(f"MCP server {server.name!r} failed: {_describe(error)}") from None
     return [McpTool(server.name, tool.name, tool.description or "", dict(tool.input_schema or {}))
@@ -88,7 +95,7 @@ async def list_tools(server: McpServerConfig) -> list[McpTool]:
 async def call_tool(server: McpServerConfig, name: str, arguments: dict[str, Any]) -> str:
     """The text of tool ``name``'s result; :class:`ToolError` on failure, an error result included."""
     if not allowed(server, name):
-        raise ToolError(f"tool {name!r} of MCP server {server.name!r} is not in its allowed_tools")
+        raise ToolError(f"tool {name!r} of MCP server {server.name!r} is not in its allowed_tools", "mcp_tool_error")
     try:
         with anyio.fail_after(server.timeout_s):
             async with session(server) as client:
@@ -96,12 +103,13 @@ async def call_tool(server: McpServerConfig, name: str, arguments: dict[str, Any
     except MissingDependency:
         raise
     except TimeoutError:
-        raise ToolError(f"tool {name!r} of MCP server {server.name!r} did not answer within {server.timeout_s:g} s") from None
+        raise ToolError(f"tool {name!r} of MCP server {server.name!r} did not answer within {server.timeout_s:g} s",
+                        "mcp_timeout") from None
     except Exception as error:
         raise ToolError(f"MCP server {server.name!r} failed: {_describe(error)}") from None
     text = result_text(result)
     if getattr(result, "is_error", False):
-        raise ToolError(text or f"tool {name!r} failed")
+        raise ToolError(text or f"tool {name!r} failed", "mcp_tool_error")
     return text
 
 

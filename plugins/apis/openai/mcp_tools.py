@@ -60,13 +60,21 @@ class McpTools:
 
     async def call(self, server_label: str, name: str, arguments: str) -> tuple[str | None, str | None]:
         """(output, error) of one call."""
+        output, error = await self.run(server_label, name, arguments)
+        return output, None if error is None else str(error)
+
+    async def run(self, server_label: str, name: str, arguments: str) -> tuple[str | None, ToolError | None]:
+        """(output, the error) of one call."""
         try:
             parsed = msgspec.json.decode(arguments or "{}")
-            if not isinstance(parsed, dict):
-                raise ToolError("the arguments are not a JSON object")
+        except msgspec.DecodeError as error:
+            return None, ToolError(f"the arguments are not JSON: {error}", "mcp_tool_error")
+        if not isinstance(parsed, dict):
+            return None, ToolError("the arguments are not a JSON object", "mcp_tool_error")
+        try:
             return await call_tool(self.servers[server_label], name, parsed), None
-        except (ToolError, msgspec.DecodeError) as error:
-            return None, str(error)
+        except ToolError as error:
+            return None, error
 
 
 async def open_tools(ctx: ServerContext, specs: list[tuple[int, r.FunctionTool]]) -> McpTools | None:

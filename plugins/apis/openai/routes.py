@@ -20,7 +20,7 @@ from litestar.params import JSONBody
 from msgspec import UNSET
 
 from mlxr_core.chat.thinking import limit_thinking
-from mlxr_core.chat.tools import model_parsers, prepare_chat
+from mlxr_core.chat.tools import ChatSetup, ToolChoice, model_parsers, prepare_chat
 from mlxr_core.engine.client import EngineClient
 from mlxr_core.engine.request import Constraint, GenerationRequest, RequestHandle, SamplingParams
 from mlxr_core.errors import ContextLengthExceeded, RequestError
@@ -50,6 +50,8 @@ from mlxr_plugins.apis.openai.embeddings import (
 )
 from mlxr_plugins.apis.openai.errors import EXCEPTION_HANDLERS
 from mlxr_plugins.apis.openai.logprobs import LogprobFormatter
+from mlxr_plugins.apis.openai.mcp_chat import McpChat, McpChatChunks, ToolListings, chat_tools
+from mlxr_plugins.apis.openai.mcp_chat import chat_completion as mcp_chat_completion
 from mlxr_plugins.apis.openai.model_admin import model_admin_routes
 from mlxr_plugins.apis.openai.responses import response_routes
 from mlxr_plugins.apis.openai.streaming import (
@@ -80,6 +82,7 @@ def paths(path: str) -> list[str]:
 def make_router(ctx: ServerContext) -> Router:
     """The OpenAI API as a Litestar router (the ``openai`` entry of ``apis:``): every route under
     ``/v1`` and unprefixed (:func:`paths`)."""
+    listings = ToolListings()  # the MCP tools chat completions offer (mcp.servers[].chat)
 
     @post(paths("/chat/completions"), status_code=200, operation_class=documented(
         error=s.ErrorBody, response=s.ChatCompletion,
@@ -87,7 +90,7 @@ def make_router(ctx: ServerContext) -> Router:
     async def chat_completions(
         data: JSONBody[s.ChatCompletionRequest], request: Request[Any, Any, Any]
     ) -> Response[Any]:
-        return await create_chat_completion(ctx, data, request)
+        return await create_chat_completion(ctx, data, request, listings)
 
     @post(paths("/completions"), status_code=200, operation_class=documented(
         error=s.ErrorBody, response=s.Completion, stream=Stream(SSE, (s.Completion, s.ErrorBody), end="data: [DONE]")))
@@ -127,9 +130,10 @@ def make_router(ctx: ServerContext) -> Router:
 
 
 async def create_chat_completion(
-    ctx: ServerContext, body: s.ChatCompletionRequest, request: Request[Any, Any, Any]
+    ctx: ServerContext, body: s.ChatCompletionRequest, request: Request[Any, Any, Any],
+    listings: ToolListings | None = None,
 ) -> Response[Any]:
-    """``POST /v1/chat/completions``."""
+    """``POST /v1/chat/completions`` (``listings``: where the MCP tools it offers are kept)."""
     inputs: list[ImageInput] = []
     messages = chat_messages(body.messages, inputs)
     params = request_params(body, ctx, max_tokens=body.max_completion_tokens or body.max_tokens)
@@ -140,15 +144,23 @@ async def create_chat_completion(
     ready_engine(ctx)  # a 503 while the engine is not ready
     info = await loaded_model(ctx, body.model)  # an unknown model is a 404 before any templating
     tools, tool_choice, parallel = tool_request(body)
+    # The server's MCP tools (mcp.servers[].chat), unless the request turns tools off.
+    mcp = None
+    if body.tool_choice != "none":
+        mcp = await chat_tools(ctx, listings or ToolListings(), {tool.name for tool in tools})
+    if mcp is not None:
+        if (body.n or 1) > 1:
+            raise RequestError("n > 1 is not served with the server's MCP tools (mcp.servers[].chat); send "
+                               "tool_choice 'none' to answer without them", field="n")  # fmt: skip
+        tools = tools + mcp[0].offered()
+        if body.tool_choice is None:
+            tool_choice = ToolChoice("auto")
     variables = template_variables(body.chat_template_kwargs, effort=body.reasoning_effort)
     images = await load_images(ctx.config.server, info, inputs)
     prepare = functools.partial(
         prepare_chat, info, model_parsers(ctx, info), messages,
         tools=tools, choice=tool_choice, parallel=parallel, template_kwargs=variables, images=images,
     )
-    setup = await prepare_in_thread(ctx, request, prepare)
-    params.constraint = setup.constraint or params.constraint
-    limit_thinking(params, setup, effort=body.reasoning_effort)
     prediction = None
     if body.prediction is not None:
         text = prediction_text(body.prediction)
@@ -157,18 +169,31 @@ async def create_chat_completion(
         prediction = await prepare_in_thread(
             ctx, request, functools.partial(info.encode, text, add_special_tokens=False, param="prediction")
         )
+
     model, scale = adapter_choice(ctx.engine, body.model, body.lora, body.lora_scale)
-    generation = GenerationRequest(
-        model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images,
-        prediction=prediction or None, speculative=body.speculative, adapter_scale=scale,
-    )
-    handles = submit_choices(ctx, generation, body.n)
+
+    def generation_of(setup: ChatSetup, params: SamplingParams) -> GenerationRequest:
+        return GenerationRequest(
+            model, setup.prompt_ids, params, keep_special=setup.keep_special, images=images,
+            prediction=prediction or None, speculative=body.speculative, adapter_scale=scale,
+        )
+
     meta = ResponseMeta(f"chatcmpl-{uuid.uuid4().hex}", body.model)
     formatter = LogprobFormatter(info.tokenizer, params.logprobs) if params.logprobs is not None else None
     reasons = info.reasoning_parser is not None
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    reasoning = ReasoningCount(functools.partial(info.tokenizer.encode, add_special_tokens=False)) if reasons else None
+    if mcp is not None:
+        loop = McpChat(ctx, request, mcp[0], mcp[1], prepare, params, generation_of, effort=body.reasoning_effort)
+        shown = McpChatChunks(meta, include_usage, logprobs=formatter, predicted=body.prediction is not None,
+                              reasoning=reasoning)  # fmt: skip
+        reply = await mcp_chat_completion(loop, meta, body.stream, shown, reasoning.encode if reasoning else None)
+        return reply if body.stream else json_response(reply)
+    setup = await prepare_in_thread(ctx, request, prepare)
+    params.constraint = setup.constraint or params.constraint
+    limit_thinking(params, setup, effort=body.reasoning_effort)
+    handles = submit_choices(ctx, generation_of(setup, params), body.n)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        reasoning = ReasoningCount(functools.partial(info.tokenizer.encode, add_special_tokens=False)) if reasons else None
         chunks = [
             ChatChunks(meta, include_usage, reader=setup.reader(), index=i, logprobs=formatter,
                        predicted=body.prediction is not None, reasoning=reasoning)

@@ -295,6 +295,35 @@ class AssistantMessage(Struct):
     tool_calls: list[ResponseToolCall] | UnsetType = UNSET
     #: The model's thinking, split from ``content`` by the model's reasoning parser.
     reasoning_content: str | UnsetType = UNSET
+    #: What the server's MCP tools did for this reply (``mcp.servers[].chat``; docs/agents.md).
+    mcp_output: list[McpOutputItem] | UnsetType = UNSET
+
+
+class McpCall(Struct, tag_field="type", tag="mcp_call"):
+    """A call of an MCP tool the server ran between the model's turns (an extension: the chat API
+    has no such item; the Responses API's ``mcp_call`` item, its ``error`` an error object)."""
+
+    id: str
+    server_label: str
+    name: str
+    #: The arguments the model gave, as JSON text.
+    arguments: str
+    #: The tool's result as the model read it; None where the call failed.
+    output: str | None
+    #: Why the call failed (``code``: ``mcp_timeout``, ``mcp_tool_error`` or ``mcp_server_error``);
+    #: the model was told the message and went on.
+    error: ErrorDetail | None = None
+
+
+class McpListTools(Struct, tag_field="type", tag="mcp_list_tools"):
+    """An MCP server whose tools could not be listed: its tools were not offered to the model."""
+
+    id: str
+    server_label: str
+    error: ErrorDetail
+
+
+McpOutputItem = McpCall | McpListTools
 
 
 class TopLogprob(Struct):
@@ -363,6 +392,8 @@ class ChatDelta(Struct):
     content: str | UnsetType = UNSET
     reasoning_content: str | UnsetType = UNSET
     tool_calls: list[DeltaToolCall] | UnsetType = UNSET
+    #: The server's MCP calls and failed listings as they happen (see :class:`AssistantMessage`).
+    mcp_output: list[McpOutputItem] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

@@ -124,7 +124,10 @@ class ChatChunks:
         logprobs = self.logprobs.chat(entries) if self.logprobs is not None and entries else None
         if self.reader is None:
             return self._chunk([s.ChatChunkChoice(self.index, s.ChatDelta(content=text), logprobs=logprobs)])
-        found = self._deltas(self.reader.feed(text))
+        return self._pieces(self._deltas(self.reader.feed(text)), logprobs)
+
+    def _pieces(self, found: list[s.ChatDelta], logprobs: s.ChatLogprobs | None) -> bytes:
+        """A chunk per delta, the tokens' logprobs on the first (an empty one if there is none)."""
         if not found and logprobs is not None:
             found = [s.ChatDelta()]
         return b"".join(
@@ -141,14 +144,16 @@ class ChatChunks:
             reason = self.reader.finish_reason(reason)
         return head + self._chunk([s.ChatChunkChoice(self.index, s.ChatDelta(), finish_reason=reason)])
 
-    def _deltas(self, pieces: list[Text | ToolCall]) -> list[s.ChatDelta]:
-        assert self.reader is not None
-        calls = sum(isinstance(piece, ToolCall) for piece in pieces)
+    def _deltas(self, pieces: list[Text | ToolCall], first_call: int | None = None) -> list[s.ChatDelta]:
+        """``pieces`` as deltas, their calls numbered from ``first_call`` (None: as the reader counts)."""
+        if first_call is None:
+            assert self.reader is not None
+            first_call = self.reader.calls - sum(isinstance(piece, ToolCall) for piece in pieces)
         if self.reasoning is not None:
             for piece in pieces:
                 if isinstance(piece, Text) and piece.kind == "reasoning":
                     self.reasoning.add(self.index, piece.text)
-        return deltas(pieces, self.reader.calls - calls)
+        return deltas(pieces, first_call)
 
     def usage(self, usage: EngineUsage) -> bytes | None:
         if not self.include_usage:

@@ -1,4 +1,5 @@
-"""Fixtures shared by the API plugin tests: the real engine on a tiny random GGUF model."""
+"""Fixtures shared by the API plugin tests: the real engine on a tiny random GGUF model; the fake
+MCP server over streamable HTTP."""
 
 from __future__ import annotations
 
@@ -37,3 +38,12 @@ def tiny_app(tiny_model_path: Path) -> Iterator[TestClient]:
             yield client
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def mcp_http_url() -> Iterator[str]:
+    """The fake MCP server (``fake_mcp_server.py``, mode ``ok``) over streamable HTTP: its URL."""
+    from scripted_mcp import http_mcp_server
+
+    with http_mcp_server() as url:
+        yield url

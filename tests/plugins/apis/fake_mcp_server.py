@@ -1,7 +1,7 @@
 """A fake MCP server for the tests (the official ``mcp`` SDK): ``python fake_mcp_server.py MODE``
 serves over stdio; :func:`make_server` gives the same server for streamable HTTP.
 
-Modes: ``ok`` (tools ``add`` and ``shout``), ``hang`` (``add`` never answers), ``crash`` (the
+Modes: ``ok`` (tools ``add``, ``shout`` and ``pick``), ``hang`` (``add`` never answers), ``crash`` (the
 process dies when ``add`` is called), ``dead`` (the process exits before it speaks)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from typing import Any
+from typing import Any, Literal
 
 
 def make_server(mode: str = "ok") -> Any:
@@ -30,6 +30,11 @@ def make_server(mode: str = "ok") -> Any:
     def shout(text: str) -> str:
         """The text in capitals."""
         return text.upper()
+
+    @server.tool()
+    def pick(side: Literal["left", "right"]) -> str:
+        """The side taken (arguments a random model completes in a few tokens under the grammar)."""
+        return f"{side} it is"
 
     return server
 

@@ -4,60 +4,20 @@ one that dies at start; a scripted model whose turns call their tools."""
 
 from __future__ import annotations
 
-import json
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import openai
 import pytest
-from scripted import FakeEngine, FakeTokenizer, ThreadedServer, make_ctx
+from scripted import ThreadedServer, make_ctx
+from scripted_mcp import ScriptedTurns, call, prompt_of, stdio
 
 from mlxr_core.config.schema import McpConfig, McpServerConfig, ResponsesStoreConfig, ServerConfig
 from mlxr_core.http.server import build_app
 
 pytest.importorskip("mcp")
 pytestmark = pytest.mark.slow  # starts MCP server processes
-
-SERVER = str(Path(__file__).with_name("fake_mcp_server.py"))
-
-
-class ChatMLTokenizer(FakeTokenizer):
-    """A ChatML model: ``auto`` picks the ``hermes`` tool parser."""
-
-    chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}"
-
-
-class ScriptedTurns(FakeEngine):
-    """Each request answers the next of ``replies`` (the last one again when they run out)."""
-
-    def __init__(self) -> None:
-        super().__init__(context_length=8192)
-        self.models["fake"] = attrs.evolve(self.models["fake"], tokenizer=ChatMLTokenizer())
-        self.replies: list[str] = []
-
-    def submit(self, request: Any, *, loop: Any = None) -> Any:
-        self.REPLY = self.replies.pop(0) if len(self.replies) > 1 else self.replies[0]
-        return super().submit(request, loop=loop)
-
-
-def call(name: str, **arguments: Any) -> str:
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-
-
-def stdio(name: str, mode: str, **extra: Any) -> McpServerConfig:
-    return McpServerConfig(name=name, command=[sys.executable, SERVER, mode], **extra)
-
-
-@pytest.fixture(scope="module")
-def http_server() -> Iterator[str]:
-    sys.path.insert(0, str(Path(SERVER).parent))
-    from fake_mcp_server import make_server
-
-    with ThreadedServer(make_server("ok").streamable_http_app()) as url:
-        yield f"{url}/mcp"
 
 
 @pytest.fixture
@@ -66,9 +26,9 @@ def fake() -> ScriptedTurns:
 
 
 @pytest.fixture
-def client(fake: ScriptedTurns, http_server: str, tmp_path: Path) -> Iterator[openai.OpenAI]:
+def client(fake: ScriptedTurns, mcp_http_url: str, tmp_path: Path) -> Iterator[openai.OpenAI]:
     mcp = McpConfig(servers=[
-        stdio("files", "ok", allowed_tools=["add"], timeout_s=60), McpServerConfig(name="web", url=http_server, timeout_s=60),
+        stdio("files", "ok", allowed_tools=["add"], timeout_s=60), McpServerConfig(name="web", url=mcp_http_url, timeout_s=60),
         stdio("stuck", "hang", timeout_s=25), stdio("broken", "crash", timeout_s=60), stdio("dead", "dead"),
     ], max_turns=3)  # fmt: skip
     server = ServerConfig(responses_store=ResponsesStoreConfig(path=str(tmp_path / "responses.sqlite3")))
@@ -78,10 +38,6 @@ def client(fake: ScriptedTurns, http_server: str, tmp_path: Path) -> Iterator[op
 
 def tools(*labels: str, approval: Any = "never") -> list[Any]:
     return [{"type": "mcp", "server_label": label, "require_approval": approval} for label in labels]
-
-
-def prompt_of(fake: FakeEngine, index: int = -1) -> str:
-    return bytes(fake.requests[index].prompt_ids).decode()
 
 
 def test_stdio_and_http_tools_run_between_turns(client: openai.OpenAI, fake: ScriptedTurns) -> None:
