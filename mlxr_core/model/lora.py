@@ -61,15 +61,15 @@ class LowRank:
 @attrs.frozen
 class FittedUpdate:
     """A :class:`LowRank` checked against its module and made MLX arrays in the model's dtype
-    (:func:`fit_adapter`, on the engine thread): what an :class:`AdapterSet` stacks."""
+    (:func:`fit_adapter`), laid out as an :class:`AdapterSet` stacks them: ``A`` transposed, and
+    ``B`` transposed with the scale folded in (no multiply per step)."""
 
-    a: mx.array  # [r, in]
-    b: mx.array  # [out, r]
-    scale: float
+    a: mx.array  # [in, r]
+    b: mx.array  # [r, out]
 
     @property
     def rank(self) -> int:
-        return int(self.a.shape[0])
+        return int(self.a.shape[1])
 
 
 @attrs.define
@@ -158,14 +158,19 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
 
 
 def fit_adapter(
-    model: nn.Module, arch: Architecture, adapter: AdapterCheckpoint, dtype: mx.Dtype
+    model: nn.Module,
+    arch: Architecture,
+    adapter: AdapterCheckpoint,
+    dtype: mx.Dtype,
+    modules: Mapping[str, nn.Module] | None = None,
 ) -> dict[str, FittedUpdate]:
-    """``adapter``'s updates under the loaded ``model``'s module names, as MLX arrays in
-    ``dtype``; refuses, naming the tensor, an update whose module the model lacks or is not
-    linear, or whose shapes do not fit it."""
+    """``adapter``'s updates under the loaded ``model``'s module names (``modules``: its
+    ``named_modules``, when known), as MLX arrays in ``dtype``; refuses, naming the tensor, an
+    update whose module the model lacks or is not linear, or whose shapes do not fit it. The
+    transposes and the scale are applied on the host: an update becomes two MLX arrays."""
     from mlxr_core.model.loader import renamed_modules
 
-    modules = dict(model.named_modules())
+    modules = modules if modules is not None else dict(model.named_modules())
     fitted: dict[str, FittedUpdate] = {}
     for module, update in renamed_modules(arch, adapter.updates).items():
         a_name, b_name = update.names
@@ -185,10 +190,15 @@ def fit_adapter(
             raise ModelLoadError(f"shape {tuple(update.b.shape)} does not fit {module} ({out} outputs, rank "
                                  f"{update.rank}): expected [{out}, {update.rank}]",
                                  path=str(adapter.path), tensor=b_name)  # fmt: skip
-        fitted[module] = FittedUpdate(mx.array(update.a).astype(dtype), mx.array(update.b).astype(dtype), update.scale)
+        a, b = np.ascontiguousarray(update.a.T), np.ascontiguousarray(update.b.T) * update.scale
+        fitted[module] = FittedUpdate(_in_dtype(mx.array(a), dtype), _in_dtype(mx.array(b), dtype))
     if not fitted:
         raise ModelLoadError("the adapter holds no LoRA update", path=str(adapter.path))
     return fitted
+
+
+def _in_dtype(array: mx.array, dtype: mx.Dtype) -> mx.array:
+    return array if array.dtype == dtype else array.astype(dtype)
 
 
 class LayerUpdates:
@@ -211,10 +221,10 @@ class LayerUpdates:
     def add(self, slot: int, update: FittedUpdate) -> None:
         r = update.rank
         width = max(r, self.a.shape[-1] if self.a is not None else 0)
-        # [1, in, r] and [1, r, out], the scale folded into B (no multiply per step).
-        a, b = update.a.T[None], (update.b.T * update.scale).astype(update.b.dtype)[None]
-        a = mx.pad(a, [(0, 0), (0, 0), (0, width - r)])
-        b = mx.pad(b, [(0, 0), (0, width - r), (0, 0)])
+        a, b = update.a[None], update.b[None]  # [1, in, r] and [1, r, out]
+        if width > r:
+            a = mx.pad(a, [(0, 0), (0, 0), (0, width - r)])
+            b = mx.pad(b, [(0, 0), (0, width - r), (0, 0)])
         if self.a is None or self.b is None:
             self.a, self.b = a, b
         else:
@@ -243,8 +253,10 @@ class LayerUpdates:
             self.entries[s][0] if s in self.entries else -1
             for s in range(self.adapters.capacity + 1)
         )
-        if self.a is not None and self.b is not None:
-            mx.eval(self.a, self.b)
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.a, self.b] if self.a is not None and self.b is not None else []
 
     def apply(self, x: mx.array, y: mx.array) -> mx.array:
         """``y`` (the base layer's output for ``x [B, L, in]``) plus each row's update."""
@@ -350,6 +362,8 @@ class AdapterSet:
         read: Callable[[Path], AdapterCheckpoint] | None = None,
     ):
         self.model = model
+        #: The model's modules by name (their classes change as adapters target them, not they).
+        self.modules = dict(model.named_modules())
         self.capacity = capacity
         self.configured = dict(configured or {})
         #: Reads an adapter file for this model (:func:`read_adapter` with the model's registries).
@@ -399,15 +413,15 @@ class AdapterSet:
             raise ValueError(f"all {self.capacity} adapter slots are taken")
         slot = free[0]
         before = self.nbytes
-        modules = dict(self.model.named_modules())
         for path, update in updates.items():
             layer = self.layers.get(path)
             if layer is None:
-                module = modules[path]
+                module = self.modules[path]
                 layer = self.layers[path] = LayerUpdates(self)
                 module.__class__ = LOW_RANK.get(type(module), type(module))
                 object.__setattr__(module, "_updates", layer)
             layer.add(slot, update)
+        mx.eval([array for path in updates for array in self.layers[path].arrays])  # one sync for all
         own = sum(update.a.nbytes + update.b.nbytes for update in updates.values())
         self.resident[name] = ResidentAdapter(name, slot, tuple(updates), own, time.monotonic())
         self._changed(before)
@@ -420,6 +434,7 @@ class AdapterSet:
         before = self.nbytes
         for path in resident.modules:
             self.layers[path].remove(resident.slot)
+        mx.eval([array for path in resident.modules for array in self.layers[path].arrays])
         self._changed(before)
 
     def in_use(self) -> set[int]:
@@ -499,8 +514,9 @@ def swap_in(loaded: Any, name: str, checkpoint: AdapterCheckpoint) -> int:
     thread: the cheap part of a load); its slot. Nothing changes when it is refused."""
     from mlxr_core.model.loader import DTYPES
 
-    updates = fit_adapter(loaded.model, loaded.arch, checkpoint, DTYPES[loaded.dtype])
-    return served_adapters(loaded).add(name, updates)
+    adapters = served_adapters(loaded)
+    updates = fit_adapter(loaded.model, loaded.arch, checkpoint, DTYPES[loaded.dtype], adapters.modules)
+    return adapters.add(name, updates)
 
 
 def served_adapters(loaded: Any) -> AdapterSet:
