@@ -25,6 +25,7 @@ import attrs
 from mlxr_core.engine.jobs import WAITING
 from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
 from mlxr_core.model.lora import AdapterCheckpoint, AdapterSet, read_for, served_adapters, swap_in
+from mlxr_core.model.paths import resolve_model_path
 
 if TYPE_CHECKING:
     from mlxr_core.model.loader import LoadedModel
@@ -38,6 +39,7 @@ def make_resident(loaded: LoadedModel, name: str) -> int | None:
     resident = adapters.resident.get(name)
     if resident is None:
         if name not in adapters.configured:
+            adapters.reading.pop(name, None)  # deleted while it was read
             raise ConfigError(f"model {loaded.name} has no adapter {name!r}", field="models[].adapters")
         read = adapters.reading.get(name) or start_read(loaded, name)
         if not read.done():
@@ -45,6 +47,9 @@ def make_resident(loaded: LoadedModel, name: str) -> int | None:
                 return None
             read.exception()  # wait for it
         checkpoint = _checkpoint(adapters, name, read)
+        if not _read_from(checkpoint, adapters.configured[name]):
+            del adapters.reading[name]  # the name was given another file while it was read
+            return make_resident(loaded, name)
         if len(adapters.resident) >= adapters.capacity:
             in_use = adapters.in_use()
             idle = [r for r in adapters.resident.values() if r.slot not in in_use]
@@ -88,6 +93,14 @@ def _checkpoint(adapters: AdapterSet, name: str, read: Future[AdapterCheckpoint]
         raise error
     raise ModelLoadError(f"the adapter could not be read: {type(error).__name__}: {error}",
                          path=adapters.configured[name]) from error  # fmt: skip
+
+
+def _read_from(checkpoint: AdapterCheckpoint, path: str) -> bool:
+    """Whether ``checkpoint`` was read from the file ``path`` (as configured) names now."""
+    try:
+        return checkpoint.path == resolve_model_path(path)
+    except MlxrError:  # gone: a read of it again says so
+        return False
 
 
 def hold_adapter(loaded: LoadedModel, name: str) -> Generator[str | None, None, int]:

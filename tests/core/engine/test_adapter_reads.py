@@ -113,3 +113,32 @@ def test_option_scoring_under_an_adapter_reads_it_then_lets_its_slot_go(referenc
             logits = reference.merged(name)(torch.tensor([PROMPT])).logits[0, -1].double()
         want = torch.log_softmax(logits[[ids[0] for ids in options]], 0).tolist()
         assert scores == pytest.approx(want, abs=1e-4), name
+
+
+def test_an_adapter_given_another_file_while_it_is_read_serves_the_new_one(reference: LoraReference) -> None:
+    """A read that finishes after its adapter's name was given another file (Ollama's create
+    over an existing name) is not swapped in: the new file is read, and served."""
+    engine = start(reference)
+    try:
+        adapters = engine._loaded["tiny"].adapters
+        assert adapters is not None and adapters.read is not None
+        read, started, release = adapters.read, threading.Event(), threading.Event()
+
+        def held_read(path: Path) -> Any:
+            started.set()
+            release.wait(30)
+            return read(path)
+
+        adapters.read = held_read
+        waiting = engine.submit(request("tiny:mlp", 6))
+        assert started.wait(30)
+        adapters.configured["mlp"] = str(reference.root / "qv")  # as the engine thread would, between steps
+        release.set()
+        events = list(waiting)
+        same = list(engine.submit(request("tiny:qv", 6)))
+    finally:
+        release.set()
+        engine.stop()
+    assert isinstance(events[-1], Finished) and isinstance(same[-1], Finished)
+    tokens = [[t for e in run if isinstance(e, Delta) for t in e.token_ids] for run in (events, same)]
+    assert tokens[0] == tokens[1]  # mlp's name now serves qv's file
