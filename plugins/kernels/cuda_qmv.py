@@ -54,8 +54,8 @@ TARGET_WARPS = 4096
 #: Output rows from which a warp takes two rows (its inputs read once from shared memory for both).
 TWO_ROWS_FROM = 8192
 #: 16-byte vectors per lane, times rows per warp, per step (loaded a step ahead), by bit width:
-#: unpacking 4 at 4 bits takes 122 registers (2 blocks per SM), 2 take 76; 4 at 8 bits take 71
-#: (``bench/kernels/compile_check.py``).
+#: 4 at 4 bits take 122 registers (2 blocks per SM), 2 take 45-50; 4 at 8 bits take 69-71
+#: (nvcc 13, sm_90, ``bench/kernels/compile_check.py``).
 IN_FLIGHT = {4: 2, 8: 4}
 GROUP_SIZES = (32, 64, 128)
 BITS = (4, 8)
