@@ -292,48 +292,49 @@ def test_a_quantized_target_hands_its_states_to_the_head(target, draft):
 # --- refusals ------------------------------------------------------------------------------------
 
 
-def start_failing(target, speculative) -> BaseException:
-    model = ModelConfig(path=str(target), name="tiny", dtype="float32", context_length=256, speculative=speculative)
-    engine = Engine(Config(models=[model]), HOST)
-    try:
-        with pytest.raises((ConfigError, ModelLoadError)) as caught:
-            engine.start()
-    finally:
-        engine.stop()
+def head_error(target, path) -> BaseException:
+    """What reading the draft at ``path`` for the tiny target raises."""
+    from mlxr_plugins.decoders.eagle3 import load_eagle3_head
+
+    loaded = load(target, SpeculationConfig(method="eagle3", path=None if path is None else str(path)))
+    with pytest.raises((ConfigError, ModelLoadError)) as caught:
+        load_eagle3_head(loaded, HOST.registries)
     return caught.value
 
 
 def test_a_missing_or_foreign_draft_is_refused_naming_the_path_key(target, tmp_path):
-    error = start_failing(target, SpeculationConfig(method="eagle3"))
-    assert isinstance(error, ConfigError) and error.field == "models[].speculative.path"
-    error = start_failing(target, SpeculationConfig(method="eagle3", path=str(tmp_path / "nowhere")))
-    assert isinstance(error, ConfigError) and error.field == "models[].speculative.path"
-    error = start_failing(target, SpeculationConfig(method="eagle3", path=str(target)))  # a plain Llama
-    assert isinstance(error, ConfigError) and error.field == "models[].speculative.path"
+    """At startup (the engine does not start), and for a path that does not resolve or a folder
+    that is no EAGLE-3 draft (a plain Llama)."""
+    model = ModelConfig(path=str(target), name="tiny", dtype="float32", context_length=256,
+                        speculative=SpeculationConfig(method="eagle3"))  # fmt: skip
+    engine = Engine(Config(models=[model]), HOST)
+    try:
+        with pytest.raises(ConfigError) as caught:
+            engine.start()
+    finally:
+        engine.stop()
+    assert caught.value.field == "models[].speculative.path"
+    for path in (tmp_path / "nowhere", target):
+        error = head_error(target, path)
+        assert isinstance(error, ConfigError) and error.field == "models[].speculative.path"
     assert "no EAGLE-3 draft" in str(error)
 
 
 def test_a_draft_that_does_not_fit_is_a_load_error_naming_the_tensor_or_key(target, tmp_path):
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import save_file
 
     tensors = write_draft(tmp_path / "shape")
     tensors["midlayer.self_attn.q_proj.weight"] = tensors["midlayer.self_attn.q_proj.weight"][:, :H]  # H, not 2H
     save_file(tensors, str(tmp_path / "shape" / "model.safetensors"))
-    error = start_failing(target, SpeculationConfig(method="eagle3", path=str(tmp_path / "shape")))
-    assert isinstance(error, ModelLoadError) and "midlayer.self_attn.q_proj.weight" in str(error)
+    tensors = write_draft(tmp_path / "d2t")
+    tensors["d2t"] = tensors["d2t"] + VOCAB  # target ids past the vocabulary
+    save_file(tensors, str(tmp_path / "d2t" / "model.safetensors"))
     write_draft(tmp_path / "layers", layer_ids=[1, 3, LAYERS])  # past the target's last layer
-    error = start_failing(target, SpeculationConfig(method="eagle3", path=str(tmp_path / "layers")))
-    assert isinstance(error, ModelLoadError) and "eagle_aux_hidden_state_layer_ids" in str(error)
-    saved = load_file(str(tmp_path / "layers" / "model.safetensors"))
     write_draft(tmp_path / "vocab", vocab_size=VOCAB + 3)
-    error = start_failing(target, SpeculationConfig(method="eagle3", path=str(tmp_path / "vocab")))
-    assert isinstance(error, ModelLoadError) and "vocab_size" in str(error)
-    saved["d2t"] = saved["d2t"] + VOCAB  # targets past the vocabulary
-    save_file(saved, str(tmp_path / "layers" / "model.safetensors"))
-    write_draft(tmp_path / "d2t")
-    save_file(saved, str(tmp_path / "d2t" / "model.safetensors"))
-    error = start_failing(target, SpeculationConfig(method="eagle3", path=str(tmp_path / "d2t")))
-    assert isinstance(error, ModelLoadError) and "d2t" in str(error)
+    for folder, named in (("shape", "midlayer.self_attn.q_proj.weight"), ("d2t", "d2t"),
+                          ("layers", "eagle_aux_hidden_state_layer_ids"), ("vocab", "vocab_size")):  # fmt: skip
+        error = head_error(target, tmp_path / folder)
+        assert isinstance(error, ModelLoadError) and named in str(error), (folder, error)
 
 
 def test_config_check_names_a_missing_draft_path(tmp_path, target):
