@@ -25,17 +25,14 @@ import mlx.core as mx
 
 from mlxr_core.engine.request import GenerationRequest
 from mlxr_core.engine.speculation import draft_choice
-from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
+from mlxr_core.errors import MlxrError, ModelLoadError
 from mlxr_core.model.cache import position_bytes
 from mlxr_core.model.layers import CausalLM
 from mlxr_core.model.layers.dflash import DFlashArgs, DFlashHead
 from mlxr_core.model.loader import DTYPES, LoadedModel
-from mlxr_core.model.paths import resolve_model_path
-from mlxr_core.model.stages import open_checkpoint
-from mlxr_plugins.decoders.mtp import METHOD_KEY
+from mlxr_plugins.decoders.draft_folder import open_draft
 from mlxr_plugins.decoders.plain import PlainDecoder
 
-PATH_KEY = "models[].speculative.path"
 #: The ``architectures`` a DFlash draft folder names (z-lab's class; vLLM's).
 ARCHITECTURES = ("DFlashDraftModel", "DFlashQwen3ForCausalLM")
 
@@ -52,26 +49,11 @@ def load_dflash(model: LoadedModel, registries: Any) -> tuple[DFlashSpec, DFlash
     """The DFlash drafter at ``models[].speculative.path`` for ``model``, in the model's dtype.
     Raises ConfigError naming the key for a missing or foreign draft or a target that cannot hand
     over its layers' states, ModelLoadError naming the config key or tensor that does not fit."""
-    where = f"model {model.name}: speculative method dflash"
-    path = model.speculative.path if model.speculative is not None else None
-    if not path:
-        raise ConfigError(f"{where} needs the DFlash draft folder", field=PATH_KEY)
-    lm = model.model
-    if not isinstance(lm, CausalLM):
-        raise ConfigError(f"{where}: the {model.config.get('model_type')!r} model hands over no hidden states",
-                          field=METHOD_KEY)  # fmt: skip
+    folder = open_draft(model, registries, "dflash", "DFlash", ARCHITECTURES)
+    lm = folder.target
+    target_hidden = int(lm.model.norm.weight.shape[-1])  # (a quantized embedding's columns are packed)
     try:
-        opened = open_checkpoint(resolve_model_path(path), registries, dtype=model.dtype)
-    except MlxrError as exc:
-        raise ConfigError(f"{where}: the draft {path} cannot be read: {exc}", field=PATH_KEY) from None
-    config, weights = opened.checkpoint.config, dict(opened.checkpoint.weights)
-    named = config.get("architectures") or []
-    if not any(name in ARCHITECTURES for name in named):
-        raise ConfigError(f"{where}: {path} is no DFlash draft (its config names {named}, not one of "
-                          f"{list(ARCHITECTURES)})", field=PATH_KEY)  # fmt: skip
-    target_hidden = int(lm.model.norm.weight.shape[-1])
-    try:
-        args = DFlashArgs.from_config(config)
+        args = DFlashArgs.from_config(folder.config)
         ids = args.target_layers(len(lm.layers))
         mask = args.mask_token
         vocab = int(lm.model.embed_tokens.weight.shape[0])
@@ -83,20 +65,13 @@ def load_dflash(model: LoadedModel, registries: Any) -> tuple[DFlashSpec, DFlash
         if (args.target_hidden_size or target_hidden) != target_hidden:
             raise ModelLoadError(f"the target's hidden size is {target_hidden}", key="target_hidden_size")
         head = DFlashHead(args, model.kernels, len(ids) * target_hidden)
-        head.load_weights([(name.removeprefix("model."), array) for name, array in weights.items()], strict=True)
+        weights = [(name.removeprefix("model."), array) for name, array in folder.weights.items()]
+        head.load_weights(weights, strict=True)
     except (ModelLoadError, ValueError) as exc:
-        key = getattr(exc, "key", None)
-        raise ModelLoadError(f"{where}: the draft {path} does not fit{f' ({key})' if key else ''}: {exc}",
-                             path=str(path)) from None  # fmt: skip
+        raise folder.not_fitting(exc) from None
     # Hugging Face's hidden_states[l + 1], the output of layer l, is the input of layer l + 1.
     layers = tuple(index + 1 for index in ids)
-    try:  # the target's layers must record their inputs (a family with its own layer loop does not)
-        lm.forward_hidden(mx.zeros((1, 1), dtype=mx.int32), None, None, layers)
-    except MlxrError as exc:
-        raise ConfigError(f"{where}: {exc}", field=METHOD_KEY) from None
-    head.set_dtype(DTYPES[model.dtype])
-    mx.eval(head.parameters())
-    head.eval()
+    folder.ready(head, layers, model.dtype)
     return DFlashSpec(head, layers, mask, args.block_size), args
 
 

@@ -19,16 +19,14 @@ import mlx.core as mx
 
 from mlxr_core.engine.request import GenerationRequest
 from mlxr_core.engine.speculation import draft_choice
-from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
+from mlxr_core.errors import MlxrError, ModelLoadError
 from mlxr_core.model.cache import position_bytes
 from mlxr_core.model.layers import CausalLM
 from mlxr_core.model.layers.eagle3 import Eagle3Args, Eagle3Head
 from mlxr_core.model.loader import DTYPES, LoadedModel
-from mlxr_core.model.paths import resolve_model_path
-from mlxr_core.model.stages import open_checkpoint
-from mlxr_plugins.decoders.mtp import METHOD_KEY, MtpDecoder, MtpDrafter
+from mlxr_plugins.decoders.draft_folder import open_draft
+from mlxr_plugins.decoders.mtp import MtpDecoder, MtpDrafter
 
-PATH_KEY = "models[].speculative.path"
 #: The ``architectures`` an EAGLE-3 draft folder names (EAGLE's and SpecForge's; vLLM's class).
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 
@@ -38,23 +36,8 @@ def load_eagle3_head(model: LoadedModel, registries: Any) -> tuple[Eagle3Head, t
     model's dtype, with the target layers it reads. Raises ConfigError naming the key for a
     missing draft or a target that cannot hand over its layers' states, ModelLoadError naming
     the config key or tensor that does not fit."""
-    where = f"model {model.name}: speculative method eagle3"
-    path = model.speculative.path if model.speculative is not None else None
-    if not path:
-        raise ConfigError(f"{where} needs the EAGLE-3 draft folder", field=PATH_KEY)
-    lm = model.model
-    if not isinstance(lm, CausalLM):
-        raise ConfigError(f"{where}: the {model.config.get('model_type')!r} model hands over no hidden states",
-                          field=METHOD_KEY)  # fmt: skip
-    try:
-        opened = open_checkpoint(resolve_model_path(path), registries, dtype=model.dtype)
-    except MlxrError as exc:
-        raise ConfigError(f"{where}: the draft {path} cannot be read: {exc}", field=PATH_KEY) from None
-    config, weights = opened.checkpoint.config, dict(opened.checkpoint.weights)
-    named = config.get("architectures") or []
-    if not any(name in ARCHITECTURES for name in named):
-        raise ConfigError(f"{where}: {path} is no EAGLE-3 draft (its config names {named}, not one of "
-                          f"{list(ARCHITECTURES)})", field=PATH_KEY)  # fmt: skip
+    folder = open_draft(model, registries, "eagle3", "EAGLE-3", ARCHITECTURES)
+    lm, config, weights = folder.target, folder.config, folder.weights
     target_hidden = int(lm.model.norm.weight.shape[-1])  # (a quantized embedding's columns are packed)
     try:
         args = Eagle3Args.from_config(config)
@@ -75,16 +58,8 @@ def load_eagle3_head(model: LoadedModel, registries: Any) -> tuple[Eagle3Head, t
         head.map_vocabulary(d2t)
         head.load_weights(list(weights.items()), strict=True)
     except (ModelLoadError, ValueError) as exc:
-        key = getattr(exc, "key", None)
-        raise ModelLoadError(f"{where}: the draft {path} does not fit{f' ({key})' if key else ''}: {exc}",
-                             path=str(path)) from None  # fmt: skip
-    try:  # the target's layers must record their inputs (a family with its own layer loop does not)
-        lm.forward_hidden(mx.zeros((1, 1), dtype=mx.int32), None, None, layers)
-    except MlxrError as exc:
-        raise ConfigError(f"{where}: {exc}", field=METHOD_KEY) from None
-    head.set_dtype(DTYPES[model.dtype])
-    mx.eval(head.parameters())
-    head.eval()
+        raise folder.not_fitting(exc) from None
+    folder.ready(head, layers, model.dtype)
     return head, layers, args
 
 
