@@ -40,7 +40,8 @@ MLXR_ESSENTIAL = True
 #: a split reduction, CUDA only; it hands wide layers and one-row calls to mx) above it: see their
 #: modules. ``cuda_qmv`` (``cuda_qmm`` plus a 4- and 8-bit kernel for one row, batch-1 decode) sits
 #: between ``mlx_fast`` and ``cuda_qmm``, opt-in (``kernels: {quantized_matmul: cuda_qmv}``) until
-#: its parity and timings on a GPU are in. ``cuda_moe`` (a mixture of experts' router in one kernel, CUDA only) sits above
+#: its parity and timings on a GPU are in; ``metal_qmv``, its one-row kernel's Metal twin, is
+#: untested (no Apple GPU here), so opt-in too. ``cuda_moe`` (a mixture of experts' router in one kernel, CUDA only) sits above
 #: ``mlx_fast``, and so does ``cuda_delta`` (the gated delta rule's whole recurrence in one kernel,
 #: CUDA only). ``metal``'s gated delta kernel is untested (no Apple GPU here), so opt-in too.
 BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
@@ -60,6 +61,7 @@ BACKENDS: dict[str, tuple[str, int, tuple[str, ...] | None]] = {
     "cuda_qmv": ("mlxr_plugins.kernels.cuda_qmv", 12, ("quantized_matmul",)),
     "cuda_norm": ("mlxr_plugins.kernels.cuda_norm", 20, ("add_rms_norm",)),
     "metal": ("mlxr_plugins.kernels.metal", 5, ("attention", "rms_norm", "gated_delta")),
+    "metal_qmv": ("mlxr_plugins.kernels.metal_qmv", 5, ("quantized_matmul",)),
     "mlx_fast": ("mlxr_plugins.kernels.mlx_fast", 10, None),
     "reference": ("mlxr_plugins.kernels.reference", 0, None),
 }

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from mlxr_core.kernels import KernelContext, current_platform
-from mlxr_plugins.kernels import cuda, cuda_qmm, cuda_qmv, metal, reference
+from mlxr_plugins.kernels import cuda, cuda_qmm, cuda_qmv, metal, metal_qmv, reference
 
 DEVICE, PLATFORM = current_platform()
 ATTENTION_TOL = {
@@ -771,3 +771,37 @@ def test_cuda_qmv_through_the_registry_and_greedy_tokens_of_a_model(tmp_path, mo
     assert calls, "the one-row kernel never ran"
     assert runs["cuda_qmv"][0] == runs["mlx_fast"][0]
     np.testing.assert_allclose(runs["cuda_qmv"][1], runs["mlx_fast"][1], atol=1e-3, rtol=1e-3)
+
+
+# --------------------------------------------------------------------------------------------
+# metal_qmv: the one-row kernel's Metal twin (UNTESTED: no Apple GPU here)
+
+
+def test_metal_qmv_runs_only_on_metal_and_takes_reductions_up_to_its_limit():
+    assert metal_qmv.quantized_matmul_kernel.supports(ctx("quantized_matmul", "metal")) == []
+    assert "needs Apple Silicon Metal" in metal_qmv.quantized_matmul_kernel.supports(ctx("quantized_matmul", "cuda"))[0]
+    for k, takes in ((metal_qmv.MAX_K, True), (2 * metal_qmv.MAX_K, False)):
+        packed, scales, biases = packed_layer(8, k)
+        plan = metal_qmv.one_row_plan(mx.zeros((1, k), dtype=mx.bfloat16), packed, scales, biases)
+        assert isinstance(plan, cuda_qmv.OneRowPlan) == takes, plan
+
+
+def test_what_metal_qmv_does_not_take_is_exactly_mx():
+    packed, scales, biases = packed_layer(64, 512)
+    x = mx.random.normal((3, 512)).astype(mx.bfloat16)
+    assert mx.array_equal(metal_qmv.quantized_matmul(x, packed, scales, biases),
+                          mx.quantized_matmul(x, packed, scales, biases))
+
+
+@pytest.mark.skipif(PLATFORM != "metal", reason=METAL_REASON or "needs Metal")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize("n, k, group_size, bits", [case for case in QMV_CASES if case[1] <= metal_qmv.MAX_K])
+def test_metal_qmv_parity(dtype, n, k, group_size, bits):
+    w = (mx.random.normal((n, k), key=mx.random.key(n)) / k**0.5).astype(dtype)
+    packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+    x = mx.random.normal((1, k), key=mx.random.key(k)).astype(dtype)
+    out = metal_qmv.quantized_matmul(x, packed, scales, biases, group_size=group_size, bits=bits)
+    assert out.shape == (1, n) and out.dtype == dtype
+    atol, rtol = QMV_TOL[dtype]
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)),
+                               qmv_expected(x, packed, scales, biases, group_size, bits), atol=atol, rtol=rtol)

@@ -173,6 +173,7 @@ def test_kernel_report_covers_every_backend_and_marks_the_auto_choice(registries
         ("attention", "cuda"), ("attention", "metal"), ("rms_norm", "metal"),
         ("add_rms_norm", "cuda_norm"), ("rope", "cpu_blas"), ("quantized_matmul", "cpu_blas"),
         ("quantized_matmul", "cuda_dense"), ("quantized_matmul", "cuda_qmm"), ("quantized_matmul", "cuda_qmv"),
+        ("quantized_matmul", "metal_qmv"),
         ("quantized_matmul", "cpu_int8"), ("gather_matmul", "cpu_int8"),
         ("route", "cuda_moe"), ("gated_delta", "cuda_delta"), ("gated_delta", "metal")} | {
         (op, "cpu_native") for op in ("attention", "rms_norm", "add_rms_norm", "rope",
