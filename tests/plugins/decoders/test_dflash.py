@@ -267,6 +267,27 @@ def test_gaps_and_sampled_rows(target, draft):
         engine.stop()
 
 
+def test_a_quantized_target_hands_its_states_to_the_drafter(target, draft):
+    """A 4-bit target (its embedding table and LM head packed: the drafter embeds the block and
+    reads its logits through them) serves the drafter; its rows decode the 4-bit model's plain
+    greedy tokens."""
+    from mlxr_core.testing.drafting import decode_together
+
+    folder, _ = draft
+    speculative = SpeculationConfig(method="dflash", path=str(folder), k=4)
+    model = ModelConfig(path=str(target), name="tiny", context_length=256, dtype="float32", quantization="q4",
+                        speculative=speculative)  # fmt: skip
+    engine = Engine(Config(models=[model]), HOST)
+    engine.start()
+    try:
+        prompts = [np.random.default_rng(row).integers(2, MASK, 9).tolist() for row in range(3)]
+        plain = decode_together(engine, "tiny", prompts, 24, speculative=False)
+        assert decode_together(engine, "tiny", prompts, 24) == plain
+        assert dict(engine.stats()["decoders"]["tiny"]["dflash"])["drafted"] > 0
+    finally:
+        engine.stop()
+
+
 # --- refusals ------------------------------------------------------------------------------------
 
 
