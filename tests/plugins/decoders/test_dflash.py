@@ -291,47 +291,52 @@ def test_a_quantized_target_hands_its_states_to_the_drafter(target, draft):
 # --- refusals ------------------------------------------------------------------------------------
 
 
-def start_failing(target, speculative) -> BaseException:
-    model = ModelConfig(path=str(target), name="tiny", dtype="float32", context_length=256, speculative=speculative)
-    engine = Engine(Config(models=[model]), HOST)
-    try:
-        with pytest.raises((ConfigError, ModelLoadError)) as caught:
-            engine.start()
-    finally:
-        engine.stop()
+def drafter_error(target, path) -> BaseException:
+    """What reading the draft at ``path`` for the tiny target raises."""
+    from mlxr_plugins.decoders.dflash import load_dflash
+
+    loaded = load(target, SpeculationConfig(method="dflash", path=str(path)))
+    with pytest.raises((ConfigError, ModelLoadError)) as caught:
+        load_dflash(loaded, HOST.registries)
     return caught.value
 
 
 def test_a_missing_or_foreign_draft_is_refused_naming_the_path_key(target, tmp_path):
-    error = start_failing(target, SpeculationConfig(method="dflash"))
-    assert isinstance(error, ConfigError) and error.field == "models[].speculative.path"
-    error = start_failing(target, SpeculationConfig(method="dflash", path=str(target)))  # a plain Llama
-    assert isinstance(error, ConfigError) and error.field == "models[].speculative.path"
+    """At startup (the engine does not start), and for a path that does not resolve or a folder
+    that is no DFlash draft (a plain Llama)."""
+    model = ModelConfig(path=str(target), name="tiny", dtype="float32", context_length=256,
+                        speculative=SpeculationConfig(method="dflash"))  # fmt: skip
+    engine = Engine(Config(models=[model]), HOST)
+    try:
+        with pytest.raises(ConfigError) as caught:
+            engine.start()
+    finally:
+        engine.stop()
+    assert caught.value.field == "models[].speculative.path"
+    for path in (tmp_path / "nowhere", target):
+        error = drafter_error(target, path)
+        assert isinstance(error, ConfigError) and error.field == "models[].speculative.path"
     assert "no DFlash draft" in str(error)
 
 
-@pytest.mark.parametrize(
-    ("options", "named"),
-    [
-        ({"layer_ids": [1, LAYERS - 1]}, "dflash_config.target_layer_ids"),  # the last layer has none after it
+def test_a_draft_asking_for_other_math_or_not_fitting_is_a_load_error_naming_the_key(target, tmp_path):
+    """Each config key that asks for math not computed here, and a tensor of the wrong shape."""
+    from safetensors.numpy import save_file
+
+    cases = [
+        ({"layer_ids": [1, LAYERS - 1]}, "dflash_config.target_layer_ids"),  # no layer after the last
         ({"causal": True}, "dflash_config.causal"),
         ({"use_swa": True}, "dflash_config.use_swa"),
         ({"mask_token_id": VOCAB}, "dflash_config.mask_token_id"),
-    ],
-)
-def test_a_config_asking_for_other_math_is_refused_naming_the_key(target, tmp_path, options, named):
-    write_draft(tmp_path / "draft", **options)
-    error = start_failing(target, SpeculationConfig(method="dflash", path=str(tmp_path / "draft")))
-    assert isinstance(error, ModelLoadError) and named in str(error)
-
-
-def test_a_tensor_of_the_wrong_shape_is_a_load_error_naming_it(target, tmp_path):
-    from safetensors.numpy import save_file
-
-    tensors = write_draft(tmp_path / "draft")
+    ]
+    for at, (options, named) in enumerate(cases):
+        write_draft(tmp_path / str(at), **options)
+        error = drafter_error(target, tmp_path / str(at))
+        assert isinstance(error, ModelLoadError) and named in str(error), named
+    tensors = write_draft(tmp_path / "shape")
     tensors["fc.weight"] = tensors["fc.weight"][:, :H]  # one target layer's width, not two
-    save_file(tensors, str(tmp_path / "draft" / "model.safetensors"))
-    error = start_failing(target, SpeculationConfig(method="dflash", path=str(tmp_path / "draft")))
+    save_file(tensors, str(tmp_path / "shape" / "model.safetensors"))
+    error = drafter_error(target, tmp_path / "shape")
     assert isinstance(error, ModelLoadError) and "fc.weight" in str(error)
 
 
