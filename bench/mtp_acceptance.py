@@ -1,8 +1,8 @@
-"""MTP (or EAGLE-3) drafting inside the batch against plain decoding, at a controlled acceptance rate.
+"""MTP (or EAGLE-3, or DFlash) drafting inside the batch against plain decoding, at a controlled acceptance rate.
 
     python bench/mtp_acceptance.py [--shape qwen3.5-35b-a3b-8l] [--weights q4] [--acceptance 0.5 0.7 0.9]
                                    [--k 1 2 3 4] [--streams 1 8 32] [--prompt-tokens 128]
-                                   [--gen-tokens 128] [--rounds 2] [--method mtp|eagle3] [--out PREFIX]
+                                   [--gen-tokens 128] [--rounds 2] [--method mtp|eagle3|dflash] [--out PREFIX]
     python bench/mtp_acceptance.py --smoke     # a tiny shape, to check the script on a CPU
 
 Writes a Qwen3.5-shaped random-weight folder (:mod:`gpu_decode`'s shapes, mlx-lm's writer) and
@@ -20,6 +20,9 @@ acceptance the engine counted and whether every row gave plain decoding's tokens
 ``--method eagle3`` drafts with a random EAGLE-3 head instead (a separate folder beside the model:
 one Llama layer of the model's width and heads, a draft vocabulary of at most 32,000 ids with a
 ``d2t`` map; ``models[].speculative.path``), reading the model's layers 2, n // 2 and n - 3.
+``--method dflash`` drafts with a random DFlash block drafter (z-lab's layout beside the model: up
+to 5 Qwen3 layers of the model's width and heads, block size 16, reading z-lab's default layers);
+each step's ``k`` tokens come from one pass over the row's next input and ``k`` mask tokens.
 """
 
 from __future__ import annotations
@@ -113,6 +116,33 @@ def write_eagle3_draft(folder: Path, text: dict[str, Any]) -> int:
     return sum(array.nbytes for array in tensors.values())
 
 
+def write_dflash_draft(folder: Path, text: dict[str, Any]) -> int:
+    """A random DFlash draft for a model of ``text`` config in ``folder`` (z-lab's layout:
+    ``fc``, ``hidden_norm``, ``layers.N.*``, ``norm``); its bytes."""
+    from mlx.utils import tree_flatten
+
+    from mlxr_core.kernels import bind_kernels
+    from mlxr_core.model.layers.dflash import DFlashArgs, DFlashHead
+    from mlxr_core.plugins import load_plugins
+
+    vocab, layers = int(text["vocab_size"]), int(text["num_hidden_layers"])
+    draft_layers = 5 if layers >= 8 else 1
+    config = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": draft_layers,
+              "hidden_act": "silu", "vocab_size": vocab, "intermediate_size": 3 * int(text["hidden_size"]),
+              "rms_norm_eps": 1e-6, "rope_theta": 1e6, "block_size": 16, "num_target_layers": layers,
+              "dflash_config": {"mask_token_id": vocab - 1},
+              **{key: text[key] for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")}}  # fmt: skip
+    args = DFlashArgs.from_config(config)
+    kernels = bind_kernels(load_plugins().registries.kernels, dtype="float32", shapes=args.kernel_shapes())
+    mx.random.seed(3)
+    head = DFlashHead(args, kernels, len(args.target_layers(layers)) * args.hidden_size)
+    tensors = {name: array.astype(mx.bfloat16) for name, array in tree_flatten(head.parameters())}
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), tensors, metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
+    return sum(array.nbytes for array in tensors.values())
+
+
 def decode(engine: Any, prompts: list[list[int]], gen: int, speculative: bool) -> tuple[float, list[list[int]]]:
     """Every prompt at once, greedy, ``gen`` tokens each: aggregate decode tokens/s (from the
     last first token to the last token) and each row's tokens."""
@@ -134,7 +164,7 @@ def main() -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--gen-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--method", default="mtp", choices=("mtp", "eagle3"))
+    parser.add_argument("--method", default="mtp", choices=("mtp", "eagle3", "dflash"))
     parser.add_argument("--smoke", action="store_true", help="a tiny shape, float32 (checks the script on a CPU)")
     parser.add_argument("--out", default=None, help="write PREFIX.json")
     args = parser.parse_args()
@@ -155,11 +185,12 @@ def main() -> int:
         shape = {**shape, "text_config": {**shape["text_config"], **SMOKE_TEXT}}
     root = Path(tempfile.mkdtemp(prefix="mtp_bench_"))
     folder = write_folders(root, shape, (args.weights,))[args.weights]
-    method, draft = args.method, root / "eagle3"
-    head_bytes = add_mtp_layer(folder) if method == "mtp" else write_eagle3_draft(draft, shape["text_config"])
+    method, draft = args.method, root / args.method
+    writers = {"eagle3": write_eagle3_draft, "dflash": write_dflash_draft}
+    head_bytes = add_mtp_layer(folder) if method == "mtp" else writers[method](draft, shape["text_config"])
     # k is the model's setting, read when a request is admitted: the runs below set it in place.
     speculative = SpeculationConfig(method=method, k=max(args.k), max_k=max(args.k), adaptive=False,
-                                    max_batch=max(args.streams), path=str(draft) if method == "eagle3" else None)  # fmt: skip
+                                    max_batch=max(args.streams), path=str(draft) if method != "mtp" else None)  # fmt: skip
     model = ModelConfig(path=str(folder), name="bench", dtype="float32" if args.smoke else "bfloat16",
                         context_length=args.prompt_tokens + args.gen_tokens + 64, speculative=speculative)  # fmt: skip
     engine_config = EngineConfig(max_batch_size=max(args.streams), prefix_cache=PrefixCacheConfig(enabled=False))
