@@ -1,0 +1,472 @@
+"""Gemma 3n's audio side: the log-Mel front end, the USM-style conformer tower and the embedder
+that projects its soft tokens into the text model's space.
+
+- :class:`Gemma3nLogMel` (numpy only): 16 kHz samples, padded to a multiple of 128 samples, cut
+  into frames of ``frame_length`` + 1 samples every ``hop_length``; HTK-style pre-emphasis
+  (``0.97``), a periodic Hann window, the magnitude of an FFT of twice the next power of two,
+  ``feature_size`` triangular Mel filters (HTK scale, no area norm, 125 to 7600 Hz), ``log`` of at
+  least ``mel_floor``, optionally minus a per-bin mean and over a per-bin deviation. A frame is
+  valid when its first sample lies in the sound (not in the padding).
+- :class:`Gemma3nAudioEncoder`: two 2-D convolutions (time padded after, frequency by one each
+  side, stride 2 both ways), each followed by a group norm whose statistics accumulate over time
+  and a ReLU, flattened and projected; then conformer blocks (half-step feed-forward, chunked
+  local self-attention with a learned relative position term and a logit soft cap, a causal
+  depthwise "light" convolution, a second half-step feed-forward, a norm), every
+  ``conf_reduction_factor``-th frame kept, invalid frames zeroed.
+- :class:`Gemma3nAudioEmbedder`: soft tokens through an RMS norm, a projection to the text width
+  and a scale-free RMS norm; a hard token of the audio vocabulary the same way from its table.
+
+The math follows transformers' ``Gemma3nAudioEncoder`` / ``Gemma3nMultimodalEmbedder`` /
+``Gemma3nAudioFeatureExtractor``; the tensor names are the checkpoint's (under
+``model.audio_tower.`` and ``model.embed_audio.``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from mlxr_core.errors import ConfigError, ModelLoadError
+
+#: Every sound is this long at most, in samples at 16 kHz (30 s): the tower's soft tokens fill
+#: ``audio_soft_tokens_per_image`` positions for it.
+MAX_SAMPLES = 480_000
+#: The front end pads a sound to a multiple of this many samples.
+PAD_MULTIPLE = 128
+
+
+def htk_mel_filters(n_freqs: int, low: float, high: float, n_mels: int, sample_rate: int, fft_length: int) -> np.ndarray:
+    """``[n_freqs, n_mels]`` triangular filters on the HTK Mel scale, peak 1, no area norm."""
+    freqs = np.arange(n_freqs, dtype=np.float64) * (sample_rate / fft_length)
+    mel_low, mel_high = (2595.0 * math.log10(1.0 + f / 700.0) for f in (low, high))
+    edges = 700.0 * (10 ** (np.linspace(mel_low, mel_high, n_mels + 2) / 2595.0) - 1.0)
+    widths = np.diff(edges)
+    slopes = edges[None, :] - freqs[:, None]
+    rising = -slopes[:, :-2] / widths[:-1]
+    falling = slopes[:, 2:] / widths[1:]
+    return np.maximum(0.0, np.minimum(rising, falling))
+
+
+@attrs.frozen
+class Gemma3nLogMel:
+    """Gemma 3n's front end: ``samples`` at :attr:`sample_rate` -> ``(features [frames,
+    feature_size] float32, valid [frames] bool)`` (:meth:`__call__`). Settings in the names of
+    the checkpoint's ``preprocessor_config.json`` (:meth:`from_config`)."""
+
+    feature_size: int = 128
+    sample_rate: int = 16_000
+    frame_length_ms: float = 32.0
+    hop_length_ms: float = 10.0
+    min_frequency: float = 125.0
+    max_frequency: float = 7600.0
+    preemphasis: float = 0.97
+    preemphasis_htk_flavor: bool = True
+    fft_overdrive: bool = True
+    input_scale_factor: float = 1.0
+    mel_floor: float = 1e-5
+    per_bin_mean: tuple[float, ...] | None = None
+    per_bin_stddev: tuple[float, ...] | None = None
+
+    @classmethod
+    def from_config(cls, preprocessor: dict[str, Any] | None) -> Gemma3nLogMel:
+        """From a ``preprocessor_config.json`` (its ``feature_extractor`` part when nested;
+        missing keys take the defaults). ``dither`` other than 0 is refused: it adds noise."""
+        settings = dict(preprocessor or {})
+        settings = dict(settings.get("feature_extractor", settings))
+        if float(settings.get("dither", 0.0) or 0.0) != 0.0:
+            raise ConfigError("dither adds random noise to every frame; mlxr computes Gemma 3n's features "
+                              "without it", field="dither")  # fmt: skip
+        names = {field.name for field in attrs.fields(cls)}
+        kept: dict[str, Any] = {k: v for k, v in settings.items() if k in names and v is not None}
+        for key in ("per_bin_mean", "per_bin_stddev"):
+            if key in kept:
+                kept[key] = tuple(float(v) for v in kept[key])
+        return cls(**kept)
+
+    @property
+    def frame_length(self) -> int:
+        return round(self.sample_rate * self.frame_length_ms / 1000.0)
+
+    @property
+    def hop_length(self) -> int:
+        return round(self.sample_rate * self.hop_length_ms / 1000.0)
+
+    @property
+    def fft_length(self) -> int:
+        length = 2 ** math.ceil(math.log2(self.frame_length))
+        return length * 2 if self.fft_overdrive else length
+
+    def __call__(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        signal = np.asarray(samples, dtype=np.float32).reshape(-1)[:MAX_SAMPLES]
+        length = len(signal)
+        padded = -(-max(length, 1) // PAD_MULTIPLE) * PAD_MULTIPLE
+        signal = np.pad(signal, (0, padded - length)) * np.float32(self.input_scale_factor)
+        size, hop = self.frame_length + 1, self.hop_length
+        count = max(0, (padded - size) // hop + 1)
+        frames = np.lib.stride_tricks.as_strided(
+            signal, shape=(count, size), strides=(signal.strides[0] * hop, signal.strides[0]), writeable=False
+        ).astype(np.float64)
+        if self.preemphasis > 0.0 and self.preemphasis_htk_flavor:
+            frames = np.concatenate(
+                [frames[:, :1] * (1.0 - self.preemphasis), frames[:, 1:-1] - self.preemphasis * frames[:, :-2]], axis=1
+            )
+        elif self.preemphasis > 0.0:
+            frames = frames[:, 1:] - self.preemphasis * frames[:, :-1]
+        else:
+            frames = frames[:, :-1]
+        n = self.frame_length
+        window = 0.5 * (1 - np.cos(2 * np.pi * np.arange(n, dtype=np.float32) / n))
+        magnitude = np.abs(np.fft.rfft(frames * window.astype(np.float32), n=self.fft_length, axis=-1))
+        filters = htk_mel_filters(self.fft_length // 2 + 1, self.min_frequency, self.max_frequency,
+                                  self.feature_size, self.sample_rate, self.fft_length)  # fmt: skip
+        features = np.log(np.maximum(magnitude @ filters, self.mel_floor))
+        if self.per_bin_mean is not None:
+            features = features - np.asarray(self.per_bin_mean)
+        if self.per_bin_stddev is not None:
+            features = features / np.asarray(self.per_bin_stddev)
+        valid = np.arange(count) * hop < length
+        return features.astype(np.float32), valid
+
+
+@attrs.frozen
+class AudioArgs:
+    """The tower's settings, from a ``gemma3n`` config's ``audio_config`` (transformers' names and
+    defaults)."""
+
+    hidden_size: int = 1536
+    input_feat_size: int = 128
+    vocab_size: int = 128
+    vocab_offset: int = 262_144 + 128
+    rms_norm_eps: float = 1e-6
+    gradient_clipping: float = 1e10
+    conf_attention_chunk_size: int = 12
+    conf_attention_context_left: int = 13
+    conf_attention_context_right: int = 0
+    conf_attention_logit_cap: float = 50.0
+    conf_num_attention_heads: int = 8
+    conf_num_hidden_layers: int = 12
+    conf_conv_kernel_size: int = 5
+    conf_reduction_factor: int = 4
+    conf_residual_weight: float = 0.5
+    sscp_conv_channel_size: tuple[int, ...] = (128, 32)
+    sscp_conv_group_norm_eps: float = 1e-3
+    sscp_conv_kernel_size: tuple[tuple[int, int], ...] = ((3, 3), (3, 3))
+    sscp_conv_stride_size: tuple[tuple[int, int], ...] = ((2, 2), (2, 2))
+
+    @classmethod
+    def from_config(cls, audio: dict[str, Any]) -> AudioArgs:
+        names = {field.name for field in attrs.fields(cls)}
+        kept: dict[str, Any] = {k: v for k, v in audio.items() if k in names and v is not None}
+        for key in ("sscp_conv_channel_size",):
+            if key in kept:
+                kept[key] = tuple(int(v) for v in kept[key])
+        for key in ("sscp_conv_kernel_size", "sscp_conv_stride_size"):
+            if key in kept:
+                kept[key] = tuple((int(a), int(b)) for a, b in kept[key])
+        args = cls(**kept)
+        for key in ("sscp_conv_channel_size", "sscp_conv_kernel_size", "sscp_conv_stride_size"):
+            if len(getattr(args, key)) != 2:
+                raise ModelLoadError(f"Gemma 3n's audio tower has two subsampling convolutions, not "
+                                     f"{len(getattr(args, key))}", key=f"audio_config.{key}")  # fmt: skip
+        if args.hidden_size % args.conf_num_attention_heads:
+            raise ModelLoadError("hidden_size is not a multiple of conf_num_attention_heads",
+                                 key="audio_config.hidden_size")  # fmt: skip
+        return args
+
+    @property
+    def time_stride(self) -> int:
+        return math.prod(stride[0] for stride in self.sscp_conv_stride_size)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``x * (mean(x^2) + eps)^-1/2 * weight`` in float32 (Gemma 3n's norm: the weight as stored)."""
+    out = x.astype(mx.float32) * mx.rsqrt(mx.mean(mx.square(x.astype(mx.float32)), axis=-1, keepdims=True) + eps)
+    if weight is not None:
+        out = out * weight.astype(mx.float32)
+    return out.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dims: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class CumulativeGroupNorm(nn.Module):
+    """A group norm of one group over every feature and channel of a time step, with the mean and
+    variance accumulated from the first step to this one; a per-channel scale, no bias."""
+
+    def __init__(self, channels: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((channels,))
+        self.eps = eps
+
+    def __call__(self, x: mx.array) -> mx.array:  # [B, T, F, C]
+        h = x.astype(mx.float32)
+        count = mx.cumsum(mx.full((x.shape[1],), x.shape[2] * x.shape[3], mx.float32))[None, :, None, None]
+        mean = mx.cumsum(mx.sum(h, axis=(2, 3), keepdims=True), axis=1) / count
+        variance = mx.cumsum(mx.sum(mx.square(h - mean), axis=(2, 3), keepdims=True), axis=1) / count
+        return ((h - mean) * mx.rsqrt(variance + self.eps) * self.weight).astype(x.dtype)
+
+
+class SubsampleBlock(nn.Module):
+    def __init__(self, args: AudioArgs, index: int):
+        super().__init__()
+        channels = args.sscp_conv_channel_size
+        self.kernel = args.sscp_conv_kernel_size[index]
+        self.conv = nn.Conv2d(1 if index == 0 else channels[index - 1], channels[index], self.kernel,
+                              stride=args.sscp_conv_stride_size[index], bias=False)  # fmt: skip
+        self.norm = CumulativeGroupNorm(channels[index], args.sscp_conv_group_norm_eps)
+
+    def __call__(self, x: mx.array) -> mx.array:  # [B, T, F, C]: time padded after, frequency by one each side
+        x = mx.pad(x, [(0, 0), (0, self.kernel[0] - 1), (1, 1), (0, 0)])
+        return nn.relu(self.norm(self.conv(x)))
+
+
+class SubsampleProjection(nn.Module):
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        self.conv_0 = SubsampleBlock(args, 0)
+        self.conv_1 = SubsampleBlock(args, 1)
+        freq = args.input_feat_size
+        for (_, kw), (_, sw) in zip(args.sscp_conv_kernel_size, args.sscp_conv_stride_size, strict=True):
+            freq = (freq + 2 - kw) // sw + 1
+        self.input_proj_linear = nn.Linear(freq * args.sscp_conv_channel_size[-1], args.hidden_size, bias=False)
+
+    def __call__(self, features: mx.array) -> mx.array:  # [B, T, F]
+        x = self.conv_1(self.conv_0(features[..., None]))
+        B, T, F, C = x.shape
+        return self.input_proj_linear(x.reshape(B, T, F * C))
+
+
+class RelativePosition(nn.Module):
+    """The query-position term of the chunked attention: sinusoids of the relative distances
+    ``left - 1 .. -right`` projected per head, shifted so each query's row lines up with its keys."""
+
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        self.heads = args.conf_num_attention_heads
+        self.back, self.ahead = max(0, args.conf_attention_context_left - 1), args.conf_attention_context_right
+        self.pos_proj = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
+        n = args.hidden_size // 2
+        self._inv_timescales = mx.exp(mx.arange(n, dtype=mx.float32) * -(math.log(1.0e4) / max(n - 1, 1)))
+
+    def __call__(self, queries: mx.array, keys: mx.array) -> mx.array:
+        """``queries [B, U, W, N, H]``, ``keys [B, U, C, N, H]`` -> logits ``[B, N, U, W, C]``."""
+        B, U, W, N, H = queries.shape
+        C = keys.shape[2]
+        distance = mx.arange(self.back, -self.ahead - 1, -1).astype(mx.float32)[:, None] * self._inv_timescales
+        signal = mx.concatenate([mx.sin(distance), mx.cos(distance)], axis=-1).astype(queries.dtype)
+        F = signal.shape[0]
+        positions = self.pos_proj(signal).reshape(F, N, H).transpose(1, 2, 0)  # [N, H, F]
+        q = queries.transpose(0, 3, 1, 2, 4)  # [B, N, U, W, H]
+        content = q @ keys.transpose(0, 3, 1, 4, 2)  # [B, N, U, W, C]
+        position = (q.reshape(B, N, U * W, H) @ positions).reshape(B, N, U, W, F)
+        # row w's term for distance f goes to key column w + f
+        position = mx.pad(position, [(0, 0)] * 4 + [(0, C + 1 - F)]).reshape(B, N, U, W * (C + 1))
+        return content + position[..., : W * C].reshape(B, N, U, W, C)
+
+
+class ChunkedAttention(nn.Module):
+    """Local self-attention in chunks of ``W`` queries, each seeing its chunk and the
+    ``context_left - 1`` frames before it (and ``context_right`` after): per-dimension query
+    scales, the relative position term, a ``tanh`` soft cap, invalid frames masked."""
+
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        self.heads, self.head_dim = args.conf_num_attention_heads, args.hidden_size // args.conf_num_attention_heads
+        self.chunk = args.conf_attention_chunk_size
+        self.back, self.ahead = max(0, args.conf_attention_context_left - 1), args.conf_attention_context_right
+        self.context = self.chunk + self.back + self.ahead
+        self.cap = args.conf_attention_logit_cap
+        self.relative_position_embedding = RelativePosition(args)
+        self.per_dim_scale = mx.zeros((self.head_dim,))
+        self.q_proj = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
+        self.k_proj = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
+        self.v_proj = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
+        w, c = np.arange(self.chunk)[:, None], np.arange(self.context)[None, :]
+        self._local = mx.array((c >= w) & (c <= w + self.back + self.ahead))  # [W, C]
+
+    def _frames(self, x: mx.array, blocks: int) -> mx.array:
+        """``x [B, T, ...]`` -> ``[B, blocks, C, ...]``: block ``u`` sees ``u*W - back ..``."""
+        pad = [(0, 0), (self.back, self.ahead + self.chunk - 1)] + [(0, 0)] * (x.ndim - 2)
+        x = mx.pad(x, pad)
+        index = mx.arange(blocks)[:, None] * self.chunk + mx.arange(self.context)[None, :]
+        return x[:, index]
+
+    def __call__(self, x: mx.array, valid: mx.array) -> mx.array:  # [B, T, D], [B, T] -> [B, T, N, H]
+        B, T, _ = x.shape
+        shape = (B, T, self.heads, self.head_dim)
+        scale = (self.head_dim**-0.5 / math.log(2.0)) * nn.softplus(self.per_dim_scale.astype(mx.float32))
+        q = self.q_proj(x).reshape(shape) * scale.astype(x.dtype)
+        k, v = self.k_proj(x).reshape(shape), self.v_proj(x).reshape(shape)
+        blocks = -(-T // self.chunk)
+        q = mx.pad(q, [(0, 0), (0, blocks * self.chunk - T), (0, 0), (0, 0)]).reshape(
+            B, blocks, self.chunk, self.heads, self.head_dim
+        )
+        keys, values = self._frames(k, blocks), self._frames(v, blocks)  # [B, U, C, N, H]
+        allowed = self._frames(valid, blocks)[:, None, :, None, :] & self._local  # [B, 1, U, W, C]
+        logits = self.relative_position_embedding(q, keys)
+        logits = mx.tanh(logits / self.cap) * self.cap
+        logits = mx.where(allowed, logits, mx.finfo(logits.dtype).min)
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(values.dtype)  # [B, N, U, W, C]
+        out = probs.transpose(0, 2, 1, 3, 4) @ values.transpose(0, 1, 3, 2, 4)  # [B, U, N, W, H]
+        out = out.transpose(0, 1, 3, 2, 4).reshape(B, blocks * self.chunk, self.heads, self.head_dim)
+        return out[:, :T]
+
+
+class ConformerAttention(nn.Module):
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        self.clip = args.gradient_clipping
+        self.pre_attn_norm = RMSNorm(args.hidden_size)
+        self.attn = ChunkedAttention(args)
+        self.post = nn.Linear(args.hidden_size, args.hidden_size, bias=False)
+        self.post_norm = RMSNorm(args.hidden_size)
+
+    def __call__(self, x: mx.array, valid: mx.array) -> mx.array:
+        h = self.attn(self.pre_attn_norm(mx.clip(x, -self.clip, self.clip)), valid)
+        h = mx.clip(self.post(h.reshape(*x.shape)), -self.clip, self.clip)
+        return x + self.post_norm(h)
+
+
+class ConformerFeedForward(nn.Module):
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        self.clip, self.residual_weight = args.gradient_clipping, args.conf_residual_weight
+        self.pre_layer_norm = RMSNorm(args.hidden_size)
+        self.ffw_layer_1 = nn.Linear(args.hidden_size, args.hidden_size * 4, bias=False)
+        self.ffw_layer_2 = nn.Linear(args.hidden_size * 4, args.hidden_size, bias=False)
+        self.post_layer_norm = RMSNorm(args.hidden_size)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self.ffw_layer_1(self.pre_layer_norm(mx.clip(x, -self.clip, self.clip)))
+        h = mx.clip(self.ffw_layer_2(nn.silu(h)), -self.clip, self.clip)
+        return x + self.post_layer_norm(h) * self.residual_weight
+
+
+class LightConv(nn.Module):
+    """A gated linear unit, a causal depthwise convolution, a norm, SiLU and a projection."""
+
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        D, self.clip, self.kernel = args.hidden_size, args.gradient_clipping, args.conf_conv_kernel_size
+        self.pre_layer_norm = RMSNorm(D, args.rms_norm_eps)
+        self.linear_start = nn.Linear(D, D * 2, bias=False)
+        self.depthwise_conv1d = nn.Conv1d(D, D, self.kernel, groups=D, bias=False)
+        self.conv_norm = RMSNorm(D, args.rms_norm_eps)
+        self.linear_end = nn.Linear(D, D, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        h = self.linear_start(self.pre_layer_norm(x))
+        a, gate = mx.split(h, 2, axis=-1)
+        h = self.depthwise_conv1d(mx.pad(a * mx.sigmoid(gate), [(0, 0), (self.kernel - 1, 0), (0, 0)]))
+        h = self.linear_end(nn.silu(self.conv_norm(mx.clip(h, -self.clip, self.clip))))
+        return h + x
+
+
+class ConformerBlock(nn.Module):
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        self.clip = args.gradient_clipping
+        self.ffw_layer_start = ConformerFeedForward(args)
+        self.attention = ConformerAttention(args)
+        self.lconv1d = LightConv(args)
+        self.ffw_layer_end = ConformerFeedForward(args)
+        self.norm = RMSNorm(args.hidden_size)
+
+    def __call__(self, x: mx.array, valid: mx.array) -> mx.array:
+        x = self.attention(self.ffw_layer_start(x), valid)
+        x = self.lconv1d(x * valid[..., None].astype(x.dtype))
+        return self.norm(mx.clip(self.ffw_layer_end(x), -self.clip, self.clip))
+
+
+class Gemma3nAudioEncoder(nn.Module):
+    """``tower(features [B, T, F], valid [B, T]) -> (encodings [B, T', D], valid [B, T'])``,
+    ``T' = ceil(ceil(T / 2) / 2 / reduction)``; invalid frames' encodings are zero."""
+
+    def __init__(self, args: AudioArgs):
+        super().__init__()
+        self.args = args
+        self.subsample_conv_projection = SubsampleProjection(args)
+        self.conformer = [ConformerBlock(args) for _ in range(args.conf_num_hidden_layers)]
+
+    def __call__(self, features: mx.array, valid: mx.array) -> tuple[mx.array, mx.array]:
+        x = self.subsample_conv_projection(features)
+        index = mx.minimum(mx.arange(x.shape[1]) * self.args.time_stride, valid.shape[1] - 1)
+        kept = valid[:, index]
+        for block in self.conformer:
+            x = block(x, kept)
+        step = max(1, self.args.conf_reduction_factor)
+        x, kept = x[:, ::step], kept[:, ::step]
+        return mx.where(kept[..., None], x, 0.0).astype(x.dtype), kept
+
+
+class Gemma3nAudioEmbedder(nn.Module):
+    """Soft tokens ``[..., audio hidden]`` (or hard ids of the audio vocabulary) -> ``[..., text
+    hidden]``: a norm, a projection, a scale-free norm (transformers' ``embed_audio``)."""
+
+    def __init__(self, args: AudioArgs, text_hidden: int):
+        super().__init__()
+        self.eps, self.offset = args.rms_norm_eps, args.vocab_offset
+        self.embedding = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.hard_embedding_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.soft_embedding_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.embedding_projection = nn.Linear(args.hidden_size, text_hidden, bias=False)
+
+    def __call__(self, soft: mx.array) -> mx.array:
+        return rms_norm(self.embedding_projection(self.soft_embedding_norm(soft)), None, self.eps)
+
+    def hard(self, ids: mx.array) -> mx.array:
+        """Token ids of the audio vocabulary (``vocab_offset ..``) -> ``[..., text hidden]``."""
+        h = self.hard_embedding_norm(self.embedding(ids - self.offset))
+        return rms_norm(self.embedding_projection(h), None, self.eps)
+
+
+class Gemma3nAudio(nn.Module):
+    """The tower and embedder of one checkpoint: ``module(features [B, T, F], valid [B, T]) ->
+    [B, tokens, text hidden]``, every sound's soft tokens followed by the padding token's
+    embedding (the last of the audio vocabulary) up to ``tokens`` (transformers fills invalid
+    frames and the rest of the 30 s window so)."""
+
+    def __init__(self, args: AudioArgs, text_hidden: int, tokens: int):
+        super().__init__()
+        self.tokens = tokens
+        self.pad_id = args.vocab_offset + args.vocab_size - 1
+        self.audio_tower = Gemma3nAudioEncoder(args)
+        self.embed_audio = Gemma3nAudioEmbedder(args, text_hidden)
+
+    def __call__(self, features: mx.array, valid: mx.array) -> mx.array:
+        encodings, kept = self.audio_tower(features, valid)
+        soft = self.embed_audio(encodings)
+        pad = self.embed_audio.hard(mx.array([self.pad_id]))[0].astype(soft.dtype)
+        soft = mx.where(kept[..., None], soft, pad)[:, : self.tokens]
+        B, T, D = soft.shape
+        if self.tokens > T:
+            soft = mx.concatenate([soft, mx.broadcast_to(pad, (B, self.tokens - T, D))], axis=1)
+        return soft
+
+
+def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The checkpoint's audio tensors (``model.audio_tower.*``, ``model.embed_audio.*``) under
+    :class:`Gemma3nAudio`'s names, convolutions in MLX's layout (channels last)."""
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        for prefix in ("model.audio_tower.", "model.embed_audio."):
+            if name.startswith(prefix):
+                key = name[len("model."):]
+                if key.endswith(".conv.weight") and value.ndim == 4:
+                    value = value.transpose(0, 2, 3, 1)  # [O, I, kh, kw] -> [O, kh, kw, I]
+                elif key.endswith("depthwise_conv1d.weight") and value.ndim == 3:
+                    value = value.transpose(0, 2, 1)  # [D, 1, K] -> [D, K, 1]
+                out[key] = value
+    return out
