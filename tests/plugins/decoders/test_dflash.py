@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch", reason="the reference needs torch (CPU)")
 transformers = pytest.importorskip("transformers", reason="the target is written by transformers")
 
 HOST = load_plugins()
-VOCAB, H, LAYERS, DRAFT_LAYERS, BLOCK = 97, 64, 8, 2, 6
+VOCAB, H, LAYERS, DRAFT_LAYERS, BLOCK = 97, 64, 4, 2, 6
 HEADS, KV_HEADS, HEAD_DIM, FFN = 4, 2, 16, 96
 MASK = VOCAB - 1
 TARGET = {"vocab_size": VOCAB, "hidden_size": H, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
@@ -154,12 +154,13 @@ def load(folder, speculative=None):
     return load_model(config, HOST.registries)
 
 
-@pytest.mark.parametrize(("layer_ids", "prefix"), [(None, ""), ([0, 3, 6], "model.")])
+@pytest.mark.parametrize(("layer_ids", "prefix"), [(None, ""), ([0, 2, 1], "model.")])
 def test_a_block_drafts_as_the_reference_formula(target, tmp_path, layer_ids, prefix):
     """The context handed in two spans (as prefill chunks), then one block of ``BLOCK - 1`` drafts
     drawn at temperature 1: the block's logits against the torch function, with the target layers
-    of z-lab's default (1 and n - 3 for two draft layers) or the config's ``target_layer_ids``
-    (tensors with or without vLLM's ``model.`` prefix); a longer ``k`` is cut to the block."""
+    of z-lab's default (1 and n - 3 for two draft layers: layer 1 twice for 4) or the config's
+    ``target_layer_ids`` out of order (tensors with or without vLLM's ``model.`` prefix); a longer
+    ``k`` is cut to the block."""
     import mlx.core as mx
 
     from mlxr_core.engine.speculation import drafter_hidden
