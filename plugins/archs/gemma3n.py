@@ -281,8 +281,13 @@ class Gemma3nModel(Gemma4Model):
         self.hidden = H
 
     def embed(self, inputs: mx.array) -> mx.array:
-        h = DecoderModel.embed(self, inputs)
+        h = self.token_embeddings(inputs)
         return self.streams_in(h, self.per_layer_inputs(inputs, h))
+
+    def token_embeddings(self, inputs: mx.array) -> mx.array:
+        """``[B, L, hidden]``: the scaled token embeddings alone (what another modality's soft
+        tokens replace before :meth:`__call__`)."""
+        return DecoderModel.embed(self, inputs)
 
     def streams_in(self, h: mx.array, per_layer: mx.array) -> mx.array:
         """The packed stream from embeddings ``h`` and every layer's inputs."""
@@ -310,8 +315,15 @@ class Gemma3nModel(Gemma4Model):
         embeddings: mx.array | None = None,
         positions: mx.array | None = None,
     ) -> mx.array:
-        """``embeddings``, when given, is :meth:`embed`'s packed stream."""
-        x = self.embed(inputs) if embeddings is None else embeddings
+        """``embeddings``, when given, is :meth:`embed`'s packed stream, or ``[B, L, hidden]``
+        embeddings with other modalities' soft tokens at their positions (the multimodal model's
+        merge): the streams are made from those, the per-layer inputs from them and ``inputs``."""
+        if embeddings is None:
+            x = self.embed(inputs)
+        elif embeddings.shape[-1] == self.hidden:
+            x = self.streams_in(embeddings, self.per_layer_inputs(inputs, embeddings))
+        else:
+            x = embeddings
         normed: mx.array = self.norm(self.streams_out(self.run_layers(x, cache, mask, positions)))
         return normed
 

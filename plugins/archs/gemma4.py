@@ -239,6 +239,8 @@ MULTIMODAL_PARTS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio"
 #: What shared layers do not use (hub checkpoints still hold it; transformers ignores it too).
 SHARED_UNUSED = tuple(f"self_attn.{name}." for name in ("k_proj", "v_proj", "k_norm", "v_norm"))
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+#: Where multimodal checkpoints keep the language model.
+TEXT_PREFIX = "model.language_model."
 
 
 class Gemma4Architecture(DecoderArchitecture):
@@ -253,6 +255,10 @@ class Gemma4Architecture(DecoderArchitecture):
         """Build the graph from a tolerant config dict (a ``gemma4`` one's ``text_config``)."""
         return Gemma4(self.args(config), kernels)
 
+    def sanitized_modules(self, module: str) -> list[str]:
+        """A packed module under the name :meth:`sanitize` gives it (mlx-lm's multimodal folders)."""
+        return ["model." + module.removeprefix(TEXT_PREFIX) if module.startswith(TEXT_PREFIX) else module]
+
     def sanitize(self, weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
         """Text-model names for multimodal checkpoints (``model.language_model.``), the towers and
         shared layers' unused key/value weights dropped, each ``experts.gate_up_proj`` split into
@@ -262,8 +268,8 @@ class Gemma4Architecture(DecoderArchitecture):
         for name, array in weights.items():
             if any(part in name for part in MULTIMODAL_PARTS):
                 continue
-            if name.startswith("model.language_model."):
-                name = "model." + name.removeprefix("model.language_model.")
+            if name.startswith(TEXT_PREFIX):
+                name = "model." + name.removeprefix(TEXT_PREFIX)
             name = name.replace(".experts.switch_glu.", ".experts.")
             layer = _LAYER.match(name)
             rest = name[layer.end() :] if layer else ""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import numpy as np
 import pytest
 
 from mlxr_core.errors import ModelLoadError
@@ -122,35 +123,99 @@ def test_the_engine_batches_compiles_and_reuses_prefixes(reference):
     assert engine_greedy(reference.folder, prompts, 5, prefill_chunk=16) == want
 
 
-@pytest.mark.parametrize("reference", ["e2b"], indirect=True)
-def test_the_multimodal_checkpoints_language_model(reference, registries, tmp_path):
-    """A ``gemma3n`` folder (text_config nested, ``model.language_model.*``, image and audio parts
-    beside it, and the shared layers' key/value weights that hub checkpoints hold and transformers
-    ignores) serves its language model. transformers here cannot write one (its vision tower needs
-    timm), so the text folder is renamed into that layout; transformers' multimodal model embeds
-    ids below the vision vocabulary's offset (262144) as its language model does."""
+def hub_layout(reference: Reference, folder: Path, change: Any = lambda config: config) -> Reference:
+    """The reference folder as a multimodal ``gemma3n`` hub checkpoint: text_config nested (passed
+    through ``change``), ``model.language_model.*``, image and audio parts beside it, and the
+    shared layers' key/value weights that hub checkpoints hold and transformers ignores."""
     from safetensors.numpy import load_file, save_file
 
     def nest(config: dict[str, Any]) -> dict[str, Any]:
-        text = {**config, "model_type": "gemma3n_text"}
+        text = change({**config, "model_type": "gemma3n_text"})
         return {"model_type": "gemma3n", "architectures": ["Gemma3nForConditionalGeneration"],
                 "text_config": text, "vision_config": {"hidden_size": 16}, "audio_config": {"hidden_size": 16}}
 
-    multimodal = rewritten(reference, tmp_path / "multimodal", nest)
-    path = multimodal.folder / "model.safetensors"
-    weights = {
-        name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name: array
-        for name, array in load_file(path).items()
-    }
-    weights["model.embed_audio.embedding.weight"] = weights["model.language_model.norm.weight"][None]
-    weights["model.vision_tower.timm_model.conv_stem.conv.weight"] = weights["model.language_model.norm.weight"]
-    for layer in (3, 4):  # shared: their own keys and values are never read
-        for name, source in (("k_proj", "q_proj"), ("v_proj", "q_proj"), ("k_norm", "q_norm")):
-            weights[f"model.language_model.layers.{layer}.self_attn.{name}.weight"] = weights[
-                f"model.language_model.layers.{layer}.self_attn.{source}.weight"
-            ]
+    hub = rewritten(reference, folder, nest)
+    path = hub.folder / "model.safetensors"
+    prefix = "model.language_model."
+    weights = {name.replace("model.", prefix, 1) if name.startswith("model.") else name: array
+               for name, array in load_file(path).items()}
+    weights["model.embed_audio.embedding.weight"] = np.ones((4, 16), np.float32)
+    weights["model.vision_tower.timm_model.conv_stem.conv.weight"] = np.ones((16, 3, 3, 3), np.float32)
+    config = reference.config
+    D, H = config["head_dim"], config["hidden_size"]
+    first_shared = config["num_hidden_layers"] - config["num_kv_shared_layers"]
+    for layer in range(first_shared, config["num_hidden_layers"]):  # never read
+        for name, shape in (("k_proj", (config["num_key_value_heads"] * D, H)), ("v_proj", (config["num_key_value_heads"] * D, H)),
+                            ("k_norm", (D,))):  # fmt: skip
+            weights[f"{prefix}layers.{layer}.self_attn.{name}.weight"] = np.ones(shape, np.float32)
     save_file(weights, path, metadata={"format": "pt"})
-    check_reference(multimodal, registries)
+    return hub
+
+
+@pytest.mark.parametrize("reference", ["e2b"], indirect=True)
+def test_the_multimodal_checkpoints_language_model(reference, registries, tmp_path):
+    """A ``gemma3n`` hub folder serves its language model (:func:`hub_layout`). transformers here
+    cannot write one (its vision tower needs timm), so the text folder is renamed into that layout;
+    transformers' multimodal model embeds ids below the vision vocabulary's offset (262144) as its
+    language model does."""
+    check_reference(hub_layout(reference, tmp_path / "hub"), registries)
+
+
+@pytest.mark.parametrize("reference", ["e2b"], indirect=True)
+def test_mlx_lm_folders_load_in_float_and_packed(reference, registries, tmp_path):
+    """mlx-lm's conversions of a hub folder (its ``model.language_model.*`` names, the towers
+    dropped): float32 gives transformers' logits; 8-bit, the layers mlx-lm packed stay packed, and
+    give what the dequantized weights give."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from mlxr_core.config.schema import ModelConfig
+    from mlxr_core.model.loader import load_model
+
+    mlx_lm = pytest.importorskip("mlx_lm", reason="the folders are converted by mlx-lm")
+    hub = hub_layout(reference, tmp_path / "hub", released)  # mlx-lm reads the released spelling
+    settings = json.loads((hub.folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    settings["tokenizer_class"] = "PreTrainedTokenizerFast"  # not Gemma's SentencePiece
+    (hub.folder / "tokenizer_config.json").write_text(json.dumps(settings), encoding="utf-8")
+    mlx_lm.convert(str(hub.folder), str(tmp_path / "f32"), dtype="float32")
+    check_reference(attrs.evolve(hub, folder=tmp_path / "f32"), registries)
+    mlx_lm.convert(str(hub.folder), str(tmp_path / "q8"), quantize=True, q_bits=8, q_group_size=32)
+    ids = mx.array([reference.prompts[0]])
+    logits = {}
+    for policy in ("keep", "dequantize"):
+        config = ModelConfig(path=str(tmp_path / "q8"), dtype="float32", quantization=policy, compile_decode=False)
+        model = load_model(config, registries).model
+        packed = [name for name, module in model.named_modules() if isinstance(module, nn.QuantizedLinear)]
+        assert bool(packed) == (policy == "keep"), packed
+        logits[policy] = np.array(model(ids)[0])
+    np.testing.assert_allclose(logits["keep"], logits["dequantize"], atol=1e-4)
+
+
+@pytest.mark.parametrize("reference", ["e2b"], indirect=True)
+def test_soft_tokens_merged_into_the_embeddings(reference, registries):
+    """Embeddings ``[B, L, hidden]`` with some rows replaced (where an audio or image tower's soft
+    tokens go) give what transformers' language model gives for those ``inputs_embeds`` and the
+    ids' per-layer inputs (its multimodal model's text path); unreplaced, the plain forward pass."""
+    import mlx.core as mx
+    import torch
+    import transformers
+
+    from mlxr_core.testing.hf_reference import load_reference_model
+
+    model = load_reference_model(reference, registries).model
+    ids = reference.prompts[1]
+    plain = model.model.token_embeddings(mx.array([ids]))
+    soft = np.random.default_rng(5).standard_normal((4, plain.shape[-1])).astype(np.float32)
+    merged = mx.concatenate([plain[:, :3], mx.array(soft[None]), plain[:, 7:]], axis=1)
+    np.testing.assert_allclose(np.array(model(mx.array([ids]), embeddings=plain)[0]), reference.logits[1], atol=1e-4)
+    theirs = transformers.Gemma3nForCausalLM.from_pretrained(reference.folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        tokens = torch.tensor([ids])
+        hidden = theirs.model(inputs_embeds=torch.tensor(np.array(merged)),
+                              per_layer_inputs=theirs.model.get_per_layer_inputs(tokens)).last_hidden_state
+        cap = theirs.config.final_logit_softcapping
+        want = (torch.tanh(theirs.lm_head(hidden) / cap) * cap)[0].numpy()
+    np.testing.assert_allclose(np.array(model(mx.array([ids]), embeddings=merged)[0]), want, atol=1e-4)
 
 
 @pytest.mark.parametrize(
