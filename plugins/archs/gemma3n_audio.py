@@ -470,3 +470,64 @@ def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
                     value = value.transpose(0, 2, 1)  # [D, 1, K] -> [D, K, 1]
                 out[key] = value
     return out
+
+
+@attrs.frozen
+class AudioTokens:
+    """Where one sound's soft tokens go in a ``gemma3n`` prompt: :attr:`tokens` positions of
+    :attr:`audio_token_id`, written ``\\n\\n<start_of_audio>`` + the tokens + ``<end_of_audio>\\n\\n``
+    (transformers' ``Gemma3nProcessor``); a prompt's ids at or past :attr:`vocab_offset` (the
+    end-of-audio marker) take the audio embedder's hard embeddings, as transformers' model does."""
+
+    audio_token_id: int = 262_273
+    tokens: int = 188
+    vocab_offset: int = 262_272
+    vocab_size: int = 128
+    before: str = "\n\n<start_of_audio>"
+    token_text: str = "<audio_soft_token>"
+    after: str = "<end_of_audio>\n\n"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> AudioTokens:
+        audio = config.get("audio_config") or {}
+        defaults = cls()
+        return cls(
+            int(config.get("audio_token_id", defaults.audio_token_id)),
+            int(config.get("audio_soft_tokens_per_image", defaults.tokens)),
+            int(audio.get("vocab_offset", defaults.vocab_offset)),
+            int(audio.get("vocab_size", defaults.vocab_size)),
+        )
+
+    def text(self) -> str:
+        """One sound's run as a prompt writes it."""
+        return self.before + self.token_text * self.tokens + self.after
+
+
+def build_audio(config: dict[str, Any]) -> Gemma3nAudio:
+    """The tower and embedder of a ``gemma3n`` config (its ``audio_config`` and the text width)."""
+    text = config.get("text_config") or config
+    return Gemma3nAudio(AudioArgs.from_config(config.get("audio_config") or {}), int(text["hidden_size"]),
+                        AudioTokens.from_config(config).tokens)  # fmt: skip
+
+
+def embeddings_with_audio(
+    text_model: Any, inputs: mx.array, sounds: mx.array | None, audio: Gemma3nAudio, tokens: AudioTokens
+) -> mx.array:
+    """The packed stream of the ``gemma3n`` text model (``text_model.model``) for ``inputs [B, L]``
+    with ``sounds`` (``[N, tokens, hidden]`` from :class:`Gemma3nAudio`, in order; None: none in
+    these inputs) at the audio token positions: scaled token embeddings, ids of the audio
+    vocabulary through the audio embedder's table, soft tokens merged, then the AltUp streams and
+    per-layer inputs made from those (transformers' ``Gemma3nModel``: per-layer inputs read row 0
+    for ids past their table). Pass it as ``text_model(inputs, cache, embeddings=...)``."""
+    from mlxr_core.model.layers import DecoderModel
+    from mlxr_core.model.vision import merge_embeddings
+
+    model = text_model.model
+    hard = (inputs >= tokens.vocab_offset) & (inputs < tokens.vocab_offset + tokens.vocab_size)
+    h = DecoderModel.embed(model, mx.where(hard, 0, inputs))
+    marked = audio.embed_audio.hard(mx.where(hard, inputs, tokens.vocab_offset)).astype(h.dtype)
+    h = mx.where(hard[..., None], marked, h)
+    if sounds is not None:
+        h = merge_embeddings(h, inputs, sounds, tokens.audio_token_id)
+    packed: mx.array = model.streams_in(h, model.per_layer_inputs(inputs, h))
+    return packed

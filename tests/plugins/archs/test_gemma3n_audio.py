@@ -33,7 +33,7 @@ AUDIO = {
     "conf_reduction_factor": 2,
     "sscp_conv_channel_size": [8, 4],
 }
-TEXT_HIDDEN = 24
+TEXT_HIDDEN = 32
 
 
 def sound(seconds: float, seed: int = 0) -> np.ndarray:
@@ -109,3 +109,54 @@ def test_tower_and_embedder_match_transformers():
 def test_a_third_subsampling_convolution_is_refused_naming_the_key():
     with pytest.raises(ModelLoadError, match="sscp_conv_channel_size"):
         AudioArgs.from_config({**AUDIO, "sscp_conv_channel_size": [8, 4, 2]})
+
+
+TEXT = {
+    "vocab_size": 97, "hidden_size": TEXT_HIDDEN, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 8, "sliding_window": 8, "max_position_embeddings": 256, "laurel_rank": 4,
+    "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 90, "num_hidden_layers": 3,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "num_kv_shared_layers": 0,
+    "intermediate_size": 48, "altup_num_inputs": 2, "altup_active_idx": 1, "altup_correct_scale": False,
+}  # fmt: skip
+
+
+def test_merged_sequence_logits_match_transformers(tmp_path):
+    """A prompt of text, ``<start_of_audio>`` (a text id), the sound's soft tokens and
+    ``<end_of_audio>`` (an id of the audio vocabulary, embedded by the audio embedder's table):
+    mlxr's logits against transformers' text model fed the merged ``inputs_embeds`` and the
+    per-layer inputs its ``Gemma3nModel`` makes (ids past the per-layer table read row 0)."""
+    from mlxr_core.plugins import load_plugins
+    from mlxr_core.testing.hf_reference import load_reference_model, tiny_reference
+    from mlxr_plugins.archs.gemma3n_audio import AudioTokens, embeddings_with_audio
+
+    reference = tiny_reference("Gemma3nForCausalLM", "Gemma3nTextConfig", TEXT, tmp_path, lengths=(4,))
+    text = load_reference_model(reference, load_plugins().registries).model
+    hf = pytest.importorskip("transformers").Gemma3nForCausalLM.from_pretrained(tmp_path).eval()
+    tower, embedder = reference_modules()
+    features, valid = Gemma3nLogMel(feature_size=16)(sound(0.3))
+    ours = ours_from(tower, embedder, 12)
+    tokens = AudioTokens(audio_token_id=91, tokens=12, vocab_offset=90, vocab_size=8)
+    eoa = 90
+    ids = [2, 17, 33, 5, *[91] * tokens.tokens, eoa, 44, 8]
+    sounds = ours(mx.array(features)[None], mx.array(valid)[None])
+    inputs = mx.array([ids])
+    logits = np.array(text(inputs, None, None, embeddings=embeddings_with_audio(text, inputs, sounds, ours, tokens)))
+    with torch.no_grad():
+        t_ids = torch.tensor([ids])
+        hard = t_ids >= 90
+        embeds = hf.model.embed_tokens(torch.where(hard, 0, t_ids))
+        embeds = torch.where(hard[..., None], embedder(input_ids=torch.where(hard, t_ids, 90)), embeds)
+        out = tower(torch.tensor(features)[None], ~torch.tensor(valid)[None])
+        soft = embedder(inputs_embeds=out.last_hidden_state)
+        pad = embedder(input_ids=torch.tensor([[97]]))
+        soft = torch.where(out.audio_mel_mask[..., None], pad, soft)
+        soft = torch.cat([soft, pad.expand(1, tokens.tokens - soft.shape[1], -1)], dim=1)
+        assert soft.shape[1] == tokens.tokens
+        embeds = embeds.masked_scatter((t_ids == 91)[..., None].expand_as(embeds), soft)
+        per_layer = hf.model.get_per_layer_inputs(torch.where(t_ids < 90, t_ids, 0))
+        hidden = hf.model(inputs_embeds=embeds, per_layer_inputs=per_layer).last_hidden_state
+        expected = hf.lm_head(hidden)
+        cap = hf.config.final_logit_softcapping
+        if cap:
+            expected = torch.tanh(expected / cap) * cap
+    np.testing.assert_allclose(logits, expected.numpy(), atol=2e-4, rtol=2e-4)
