@@ -142,3 +142,48 @@ def test_an_adapter_given_another_file_while_it_is_read_serves_the_new_one(refer
     assert isinstance(events[-1], Finished) and isinstance(same[-1], Finished)
     tokens = [[t for e in run if isinstance(e, Delta) for t in e.token_ids] for run in (events, same)]
     assert tokens[0] == tokens[1]  # mlp's name now serves qv's file
+
+
+def test_a_stream_decodes_on_while_a_created_adapters_file_is_read(reference: LoraReference) -> None:
+    """Ollama's create (an engine job) reads the new adapter's file off the engine thread too: the
+    job waits while the read is held and the running stream steps on; once let go, the name
+    serves the file as PEFT's merge computes, in the slot of the adapter no request used."""
+    import torch
+
+    engine = start(reference)
+    started, release = threading.Event(), threading.Event()
+    readers: list[tuple[str, bool]] = []
+    try:
+        adapters = engine._loaded["tiny"].adapters
+        assert adapters is not None and list(adapters.resident) == ["qv"]
+        read = adapters.read
+        assert read is not None
+
+        def held_read(path: Path) -> Any:
+            started.set()
+            readers.append((threading.current_thread().name, release.wait(30)))  # see the first test
+            return read(path)
+
+        adapters.read = held_read
+        stream = iter(engine.submit(request("tiny", 60)))
+        assert isinstance(next(stream), Delta)
+        created = engine.create_adapter("tiny", "pirate", str(reference.root / "mlp"))
+        assert started.wait(60)
+        steps = engine.stats()["steps"]
+        while engine.stats()["steps"] < steps + 3:  # the stream steps on while the file is read
+            assert isinstance(next(stream), Delta)
+        assert not created.done()
+        release.set()
+        assert created.result(60) is True
+        events = list(engine.submit(request("pirate", 6)))
+        rest = list(stream)
+    finally:
+        release.set()
+        engine.stop()
+    assert len(readers) == 1 and readers[0][0] != "mlxr-engine" and readers[0][1]
+    assert isinstance(events[-1], Finished) and isinstance(rest[-1], Finished)
+    assert list(adapters.resident) == ["pirate"]  # in qv's slot: no request used qv
+    with torch.no_grad():
+        want = reference.merged("mlp").generate(torch.tensor([PROMPT]), max_new_tokens=6, min_new_tokens=6,
+                                                do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    assert [t for e in events if isinstance(e, Delta) for t in e.token_ids] == want[0, len(PROMPT) :].tolist()
