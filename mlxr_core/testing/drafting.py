@@ -134,3 +134,33 @@ def decode_together(
             raise AssertionError(f"a request ended with {events[-1]!r}")
         outputs.append([token for event in events if isinstance(event, Delta) for token in event.token_ids])
     return outputs
+
+
+def two_drafting_steps(
+    make: Any,
+    prompts: Sequence[Sequence[int]],
+    longer: Sequence[Sequence[int]],
+    states: Sequence[mx.array],
+    ks: Sequence[int],
+    *,
+    together: bool,
+) -> list[tuple[list[int], Any]]:
+    """Drafters that read hidden states (``make(row)`` -> one, per row), handed row ``i``'s prompt
+    ``prompts[i]`` and proposing, then handed the span ``longer[i]`` adds to it (an accepted span)
+    and proposing again, ``ks[i]`` tokens each time; ``states[i]`` (``[len(longer[i]) - 1, W]``)
+    are the target's states the drafter reads for ``longer[i]``. The rows propose together (their
+    class's ``propose_rows``) or each alone. Returns each step's rows' ``(tokens, draft_logits)``."""
+    import numpy as np
+
+    drafters = [make(row) for row in range(len(prompts))]
+    out: list[tuple[list[int], Any]] = []
+    for step, histories in enumerate((prompts, longer)):
+        for drafter, prompt, hidden, row in zip(drafters, prompts, states, longer, strict=True):
+            start, end = (0, len(prompt) - 1) if step == 0 else (len(prompt) - 1, len(row) - 1)
+            drafter.observe(start, hidden[start:end], row[start + 1 : end + 1])
+        if together:
+            drafted = type(drafters[0]).propose_rows(drafters, histories, ks)
+        else:
+            drafted = [d.propose(h, k) for d, h, k in zip(drafters, histories, ks, strict=True)]
+        out += [(tokens, np.array(d.draft_logits)) for tokens, d in zip(drafted, drafters, strict=True)]
+    return out

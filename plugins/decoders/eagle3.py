@@ -7,7 +7,8 @@ The draft folder is an EAGLE-3 checkpoint (``config.json`` with ``architectures:
 batch hands each row's drafter the residual stream entering the three target layers the head
 fuses (:attr:`~mlxr_core.engine.speculation.ReadsHidden.hidden_layers`), from the prompt's prefill
 and each verification's accepted span; the rest (the head's own cache per row, chaining, one LM
-head over all drafting rows a chain step, greedy or drawn drafts) is the MTP drafter's
+head over all drafting rows a chain step, the layer run once over every row of a step, greedy or
+drawn drafts) is the MTP drafter's
 (:class:`~mlxr_plugins.decoders.mtp.MtpDrafter`).
 """
 
@@ -74,11 +75,11 @@ class Eagle3Drafter(MtpDrafter):
         super().__init__(target, head, temperature, seed)
         self.hidden_layers = layers
 
-    def read(self, tokens: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
-        return self.head(self.head.embed(self.target, tokens), self.head.fc(hidden), self.cache)
+    def read(self, tokens: mx.array, hidden: mx.array, cache: Any, mask: Any = None) -> tuple[mx.array, mx.array]:
+        return self.head(self.head.embed(self.target, tokens), self.head.fc(hidden), cache, mask)
 
-    def chain(self, tokens: mx.array, chained: mx.array) -> tuple[mx.array, mx.array]:
-        return self.head(self.head.embed(self.target, tokens), chained, self.cache)
+    def chain(self, tokens: mx.array, chained: mx.array, cache: Any, mask: Any = None) -> tuple[mx.array, mx.array]:
+        return self.head(self.head.embed(self.target, tokens), chained, cache, mask)
 
     def head_logits(self, normed: mx.array) -> mx.array:
         logits: mx.array = self.head.lm_head(normed)

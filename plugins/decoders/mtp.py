@@ -5,10 +5,13 @@
 Each row keeps the head's own cache. The batch hands the row's drafter the target's final hidden
 states of every position it kept, with the tokens that followed them (the prompt's chunk by chunk
 as it is prefilled, then each verification's accepted span:
-:class:`~mlxr_core.engine.speculation.ReadsHidden`); the head reads them in one pass there. At the
-next step its last position's output guesses the token after the row's next input, and each
-further draft token chains the head on its own output. The chained positions are forgotten
-before the head reads the target's states for them.
+:class:`~mlxr_core.engine.speculation.ReadsHidden`). The rows of a step read their spans together
+when they propose: one pass of the head over every row (the rows' caches joined into one batch
+cache, right-aligned; spans of different lengths padded at the end and masked, the padding
+dropped after, as verification's drafts are), whose last position per row guesses the token
+after the row's next input; each further draft token is one more pass over the rows still
+drafting, chaining the head on its own output. Each row's cache is its own again after the step,
+and its chained positions are forgotten before the head reads the target's states for them.
 A gap in what the row was handed (a plain step of a large batch, a prompt from the prefix cache)
 starts the head's cache afresh from there: the drafts get worse, the output stays the target's.
 """
@@ -24,7 +27,7 @@ import mlx.core as mx
 from mlxr_core.engine.request import GenerationRequest
 from mlxr_core.engine.speculation import draft_choice
 from mlxr_core.errors import ConfigError, MlxrError, ModelLoadError
-from mlxr_core.model.cache import position_bytes
+from mlxr_core.model.cache import BatchKVCache, KVCache, position_bytes
 from mlxr_core.model.layers import CausalLM
 from mlxr_core.model.layers.mtp import HasMtpHead, MtpHead
 from mlxr_core.model.loader import DTYPES, LoadedModel
@@ -79,9 +82,9 @@ class MtpDrafter:
         self.target = target
         self.head = head
         self.cache = head.make_cache()
-        #: The head's outputs (``normed``, ``chained``: ``[1, 1, H]``) at the last position it
-        #: read the target's state of, or None (nothing read since the last proposal).
-        self.last: tuple[mx.array, mx.array] | None = None
+        #: The target's states (``[L, W]``) and the tokens that followed them (``[L]``) handed
+        #: since the last proposal, read when the rows propose together (None: nothing handed).
+        self.pending: tuple[mx.array, mx.array] | None = None
         #: The target position of the next hidden state expected (None: nothing handed yet).
         self.expected: int | None = None
         #: Positions of the head's cache written by chained steps (forgotten before the next read).
@@ -91,15 +94,16 @@ class MtpDrafter:
         #: The logits the last proposal was drawn from (``[k, V]``), or None (greedy).
         self.draft_logits: mx.array | None = None
 
-    def read(self, tokens: mx.array, hidden: mx.array) -> tuple[mx.array, mx.array]:
-        """The head over the target's states ``hidden [1, L, W]`` and the tokens that followed
-        them (``[1, L]``), on this row's cache: ``(normed, chained)``."""
-        normed, chained = self.head(self.target.embed(tokens), hidden, self.cache)
+    def read(self, tokens: mx.array, hidden: mx.array, cache: Any, mask: Any = None) -> tuple[mx.array, mx.array]:
+        """The head over the target's states ``hidden [B, L, W]`` and the tokens that followed
+        them (``[B, L]``), on ``cache`` (this row's, or the drafting rows' batch cache) with
+        ``mask`` (None: causal): ``(normed, chained)``."""
+        normed, chained = self.head(self.target.embed(tokens), hidden, cache, mask)
         return normed, chained
 
-    def chain(self, tokens: mx.array, chained: mx.array) -> tuple[mx.array, mx.array]:
+    def chain(self, tokens: mx.array, chained: mx.array, cache: Any, mask: Any = None) -> tuple[mx.array, mx.array]:
         """One chained step: the head over its own previous output and the token it drafted."""
-        return self.read(tokens, chained)
+        return self.read(tokens, chained, cache, mask)
 
     def head_logits(self, normed: mx.array) -> mx.array:
         """The logits of the head's normed outputs ``[R, 1, H]`` (every drafting row's)."""
@@ -113,15 +117,17 @@ class MtpDrafter:
         return token, scaled
 
     def observe(self, start: int, hidden: mx.array, following: Sequence[int]) -> None:
-        """The head reads the target's states with the tokens that followed, in one pass (its
-        graph queued, not waited for): its cache then holds those positions."""
+        """Keep the target's states with the tokens that followed, for the head to read when the
+        rows next propose (together); a span handed before it was read (a prompt's earlier
+        chunk) is read first, alone (its graph queued, not waited for)."""
         if self.expected is not None and start != self.expected:
-            self.cache, self.chained = self.head.make_cache(), 0  # a gap: start afresh from here
+            self.cache, self.chained, self.pending = self.head.make_cache(), 0, None  # a gap: afresh
+        elif self.pending is not None:
+            tokens, states = self.pending
+            self.pending = None
+            mx.async_eval(*self.read(tokens[None], states[None], self.cache))
         self._forget_chain()
-        tokens = mx.array(list(following), dtype=mx.int32)[None]
-        normed, chained = self.read(tokens, hidden[None])
-        self.last = (normed[:, -1:], chained[:, -1:])
-        mx.async_eval(*self.last)
+        self.pending = (mx.array(list(following), dtype=mx.int32), hidden)
         self.expected = start + hidden.shape[0]
 
     def _forget_chain(self) -> None:
@@ -136,36 +142,149 @@ class MtpDrafter:
     def propose_rows(
         cls, drafters: Sequence[MtpDrafter], histories: Sequence[Sequence[int]], ks: Sequence[int]
     ) -> list[list[int]]:
-        """Every row's draft (:class:`~mlxr_core.engine.speculation.DraftsTogether`): per chain
-        step, each row's head pass on its own cache, then one LM head over all rows' outputs
-        (the LM head's weights, the largest part of a step, read once, not once per row); one
+        """Every row's draft (:class:`~mlxr_core.engine.speculation.DraftsTogether`): one head
+        pass over every row's pending span (:class:`HeadRows`), then per chain step one LM head
+        over the drafting rows' outputs and one head pass over those that draft further; one
         read back at the end."""
-        rows: list[list[Any]] = []  # [index, drafter, normed, chained, k] of the rows that draft
-        for index, (drafter, history, k) in enumerate(zip(drafters, histories, ks, strict=True)):
+        for drafter in drafters:
             drafter.draft_logits = None
             drafter._forget_chain()
-            last, drafter.last = drafter.last, None
-            # The states read must end just before the row's next input (history[-1]).
-            if last is not None and k > 0 and drafter.expected == len(history) - 1:
-                rows.append([index, drafter, *last, k])
+        reading = [index for index, drafter in enumerate(drafters) if drafter.pending is not None]
+        drafting = [
+            index for index in reading if ks[index] > 0 and drafters[index].expected == len(histories[index]) - 1
+        ]  # the states read must end just before the row's next input (history[-1])
         proposed: list[list[mx.array]] = [[] for _ in drafters]
         drawn: list[list[mx.array]] = [[] for _ in drafters]
-        for step in range(max((row[4] for row in rows), default=0)):
-            active = [row for row in rows if row[4] > step]
-            logits = active[0][1].head_logits(mx.concatenate([row[2] for row in active]))[:, 0]
-            for at, row in enumerate(active):
-                index, drafter = row[0], row[1]
-                token, scaled = drafter.choose(logits[at : at + 1])
-                drawn[index].extend([] if scaled is None else [scaled])
-                proposed[index].append(token)
-                if step + 1 < row[4]:
-                    row[2], row[3] = drafter.chain(token[:, None], row[3])
-                    drafter.chained += 1
+        if reading:
+            spans = [drafters[index].pending for index in reading]
+            room = max(len(span[0]) for span in spans if span is not None) + max(ks)
+            rows = HeadRows([drafters[index] for index in reading], room)
+            normed, chained = rows.read()
+            keep = [at for at, index in enumerate(reading) if index in drafting]
+            normed, chained = rows.keep(keep, normed, chained)
+            step = 0
+            while drafting:
+                logits = drafters[drafting[0]].head_logits(normed)[:, 0]
+                tokens = []
+                for at, index in enumerate(drafting):
+                    token, scaled = drafters[index].choose(logits[at : at + 1])
+                    drawn[index].extend([] if scaled is None else [scaled])
+                    proposed[index].append(token)
+                    tokens.append(token)
+                step += 1
+                further = [at for at, index in enumerate(drafting) if ks[index] > step]
+                if further:
+                    normed, chained = rows.keep(further, normed, chained)
+                    picked = mx.concatenate([tokens[at] for at in further])[:, None]
+                    normed, chained = rows.chain(picked, chained)
+                else:
+                    rows.keep([], normed, chained)
+                drafting = [drafting[at] for at in further]
         for drafter, draws in zip(drafters, drawn, strict=True):
             drafter.draft_logits = mx.concatenate(draws) if draws else None
         tokens = [mx.concatenate(row) if row else mx.zeros((0,), dtype=mx.int32) for row in proposed]
         mx.eval(tokens)
         return [row.tolist() for row in tokens]  # type: ignore[misc]
+
+
+class HeadRows:
+    """The rows of one step that the head runs over together: their pending spans read in one
+    pass, then chained steps over those still drafting. Two or more rows' caches are joined into
+    one :class:`~mlxr_core.model.cache.BatchKVCache` (right-aligned: each row's own rotary
+    positions, its padding masked); a row that leaves (:meth:`keep`) gets its own cache back,
+    holding exactly the positions it wrote (one row alone runs on its own cache)."""
+
+    def __init__(self, drafters: Sequence[MtpDrafter], room: int):
+        self.drafters = list(drafters)
+        self.cache: Any = self.drafters[0].cache
+        if len(self.drafters) > 1:
+            self.cache = self._join([drafter.cache for drafter in self.drafters], room)
+
+    @staticmethod
+    def _join(caches: list[Any], room: int) -> BatchKVCache:
+        """The rows' caches as one batch cache, right-aligned, with ``room`` free positions after
+        (one copy of every row's positions)."""
+        if any(type(cache) is not KVCache for cache in caches):  # another kind: its own batching
+            batch = caches[0].to_batch()
+            for cache in caches[1:]:
+                batch.extend(cache.to_batch())
+            return batch  # type: ignore[no-any-return]
+        length = max(cache.offset for cache in caches)
+        written = [cache for cache in caches if cache.keys is not None and cache.offset > 0]
+        if not written:
+            return BatchKVCache.for_prompts([0] * len(caches))
+        like = written[0]
+        capacity = -(-(length + room) // BatchKVCache.step) * BatchKVCache.step
+
+        def rows(name: str) -> mx.array:
+            parts = []
+            for cache in caches:
+                buffer = getattr(cache, name) if cache.offset > 0 else None
+                if buffer is None:
+                    shape = getattr(like, name).shape
+                    parts.append(mx.zeros((1, shape[1], capacity, shape[3]), getattr(like, name).dtype))
+                else:
+                    before = length - cache.offset
+                    after = capacity - length
+                    parts.append(mx.pad(buffer[:, :, : cache.offset], [(0, 0), (0, 0), (before, after), (0, 0)]))
+            return mx.concatenate(parts, axis=0)
+
+        padding = [length - cache.offset for cache in caches]
+        return BatchKVCache(rows("keys"), rows("values"), padding, length)
+
+    def _mask(self, queries: int) -> mx.array | None:
+        batched = isinstance(self.cache, BatchKVCache)
+        if batched and (queries > 1 or self.cache.padded):
+            mask: mx.array = self.cache.draft_mask(queries)
+            return mask
+        return None  # one row (the head's causal mask), or rows of one length and one query
+
+    def read(self) -> tuple[mx.array, mx.array]:
+        """One pass over every row's pending span (shorter spans padded at the end, their padding
+        dropped from the cache after): each row's ``(normed, chained)`` at its span's last
+        position, ``[R, 1, H]`` each."""
+        spans = [drafter.pending for drafter in self.drafters if drafter.pending is not None]
+        assert len(spans) == len(self.drafters)
+        lengths = [int(tokens.shape[0]) for tokens, _ in spans]
+        longest = max(lengths)
+        tokens = mx.stack([mx.pad(part, (0, longest - part.shape[0])) for part, _ in spans])
+        hidden = mx.stack([mx.pad(part, [(0, longest - part.shape[0]), (0, 0)]) for _, part in spans])
+        for drafter in self.drafters:
+            drafter.pending = None
+        normed, chained = self.drafters[0].read(tokens, hidden, self.cache, self._mask(longest))
+        if isinstance(self.cache, BatchKVCache) and longest > min(lengths):
+            self.cache.rollback([longest - n for n in lengths])
+        last = mx.array([n - 1 for n in lengths])[:, None, None]
+        return mx.take_along_axis(normed, last, axis=1), mx.take_along_axis(chained, last, axis=1)
+
+    def chain(self, tokens: mx.array, chained: mx.array) -> tuple[mx.array, mx.array]:
+        """One chained step of every row left (``tokens [R, 1]``, ``chained [R, 1, H]``)."""
+        for drafter in self.drafters:
+            drafter.chained += 1
+        return self.drafters[0].chain(tokens, chained, self.cache, self._mask(1))
+
+    def keep(self, rows: list[int], *outputs: mx.array) -> tuple[mx.array, ...]:
+        """Keep rows ``rows`` (in order) of the pass and of ``outputs``; the others' caches go
+        back to them."""
+        if rows == list(range(len(self.drafters))):
+            return outputs
+        if isinstance(self.cache, BatchKVCache):
+            for at, drafter in enumerate(self.drafters):
+                if at not in rows:
+                    drafter.cache = self._extract(at, drafter.cache)
+            if len(rows) == 1:
+                self.cache = self._extract(rows[0], self.drafters[rows[0]].cache)
+                self.drafters[rows[0]].cache = self.cache
+            elif rows:
+                self.cache.filter(rows)
+        self.drafters = [self.drafters[at] for at in rows]
+        index = mx.array(rows, dtype=mx.int32)
+        return tuple(output[index] for output in outputs)
+
+    def _extract(self, row: int, own: Any) -> Any:
+        extracted = self.cache.extract(row)
+        extracted.width = getattr(own, "width", None)
+        return extracted
 
 
 class MtpDecoder(PlainDecoder):

@@ -195,6 +195,49 @@ def test_the_head_and_its_chain_draw_as_the_paper_says(target, tmp_path, embeddi
     assert set(drafted) <= set((np.arange(DRAFT_VOCAB) + tensors["d2t"]).tolist())
 
 
+def test_the_layer_runs_once_over_every_row_of_a_step_as_each_row_alone(target, draft, monkeypatch):
+    """Rows whose head caches hold different numbers of positions, handed accepted spans of
+    different lengths (1, 3, 2), draw at temperature 1 the tokens and (widened) logits each draws
+    alone; together, a step runs ``midlayer`` once over the rows, then once per further chain
+    step over those still drafting."""
+    import mlx.core as mx
+
+    from mlxr_core.engine.speculation import drafter_hidden
+    from mlxr_core.model.layers.eagle3 import Eagle3Layer
+    from mlxr_core.testing.drafting import two_drafting_steps
+    from mlxr_plugins.decoders.eagle3 import Eagle3Drafter, load_eagle3_head
+
+    folder, _ = draft
+    loaded = load(target, SpeculationConfig(method="eagle3", path=str(folder)))
+    head, layers, _ = load_eagle3_head(loaded, HOST.registries)
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (5, 12, 8)]
+    longer = [prompt + rng.integers(2, VOCAB, n).tolist() for prompt, n in zip(prompts, (1, 3, 2), strict=True)]
+    ks = [3, 1, 4]
+
+    def states(row: list[int]) -> mx.array:
+        final, taps = loaded.model.forward_hidden(mx.array([row[:-1]]), layers=layers)
+        return drafter_hidden(Eagle3Drafter(loaded.model, head, layers), final, taps)[0]
+
+    hidden = [states(row) for row in longer]
+
+    def two_steps(together: bool) -> list[tuple[list[int], np.ndarray]]:
+        def make(row: int) -> Eagle3Drafter:
+            return Eagle3Drafter(loaded.model, head, layers, temperature=1.0, seed=row)
+
+        return two_drafting_steps(make, prompts, longer, hidden, ks, together=together)
+
+    alone = two_steps(False)
+    rows = []
+    call = Eagle3Layer.__call__
+    monkeypatch.setattr(Eagle3Layer, "__call__", lambda self, e, *a: rows.append(e.shape[0]) or call(self, e, *a))
+    together = two_steps(True)
+    for (ours, logits), (theirs, expected) in zip(together, alone, strict=True):
+        assert ours == theirs
+        np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+    assert rows == [3, 2, 2, 1] * 2  # per step: the read over 3 rows, chains over those left
+
+
 # --- inside the batch --------------------------------------------------------------------------
 
 

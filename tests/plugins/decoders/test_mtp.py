@@ -202,6 +202,44 @@ def test_rows_proposing_together_draft_as_each_alone_reading_the_lm_head_once_a_
     assert calls == [3, 2, 2, 1]  # one LM head a chain step, over the rows still drafting
 
 
+@pytest.mark.parametrize("family", ["checkpoint", "deepseek"])
+def test_the_head_runs_once_over_every_row_of_a_step_as_each_row_alone(family, request, monkeypatch):
+    """Rows whose head caches hold different numbers of positions, handed accepted spans of
+    different lengths (1, 3, 2), draw at temperature 1 the tokens and logits each draws alone;
+    together, a step runs the head's decoder layer once over the rows, then once per further
+    chain step over those still drafting (not once per row)."""
+    import mlx.core as mx
+
+    from mlxr_core.testing.drafting import two_drafting_steps
+    from mlxr_plugins.decoders.mtp import MtpDrafter, load_mtp_head
+
+    fixture = request.getfixturevalue(family)
+    loaded = load(fixture[0] if family == "checkpoint" else fixture)
+    head = load_mtp_head(loaded, HOST.registries)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(2, VOCAB, n).tolist() for n in (5, 12, 8)]
+    longer = [prompt + rng.integers(2, VOCAB, n).tolist() for prompt, n in zip(prompts, (1, 3, 2), strict=True)]
+    states = [loaded.model.model(mx.array([row[:-1]]))[0] for row in longer]
+    ks = [3, 1, 4]
+
+    def two_steps(together: bool) -> list[tuple[list[int], np.ndarray]]:
+        def make(row: int) -> MtpDrafter:
+            return MtpDrafter(loaded.model, head, temperature=1.0, seed=row)
+
+        return two_drafting_steps(make, prompts, longer, states, ks, together=together)
+
+    alone = two_steps(False)
+    rows = []
+    block = type(head.block)
+    call = block.__call__
+    monkeypatch.setattr(block, "__call__", lambda self, x, *a, **kw: rows.append(x.shape[0]) or call(self, x, *a, **kw))
+    together = two_steps(True)
+    for (ours, logits), (theirs, expected) in zip(together, alone, strict=True):
+        assert ours == theirs
+        np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+    assert rows == [3, 2, 2, 1] * 2  # per step: the read over 3 rows, chains over those left
+
+
 # --- inside the batch --------------------------------------------------------------------------
 
 
