@@ -106,6 +106,22 @@ def test_tower_and_embedder_match_transformers():
                                atol=2e-4, rtol=2e-4)  # fmt: skip
 
 
+def test_two_sounds_padded_together_match_transformers():
+    """A batch as the feature extractor pads it (the shorter sound's frames masked): each row of
+    the tower's output against transformers' on the same batch."""
+    tower, embedder = reference_modules()
+    batch = features_hf.Gemma3nAudioFeatureExtractor(feature_size=16)([sound(0.9, 1), sound(0.4, 2)],
+                                                                       return_tensors="np")  # fmt: skip
+    features, valid = batch["input_features"], batch["input_features_mask"]
+    assert not valid[1].all()
+    with torch.no_grad():
+        out = tower(torch.tensor(features), ~torch.tensor(valid))
+    ours = ours_from(tower, embedder, 8)
+    encodings, kept = ours.audio_tower(mx.array(features), mx.array(valid))
+    np.testing.assert_array_equal(np.array(kept), ~out.audio_mel_mask.numpy())
+    np.testing.assert_allclose(np.array(encodings), out.last_hidden_state.numpy(), atol=2e-4, rtol=2e-4)
+
+
 def test_a_third_subsampling_convolution_is_refused_naming_the_key():
     with pytest.raises(ModelLoadError, match="sscp_conv_channel_size"):
         AudioArgs.from_config({**AUDIO, "sscp_conv_channel_size": [8, 4, 2]})
