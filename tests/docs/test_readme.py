@@ -44,7 +44,7 @@ def test_the_readme_test_command_installs_and_runs_what_ci_does():
     assert any(line.startswith("pytest ") for line in ci) and readme[-1] == "pytest"
     optional = [line for line in ci if "pip install" in line and not line.startswith("pip install")]
     assert all("torch" in line and "transformers" in line for line in optional)
-    assert "`pip install torch\ntransformers`" in README
+    assert "`pip install torch\ntransformers accelerate`" in README
     # What CI installs with apt, the README names too.
     for line in ci:
         if "apt-get install" in line:
