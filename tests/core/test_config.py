@@ -112,6 +112,8 @@ def test_every_problem_is_reported_with_its_key_path_and_line(write):
         (MODEL + "    context_length: 8\n", "models[0].context_length: must be >= 16, got 8"),
         (MODEL + "    rerank_prompt: plain\n", "models[0].rerank_prompt: must be one of judge, examples, got 'plain'"),
         (MODEL + "kernels:\n  attention: [a]\n", "kernels.attention: expected str, got list ['a']"),
+        (MODEL + "mcp:\n  chat_list_ttl_s: -1\n", "mcp.chat_list_ttl_s: must be >= 0.0, got -1"),
+        (MODEL + "mcp:\n  servers:\n    - {name: a, url: 'http://x', chat: 1}\n", "mcp.servers[0].chat: expected bool, got int 1"),
         (MODEL + "bogus: 1\n", "bogus: unknown key (known keys: models, server"),
         # Keys YAML reads as null, numbers or booleans are named as written, not a crash.
         (MODEL + "~: 1\n", "null: unknown key (known keys: models, server"),
