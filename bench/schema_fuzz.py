@@ -5,7 +5,9 @@ coverage, fuzzing, stateful) and every check, ``--max-examples`` cases per opera
 The server serves a tiny random GGUF model (written here) with every built-in API (OpenAI with the
 Responses API, Ollama, Anthropic, rerank), replies capped at a few tokens, on loopback; half of the
 generated bodies name that model (``schema_fuzz_hooks.py``), so they reach generation rather than a
-404. Counted from schemathesis's report: cases, failures by check and operation, 5xx replies, and
+404; Ollama's create
+goes over it too, naming a blob uploaded first (not an adapter: the engine reads it and refuses it),
+with ``runtime_adapters`` on and the data folder in the run's scratch folder. Counted from schemathesis's report: cases, failures by check and operation, 5xx replies, and
 schema mismatches: every failure but the expected ones, a valid body refused for a rule no JSON
 schema can state (:data:`mlxr_core.testing.schema_fuzz.UNSTATABLE`: the model's context or
 vocabulary, a grammar's syntax ...) and a response made with ``store: false`` not found afterwards
@@ -26,10 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from schema_fuzz_hooks import BLOB, BLOB_DIGEST
 
 from mlxr_core.testing.schema_fuzz import UNSTATABLE
 from mlxr_core.testing.serving import serve_command, start
@@ -45,13 +50,17 @@ STATUS = re.compile(r"^\[(\d{3})\]")
 def serve(folder: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
     model = write_tiny_llama_gguf(folder / "tiny.gguf")
     config = folder / "server.yaml"
+    os.environ["MLXR_DATA_DIR"] = str(folder / "data")  # Ollama's blobs and created adapters
     config.write_text(json.dumps({
-        "models": [{"path": str(model), "name": "tiny", "context_length": 256}],
+        "models": [{"path": str(model), "name": "tiny", "context_length": 256, "runtime_adapters": True}],
         "apis": ["openai", "ollama", "anthropic", "rerank"],
         "server": {"max_tokens_cap": 4, "access_log": False,
                    "responses_store": {"path": str(folder / "responses.sqlite3")}},
     }))  # fmt: skip
-    return start(serve_command(config))
+    process, url, lines = start(serve_command(config))
+    blob = urllib.request.Request(f"{url}/api/blobs/{BLOB_DIGEST}", data=BLOB, method="POST")
+    urllib.request.urlopen(blob, timeout=60).close()  # named by the hooks' create bodies
+    return process, url, lines
 
 
 def failures(output: str) -> list[dict[str, Any]]:

@@ -34,6 +34,8 @@ UNSTATABLE = re.compile("|".join([
     # Ollama's create: the blobs uploaded, the names served, the files on the server, a Modelfile's text.
     "upload it first", "the body's digest is", "already names a served model", "is an adapter;",
     "Modelfile", "adapters created while serving", "served from the server's config",
+    # ... and what those files hold: whether a blob is an adapter any format reads is its content's.
+    "not a LoRA adapter any format reads", "adapter_config.json: invalid JSON",
     # LoRA scales: lora picks among the served model's adapters, lora_scale needs a model naming one.
     "model naming a LoRA adapter", "names a LoRA adapter already", "no adapter with id", "one adapter per request",
 ]))  # fmt: skip
