@@ -456,20 +456,35 @@ class Gemma3nAudio(nn.Module):
         return soft
 
 
-def sanitize(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    """The checkpoint's audio tensors (``model.audio_tower.*``, ``model.embed_audio.*``) under
-    :class:`Gemma3nAudio`'s names, convolutions in MLX's layout (channels last)."""
+def sanitize(weights: dict[str, mx.array], args: AudioArgs | None = None) -> dict[str, mx.array]:
+    """The checkpoint's audio tensors (``model.audio_tower.*``, ``model.embed_audio.*``, or the
+    same without ``model.``) under :class:`Gemma3nAudio`'s names, convolutions in MLX's layout
+    (channels last). A convolution already in that layout (an MLX conversion's) is kept: told
+    apart by its shape against ``args`` (the defaults without), PyTorch's layout where both fit."""
+    args = args or AudioArgs()
     out: dict[str, mx.array] = {}
     for name, value in weights.items():
-        for prefix in ("model.audio_tower.", "model.embed_audio."):
-            if name.startswith(prefix):
-                key = name[len("model."):]
-                if key.endswith(".conv.weight") and value.ndim == 4:
-                    value = value.transpose(0, 2, 3, 1)  # [O, I, kh, kw] -> [O, kh, kw, I]
-                elif key.endswith("depthwise_conv1d.weight") and value.ndim == 3:
-                    value = value.transpose(0, 2, 1)  # [D, 1, K] -> [D, K, 1]
-                out[key] = value
+        key = name[len("model."):] if name.startswith("model.") else name
+        if not key.startswith(("audio_tower.", "embed_audio.")):
+            continue
+        if key.endswith(".conv.weight") and value.ndim == 4:
+            out[key] = value if mlx_layout(value.shape, key, args) else value.transpose(0, 2, 3, 1)
+        elif key.endswith("depthwise_conv1d.weight") and value.ndim == 3:
+            torch = value.shape[1] == 1 and value.shape[2] == args.conf_conv_kernel_size  # [D, 1, K]
+            out[key] = value.transpose(0, 2, 1) if torch else value
+        else:
+            out[key] = value
     return out
+
+
+def mlx_layout(shape: tuple[int, ...], key: str, args: AudioArgs) -> bool:
+    """Whether a subsampling convolution's weight is ``[O, kh, kw, I]`` rather than PyTorch's
+    ``[O, I, kh, kw]``."""
+    index = 1 if ".conv_1." in key else 0
+    channels = 1 if index == 0 else args.sscp_conv_channel_size[0]
+    kernel = tuple(args.sscp_conv_kernel_size[index])
+    torch = shape[1] == channels and tuple(shape[2:]) == kernel
+    return not torch and tuple(shape[1:3]) == kernel and shape[3] == channels
 
 
 @attrs.frozen

@@ -80,7 +80,7 @@ def ours_from(tower, embedder, tokens: int) -> Gemma3nAudio:
     weights = {f"model.audio_tower.{k}": mx.array(v.detach().numpy()) for k, v in tower.state_dict().items()}
     weights |= {f"model.embed_audio.{k}": mx.array(v.detach().numpy()) for k, v in embedder.state_dict().items()}
     module = Gemma3nAudio(AudioArgs.from_config(AUDIO), TEXT_HIDDEN, tokens)
-    module.load_weights(list(sanitize(weights).items()), strict=True)
+    module.load_weights(list(sanitize(weights, AudioArgs.from_config(AUDIO)).items()), strict=True)
     return module
 
 
@@ -120,6 +120,20 @@ def test_two_sounds_padded_together_match_transformers():
     encodings, kept = ours.audio_tower(mx.array(features), mx.array(valid))
     np.testing.assert_array_equal(np.array(kept), ~out.audio_mel_mask.numpy())
     np.testing.assert_allclose(np.array(encodings), out.last_hidden_state.numpy(), atol=2e-4, rtol=2e-4)
+
+
+def test_convolutions_already_in_mlx_layout_are_kept():
+    """An MLX conversion's folder (convolutions channels last, names without ``model.``) gives the
+    same tensors as the PyTorch layout."""
+    args = AudioArgs.from_config(AUDIO)
+    tower, _ = reference_modules()
+    hub = {f"model.audio_tower.{k}": mx.array(v.detach().numpy()) for k, v in tower.state_dict().items()}
+    ours = sanitize(hub, args)
+    converted = sanitize(dict(ours), args)  # sanitized names are the MLX conversion's
+    assert converted.keys() == ours.keys()
+    for name, value in ours.items():
+        np.testing.assert_array_equal(np.array(converted[name]), np.array(value), err_msg=name)
+    assert ours["audio_tower.subsample_conv_projection.conv_1.conv.weight"].shape == (4, 3, 3, 8)
 
 
 def test_a_third_subsampling_convolution_is_refused_naming_the_key():
