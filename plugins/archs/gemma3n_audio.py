@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxr_core.errors import ConfigError, ModelLoadError
+from mlxr_core.errors import ConfigError, ModelLoadError, RequestError
 
 #: Every sound is this long at most, in samples at 16 kHz (30 s): the tower's soft tokens fill
 #: ``audio_soft_tokens_per_image`` positions for it.
@@ -108,6 +108,9 @@ class Gemma3nLogMel:
         signal = np.pad(signal, (0, padded - length)) * np.float32(self.input_scale_factor)
         size, hop = self.frame_length + 1, self.hop_length
         count = max(0, (padded - size) // hop + 1)
+        if count == 0:
+            raise RequestError(f"a sound of {length} samples at {self.sample_rate} Hz is shorter than one "
+                               f"frame of the audio tower ({size} samples)")  # fmt: skip
         frames = np.lib.stride_tricks.as_strided(
             signal, shape=(count, size), strides=(signal.strides[0] * hop, signal.strides[0]), writeable=False
         ).astype(np.float64)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxr_core.errors import ConfigError, ModelLoadError
+from mlxr_core.errors import ConfigError, ModelLoadError, RequestError
 
 torch = pytest.importorskip("torch")
 gemma3n = pytest.importorskip("transformers.models.gemma3n.modeling_gemma3n")
@@ -51,6 +51,11 @@ def test_log_mel_matches_the_feature_extractor(settings):
     assert features.shape == reference["input_features"][0].shape
     np.testing.assert_allclose(features, reference["input_features"][0], atol=1e-4, rtol=1e-4)
     np.testing.assert_array_equal(valid, reference["input_features_mask"][0])
+
+
+def test_a_sound_shorter_than_a_frame_is_a_request_error():
+    with pytest.raises(RequestError, match="shorter than one frame"):
+        Gemma3nLogMel()(np.zeros(300, np.float32))
 
 
 def test_dither_is_refused_naming_it():
