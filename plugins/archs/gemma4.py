@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxr_core.kernels import KernelSet
+from mlxr_core.model.cache import KVCache
 from mlxr_core.model.layers import (
     Attention,
     AttentionBlock,
@@ -76,6 +77,11 @@ class Gemma4Attention(Attention):
         readers = [i for i in range(args.num_hidden_layers) if args.kv_source(i) == args.kv_source(layer)]
         self._shared, self._reads, self._last_reader = shared, reads, reads and layer == readers[-1]
         self._unit, self._eps, self._rms_norm = mx.ones((D,)), args.rms_norm_eps, kernels.rms_norm
+
+    @property
+    def reads_shared(self) -> bool:
+        """Whether this layer attends over an earlier layer's keys and values, not its own."""
+        return self._reads
 
     def attention_inputs(self, x: mx.array, offset: int | mx.array) -> QKV:
         B, L, _ = x.shape
@@ -254,6 +260,12 @@ class Gemma4Architecture(DecoderArchitecture):
     def build(self, config: dict[str, Any], kernels: KernelSet) -> nn.Module:
         """Build the graph from a tolerant config dict (a ``gemma4`` one's ``text_config``)."""
         return Gemma4(self.args(config), kernels)
+
+    def make_cache(self, model: nn.Module) -> list[Any]:
+        """One :class:`KVCache` per layer; a layer reading another's keys and values declares the
+        two features a position of its placeholder takes, so the KV budget counts only those."""
+        layers: Any = model.layers
+        return [KVCache(width=2) if layer.self_attn.reads_shared else KVCache() for layer in layers]
 
     def sanitized_modules(self, module: str) -> list[str]:
         """A packed module under the name :meth:`sanitize` gives it (mlx-lm's multimodal folders)."""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -166,7 +167,6 @@ def test_mlx_lm_folders_load_in_float_and_packed(reference, registries, tmp_path
     """mlx-lm's conversions of a hub folder (its ``model.language_model.*`` names, the towers
     dropped): float32 gives transformers' logits; 8-bit, the layers mlx-lm packed stay packed, and
     give what the dequantized weights give."""
-    import mlx.core as mx
     import mlx.nn as nn
 
     from mlxr_core.config.schema import ModelConfig
@@ -196,7 +196,6 @@ def test_soft_tokens_merged_into_the_embeddings(reference, registries):
     """Embeddings ``[B, L, hidden]`` with some rows replaced (where an audio or image tower's soft
     tokens go) give what transformers' language model gives for those ``inputs_embeds`` and the
     ids' per-layer inputs (its multimodal model's text path); unreplaced, the plain forward pass."""
-    import mlx.core as mx
     import torch
     import transformers
 
@@ -216,6 +215,17 @@ def test_soft_tokens_merged_into_the_embeddings(reference, registries):
         cap = theirs.config.final_logit_softcapping
         want = (torch.tanh(theirs.lm_head(hidden) / cap) * cap)[0].numpy()
     np.testing.assert_allclose(np.array(model(mx.array([ids]), embeddings=merged)[0]), want, atol=1e-4)
+
+
+@pytest.mark.parametrize("reference", ["e2b"], indirect=True)
+def test_the_kv_budget_counts_shared_layers_as_placeholders(reference, registries):
+    """Per position, the three layers with their own keys hold 2 x 2 heads x 16 features; the two
+    sharing layers one placeholder feature each for keys and values (what the budget reserves)."""
+    from mlxr_core.engine.batch import kv_bytes_per_token
+    from mlxr_core.testing.hf_reference import load_reference_model
+
+    loaded = load_reference_model(reference, registries)
+    assert kv_bytes_per_token(loaded) == (3 * 2 * 2 * 16 + 2 * 2) * 4
 
 
 @pytest.mark.parametrize(
