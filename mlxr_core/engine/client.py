@@ -35,6 +35,7 @@ from mlxr_core.model.tokenizer import encode_within
 if TYPE_CHECKING:
     from mlxr_core.config.schema import Config
     from mlxr_core.engine.lifecycle import ModelSlot
+    from mlxr_core.engine.option_scoring import OptionScores
     from mlxr_core.engine.request import GenerationRequest, RequestHandle
     from mlxr_core.model.audio import Transcript, TranscriptionOptions
     from mlxr_core.plugins import PluginHost
@@ -125,7 +126,7 @@ class EngineClient(Protocol):
 
     async def option_scores_async(
         self, model: str, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]]
-    ) -> list[list[float]]: ...
+    ) -> OptionScores: ...
 
     @property
     def queue_depth(self) -> int: ...
@@ -394,11 +395,12 @@ class EngineCaller:
 
     async def option_scores_async(
         self, model: str, prompts: Sequence[Sequence[int]], options: Sequence[Sequence[Sequence[int]]]
-    ) -> list[list[float]]:
+    ) -> OptionScores:
         """Per prompt, each of its options' log-probability as the answer after it, every token of
         the option counted as a choice-constrained decode reads it
-        (:mod:`mlxr_core.engine.option_scoring`); on the engine thread between batch steps,
-        cancelled with its wait.
+        (:mod:`mlxr_core.engine.option_scoring`), with the positions the job ran; on the engine
+        thread between batch steps (the prompts' shared prefix forked from the prefix cache where
+        it holds it), cancelled with its wait.
 
         :raises MlxrError: ModelNotFound, RequestError (a prompt or an option without tokens, ids
             outside the vocabulary, a prompt past the context), EngineStopped.

@@ -14,8 +14,10 @@ one probability, shared). Options whose first tokens differ get their first toke
 normalized over the options. The probabilities over the options add up to 1.
 
 Runs on the engine thread as a job (:class:`OptionScoringWork`): the prompts' shared prefix is
-prefilled once, each prompt's rest from a restored copy of it, and each option's tokens from a
-restored copy of its prompt's cache, only where a branch point needs the model's distribution.
+taken from the engine's prefix cache as far as an entry holds it (a request that prefilled it
+before) and prefilled once past that, each prompt's rest from a restored copy of it, and each
+option's tokens from a restored copy of its prompt's cache, only where a branch point needs the
+model's distribution. The result counts the tokens each phase ran (:class:`OptionScores`).
 Under a LoRA adapter (one served as a model of its own) every forward pass runs with it, as the
 rows of a request to it do; the job holds its slot until it ends.
 """
@@ -84,6 +86,18 @@ def _logsumexp(values: Sequence[float]) -> float:
 
 
 @attrs.frozen
+class OptionScores:
+    """Per prompt, its options' log-probabilities; and the positions the job computed: the shared
+    prefix's taken from the prefix cache (``reused``), prefilled (``prefilled``: the shared prefix
+    past that once, then each prompt's rest) and run at branch points (``branched``)."""
+
+    scores: list[list[float]]
+    reused: int
+    prefilled: int
+    branched: int
+
+
+@attrs.frozen
 class OptionScoringWork:
     """A job's work (:class:`~mlxr_core.engine.jobs.EngineJob`): per prompt, its options'
     log-probabilities (:func:`option_logprobs`). A value, so an engine in another process can be
@@ -97,7 +111,7 @@ class OptionScoringWork:
     chunk: int
     adapter: str | None = None
 
-    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[str | None, None, list[list[float]]]:
+    def __call__(self, models: Mapping[str, LoadedModel]) -> Generator[str | None, None, OptionScores]:
         from mlxr_core.engine.adapters import hold_adapter, release_adapter
 
         loaded = models[self.model]
@@ -108,12 +122,15 @@ class OptionScoringWork:
             if slot:
                 release_adapter(loaded, slot)
 
-    def _run(self, loaded: _Passes) -> Generator[None, None, list[list[float]]]:
+    def _run(self, loaded: _Passes) -> Generator[None, None, OptionScores]:
         shared = common_prefix(self.prompts)
-        cache = loaded.make_cache()
-        last = yield from _prefill(loaded, cache, shared, self.chunk)
+        # A prompt that is the shared prefix itself needs the logits at its last position: then
+        # that position is run here, not taken from the prefix cache.
+        limit = len(shared) - (1 if any(len(prompt) == len(shared) for prompt in self.prompts) else 0)
+        reused, cache = loaded.cached_prefix(shared, limit)
+        last = yield from _prefill(loaded, cache, shared[reused:], self.chunk)
         base = [layer.snapshot() for layer in cache]
-        results = []
+        results, prefilled, branched = [], len(shared) - reused, 0
         for prompt, options in zip(self.prompts, self.options, strict=True):
             yield
             cache = _restored(loaded, base, len(shared))
@@ -121,16 +138,22 @@ class OptionScoringWork:
             first = (yield from _prefill(loaded, cache, tail, self.chunk)) if tail else last
             if first is None:
                 raise ValueError("an empty prompt has no answer to score")
-            results.append(self._score(loaded, cache, len(prompt), first, options))
-        return results
+            prefilled += len(tail)
+            scores, ran = self._score(loaded, cache, len(prompt), first, options)
+            results.append(scores)
+            branched += ran
+        return OptionScores(results, reused, prefilled, branched)
 
-    def _score(self, loaded: _Passes, cache: list[Any], length: int, first: mx.array, options: list[list[int]]) -> list[float]:
+    def _score(
+        self, loaded: _Passes, cache: list[Any], length: int, first: mx.array, options: list[list[int]]
+    ) -> tuple[list[float], int]:
         allowed = allowed_tokens(options)
         branches = {prefix for prefix, tokens in allowed.items() if len(tokens) > 1}
         logprobs: dict[tuple[int, ...], dict[int, float]] = {}
         if () in branches:
             logprobs[()] = self._pick(first, allowed[()])
         snapshot = [layer.snapshot() for layer in cache] if len(branches) > len(logprobs) else []
+        ran = 0
         for ids in options:
             # The deepest branch point along this option whose distribution is still unknown.
             depth = max((i for i in range(1, len(ids) + 1) if tuple(ids[:i]) in branches), default=0)
@@ -138,11 +161,12 @@ class OptionScoringWork:
                 continue
             forked = _restored(loaded, snapshot, length)
             logits = loaded.model(mx.array([ids[:depth]], dtype=mx.int32), cache=forked)[0]
+            ran += depth
             for i in range(1, depth + 1):
                 prefix = tuple(ids[:i])
                 if prefix in branches and prefix not in logprobs:
                     logprobs[prefix] = self._pick(logits[i - 1], allowed[prefix])
-        return option_logprobs(options, logprobs)
+        return option_logprobs(options, logprobs), ran
 
     def _pick(self, logits: mx.array, tokens: set[int]) -> dict[int, float]:
         """The log-probabilities of ``tokens`` (:data:`END`: of any end id) in ``[V]`` logits."""
@@ -174,6 +198,17 @@ class _Passes:
 
     def make_cache(self) -> list[Any]:
         return self.loaded.make_cache()
+
+    def cached_prefix(self, tokens: list[int], limit: int) -> tuple[int, list[Any]]:
+        """How many of ``tokens`` (at most ``limit``) the model's prefix cache holds, and a cache
+        restored to them (a fresh one, 0, where it holds none or a pass runs under an adapter,
+        whose keys the cache stores apart)."""
+        prefix = self.loaded.prefix_cache
+        if prefix is not None and not self.slot:
+            reused, caches = prefix.lookup(tokens, limit=limit, make_cache=self.loaded.make_cache)
+            if caches is not None:
+                return reused, caches
+        return 0, self.loaded.make_cache()
 
     def model(self, tokens: mx.array, cache: list[Any]) -> mx.array:
         adapters = self.loaded.adapters

@@ -116,6 +116,7 @@ class Scheduler:
         budget = self.config.prefix_cache.max_bytes if self.config.prefix_cache.enabled else 0
         prefix = PrefixCache(budget, open_disk_tier(self.config, model)) if budget > 0 else None
         self.runners[model.name] = BatchRunner(model, self.config, self.registries.samplers, prefix, self.outbox)
+        model.prefix_cache = prefix
         if model.adapters is not None:  # adapters are read off this thread, which a read's end wakes
             model.adapters.on_read = lambda: self.requests.put(None)
             model.adapters.background = self.lockstep is None

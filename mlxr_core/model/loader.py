@@ -108,6 +108,9 @@ class LoadedModel:
     #: Bytes a row's drafter keeps per position beside the model's caches (an MTP head's keys
     #: and values), set when the drafter is prepared; the KV budget reserves them too.
     drafter_bytes_per_token: int = 0
+    #: The engine's prefix cache for this model (set where its batch runner is made), or None;
+    #: engine jobs (option scoring) fork from its entries as rows do.
+    prefix_cache: Any = None
 
     def make_cache(self) -> list[Any]:
         caches = self.arch.make_cache(self.model)

@@ -4,15 +4,17 @@ on given ordered levels.
 
 The input is rendered once as the conversation every question follows; its tokens are prefilled
 once (a request of its own, whose prompt is the part every question's prompt shares) and stored in
-the prefix cache, and then each question runs as its own row of the batch, forked from that
-prefix: only its question is prefilled. Its answer is constrained to its options (``yes``/``no``,
-the choices' values, the levels' labels) through the structured-output sampler
-(``Constraint("choice")``) and decoded greedily. Probabilities score each option by all of its
-tokens as that constrained decode reads them (:mod:`mlxr_core.engine.option_scoring`, an engine
-job beside the rows): at each point where options part (``1`` and ``10`` after ``1``: ``0`` or the
-end), the model's probability of each way on, normalized over the ways the options allow; they add
-up to 1 over the options. A score's ``score`` is the expected level index (0 for the first level)
-under those probabilities.
+the prefix cache. Every question is then answered by one engine job
+(:mod:`mlxr_core.engine.option_scoring`) that forks each question from that prefix-cache entry, so
+only its question is prefilled, and scores each of its options (``yes``/``no``, the choices'
+values, the levels' labels) by all of its tokens as a choice-constrained decode reads them: at each
+point where options part (``1`` and ``10`` after ``1``: ``0`` or the end), the model's
+probability of each way on, normalized over the ways the options allow; they add up to 1 over the
+options. The answer is the option they rank first, which is what a greedy decode constrained to
+the options (``Constraint("choice")``) gives reading each option as the tokenizer writes it; no
+generation row runs. A score's ``score`` is the expected level index (0 for the first level)
+under those probabilities. ``usage`` counts the input's prefill once, each question's prompt as
+cached up to the input, and the chosen options' tokens as output.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from msgspec import Meta, Struct
 
 from mlxr_core.chat.tools import constraints_supported, model_parsers, prepare_chat
 from mlxr_core.engine.option_scoring import common_prefix, probabilities
-from mlxr_core.engine.request import Constraint, Delta, Failed, Finished, GenerationRequest
+from mlxr_core.engine.request import Delta, Failed, Finished, GenerationRequest
 from mlxr_core.errors import ContextLengthExceeded, RequestError
 from mlxr_core.http.context import ServerContext
 from mlxr_core.http.frontend import (
@@ -194,44 +196,33 @@ async def decide(ctx: ServerContext, body: DecisionRequest, request: Request[Any
 
     setups, shared = await prepare_in_thread(ctx, request, render)
     usage = {"input": 0, "output": 0, "cached": 0, "written": 0}
-    if len(setups) > 1 and len(shared) >= 16:  # prefill the input once, for every row to fork from
+    if len(setups) > 1 and len(shared) >= 16:  # prefill the input once, for every question to fork from
         warm = sampling_params(ctx, max_tokens=1, temperature=0.0)
         _, finished = await run_row(ctx, GenerationRequest(body.model, shared, warm))
         usage["input"] += finished.usage.prompt_tokens - finished.usage.cached_tokens
         usage["cached"] += finished.usage.cached_tokens
         usage["written"] += finished.usage.cache_written_tokens
-    # Rows run together, with every decision request's rows at most half the queue at a time so
-    # others' requests still get in (ServerContext.fan_out).
-    gate = ctx.fan_out
+    # Every question is answered from the option scoring job: it forks each question from the
+    # input's prefix-cache entry, runs only the question's own tokens, and reads each option's
+    # probability where the options part. The answer is the option the scores rank first (what a
+    # choice-constrained greedy decode of the option as the tokenizer writes it gives), so no
+    # generation row runs.
     prompts = [setup.prompt_ids for setup, _ in setups]
     scoring = ready_engine(ctx).option_scores_async(body.model, prompts, [option_ids for _, option_ids in setups])
     scored = asyncio.ensure_future(scoring)
-
-    async def one(index: int) -> tuple[str, Finished]:
-        _, options, _, _ = asked[index]
-        setup, option_ids = setups[index]
-        params = sampling_params(ctx, max_tokens=max(map(len, option_ids)) + 1, temperature=0.0)
-        params.constraint = Constraint("choice", options, field=f"questions[{index}]")
-        async with gate:
-            return await run_row(ctx, GenerationRequest(body.model, setup.prompt_ids, params, keep_special=setup.keep_special))
-
-    rows = [asyncio.ensure_future(one(i)) for i in range(len(asked))]
-    try:  # a client that leaves stops its rows and the scoring
-        replies, logprobs = await unless_disconnected(request, asyncio.gather(asyncio.gather(*rows), scored))
-    except BaseException:  # one row failed (or the client left): the others stop too
-        for row in [*rows, scored]:
-            row.cancel()
+    try:  # a client that leaves stops the scoring
+        result = await unless_disconnected(request, scored)
+    except BaseException:
+        scored.cancel()
         raise
+    asked_tokens = sum(map(len, prompts))
+    usage["input"] += result.prefilled
+    usage["cached"] += asked_tokens - result.prefilled
     answers = []
-    for (question, options, values, _), (text, finished), scores in zip(asked, replies, logprobs, strict=True):
-        usage["input"] += finished.usage.prompt_tokens - finished.usage.cached_tokens
-        usage["cached"] += finished.usage.cached_tokens
-        usage["output"] += finished.usage.completion_tokens
-        # The answer is the option the scores rank first: the constrained greedy row can reach an
-        # option through a spelling the model would not use (``y`` + ``en`` for "yen"), where the
-        # scores read each option as the tokenizer writes it. A row that matched no option refuses.
+    for (question, options, values, _), (_, option_ids), scores in zip(asked, setups, result.scores, strict=True):
         chances = probabilities(scores)
-        chosen = max(range(len(chances)), key=chances.__getitem__) if text.strip() in options else None
+        chosen = max(range(len(chances)), key=chances.__getitem__)
+        usage["output"] += len(option_ids[chosen])  # the answer's tokens, as the tokenizer writes it
         answers.append(answer(question, values, options, chosen, chances))
     total_in = usage["input"] + usage["cached"]
     return {

@@ -103,7 +103,7 @@ def test_option_scoring_under_an_adapter_reads_it_then_lets_its_slot_go(referenc
     options = [[5], [7], [11]]
     engine = start(reference)
     try:
-        got = {name: asyncio.run(engine.option_scores_async(f"tiny:{name}", [PROMPT], [options]))[0] for name in ("mlp", "qv")}
+        got = {name: asyncio.run(engine.option_scores_async(f"tiny:{name}", [PROMPT], [options])).scores[0] for name in ("mlp", "qv")}
         adapters = engine._loaded["tiny"].adapters
         assert adapters is not None and list(adapters.resident) == ["qv"] and not adapters.held
     finally:
