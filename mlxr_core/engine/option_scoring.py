@@ -15,28 +15,35 @@ normalized over the options. The probabilities over the options add up to 1.
 
 Runs on the engine thread as a job (:class:`OptionScoringWork`): the prompts' shared prefix is
 taken from the engine's prefix cache as far as an entry holds it (a request that prefilled it
-before) and prefilled once past that, each prompt's rest from a restored copy of it, and each
-option's tokens from a restored copy of its prompt's cache, only where a branch point needs the
-model's distribution. The result counts the tokens each phase ran (:class:`OptionScores`).
-Under a LoRA adapter (one served as a model of its own) every forward pass runs with it, as the
-rows of a request to it do; the job holds its slot until it ends.
+before) and prefilled once past that; the prompts' rests then run as rows of one forward pass
+(up to :data:`MAX_ROWS` at a time, right-padded, where the model's caches are plain attention
+caches; else one by one) from copies of it, and each option's tokens from a copy of its own row's
+cache, only where a branch point needs the model's distribution. The result counts the tokens
+each phase ran (:class:`OptionScores`). Under a LoRA adapter (one served as a model of its own)
+every forward pass runs with it, one prompt at a time, as the rows of a request to it do; the job
+holds its slot until it ends.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import mlx.core as mx
 
+from mlxr_core.model.cache import plain_attention
+
 if TYPE_CHECKING:
     from mlxr_core.model.loader import LoadedModel
 
 #: The end of an answer, among the tokens a branch point allows.
 END = -1
+
+#: Prompts whose rests one forward pass runs together.
+MAX_ROWS = 32
 
 
 def allowed_tokens(options: Sequence[Sequence[int]]) -> dict[tuple[int, ...], set[int]]:
@@ -130,36 +137,61 @@ class OptionScoringWork:
         reused, cache = loaded.cached_prefix(shared, limit)
         last = yield from _prefill(loaded, cache, shared[reused:], self.chunk)
         base = [layer.snapshot() for layer in cache]
+        # Prompts' rests run as rows of one pass where the caches are plain attention caches
+        # (right-padded: a row's positions never see the padding after them); else one by one.
+        together = not loaded.slot and plain_attention(cache)
         results, prefilled, branched = [], len(shared) - reused, 0
-        for prompt, options in zip(self.prompts, self.options, strict=True):
+        start = 0
+        while start < len(self.prompts):
             yield
-            cache = _restored(loaded, base, len(shared))
-            tail = prompt[len(shared) :]
-            first = (yield from _prefill(loaded, cache, tail, self.chunk)) if tail else last
-            if first is None:
-                raise ValueError("an empty prompt has no answer to score")
-            prefilled += len(tail)
-            scores, ran = self._score(loaded, cache, len(prompt), first, options)
-            results.append(scores)
-            branched += ran
+            group = self._group(start, len(shared)) if together else [start]
+            tails = [self.prompts[i][len(shared) :] for i in group]
+            if len(group) > 1:
+                firsts, snapshots = _prefill_rows(loaded, base, len(shared), tails)
+            else:
+                cache = _restored(loaded, base, len(shared))
+                first = (yield from _prefill(loaded, cache, tails[0], self.chunk)) if tails[0] else last
+                if first is None:
+                    raise ValueError("an empty prompt has no answer to score")
+                firsts, snapshots = [first], _Snapshots(cache, 0)
+            for row, i in enumerate(group):
+                scores, ran = self._score(loaded, snapshots.row(row), len(self.prompts[i]), firsts[row], self.options[i])
+                results.append(scores)
+                branched += ran
+            prefilled += sum(map(len, tails))
+            start += len(group)
         return OptionScores(results, reused, prefilled, branched)
 
+    def _group(self, start: int, shared: int) -> list[int]:
+        """The prompts from ``start`` on whose rests run as rows of one pass: at most
+        :data:`MAX_ROWS`, the rows times the longest rest within a prefill chunk, none empty."""
+        group: list[int] = []
+        longest = 0
+        for i in range(start, min(len(self.prompts), start + MAX_ROWS)):
+            rest = len(self.prompts[i]) - shared
+            if rest == 0 or (group and (len(group) + 1) * max(longest, rest) > self.chunk):
+                break
+            group.append(i)
+            longest = max(longest, rest)
+        return group or [start]
+
     def _score(
-        self, loaded: _Passes, cache: list[Any], length: int, first: mx.array, options: list[list[int]]
+        self, loaded: _Passes, snapshot: Callable[[], list[tuple[mx.array, ...]]], length: int, first: mx.array,
+        options: list[list[int]],
     ) -> tuple[list[float], int]:
         allowed = allowed_tokens(options)
         branches = {prefix for prefix, tokens in allowed.items() if len(tokens) > 1}
         logprobs: dict[tuple[int, ...], dict[int, float]] = {}
         if () in branches:
             logprobs[()] = self._pick(first, allowed[()])
-        snapshot = [layer.snapshot() for layer in cache] if len(branches) > len(logprobs) else []
+        held = snapshot() if len(branches) > len(logprobs) else []
         ran = 0
         for ids in options:
             # The deepest branch point along this option whose distribution is still unknown.
             depth = max((i for i in range(1, len(ids) + 1) if tuple(ids[:i]) in branches), default=0)
             if depth == 0 or all(tuple(ids[:i]) in logprobs for i in range(1, depth + 1) if tuple(ids[:i]) in branches):
                 continue
-            forked = _restored(loaded, snapshot, length)
+            forked = _restored(loaded, held, length)
             logits = loaded.model(mx.array([ids[:depth]], dtype=mx.int32), cache=forked)[0]
             ran += depth
             for i in range(1, depth + 1):
@@ -218,6 +250,41 @@ class _Passes:
         with rows:  # the pass is built here: its layers take the slot's updates
             logits: mx.array = self.loaded.model(tokens, cache=cache)
         return logits
+
+
+class _Snapshots:
+    """A cache's snapshot, taken when first asked for, and one row of it (a batch cache's row)."""
+
+    def __init__(self, cache: list[Any], rows: int):
+        self.cache, self.rows = cache, rows
+        self._held: list[tuple[mx.array, ...]] | None = None
+
+    def row(self, row: int) -> Callable[[], list[tuple[mx.array, ...]]]:
+        def snapshot() -> list[tuple[mx.array, ...]]:
+            if self._held is None:
+                self._held = [layer.snapshot() for layer in self.cache]
+            if not self.rows:
+                return self._held
+            return [tuple(array[row : row + 1] for array in layer) for layer in self._held]
+
+        return snapshot
+
+
+def _prefill_rows(
+    loaded: _Passes, base: list[tuple[mx.array, ...]], length: int, tails: list[list[int]]
+) -> tuple[list[mx.array], _Snapshots]:
+    """``tails`` (none empty) run as rows of one pass after the first ``length`` positions of
+    ``base``, right-padded: each row's ``[V]`` logits at its last token, and the batch cache."""
+    rows, longest = len(tails), max(map(len, tails))
+    cache = loaded.make_cache()
+    if length:
+        for layer, arrays in zip(cache, base, strict=True):
+            layer.restore(tuple(mx.repeat(array[:, :, :length], rows, axis=0) for array in arrays), length)
+    ids = mx.array([tail + [0] * (longest - len(tail)) for tail in tails], dtype=mx.int32)
+    logits = loaded.model(ids, cache=cache)
+    firsts = logits[mx.arange(rows), mx.array([len(tail) - 1 for tail in tails])]
+    mx.eval(firsts, *(array for layer in cache for array in layer.state))
+    return [firsts[row] for row in range(rows)], _Snapshots(cache, rows)
 
 
 def _restored(loaded: _Passes, snapshot: list[tuple[mx.array, ...]], length: int) -> list[Any]:

@@ -60,3 +60,24 @@ def test_prompts_fork_from_the_prefix_caches_entry_and_score_as_whole_prompts(lo
         want = whole_prompt(loaded, prompt)
         assert got_cold == pytest.approx(want, rel=1e-4, abs=1e-5)
         assert got_warm == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_rows_of_one_pass_fork_each_its_own_cache_where_options_share_tokens(loaded) -> None:
+    """Options 5, 5 9 and 7 (5 and 5 9 told apart by the end against 9 after 5) for prompts whose
+    rests run as rows of one pass: as uncached passes over the prompt and over the prompt and 5."""
+    options, end = [[5], [5, 9], [7]], [2]
+    loaded.prefix_cache = None
+    got = run(OptionScoringWork("tiny", PROMPTS, [options] * len(PROMPTS), end, chunk=64), loaded)
+    assert got.branched == len(PROMPTS)  # one pass over 5 per prompt, from its own row's cache
+
+    def logprobs(ids: list[int]) -> np.ndarray:
+        logits = np.array(loaded.model(mx.array([ids]))[0, -1].astype(mx.float32)).astype(np.float64)
+        return logits - (logits.max() + np.log(np.exp(logits - logits.max()).sum()))
+
+    for prompt, scores in zip(PROMPTS, got.scores, strict=True):
+        first, after = logprobs(prompt), logprobs([*prompt, 5])
+        five = np.logaddexp(first[5], first[7])
+        ends = np.logaddexp.reduce(after[end])
+        stop, nine = ends - np.logaddexp(ends, after[9]), after[9] - np.logaddexp(ends, after[9])
+        want = [first[5] - five + stop, first[5] - five + nine, first[7] - five]
+        assert scores == pytest.approx(want, rel=1e-4, abs=1e-5)
