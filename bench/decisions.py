@@ -1,6 +1,6 @@
 """Decisions against separate chat completions: ``--questions`` yes/no questions about one
 ``--input-words`` input, asked in one ``POST /v1/decisions`` (the input prefilled once, every
-question a row forked from it) and as as many ``POST /v1/chat/completions`` requests (the same
+question forked from it by the option scoring job) and as as many ``POST /v1/chat/completions`` requests (the same
 prompts, 8 in flight at a time, as a client with a connection pool sends them), in the same run
 on the same engine (the engine in process, the app through Litestar's test client; the prefix
 cache emptied in between by a restart). Prints the wall times and this process's CPU times (less
@@ -65,6 +65,9 @@ def decisions(model: str, document: str, statements: list[str]) -> dict[str, Any
         row["decisions_usage"] = usage
         row["decisions_prefilled_tokens"] = usage["input_tokens"] - usage["input_tokens_details"]["cached_tokens"]
         row["decisions_yes"] = sum(a.get("probability", 0) > 0.5 for a in body["answers"])
+        # The engine's own counters: lookups of the prefix cache that hit and the tokens they reused.
+        cache = engine.stats()["prefix_cache"].get("bench", {})
+        row["decisions_prefix_cache"] = {key: cache.get(key) for key in ("hits", "misses", "reused_tokens")}
         return row
     finally:
         client.__exit__(None, None, None)
