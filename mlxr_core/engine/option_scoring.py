@@ -44,6 +44,9 @@ END = -1
 
 #: Prompts whose rests one forward pass runs together.
 MAX_ROWS = 32
+#: Positions (the shared prefix's copy and the rest, per row) the rows of one pass hold together:
+#: each row's cache holds its own copy of the prefix.
+MAX_ROW_POSITIONS = 8192
 
 
 def allowed_tokens(options: Sequence[Sequence[int]]) -> dict[tuple[int, ...], set[int]]:
@@ -164,12 +167,14 @@ class OptionScoringWork:
 
     def _group(self, start: int, shared: int) -> list[int]:
         """The prompts from ``start`` on whose rests run as rows of one pass: at most
-        :data:`MAX_ROWS`, the rows times the longest rest within a prefill chunk, none empty."""
+        :data:`MAX_ROWS`, the rows times the longest rest within a prefill chunk and times the
+        positions a row holds within :data:`MAX_ROW_POSITIONS`, none empty."""
         group: list[int] = []
         longest = 0
         for i in range(start, min(len(self.prompts), start + MAX_ROWS)):
             rest = len(self.prompts[i]) - shared
-            if rest == 0 or (group and (len(group) + 1) * max(longest, rest) > self.chunk):
+            rows, widest = len(group) + 1, max(longest, rest)
+            if rest == 0 or (group and (rows * widest > self.chunk or rows * (shared + widest) > MAX_ROW_POSITIONS)):
                 break
             group.append(i)
             longest = max(longest, rest)

@@ -62,9 +62,16 @@ def test_prompts_fork_from_the_prefix_caches_entry_and_score_as_whole_prompts(lo
         assert got_warm == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 
-def test_rows_of_one_pass_fork_each_its_own_cache_where_options_share_tokens(loaded) -> None:
+@pytest.mark.parametrize("positions", [8192, 60], ids=["one-pass", "bounded"])
+def test_rows_of_one_pass_fork_each_its_own_cache_where_options_share_tokens(
+    loaded, positions: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Options 5, 5 9 and 7 (5 and 5 9 told apart by the end against 9 after 5) for prompts whose
-    rests run as rows of one pass: as uncached passes over the prompt and over the prompt and 5."""
+    rests run as rows of one pass (or two, under a bound on the positions the rows hold): as
+    uncached passes over the prompt and over the prompt and 5."""
+    import mlxr_core.engine.option_scoring as option_scoring
+
+    monkeypatch.setattr(option_scoring, "MAX_ROW_POSITIONS", positions)
     options, end = [[5], [5, 9], [7]], [2]
     loaded.prefix_cache = None
     got = run(OptionScoringWork("tiny", PROMPTS, [options] * len(PROMPTS), end, chunk=64), loaded)
