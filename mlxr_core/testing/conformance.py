@@ -116,8 +116,10 @@ _GEMMA3N = {"num_kv_shared_layers": 1, "activation_sparsity_pattern": [0.95, 0.0
 TINY_OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3n": _GEMMA3N,
     "gemma3n_text": _GEMMA3N,
-    "glm5_next": {"qk_rope_head_dim": 0},
-    "glm5_next_text": {"qk_rope_head_dim": 0},
+    "kimi_linear": {"linear_num_heads": 2, "linear_head_dim": 16},
+    # GLM-5-Next's linear-attention layers default to 64 heads of 128 (18 s a conformance run).
+    "glm5_next": {"qk_rope_head_dim": 0, "linear_num_heads": 2, "linear_head_dim": 16},
+    "glm5_next_text": {"qk_rope_head_dim": 0, "linear_num_heads": 2, "linear_head_dim": 16},
     "mistral4": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                   "beta_fast": 32.0, "beta_slow": 1.0}},
 }

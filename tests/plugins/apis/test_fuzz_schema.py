@@ -51,7 +51,7 @@ from mlxr_core.plugins import load_plugins  # noqa: E402
 from mlxr_core.testing.schema_fuzz import UNSTATABLE, refusal  # noqa: E402
 
 #: Generated cases per route and generation mode; the whole module stays within CI time.
-MAX_EXAMPLES = 20
+MAX_EXAMPLES = 8
 #: Seconds any single call may take before it counts as a hang.
 READ_TIMEOUT_S = 60
 CHECKS = [
