@@ -118,7 +118,8 @@ def test_every_route_refuses_a_request_without_the_key_in_its_apis_shape(engine:
             for headers in ({}, {"authorization": "Bearer wrong"}, {"x-api-key": "wrong"}):
                 r = client.request(method, path, json={}, headers=headers)
                 assert r.status_code == 401, (method, path, headers, r.status_code, r.text)
-                assert shape(r.json()), (method, path, r.text)
+                # A HEAD answer has no body (Ollama's HEAD /api/blobs/{digest}): the status is all.
+                assert method == "HEAD" or shape(r.json()), (method, path, r.text)
             # With the key the same request gets past authentication (whatever it then answers).
             r = client.request(method, path, json={}, headers={"authorization": f"Bearer {KEY}"})
             assert r.status_code != 401, (method, path, r.text)
