@@ -17,7 +17,8 @@ torch = pytest.importorskip("torch")
 gemma3n = pytest.importorskip("transformers.models.gemma3n.modeling_gemma3n")
 features_hf = pytest.importorskip("transformers.models.gemma3n.feature_extraction_gemma3n")
 
-from mlxr_plugins.archs.gemma3n_audio import AudioArgs, Gemma3nAudio, Gemma3nLogMel, sanitize  # noqa: E402
+from mlxr_plugins.archs.gemma3n_audio import AudioArgs, Gemma3nAudio, sanitize  # noqa: E402
+from mlxr_plugins.archs.gemma3n_audio_features import Gemma3nLogMel  # noqa: E402
 
 AUDIO = {
     "hidden_size": 32,
